@@ -1,0 +1,344 @@
+//! Moving bytes between the ranks of a fully connected group.
+//!
+//! This crate knows nothing of dtypes or collectives. It offers:
+//!
+//! - the [`Transport`] trait: tagged, ordered, byte-oriented point-to-point messages with
+//!   non-blocking progress and a deadline on every wait;
+//! - [`tcp::TcpTransport`], the TCP implementation (socket2 + mio);
+//! - [`rendezvous`]: the key-value store, authentication and address exchange that build a
+//!   full mesh of connections;
+//! - [`frame`]: the wire header every data message carries.
+//!
+//! # The request model
+//!
+//! A [`Request`] describes one send or receive (peer, tag, length) and keeps its progress; it
+//! does **not** hold the buffer. The buffer is handed over again, as an [`Op`], at every call to
+//! [`Transport::progress`]. Between calls the caller owns its memory completely, so an algorithm
+//! can reduce the bytes that have already arrived while the rest is still on the wire, and can
+//! widen a send's [`Request::set_available`] limit as its input becomes ready.
+//!
+//! Messages between two ranks are matched in the order they were posted: the k-th receive
+//! posted for peer `j` takes the k-th message `j` sent to this rank. The tag of that message must
+//! equal the receive's tag, otherwise the receive fails with [`TransportError::Mismatch`]
+//! (this is how collectives called in different orders on different ranks are detected).
+//!
+//! ```
+//! use chorus_transport::{Request, Op, Transport};
+//! # fn demo(t: &mut dyn Transport) -> Result<(), chorus_transport::TransportError> {
+//! let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+//! let right = (t.rank() + 1) % t.size();
+//! let left = (t.rank() + t.size() - 1) % t.size();
+//! let out = [1u8; 16];
+//! let mut inb = [0u8; 16];
+//! let mut s = Request::send(right, 7, out.len());
+//! let mut r = Request::recv(left, 7, inb.len());
+//! t.post(&mut s)?;
+//! t.post(&mut r)?;
+//! t.wait_all(&mut [Op::send(&mut s, &out), Op::recv(&mut r, &mut inb)], deadline)?;
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod frame;
+pub mod ifaddr;
+pub mod rendezvous;
+pub mod tcp;
+
+use std::time::{Duration, Instant};
+
+pub use error::TransportError;
+
+/// Result type of this crate.
+pub type Result<T, E = TransportError> = std::result::Result<T, E>;
+
+/// A message tag. Collectives encode the collective's sequence number and kind in it, so a
+/// message from a different collective is detected rather than consumed.
+pub type Tag = u64;
+
+/// Whether a [`Request`] sends or receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Bytes go from this rank to the peer.
+    Send,
+    /// Bytes come from the peer to this rank.
+    Recv,
+}
+
+/// One posted send or receive and its progress. The buffer is not stored here: it is passed
+/// with every [`Transport::progress`] call inside an [`Op`].
+#[derive(Clone, Debug)]
+pub struct Request {
+    dir: Direction,
+    peer: usize,
+    tag: Tag,
+    /// Send: the message length. Receive: the capacity of the buffer.
+    len: usize,
+    /// Send: bytes of the payload the caller has made available (`<= len`).
+    available: usize,
+    /// Payload bytes moved so far.
+    done: usize,
+    /// Receive: the length announced by the message header, once it arrived.
+    msg_len: Option<usize>,
+    /// Position in the per-peer, per-direction order; set by [`Transport::post`].
+    ticket: Option<u64>,
+    complete: bool,
+}
+
+impl Request {
+    /// A send of `len` bytes to `peer`, all available at once.
+    pub fn send(peer: usize, tag: Tag, len: usize) -> Self {
+        Self::new(Direction::Send, peer, tag, len, len)
+    }
+
+    /// A send of `len` bytes to `peer` of which only the first `available` may be read from the
+    /// buffer so far; raise the limit with [`Request::set_available`].
+    pub fn send_partial(peer: usize, tag: Tag, len: usize, available: usize) -> Self {
+        Self::new(Direction::Send, peer, tag, len, available.min(len))
+    }
+
+    /// A receive of at most `capacity` bytes from `peer`.
+    pub fn recv(peer: usize, tag: Tag, capacity: usize) -> Self {
+        Self::new(Direction::Recv, peer, tag, capacity, 0)
+    }
+
+    fn new(dir: Direction, peer: usize, tag: Tag, len: usize, available: usize) -> Self {
+        Request {
+            dir,
+            peer,
+            tag,
+            len,
+            available,
+            done: 0,
+            msg_len: None,
+            ticket: None,
+            complete: false,
+        }
+    }
+
+    /// Send or receive.
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+    /// The peer rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+    /// The tag.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+    /// Send: message length; receive: buffer capacity.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for a zero-length request.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Payload bytes moved so far (for a receive: the prefix of the buffer that is valid).
+    pub fn bytes_done(&self) -> usize {
+        self.done
+    }
+    /// Receive: the length of the message, once its header arrived.
+    pub fn message_len(&self) -> Option<usize> {
+        self.msg_len
+    }
+    /// Whether the request finished.
+    pub fn is_complete(&self) -> bool {
+        self.complete
+    }
+    /// Whether [`Transport::post`] was called on it.
+    pub fn is_posted(&self) -> bool {
+        self.ticket.is_some()
+    }
+    /// Send: how many bytes the transport may read from the buffer so far.
+    pub fn available(&self) -> usize {
+        self.available
+    }
+    /// Send: allow the transport to read the first `bytes` bytes of the buffer (monotone;
+    /// smaller values are ignored, larger ones clamped to the length).
+    pub fn set_available(&mut self, bytes: usize) {
+        self.available = self.available.max(bytes.min(self.len));
+    }
+    /// The ticket given at post time (transport-private).
+    pub fn ticket(&self) -> Option<u64> {
+        self.ticket
+    }
+    /// Set by transports at post time.
+    pub fn set_ticket(&mut self, ticket: u64) {
+        self.ticket = Some(ticket);
+    }
+    /// Record progress (for transport implementations).
+    pub fn advance(&mut self, bytes: usize) {
+        self.done += bytes;
+        debug_assert!(self.done <= self.len);
+    }
+    /// Record the announced length of an incoming message (for transport implementations).
+    pub fn set_message_len(&mut self, len: usize) {
+        self.msg_len = Some(len);
+    }
+    /// Mark the request finished (for transport implementations).
+    pub fn set_complete(&mut self) {
+        self.complete = true;
+    }
+    /// The number of bytes this request still has to move, as far as known.
+    pub fn remaining(&self) -> usize {
+        match self.dir {
+            Direction::Send => self.len - self.done,
+            Direction::Recv => self.msg_len.unwrap_or(self.len) - self.done,
+        }
+    }
+}
+
+/// The buffer of a request, lent to the transport for one progress call.
+#[derive(Debug)]
+pub enum Buf<'b> {
+    /// Source of a send; must be at least the request's length.
+    Send(&'b [u8]),
+    /// Destination of a receive; must be at least the request's capacity.
+    Recv(&'b mut [u8]),
+}
+
+/// A request together with its buffer for one [`Transport::progress`] call.
+#[derive(Debug)]
+pub struct Op<'r, 'b> {
+    /// The request.
+    pub req: &'r mut Request,
+    /// Its buffer.
+    pub buf: Buf<'b>,
+}
+
+impl<'r, 'b> Op<'r, 'b> {
+    /// A send request with its source buffer.
+    pub fn send(req: &'r mut Request, buf: &'b [u8]) -> Self {
+        Op {
+            req,
+            buf: Buf::Send(buf),
+        }
+    }
+    /// A receive request with its destination buffer.
+    pub fn recv(req: &'r mut Request, buf: &'b mut [u8]) -> Self {
+        Op {
+            req,
+            buf: Buf::Recv(buf),
+        }
+    }
+}
+
+/// How long a [`Transport::progress`] call may block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Do what can be done without blocking and return.
+    No,
+    /// Block until at least one op moved bytes or completed, or every op is complete; fail with
+    /// [`TransportError::Timeout`] at the deadline.
+    Until(Instant),
+}
+
+/// Why a rank gives up on a collective; sent to every peer by [`Transport::abort`] so that they
+/// fail fast with an error naming the rank at fault instead of waiting for their timeout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortNotice {
+    /// The rank whose loss or misbehaviour caused the abort, if known.
+    pub culprit: Option<usize>,
+    /// A one-line description.
+    pub reason: String,
+}
+
+/// A fully connected group of `size` ranks exchanging tagged byte messages.
+///
+/// Ordering: per (peer, direction), requests complete in the order they were posted; a request
+/// cannot move bytes before the earlier ones of the same peer and direction completed. All
+/// requests that have to complete for a wait to finish must be passed to that wait.
+///
+/// Every implementation must pass the conformance suite in `chorus_transport::conformance`
+/// (compiled under `cfg(any(test, feature = "conformance"))`).
+pub trait Transport: Send {
+    /// This rank, `0..size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// A short name for logs ("tcp", "shm").
+    fn name(&self) -> &'static str;
+
+    /// Enter a request into the per-peer order. Validates the peer and direction; does no I/O.
+    fn post(&mut self, req: &mut Request) -> Result<()>;
+
+    /// Move bytes for the given ops. With [`Wait::No`] it never blocks; with
+    /// [`Wait::Until`] it blocks until something moved. Returns `true` once every op is complete.
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool>;
+
+    /// Tell every peer (best effort, bounded time) that this rank gives up, then refuse further
+    /// use. Peers blocked on this rank fail with [`TransportError::PeerAborted`].
+    fn abort(&mut self, notice: &AbortNotice);
+
+    /// Block until every op completes or the deadline passes.
+    fn wait_all(&mut self, ops: &mut [Op<'_, '_>], deadline: Instant) -> Result<()> {
+        while !self.progress(ops, Wait::Until(deadline))? {}
+        Ok(())
+    }
+
+    /// Blocking send of `buf` to `peer`.
+    fn send(&mut self, peer: usize, tag: Tag, buf: &[u8], timeout: Duration) -> Result<()> {
+        let mut req = Request::send(peer, tag, buf.len());
+        self.post(&mut req)?;
+        self.wait_all(&mut [Op::send(&mut req, buf)], Instant::now() + timeout)
+    }
+
+    /// Blocking receive from `peer` into `buf`; returns the message length.
+    fn recv(&mut self, peer: usize, tag: Tag, buf: &mut [u8], timeout: Duration) -> Result<usize> {
+        let mut req = Request::recv(peer, tag, buf.len());
+        self.post(&mut req)?;
+        self.wait_all(&mut [Op::recv(&mut req, buf)], Instant::now() + timeout)?;
+        Ok(req.bytes_done())
+    }
+
+    /// Full-duplex: send `sbuf` to `to` while receiving from `from` into `rbuf` (the two may be
+    /// the same peer). Never deadlocks on full kernel buffers. Returns the received length.
+    #[allow(clippy::too_many_arguments)]
+    fn send_recv(
+        &mut self,
+        to: usize,
+        stag: Tag,
+        sbuf: &[u8],
+        from: usize,
+        rtag: Tag,
+        rbuf: &mut [u8],
+        timeout: Duration,
+    ) -> Result<usize> {
+        let mut s = Request::send(to, stag, sbuf.len());
+        let mut r = Request::recv(from, rtag, rbuf.len());
+        self.post(&mut s)?;
+        self.post(&mut r)?;
+        self.wait_all(
+            &mut [Op::send(&mut s, sbuf), Op::recv(&mut r, rbuf)],
+            Instant::now() + timeout,
+        )?;
+        Ok(r.bytes_done())
+    }
+}
+
+impl<T: Transport + ?Sized> Transport for Box<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn post(&mut self, req: &mut Request) -> Result<()> {
+        (**self).post(req)
+    }
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
+        (**self).progress(ops, wait)
+    }
+    fn abort(&mut self, notice: &AbortNotice) {
+        (**self).abort(notice)
+    }
+}
+
+#[cfg(any(test, feature = "conformance"))]
+pub mod conformance;

@@ -1,0 +1,385 @@
+//! Building the full mesh of TCP connections through the rendezvous store.
+//!
+//! 1. The store host (rank 0 unless configured otherwise) starts the store; everyone connects.
+//! 2. Rank 0 draws a random communicator id and publishes it.
+//! 3. Every rank listens on its chosen address and publishes `addr/<rank>` = `ip:port` and
+//!    `host/<rank>` = its host identity (hostname + boot id).
+//! 4. Rank `i` connects to every rank `j < i` and accepts from every `j > i`. A connection opens
+//!    with a 24-byte hello (magic `CHRH`, version, communicator id, from, to) and then the
+//!    authentication handshake of [`crate::rendezvous`] with the context
+//!    `data/<comm_id>/<from>/<to>`. Accepted connections are checked on their own threads, so a
+//!    client that sends garbage or nothing is dropped (and logged) without delaying the job.
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{TcpOptions, TcpTransport};
+use crate::rendezvous::{accept_handshake, connect_handshake, StoreClient, StoreServer};
+use crate::{Result, TransportError};
+
+const HELLO_MAGIC: [u8; 4] = *b"CHRH";
+const HELLO_VERSION: u32 = 1;
+const HELLO_LEN: usize = 24;
+/// How long an accepted connection may take to say hello and authenticate.
+const HANDSHAKE_BUDGET: Duration = Duration::from_secs(10);
+
+/// What [`connect`] needs.
+#[derive(Clone, Debug)]
+pub struct MeshOptions {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Address of the rendezvous store.
+    pub store_addr: SocketAddr,
+    /// Shared secret (may be empty: protocol check only).
+    pub token: Vec<u8>,
+    /// Local address to listen on for data connections.
+    pub listen_ip: IpAddr,
+    /// Whether this rank starts the store at `store_addr`.
+    pub host_store: bool,
+    /// Deadline for the whole rendezvous.
+    pub timeout: Duration,
+    /// Tunables of the resulting transport.
+    pub tcp: TcpOptions,
+}
+
+/// What the rendezvous leaves behind besides the transport.
+pub struct Rendezvous {
+    /// The store server, if this rank hosts it (kept alive with the communicator).
+    pub server: Option<StoreServer>,
+    /// This rank's store connection.
+    pub store: StoreClient,
+    /// The communicator id.
+    pub comm_id: u64,
+    /// Host identity of every rank (hostname + boot id), for same-host detection.
+    pub hosts: Vec<String>,
+    /// The data address every rank listens on.
+    pub addrs: Vec<SocketAddr>,
+}
+
+/// This host's identity: hostname and boot id.
+pub fn host_identity() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
+fn rdv(msg: impl Into<String>) -> TransportError {
+    TransportError::Rendezvous(msg.into())
+}
+
+fn hello(comm_id: u64, from: usize, to: usize) -> [u8; HELLO_LEN] {
+    let mut h = [0u8; HELLO_LEN];
+    h[0..4].copy_from_slice(&HELLO_MAGIC);
+    h[4..8].copy_from_slice(&HELLO_VERSION.to_le_bytes());
+    h[8..16].copy_from_slice(&comm_id.to_le_bytes());
+    h[16..20].copy_from_slice(&(from as u32).to_le_bytes());
+    h[20..24].copy_from_slice(&(to as u32).to_le_bytes());
+    h
+}
+
+fn context(comm_id: u64, from: usize, to: usize) -> String {
+    format!("data/{comm_id:016x}/{from}/{to}")
+}
+
+/// Rendezvous through the store and connect a full mesh; returns the transport and the
+/// rendezvous state.
+pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
+    let deadline = Instant::now() + opts.timeout;
+    let (rank, size) = (opts.rank, opts.size);
+    if size == 0 || rank >= size {
+        return Err(TransportError::InvalidArgument(format!(
+            "rank {rank} of size {size}"
+        )));
+    }
+    let server = if opts.host_store {
+        Some(StoreServer::bind(opts.store_addr, &opts.token)?)
+    } else {
+        None
+    };
+    let store_addr = server
+        .as_ref()
+        .map_or(opts.store_addr, |s| s.local_addr());
+    let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
+
+    let comm_id = if rank == 0 {
+        let mut b = [0u8; 8];
+        getrandom::getrandom(&mut b).map_err(|e| rdv(format!("getrandom: {e}")))?;
+        let id = u64::from_le_bytes(b);
+        store.set("comm_id", &id.to_le_bytes())?;
+        id
+    } else {
+        let v = store.get("comm_id", deadline)?;
+        let b: [u8; 8] = v
+            .as_slice()
+            .try_into()
+            .map_err(|_| rdv("malformed communicator id in the store"))?;
+        u64::from_le_bytes(b)
+    };
+
+    let listener = TcpListener::bind(SocketAddr::new(opts.listen_ip, 0))
+        .map_err(|e| TransportError::io(None, "bind data listener", e))?;
+    let my_addr = listener
+        .local_addr()
+        .map_err(|e| TransportError::io(None, "getsockname", e))?;
+    store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
+    store.set(&format!("host/{rank}"), host_identity().as_bytes())?;
+
+    let mut addrs = Vec::with_capacity(size);
+    let mut hosts = Vec::with_capacity(size);
+    for j in 0..size {
+        let a = store.get(&format!("addr/{j}"), deadline)?;
+        let a = std::str::from_utf8(&a)
+            .ok()
+            .and_then(|s| s.parse::<SocketAddr>().ok())
+            .ok_or_else(|| rdv(format!("rank {j} published a malformed address")))?;
+        addrs.push(a);
+        let h = store.get(&format!("host/{j}"), deadline)?;
+        hosts.push(String::from_utf8_lossy(&h).into_owned());
+    }
+
+    // Accept from higher ranks on a background thread while connecting to lower ones.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
+    let acceptor = {
+        let stop = stop.clone();
+        let token = opts.token.clone();
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| TransportError::io(None, "set_nonblocking", e))?;
+        std::thread::Builder::new()
+            .name(format!("chorus-accept-{rank}"))
+            .spawn(move || accept_loop(listener, rank, size, comm_id, token, tx, stop, deadline))
+            .map_err(|e| TransportError::io(None, "spawn acceptor", e))?
+    };
+
+    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let result = (|| -> Result<()> {
+        for (j, addr) in addrs.iter().enumerate().take(rank) {
+            streams[j] = Some(dial(*addr, comm_id, rank, j, &opts.token, deadline)?);
+        }
+        let mut missing: HashSet<usize> = (rank + 1..size).collect();
+        while !missing.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let mut m: Vec<_> = missing.iter().copied().collect();
+                m.sort_unstable();
+                return Err(rdv(format!(
+                    "rank {rank}: ranks {m:?} did not connect within the timeout"
+                )));
+            }
+            match rx.recv_timeout(left.min(Duration::from_millis(100))) {
+                Ok((j, s)) if missing.remove(&j) => streams[j] = Some(s),
+                Ok((j, _)) => eprintln!("chorus: rank {rank}: duplicate connection from rank {j} dropped"),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(rdv("acceptor thread ended early"))
+                }
+            }
+        }
+        Ok(())
+    })();
+    stop.store(true, Ordering::Relaxed);
+    let _ = acceptor.join();
+    result?;
+    let transport = TcpTransport::from_streams(rank, comm_id, streams, &opts.tcp)?;
+    Ok((
+        transport,
+        Rendezvous {
+            server,
+            store,
+            comm_id,
+            hosts,
+            addrs,
+        },
+    ))
+}
+
+fn dial(
+    addr: SocketAddr,
+    comm_id: u64,
+    from: usize,
+    to: usize,
+    token: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(TransportError::Timeout {
+                peer: Some(to),
+                waited: Duration::ZERO,
+            });
+        }
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(mut s) => {
+                s.set_nodelay(true)
+                    .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
+                s.set_write_timeout(Some(left))
+                    .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
+                s.write_all(&hello(comm_id, from, to))
+                    .map_err(|e| TransportError::io(Some(to), "hello", e))?;
+                connect_handshake(
+                    &mut s,
+                    token,
+                    context(comm_id, from, to).as_bytes(),
+                    deadline,
+                )?;
+                s.set_write_timeout(None)
+                    .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
+                s.set_read_timeout(None)
+                    .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
+                return Ok(s);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(TransportError::io(Some(to), "connect", e)),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn accept_loop(
+    listener: TcpListener,
+    rank: usize,
+    size: usize,
+    comm_id: u64,
+    token: Vec<u8>,
+    tx: mpsc::Sender<(usize, TcpStream)>,
+    stop: Arc<AtomicBool>,
+    deadline: Instant,
+) {
+    let token = Arc::new(token);
+    let mut live = 0usize;
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        match listener.accept() {
+            Ok((stream, from_addr)) => {
+                if live > 4 * size + 64 {
+                    eprintln!("chorus: rank {rank}: too many pending connections, dropping {from_addr}");
+                    continue;
+                }
+                live += 1;
+                let tx = tx.clone();
+                let token = token.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("chorus-hs-{rank}"))
+                    .spawn(move || {
+                        let hs_deadline = (Instant::now() + HANDSHAKE_BUDGET).min(deadline);
+                        match check_incoming(stream, rank, size, comm_id, &token, hs_deadline) {
+                            Ok((j, s)) => {
+                                let _ = tx.send((j, s));
+                            }
+                            Err(e) => eprintln!(
+                                "chorus: rank {rank}: dropped data connection from {from_addr}: {e}"
+                            ),
+                        }
+                    });
+                if spawned.is_err() {
+                    eprintln!("chorus: rank {rank}: cannot spawn handshake thread");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => {
+                eprintln!("chorus: rank {rank}: accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn check_incoming(
+    mut s: TcpStream,
+    rank: usize,
+    size: usize,
+    comm_id: u64,
+    token: &[u8],
+    deadline: Instant,
+) -> Result<(usize, TcpStream)> {
+    let io = |e| TransportError::io(None, "handshake", e);
+    s.set_nonblocking(false).map_err(io)?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left)).map_err(io)?;
+    s.set_write_timeout(Some(left)).map_err(io)?;
+    let mut h = [0u8; HELLO_LEN];
+    s.read_exact(&mut h).map_err(io)?;
+    if h[0..4] != HELLO_MAGIC {
+        return Err(rdv("not a chorus connection (bad hello magic)"));
+    }
+    let version = u32::from_le_bytes(h[4..8].try_into().expect("4"));
+    if version != HELLO_VERSION {
+        return Err(rdv(format!("hello version {version}")));
+    }
+    let id = u64::from_le_bytes(h[8..16].try_into().expect("8"));
+    let from = u32::from_le_bytes(h[16..20].try_into().expect("4")) as usize;
+    let to = u32::from_le_bytes(h[20..24].try_into().expect("4")) as usize;
+    if id != comm_id {
+        return Err(rdv(format!(
+            "hello for communicator {id:#x}, this is {comm_id:#x}"
+        )));
+    }
+    if to != rank || from <= rank || from >= size {
+        return Err(rdv(format!("hello from {from} to {to} is not expected here")));
+    }
+    accept_handshake(&mut s, token, context(comm_id, from, to).as_bytes(), deadline)?;
+    s.set_read_timeout(None).map_err(io)?;
+    s.set_write_timeout(None).map_err(io)?;
+    Ok((from, s))
+}
+
+/// `n` connected transports over loopback in this process (rank `i` at index `i`), for tests.
+/// Move each into its own thread before using them together.
+pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
+    let server = StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"test")?;
+    let addr = server.local_addr();
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                connect(&MeshOptions {
+                    rank,
+                    size: n,
+                    store_addr: addr,
+                    token: b"test".to_vec(),
+                    listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                    host_store: false,
+                    timeout: Duration::from_secs(30),
+                    tcp: TcpOptions::default(),
+                })
+                .map(|(t, _)| t)
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for h in handles {
+        out.push(
+            h.join()
+                .map_err(|_| rdv("rendezvous thread panicked"))??,
+        );
+    }
+    drop(server);
+    Ok(out)
+}

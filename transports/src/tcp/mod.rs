@@ -1,0 +1,827 @@
+//! The TCP transport: one connection per pair of ranks, all non-blocking, progressed by the
+//! calling thread (no helper threads, so a small message costs one system call each way and no
+//! thread hand-off).
+//!
+//! # Wire format
+//!
+//! Each message is one frame: the 40-byte [`crate::frame::Header`], the payload, and an 8-byte
+//! trailer `CHRS-END`. A receive completes only when the trailer arrived, so a sender that gives
+//! up halfway through a frame can pad the rest with zeros, write the trailer `CHRS-ABT` and then
+//! an abort frame: the receiver fails with the sender's reason instead of completing with
+//! padding. `read() == 0` is a closed peer, reported at once.
+//!
+//! # Progress
+//!
+//! [`TcpTransport::progress`] tries the head request of every involved (peer, direction) until
+//! the socket would block; only when nothing moved does it wait, first spinning briefly on a
+//! zero-timeout poll (cheap wake-up for small messages), then blocking in `epoll_wait` until the
+//! deadline. Sending and receiving progress in the same loop, so a ring never deadlocks on full
+//! kernel buffers.
+
+mod mesh;
+
+use std::io::{self, IoSlice, Read, Write};
+use std::time::{Duration, Instant};
+
+use mio::{Events, Interest, Poll, Token};
+
+pub use mesh::{connect, local_group, MeshOptions, Rendezvous};
+
+use crate::frame::{self, Header, Kind, HEADER_LEN};
+use crate::{AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait};
+
+/// Trailer closing a complete frame.
+const TRAILER_END: [u8; 8] = *b"CHRS-END";
+/// Trailer closing a frame whose payload was padded because the sender aborted.
+const TRAILER_ABORT: [u8; 8] = *b"CHRS-ABT";
+const TRAILER_LEN: usize = 8;
+/// Per-peer receive staging buffer; payloads at least this large bypass it.
+const STAGING: usize = 64 * 1024;
+/// Upper bound on the time [`Transport::abort`] spends notifying peers.
+const ABORT_BUDGET: Duration = Duration::from_secs(2);
+
+/// Where the receive side of a connection is within the current frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RxPhase {
+    Header,
+    Payload,
+    Trailer,
+}
+
+struct Peer {
+    stream: mio::net::TcpStream,
+    readable: bool,
+    writable: bool,
+    // send side
+    tx_next_ticket: u64,
+    tx_head: u64,
+    tx_seq: u64,
+    /// Bytes of the current frame written (header + payload + trailer).
+    tx_off: usize,
+    /// Total size of the frame being written, while one is in progress.
+    tx_frame: Option<usize>,
+    /// Header of the frame being written.
+    tx_header: [u8; HEADER_LEN],
+    // receive side
+    rx_next_ticket: u64,
+    rx_head: u64,
+    rx_seq: u64,
+    rx_phase: RxPhase,
+    rx_buf: Box<[u8]>,
+    rx_start: usize,
+    rx_end: usize,
+}
+
+impl Peer {
+    fn new(stream: mio::net::TcpStream) -> Peer {
+        Peer {
+            stream,
+            readable: true,
+            writable: true,
+            tx_next_ticket: 0,
+            tx_head: 0,
+            tx_seq: 0,
+            tx_off: 0,
+            tx_frame: None,
+            tx_header: [0u8; HEADER_LEN],
+            rx_next_ticket: 0,
+            rx_head: 0,
+            rx_seq: 0,
+            rx_phase: RxPhase::Header,
+            rx_buf: vec![0u8; STAGING].into_boxed_slice(),
+            rx_start: 0,
+            rx_end: 0,
+        }
+    }
+
+    fn staged(&self) -> usize {
+        self.rx_end - self.rx_start
+    }
+}
+
+/// Tunables of the TCP transport.
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// How long a wait polls without blocking before it sleeps in the kernel.
+    pub spin: Duration,
+    /// SO_SNDBUF / SO_RCVBUF to request, or `None` for the kernel's auto-tuning.
+    pub socket_buffer: Option<usize>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            spin: Duration::from_micros(50),
+            socket_buffer: None,
+        }
+    }
+}
+
+/// The TCP implementation of [`Transport`]. Built by [`connect`] (rendezvous + full mesh) or
+/// [`local_group`] (tests).
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    comm_id: u64,
+    peers: Vec<Option<Peer>>,
+    poll: Poll,
+    events: Events,
+    spin: Duration,
+    /// Set once the byte streams are in an unknown state; every later call fails with it.
+    broken: Option<String>,
+    aborted: bool,
+}
+
+/// Outcome of trying to move bytes for one op.
+enum Moved {
+    /// Some bytes moved (or the op completed).
+    Yes,
+    /// Nothing could move: the socket would block.
+    Blocked,
+    /// A send whose available bytes are all written: waits for the caller.
+    NeedsData,
+    /// The op is not at the head of its peer's queue.
+    NotHead,
+}
+
+impl TcpTransport {
+    /// Wrap connected, authenticated streams (`streams[j]` connects to rank `j`;
+    /// `streams[rank]` is `None`).
+    pub(crate) fn from_streams(
+        rank: usize,
+        comm_id: u64,
+        streams: Vec<Option<std::net::TcpStream>>,
+        options: &TcpOptions,
+    ) -> Result<TcpTransport> {
+        let size = streams.len();
+        let poll = Poll::new().map_err(|e| TransportError::io(None, "epoll_create", e))?;
+        let mut peers = Vec::with_capacity(size);
+        for (j, s) in streams.into_iter().enumerate() {
+            match s {
+                None => peers.push(None),
+                Some(s) => {
+                    let sock = socket2::SockRef::from(&s);
+                    sock.set_nodelay(true)
+                        .map_err(|e| TransportError::io(Some(j), "setsockopt(TCP_NODELAY)", e))?;
+                    if let Some(b) = options.socket_buffer {
+                        sock.set_send_buffer_size(b)
+                            .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_SNDBUF)", e))?;
+                        sock.set_recv_buffer_size(b)
+                            .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_RCVBUF)", e))?;
+                    }
+                    s.set_nonblocking(true)
+                        .map_err(|e| TransportError::io(Some(j), "set_nonblocking", e))?;
+                    let mut ms = mio::net::TcpStream::from_std(s);
+                    poll.registry()
+                        .register(&mut ms, Token(j), Interest::READABLE | Interest::WRITABLE)
+                        .map_err(|e| TransportError::io(Some(j), "epoll_ctl", e))?;
+                    peers.push(Some(Peer::new(ms)));
+                }
+            }
+        }
+        Ok(TcpTransport {
+            rank,
+            size,
+            comm_id,
+            peers,
+            poll,
+            events: Events::with_capacity(64.max(size)),
+            spin: options.spin,
+            broken: None,
+            aborted: false,
+        })
+    }
+
+    /// The communicator id agreed at rendezvous (carried in every frame header).
+    pub fn comm_id(&self) -> u64 {
+        self.comm_id
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(TransportError::Aborted(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn peer_mut(&mut self, peer: usize) -> Result<&mut Peer> {
+        match self.peers.get_mut(peer) {
+            Some(Some(p)) => Ok(p),
+            _ => Err(TransportError::InvalidArgument(format!(
+                "peer {peer} is not another rank of this group of {} (this is rank {})",
+                self.size, self.rank
+            ))),
+        }
+    }
+
+    /// Try to move bytes for one op until it completes or the socket would block.
+    fn drive(&mut self, comm_id: u64, op: &mut Op<'_, '_>) -> Result<Moved> {
+        let peer_idx = op.req.peer();
+        let peer = self.peer_mut(peer_idx)?;
+        match op.req.direction() {
+            Direction::Send => {
+                let buf: &[u8] = match &op.buf {
+                    Buf::Send(b) => b,
+                    Buf::Recv(b) => b,
+                };
+                drive_send(peer, peer_idx, comm_id, op.req, buf)
+            }
+            Direction::Recv => {
+                let Buf::Recv(buf) = &mut op.buf else {
+                    return Err(TransportError::InvalidArgument(
+                        "a receive request needs a Buf::Recv buffer".into(),
+                    ));
+                };
+                drive_recv(peer, peer_idx, comm_id, op.req, buf)
+            }
+        }
+    }
+
+    fn fail(&mut self, e: TransportError) -> TransportError {
+        if !e.is_recoverable() && self.broken.is_none() {
+            self.broken = Some(e.to_string());
+        }
+        e
+    }
+
+    /// Wait for socket readiness until `deadline`, spinning first. Returns false on timeout.
+    fn wait_ready(&mut self, deadline: Instant) -> Result<bool> {
+        let spin_end = Instant::now() + self.spin;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            let timeout = if now < spin_end {
+                Duration::ZERO
+            } else {
+                // Wake at least every 100 ms; epoll reports closed peers as events anyway.
+                (deadline - now).min(Duration::from_millis(100))
+            };
+            match self.poll.poll(&mut self.events, Some(timeout)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(TransportError::io(None, "epoll_wait", e)),
+            }
+            let mut any = false;
+            for ev in self.events.iter() {
+                if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
+                    any = true;
+                    if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                        p.readable = true;
+                    }
+                    if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
+                        p.writable = true;
+                    }
+                }
+            }
+            if any {
+                return Ok(true);
+            }
+            if timeout == Duration::ZERO {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Write `bytes` to a peer within `deadline` (used only by abort).
+    fn write_bounded(&mut self, j: usize, bytes: &[u8], deadline: Instant) -> bool {
+        let mut off = 0;
+        while off < bytes.len() {
+            let Some(Some(p)) = self.peers.get_mut(j) else {
+                return false;
+            };
+            match p.stream.write(&bytes[off..]) {
+                Ok(0) => return false,
+                Ok(n) => off += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return false;
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+fn header_bytes(comm_id: u64, seq: u64, tag: u64, len: usize, kind: Kind) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    Header {
+        kind,
+        comm_id,
+        seq,
+        tag,
+        len: len as u64,
+    }
+    .encode(&mut h);
+    h
+}
+
+fn io_err(peer: usize, during: &'static str, e: io::Error) -> TransportError {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::UnexpectedEof => TransportError::PeerClosed { peer },
+        _ => TransportError::io(Some(peer), during, e),
+    }
+}
+
+fn drive_send(
+    p: &mut Peer,
+    peer: usize,
+    comm_id: u64,
+    req: &mut Request,
+    buf: &[u8],
+) -> Result<Moved> {
+    if req.ticket() != Some(p.tx_head) {
+        return Ok(Moved::NotHead);
+    }
+    let len = req.len();
+    let total = HEADER_LEN + len + TRAILER_LEN;
+    if p.tx_frame.is_none() {
+        p.tx_frame = Some(total);
+        p.tx_off = 0;
+        p.tx_header = header_bytes(comm_id, p.tx_seq, req.tag(), len, Kind::Data);
+    }
+    let header = p.tx_header;
+    let mut moved = false;
+    loop {
+        let avail = req.available();
+        let off = p.tx_off;
+        // Assemble what can be written now: rest of header, available payload, trailer.
+        let h = &header[off.min(HEADER_LEN)..];
+        let pay_from = off.saturating_sub(HEADER_LEN).min(len);
+        let pay = &buf[pay_from..avail.max(pay_from)];
+        let t_from = off.saturating_sub(HEADER_LEN + len).min(TRAILER_LEN);
+        let trailer: &[u8] = if avail == len {
+            &TRAILER_END[t_from..]
+        } else {
+            &[]
+        };
+        if h.is_empty() && pay.is_empty() && trailer.is_empty() {
+            return Ok(if moved { Moved::Yes } else { Moved::NeedsData });
+        }
+        if !p.writable {
+            return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+        }
+        let slices = [IoSlice::new(h), IoSlice::new(pay), IoSlice::new(trailer)];
+        match p.stream.write_vectored(&slices) {
+            Ok(0) => return Err(TransportError::PeerClosed { peer }),
+            Ok(n) => {
+                moved = true;
+                p.tx_off += n;
+                let pay_done = p.tx_off.saturating_sub(HEADER_LEN).min(len);
+                if pay_done > req.bytes_done() {
+                    req.advance(pay_done - req.bytes_done());
+                }
+                if p.tx_off == total {
+                    req.set_complete();
+                    p.tx_head += 1;
+                    p.tx_seq += 1;
+                    p.tx_frame = None;
+                    p.tx_off = 0;
+                    return Ok(Moved::Yes);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                p.writable = false;
+                return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err(peer, "send", e)),
+        }
+    }
+}
+
+/// Read more bytes into the staging buffer so that at least `need` are staged (contiguous).
+/// Returns false if the socket would block.
+fn fill_staging(p: &mut Peer, peer: usize, need: usize) -> Result<bool> {
+    debug_assert!(need <= STAGING);
+    while p.staged() < need {
+        if p.rx_start == p.rx_end {
+            p.rx_start = 0;
+            p.rx_end = 0;
+        } else if STAGING - p.rx_start < need {
+            p.rx_buf.copy_within(p.rx_start..p.rx_end, 0);
+            p.rx_end -= p.rx_start;
+            p.rx_start = 0;
+        }
+        if !p.readable {
+            return Ok(false);
+        }
+        match p.stream.read(&mut p.rx_buf[p.rx_end..]) {
+            Ok(0) => return Err(TransportError::PeerClosed { peer }),
+            Ok(n) => p.rx_end += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                p.readable = false;
+                return Ok(false);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err(peer, "recv", e)),
+        }
+    }
+    Ok(true)
+}
+
+/// Read and decode the abort frame that follows a `CHRS-ABT` trailer or arrives in place of a
+/// header, and turn it into the error the receiver reports.
+fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
+    let len = h.len as usize;
+    if h.len > frame::MAX_ABORT_PAYLOAD as u64 {
+        return TransportError::Protocol {
+            peer,
+            what: format!("abort notice of {} bytes", h.len),
+        };
+    }
+    // The notice is small; wait for it briefly (the sender wrote it in one go).
+    let until = Instant::now() + Duration::from_millis(500);
+    loop {
+        match fill_staging(p, peer, len) {
+            Ok(true) => break,
+            Ok(false) if Instant::now() < until => {
+                p.readable = true;
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            _ => {
+                return TransportError::PeerAborted {
+                    peer,
+                    culprit: None,
+                    reason: "(notice incomplete)".into(),
+                }
+            }
+        }
+    }
+    let (culprit, reason) = frame::decode_abort(&p.rx_buf[p.rx_start..p.rx_start + len]);
+    p.rx_start += len;
+    TransportError::PeerAborted {
+        peer,
+        culprit,
+        reason,
+    }
+}
+
+fn next_header(p: &mut Peer, peer: usize, comm_id: u64) -> Result<Option<Header>> {
+    if !fill_staging(p, peer, HEADER_LEN)? {
+        return Ok(None);
+    }
+    let raw: &[u8; HEADER_LEN] = p.rx_buf[p.rx_start..p.rx_start + HEADER_LEN]
+        .try_into()
+        .expect("header length");
+    let h = Header::decode(raw).map_err(|e| TransportError::Protocol {
+        peer,
+        what: e.to_string(),
+    })?;
+    p.rx_start += HEADER_LEN;
+    if h.comm_id != comm_id {
+        return Err(TransportError::Protocol {
+            peer,
+            what: format!(
+                "frame for communicator {:#x}, this is {comm_id:#x}",
+                h.comm_id
+            ),
+        });
+    }
+    if h.seq != p.rx_seq {
+        return Err(TransportError::Protocol {
+            peer,
+            what: format!("sequence number {} where {} was expected", h.seq, p.rx_seq),
+        });
+    }
+    p.rx_seq += 1;
+    Ok(Some(h))
+}
+
+fn drive_recv(
+    p: &mut Peer,
+    peer: usize,
+    comm_id: u64,
+    req: &mut Request,
+    buf: &mut [u8],
+) -> Result<Moved> {
+    if req.ticket() != Some(p.rx_head) {
+        return Ok(Moved::NotHead);
+    }
+    let mut moved = false;
+    loop {
+        match p.rx_phase {
+            RxPhase::Header => {
+                let Some(h) = next_header(p, peer, comm_id)? else {
+                    return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+                };
+                if h.kind == Kind::Abort {
+                    return Err(read_abort(p, peer, h));
+                }
+                if h.tag != req.tag() || h.len > req.len() as u64 {
+                    return Err(TransportError::Mismatch {
+                        peer,
+                        expected_tag: req.tag(),
+                        got_tag: h.tag,
+                        expected_len: req.len(),
+                        got_len: usize::try_from(h.len).unwrap_or(usize::MAX),
+                    });
+                }
+                req.set_message_len(h.len as usize);
+                p.rx_phase = RxPhase::Payload;
+                moved = true;
+            }
+            RxPhase::Payload => {
+                let msg_len = req.message_len().expect("header seen");
+                let done = req.bytes_done();
+                let want = msg_len - done;
+                if want == 0 {
+                    p.rx_phase = RxPhase::Trailer;
+                    continue;
+                }
+                if p.staged() > 0 {
+                    let n = want.min(p.staged());
+                    buf[done..done + n].copy_from_slice(&p.rx_buf[p.rx_start..p.rx_start + n]);
+                    p.rx_start += n;
+                    req.advance(n);
+                    moved = true;
+                    continue;
+                }
+                if !p.readable {
+                    return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+                }
+                let r = if want >= STAGING {
+                    // Large remainder: straight into the caller's buffer, never past this frame.
+                    p.stream.read(&mut buf[done..msg_len])
+                } else {
+                    p.rx_start = 0;
+                    p.rx_end = 0;
+                    p.stream.read(&mut p.rx_buf[..])
+                };
+                match r {
+                    Ok(0) => return Err(TransportError::PeerClosed { peer }),
+                    Ok(n) if want >= STAGING => {
+                        req.advance(n);
+                        moved = true;
+                    }
+                    Ok(n) => p.rx_end = n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        p.readable = false;
+                        return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(io_err(peer, "recv", e)),
+                }
+            }
+            RxPhase::Trailer => {
+                if !fill_staging(p, peer, TRAILER_LEN)? {
+                    return Ok(if moved { Moved::Yes } else { Moved::Blocked });
+                }
+                let t: [u8; TRAILER_LEN] = p.rx_buf[p.rx_start..p.rx_start + TRAILER_LEN]
+                    .try_into()
+                    .expect("trailer length");
+                p.rx_start += TRAILER_LEN;
+                p.rx_phase = RxPhase::Header;
+                if t == TRAILER_END {
+                    req.set_complete();
+                    p.rx_head += 1;
+                    return Ok(Moved::Yes);
+                }
+                if t == TRAILER_ABORT {
+                    // The payload was padding; the abort notice follows.
+                    let until = Instant::now() + Duration::from_millis(500);
+                    loop {
+                        match next_header(p, peer, comm_id) {
+                            Ok(Some(h)) if h.kind == Kind::Abort => return Err(read_abort(p, peer, h)),
+                            Ok(None) if Instant::now() < until => {
+                                p.readable = true;
+                                std::thread::sleep(Duration::from_micros(200));
+                            }
+                            _ => {
+                                return Err(TransportError::PeerAborted {
+                                    peer,
+                                    culprit: None,
+                                    reason: "(aborted in the middle of a message)".into(),
+                                })
+                            }
+                        }
+                    }
+                }
+                return Err(TransportError::Protocol {
+                    peer,
+                    what: format!("bad frame trailer {t:02x?}"),
+                });
+            }
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn post(&mut self, req: &mut Request) -> Result<()> {
+        self.check_usable()?;
+        if req.is_posted() {
+            return Err(TransportError::InvalidUsage(
+                "request was already posted".into(),
+            ));
+        }
+        let peer = self.peer_mut(req.peer())?;
+        let ticket = match req.direction() {
+            Direction::Send => {
+                peer.tx_next_ticket += 1;
+                peer.tx_next_ticket - 1
+            }
+            Direction::Recv => {
+                peer.rx_next_ticket += 1;
+                peer.rx_next_ticket - 1
+            }
+        };
+        req.set_ticket(ticket);
+        Ok(())
+    }
+
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
+        self.check_usable()?;
+        for op in ops.iter() {
+            if !op.req.is_posted() {
+                return Err(TransportError::InvalidUsage(
+                    "progress on a request that was not posted".into(),
+                ));
+            }
+            let blen = match &op.buf {
+                Buf::Send(b) => b.len(),
+                Buf::Recv(b) => b.len(),
+            };
+            if blen < op.req.len() {
+                return Err(TransportError::InvalidArgument(format!(
+                    "buffer of {blen} bytes for a request of {} bytes",
+                    op.req.len()
+                )));
+            }
+            if matches!(
+                (&op.buf, op.req.direction()),
+                (Buf::Send(_), Direction::Recv)
+            ) {
+                return Err(TransportError::InvalidArgument(
+                    "a receive request needs a Buf::Recv buffer".into(),
+                ));
+            }
+        }
+        let comm_id = self.comm_id;
+        let started = Instant::now();
+        loop {
+            let mut moved = false;
+            let mut all_done;
+            let mut socket_bound;
+            let mut needs_data;
+            // Repeat while something moves: completing one request can unblock the next one
+            // queued behind it on the same peer.
+            loop {
+                let mut again = false;
+                all_done = true;
+                socket_bound = false;
+                needs_data = false;
+                for op in ops.iter_mut() {
+                    if op.req.is_complete() {
+                        continue;
+                    }
+                    match self.drive(comm_id, op) {
+                        Ok(Moved::Yes) => {
+                            moved = true;
+                            again = true;
+                        }
+                        Ok(Moved::Blocked) => socket_bound = true,
+                        Ok(Moved::NeedsData) => needs_data = true,
+                        Ok(Moved::NotHead) => {}
+                        Err(e) => return Err(self.fail(e)),
+                    }
+                    if !op.req.is_complete() {
+                        all_done = false;
+                    }
+                }
+                if !again || all_done {
+                    break;
+                }
+            }
+            if all_done {
+                return Ok(true);
+            }
+            let deadline = match wait {
+                Wait::No => return Ok(false),
+                Wait::Until(d) => d,
+            };
+            if moved {
+                return Ok(false);
+            }
+            if !socket_bound {
+                if needs_data {
+                    // Only the caller can make progress possible (more bytes available).
+                    return Ok(false);
+                }
+                return Err(TransportError::InvalidUsage(
+                    "every pending request waits behind an earlier request of the same peer \
+                     that is not part of this wait"
+                        .into(),
+                ));
+            }
+            if !self.wait_ready(deadline)? {
+                let peer = ops
+                    .iter()
+                    .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
+                    .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
+                    .map(|o| o.req.peer());
+                return Err(self.fail(TransportError::Timeout {
+                    peer,
+                    waited: started.elapsed(),
+                }));
+            }
+        }
+    }
+
+    fn abort(&mut self, notice: &AbortNotice) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
+        if self.broken.is_none() {
+            self.broken = Some(format!("aborted by this rank: {}", notice.reason));
+        }
+        let deadline = Instant::now() + ABORT_BUDGET;
+        let payload = frame::encode_abort(notice.culprit, &notice.reason);
+        let comm_id = self.comm_id;
+        for j in 0..self.size {
+            let Some(Some(p)) = self.peers.get_mut(j) else {
+                continue;
+            };
+            // Finish a frame cut in the middle: zeros for the rest, then the abort trailer,
+            // so the receiver cannot mistake the padding for data.
+            let mut pre = Vec::new();
+            if let Some(total) = p.tx_frame {
+                let off = p.tx_off;
+                let payload_len = total - HEADER_LEN - TRAILER_LEN;
+                if off < HEADER_LEN {
+                    pre.extend_from_slice(&p.tx_header[off..]);
+                }
+                let pay_left = (HEADER_LEN + payload_len).saturating_sub(off.max(HEADER_LEN));
+                if pay_left > 64 << 20 {
+                    let _ = p.stream.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let trailer_written = off.saturating_sub(HEADER_LEN + payload_len);
+                if trailer_written > 0 {
+                    pre.extend_from_slice(&TRAILER_END[trailer_written..]);
+                } else {
+                    pre.resize(pre.len() + pay_left, 0);
+                    pre.extend_from_slice(&TRAILER_ABORT);
+                }
+                p.tx_frame = None;
+                p.tx_off = 0;
+                p.tx_seq += 1;
+            }
+            let seq = p.tx_seq;
+            pre.extend_from_slice(&header_bytes(comm_id, seq, 0, payload.len(), Kind::Abort));
+            pre.extend_from_slice(&payload);
+            if !self.write_bounded(j, &pre, deadline) {
+                if let Some(Some(p)) = self.peers.get_mut(j) {
+                    let _ = p.stream.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("comm_id", &format_args!("{:#x}", self.comm_id))
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conformance_tcp() {
+        crate::conformance::run_all(&|n| {
+            local_group(n)
+                .expect("local tcp group")
+                .into_iter()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .collect()
+        });
+    }
+}
