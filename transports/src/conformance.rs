@@ -54,12 +54,16 @@ pub fn on_group<R: Send + 'static>(
             Err(_) => panic!("watchdog: a rank did not finish within {WATCHDOG:?}"),
         }
     }
-    out.into_iter().map(|r| r.expect("every rank reported")).collect()
+    out.into_iter()
+        .map(|r| r.expect("every rank reported"))
+        .collect()
 }
 
 fn pattern(from: usize, to: usize, len: usize, salt: u8) -> Vec<u8> {
     (0..len)
-        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ (from * 31 + to * 7) as u8 ^ salt)
+        .map(|i| {
+            (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ (from * 31 + to * 7) as u8 ^ salt
+        })
         .collect()
 }
 
@@ -152,12 +156,24 @@ pub fn ordered_tags(make: MakeGroup<'_>) {
     on_group(make, 2, |rank, t| {
         let lens = [10usize, 0, 70_000, 3];
         if rank == 0 {
-            let bufs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &l)| pattern(0, 1, l, k as u8)).collect();
-            let mut reqs: Vec<Request> = lens.iter().enumerate().map(|(k, &l)| Request::send(1, 100 + k as u64, l)).collect();
+            let bufs: Vec<Vec<u8>> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &l)| pattern(0, 1, l, k as u8))
+                .collect();
+            let mut reqs: Vec<Request> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &l)| Request::send(1, 100 + k as u64, l))
+                .collect();
             for r in reqs.iter_mut() {
                 t.post(r).unwrap();
             }
-            let mut ops: Vec<Op> = reqs.iter_mut().zip(bufs.iter()).map(|(r, b)| Op::send(r, b)).collect();
+            let mut ops: Vec<Op> = reqs
+                .iter_mut()
+                .zip(bufs.iter())
+                .map(|(r, b)| Op::send(r, b))
+                .collect();
             t.wait_all(&mut ops, Instant::now() + T).unwrap();
         } else {
             for (k, &l) in lens.iter().enumerate() {
@@ -180,20 +196,31 @@ pub fn nonblocking_and_partial(make: MakeGroup<'_>) {
             t.post(&mut req).unwrap();
             for k in 1..=10 {
                 req.set_available(len * k / 10);
-                let done = t.progress(&mut [Op::send(&mut req, &data)], Wait::No).unwrap();
+                let done = t
+                    .progress(&mut [Op::send(&mut req, &data)], Wait::No)
+                    .unwrap();
                 if k < 10 {
                     assert!(!done);
                 }
             }
-            t.wait_all(&mut [Op::send(&mut req, &data)], Instant::now() + T).unwrap();
+            t.wait_all(&mut [Op::send(&mut req, &data)], Instant::now() + T)
+                .unwrap();
         } else {
             let mut b = vec![0u8; len];
             let mut req = Request::recv(0, 3, len);
             t.post(&mut req).unwrap();
             // Nothing may have arrived yet; Wait::No must not block.
-            let _ = t.progress(&mut [Op::recv(&mut req, &mut b)], Wait::No).unwrap();
+            let _ = t
+                .progress(&mut [Op::recv(&mut req, &mut b)], Wait::No)
+                .unwrap();
             let mut last = 0;
-            while !t.progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(Instant::now() + T)).unwrap() {
+            while !t
+                .progress(
+                    &mut [Op::recv(&mut req, &mut b)],
+                    Wait::Until(Instant::now() + T),
+                )
+                .unwrap()
+            {
                 assert!(req.bytes_done() >= last);
                 last = req.bytes_done();
                 // The received prefix is valid while the rest is in flight.
@@ -211,7 +238,12 @@ pub fn tag_mismatch(make: MakeGroup<'_>) {
         } else {
             let mut b = [0u8; 3];
             match t.recv(0, 2, &mut b, T) {
-                Err(TransportError::Mismatch { peer: 0, expected_tag: 2, got_tag: 1, .. }) => {}
+                Err(TransportError::Mismatch {
+                    peer: 0,
+                    expected_tag: 2,
+                    got_tag: 1,
+                    ..
+                }) => {}
                 other => panic!("expected a tag mismatch, got {other:?}"),
             }
         }
@@ -225,7 +257,12 @@ pub fn too_long_for_buffer(make: MakeGroup<'_>) {
         } else {
             let mut b = [0u8; 100];
             match t.recv(1 - rank, 1, &mut b, T) {
-                Err(TransportError::Mismatch { peer: 0, got_len: 5000, expected_len: 100, .. }) => {}
+                Err(TransportError::Mismatch {
+                    peer: 0,
+                    got_len: 5000,
+                    expected_len: 100,
+                    ..
+                }) => {}
                 other => panic!("expected a length mismatch, got {other:?}"),
             }
         }
@@ -256,11 +293,14 @@ pub fn invalid_arguments(make: MakeGroup<'_>) {
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
         let mut r = Request::send(other, 1, 10);
         t.post(&mut r).unwrap();
-        let e = t.progress(&mut [Op::send(&mut r, b"short")], Wait::No).unwrap_err();
+        let e = t
+            .progress(&mut [Op::send(&mut r, b"short")], Wait::No)
+            .unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e}");
         assert!(e.is_recoverable());
         // Still usable: finish that request properly and exchange once more.
-        t.wait_all(&mut [Op::send(&mut r, b"0123456789")], Instant::now() + T).unwrap();
+        t.wait_all(&mut [Op::send(&mut r, b"0123456789")], Instant::now() + T)
+            .unwrap();
         let mut b = [0u8; 10];
         assert_eq!(t.recv(other, 1, &mut b, T).unwrap(), 10);
         assert_eq!(&b, b"0123456789");
@@ -272,10 +312,18 @@ pub fn timeout(make: MakeGroup<'_>) {
         if rank == 1 {
             let mut b = [0u8; 4];
             let start = Instant::now();
-            let e = t.recv(0, 1, &mut b, Duration::from_millis(300)).unwrap_err();
+            let e = t
+                .recv(0, 1, &mut b, Duration::from_millis(300))
+                .unwrap_err();
             let took = start.elapsed();
-            assert!(matches!(e, TransportError::Timeout { peer: Some(0), .. }), "{e}");
-            assert!(took >= Duration::from_millis(300), "returned early: {took:?}");
+            assert!(
+                matches!(e, TransportError::Timeout { peer: Some(0), .. }),
+                "{e}"
+            );
+            assert!(
+                took >= Duration::from_millis(300),
+                "returned early: {took:?}"
+            );
             // A timed-out transport refuses further use.
             assert!(t.send(0, 1, b"x", T).is_err());
         }
@@ -304,14 +352,21 @@ pub fn peer_closed(make: MakeGroup<'_>) {
 pub fn abort_propagates(make: MakeGroup<'_>) {
     on_group(make, 3, |rank, t| match rank {
         1 => {
-            t.abort(&AbortNotice { culprit: Some(2), reason: "rank 2 is gone".into() });
+            t.abort(&AbortNotice {
+                culprit: Some(2),
+                reason: "rank 2 is gone".into(),
+            });
             assert!(t.send(0, 1, b"x", T).is_err());
             std::thread::sleep(Duration::from_millis(300));
         }
         0 => {
             let mut b = [0u8; 8];
             match t.recv(1, 1, &mut b, T) {
-                Err(TransportError::PeerAborted { peer: 1, culprit: Some(2), reason }) => {
+                Err(TransportError::PeerAborted {
+                    peer: 1,
+                    culprit: Some(2),
+                    reason,
+                }) => {
                     assert!(reason.contains("rank 2"), "{reason}")
                 }
                 other => panic!("expected an abort notice, got {other:?}"),
@@ -331,15 +386,21 @@ pub fn abort_mid_message(make: MakeGroup<'_>) {
             let mut req = Request::send_partial(1, 4, len, len / 2);
             t.post(&mut req).unwrap();
             while req.bytes_done() < len / 2 {
-                t.progress(&mut [Op::send(&mut req, &data)], Wait::No).unwrap();
+                t.progress(&mut [Op::send(&mut req, &data)], Wait::No)
+                    .unwrap();
                 std::thread::sleep(Duration::from_millis(1));
             }
-            t.abort(&AbortNotice { culprit: None, reason: "gave up".into() });
+            t.abort(&AbortNotice {
+                culprit: None,
+                reason: "gave up".into(),
+            });
             std::thread::sleep(Duration::from_millis(300));
         } else {
             let mut b = vec![0u8; len];
             match t.recv(0, 4, &mut b, T) {
-                Err(TransportError::PeerAborted { peer: 0, reason, .. }) => {
+                Err(TransportError::PeerAborted {
+                    peer: 0, reason, ..
+                }) => {
                     assert!(reason.contains("gave up"), "{reason}")
                 }
                 other => panic!("expected an abort, got {other:?}"),

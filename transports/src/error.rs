@@ -109,7 +109,10 @@ impl fmt::Display for TransportError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TransportError::PeerClosed { peer } => {
-                write!(f, "rank {peer} closed its connection (process exited or crashed?)")
+                write!(
+                    f,
+                    "rank {peer} closed its connection (process exited or crashed?)"
+                )
             }
             TransportError::PeerAborted {
                 peer,

@@ -168,7 +168,13 @@ mod tests {
 
     #[test]
     fn rejects_bad_fields() {
-        let h = Header { kind: Kind::Data, comm_id: 1, seq: 2, tag: 3, len: 4 };
+        let h = Header {
+            kind: Kind::Data,
+            comm_id: 1,
+            seq: 2,
+            tag: 3,
+            len: 4,
+        };
         let mut b = [0u8; HEADER_LEN];
         h.encode(&mut b);
         let mut m = b;

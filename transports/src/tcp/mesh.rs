@@ -13,7 +13,7 @@
 use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -110,9 +110,7 @@ pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
     } else {
         None
     };
-    let store_addr = server
-        .as_ref()
-        .map_or(opts.store_addr, |s| s.local_addr());
+    let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
 
     let comm_id = if rank == 0 {
@@ -183,7 +181,9 @@ pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
             }
             match rx.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok((j, s)) if missing.remove(&j) => streams[j] = Some(s),
-                Ok((j, _)) => eprintln!("chorus: rank {rank}: duplicate connection from rank {j} dropped"),
+                Ok((j, _)) => {
+                    eprintln!("chorus: rank {rank}: duplicate connection from rank {j} dropped")
+                }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     return Err(rdv("acceptor thread ended early"))
@@ -271,15 +271,18 @@ fn accept_loop(
     deadline: Instant,
 ) {
     let token = Arc::new(token);
-    let mut live = 0usize;
+    let live = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         match listener.accept() {
             Ok((stream, from_addr)) => {
-                if live > 4 * size + 64 {
-                    eprintln!("chorus: rank {rank}: too many pending connections, dropping {from_addr}");
+                if live.load(Ordering::Relaxed) > 4 * size + 64 {
+                    eprintln!(
+                        "chorus: rank {rank}: too many pending connections, dropping {from_addr}"
+                    );
                     continue;
                 }
-                live += 1;
+                live.fetch_add(1, Ordering::Relaxed);
+                let live_c = live.clone();
                 let tx = tx.clone();
                 let token = token.clone();
                 let spawned = std::thread::Builder::new()
@@ -294,8 +297,10 @@ fn accept_loop(
                                 "chorus: rank {rank}: dropped data connection from {from_addr}: {e}"
                             ),
                         }
+                        live_c.fetch_sub(1, Ordering::Relaxed);
                     });
                 if spawned.is_err() {
+                    live.fetch_sub(1, Ordering::Relaxed);
                     eprintln!("chorus: rank {rank}: cannot spawn handshake thread");
                 }
             }
@@ -343,9 +348,16 @@ fn check_incoming(
         )));
     }
     if to != rank || from <= rank || from >= size {
-        return Err(rdv(format!("hello from {from} to {to} is not expected here")));
+        return Err(rdv(format!(
+            "hello from {from} to {to} is not expected here"
+        )));
     }
-    accept_handshake(&mut s, token, context(comm_id, from, to).as_bytes(), deadline)?;
+    accept_handshake(
+        &mut s,
+        token,
+        context(comm_id, from, to).as_bytes(),
+        deadline,
+    )?;
     s.set_read_timeout(None).map_err(io)?;
     s.set_write_timeout(None).map_err(io)?;
     Ok((from, s))
@@ -375,10 +387,7 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
         .collect();
     let mut out = Vec::with_capacity(n);
     for h in handles {
-        out.push(
-            h.join()
-                .map_err(|_| rdv("rendezvous thread panicked"))??,
-        );
+        out.push(h.join().map_err(|_| rdv("rendezvous thread panicked"))??);
     }
     drop(server);
     Ok(out)

@@ -238,10 +238,64 @@ impl TcpTransport {
     }
 
     fn fail(&mut self, e: TransportError) -> TransportError {
-        if !e.is_recoverable() && self.broken.is_none() {
+        if e.is_recoverable() {
+            return e;
+        }
+        // A peer that gave up usually said why before its connection went away; that notice
+        // (which names the rank at fault) is more useful than our own symptom.
+        let e = match e {
+            TransportError::PeerAborted { .. } => e,
+            other => self.pending_notice(true).unwrap_or(other),
+        };
+        if self.broken.is_none() {
             self.broken = Some(e.to_string());
         }
         e
+    }
+
+    /// Look for an abort notice at the head of any peer's stream (only where the stream is
+    /// between frames). Data frames are left staged for their receive. With `force`, read even
+    /// from sockets not flagged readable.
+    fn pending_notice(&mut self, force: bool) -> Option<TransportError> {
+        let comm_id = self.comm_id;
+        let mut found: Option<TransportError> = None;
+        for (j, p) in self.peers.iter_mut().enumerate() {
+            let Some(p) = p else { continue };
+            if p.rx_phase != RxPhase::Header || !(force || p.readable) {
+                continue;
+            }
+            if force {
+                p.readable = true;
+            }
+            if !matches!(fill_staging(p, j, HEADER_LEN), Ok(true)) {
+                continue;
+            }
+            let raw: &[u8; HEADER_LEN] = p.rx_buf[p.rx_start..p.rx_start + HEADER_LEN]
+                .try_into()
+                .expect("header length");
+            match Header::decode(raw) {
+                Ok(h) if h.kind == Kind::Abort && h.comm_id == comm_id && h.seq == p.rx_seq => {
+                    p.rx_start += HEADER_LEN;
+                    p.rx_seq += 1;
+                    let e = read_abort(p, j, h);
+                    let names_culprit = matches!(
+                        e,
+                        TransportError::PeerAborted {
+                            culprit: Some(_),
+                            ..
+                        }
+                    );
+                    if found.is_none() || names_culprit {
+                        found = Some(e);
+                    }
+                    if names_culprit {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        found
     }
 
     /// Wait for socket readiness until `deadline`, spinning first. Returns false on timeout.
@@ -590,7 +644,9 @@ fn drive_recv(
                     let until = Instant::now() + Duration::from_millis(500);
                     loop {
                         match next_header(p, peer, comm_id) {
-                            Ok(Some(h)) if h.kind == Kind::Abort => return Err(read_abort(p, peer, h)),
+                            Ok(Some(h)) if h.kind == Kind::Abort => {
+                                return Err(read_abort(p, peer, h))
+                            }
                             Ok(None) if Instant::now() < until => {
                                 p.readable = true;
                                 std::thread::sleep(Duration::from_micros(200));
@@ -733,7 +789,11 @@ impl Transport for TcpTransport {
                         .into(),
                 ));
             }
-            if !self.wait_ready(deadline)? {
+            let ready = self.wait_ready(deadline)?;
+            if let Some(e) = self.pending_notice(false) {
+                return Err(self.fail(e));
+            }
+            if !ready {
                 let peer = ops
                     .iter()
                     .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)

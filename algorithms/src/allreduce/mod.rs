@@ -1,0 +1,137 @@
+//! Allreduce: every rank ends with the element-wise reduction of all ranks' buffers.
+//!
+//! One module per schedule; [`run`] validates the arguments once and dispatches. Every schedule
+//! finishes `Avg` itself (divides by the number of ranks), so callers get the final values.
+
+pub mod ring;
+
+use std::fmt;
+use std::str::FromStr;
+
+use chorus_transport::{Result, TransportError};
+
+use crate::cost::Link;
+use crate::{CollCtx, DType, ParseNameError, ReduceOp};
+
+/// An allreduce schedule.
+///
+/// ```
+/// use chorus_algorithms::allreduce::Algorithm;
+/// assert_eq!("ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
+/// assert_eq!(Algorithm::Ring.name(), "ring");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Reduce-scatter then allgather around a ring ([`ring`]): bandwidth-optimal, 2(p−1)
+    /// latencies.
+    Ring,
+}
+
+impl Algorithm {
+    /// Every schedule (the selector's candidates).
+    pub const ALL: [Algorithm; 1] = [Algorithm::Ring];
+
+    /// The name used by `CHORUS_ALGO` and in logs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+        }
+    }
+
+    /// The modelled time (seconds) of an allreduce of `bytes` bytes over `ranks` ranks.
+    pub fn cost(self, bytes: usize, ranks: usize, link: &Link) -> f64 {
+        match self {
+            Algorithm::Ring => ring::cost(bytes, ranks, link),
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = ParseNameError;
+
+    /// Accepts the names of [`Algorithm::name`], case-insensitively.
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let name = s.trim().to_ascii_lowercase();
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or_else(|| ParseNameError {
+                what: "allreduce algorithm",
+                input: s.to_string(),
+                expected: "ring",
+            })
+    }
+}
+
+/// Runs an allreduce of `recv` (in place when `send` is `None`, else from `send` into `recv`)
+/// with schedule `alg`. Every rank must call it with the same length, dtype, op and tag base.
+///
+/// Errors: [`TransportError::InvalidArgument`] (nothing was sent; the transport is still
+/// usable) if the length is not a multiple of the dtype size or `send` and `recv` differ in
+/// length; otherwise the transport's errors, and [`TransportError::Mismatch`] if a peer's
+/// message has another length than this rank expects (ranks disagree on the count or dtype).
+/// After those the transport must be aborted.
+pub fn run(
+    alg: Algorithm,
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    validate(send, recv, dtype)?;
+    match alg {
+        Algorithm::Ring => ring::run(ctx, send, recv, dtype, op),
+    }
+}
+
+fn validate(send: Option<&[u8]>, recv: &[u8], dtype: DType) -> Result<()> {
+    if recv.len() % dtype.size() != 0 {
+        return Err(TransportError::InvalidArgument(format!(
+            "allreduce: buffer of {} bytes is not a whole number of {dtype} elements ({} bytes each)",
+            recv.len(),
+            dtype.size()
+        )));
+    }
+    if let Some(s) = send {
+        if s.len() != recv.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "allreduce: send buffer has {} bytes but receive buffer {}",
+                s.len(),
+                recv.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+            assert_eq!(
+                a.to_string().to_uppercase().parse::<Algorithm>().unwrap(),
+                a
+            );
+        }
+        assert!("tree".parse::<Algorithm>().is_err());
+    }
+
+    #[test]
+    fn validation() {
+        assert!(validate(None, &[0; 8], DType::Float64).is_ok());
+        assert!(validate(None, &[0; 6], DType::Float32).is_err());
+        assert!(validate(Some(&[0; 4]), &[0; 8], DType::Float32).is_err());
+        assert!(validate(Some(&[0; 8]), &[0; 8], DType::Float32).is_ok());
+    }
+}

@@ -1,0 +1,79 @@
+//! What a schedule needs to run one collective: the transport, a deadline, the tag space of
+//! this call and a reusable scratch buffer.
+
+use std::time::Instant;
+
+use chorus_transport::{Tag, Transport};
+
+/// Alignment of the slices handed out by [`CollCtx::scratch`] (a cache line; also enough for
+/// every element type, so the reduce kernels take their fast, aligned path).
+pub const SCRATCH_ALIGN: usize = 64;
+
+/// The context of one collective call on one rank.
+///
+/// ```
+/// # use chorus_algorithms::CollCtx;
+/// # fn demo(t: &mut dyn chorus_transport::Transport) {
+/// let mut scratch = Vec::new();
+/// let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+/// let seq = 42u64; // the communicator's collective counter
+/// let mut ctx = CollCtx { transport: t, deadline, tag_base: seq << 16, scratch: &mut scratch };
+/// assert_eq!(ctx.tag(3), (42 << 16) | 3);
+/// assert_eq!(ctx.scratch(1000).len(), 1000);
+/// # }
+/// ```
+pub struct CollCtx<'a> {
+    /// The group to run over; its rank and size are the collective's.
+    pub transport: &'a mut dyn Transport,
+    /// Every wait of the call fails with a timeout at this instant.
+    pub deadline: Instant,
+    /// The upper bits of every tag of this call (the caller's sequence number and collective
+    /// kind); the low 16 bits are the step, see [`CollCtx::tag`].
+    pub tag_base: u64,
+    /// Scratch memory kept by the caller across calls; grows, never shrinks.
+    pub scratch: &'a mut Vec<u8>,
+}
+
+impl<'a> CollCtx<'a> {
+    /// The tag of step `step` of this call: `tag_base | step`. `step` must be below 2^16.
+    pub fn tag(&self, step: u64) -> Tag {
+        debug_assert!(step < 1 << 16, "step {step} does not fit in 16 bits");
+        self.tag_base | step
+    }
+
+    /// A [`SCRATCH_ALIGN`]-aligned scratch slice of `bytes` bytes (contents unspecified).
+    pub fn scratch(&mut self, bytes: usize) -> &mut [u8] {
+        aligned_scratch(self.scratch, bytes)
+    }
+
+    /// The transport and a scratch slice at once (the two borrows a schedule holds together).
+    pub fn transport_and_scratch(&mut self, bytes: usize) -> (&mut dyn Transport, &mut [u8]) {
+        (&mut *self.transport, aligned_scratch(self.scratch, bytes))
+    }
+}
+
+fn aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> &mut [u8] {
+    let need = bytes + SCRATCH_ALIGN - 1;
+    if buf.len() < need {
+        buf.resize(need, 0);
+    }
+    let misalign = buf.as_ptr() as usize % SCRATCH_ALIGN;
+    let start = (SCRATCH_ALIGN - misalign) % SCRATCH_ALIGN;
+    &mut buf[start..start + bytes]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_is_aligned_and_grows_without_shrinking() {
+        let mut v = Vec::new();
+        for bytes in [0, 1, 100, 5000, 10] {
+            let s = aligned_scratch(&mut v, bytes);
+            assert_eq!(s.len(), bytes);
+            assert_eq!(s.as_ptr() as usize % SCRATCH_ALIGN, 0);
+        }
+        assert!(v.len() >= 5000);
+    }
+}

@@ -1,0 +1,173 @@
+//! Everything that touches element types: resolving `-d`/`-o`/`--algo` names, dispatching a
+//! run-time [`DType`] to a generic function, and the test inputs and the check (through
+//! `chorus_algorithms::reference`).
+
+use chorus::{Algorithm, DType, Element, ReduceOp};
+use chorus_algorithms::reference;
+
+use crate::cli::UsageError;
+
+/// Call `$body` with the type alias `$t` bound to the Rust type of `$dtype`.
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            chorus::DType::Int8 => {
+                type $t = i8;
+                $body
+            }
+            chorus::DType::Uint8 => {
+                type $t = u8;
+                $body
+            }
+            chorus::DType::Int32 => {
+                type $t = i32;
+                $body
+            }
+            chorus::DType::Uint32 => {
+                type $t = u32;
+                $body
+            }
+            chorus::DType::Int64 => {
+                type $t = i64;
+                $body
+            }
+            chorus::DType::Uint64 => {
+                type $t = u64;
+                $body
+            }
+            chorus::DType::Float16 => {
+                type $t = half::f16;
+                $body
+            }
+            chorus::DType::Float32 => {
+                type $t = f32;
+                $body
+            }
+            chorus::DType::Float64 => {
+                type $t = f64;
+                $body
+            }
+            chorus::DType::Bfloat16 => {
+                type $t = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_element;
+
+/// `-d`: a dtype name or `all`.
+pub fn resolve_dtypes(name: &str) -> Result<Vec<DType>, UsageError> {
+    if name.eq_ignore_ascii_case("all") {
+        return Ok(DType::ALL.to_vec());
+    }
+    name.parse()
+        .map(|d| vec![d])
+        .map_err(|e| UsageError(format!("-d: {e}")))
+}
+
+/// `-o`: an op name or `all`.
+pub fn resolve_ops(name: &str) -> Result<Vec<ReduceOp>, UsageError> {
+    if name.eq_ignore_ascii_case("all") {
+        return Ok(ReduceOp::ALL.to_vec());
+    }
+    name.parse()
+        .map(|o| vec![o])
+        .map_err(|e| UsageError(format!("-o: {e}")))
+}
+
+/// `--algo`.
+pub fn resolve_algo(name: Option<&str>) -> Result<Option<Algorithm>, UsageError> {
+    name.map(|n| {
+        n.parse::<Algorithm>()
+            .map_err(|e| UsageError(format!("--algo: {e}")))
+    })
+    .transpose()
+}
+
+/// Fill `buf` with this rank's test inputs (element `i` of the buffer is input index `i`).
+pub fn fill<T: Element>(buf: &mut [T], rank: usize, op: ReduceOp, ranks: usize) {
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = reference::test_value(rank, i, op, ranks);
+    }
+}
+
+/// Overwrite `buf` with a value no correct result is expected to hold everywhere, so that a
+/// collective that does not write its output is caught.
+pub fn poison<T: Element>(buf: &mut [T]) {
+    buf.fill(T::from_f64(-77.0));
+}
+
+/// Wrong elements of an allreduce result over `ranks` ranks of [`fill`]ed inputs, compared
+/// element by element with the reference (no copy of the inputs is made).
+pub fn count_wrong<T: Element>(got: &[T], op: ReduceOp, ranks: usize) -> u64 {
+    got.iter()
+        .enumerate()
+        .filter(|&(i, &g)| !reference::is_correct(g, reference::expected::<T>(i, op, ranks), op))
+        .count() as u64
+}
+
+/// A zero-filled vector of `n` elements.
+pub fn zeros<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_f64(0.0); n]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(resolve_dtypes("float").unwrap(), vec![DType::Float32]);
+        assert_eq!(resolve_dtypes("bf16").unwrap(), vec![DType::Bfloat16]);
+        assert_eq!(resolve_dtypes("ALL").unwrap().len(), DType::ALL.len());
+        assert!(resolve_dtypes("complex").unwrap_err().0.starts_with("-d: "));
+        assert_eq!(resolve_ops("max").unwrap(), vec![ReduceOp::Max]);
+        assert_eq!(resolve_ops("all").unwrap().len(), ReduceOp::ALL.len());
+        assert!(resolve_ops("xor").unwrap_err().0.starts_with("-o: "));
+        assert_eq!(resolve_algo(None).unwrap(), None);
+        assert!(resolve_algo(Some("no-such-algorithm")).is_err());
+    }
+
+    /// The check accepts exactly what the reference allreduce produces, and catches a wrong
+    /// element, a poisoned buffer and a buffer holding only this rank's input.
+    fn check_catches_errors<T: Element>() {
+        let n = 257;
+        for ranks in [1, 2, 3, 4] {
+            for op in ReduceOp::ALL {
+                let inputs: Vec<Vec<T>> = (0..ranks)
+                    .map(|r| {
+                        let mut v = zeros::<T>(n);
+                        fill(&mut v, r, op, ranks);
+                        v
+                    })
+                    .collect();
+                let mut got = reference::all_reduce(&inputs, op);
+                assert_eq!(count_wrong(&got, op, ranks), 0);
+                let bad = T::from_f64(got[7].to_f64() + 8.0);
+                got[7] = bad;
+                assert_eq!(count_wrong(&got, op, ranks), 1, "{} {op}", T::DTYPE);
+                poison(&mut got);
+                assert!(
+                    count_wrong(&got, op, ranks) > n as u64 / 2,
+                    "{} {op}",
+                    T::DTYPE
+                );
+                if ranks > 1 && op == ReduceOp::Sum {
+                    assert!(count_wrong(&inputs[0], op, ranks) > n as u64 / 2);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn check_in_every_type() {
+        with_element!(DType::Float32, T => check_catches_errors::<T>());
+        for d in DType::ALL {
+            with_element!(d, T => {
+                assert_eq!(T::DTYPE, d);
+                check_catches_errors::<T>();
+            });
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! `chorus-perf`: collective benchmarks for chorus with nccl-tests' options, columns and
+//! conventions (DESIGN.md §1), plus the row format of the peers harness.
+//!
+//! ```text
+//! chorus-perf allreduce --ranks 2 -b 8 -e 256M -f 4          # 2 local ranks, nccl-tests table
+//! torchrun --nproc-per-node 4 chorus-perf allreduce --json   # any launcher, JSON lines
+//! chorus-perf allreduce --format peers -b 8 -e 32M -f 4 -w 2 -n 50 -m 3 -B 256M  # peers rows
+//! ```
+//!
+//! Without `--ranks` the process is one rank of a job the environment describes
+//! (`chorus::Communicator::from_env`); rank 0 prints. See `chorus-perf -h`.
+#![forbid(unsafe_code)]
+
+mod cli;
+mod collective;
+mod data;
+mod launch;
+mod progress;
+mod report;
+mod runner;
+mod sizes;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use chorus::{AllReduceOptions, Communicator, Config};
+
+use crate::cli::{Command, Options, Output, UsageError};
+
+/// Exit status: some element was wrong.
+const EXIT_WRONG: u8 = 1;
+/// Exit status: bad command line or a collective not implemented yet.
+const EXIT_USAGE: u8 = 2;
+/// Exit status: the communicator or a collective failed.
+const EXIT_FAILED: u8 = 3;
+
+fn usage_error(e: &UsageError) -> ExitCode {
+    eprintln!("chorus-perf: {e}\n(chorus-perf -h shows the options)");
+    ExitCode::from(EXIT_USAGE)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = match std::env::args_os()
+        .skip(1)
+        .map(|a| a.into_string())
+        .collect::<Result<_, _>>()
+    {
+        Ok(a) => a,
+        Err(bad) => return usage_error(&UsageError(format!("argument {bad:?} is not UTF-8"))),
+    };
+    let opts = match cli::parse(&args) {
+        Ok(Command::Help) => {
+            print!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Ok(Command::Run(o)) => o,
+        Err(e) => return usage_error(&e),
+    };
+    if !opts.collective.implemented() {
+        eprintln!(
+            "chorus-perf: {} is not implemented yet (available: allreduce)",
+            opts.collective
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
+    // Resolve the names before starting anything, so a typo is reported once.
+    let resolved = (|| {
+        Ok::<_, UsageError>((
+            data::resolve_dtypes(&opts.datatype)?,
+            data::resolve_ops(&opts.op)?,
+            data::resolve_algo(opts.algo.as_deref())?,
+        ))
+    })();
+    let (dtypes, ops, algorithm) = match resolved {
+        Ok(r) => r,
+        Err(e) => return usage_error(&e),
+    };
+
+    if let Some(ranks) = opts.ranks {
+        let child_args = match cli::without_ranks(&args) {
+            Ok(a) => a,
+            Err(e) => return usage_error(&e),
+        };
+        let progress = std::io::stderr().is_terminal() && opts.output != Output::Json;
+        let code = launch::launch(ranks, &child_args, progress);
+        return ExitCode::from(u8::try_from(code).unwrap_or(EXIT_FAILED));
+    }
+
+    let call = AllReduceOptions {
+        algorithm,
+        timeout: None,
+    };
+    run_rank(&opts, dtypes, ops, call)
+}
+
+/// Be one rank of the job the environment describes.
+fn run_rank(
+    opts: &Options,
+    dtypes: Vec<chorus::DType>,
+    ops: Vec<chorus::ReduceOp>,
+    call: AllReduceOptions,
+) -> ExitCode {
+    let mut config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!(
+                "chorus-perf: {e}\n(start it with --ranks N, chorus-run, mpirun, srun or \
+                 torchrun, or set CHORUS_RANK, CHORUS_WORLD_SIZE and CHORUS_ADDR)"
+            );
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    if let Some(t) = opts.timeout {
+        config.timeout = t;
+    }
+    let algorithm_label = match (&call.algorithm, &config.algo) {
+        (Some(a), _) => a.name().to_string(),
+        (None, Some(env)) => format!("auto (CHORUS_ALGO={env})"),
+        (None, None) => "auto".to_string(),
+    };
+    let rank = config.rank;
+    let mut comm = match Communicator::new(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("chorus-perf: rank {rank}: cannot build the communicator: {e}");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let result = runner::Runner::new(&mut comm, opts, dtypes, ops, call, algorithm_label).run();
+    match result {
+        Ok(outcome) if outcome.wrong.unwrap_or(0) > 0 => ExitCode::from(EXIT_WRONG),
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("chorus-perf: rank {rank}: {e}");
+            comm.abort(&format!("chorus-perf on rank {rank} failed: {e}"));
+            ExitCode::from(EXIT_FAILED)
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! What rank 0 prints: the nccl-tests table, JSON lines, or the peers harness's rows.
+//!
+//! Every function here returns text and has no side effect, so the formats are unit-tested.
+
+use std::fmt::Write as _;
+
+/// The figures of one timed run (one size, one of out-of-place / in-place).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measure {
+    /// Timed iterations.
+    pub iters: u64,
+    /// Time of one operation in microseconds (after the `-a` reduction over ranks).
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s (1 GB = 1e9 B).
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements over all ranks; `None` when not checked (`-c 0`).
+    pub wrong: Option<u64>,
+}
+
+impl Measure {
+    /// Figures for `bytes` moved in `seconds` per operation; `factor` converts algbw to busbw.
+    pub fn new(bytes: u64, iters: u64, seconds: f64, factor: f64, wrong: Option<u64>) -> Measure {
+        let algbw = if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
+        Measure {
+            iters,
+            time_us: seconds * 1e6,
+            algbw,
+            busbw: algbw * factor,
+            wrong,
+        }
+    }
+}
+
+/// Which of the two column groups a table shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Groups {
+    /// The out-of-place group.
+    pub out_of_place: bool,
+    /// The in-place group.
+    pub in_place: bool,
+}
+
+/// The key columns of a row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowKey<'a> {
+    /// Bytes per rank (a whole number of elements).
+    pub size: u64,
+    /// Elements.
+    pub count: u64,
+    /// Data type name.
+    pub dtype: &'a str,
+    /// Reduction name (`none` for collectives that do not reduce).
+    pub op: &'a str,
+    /// Root rank, or -1 when the collective has none.
+    pub root: i64,
+}
+
+const GROUP_TITLES: &str = "     time   algbw   busbw #wrong";
+const GROUP_UNITS: &str = "     (us)  (GB/s)  (GB/s)       ";
+
+/// The three header lines above the rows: the group titles, column names and units.
+pub fn table_header(groups: Groups) -> Vec<String> {
+    let mut titles = format!("{:<52}", "#");
+    let mut names = String::from("#       size         count      type   redop    root");
+    let mut units = format!("{:<52}", "#        (B)    (elements)");
+    for (on, title) in [
+        (groups.out_of_place, "out-of-place"),
+        (groups.in_place, "in-place"),
+    ] {
+        if on {
+            let _ = write!(titles, "{title:^32}");
+            names.push_str(GROUP_TITLES);
+            units.push_str(GROUP_UNITS);
+        }
+    }
+    vec![
+        titles.trim_end().to_string(),
+        names,
+        units.trim_end().to_string(),
+    ]
+}
+
+/// A time in microseconds in 7 columns: 2 decimals below 100 us, 1 below 10 ms, none above.
+pub fn format_time_us(t: f64) -> String {
+    if t >= 10_000.0 {
+        format!("{t:7.0}")
+    } else if t >= 100.0 {
+        format!("{t:7.1}")
+    } else {
+        format!("{t:7.2}")
+    }
+}
+
+/// One row of the table, with one [`Measure`] per column group the header shows.
+pub fn table_row(key: &RowKey<'_>, groups: &[Measure]) -> String {
+    let mut row = format!(
+        "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}",
+        key.size, key.count, key.dtype, key.op, key.root
+    );
+    for m in groups {
+        let wrong = m.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string());
+        let _ = write!(
+            row,
+            "  {}  {:6.2}  {:6.2} {:>6}",
+            format_time_us(m.time_us),
+            m.algbw,
+            m.busbw,
+            wrong
+        );
+    }
+    row
+}
+
+/// The footer: out-of-bounds count with OK/FAILED, and the average busbw over every printed
+/// figure (both groups, like nccl-tests).
+pub fn table_footer(total_wrong: Option<u64>, busbw: &[f64]) -> Vec<String> {
+    let wrong = match total_wrong {
+        Some(0) => "0 OK".to_string(),
+        Some(n) => format!("{n} FAILED"),
+        None => "N/A (not checked)".to_string(),
+    };
+    let avg = if busbw.is_empty() {
+        0.0
+    } else {
+        busbw.iter().sum::<f64>() / busbw.len() as f64
+    };
+    vec![
+        format!("# Out of bounds values : {wrong}"),
+        format!("# Avg bus bandwidth    : {avg:.4}"),
+        "#".to_string(),
+    ]
+}
+
+/// The context of a JSON record.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JsonContext<'a> {
+    /// Collective name.
+    pub collective: &'a str,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Algorithm (`auto` when the selector chooses).
+    pub algorithm: &'a str,
+    /// Transport name.
+    pub transport: &'a str,
+}
+
+/// Quote a string for JSON.
+pub fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A JSON number (`null` for NaN and infinities, which JSON cannot hold).
+fn json_number(x: f64, decimals: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.decimals$}")
+    } else {
+        "null".to_string()
+    }
+}
+
+/// One JSON object (no trailing newline) for one size and placement.
+pub fn json_line(ctx: &JsonContext<'_>, key: &RowKey<'_>, inplace: bool, m: &Measure) -> String {
+    let wrong = m
+        .wrong
+        .map_or_else(|| "null".to_string(), |w| w.to_string());
+    format!(
+        "{{\"collective\":{},\"size\":{},\"count\":{},\"type\":{},\"op\":{},\"root\":{},\
+         \"inplace\":{},\"ranks\":{},\"algorithm\":{},\"transport\":{},\"iters\":{},\
+         \"time_us\":{},\"algbw\":{},\"busbw\":{},\"wrong\":{}}}",
+        json_string(ctx.collective),
+        key.size,
+        key.count,
+        json_string(key.dtype),
+        json_string(key.op),
+        key.root,
+        inplace,
+        ctx.ranks,
+        json_string(ctx.algorithm),
+        json_string(ctx.transport),
+        m.iters,
+        json_number(m.time_us, 3),
+        json_number(m.algbw, 6),
+        json_number(m.busbw, 6),
+        wrong
+    )
+}
+
+/// The column header of the peers format (`bench_print_header` of bench_common.h).
+pub fn peers_header() -> String {
+    format!(
+        "#{:>14} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}",
+        "size(B)",
+        "count",
+        "type",
+        "redop",
+        "iters",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong"
+    )
+}
+
+/// One row of the peers format (`bench_print_row` of bench_common.h); an unchecked run
+/// prints 0 wrong, since summarize.py needs a number.
+pub fn peers_row(key: &RowKey<'_>, m: &Measure) -> String {
+    format!(
+        "{:>15} {:>12} {:>6} {:>6} {:>6} {:>12.2} {:>12.4} {:>12.4} {:>8}",
+        key.size,
+        key.count,
+        key.dtype,
+        key.op,
+        m.iters,
+        m.time_us,
+        m.algbw,
+        m.busbw,
+        m.wrong.unwrap_or(0)
+    )
+}
+
+/// Bytes in a human unit for the progress line (`8 B`, `32 KiB`, `1.5 MiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        let div = 1u64 << shift;
+        if bytes >= div {
+            return if bytes % div == 0 {
+                format!("{} {unit}", bytes / div)
+            } else {
+                format!("{:.1} {unit}", bytes as f64 / div as f64)
+            };
+        }
+    }
+    format!("{bytes} B")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOTH: Groups = Groups {
+        out_of_place: true,
+        in_place: true,
+    };
+
+    fn key() -> RowKey<'static> {
+        RowKey {
+            size: 33_554_432,
+            count: 8_388_608,
+            dtype: "float",
+            op: "sum",
+            root: -1,
+        }
+    }
+
+    #[test]
+    fn header_matches_nccl_tests_columns() {
+        let h = table_header(BOTH);
+        assert_eq!(
+            h[1],
+            "#       size         count      type   redop    root     time   algbw   busbw \
+             #wrong     time   algbw   busbw #wrong"
+        );
+        assert_eq!(
+            h[2],
+            concat!(
+                "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)",
+                "            (us)  (GB/s)  (GB/s)"
+            )
+        );
+        assert!(h[0].starts_with('#'));
+        assert_eq!(h[0].find("out-of-place"), Some(62));
+        assert_eq!(h[0].find("in-place"), Some(96));
+        let only_in = table_header(Groups {
+            out_of_place: false,
+            in_place: true,
+        });
+        assert!(!only_in[0].contains("out-of-place"));
+        assert_eq!(only_in[1].matches("#wrong").count(), 1);
+    }
+
+    #[test]
+    fn row_lines_up_with_header() {
+        let m = Measure::new(33_554_432, 20, 0.0125, 1.0, Some(0));
+        let row = table_row(&key(), &[m, m]);
+        let header = &table_header(BOTH)[1];
+        assert_eq!(row.len(), header.len());
+        // every column ends where its header name ends
+        let ends = |s: &str| -> Vec<usize> {
+            let b = s.as_bytes();
+            (1..b.len())
+                .filter(|&i| b[i] != b' ' && !matches!(b.get(i + 1), Some(n) if *n != b' '))
+                .collect()
+        };
+        assert_eq!(ends(header), ends(&row), "\n{header}\n{row}");
+        assert!(row.contains("  12500  "));
+        assert!(row.contains("    2.68    2.68      0"));
+        let unchecked = table_row(&key(), &[Measure::new(8, 1, 1e-5, 1.0, None)]);
+        assert!(unchecked.ends_with("   N/A"));
+    }
+
+    #[test]
+    fn measure_and_time_format() {
+        let m = Measure::new(2_000_000, 10, 0.001, 1.5, None);
+        assert!((m.algbw - 2.0).abs() < 1e-12);
+        assert!((m.busbw - 3.0).abs() < 1e-12);
+        assert!((m.time_us - 1000.0).abs() < 1e-9);
+        assert_eq!(format_time_us(10.594), "  10.59");
+        assert_eq!(format_time_us(738.13), "  738.1");
+        assert_eq!(format_time_us(289206.02), " 289206");
+        assert_eq!(Measure::new(8, 1, 0.0, 1.0, None).algbw, 0.0);
+    }
+
+    #[test]
+    fn footer() {
+        assert_eq!(
+            table_footer(Some(0), &[1.0, 2.0]),
+            vec![
+                "# Out of bounds values : 0 OK",
+                "# Avg bus bandwidth    : 1.5000",
+                "#"
+            ]
+        );
+        assert_eq!(
+            table_footer(Some(3), &[])[0],
+            "# Out of bounds values : 3 FAILED"
+        );
+    }
+
+    #[test]
+    fn json_line_format() {
+        let ctx = JsonContext {
+            collective: "allreduce",
+            ranks: 2,
+            algorithm: "ring",
+            transport: "tcp",
+        };
+        let m = Measure::new(33_554_432, 20, 0.0125, 1.0, Some(0));
+        assert_eq!(
+            json_line(&ctx, &key(), false, &m),
+            "{\"collective\":\"allreduce\",\"size\":33554432,\"count\":8388608,\
+             \"type\":\"float\",\"op\":\"sum\",\"root\":-1,\"inplace\":false,\"ranks\":2,\
+             \"algorithm\":\"ring\",\"transport\":\"tcp\",\"iters\":20,\"time_us\":12500.000,\
+             \"algbw\":2.684355,\"busbw\":2.684355,\"wrong\":0}"
+        );
+        let m = Measure::new(8, 1, 0.0, 1.0, None);
+        let line = json_line(&ctx, &key(), true, &m);
+        assert!(line.contains("\"inplace\":true"));
+        assert!(line.contains("\"wrong\":null"));
+        assert_eq!(json_string("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
+        assert_eq!(json_number(f64::INFINITY, 3), "null");
+    }
+
+    #[test]
+    fn peers_format_matches_bench_common() {
+        // Rows copied from peers/results (printed by bench_print_header / bench_print_row).
+        assert_eq!(
+            peers_header(),
+            "#       size(B)        count   type  redop  iters     time(us)  algbw(GB/s)  \
+             busbw(GB/s)   #wrong"
+        );
+        let m = Measure {
+            iters: 64,
+            time_us: 37150.08,
+            algbw: 0.9032,
+            busbw: 0.9032,
+            wrong: Some(0),
+        };
+        assert_eq!(
+            peers_row(&key(), &m),
+            "       33554432      8388608  float    sum     64     37150.08       0.9032       \
+             0.9032        0"
+        );
+        // summarize.py: 9 fields, the first all digits
+        let row = peers_row(&key(), &m);
+        let parts: Vec<_> = row.split_whitespace().collect();
+        assert_eq!(parts.len(), 9);
+        assert!(parts[0].bytes().all(|b| b.is_ascii_digit()));
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human_bytes(8), "8 B");
+        assert_eq!(human_bytes(32 * 1024), "32 KiB");
+        assert_eq!(human_bytes(256 << 20), "256 MiB");
+        assert_eq!(human_bytes(3 << 19), "1.5 MiB");
+        assert_eq!(human_bytes(2 << 30), "2 GiB");
+    }
+}

@@ -1,0 +1,337 @@
+//! One rank of a benchmark: for every data type, op and size, check the result, time the
+//! collective, and (on rank 0) print the figures.
+//!
+//! Per size and placement:
+//! 1. check (`-c 1`): fill the input with `reference::test_value`s, poison the output, run the
+//!    collective once, count wrong elements against `reference::expected`, sum over ranks;
+//! 2. warm up, barrier, time `iters` back-to-back calls on the same buffers (in place the
+//!    buffer changes every call, as in nccl-tests: timing does not depend on the values);
+//! 3. reduce the time over ranks as `-a` says, derive algbw and busbw, print.
+
+use std::io::Write;
+use std::time::Instant;
+
+use chorus::{AllReduceOptions, CommError, Communicator, DType, Element, ReduceOp};
+
+use crate::cli::{Average, Options, Output};
+use crate::data::{self, with_element};
+use crate::progress::Progress;
+use crate::report::{self, Groups, JsonContext, Measure, RowKey};
+use crate::sizes::{SizePoint, Step};
+
+// Errors are boxed: a `CommError` is large and travels up through every size's loop.
+
+/// What the run found.
+pub struct Outcome {
+    /// Wrong elements over all ranks, sizes, types and ops (`None`: not checked).
+    pub wrong: Option<u64>,
+}
+
+/// A benchmark in progress on one rank.
+pub struct Runner<'a> {
+    comm: &'a mut Communicator,
+    opts: &'a Options,
+    dtypes: Vec<DType>,
+    ops: Vec<ReduceOp>,
+    call: AllReduceOptions,
+    algorithm: String,
+    transport: &'static str,
+    rank: usize,
+    ranks: usize,
+    progress: Progress,
+    /// Sizes done / to do, for the progress line.
+    done: usize,
+    total: usize,
+    wrong: u64,
+    busbw: Vec<f64>,
+}
+
+impl<'a> Runner<'a> {
+    /// Prepare a run; `algorithm_label` is what the header and JSON call the algorithm.
+    pub fn new(
+        comm: &'a mut Communicator,
+        opts: &'a Options,
+        dtypes: Vec<DType>,
+        ops: Vec<ReduceOp>,
+        call: AllReduceOptions,
+        algorithm_label: String,
+    ) -> Runner<'a> {
+        let rank = comm.rank();
+        let ranks = comm.size();
+        let transport = comm.transport_name();
+        let total = ops.len()
+            * dtypes
+                .iter()
+                .map(|d| opts.grid.points(d.size() as u64).len())
+                .sum::<usize>();
+        Runner {
+            comm,
+            opts,
+            dtypes,
+            ops,
+            call,
+            algorithm: algorithm_label,
+            transport,
+            rank,
+            ranks,
+            progress: Progress::for_rank(rank, opts.output == Output::Json),
+            done: 0,
+            total,
+            wrong: 0,
+            busbw: Vec::new(),
+        }
+    }
+
+    /// Print a line on rank 0's stdout (clearing the progress line first).
+    fn print(&self, line: &str) {
+        if self.rank != 0 {
+            return;
+        }
+        self.progress.clear();
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+
+    fn groups(&self) -> Groups {
+        Groups {
+            out_of_place: self.opts.placement.out_of_place,
+            in_place: self.opts.placement.in_place,
+        }
+    }
+
+    fn header(&self) {
+        let o = self.opts;
+        let it = &o.iters;
+        let step = match o.grid.step {
+            Step::Factor(f) => format!("{f}(factor)"),
+            Step::Bytes(b) => format!("{b}(bytes)"),
+        };
+        match o.output {
+            Output::Json => {}
+            Output::Table => {
+                self.print(&format!(
+                    "# chorus-perf: ranks {}, transport {}, algorithm {}, collective {}, \
+                     chorus {}",
+                    self.ranks,
+                    self.transport,
+                    self.algorithm,
+                    o.collective,
+                    chorus::VERSION
+                ));
+                let iters = match it.budget {
+                    None => format!("warmup iters: {} iters: {}", it.warmup, it.iters),
+                    Some(b) => format!(
+                        "warmup iters: <={} iters: {}..{} (budget {b} B per size)",
+                        it.warmup,
+                        it.min_iters,
+                        it.iters.max(it.min_iters)
+                    ),
+                };
+                self.print(&format!(
+                    "#  minBytes {} maxBytes {} step: {step} {iters} validation: {} \
+                     time: {}",
+                    o.grid.min_bytes,
+                    o.grid.max_bytes,
+                    u8::from(o.check),
+                    o.average.describe()
+                ));
+                self.print("#");
+                for line in report::table_header(self.groups()) {
+                    self.print(&line);
+                }
+            }
+            Output::Peers => {
+                let types: Vec<&str> = self.dtypes.iter().map(|d| d.name()).collect();
+                let ops: Vec<&str> = self.ops.iter().map(|o| o.name()).collect();
+                self.print(&format!(
+                    "# chorus-perf: nranks={}  out-of-place {} {}  chorus {} transport={} \
+                     algorithm={} time={}",
+                    self.ranks,
+                    types.join(","),
+                    ops.join(","),
+                    chorus::VERSION,
+                    self.transport,
+                    self.algorithm.replace(' ', "_"),
+                    o.average.describe().replace(' ', "_"),
+                ));
+                self.print(&format!(
+                    "# minbytes={} maxbytes={} factor={} warmup<={} iters=[{},{}] budget={} \
+                     check={}",
+                    o.grid.min_bytes,
+                    o.grid.max_bytes,
+                    match o.grid.step {
+                        Step::Factor(f) => f.to_string(),
+                        Step::Bytes(b) => format!("+{b}"),
+                    },
+                    it.warmup,
+                    if it.budget.is_some() {
+                        it.min_iters
+                    } else {
+                        it.iters
+                    },
+                    it.iters.max(it.min_iters),
+                    it.budget
+                        .map_or_else(|| "none".to_string(), |b| b.to_string()),
+                    u8::from(o.check),
+                ));
+                self.print(&report::peers_header());
+            }
+        }
+    }
+
+    /// Run every type × op × size and print the footer.
+    pub fn run(mut self) -> Result<Outcome, Box<CommError>> {
+        self.header();
+        for d in self.dtypes.clone() {
+            for op in self.ops.clone() {
+                with_element!(d, T => self.run_type::<T>(op))?;
+            }
+        }
+        self.progress.clear();
+        if self.opts.output == Output::Table {
+            let wrong = self.opts.check.then_some(self.wrong);
+            for line in report::table_footer(wrong, &self.busbw) {
+                self.print(&line);
+            }
+        }
+        Ok(Outcome {
+            wrong: self.opts.check.then_some(self.wrong),
+        })
+    }
+
+    fn run_type<T: Element>(&mut self, op: ReduceOp) -> Result<(), Box<CommError>> {
+        let points = self.opts.grid.points(T::DTYPE.size() as u64);
+        let Some(largest) = points.last() else {
+            return Ok(());
+        };
+        let max = usize::try_from(largest.count)
+            .map_err(|_| CommError::invalid("chorus-perf", "size too large for this machine"))?;
+        let place = self.opts.placement;
+        // Out of place reads `send` (never modified, filled once) and writes `recv`;
+        // in place works on `recv` alone.
+        let send = if place.out_of_place {
+            let mut s = data::zeros::<T>(max);
+            data::fill(&mut s, self.rank, op, self.ranks);
+            s
+        } else {
+            Vec::new()
+        };
+        let mut recv = data::zeros::<T>(max);
+        if !self.opts.check {
+            data::fill(&mut recv, self.rank, op, self.ranks);
+        }
+        for p in points {
+            self.done += 1;
+            self.progress.show(&format!(
+                "chorus-perf: [{}/{}] {} {} {}",
+                self.done,
+                self.total,
+                report::human_bytes(p.bytes),
+                T::DTYPE,
+                op
+            ));
+            let n = p.count as usize;
+            let mut measures = Vec::with_capacity(2);
+            if place.out_of_place {
+                let m = self.measure(Some(&send[..n]), &mut recv[..n], op, p)?;
+                measures.push((false, m));
+            }
+            if place.in_place {
+                let m = self.measure(None, &mut recv[..n], op, p)?;
+                measures.push((true, m));
+            }
+            self.report(T::DTYPE, op, p, &measures);
+        }
+        Ok(())
+    }
+
+    /// Check and time one size in one placement (`send` is `None` in place).
+    fn measure<T: Element>(
+        &mut self,
+        send: Option<&[T]>,
+        buf: &mut [T],
+        op: ReduceOp,
+        p: SizePoint,
+    ) -> Result<Measure, Box<CommError>> {
+        let wrong = if self.opts.check {
+            if send.is_some() {
+                data::poison(buf);
+            } else {
+                data::fill(buf, self.rank, op, self.ranks);
+            }
+            self.comm.all_reduce_with(send, buf, op, &self.call)?;
+            let local = data::count_wrong(buf, op, self.ranks);
+            let mut total = [local];
+            self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
+            self.wrong += total[0];
+            Some(total[0])
+        } else {
+            None
+        };
+
+        let (warmup, iters) = self.opts.iters.for_size(p.bytes);
+        for _ in 0..warmup {
+            self.comm.all_reduce_with(send, buf, op, &self.call)?;
+        }
+        self.comm.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            self.comm.all_reduce_with(send, buf, op, &self.call)?;
+        }
+        let local = start.elapsed().as_secs_f64() / iters as f64;
+        let seconds = self.over_ranks(local)?;
+        let factor = self.opts.collective.busbw_factor(self.ranks);
+        Ok(Measure::new(p.bytes, iters, seconds, factor, wrong))
+    }
+
+    /// The time `-a` asks for.
+    fn over_ranks(&mut self, local: f64) -> Result<f64, Box<CommError>> {
+        let op = match self.opts.average {
+            Average::Rank0 => return Ok(local),
+            Average::Mean => ReduceOp::Avg,
+            Average::Min => ReduceOp::Min,
+            Average::Max => ReduceOp::Max,
+        };
+        let mut t = [local];
+        self.comm.all_reduce(&mut t, op)?;
+        Ok(t[0])
+    }
+
+    fn report(&mut self, dtype: DType, op: ReduceOp, p: SizePoint, measures: &[(bool, Measure)]) {
+        let key = RowKey {
+            size: p.bytes,
+            count: p.count,
+            dtype: dtype.name(),
+            op: if self.opts.collective.reduces() {
+                op.name()
+            } else {
+                "none"
+            },
+            root: if self.opts.collective.rooted() { 0 } else { -1 },
+        };
+        match self.opts.output {
+            Output::Table => {
+                let ms: Vec<Measure> = measures.iter().map(|(_, m)| *m).collect();
+                self.busbw.extend(ms.iter().map(|m| m.busbw));
+                self.print(&report::table_row(&key, &ms));
+            }
+            Output::Json => {
+                let ctx = JsonContext {
+                    collective: self.opts.collective.name(),
+                    ranks: self.ranks,
+                    algorithm: &self.algorithm,
+                    transport: self.transport,
+                };
+                for (inplace, m) in measures {
+                    self.print(&report::json_line(&ctx, &key, *inplace, m));
+                }
+            }
+            Output::Peers => {
+                for (_, m) in measures.iter().filter(|(inplace, _)| !inplace) {
+                    self.print(&report::peers_row(&key, m));
+                }
+            }
+        }
+    }
+}

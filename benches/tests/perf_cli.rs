@@ -1,0 +1,131 @@
+//! End-to-end: run the real `chorus-perf` binary (self-launched ranks are real processes
+//! talking TCP on 127.0.0.1) and check its exit status and output formats.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Generous: a watchdog against hangs, not a performance assertion.
+const WATCHDOG: Duration = Duration::from_secs(120);
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn perf(args: &str) -> Run {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-perf"))
+        .args(args.split_whitespace())
+        .env_remove("CHORUS_PERF_PROGRESS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus-perf");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed() > WATCHDOG {
+            let _ = child.kill();
+            panic!("chorus-perf {args}: still running after {WATCHDOG:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        code: status.code(),
+        stdout: out_reader.join().unwrap(),
+        stderr: err_reader.join().unwrap(),
+    }
+}
+
+fn rows(stdout: &str) -> Vec<Vec<&str>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect()
+}
+
+#[test]
+fn usage_errors_and_unimplemented_collectives_exit_2() {
+    let r = perf("allreduce -b 1M -e 1K");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("larger"), "{}", r.stderr);
+    let r = perf("allreduce -d complex --ranks 2");
+    assert_eq!(r.code, Some(2));
+    assert!(r.stderr.contains("-d: unknown dtype"), "{}", r.stderr);
+    let r = perf("broadcast --ranks 2");
+    assert_eq!(r.code, Some(2));
+    assert!(r.stderr.contains("not implemented yet"), "{}", r.stderr);
+    let r = perf("-h");
+    assert_eq!(r.code, Some(0));
+    assert!(r.stdout.contains("--minbytes"));
+}
+
+#[test]
+fn table_of_two_ranks() {
+    let r = perf("allreduce --ranks 2 -e 1K -n 2 -w 1");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.starts_with("# chorus-perf: ranks 2, transport "));
+    assert!(r.stdout.contains("# Out of bounds values : 0 OK"));
+    assert!(r.stdout.contains("# Avg bus bandwidth    : "));
+    let rows = rows(&r.stdout);
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    assert_eq!(sizes, ["8", "16", "32", "64", "128", "256", "512", "1024"]);
+    for row in &rows {
+        // size count type redop root + 2 x (time algbw busbw #wrong)
+        assert_eq!(row.len(), 13, "{row:?}");
+        assert_eq!((row[2], row[3], row[4]), ("float", "sum", "-1"));
+        assert_eq!((row[8], row[12]), ("0", "0"));
+    }
+}
+
+#[test]
+fn peers_rows_follow_bench_common() {
+    let r = perf("allreduce --ranks 2 --format peers -b 8 -e 3K -f 4 -w 2 -n 5 -m 2 -B 4K");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.starts_with("# chorus-perf: nranks=2"));
+    let rows = rows(&r.stdout);
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    // the grid misses -e, so -e itself ends the list
+    assert_eq!(sizes, ["8", "32", "128", "512", "2048", "3072"]);
+    let iters: Vec<&str> = rows.iter().map(|r| r[4]).collect();
+    assert_eq!(iters, ["5", "5", "5", "5", "2", "2"]);
+    for row in &rows {
+        assert_eq!(row.len(), 9, "{row:?}");
+        assert_eq!(row[8], "0");
+    }
+}
+
+#[test]
+fn json_lines_of_three_ranks() {
+    let r = perf("allreduce --ranks 3 --json -d int32 -o max -e 64 -f 8 -n 2 -a 3");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{}", r.stdout);
+    for (i, l) in lines.iter().enumerate() {
+        assert!(
+            l.starts_with("{\"collective\":\"allreduce\",\"size\":"),
+            "{l}"
+        );
+        assert!(l.contains("\"type\":\"int32\",\"op\":\"max\""), "{l}");
+        assert!(l.contains("\"ranks\":3"), "{l}");
+        assert!(l.contains(&format!("\"inplace\":{}", i % 2 == 1)), "{l}");
+        assert!(l.ends_with("\"wrong\":0}"), "{l}");
+    }
+}

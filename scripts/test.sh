@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs every test of chorus: the Rust workspace (unit, conformance, integration, doc tests),
+# plus format and lint checks. Installs what it needs on a fresh Debian machine with Rust.
+#
+#   ./scripts/test.sh            everything
+#   ./scripts/test.sh --quick    skip clippy/fmt (for a fast local loop)
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.."
+
+QUICK=0
+[[ ${1:-} == --quick ]] && QUICK=1
+
+log() { printf '== %s\n' "$*" >&2; }
+
+# System packages the tests use (C compiler for C tests, iproute2 for namespace tests).
+need=()
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v ip >/dev/null || need+=(iproute2)
+if [[ ${#need[@]} -gt 0 ]]; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        log "installing ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+        echo "missing packages: ${need[*]} (install them, or run as root on Debian)" >&2
+    fi
+fi
+
+if [[ $QUICK == 0 ]]; then
+    log "cargo fmt --check"
+    cargo fmt --all -- --check
+    log "cargo clippy"
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+fi
+
+log "cargo test"
+# Integration tests spawn processes and thread groups; one test binary at a time keeps the
+# 2-core CI machine from oversubscribing, tests inside a binary still run in parallel.
+cargo test --workspace -- --test-threads=2
+
+log "all tests passed"

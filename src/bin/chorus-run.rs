@@ -1,0 +1,640 @@
+//! `chorus-run`: start the ranks of a chorus job on this machine.
+//!
+//! ```text
+//! chorus-run -n 4 -- python train.py --epochs 3
+//! ```
+//!
+//! starts four copies of the command, each with the environment chorus reads
+//! (`CHORUS_RANK`, `CHORUS_WORLD_SIZE`, `CHORUS_LOCAL_RANK`, `CHORUS_LOCAL_SIZE`, `CHORUS_ADDR`,
+//! `CHORUS_TOKEN`) and, so that a PyTorch program runs unchanged, torchrun's variables (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+//! `CHORUS_ADDR` and `MASTER_PORT` name two different free ports: rank 0 hosts chorus's
+//! rendezvous store on the first, torch's own store may use the second.
+//!
+//! Every line a rank writes is prefixed with `[rank] ` (stdout to our stdout, stderr to our
+//! stderr). When a rank fails (non-zero exit or a signal) the others get a short grace period
+//! to exit on their own and are then killed; `chorus-run` exits with the failing rank's code
+//! (128 + signal number for a signal). `--timeout` bounds the whole job (exit code 124).
+//!
+//! Limits, all because this binary uses only safe `std`:
+//! - Killing is `SIGKILL` to each rank's own process. A background process a rank started
+//!   (for example the command of `sh -c 'cmd; other'`) is not killed with it; use `exec` in
+//!   wrapper scripts. Such a survivor can also keep a rank's output pipe open: once all ranks
+//!   have exited, `chorus-run` waits only [`DRAIN_GRACE`] for their output to end.
+//! - Signals are not forwarded. The ranks stay in `chorus-run`'s process group, so Ctrl-C in
+//!   a terminal reaches all of them directly; a `SIGTERM` sent to `chorus-run` alone ends it
+//!   without stopping the ranks.
+#![forbid(unsafe_code)]
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How often the wait loop polls the ranks.
+const POLL_INTERVAL: Duration = Duration::from_millis(5);
+/// After one rank failed, how long the others may take to exit on their own (a chorus rank
+/// usually notices a lost peer quickly and reports it) before they are killed.
+const KILL_GRACE: Duration = Duration::from_millis(250);
+/// After every rank has exited, how long to wait for their output pipes to reach end of file.
+const DRAIN_GRACE: Duration = Duration::from_secs(1);
+/// A line longer than this is passed on in pieces of this size, each with its own prefix.
+const MAX_LINE: usize = 64 * 1024;
+/// Largest accepted `-n`.
+const MAX_RANKS: usize = 4096;
+/// Root host used with `--netns-prefix` (the first host of the namespace testbed).
+const NETNS_ROOT_HOST: &str = "10.77.0.1";
+/// Exit code for a job stopped by `--timeout` (the code `timeout(1)` uses).
+const EXIT_TIMEOUT: i32 = 124;
+/// Exit code for a bad command line.
+const EXIT_USAGE: i32 = 2;
+
+const USAGE: &str = "\
+Usage: chorus-run [OPTIONS] -n N [--] CMD [ARGS...]
+
+Start N ranks of CMD on this machine with the environment chorus (and torchrun-style
+programs) read, prefix their output with the rank, and stop the job when a rank fails.
+
+Options:
+  -n, -np, --nproc N    number of ranks to start (1..=4096; required)
+      --addr HOST:PORT  rendezvous root address given to the ranks as CHORUS_ADDR
+                        (default: 127.0.0.1 and a free port; see --netns-prefix)
+      --token T         shared secret given as CHORUS_TOKEN
+                        (default: 32 fresh random hex digits from /dev/urandom)
+      --timeout SECS    kill the whole job after SECS seconds and exit with 124
+      --env K=V         extra variable for every rank (repeatable; wins over ours)
+      --no-prefix       pass the ranks' output through unchanged
+      --netns-prefix P  run rank r as `ip netns exec P<r+1> CMD...` (the namespace testbed:
+                        one emulated host per rank); CHORUS_ADDR then defaults to
+                        10.77.0.1:PORT and every rank is LOCAL_RANK 0 of LOCAL_SIZE 1
+  -h, --help            print this help
+      --version         print the version
+
+Each rank r gets CHORUS_RANK=r CHORUS_WORLD_SIZE=N CHORUS_LOCAL_RANK=r CHORUS_LOCAL_SIZE=N
+CHORUS_ADDR CHORUS_TOKEN, and RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR
+MASTER_PORT (a second free port, for torch's own store). Stdin goes to rank 0 only.
+
+Exit status: 0 if every rank succeeded; else the first failing rank's exit code
+(128 + signal number if it was killed by a signal); 124 on --timeout; 2 for a bad
+command line; 127 (126) if CMD could not be found (executed).
+Ctrl-C reaches all ranks directly (they share chorus-run's process group); other
+signals are not forwarded.
+";
+
+/// What the command line asked for.
+#[derive(Debug, Default)]
+struct Options {
+    /// Number of ranks.
+    nproc: usize,
+    /// `--addr`.
+    addr: Option<String>,
+    /// `--token`.
+    token: Option<String>,
+    /// `--timeout`.
+    timeout: Option<Duration>,
+    /// `--no-prefix`.
+    no_prefix: bool,
+    /// `--netns-prefix`.
+    netns_prefix: Option<String>,
+    /// `--env K=V`, in order.
+    extra_env: Vec<(String, String)>,
+    /// The command and its arguments.
+    command: Vec<OsString>,
+}
+
+/// Outcome of parsing the command line.
+enum Parsed {
+    /// Run a job.
+    Run(Options),
+    /// Print this text to stdout and exit 0 (`--help`, `--version`).
+    Print(String),
+}
+
+/// Parses the arguments after the program name. Errors are one-line messages for the user.
+fn parse_args(args: Vec<OsString>) -> Result<Parsed, String> {
+    let mut opts = Options::default();
+    let mut nproc: Option<usize> = None;
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let Some(text) = arg.to_str() else {
+            // Not an option (all options are ASCII): the command starts here.
+            opts.command.push(arg);
+            break;
+        };
+        if text == "--" {
+            break;
+        }
+        if !text.starts_with('-') || text == "-" {
+            opts.command.push(arg);
+            break;
+        }
+        // `--name=value` is accepted for the long options that take a value.
+        let (name, inline) = match text.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
+            _ => (text.to_string(), None),
+        };
+        let mut value = |what: &str| -> Result<String, String> {
+            if let Some(v) = inline.clone() {
+                return Ok(v);
+            }
+            match args.next() {
+                Some(v) => v
+                    .into_string()
+                    .map_err(|_| format!("{name}: {what} is not valid UTF-8")),
+                None => Err(format!("{name} needs {what}")),
+            }
+        };
+        match name.as_str() {
+            "-h" | "--help" => return Ok(Parsed::Print(USAGE.to_string())),
+            "--version" => {
+                return Ok(Parsed::Print(format!(
+                    "chorus-run {}\n",
+                    env!("CARGO_PKG_VERSION")
+                )))
+            }
+            "-n" | "-np" | "--nproc" => nproc = Some(parse_nproc(&value("a number of ranks")?)?),
+            "--addr" => opts.addr = Some(parse_addr(&value("HOST:PORT")?)?),
+            "--token" => {
+                let token = value("a token")?;
+                if token.is_empty() {
+                    return Err("--token must not be empty".into());
+                }
+                opts.token = Some(token);
+            }
+            "--timeout" => opts.timeout = Some(parse_timeout(&value("SECS")?)?),
+            "--no-prefix" => opts.no_prefix = true,
+            "--netns-prefix" => {
+                let prefix = value("a namespace prefix")?;
+                if prefix.is_empty() {
+                    return Err("--netns-prefix must not be empty".into());
+                }
+                opts.netns_prefix = Some(prefix);
+            }
+            "--env" => {
+                let kv = value("K=V")?;
+                match kv.split_once('=') {
+                    Some((k, v)) if !k.is_empty() => {
+                        opts.extra_env.push((k.to_string(), v.to_string()))
+                    }
+                    _ => return Err(format!("--env expects K=V, got {kv:?}")),
+                }
+            }
+            _ => {
+                // `-n4` / `-np4`: glued short forms.
+                if let Some(n) = text.strip_prefix("-np").or_else(|| text.strip_prefix("-n")) {
+                    if n.bytes().all(|b| b.is_ascii_digit()) {
+                        nproc = Some(parse_nproc(n)?);
+                        continue;
+                    }
+                }
+                return Err(format!("unknown option {text:?}"));
+            }
+        }
+    }
+    opts.command.extend(args);
+    opts.nproc = nproc.ok_or("the number of ranks is required: -n N")?;
+    if opts.command.is_empty() {
+        return Err("no command given: chorus-run -n N -- CMD [ARGS...]".into());
+    }
+    Ok(Parsed::Run(opts))
+}
+
+/// Parses `-n`: 1..=[`MAX_RANKS`].
+fn parse_nproc(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if (1..=MAX_RANKS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "-n expects a number of ranks in 1..={MAX_RANKS}, got {text:?}"
+        )),
+    }
+}
+
+/// Checks `HOST:PORT` (IPv6 as `[addr]:port`) and returns it unchanged.
+fn parse_addr(text: &str) -> Result<String, String> {
+    match text.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0) => {
+            Ok(text.to_string())
+        }
+        _ => Err(format!(
+            "--addr expects HOST:PORT with a port in 1..=65535, got {text:?}"
+        )),
+    }
+}
+
+/// Parses `--timeout`: a positive number of seconds, fractions allowed.
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    match text.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs.is_finite() && secs < 1e9 => {
+            Ok(Duration::from_secs_f64(secs))
+        }
+        _ => Err(format!(
+            "--timeout expects a positive number of seconds, got {text:?}"
+        )),
+    }
+}
+
+/// The host part of `HOST:PORT`, without IPv6 brackets (the form `MASTER_ADDR` takes).
+fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+/// Two distinct TCP ports that were free on 127.0.0.1 a moment ago (both are bound at
+/// once, so they differ, then released for the ranks to use).
+fn free_ports() -> io::Result<(u16, u16)> {
+    let a = TcpListener::bind("127.0.0.1:0")?;
+    let b = TcpListener::bind("127.0.0.1:0")?;
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+}
+
+/// 16 bytes from `/dev/urandom` as 32 lowercase hex digits.
+fn random_token() -> io::Result<String> {
+    let mut bytes = [0u8; 16];
+    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The environment of one rank, in the order it is applied (later entries win).
+fn rank_env(
+    opts: &Options,
+    rank: usize,
+    root_addr: &str,
+    master_port: u16,
+    token: &str,
+) -> Vec<(String, String)> {
+    let size = opts.nproc;
+    // In the namespace testbed every rank is an emulated host of its own.
+    let (local_rank, local_size) = if opts.netns_prefix.is_some() {
+        (0, 1)
+    } else {
+        (rank, size)
+    };
+    let mut env = vec![
+        ("CHORUS_RANK".to_string(), rank.to_string()),
+        ("CHORUS_WORLD_SIZE".to_string(), size.to_string()),
+        ("CHORUS_LOCAL_RANK".to_string(), local_rank.to_string()),
+        ("CHORUS_LOCAL_SIZE".to_string(), local_size.to_string()),
+        ("CHORUS_ADDR".to_string(), root_addr.to_string()),
+        ("CHORUS_TOKEN".to_string(), token.to_string()),
+        ("RANK".to_string(), rank.to_string()),
+        ("WORLD_SIZE".to_string(), size.to_string()),
+        ("LOCAL_RANK".to_string(), local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE".to_string(), local_size.to_string()),
+        ("MASTER_ADDR".to_string(), host_of(root_addr).to_string()),
+        ("MASTER_PORT".to_string(), master_port.to_string()),
+    ];
+    env.extend(opts.extra_env.iter().cloned());
+    env
+}
+
+/// Copies `input` to `output` line by line, each line prefixed with `prefix`. A final line
+/// without a newline gets one; a line longer than [`MAX_LINE`] is passed on in pieces. Bytes
+/// are not decoded. Write errors (our output closed) are ignored, but the input is still
+/// drained so that the rank never blocks on a full pipe. Returns at end of input.
+fn prefix_lines(input: impl Read, prefix: &[u8], output: &dyn Fn(&[u8])) {
+    let mut reader = BufReader::with_capacity(MAX_LINE, input);
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(prefix);
+    let emit = |line: &mut Vec<u8>| {
+        if line.last() != Some(&b'\n') {
+            line.push(b'\n');
+        }
+        output(line);
+        line.truncate(prefix.len());
+    };
+    loop {
+        let chunk = match reader.fill_buf() {
+            Ok([]) => break,
+            Ok(chunk) => chunk,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        let room = MAX_LINE - (line.len() - prefix.len());
+        let window = &chunk[..chunk.len().min(room)];
+        let (taken, complete) = match window.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (window.len(), window.len() == room),
+        };
+        line.extend_from_slice(&window[..taken]);
+        reader.consume(taken);
+        if complete {
+            emit(&mut line);
+        }
+    }
+    if line.len() > prefix.len() {
+        emit(&mut line);
+    }
+}
+
+/// Writes one whole line to our stdout (under its lock, so lines of ranks never mix).
+fn to_stdout(line: &[u8]) {
+    let mut out = io::stdout().lock();
+    let _ = out.write_all(line).and_then(|()| out.flush());
+}
+
+/// Writes one whole line to our stderr.
+fn to_stderr(line: &[u8]) {
+    let _ = io::stderr().lock().write_all(line);
+}
+
+/// One started rank.
+struct Rank {
+    child: Child,
+    /// Exit status once reaped.
+    status: Option<ExitStatus>,
+}
+
+/// How a failed rank's status maps to our exit code and a description.
+fn describe(status: ExitStatus) -> (i32, String) {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => (code, format!("exited with status {code}")),
+        (None, Some(sig)) => (128 + sig, format!("was killed by signal {sig}")),
+        _ => (1, format!("ended with {status}")),
+    }
+}
+
+/// `"1 rank"` / `"3 ranks"`.
+fn ranks(n: usize) -> String {
+    if n == 1 {
+        "1 rank".to_string()
+    } else {
+        format!("{n} ranks")
+    }
+}
+
+fn main() {
+    let opts = match parse_args(std::env::args_os().skip(1).collect()) {
+        Ok(Parsed::Run(opts)) => opts,
+        Ok(Parsed::Print(text)) => {
+            print!("{text}");
+            return;
+        }
+        Err(msg) => {
+            eprintln!("chorus-run: {msg} (see chorus-run --help)");
+            std::process::exit(EXIT_USAGE);
+        }
+    };
+    std::process::exit(run(&opts));
+}
+
+/// Runs the job and returns our exit code.
+fn run(opts: &Options) -> i32 {
+    let (chorus_port, master_port) = match free_ports() {
+        Ok(ports) => ports,
+        Err(e) => {
+            eprintln!("chorus-run: cannot find a free TCP port on 127.0.0.1: {e}");
+            return 1;
+        }
+    };
+    let root_addr = match (&opts.addr, &opts.netns_prefix) {
+        (Some(addr), _) => addr.clone(),
+        (None, Some(_)) => format!("{NETNS_ROOT_HOST}:{chorus_port}"),
+        (None, None) => format!("127.0.0.1:{chorus_port}"),
+    };
+    let token = match &opts.token {
+        Some(t) => t.clone(),
+        None => match random_token() {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("chorus-run: cannot read /dev/urandom for a token: {e}");
+                return 1;
+            }
+        },
+    };
+
+    // Start the ranks, each with reader threads that report to `drained` when done.
+    let (drained_tx, drained) = mpsc::channel::<()>();
+    let mut readers = 0usize;
+    let mut started: Vec<Rank> = Vec::with_capacity(opts.nproc);
+    for rank in 0..opts.nproc {
+        let mut cmd = match &opts.netns_prefix {
+            Some(prefix) => {
+                let mut c = Command::new("ip");
+                c.arg("netns")
+                    .arg("exec")
+                    .arg(format!("{prefix}{}", rank + 1));
+                c.args(&opts.command);
+                c
+            }
+            None => {
+                let mut c = Command::new(&opts.command[0]);
+                c.args(&opts.command[1..]);
+                c
+            }
+        };
+        cmd.envs(rank_env(opts, rank, &root_addr, master_port, &token));
+        cmd.stdin(if rank == 0 {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        });
+        if !opts.no_prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                let program = cmd.get_program().to_string_lossy().into_owned();
+                eprintln!("chorus-run: cannot start rank {rank} ({program}): {e}");
+                for r in &mut started {
+                    let _ = r.child.kill();
+                    let _ = r.child.wait();
+                }
+                return match e.kind() {
+                    io::ErrorKind::NotFound => 127,
+                    _ => 126,
+                };
+            }
+        };
+        let prefix = format!("[{rank}] ").into_bytes();
+        if let Some(out) = child.stdout.take() {
+            let (tx, prefix) = (drained_tx.clone(), prefix.clone());
+            readers += 1;
+            thread::spawn(move || {
+                prefix_lines(out, &prefix, &to_stdout);
+                let _ = tx.send(());
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let tx = drained_tx.clone();
+            readers += 1;
+            thread::spawn(move || {
+                prefix_lines(err, &prefix, &to_stderr);
+                let _ = tx.send(());
+            });
+        }
+        started.push(Rank {
+            child,
+            status: None,
+        });
+    }
+    drop(drained_tx);
+
+    let code = wait_all(&mut started, opts.timeout);
+
+    // Let the readers pass on what the ranks wrote last; do not hang on a pipe that a
+    // surviving background process of some rank still holds open.
+    let drain_deadline = Instant::now() + DRAIN_GRACE;
+    for _ in 0..readers {
+        let left = drain_deadline.saturating_duration_since(Instant::now());
+        if drained.recv_timeout(left).is_err() {
+            eprintln!(
+                "chorus-run: output of some rank is still open after all ranks exited \
+                 (a background process of a rank survives it); not waiting for it"
+            );
+            break;
+        }
+    }
+    code
+}
+
+/// Waits for every rank; stops the job on the first failure or at the timeout. Returns our
+/// exit code.
+fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
+    let start = Instant::now();
+    let mut exit_code = 0;
+    let mut failed = false;
+    // When set, the ranks still running are killed at this instant.
+    let mut kill_at: Option<Instant> = None;
+    loop {
+        for (rank, r) in ranks_.iter_mut().enumerate() {
+            if r.status.is_some() {
+                continue;
+            }
+            let status = match r.child.try_wait() {
+                Ok(Some(status)) => status,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("chorus-run: cannot wait for rank {rank}: {e}; killing it");
+                    let _ = r.child.kill();
+                    match r.child.wait() {
+                        Ok(status) => status,
+                        Err(_) => ExitStatus::from_raw(1 << 8),
+                    }
+                }
+            };
+            r.status = Some(status);
+            if status.success() || kill_at.is_some_and(|t| Instant::now() >= t) {
+                continue;
+            }
+            let (code, what) = describe(status);
+            if failed {
+                // Another rank failed on its own during the grace period.
+                eprintln!("chorus-run: rank {rank} {what}");
+                continue;
+            }
+            failed = true;
+            exit_code = code;
+            let running = ranks_running(ranks_);
+            if running == 0 {
+                eprintln!("chorus-run: rank {rank} {what}");
+            } else if running == 1 {
+                eprintln!("chorus-run: rank {rank} {what} (killing the other rank)");
+            } else {
+                eprintln!("chorus-run: rank {rank} {what} (killing the other {running} ranks)");
+            }
+            kill_at = Some(Instant::now() + KILL_GRACE);
+            // `ranks_` is borrowed by the loop; re-enter it to reap the rest.
+            break;
+        }
+        let running = ranks_running(ranks_);
+        if running == 0 {
+            return exit_code;
+        }
+        let now = Instant::now();
+        if let Some(limit) = timeout {
+            if !failed && now.duration_since(start) >= limit {
+                eprintln!(
+                    "chorus-run: timeout: the job ran longer than {} s (--timeout); \
+                     killing the {} still running",
+                    limit.as_secs_f64(),
+                    ranks(running)
+                );
+                failed = true;
+                exit_code = EXIT_TIMEOUT;
+                kill_at = Some(now);
+            }
+        }
+        if kill_at.is_some_and(|t| now >= t) {
+            for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
+                let _ = r.child.kill();
+            }
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Number of ranks not yet reaped.
+fn ranks_running(ranks_: &[Rank]) -> usize {
+    ranks_.iter().filter(|r| r.status.is_none()).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect(input: &[u8]) -> Vec<u8> {
+        let out = std::cell::RefCell::new(Vec::new());
+        prefix_lines(input, b"[7] ", &|line| {
+            out.borrow_mut().extend_from_slice(line)
+        });
+        out.into_inner()
+    }
+
+    #[test]
+    fn prefixes_lines_and_terminates_the_last() {
+        assert_eq!(collect(b""), b"");
+        assert_eq!(collect(b"a\n\nb"), b"[7] a\n[7] \n[7] b\n");
+        assert_eq!(collect(b"\xff\xfe\n"), b"[7] \xff\xfe\n");
+    }
+
+    #[test]
+    fn splits_overlong_lines() {
+        let long = vec![b'x'; MAX_LINE + 10];
+        let out = collect(&long);
+        let lines: Vec<&[u8]> = out.split(|&b| b == b'\n').collect();
+        assert_eq!(lines.len(), 3); // two pieces and the empty tail
+        assert_eq!(lines[0].len(), 4 + MAX_LINE);
+        assert_eq!(lines[1].len(), 4 + 10);
+    }
+
+    #[test]
+    fn parses_the_command_line() {
+        let args = |s: &[&str]| s.iter().map(OsString::from).collect::<Vec<_>>();
+        let Ok(Parsed::Run(o)) = parse_args(args(&[
+            "-np",
+            "3",
+            "--env=A=b=c",
+            "--timeout",
+            "0.5",
+            "--",
+            "echo",
+            "-n",
+        ])) else {
+            panic!("should parse");
+        };
+        assert_eq!(o.nproc, 3);
+        assert_eq!(o.extra_env, vec![("A".into(), "b=c".into())]);
+        assert_eq!(o.timeout, Some(Duration::from_millis(500)));
+        assert_eq!(o.command, args(&["echo", "-n"]));
+        assert!(matches!(parse_args(args(&["-n4", "true"])), Ok(Parsed::Run(o)) if o.nproc == 4));
+        assert!(parse_args(args(&["true"])).is_err());
+        assert!(parse_args(args(&["-n", "0", "true"])).is_err());
+        assert!(parse_args(args(&["-n", "2"])).is_err());
+        assert!(parse_args(args(&["--addr", "nohost", "-n", "2", "true"])).is_err());
+        assert!(parse_args(args(&["--bogus", "-n", "2", "true"])).is_err());
+    }
+
+    #[test]
+    fn master_addr_is_the_bare_host() {
+        assert_eq!(host_of("10.0.0.1:29500"), "10.0.0.1");
+        assert_eq!(host_of("[::1]:29500"), "::1");
+    }
+}

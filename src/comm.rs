@@ -1,0 +1,540 @@
+//! The communicator users hold.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use chorus_algorithms::allreduce::{self, Algorithm};
+use chorus_algorithms::{CollCtx, DType, Element, ReduceOp};
+use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
+use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
+
+use crate::config::Config;
+use crate::error::{CommError, ErrorKind};
+use crate::log::{self, Level};
+
+/// Per-call options of an allreduce.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AllReduceOptions {
+    /// Force an algorithm (`None`: the selector decides).
+    pub algorithm: Option<Algorithm>,
+    /// Override the communicator's timeout for this call.
+    pub timeout: Option<Duration>,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Collectives must be called by every rank in the same order with matching arguments (count,
+/// dtype, op); a mismatch is detected and reported as [`ErrorKind::Mismatch`] on the ranks that
+/// see it. Errors of the bad-argument kind leave the communicator usable; any error involving a
+/// peer (lost, timed out, misbehaving) makes it unusable: this rank tells its peers (so they fail
+/// fast, naming the rank at fault) and every later call fails.
+pub struct Communicator {
+    rank: usize,
+    size: usize,
+    config: Config,
+    transport: Box<dyn Transport>,
+    _rendezvous: Option<Rendezvous>,
+    seq: u32,
+    scratch: Vec<u8>,
+    broken: Option<String>,
+}
+
+/// What a collective is, in the tag of its messages (bits 24..32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum CollKind {
+    AllReduce = 1,
+    Barrier = 2,
+}
+
+impl CollKind {
+    fn name(code: u64) -> &'static str {
+        match code {
+            1 => "all_reduce",
+            2 => "barrier",
+            _ => "unknown collective",
+        }
+    }
+}
+
+/// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32),
+/// per-communicator collective sequence number (32..64).
+fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> u64 {
+    ((seq as u64) << 32)
+        | ((kind as u64) << 24)
+        | (((op as i32 as u64) & 0xf) << 20)
+        | (((dtype as i32 as u64) & 0xf) << 16)
+}
+
+fn describe_tag(tag: u64) -> String {
+    let dtype = DType::from_i32(((tag >> 16) & 0xf) as i32).map_or("?", |d| d.name());
+    let op = ReduceOp::from_i32(((tag >> 20) & 0xf) as i32).map_or("?", |o| o.name());
+    format!(
+        "{} #{} ({dtype}, {op}, step {})",
+        CollKind::name((tag >> 24) & 0xff),
+        tag >> 32,
+        tag & 0xffff
+    )
+}
+
+/// A group of one: every collective is local.
+struct Lone;
+
+impl Transport for Lone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn name(&self) -> &'static str {
+        "none"
+    }
+    fn post(&mut self, req: &mut Request) -> chorus_transport::Result<()> {
+        Err(TransportError::InvalidArgument(format!(
+            "peer {} in a group of one",
+            req.peer()
+        )))
+    }
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], _wait: Wait) -> chorus_transport::Result<bool> {
+        if ops.is_empty() {
+            Ok(true)
+        } else {
+            Err(TransportError::InvalidArgument(
+                "no peers in a group of one".into(),
+            ))
+        }
+    }
+    fn abort(&mut self, _notice: &AbortNotice) {}
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, CommError> {
+    let mut addrs = addr.to_socket_addrs().map_err(|e| {
+        CommError::invalid("init", format!("cannot resolve root address {addr:?}: {e}"))
+    })?;
+    let all: Vec<SocketAddr> = addrs.by_ref().collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| all.first())
+        .copied()
+        .ok_or_else(|| {
+            CommError::invalid("init", format!("root address {addr:?} resolves to nothing"))
+        })
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, CommError> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => {
+            v.trim().parse().map(Some).map_err(|_| {
+                CommError::invalid("init", format!("{name}={v:?} is not a valid value"))
+            })
+        }
+        _ => Ok(None),
+    }
+}
+
+impl Communicator {
+    /// Build from the environment (see [`Config::from_env`]).
+    pub fn from_env() -> Result<Communicator, CommError> {
+        Communicator::new(Config::from_env()?)
+    }
+
+    /// Build from an explicit configuration: rendezvous, then a full mesh of connections.
+    pub fn new(config: Config) -> Result<Communicator, CommError> {
+        let (rank, size) = (config.rank, config.size);
+        let fail = |e: CommError| e.at_rank(rank);
+        if size == 0 || rank >= size {
+            return Err(fail(CommError::invalid(
+                "init",
+                format!("rank {rank} is not in 0..{size}"),
+            )));
+        }
+        match config
+            .transport
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("") | Some("tcp") | Some("auto") => {}
+            Some("shm") => return Err(fail(CommError::new(
+                ErrorKind::Unsupported,
+                "init",
+                "CHORUS_TRANSPORT=shm: the shared-memory transport is not available in this build",
+            ))),
+            Some(other) => {
+                return Err(fail(CommError::invalid(
+                    "init",
+                    format!("CHORUS_TRANSPORT={other:?}: expected tcp or shm"),
+                )))
+            }
+        }
+        if let Some(a) = &config.algo {
+            parse_algo_override(a).map_err(fail)?;
+        }
+        let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
+            (Box::new(Lone), None)
+        } else {
+            let root = resolve(&config.root_addr).map_err(fail)?;
+            let listen_ip = chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
+                .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            let mut tcp_opts = TcpOptions::default();
+            if let Some(us) = env_parse::<u64>("CHORUS_TCP_SPIN_US").map_err(fail)? {
+                tcp_opts.spin = Duration::from_micros(us);
+            }
+            tcp_opts.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER").map_err(fail)?;
+            let opts = MeshOptions {
+                rank,
+                size,
+                store_addr: root,
+                token: config.token.clone().unwrap_or_default().into_bytes(),
+                listen_ip,
+                host_store: config.hosts_store(),
+                timeout: config.init_timeout,
+                tcp: tcp_opts,
+            };
+            if config.token.is_none() && rank == 0 {
+                log::log(
+                    Level::Info,
+                    Some(rank),
+                    format_args!(
+                        "CHORUS_TOKEN is not set: connections are checked, not authenticated"
+                    ),
+                );
+            }
+            let (t, r) =
+                tcp::connect(&opts).map_err(|e| fail(CommError::from_transport("init", e)))?;
+            log::log(
+                Level::Info,
+                Some(rank),
+                format_args!(
+                    "connected {size} ranks over tcp, listening on {}, communicator {:#x}",
+                    r.addrs[rank], r.comm_id
+                ),
+            );
+            (Box::new(t), Some(r))
+        };
+        Ok(Communicator {
+            rank,
+            size,
+            config,
+            transport,
+            _rendezvous: rendezvous,
+            seq: 0,
+            scratch: Vec::new(),
+            broken: None,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Name of the transport in use ("tcp"; "none" for a group of one).
+    pub fn transport_name(&self) -> &'static str {
+        self.transport.name()
+    }
+
+    /// Whether the communicator can still run collectives.
+    pub fn is_usable(&self) -> bool {
+        self.broken.is_none()
+    }
+
+    /// The algorithm an allreduce of `bytes` bytes would use with default options.
+    pub fn selected_algorithm(&self, bytes: usize) -> Algorithm {
+        let _ = bytes;
+        self.config
+            .algo
+            .as_deref()
+            .and_then(|a| parse_algo_override(a).ok().flatten())
+            .unwrap_or(Algorithm::Ring)
+    }
+
+    /// In-place allreduce: every rank ends with the reduction of everyone's `buf`.
+    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_with(None, buf, op, &AllReduceOptions::default())
+    }
+
+    /// Out-of-place allreduce: `recv` gets the reduction of everyone's `send`.
+    pub fn all_reduce_into<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.all_reduce_with(Some(send), recv, op, &AllReduceOptions::default())
+    }
+
+    /// Allreduce with options; in place when `send` is `None`.
+    pub fn all_reduce_with<T: Element>(
+        &mut self,
+        send: Option<&[T]>,
+        recv: &mut [T],
+        op: ReduceOp,
+        opts: &AllReduceOptions,
+    ) -> Result<(), CommError> {
+        let send = send.map(bytemuck::cast_slice::<T, u8>);
+        self.all_reduce_raw(send, bytemuck::cast_slice_mut(recv), T::DTYPE, op, opts)
+    }
+
+    /// Allreduce on raw bytes holding elements of `dtype` (the C ABI's entry point).
+    pub fn all_reduce_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        opts: &AllReduceOptions,
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_reduce";
+        self.check_usable(OP)?;
+        if recv.len() % dtype.size() != 0 {
+            return Err(CommError::invalid(
+                OP,
+                format!(
+                    "buffer of {} bytes is not a whole number of {} elements",
+                    recv.len(),
+                    dtype.name()
+                ),
+            )
+            .at_rank(self.rank));
+        }
+        if let Some(s) = send {
+            if s.len() != recv.len() {
+                return Err(CommError::invalid(
+                    OP,
+                    format!(
+                        "send buffer has {} bytes, receive buffer {}",
+                        s.len(),
+                        recv.len()
+                    ),
+                )
+                .at_rank(self.rank));
+            }
+        }
+        let algorithm = match opts.algorithm {
+            Some(a) => a,
+            None => self.selected_algorithm(recv.len()),
+        };
+        let timeout = opts.timeout.unwrap_or(self.config.timeout);
+        let tag = tag_base(self.next_seq(), CollKind::AllReduce, dtype, op);
+        log::log(
+            Level::Trace,
+            Some(self.rank),
+            format_args!(
+                "all_reduce {} x {} {} with {}",
+                recv.len() / dtype.size(),
+                dtype.name(),
+                op.name(),
+                algorithm.name()
+            ),
+        );
+        let mut ctx = CollCtx {
+            transport: &mut *self.transport,
+            deadline: Instant::now() + timeout,
+            tag_base: tag,
+            scratch: &mut self.scratch,
+        };
+        let r = allreduce::run(algorithm, &mut ctx, send, recv, dtype, op);
+        r.map_err(|e| self.fail(OP, e))
+    }
+
+    /// Block until every rank reached the barrier.
+    pub fn barrier(&mut self) -> Result<(), CommError> {
+        const OP: &str = "barrier";
+        self.check_usable(OP)?;
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::Barrier,
+            DType::Uint8,
+            ReduceOp::Max,
+        );
+        let mut b = [0u8; 1];
+        let mut ctx = CollCtx {
+            transport: &mut *self.transport,
+            deadline: Instant::now() + self.config.timeout,
+            tag_base: tag,
+            scratch: &mut self.scratch,
+        };
+        let r = allreduce::run(
+            Algorithm::Ring,
+            &mut ctx,
+            None,
+            &mut b,
+            DType::Uint8,
+            ReduceOp::Max,
+        );
+        r.map_err(|e| self.fail(OP, e))
+    }
+
+    /// Give up: tell every peer (so they fail fast naming this rank) and make this communicator
+    /// unusable. Never blocks for longer than a short bounded time.
+    pub fn abort(&mut self, reason: &str) {
+        self.transport.abort(&AbortNotice {
+            culprit: None,
+            reason: format!("rank {} aborted the communicator: {reason}", self.rank),
+        });
+        if self.broken.is_none() {
+            self.broken = Some(format!("aborted: {reason}"));
+        }
+    }
+
+    fn next_seq(&mut self) -> u32 {
+        let s = self.seq;
+        self.seq = self.seq.wrapping_add(1);
+        s
+    }
+
+    fn check_usable(&self, op: &'static str) -> Result<(), CommError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(CommError::new(
+                ErrorKind::InvalidUsage,
+                op,
+                format!(
+                    "the communicator is unusable after an earlier error ({why}); create a new one"
+                ),
+            )
+            .at_rank(self.rank)
+            .with_usable(false)),
+        }
+    }
+
+    /// Turn a transport error into a communicator error; on a peer-related error, abort so that
+    /// the other ranks hear about it now rather than at their timeout.
+    fn fail(&mut self, op: &'static str, e: TransportError) -> CommError {
+        let mismatch_detail = match &e {
+            TransportError::Mismatch {
+                expected_tag,
+                got_tag,
+                ..
+            } if expected_tag != got_tag => Some(format!(
+                "; this rank is in {}, rank {} sent a message of {}",
+                describe_tag(*expected_tag),
+                e.culprit().unwrap_or(usize::MAX),
+                describe_tag(*got_tag)
+            )),
+            _ => None,
+        };
+        let recoverable = e.is_recoverable();
+        if !recoverable {
+            let culprit = e.culprit();
+            let reason = format!("rank {} failed in {op}: {e}", self.rank);
+            self.transport.abort(&AbortNotice {
+                culprit,
+                reason: reason.clone(),
+            });
+            self.broken = Some(reason);
+        }
+        let mut err = CommError::from_transport(op, e).at_rank(self.rank);
+        if let Some(d) = mismatch_detail {
+            err = err.with_detail(&d);
+        }
+        log::log(Level::Warn, Some(self.rank), format_args!("{err}"));
+        err
+    }
+}
+
+/// Parse a `CHORUS_ALGO` value (NCCL grammar: `ring,tree` or `allreduce:ring;broadcast:...`,
+/// `^` excludes). Returns the forced allreduce algorithm if the value pins one.
+fn parse_algo_override(spec: &str) -> Result<Option<Algorithm>, CommError> {
+    let mut chosen = None;
+    for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+        let (coll, list) = match part.split_once(':') {
+            Some((c, l)) => (Some(c.trim()), l.trim()),
+            None => (None, part),
+        };
+        if let Some(c) = coll {
+            if !c.eq_ignore_ascii_case("allreduce") && !c.eq_ignore_ascii_case("all_reduce") {
+                continue;
+            }
+        }
+        let (exclude, list) = match list.strip_prefix('^') {
+            Some(l) => (true, l),
+            None => (false, list),
+        };
+        let mut names = Vec::new();
+        for n in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let a: Algorithm = n.parse().map_err(|_| {
+                CommError::invalid(
+                    "init",
+                    format!("CHORUS_ALGO: unknown algorithm {n:?} in {spec:?}"),
+                )
+            })?;
+            names.push(a);
+        }
+        if !exclude {
+            chosen = names.first().copied();
+        }
+    }
+    Ok(chosen)
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Dropping closes every connection; peers still in a collective see the close at once.
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("transport", &self.transport.name())
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_layout_round_trips() {
+        let t = tag_base(7, CollKind::AllReduce, DType::Float32, ReduceOp::Max) | 3;
+        let d = describe_tag(t);
+        assert!(d.contains("all_reduce #7"), "{d}");
+        assert!(d.contains("float"), "{d}");
+        assert!(d.contains("max"), "{d}");
+        assert!(d.contains("step 3"), "{d}");
+    }
+
+    #[test]
+    fn algo_override_grammar() {
+        assert_eq!(parse_algo_override("ring").unwrap(), Some(Algorithm::Ring));
+        assert_eq!(
+            parse_algo_override("allreduce:ring;broadcast:tree").unwrap(),
+            Some(Algorithm::Ring)
+        );
+        assert_eq!(parse_algo_override("broadcast:ring").unwrap(), None);
+        assert!(parse_algo_override("allreduce:nonsense").is_err());
+    }
+
+    #[test]
+    fn group_of_one_is_local() {
+        let mut c = Communicator::new(Config::new(0, 1, "127.0.0.1:0")).unwrap();
+        let mut v = vec![1.5f32, 2.0, 3.0];
+        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [1.5, 2.0, 3.0]);
+        c.all_reduce(&mut v, ReduceOp::Avg).unwrap();
+        assert_eq!(v, [1.5, 2.0, 3.0]);
+        c.barrier().unwrap();
+        let e = c
+            .all_reduce_into(&[1.0f32], &mut v, ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.is_usable());
+    }
+}

@@ -1,0 +1,669 @@
+//! Communicator configuration, explicit or read from the environment.
+//!
+//! Variables (explicit `CHORUS_*` wins over the launchers' ones):
+//! - rank: `CHORUS_RANK`, else `RANK` (torchrun), `OMPI_COMM_WORLD_RANK` (Open MPI),
+//!   `PMI_RANK` (MPICH/Hydra), `SLURM_PROCID` (Slurm).
+//! - size: `CHORUS_WORLD_SIZE`, else `WORLD_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`,
+//!   `SLURM_NTASKS`.
+//! - local rank: `CHORUS_LOCAL_RANK`, else `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`.
+//! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
+//!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`).
+//!   With none of them and a single rank, `127.0.0.1:0` (one rank needs no rendezvous).
+//! - `CHORUS_TOKEN`, `CHORUS_TIMEOUT` (seconds, float; collectives), `CHORUS_INIT_TIMEOUT`
+//!   (seconds; rendezvous), `CHORUS_SOCKET_IFNAME`, `CHORUS_TRANSPORT`, `CHORUS_ALGO`,
+//!   `CHORUS_DEBUG` (read by [`crate::log`]).
+//!
+//! A variable set to an empty or blank string counts as unset. Errors name the missing or
+//! malformed variable and what would fix it.
+
+use std::net::Ipv6Addr;
+use std::time::Duration;
+
+use crate::error::CommError;
+
+/// Default timeout of one collective: 5 minutes (a hung peer is reported, a slow large
+/// collective on a slow link is not cut short).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default timeout of the rendezvous (all ranks must have started within it).
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Everything a communicator needs to start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// This rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Rank on this host, if the launcher said.
+    pub local_rank: Option<usize>,
+    /// `host:port` of the rendezvous store.
+    pub root_addr: String,
+    /// Shared secret authenticating every connection (`None`: protocol check only).
+    pub token: Option<String>,
+    /// Timeout of every collective.
+    pub timeout: Duration,
+    /// Timeout of the rendezvous.
+    pub init_timeout: Duration,
+    /// NCCL-grammar interface selection.
+    pub socket_ifname: Option<String>,
+    /// Whether this rank hosts the store: `None` = rank 0 does.
+    pub host_store: Option<bool>,
+    /// Forced transport (`tcp`, later `shm`).
+    pub transport: Option<String>,
+    /// Algorithm override in NCCL's `CHORUS_ALGO` grammar.
+    pub algo: Option<String>,
+}
+
+impl Config {
+    /// A configuration for `rank` of `size` with the store at `root_addr`, defaults elsewhere.
+    pub fn new(rank: usize, size: usize, root_addr: impl Into<String>) -> Config {
+        Config {
+            rank,
+            size,
+            local_rank: None,
+            root_addr: root_addr.into(),
+            token: None,
+            timeout: DEFAULT_TIMEOUT,
+            init_timeout: DEFAULT_INIT_TIMEOUT,
+            socket_ifname: None,
+            host_store: None,
+            transport: None,
+            algo: None,
+        }
+    }
+
+    /// Read the process environment.
+    pub fn from_env() -> Result<Config, CommError> {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Read variables through `get` (testable without touching the process environment).
+    ///
+    /// See the [module documentation](self) for the variables. Errors: an invalid-argument
+    /// [`CommError`] (op `"init"`) naming the variable when rank or size is missing or not a
+    /// number, the size is 0 or above 1 048 576, the rank or local rank is not below the size,
+    /// the address has no port or is malformed, there is no address for a job of several
+    /// ranks, or a timeout is not a positive number of seconds.
+    ///
+    /// ```
+    /// use std::collections::HashMap;
+    /// use chorus::Config;
+    ///
+    /// let env: HashMap<&str, &str> = [
+    ///     ("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"),
+    ///     ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500"),
+    /// ].into();
+    /// let c = Config::from_lookup(|k| env.get(k).map(|v| v.to_string()))?;
+    /// assert_eq!((c.rank, c.size, c.local_rank), (1, 4, Some(1)));
+    /// assert_eq!(c.root_addr, "node0:29501");
+    /// # Ok::<(), chorus::CommError>(())
+    /// ```
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, CommError> {
+        read_config(&get).map_err(|message| CommError::invalid("init", message))
+    }
+
+    /// Whether this rank hosts the store.
+    pub fn hosts_store(&self) -> bool {
+        self.host_store.unwrap_or(self.rank == 0)
+    }
+}
+
+/// The body of [`Config::from_lookup`]; errors are the message of the invalid-argument error.
+fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
+    let env = Lookup(get);
+
+    let (rank_var, rank) = env.first(RANK_VARS).ok_or_else(|| {
+        format!(
+            "no rank: set CHORUS_RANK (launchers set one of {})",
+            RANK_VARS[1..].join(", ")
+        )
+    })?;
+    let rank = parse_count(rank_var, &rank)?;
+    let (size_var, size) = env.first(SIZE_VARS).ok_or_else(|| {
+        format!(
+            "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
+            SIZE_VARS[1..].join(", ")
+        )
+    })?;
+    let size = parse_count(size_var, &size)?;
+    if size == 0 {
+        return Err(format!("{size_var}=0: the world size must be at least 1"));
+    }
+    if size > MAX_WORLD_SIZE {
+        return Err(format!(
+            "{size_var}={size} is above the limit of {MAX_WORLD_SIZE} ranks"
+        ));
+    }
+    if rank >= size {
+        return Err(format!(
+            "{rank_var}={rank} is not below {size_var}={size}: ranks are 0..{size}"
+        ));
+    }
+    let local_rank = match env.first(LOCAL_RANK_VARS) {
+        None => None,
+        Some((var, v)) => {
+            let local = parse_count(var, &v)?;
+            if local >= size {
+                return Err(format!("{var}={local} is not below the world size {size}"));
+            }
+            Some(local)
+        }
+    };
+
+    let root_addr = root_addr(&env, size)?;
+
+    let mut config = Config::new(rank, size, root_addr);
+    config.local_rank = local_rank;
+    // The token is a secret: used exactly as given (not trimmed); empty means none.
+    config.token = get("CHORUS_TOKEN").filter(|t| !t.is_empty());
+    if let Some(v) = env.value("CHORUS_TIMEOUT") {
+        config.timeout = parse_seconds("CHORUS_TIMEOUT", &v)?;
+    }
+    if let Some(v) = env.value("CHORUS_INIT_TIMEOUT") {
+        config.init_timeout = parse_seconds("CHORUS_INIT_TIMEOUT", &v)?;
+    }
+    config.socket_ifname = env.value("CHORUS_SOCKET_IFNAME");
+    config.transport = env
+        .value("CHORUS_TRANSPORT")
+        .map(|t| t.to_ascii_lowercase());
+    config.algo = env.value("CHORUS_ALGO");
+    Ok(config)
+}
+
+/// Variables giving the rank, in order of precedence.
+const RANK_VARS: &[&str] = &[
+    "CHORUS_RANK",
+    "RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+];
+/// Variables giving the world size, in order of precedence.
+const SIZE_VARS: &[&str] = &[
+    "CHORUS_WORLD_SIZE",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "SLURM_NTASKS",
+];
+/// Variables giving the rank on this host, in order of precedence.
+const LOCAL_RANK_VARS: &[&str] = &[
+    "CHORUS_LOCAL_RANK",
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+];
+/// The largest world size accepted (a guard against a garbled variable, not a design limit).
+const MAX_WORLD_SIZE: usize = 1 << 20;
+/// The largest timeout accepted: one year.
+const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// Variable lookup with blank values treated as unset.
+struct Lookup<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Lookup<'_> {
+    /// The trimmed value of `name`, if set and not blank.
+    fn value(&self, name: &str) -> Option<String> {
+        (self.0)(name)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The first of `names` that is set, with its value.
+    fn first(&self, names: &[&'static str]) -> Option<(&'static str, String)> {
+        names.iter().find_map(|&n| self.value(n).map(|v| (n, v)))
+    }
+}
+
+fn parse_count(var: &str, value: &str) -> Result<usize, String> {
+    value
+        .parse::<usize>()
+        .map_err(|_| format!("{var}={value:?} is not a non-negative integer"))
+}
+
+fn parse_port(var: &str, value: &str) -> Result<u16, String> {
+    value
+        .parse::<u16>()
+        .map_err(|_| format!("{var}={value:?} is not a port number (0..=65535)"))
+}
+
+fn parse_seconds(var: &str, value: &str) -> Result<Duration, String> {
+    let secs: f64 = value.parse().map_err(|_| {
+        format!("{var}={value:?} is not a number of seconds (e.g. {var}=30 or {var}=2.5)")
+    })?;
+    if !(secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+        return Err(format!(
+            "{var}={value:?}: the timeout must be more than 0 and at most one year, in seconds"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Whether `host` looks like a host name or IPv4 address (letters, digits, `-`, `.`, `_`).
+fn is_host_name(host: &str) -> bool {
+    !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+}
+
+/// `host` and `port` as one address string, IPv6 in brackets.
+fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Parse `CHORUS_ADDR`: `host:port` or `[ipv6]:port`.
+fn parse_chorus_addr(var: &str, value: &str) -> Result<(String, u16), String> {
+    let (host, port) = if let Some(rest) = value.strip_prefix('[') {
+        let (ip, after) = rest
+            .split_once(']')
+            .ok_or_else(|| format!("{var}={value:?}: missing ']' after the IPv6 address"))?;
+        if ip.parse::<Ipv6Addr>().is_err() {
+            return Err(format!("{var}={value:?}: {ip:?} is not an IPv6 address"));
+        }
+        let port = after
+            .strip_prefix(':')
+            .ok_or_else(|| format!("{var}={value:?} has no port; use {var}=[{ip}]:port"))?;
+        (ip, port)
+    } else {
+        let (host, port) = value.rsplit_once(':').ok_or_else(|| {
+            format!(
+                "{var}={value:?} has no port; use {var}=host:port (rank 0's host and a free \
+                 port, e.g. {value}:29400)"
+            )
+        })?;
+        if host.contains(':') {
+            return Err(format!(
+                "{var}={value:?}: write an IPv6 address in brackets, {var}=[address]:port"
+            ));
+        }
+        if !is_host_name(host) {
+            return Err(format!(
+                "{var}={value:?}: {host:?} is not a host name or address"
+            ));
+        }
+        (host, port)
+    };
+    Ok((host.to_string(), parse_port(var, port)?))
+}
+
+/// Parse `MASTER_ADDR`: a host without a port (an IPv6 address with or without brackets).
+fn parse_master_addr(value: &str) -> Result<String, String> {
+    let bare = value
+        .strip_prefix('[')
+        .and_then(|v| v.strip_suffix(']'))
+        .unwrap_or(value);
+    if bare.parse::<Ipv6Addr>().is_ok() || is_host_name(bare) {
+        return Ok(bare.to_string());
+    }
+    Err(format!(
+        "MASTER_ADDR={value:?} is not a host name or address (without a port: the port comes \
+         from MASTER_PORT, or set CHORUS_ADDR=host:port)"
+    ))
+}
+
+/// The rendezvous address from `CHORUS_ADDR`, or `MASTER_ADDR` with `CHORUS_PORT` /
+/// `MASTER_PORT + 1`, or loopback port 0 for a single rank.
+fn root_addr(env: &Lookup<'_>, size: usize) -> Result<String, String> {
+    let (var, host, port) = if let Some(v) = env.value("CHORUS_ADDR") {
+        let (host, port) = parse_chorus_addr("CHORUS_ADDR", &v)?;
+        ("CHORUS_ADDR", host, port)
+    } else if let Some(v) = env.value("MASTER_ADDR") {
+        let host = parse_master_addr(&v)?;
+        let port = if let Some(p) = env.value("CHORUS_PORT") {
+            ("CHORUS_PORT", parse_port("CHORUS_PORT", &p)?)
+        } else if let Some(p) = env.value("MASTER_PORT") {
+            let master = parse_port("MASTER_PORT", &p)?;
+            let port = master.checked_add(1).ok_or_else(|| {
+                "MASTER_PORT=65535 leaves no port for chorus (it uses MASTER_PORT + 1); \
+                 set CHORUS_PORT"
+                    .to_string()
+            })?;
+            ("MASTER_PORT", port)
+        } else {
+            return Err(
+                "MASTER_ADDR is set but neither CHORUS_PORT nor MASTER_PORT; set one of them, \
+                 or CHORUS_ADDR=host:port"
+                    .to_string(),
+            );
+        };
+        (port.0, host, port.1)
+    } else if size == 1 {
+        return Ok("127.0.0.1:0".to_string());
+    } else {
+        return Err(format!(
+            "no rendezvous address for {size} ranks: set CHORUS_ADDR=host:port (rank 0's \
+             host and a free port), or MASTER_ADDR and MASTER_PORT"
+        ));
+    };
+    if port == 0 && size > 1 {
+        return Err(format!(
+            "{var} gives port 0, which the other ranks cannot find; choose a fixed free port"
+        ));
+    }
+    Ok(join_host_port(&host, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+    use std::collections::HashMap;
+
+    /// `Config::from_lookup` over `vars` (returns the same large error type it does).
+    #[allow(clippy::result_large_err)]
+    fn config(vars: &[(&str, &str)]) -> Result<Config, CommError> {
+        let env: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| env.get(k).cloned())
+    }
+
+    /// The error for `vars`, checked to be an "init" invalid-argument error naming `var`.
+    fn error_naming(vars: &[(&str, &str)], var: &str) -> String {
+        let e = config(vars).expect_err("expected an error");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert_eq!(e.op(), "init", "{e}");
+        let msg = e.message().to_string();
+        assert!(msg.contains(var), "{var} not named in: {msg}");
+        msg
+    }
+
+    const ADDR: (&str, &str) = ("CHORUS_ADDR", "10.0.0.1:4000");
+
+    #[test]
+    fn explicit_chorus_variables() {
+        let c = config(&[
+            ("CHORUS_RANK", "2"),
+            ("CHORUS_WORLD_SIZE", "4"),
+            ("CHORUS_LOCAL_RANK", "0"),
+            ADDR,
+            ("CHORUS_TOKEN", " s3cret "),
+            ("CHORUS_TIMEOUT", "2.5"),
+            ("CHORUS_INIT_TIMEOUT", "60"),
+            ("CHORUS_SOCKET_IFNAME", "^docker,lo"),
+            ("CHORUS_TRANSPORT", "TCP"),
+            ("CHORUS_ALGO", "allreduce:ring"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (2, 4, Some(0)));
+        assert_eq!(c.root_addr, "10.0.0.1:4000");
+        assert_eq!(c.token.as_deref(), Some(" s3cret "));
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.init_timeout, Duration::from_secs(60));
+        assert_eq!(c.socket_ifname.as_deref(), Some("^docker,lo"));
+        assert_eq!(c.transport.as_deref(), Some("tcp"));
+        assert_eq!(c.algo.as_deref(), Some("allreduce:ring"));
+        assert_eq!(c.host_store, None);
+        assert!(!c.hosts_store());
+    }
+
+    #[test]
+    fn defaults_when_optional_variables_are_absent_or_blank() {
+        let c = config(&[
+            ("CHORUS_RANK", "0"),
+            ("CHORUS_WORLD_SIZE", "2"),
+            ADDR,
+            ("CHORUS_TOKEN", ""),
+            ("CHORUS_TIMEOUT", "  "),
+            ("CHORUS_SOCKET_IFNAME", ""),
+        ])
+        .unwrap();
+        assert_eq!(c.local_rank, None);
+        assert_eq!(c.token, None);
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.init_timeout, DEFAULT_INIT_TIMEOUT);
+        assert_eq!(c.socket_ifname, None);
+        assert_eq!(c.transport, None);
+        assert!(c.hosts_store());
+    }
+
+    #[test]
+    fn chorus_variables_win_over_launchers() {
+        let c = config(&[
+            ("CHORUS_RANK", "1"),
+            ("CHORUS_WORLD_SIZE", "3"),
+            ("CHORUS_LOCAL_RANK", "1"),
+            ("CHORUS_ADDR", "root:5000"),
+            ("RANK", "7"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "3"),
+            ("MASTER_ADDR", "other"),
+            ("MASTER_PORT", "29500"),
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "9"),
+            ("SLURM_PROCID", "4"),
+            ("SLURM_NTASKS", "6"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (1, 3, Some(1)));
+        assert_eq!(c.root_addr, "root:5000");
+    }
+
+    #[test]
+    fn torchrun() {
+        let c = config(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (3, 4, Some(1)));
+        assert_eq!(c.root_addr, "node0:29501");
+        // CHORUS_PORT overrides MASTER_PORT + 1.
+        let c = config(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+            ("CHORUS_PORT", "31000"),
+        ])
+        .unwrap();
+        assert_eq!(c.root_addr, "node0:31000");
+    }
+
+    #[test]
+    fn open_mpi() {
+        let c = config(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (5, 8, Some(1)));
+    }
+
+    #[test]
+    fn mpich_hydra() {
+        let c = config(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "3"),
+            ("MPI_LOCALRANKID", "2"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (2, 3, Some(2)));
+        let c = config(&[("PMI_RANK", "0"), ("PMI_SIZE", "3"), ADDR]).unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (0, 3, None));
+    }
+
+    #[test]
+    fn slurm() {
+        let c = config(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_LOCALID", "2"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (6, 16, Some(2)));
+        assert_eq!(c.root_addr, "10.1.2.3:1235");
+    }
+
+    #[test]
+    fn rank_and_size_errors_name_the_variable() {
+        let msg = error_naming(
+            &[("CHORUS_RANK", "4"), ("CHORUS_WORLD_SIZE", "4"), ADDR],
+            "CHORUS_RANK",
+        );
+        assert!(msg.contains("CHORUS_WORLD_SIZE"), "{msg}");
+        error_naming(&[("RANK", "9"), ("WORLD_SIZE", "2"), ADDR], "RANK=9");
+        error_naming(
+            &[("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "0"), ADDR],
+            "CHORUS_WORLD_SIZE=0",
+        );
+        error_naming(
+            &[("CHORUS_RANK", "x"), ("CHORUS_WORLD_SIZE", "2"), ADDR],
+            "CHORUS_RANK",
+        );
+        error_naming(
+            &[("CHORUS_RANK", "-1"), ("CHORUS_WORLD_SIZE", "2"), ADDR],
+            "CHORUS_RANK",
+        );
+        error_naming(
+            &[("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "2.0"), ADDR],
+            "CHORUS_WORLD_SIZE",
+        );
+        error_naming(&[("PMI_RANK", "0"), ("PMI_SIZE", "four"), ADDR], "PMI_SIZE");
+        error_naming(
+            &[
+                ("CHORUS_RANK", "0"),
+                ("CHORUS_WORLD_SIZE", "99999999999"),
+                ADDR,
+            ],
+            "CHORUS_WORLD_SIZE",
+        );
+        error_naming(&[("CHORUS_WORLD_SIZE", "2"), ADDR], "CHORUS_RANK");
+        error_naming(&[("CHORUS_RANK", "0"), ADDR], "CHORUS_WORLD_SIZE");
+        let msg = error_naming(&[], "CHORUS_RANK");
+        assert!(msg.contains("SLURM_PROCID"), "{msg}");
+        error_naming(
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "2"),
+                ADDR,
+            ],
+            "LOCAL_RANK=2",
+        );
+        error_naming(
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "a"),
+                ADDR,
+            ],
+            "LOCAL_RANK",
+        );
+    }
+
+    #[test]
+    fn timeouts() {
+        let base = [("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "1")];
+        let with = |k: &'static str, v: &'static str| {
+            let mut vars = base.to_vec();
+            vars.push((k, v));
+            vars
+        };
+        assert_eq!(
+            config(&with("CHORUS_TIMEOUT", "2.5")).unwrap().timeout,
+            Duration::from_secs_f64(2.5)
+        );
+        assert_eq!(
+            config(&with("CHORUS_TIMEOUT", " 10 ")).unwrap().timeout,
+            Duration::from_secs(10)
+        );
+        for bad in ["0", "-1", "abc", "NaN", "inf", "1e30", "5s"] {
+            error_naming(&with("CHORUS_TIMEOUT", bad), "CHORUS_TIMEOUT");
+            error_naming(&with("CHORUS_INIT_TIMEOUT", bad), "CHORUS_INIT_TIMEOUT");
+        }
+    }
+
+    #[test]
+    fn addresses() {
+        let two = [("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "2")];
+        let addr = |vars: &[(&'static str, &'static str)]| {
+            let mut all = two.to_vec();
+            all.extend_from_slice(vars);
+            config(&all)
+                .map(|c| c.root_addr)
+                .map_err(|e| e.message().to_string())
+        };
+        let err = |vars: &[(&'static str, &'static str)], var: &str| {
+            let mut all = two.to_vec();
+            all.extend_from_slice(vars);
+            error_naming(&all, var)
+        };
+        assert_eq!(
+            addr(&[("CHORUS_ADDR", "[::1]:1234")]).unwrap(),
+            "[::1]:1234"
+        );
+        assert!(
+            addr(&[("CHORUS_ADDR", "[fe80::1%eth0]:1234")]).is_err(),
+            "scoped IPv6 is not supported in CHORUS_ADDR"
+        );
+        assert_eq!(
+            addr(&[("CHORUS_ADDR", "node-1.example:80")]).unwrap(),
+            "node-1.example:80"
+        );
+        assert_eq!(
+            addr(&[("CHORUS_ADDR", " 10.0.0.1:4000 ")]).unwrap(),
+            "10.0.0.1:4000"
+        );
+        let msg = err(&[("CHORUS_ADDR", "10.0.0.1")], "CHORUS_ADDR");
+        assert!(msg.contains("no port"), "{msg}");
+        err(&[("CHORUS_ADDR", "[::1]")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "[::1")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "::1:1234")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "host:http")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "host:70000")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", ":1234")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "a b:1234")], "CHORUS_ADDR");
+        err(&[("CHORUS_ADDR", "host:0")], "CHORUS_ADDR");
+        // MASTER_ADDR forms.
+        let m = |a: &'static str| addr(&[("MASTER_ADDR", a), ("MASTER_PORT", "29500")]);
+        assert_eq!(m("::1").unwrap(), "[::1]:29501");
+        assert_eq!(m("[::1]").unwrap(), "[::1]:29501");
+        assert_eq!(m("127.0.0.1").unwrap(), "127.0.0.1:29501");
+        err(
+            &[("MASTER_ADDR", "node0:29500"), ("MASTER_PORT", "29500")],
+            "MASTER_ADDR",
+        );
+        err(&[("MASTER_ADDR", "node0")], "MASTER_PORT");
+        err(
+            &[("MASTER_ADDR", "node0"), ("MASTER_PORT", "65535")],
+            "CHORUS_PORT",
+        );
+        err(
+            &[("MASTER_ADDR", "node0"), ("MASTER_PORT", "x")],
+            "MASTER_PORT",
+        );
+        err(
+            &[("MASTER_ADDR", "node0"), ("CHORUS_PORT", "x")],
+            "CHORUS_PORT",
+        );
+        // No address at all: fine for one rank, an error naming CHORUS_ADDR for more.
+        let msg = err(&[], "CHORUS_ADDR");
+        assert!(msg.contains("MASTER_ADDR"), "{msg}");
+        let c = config(&[("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "1")]).unwrap();
+        assert_eq!(c.root_addr, "127.0.0.1:0");
+        let c = config(&[
+            ("CHORUS_RANK", "0"),
+            ("CHORUS_WORLD_SIZE", "1"),
+            ("CHORUS_ADDR", "127.0.0.1:0"),
+        ])
+        .unwrap();
+        assert_eq!(c.root_addr, "127.0.0.1:0");
+    }
+}

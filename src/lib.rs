@@ -1,0 +1,31 @@
+//! # chorus — collective communication for CPUs and ordinary networks
+//!
+//! A [`Communicator`] connects `size` ranks (processes, possibly on several hosts) and runs
+//! collectives over them. Build one from the environment your launcher sets
+//! ([`Communicator::from_env`]; `chorus-run`, torchrun, mpirun and srun are understood) or from
+//! an explicit [`Config`].
+//!
+//! ```no_run
+//! use chorus::{Communicator, ReduceOp};
+//!
+//! let mut comm = Communicator::from_env()?;
+//! let mut grad = vec![comm.rank() as f32; 1024];
+//! comm.all_reduce(&mut grad, ReduceOp::Sum)?;
+//! # Ok::<(), chorus::CommError>(())
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod comm;
+pub mod config;
+pub mod error;
+pub mod log;
+
+pub use chorus_algorithms::allreduce::Algorithm;
+pub use chorus_algorithms::{DType, Element, ReduceOp};
+pub use comm::{AllReduceOptions, Communicator};
+pub use config::Config;
+pub use error::{CommError, ErrorKind};
+
+/// The library version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

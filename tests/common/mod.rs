@@ -1,0 +1,228 @@
+//! Helpers shared by the integration tests: groups of ranks as threads or as processes, and
+//! the allreduce sweep against the naive reference.
+#![allow(dead_code)]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::{AllReduceOptions, Communicator, Config, DType, Element, ReduceOp};
+use chorus_algorithms::reference::{count_wrong, test_value};
+use chorus_transport::rendezvous::StoreServer;
+
+/// Ranks counts every sweep covers.
+pub const RANKS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
+/// Element counts every sweep covers.
+pub const COUNTS: [usize; 5] = [0, 1, 7, 1023, (1 << 20) + 3];
+
+pub const TOKEN: &str = "integration-test-token";
+
+/// A store on a free loopback port, hosted by the test itself.
+pub fn store() -> StoreServer {
+    StoreServer::bind(
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+        TOKEN.as_bytes(),
+    )
+    .expect("store")
+}
+
+pub fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
+    let mut c = Config::new(rank, size, addr.to_string());
+    c.token = Some(TOKEN.to_string());
+    c.host_store = Some(false);
+    c.timeout = Duration::from_secs(60);
+    c.init_timeout = Duration::from_secs(60);
+    c
+}
+
+/// Run `f` on `size` ranks as threads, each with its own communicator; panics (with the rank)
+/// if one fails, and fails instead of hanging after `watchdog`.
+pub fn on_threads<R: Send + 'static>(
+    size: usize,
+    watchdog: Duration,
+    f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let server = store();
+    let addr = server.local_addr();
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..size {
+        let tx = tx.clone();
+        let f = f.clone();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut c = Communicator::new(config(rank, size, addr)).expect("communicator");
+                f(&mut c)
+            }));
+            let _ = tx.send((rank, r));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + watchdog;
+    let mut out: Vec<Option<R>> = (0..size).map(|_| None).collect();
+    for _ in 0..size {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((rank, Ok(r))) => out[rank] = Some(r),
+            Ok((rank, Err(p))) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("rank {rank} of {size} panicked: {msg}")
+            }
+            Err(_) => {
+                panic!("watchdog: ranks of a group of {size} still running after {watchdog:?}")
+            }
+        }
+    }
+    drop(server);
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// One allreduce of `count` elements checked against the reference; returns wrong elements.
+pub fn check_one<T: Element>(
+    c: &mut Communicator,
+    count: usize,
+    op: ReduceOp,
+    inplace: bool,
+) -> usize {
+    let (rank, size) = (c.rank(), c.size());
+    let input: Vec<T> = (0..count)
+        .map(|i| test_value::<T>(rank, i, op, size))
+        .collect();
+    let inputs: Vec<Vec<T>> = (0..size)
+        .map(|r| {
+            (0..count)
+                .map(|i| test_value::<T>(r, i, op, size))
+                .collect()
+        })
+        .collect();
+    let want = chorus_algorithms::reference::all_reduce(&inputs, op);
+    let got = if inplace {
+        let mut b = input.clone();
+        c.all_reduce(&mut b, op).unwrap_or_else(|e| panic!("{e}"));
+        b
+    } else {
+        let mut b = vec![T::from_f64(0.0); count];
+        c.all_reduce_with(Some(&input), &mut b, op, &AllReduceOptions::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        b
+    };
+    count_wrong(&got, &want, op)
+}
+
+macro_rules! for_dtype {
+    ($dt:expr, $f:ident, $($arg:expr),*) => {
+        match $dt {
+            DType::Int8 => $f::<i8>($($arg),*),
+            DType::Uint8 => $f::<u8>($($arg),*),
+            DType::Int32 => $f::<i32>($($arg),*),
+            DType::Uint32 => $f::<u32>($($arg),*),
+            DType::Int64 => $f::<i64>($($arg),*),
+            DType::Uint64 => $f::<u64>($($arg),*),
+            DType::Float16 => $f::<half::f16>($($arg),*),
+            DType::Float32 => $f::<f32>($($arg),*),
+            DType::Float64 => $f::<f64>($($arg),*),
+            DType::Bfloat16 => $f::<half::bf16>($($arg),*),
+        }
+    };
+}
+
+/// The full sweep on one communicator: every dtype × op × count, in place and out of place.
+/// Returns a list of failures ("dtype op count inplace: wrong").
+pub fn sweep(c: &mut Communicator, counts: &[usize]) -> Vec<String> {
+    let mut bad = Vec::new();
+    for &count in counts {
+        for dt in DType::ALL {
+            for op in ReduceOp::ALL {
+                for inplace in [true, false] {
+                    let wrong = for_dtype!(dt, check_one, c, count, op, inplace);
+                    if wrong > 0 {
+                        bad.push(format!(
+                            "rank {} p={} {} {} count {count} inplace {inplace}: {wrong} wrong",
+                            c.rank(),
+                            c.size(),
+                            dt.name(),
+                            op.name()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    bad
+}
+
+/// Children of a process-based test. They re-run this test binary (`current_exe`) filtered to
+/// `test_name`, with CHORUS_* set and `CHORUS_TEST_CHILD=1`.
+pub struct Job {
+    pub children: Vec<Child>,
+    pub server: StoreServer,
+}
+
+pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> Job {
+    let server = store();
+    let addr = server.local_addr();
+    let exe = std::env::current_exe().expect("test binary path");
+    let children = (0..size)
+        .map(|rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1"])
+                .env("CHORUS_TEST_CHILD", "1")
+                .env("CHORUS_RANK", rank.to_string())
+                .env("CHORUS_WORLD_SIZE", size.to_string())
+                .env("CHORUS_ADDR", addr.to_string())
+                .env("CHORUS_TOKEN", TOKEN)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra_env {
+                cmd.env(k, v);
+            }
+            cmd.spawn().expect("spawn child rank")
+        })
+        .collect();
+    Job { children, server }
+}
+
+/// Wait for every child with a watchdog; returns (exit code, stdout+stderr) per rank.
+pub fn wait_job(mut job: Job, watchdog: Duration) -> Vec<(Option<i32>, String)> {
+    let deadline = Instant::now() + watchdog;
+    let mut done: Vec<Option<std::process::ExitStatus>> = vec![None; job.children.len()];
+    while done.iter().any(Option::is_none) {
+        if Instant::now() > deadline {
+            for c in job.children.iter_mut() {
+                let _ = c.kill();
+            }
+            panic!("watchdog: job still running after {watchdog:?}");
+        }
+        for (i, c) in job.children.iter_mut().enumerate() {
+            if done[i].is_none() {
+                done[i] = c.try_wait().expect("try_wait");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    job.children
+        .into_iter()
+        .zip(done)
+        .map(|(c, st)| {
+            let out = c.wait_with_output().expect("output");
+            let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+            s.push_str(&String::from_utf8_lossy(&out.stderr));
+            (st.and_then(|s| s.code()), s)
+        })
+        .collect()
+}
+
+/// True inside a child rank of a process test.
+pub fn is_child() -> bool {
+    std::env::var_os("CHORUS_TEST_CHILD").is_some()
+}
+
+/// The communicator of a child rank (the store is hosted by the parent test).
+pub fn child_comm() -> Communicator {
+    let mut c = Config::from_env().expect("config from env");
+    c.host_store = Some(false);
+    Communicator::new(c).expect("communicator")
+}

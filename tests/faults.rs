@@ -1,0 +1,265 @@
+//! Failures must surface as clear errors on every rank within the timeout — never a hang, a
+//! panic or a wrong result: a rank that dies mid-allreduce, ranks that disagree on the call,
+//! a rank that never shows up, and strangers connecting to the job's ports.
+
+mod common;
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use chorus::{AllReduceOptions, Communicator, ErrorKind, ReduceOp};
+use chorus_transport::rendezvous::{connect_handshake, StoreClient};
+use common::*;
+
+const BIG: usize = 1 << 22; // 16 MiB of f32: long enough to be killed in the middle
+
+/// A rank exits (process::exit, no goodbye) in the middle of a large allreduce; every other
+/// rank must return an error naming it, well within the timeout.
+#[test]
+fn rank_exits_mid_allreduce() {
+    if is_child() {
+        let victim: usize = std::env::var("CHORUS_TEST_VICTIM")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut c = child_comm();
+        let mut small = vec![1.0f32; 16];
+        c.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+        if c.rank() == victim {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                std::process::exit(17);
+            });
+        }
+        let mut big = vec![1.0f32; BIG];
+        let start = Instant::now();
+        for _ in 0..200 {
+            if let Err(e) = c.all_reduce(&mut big, ReduceOp::Sum) {
+                println!(
+                    "ERR after {:.2}s kind={:?} peer={:?}: {e}",
+                    start.elapsed().as_secs_f64(),
+                    e.kind(),
+                    e.peer()
+                );
+                assert!(!e.is_usable());
+                // The communicator refuses further work, without hanging.
+                assert!(c.all_reduce(&mut small, ReduceOp::Sum).is_err());
+                return;
+            }
+        }
+        println!("NO-ERROR");
+        std::process::exit(3);
+    }
+    for (p, victim) in [(4usize, 2usize), (3, 0), (5, 4)] {
+        let job = spawn_job(
+            p,
+            "rank_exits_mid_allreduce",
+            &[
+                ("CHORUS_TEST_VICTIM", victim.to_string()),
+                ("CHORUS_TIMEOUT", "30".to_string()),
+            ],
+        );
+        let start = Instant::now();
+        let res = wait_job(job, Duration::from_secs(90));
+        for (rank, (code, out)) in res.iter().enumerate() {
+            if rank == victim {
+                assert_eq!(*code, Some(17), "victim output:\n{out}");
+                continue;
+            }
+            assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
+            let line = out
+                .lines()
+                .find(|l| l.contains("ERR after"))
+                .unwrap_or_default();
+            assert!(
+                line.contains(&format!("rank {victim}")),
+                "p={p} rank {rank} does not name rank {victim}: {line}\n{out}"
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "errors took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+/// Ranks disagree on the count, or on the dtype: every rank gets an error, at least one a
+/// mismatch, nobody hangs until the timeout.
+#[test]
+fn mismatched_calls_fail_everywhere() {
+    let res = on_threads(3, Duration::from_secs(60), |c| {
+        let n = if c.rank() == 1 { 1000 } else { 1200 };
+        let mut v = vec![1.0f32; n];
+        let opts = AllReduceOptions {
+            timeout: Some(Duration::from_secs(20)),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let e = c
+            .all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+            .unwrap_err();
+        (e.kind(), e.to_string(), start.elapsed())
+    });
+    assert!(
+        res.iter().any(|(k, _, _)| *k == ErrorKind::Mismatch),
+        "{res:?}"
+    );
+    for (_, msg, took) in &res {
+        assert!(*took < Duration::from_secs(15), "took {took:?}: {msg}");
+    }
+
+    let res = on_threads(3, Duration::from_secs(60), |c| {
+        let opts = AllReduceOptions {
+            timeout: Some(Duration::from_secs(20)),
+            ..Default::default()
+        };
+        let r = if c.rank() == 2 {
+            let mut v = vec![1i32; 64];
+            c.all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+        } else {
+            let mut v = vec![1.0f32; 64];
+            c.all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+        };
+        let e = r.unwrap_err();
+        (e.kind(), e.to_string())
+    });
+    let mm: Vec<_> = res
+        .iter()
+        .filter(|(k, _)| *k == ErrorKind::Mismatch)
+        .collect();
+    assert!(!mm.is_empty(), "{res:?}");
+    assert!(
+        mm.iter()
+            .any(|(_, m)| m.contains("int32") && m.contains("float")),
+        "{mm:?}"
+    );
+}
+
+/// A rank that never calls the collective: the others time out naming a rank, and the
+/// bad-argument errors before that leave the communicator usable.
+#[test]
+fn absent_rank_times_out() {
+    let res = on_threads(3, Duration::from_secs(60), |c| {
+        // A bad argument first: usable afterwards.
+        let e = c
+            .all_reduce_into(&[1.0f32; 3], &mut [0.0f32; 4], ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.is_usable());
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(2500));
+            return None;
+        }
+        let mut v = vec![1.0f32; 100];
+        let opts = AllReduceOptions {
+            timeout: Some(Duration::from_millis(800)),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let e = c
+            .all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+            .unwrap_err();
+        Some((e.kind(), e.to_string(), start.elapsed()))
+    });
+    for r in res.into_iter().flatten() {
+        assert!(
+            matches!(r.0, ErrorKind::Timeout | ErrorKind::Remote),
+            "{r:?}"
+        );
+        assert!(r.2 < Duration::from_secs(5), "{r:?}");
+        assert!(r.1.contains("rank 2") || r.1.contains("rank "), "{r:?}");
+    }
+}
+
+fn garbage(addr: SocketAddr, bytes: &[u8]) {
+    if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+        let _ = s.write_all(bytes);
+    }
+}
+
+/// Strangers connect to the rendezvous port and to the data ports with garbage, with nothing,
+/// and with a wrong token, while the job sets up: the job completes with correct results.
+#[test]
+fn strangers_do_not_disturb_the_job() {
+    let server = store();
+    let addr = server.local_addr();
+    let size = 3;
+    let mut ranks = Vec::new();
+    for rank in 0..size {
+        ranks.push(std::thread::spawn(move || {
+            if rank == 2 {
+                // Keep the others' data listeners waiting while the strangers knock.
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            let mut c = Communicator::new(config(rank, size, addr)).expect("communicator");
+            let mut v: Vec<f32> = (0..10_000)
+                .map(|i| (i % 100) as f32 + rank as f32)
+                .collect();
+            c.all_reduce(&mut v, ReduceOp::Sum).expect("allreduce");
+            v.iter()
+                .enumerate()
+                .all(|(i, x)| *x == 3.0 * (i % 100) as f32 + 3.0)
+        }));
+    }
+    // The rendezvous port: garbage, silence, an oversized length, a wrong token.
+    garbage(addr, b"GET / HTTP/1.0\r\n\r\n");
+    garbage(addr, &[0xff; 4096]);
+    let _silent = TcpStream::connect(addr).unwrap();
+    assert!(StoreClient::connect(
+        addr,
+        b"wrong token",
+        Instant::now() + Duration::from_secs(3)
+    )
+    .is_err());
+    // The data ports, once published: read them with the right token, as an insider would.
+    let mut spy = StoreClient::connect(
+        addr,
+        TOKEN.as_bytes(),
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    for j in 0..2 {
+        let a: SocketAddr = String::from_utf8(
+            spy.get(
+                &format!("addr/{j}"),
+                Instant::now() + Duration::from_secs(5),
+            )
+            .unwrap(),
+        )
+        .unwrap()
+        .parse()
+        .unwrap();
+        garbage(a, &[0u8; 64]);
+        garbage(a, b"CHRH\x01\x00\x00\x00garbage-garbage-garbage");
+        let _silent = TcpStream::connect(a).unwrap();
+        // A well-formed hello claiming to be rank 2, then a handshake with the wrong token.
+        let id = spy
+            .get("comm_id", Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        if let Ok(mut s) = TcpStream::connect(a) {
+            let mut h = Vec::new();
+            h.extend_from_slice(b"CHRH");
+            h.extend_from_slice(&1u32.to_le_bytes());
+            h.extend_from_slice(&id);
+            h.extend_from_slice(&2u32.to_le_bytes());
+            h.extend_from_slice(&(j as u32).to_le_bytes());
+            s.write_all(&h).unwrap();
+            let ctx = format!(
+                "data/{:016x}/2/{j}",
+                u64::from_le_bytes(id.as_slice().try_into().unwrap())
+            );
+            assert!(connect_handshake(
+                &mut s,
+                b"wrong token",
+                ctx.as_bytes(),
+                Instant::now() + Duration::from_secs(3)
+            )
+            .is_err());
+        }
+    }
+    for r in ranks {
+        assert!(r.join().expect("rank thread"), "wrong allreduce result");
+    }
+}

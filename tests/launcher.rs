@@ -1,0 +1,236 @@
+//! Integration tests of the `chorus-run` launcher: real child processes (`sh -c` scripts).
+//!
+//! Every run is guarded by a watchdog: a job that does not end within [`WATCHDOG`] is killed
+//! and the test fails, so a launcher that hangs (or fails to kill a `sleep 30` rank) cannot
+//! hang the suite. Runtimes are never asserted tightly.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::process::{Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Far below the 30 s that the sleeping ranks would take if nobody killed them.
+const WATCHDOG: Duration = Duration::from_secs(15);
+
+/// What one run of `chorus-run` produced.
+struct Run {
+    status: ExitStatus,
+    stdout: Vec<u8>,
+    stderr: String,
+}
+
+/// Runs `chorus-run ARGS`, killing it (and failing the test) if it outlives [`WATCHDOG`].
+fn chorus_run(args: &[&str]) -> Run {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus-run");
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + WATCHDOG;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for chorus-run") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("watchdog: chorus-run {args:?} still running after {WATCHDOG:?}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    Run {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: String::from_utf8_lossy(&stderr.join().unwrap()).into_owned(),
+    }
+}
+
+/// Splits `[r] text` lines into (r, text).
+fn prefixed_lines(bytes: &[u8]) -> Vec<(usize, Vec<u8>)> {
+    let text = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    if text.is_empty() {
+        return Vec::new();
+    }
+    text.split(|&b| b == b'\n')
+        .map(|line| {
+            let close = line.iter().position(|&b| b == b']').expect("a prefix");
+            assert_eq!(line[0], b'[', "line without prefix: {line:?}");
+            let rank = std::str::from_utf8(&line[1..close])
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert_eq!(line[close + 1], b' ');
+            (rank, line[close + 2..].to_vec())
+        })
+        .collect()
+}
+
+#[test]
+fn every_rank_gets_its_environment() {
+    let script = "echo \"$CHORUS_RANK $CHORUS_WORLD_SIZE $CHORUS_LOCAL_RANK $CHORUS_LOCAL_SIZE \
+                  $CHORUS_ADDR $CHORUS_TOKEN $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE \
+                  $MASTER_ADDR $MASTER_PORT\"";
+    let run = chorus_run(&["-n", "4", "--", "sh", "-c", script]);
+    assert!(run.status.success(), "{}", run.stderr);
+    let lines = prefixed_lines(&run.stdout);
+    assert_eq!(lines.len(), 4);
+    let mut ranks = BTreeSet::new();
+    let mut shared = BTreeSet::new();
+    for (prefix_rank, text) in lines {
+        let text = String::from_utf8(text).unwrap();
+        let f: Vec<&str> = text.split(' ').collect();
+        assert_eq!(f.len(), 12, "{text}");
+        let rank: usize = f[0].parse().unwrap();
+        assert_eq!(prefix_rank, rank, "prefix names the rank that wrote");
+        assert_eq!(
+            &f[1..4],
+            ["4", f[0], "4"],
+            "world size, local rank, local size"
+        );
+        assert_eq!(&f[6..10], [f[0], "4", f[0], "4"], "torchrun variables");
+        let (host, port) = f[4].rsplit_once(':').unwrap();
+        assert_eq!(host, "127.0.0.1");
+        assert_eq!(f[10], "127.0.0.1");
+        assert_ne!(port, f[11], "MASTER_PORT is a second port");
+        let token = f[5];
+        assert!(token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit()));
+        ranks.insert(rank);
+        shared.insert((f[4].to_string(), token.to_string(), f[11].to_string()));
+    }
+    assert_eq!(ranks, (0..4).collect());
+    assert_eq!(
+        shared.len(),
+        1,
+        "all ranks share address, token and MASTER_PORT"
+    );
+}
+
+#[test]
+fn overrides_and_extra_variables() {
+    let run = chorus_run(&[
+        "--addr",
+        "10.1.2.3:4567",
+        "--token=secret",
+        "--env",
+        "EXTRA=a=b",
+        "--env",
+        "CHORUS_TIMEOUT=9",
+        "-np",
+        "2",
+        "sh",
+        "-c",
+        "echo $CHORUS_ADDR $CHORUS_TOKEN $EXTRA $CHORUS_TIMEOUT $MASTER_ADDR",
+    ]);
+    assert!(run.status.success(), "{}", run.stderr);
+    for (_, text) in prefixed_lines(&run.stdout) {
+        assert_eq!(text, b"10.1.2.3:4567 secret a=b 9 10.1.2.3");
+    }
+}
+
+#[test]
+fn output_is_prefixed_per_stream_and_line() {
+    // Two lines to stdout (the last one unterminated and not UTF-8), one to stderr.
+    let script = "printf 'out %s\\n' $CHORUS_RANK; echo \"err $CHORUS_RANK\" >&2; \
+                  printf 'tail\\377'";
+    let run = chorus_run(&["--nproc", "3", "--", "sh", "-c", script]);
+    assert!(run.status.success(), "{}", run.stderr);
+    let out = prefixed_lines(&run.stdout);
+    assert_eq!(out.len(), 6);
+    for rank in 0..3 {
+        let mine: Vec<Vec<u8>> = out
+            .iter()
+            .filter(|(r, _)| *r == rank)
+            .map(|(_, t)| t.clone())
+            .collect();
+        assert_eq!(
+            mine,
+            [format!("out {rank}").into_bytes(), b"tail\xff".to_vec()]
+        );
+        assert!(run.stderr.contains(&format!("[{rank}] err {rank}\n")));
+    }
+    assert!(!String::from_utf8_lossy(&run.stdout).contains("err"));
+}
+
+#[test]
+fn no_prefix_passes_output_through() {
+    let run = chorus_run(&["--no-prefix", "-n", "1", "--", "echo", "plain"]);
+    assert!(run.status.success());
+    assert_eq!(run.stdout, b"plain\n");
+}
+
+#[test]
+fn a_failing_rank_stops_the_job_with_its_code() {
+    // Rank 1 fails; the others would sleep for 30 s and must be killed.
+    let script = "if [ \"$CHORUS_RANK\" = 1 ]; then echo bye; exit 3; fi; exec sleep 30";
+    let run = chorus_run(&["-n", "3", "--", "sh", "-c", script]);
+    assert_eq!(run.status.code(), Some(3), "{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("chorus-run: rank 1 exited with status 3 (killing the other 2 ranks)"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(prefixed_lines(&run.stdout), [(1, b"bye".to_vec())]);
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_gives_128_plus_signal() {
+    let script = "if [ \"$CHORUS_RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 30";
+    let run = chorus_run(&["-n", "2", "--", "sh", "-c", script]);
+    assert_eq!(run.status.code(), Some(128 + 9), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("rank 0 was killed by signal 9"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn a_background_process_holding_the_output_does_not_hang_the_launcher() {
+    // `sleep` is a child of the shell, so killing the rank leaves it (briefly) holding the
+    // pipe; the launcher must still return.
+    let script = "if [ \"$CHORUS_RANK\" = 1 ]; then exit 5; fi; sleep 4; true";
+    let run = chorus_run(&["-n", "2", "--", "sh", "-c", script]);
+    assert_eq!(run.status.code(), Some(5), "{}", run.stderr);
+}
+
+#[test]
+fn timeout_kills_the_job_with_124() {
+    let run = chorus_run(&["--timeout", "1", "-n", "2", "--", "sleep", "30"]);
+    assert_eq!(run.status.code(), Some(124), "{}", run.stderr);
+    assert!(run.stderr.contains("timeout"), "{}", run.stderr);
+}
+
+#[test]
+fn command_line_errors_and_help() {
+    let run = chorus_run(&["--", "true"]);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(run.stderr.contains("-n N"), "{}", run.stderr);
+    assert_eq!(chorus_run(&["-n", "0", "true"]).status.code(), Some(2));
+    assert_eq!(chorus_run(&["-n", "2"]).status.code(), Some(2));
+    assert_eq!(
+        chorus_run(&["--frobnicate", "-n", "2", "true"])
+            .status
+            .code(),
+        Some(2)
+    );
+    let help = chorus_run(&["--help"]);
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).starts_with("Usage: chorus-run"));
+    let version = chorus_run(&["--version"]);
+    assert!(String::from_utf8_lossy(&version.stdout).starts_with("chorus-run "));
+    let missing = chorus_run(&["-n", "2", "--", "/nonexistent/chorus-test-program"]);
+    assert_eq!(missing.status.code(), Some(127), "{}", missing.stderr);
+}
