@@ -39,12 +39,24 @@ pub struct Communicator {
     broken: Option<String>,
 }
 
-/// What a collective is, in the tag of its messages (bits 24..32).
+/// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
+/// own kind so that ranks calling different collectives are told so.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-enum CollKind {
+#[allow(dead_code)] // kinds are reserved as the collectives land
+pub(crate) enum CollKind {
     AllReduce = 1,
     Barrier = 2,
+    Broadcast = 3,
+    Reduce = 4,
+    AllGather = 5,
+    ReduceScatter = 6,
+    AllToAll = 7,
+    Gather = 8,
+    Scatter = 9,
+    SendRecv = 10,
+    SparseAllReduce = 11,
+    CompressedAllReduce = 12,
 }
 
 impl CollKind {
@@ -52,6 +64,16 @@ impl CollKind {
         match code {
             1 => "all_reduce",
             2 => "barrier",
+            3 => "broadcast",
+            4 => "reduce",
+            5 => "all_gather",
+            6 => "reduce_scatter",
+            7 => "all_to_all",
+            8 => "gather",
+            9 => "scatter",
+            10 => "send/recv",
+            11 => "sparse_all_reduce",
+            12 => "compressed_all_reduce",
             _ => "unknown collective",
         }
     }
@@ -59,7 +81,7 @@ impl CollKind {
 
 /// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32),
 /// per-communicator collective sequence number (32..64).
-fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> u64 {
+pub(crate) fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> u64 {
     ((seq as u64) << 32)
         | ((kind as u64) << 24)
         | (((op as i32 as u64) & 0xf) << 20)
@@ -326,8 +348,6 @@ impl Communicator {
             Some(a) => a,
             None => self.selected_algorithm(recv.len()),
         };
-        let timeout = opts.timeout.unwrap_or(self.config.timeout);
-        let tag = tag_base(self.next_seq(), CollKind::AllReduce, dtype, op);
         log::log(
             Level::Trace,
             Some(self.rank),
@@ -339,42 +359,58 @@ impl Communicator {
                 algorithm.name()
             ),
         );
+        self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
+            allreduce::run(algorithm, ctx, send, recv, dtype, op)
+        })
+    }
+
+    /// Run one collective: checks the communicator is usable, gives the schedule a context
+    /// (transport, deadline from `timeout` or the communicator's default, a fresh tag base
+    /// carrying the sequence number, `kind`, `dtype` and `op`, reusable scratch), and turns a
+    /// transport error into a [`CommError`] (aborting the communicator when it is not
+    /// recoverable). Every collective goes through here.
+    pub(crate) fn run_collective(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Option<Duration>,
+        schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
+    ) -> Result<(), CommError> {
+        self.check_usable(name)?;
+        let timeout = timeout.unwrap_or(self.config.timeout);
+        let tag = tag_base(self.next_seq(), kind, dtype, op);
         let mut ctx = CollCtx {
             transport: &mut *self.transport,
             deadline: Instant::now() + timeout,
             tag_base: tag,
             scratch: &mut self.scratch,
         };
-        let r = allreduce::run(algorithm, &mut ctx, send, recv, dtype, op);
-        r.map_err(|e| self.fail(OP, e))
+        let r = schedule(&mut ctx);
+        r.map_err(|e| self.fail(name, e))
     }
 
     /// Block until every rank reached the barrier.
     pub fn barrier(&mut self) -> Result<(), CommError> {
-        const OP: &str = "barrier";
-        self.check_usable(OP)?;
-        let tag = tag_base(
-            self.next_seq(),
+        let mut b = [0u8; 1];
+        self.run_collective(
+            "barrier",
             CollKind::Barrier,
             DType::Uint8,
             ReduceOp::Max,
-        );
-        let mut b = [0u8; 1];
-        let mut ctx = CollCtx {
-            transport: &mut *self.transport,
-            deadline: Instant::now() + self.config.timeout,
-            tag_base: tag,
-            scratch: &mut self.scratch,
-        };
-        let r = allreduce::run(
-            Algorithm::Ring,
-            &mut ctx,
             None,
-            &mut b,
-            DType::Uint8,
-            ReduceOp::Max,
-        );
-        r.map_err(|e| self.fail(OP, e))
+            |ctx| {
+                allreduce::run(
+                    Algorithm::Ring,
+                    ctx,
+                    None,
+                    &mut b,
+                    DType::Uint8,
+                    ReduceOp::Max,
+                )
+            },
+        )
     }
 
     /// Give up: tell every peer (so they fail fast naming this rank) and make this communicator
