@@ -29,3 +29,8 @@ pub use error::{CommError, ErrorKind};
 
 /// The library version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The README's code blocks compile as doc tests, so the quick start cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
