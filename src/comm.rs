@@ -200,7 +200,8 @@ impl Communicator {
             let listen_ip = chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
             let mut tcp_opts = TcpOptions::default();
-            if let Some(us) = env_parse::<u64>("CHORUS_TCP_SPIN_US").map_err(fail)? {
+            let spin_override = env_parse::<u64>("CHORUS_TCP_SPIN_US").map_err(fail)?;
+            if let Some(us) = spin_override {
                 tcp_opts.spin = Duration::from_micros(us);
             }
             tcp_opts.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER").map_err(fail)?;
@@ -223,8 +224,14 @@ impl Communicator {
                     ),
                 );
             }
-            let (t, r) =
+            let (mut t, r) =
                 tcp::connect(&opts).map_err(|e| fail(CommError::from_transport("init", e)))?;
+            // Spinning only pays when every local rank has a core to spin on.
+            let local = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if spin_override.is_none() && local > cores {
+                t.set_spin(Duration::ZERO);
+            }
             log::log(
                 Level::Info,
                 Some(rank),

@@ -192,6 +192,12 @@ impl TcpTransport {
         })
     }
 
+    /// Change how long waits spin before sleeping in the kernel (zero: never spin, the right
+    /// choice when there are more busy ranks than cores).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
     /// The communicator id agreed at rendezvous (carried in every frame header).
     pub fn comm_id(&self) -> u64 {
         self.comm_id
