@@ -63,8 +63,25 @@ pub struct Rendezvous {
     pub addrs: Vec<SocketAddr>,
 }
 
-/// This host's identity: hostname and boot id.
+/// This host's identity: `CHORUS_HOSTID` if set, else hostname, boot id and network
+/// namespace. Ranks with equal identities may share memory; the network namespace is part of
+/// it because separate namespaces stand for separate hosts (containers, the namespace
+/// testbed), whose traffic must cross their links.
 pub fn host_identity() -> String {
+    if let Ok(id) = std::env::var("CHORUS_HOSTID") {
+        if !id.trim().is_empty() {
+            return id.trim().to_string();
+        }
+    }
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{}|{netns}", machine_identity())
+}
+
+/// The physical machine: hostname and boot id (equal across network namespaces). Used to
+/// count the ranks that share this machine's cores.
+pub fn machine_identity() -> String {
     let read = |p: &str| {
         std::fs::read_to_string(p)
             .map(|s| s.trim().to_string())
