@@ -5,6 +5,8 @@
 //! - the [`Transport`] trait: tagged, ordered, byte-oriented point-to-point messages with
 //!   non-blocking progress and a deadline on every wait;
 //! - [`tcp::TcpTransport`], the TCP implementation (socket2 + mio);
+//! - [`shm::ShmTransport`], shared memory between the ranks of one host, and
+//!   [`hybrid::HybridTransport`], which routes each peer to one of the two;
 //! - [`rendezvous`]: the key-value store, authentication and address exchange that build a
 //!   full mesh of connections;
 //! - [`frame`]: the wire header every data message carries.
@@ -41,8 +43,10 @@
 
 pub mod error;
 pub mod frame;
+pub mod hybrid;
 pub mod ifaddr;
 pub mod rendezvous;
+pub mod shm;
 pub mod tcp;
 
 use std::time::{Duration, Instant};
@@ -273,6 +277,13 @@ pub trait Transport: Send {
     /// use. Peers blocked on this rank fail with [`TransportError::PeerAborted`].
     fn abort(&mut self, notice: &AbortNotice);
 
+    /// The shared-memory transport underneath, when it reaches every rank of the group: its
+    /// [`shm::ShmTransport::all_reduce`] then runs a whole allreduce through shared memory.
+    /// `None` (the default) for transports without one.
+    fn shared_memory(&mut self) -> Option<&mut shm::ShmTransport> {
+        None
+    }
+
     /// Block until every op completes or the deadline passes.
     fn wait_all(&mut self, ops: &mut [Op<'_, '_>], deadline: Instant) -> Result<()> {
         while !self.progress(ops, Wait::Until(deadline))? {}
@@ -337,6 +348,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn abort(&mut self, notice: &AbortNotice) {
         (**self).abort(notice)
+    }
+    fn shared_memory(&mut self) -> Option<&mut shm::ShmTransport> {
+        (**self).shared_memory()
     }
 }
 

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
 
-pub use mesh::{connect, local_group, MeshOptions, Rendezvous};
+pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOptions, Rendezvous};
 
 use crate::frame::{self, Header, Kind, HEADER_LEN};
 use crate::{AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait};
@@ -342,6 +342,28 @@ impl TcpTransport {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// One epoll look without blocking; records readiness. Returns whether any socket is ready.
+    fn poll_now(&mut self) -> Result<bool> {
+        match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(false),
+            Err(e) => return Err(TransportError::io(None, "epoll_wait", e)),
+        }
+        let mut any = false;
+        for ev in self.events.iter() {
+            if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
+                any = true;
+                if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                    p.readable = true;
+                }
+                if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
+                    p.writable = true;
+                }
+            }
+        }
+        Ok(any)
     }
 
     /// Write `bytes` to a peer within `deadline` (used only by abort).
@@ -740,6 +762,7 @@ impl Transport for TcpTransport {
         }
         let comm_id = self.comm_id;
         let started = Instant::now();
+        let mut refreshed = false;
         loop {
             let mut moved = false;
             let mut all_done;
@@ -778,7 +801,15 @@ impl Transport for TcpTransport {
                 return Ok(true);
             }
             let deadline = match wait {
-                Wait::No => return Ok(false),
+                // Readiness is learnt from epoll: look once, without blocking, before giving
+                // up (otherwise a socket that once would block is never retried under No).
+                Wait::No => {
+                    if moved || !socket_bound || refreshed || !self.poll_now()? {
+                        return Ok(false);
+                    }
+                    refreshed = true;
+                    continue;
+                }
                 Wait::Until(d) => d,
             };
             if moved {

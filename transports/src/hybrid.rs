@@ -1,0 +1,359 @@
+//! The transport a communicator uses: every peer on this host through shared memory
+//! ([`crate::shm`]), every other peer through TCP ([`crate::tcp`]), behind one [`Transport`].
+//!
+//! The choice is made at rendezvous ([`connect`]): the TCP mesh publishes each rank's host
+//! identity (hostname + boot id); ranks with equal identities are on one host. `Choice::Tcp`
+//! keeps everything on TCP; `Choice::Shm` requires every rank on this host. Every rank publishes
+//! its choice and all must agree, otherwise every rank fails with the same clear error.
+//!
+//! Waits that involve only one kind of peer are handed to that transport as they are (its own
+//! spin-then-sleep); a wait mixing both polls each without blocking and backs off up to
+//! [`MIXED_MAX_SLEEP`] between rounds.
+
+use std::time::{Duration, Instant};
+
+use crate::rendezvous::StoreClient;
+use crate::shm::{self, ShmOptions, ShmTransport};
+use crate::tcp::TcpTransport;
+use crate::{AbortNotice, Direction, Op, Request, Result, Transport, TransportError, Wait};
+
+/// Longest pause between two polls of a wait that involves both shm and TCP peers.
+pub const MIXED_MAX_SLEEP: Duration = Duration::from_micros(200);
+
+/// Which transport to use for peers on this host (`CHORUS_TRANSPORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Shared memory for peers on this host, TCP for the others (the default).
+    Auto,
+    /// TCP for every peer.
+    Tcp,
+    /// Shared memory for every peer; fails if some rank is on another host.
+    Shm,
+}
+
+impl Choice {
+    /// Parses `auto`, `tcp` or `shm` (case-insensitive; empty is `auto`).
+    pub fn parse(s: &str) -> Option<Choice> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Some(Choice::Auto),
+            "tcp" => Some(Choice::Tcp),
+            "shm" => Some(Choice::Shm),
+            _ => None,
+        }
+    }
+
+    /// The name accepted by [`Choice::parse`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Choice::Auto => "auto",
+            Choice::Tcp => "tcp",
+            Choice::Shm => "shm",
+        }
+    }
+}
+
+/// TCP and shared memory behind one [`Transport`], routing each peer to one of them.
+pub struct HybridTransport {
+    tcp: TcpTransport,
+    shm: Option<ShmTransport>,
+    via_shm: Vec<bool>,
+    broken: Option<String>,
+    /// Reused for reordering a mixed wait's ops.
+    swaps: Vec<(usize, usize)>,
+}
+
+/// Decides, for every peer, shared memory or TCP (see the module docs) and builds the shared
+/// segments with the peers on this host. `hosts[j]` is rank `j`'s host identity.
+pub fn connect(
+    tcp: TcpTransport,
+    store: &mut StoreClient,
+    hosts: &[String],
+    choice: Choice,
+    opts: &ShmOptions,
+    deadline: Instant,
+) -> Result<HybridTransport> {
+    let (rank, size) = (tcp.rank(), tcp.size());
+    if hosts.len() != size {
+        return Err(TransportError::InvalidArgument(format!(
+            "{} host identities for a group of {size}",
+            hosts.len()
+        )));
+    }
+    store.set(&format!("transport/{rank}"), choice.name().as_bytes())?;
+    for j in 0..size {
+        let theirs = store.get(&format!("transport/{j}"), deadline)?;
+        if theirs != choice.name().as_bytes() {
+            return Err(TransportError::Rendezvous(format!(
+                "rank {j} uses CHORUS_TRANSPORT={}, rank {rank} uses {}: set the same value on \
+                 every rank",
+                String::from_utf8_lossy(&theirs),
+                choice.name()
+            )));
+        }
+    }
+    let members: Vec<usize> = match choice {
+        Choice::Tcp => vec![rank],
+        Choice::Auto | Choice::Shm => (0..size).filter(|&j| hosts[j] == hosts[rank]).collect(),
+    };
+    if choice == Choice::Shm && members.len() != size {
+        let away: Vec<usize> = (0..size).filter(|j| !members.contains(j)).collect();
+        return Err(TransportError::Rendezvous(format!(
+            "CHORUS_TRANSPORT=shm needs every rank on one host, but ranks {away:?} are not on \
+             rank {rank}'s host; use tcp or auto"
+        )));
+    }
+    let shm = if members.len() > 1 {
+        Some(shm::connect(
+            store,
+            rank,
+            size,
+            tcp.comm_id(),
+            &members,
+            opts,
+            deadline,
+        )?)
+    } else {
+        None
+    };
+    let via_shm = (0..size)
+        .map(|j| j != rank && members.contains(&j))
+        .collect();
+    Ok(HybridTransport {
+        tcp,
+        shm,
+        via_shm,
+        broken: None,
+        swaps: Vec::new(),
+    })
+}
+
+impl HybridTransport {
+    /// Whether messages to `peer` go through shared memory.
+    pub fn uses_shm(&self, peer: usize) -> bool {
+        self.via_shm.get(peer).copied().unwrap_or(false)
+    }
+
+    fn route(&self, peer: usize) -> bool {
+        self.uses_shm(peer) && self.shm.is_some()
+    }
+
+    /// Polls both transports until something moves, everything completes or the deadline.
+    fn mixed(&mut self, ops: &mut [Op<'_, '_>], k: usize, wait: Wait) -> Result<bool> {
+        let (mut sleep, start) = (Duration::from_micros(1), Instant::now());
+        let shm = self.shm.as_mut().expect("mixed waits have shm ops");
+        let signature = |ops: &[Op<'_, '_>]| -> usize {
+            ops.iter()
+                .map(|o| {
+                    o.req.bytes_done()
+                        + o.req.is_complete() as usize
+                        + o.req.message_len().is_some() as usize
+                })
+                .sum()
+        };
+        let before = signature(ops);
+        loop {
+            let (a, b) = ops.split_at_mut(k);
+            let done_a = shm.progress(a, Wait::No)?;
+            let done_b = self.tcp.progress(b, Wait::No)?;
+            if done_a && done_b {
+                return Ok(true);
+            }
+            let deadline = match wait {
+                Wait::No => return Ok(false),
+                Wait::Until(d) => d,
+            };
+            if signature(ops) != before {
+                return Ok(false);
+            }
+            let waiting_for_caller = ops.iter().all(|o| {
+                o.req.is_complete()
+                    || (o.req.direction() == Direction::Send
+                        && o.req.bytes_done() == o.req.available()
+                        && o.req.available() < o.req.len())
+            });
+            if waiting_for_caller {
+                return Ok(false);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let peer = ops
+                    .iter()
+                    .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
+                    .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
+                    .map(|o| o.req.peer());
+                return Err(TransportError::Timeout {
+                    peer,
+                    waited: now - start,
+                });
+            }
+            if sleep < Duration::from_micros(20) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(sleep.min(deadline - now));
+            }
+            sleep = (sleep * 2).min(MIXED_MAX_SLEEP);
+        }
+    }
+}
+
+impl Transport for HybridTransport {
+    fn rank(&self) -> usize {
+        self.tcp.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.tcp.size()
+    }
+
+    fn name(&self) -> &'static str {
+        let others = self.size() - 1;
+        match self.via_shm.iter().filter(|&&s| s).count() {
+            0 => "tcp",
+            n if n == others => "shm",
+            _ => "shm+tcp",
+        }
+    }
+
+    fn post(&mut self, req: &mut Request) -> Result<()> {
+        if let Some(why) = &self.broken {
+            return Err(TransportError::Aborted(why.clone()));
+        }
+        if self.route(req.peer()) {
+            self.shm.as_mut().expect("routed").post(req)
+        } else {
+            self.tcp.post(req)
+        }
+    }
+
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
+        if let Some(why) = &self.broken {
+            return Err(TransportError::Aborted(why.clone()));
+        }
+        let shm_ops = ops.iter().filter(|o| self.route(o.req.peer())).count();
+        if shm_ops == 0 {
+            return self.tcp.progress(ops, wait);
+        }
+        if shm_ops == ops.len() {
+            return self.shm.as_mut().expect("routed").progress(ops, wait);
+        }
+        // Put the shm ops first, remembering the swaps to restore the caller's order.
+        self.swaps.clear();
+        let mut k = 0;
+        for i in 0..ops.len() {
+            if self.route(ops[i].req.peer()) {
+                if i != k {
+                    ops.swap(i, k);
+                    self.swaps.push((i, k));
+                }
+                k += 1;
+            }
+        }
+        let r = self.mixed(ops, k, wait);
+        for &(i, j) in self.swaps.iter().rev() {
+            ops.swap(i, j);
+        }
+        if let Err(e) = &r {
+            if !e.is_recoverable() && self.broken.is_none() {
+                self.broken = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn abort(&mut self, notice: &AbortNotice) {
+        if let Some(s) = self.shm.as_mut() {
+            s.abort(notice);
+        }
+        self.tcp.abort(notice);
+    }
+
+    fn shared_memory(&mut self) -> Option<&mut ShmTransport> {
+        self.shm.as_mut().filter(|s| s.covers_group())
+    }
+}
+
+impl std::fmt::Debug for HybridTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridTransport")
+            .field("via_shm", &self.via_shm)
+            .field("shm", &self.shm)
+            .field("tcp", &self.tcp)
+            .finish()
+    }
+}
+
+/// `n` hybrid transports in this process; rank `i` pretends to be on host `hosts[i]`, for tests
+/// of mixed groups.
+pub fn local_group(hosts: &[&str], choice: Choice) -> Result<Vec<HybridTransport>> {
+    use crate::rendezvous::StoreServer;
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let n = hosts.len();
+    let tcps = crate::tcp::local_group(n)?;
+    let server = StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"test")?;
+    let addr = server.local_addr();
+    let hosts: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
+    let handles: Vec<_> = tcps
+        .into_iter()
+        .map(|t| {
+            let hosts = hosts.clone();
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let mut store = StoreClient::connect(addr, b"test", deadline)?;
+                connect(
+                    t,
+                    &mut store,
+                    &hosts,
+                    choice,
+                    &ShmOptions::default(),
+                    deadline,
+                )
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for h in handles {
+        out.push(
+            h.join()
+                .map_err(|_| TransportError::Rendezvous("setup thread panicked".into()))??,
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conformance_hybrid_two_hosts() {
+        // Ranks alternate between two hosts: every group mixes shm and TCP peers (n >= 3).
+        crate::conformance::run_all(&|n| {
+            let hosts: Vec<&str> = (0..n).map(|i| if i % 2 == 0 { "a" } else { "b" }).collect();
+            let g = local_group(&hosts, Choice::Auto).expect("hybrid group");
+            if n >= 3 {
+                assert_eq!(g[0].name(), "shm+tcp");
+                assert!(g[0].uses_shm(2) && !g[0].uses_shm(1));
+            }
+            g.into_iter()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .collect()
+        });
+    }
+
+    #[test]
+    fn choices_route_and_disagreement_fails() {
+        let mut g = local_group(&["h", "h", "h"], Choice::Auto).unwrap();
+        assert_eq!(g[0].name(), "shm");
+        assert!(g[1].shared_memory().is_some());
+        let mut g = local_group(&["h", "h", "x"], Choice::Auto).unwrap();
+        assert!(g[0].shared_memory().is_none(), "rank 2 is elsewhere");
+        let g = local_group(&["h", "h"], Choice::Tcp).unwrap();
+        assert_eq!(g[0].name(), "tcp");
+        let e = local_group(&["h", "x"], Choice::Shm).unwrap_err();
+        assert!(e.to_string().contains("one host"), "{e}");
+        for c in ["tcp", "SHM", "auto", ""] {
+            assert!(Choice::parse(c).is_some());
+        }
+        assert!(Choice::parse("udp").is_none());
+    }
+}

@@ -1,0 +1,1003 @@
+//! The shared-memory transport: ranks on one host exchange messages through byte rings in shared
+//! memory, with no system call on the data path.
+//!
+//! # Segments
+//!
+//! Every rank creates one segment (an anonymous `memfd`, see [`sys`]) and publishes
+//! `pid fd` in the rendezvous store; the peers on its host reopen it through
+//! `/proc/<pid>/fd/<fd>` and map it; once every member said so in the store, the descriptors
+//! are closed and only the mappings keep the memory alive. Nothing ever has a name in
+//! `/dev/shm`, so a crash at any point leaves nothing behind.
+//!
+//! A segment holds, cache-line padded: a header (identity, state `live|closed|aborted`, the abort
+//! notice, the owner's futex *bell* and *sleeping* flag, the direct allreduce's progress counter
+//! and call descriptors), one inbound ring per peer, and the arena of the direct allreduce
+//! ([`allreduce`]).
+//!
+//! # Rings
+//!
+//! The ring from `j` to `r` lives in `r`'s segment: `head` (bytes written, stored only by `j`) and
+//! `tail` (bytes consumed, stored only by `r`), each on its own cache line, then `RING` data bytes.
+//! A message is a record: a 64-byte header (magic, sequence number, tag, length), the payload,
+//! and padding to a multiple of 64. The writer copies bytes in and publishes `head` with release
+//! ordering; the reader loads `head` with acquire, copies out and publishes `tail` with release.
+//! Large messages stream through in pieces, so the reader copies while the writer fills.
+//! Everything a peer wrote is validated (counters within the ring, magic, sequence, length
+//! against the receive's capacity) before use.
+//!
+//! # Waiting
+//!
+//! A blocked rank re-polls for a bounded time, then sets its *sleeping* flag, re-checks, and sleeps
+//! on its bell with a 10 ms timeout. Whoever changes something a rank may wait for (head, tail,
+//! progress counter, state) issues a sequentially consistent fence and, if the flag is set, bumps
+//! the bell and wakes it. Every wake-up re-checks the state of the peers waited on and whether
+//! their processes still run (pidfd), so a dead peer is reported within ~10 ms and a wait never
+//! outlives its deadline. The handshake is checked exhaustively in [`model`].
+
+pub mod allreduce;
+#[cfg(test)]
+mod model;
+pub mod sys;
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::rendezvous::StoreClient;
+use crate::{AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait};
+use sys::{Liveness, Mapping};
+
+/// Cache line size used for padding.
+pub const LINE: usize = 64;
+const MAGIC: u64 = u64::from_le_bytes(*b"CHORUSHM");
+const VERSION: u32 = 1;
+const REC_MAGIC: u32 = u32::from_le_bytes(*b"CHSM");
+const REC_HEADER: usize = 64;
+
+// Header layout (byte offsets in a segment).
+const H_MAGIC: usize = 0;
+const H_VERSION: usize = 8;
+const H_SIZE: usize = 12;
+const H_RANK: usize = 16;
+const H_PID: usize = 20;
+const H_COMM: usize = 24;
+const H_RING: usize = 32;
+const H_ARENA: usize = 40;
+const H_STATE: usize = LINE;
+const H_BELL: usize = 2 * LINE;
+const H_SLEEPING: usize = 3 * LINE;
+pub(crate) const H_PROGRESS: usize = 4 * LINE;
+/// Two call descriptors (call number, tag, length), one per call parity.
+pub(crate) const H_DESC: usize = 5 * LINE;
+const H_CULPRIT: usize = 7 * LINE;
+const H_REASON_LEN: usize = 7 * LINE + 8;
+const H_REASON: usize = 8 * LINE;
+const MAX_REASON: usize = 512;
+const HEADER_BYTES: usize = H_REASON + MAX_REASON;
+
+const STATE_LIVE: u32 = 0;
+const STATE_CLOSED: u32 = 1;
+const STATE_ABORTED: u32 = 2;
+
+/// How long a sleeping wait lasts before it re-checks the peers' liveness.
+const SLEEP_SLICE: Duration = Duration::from_millis(10);
+/// A writer publishes `head` at least every this many bytes, so the reader can start copying.
+const PIECE: usize = 64 * 1024;
+
+/// Tunables of the shared-memory transport. Every rank of a group must use the same values
+/// (checked at connection).
+#[derive(Clone, Debug)]
+pub struct ShmOptions {
+    /// Bytes of each ring (rounded up to a multiple of 64).
+    pub ring_bytes: usize,
+    /// Bytes of each half of the direct allreduce's arena: the chunk one round moves per rank.
+    pub chunk_bytes: usize,
+    /// How long a wait re-polls before it sleeps on the futex.
+    pub spin: Duration,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        ShmOptions {
+            ring_bytes: 256 * 1024,
+            chunk_bytes: 512 * 1024,
+            // With fewer cores than ranks, spinning only delays the rank being waited for.
+            spin: if cores >= 2 {
+                Duration::from_micros(50)
+            } else {
+                Duration::from_micros(2)
+            },
+        }
+    }
+}
+
+/// Where things are in a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub members: usize,
+    pub ring: usize,
+    pub arena_half: usize,
+}
+
+impl Layout {
+    fn ring_stride(&self) -> usize {
+        2 * LINE + self.ring
+    }
+    /// Offset of the control block of the ring whose sender is member index `slot`.
+    fn ring_at(&self, slot: usize) -> usize {
+        HEADER_BYTES.next_multiple_of(LINE) + slot * self.ring_stride()
+    }
+    pub(crate) fn arena(&self) -> usize {
+        self.ring_at(self.members).next_multiple_of(4096)
+    }
+    fn total(&self) -> usize {
+        (self.arena() + 2 * self.arena_half).next_multiple_of(4096)
+    }
+}
+
+struct Tx {
+    next_ticket: u64,
+    head_ticket: u64,
+    seq: u64,
+    /// Our `head` (we are its only writer).
+    pos: u64,
+    in_record: bool,
+}
+
+struct Rx {
+    next_ticket: u64,
+    head_ticket: u64,
+    seq: u64,
+    /// Our `tail` (we are its only writer).
+    pos: u64,
+    in_record: bool,
+}
+
+struct Peer {
+    map: Mapping,
+    /// Control block of our ring in the peer's segment (we send there).
+    out_ring: usize,
+    live: Liveness,
+    tx: Tx,
+    rx: Rx,
+}
+
+/// The shared-memory implementation of [`Transport`] over the ranks of one host (a subset of
+/// the group: ranks elsewhere are not peers of this transport). Built by [`connect`] or
+/// [`local_group`].
+pub struct ShmTransport {
+    rank: usize,
+    size: usize,
+    layout: Layout,
+    me: Mapping,
+    /// Member index of every rank (None: not on this host).
+    slot: Vec<Option<usize>>,
+    peers: Vec<Option<Peer>>,
+    spin: Duration,
+    broken: Option<String>,
+    aborted: bool,
+    /// Peers the current wait depends on (reused buffer).
+    involved: Vec<usize>,
+    pub(crate) coll: allreduce::State,
+}
+
+/// Outcome of trying to move bytes for one op.
+enum Moved {
+    Yes,
+    Blocked,
+    NeedsData,
+    NotHead,
+}
+
+fn rdv(msg: impl Into<String>) -> TransportError {
+    TransportError::Rendezvous(msg.into())
+}
+
+fn io(during: &'static str, e: std::io::Error) -> TransportError {
+    TransportError::io(None, during, e)
+}
+
+/// Builds the shared-memory transport among `members` (sorted global ranks on this host,
+/// including `rank`) through the rendezvous store. Every member must call it with the same
+/// members and options.
+pub fn connect(
+    store: &mut StoreClient,
+    rank: usize,
+    size: usize,
+    comm_id: u64,
+    members: &[usize],
+    opts: &ShmOptions,
+    deadline: Instant,
+) -> Result<ShmTransport> {
+    if !members.windows(2).all(|w| w[0] < w[1])
+        || !members.contains(&rank)
+        || members.iter().any(|&m| m >= size)
+    {
+        return Err(TransportError::InvalidArgument(format!(
+            "shm members {members:?} of a group of {size} must be sorted and contain rank {rank}"
+        )));
+    }
+    let layout = Layout {
+        members: members.len(),
+        ring: opts.ring_bytes.max(4 * LINE).next_multiple_of(LINE),
+        arena_half: if members.len() == size {
+            opts.chunk_bytes.max(4096).next_multiple_of(4096)
+        } else {
+            0
+        },
+    };
+    let fd = sys::memfd(&format!("chorus-{comm_id:016x}-{rank}"), layout.total())
+        .map_err(|e| io("memfd_create", e))?;
+    let me = Mapping::map(&fd, layout.total()).map_err(|e| io("mmap", e))?;
+    me.u64_at(H_MAGIC).store(MAGIC, Ordering::Relaxed);
+    me.u32_at(H_VERSION).store(VERSION, Ordering::Relaxed);
+    me.u32_at(H_SIZE).store(size as u32, Ordering::Relaxed);
+    me.u32_at(H_RANK).store(rank as u32, Ordering::Relaxed);
+    me.u32_at(H_PID)
+        .store(std::process::id(), Ordering::Relaxed);
+    me.u64_at(H_COMM).store(comm_id, Ordering::Relaxed);
+    me.u64_at(H_RING)
+        .store(layout.ring as u64, Ordering::Relaxed);
+    me.u64_at(H_ARENA)
+        .store(layout.arena_half as u64, Ordering::Release);
+    store.set(
+        &format!("shm/seg/{rank}"),
+        format!("{} {}", std::process::id(), fd.as_raw_fd()).as_bytes(),
+    )?;
+
+    let mut slot = vec![None; size];
+    for (i, &m) in members.iter().enumerate() {
+        slot[m] = Some(i);
+    }
+    let my_slot = slot[rank].expect("member");
+    let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
+    for &j in members.iter().filter(|&&j| j != rank) {
+        let v = store.get(&format!("shm/seg/{j}"), deadline)?;
+        let text = String::from_utf8_lossy(&v);
+        let mut it = text.split(' ').map(str::parse::<i64>);
+        let (pid, pfd) = match (it.next(), it.next(), it.next()) {
+            (Some(Ok(p)), Some(Ok(f)), None) if p > 0 && p <= u32::MAX as i64 && f >= 0 => {
+                (p as u32, f as i32)
+            }
+            _ => {
+                return Err(rdv(format!(
+                    "rank {j} published a malformed segment {text:?}"
+                )))
+            }
+        };
+        let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
+            rdv(format!(
+                "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
+                 (different pid namespace? use CHORUS_TRANSPORT=tcp)"
+            ))
+        })?;
+        let map = Mapping::map(&pfd, layout.total())
+            .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
+        let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
+            && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
+            && map.u32_at(H_SIZE).load(Ordering::Relaxed) == size as u32
+            && map.u32_at(H_RANK).load(Ordering::Relaxed) == j as u32
+            && map.u32_at(H_PID).load(Ordering::Relaxed) == pid
+            && map.u64_at(H_COMM).load(Ordering::Relaxed) == comm_id
+            && map.u64_at(H_RING).load(Ordering::Relaxed) == layout.ring as u64
+            && map.u64_at(H_ARENA).load(Ordering::Relaxed) == layout.arena_half as u64;
+        if !ok {
+            return Err(rdv(format!(
+                "rank {j}'s shared segment does not match this communicator or its options \
+                 (ring {} B, chunk {} B)",
+                layout.ring, layout.arena_half
+            )));
+        }
+        peers[j] = Some(Peer {
+            map,
+            out_ring: layout.ring_at(my_slot),
+            live: Liveness::watch(pid),
+            tx: Tx {
+                next_ticket: 0,
+                head_ticket: 0,
+                seq: 0,
+                pos: 0,
+                in_record: false,
+            },
+            rx: Rx {
+                next_ticket: 0,
+                head_ticket: 0,
+                seq: 0,
+                pos: 0,
+                in_record: false,
+            },
+        });
+    }
+    // Once every member mapped every segment, the descriptors can go: the mappings alone keep
+    // the memory, and the kernel frees it when the last one is gone.
+    store.set(&format!("shm/mapped/{rank}"), b"1")?;
+    for &j in members.iter().filter(|&&j| j != rank) {
+        store.get(&format!("shm/mapped/{j}"), deadline)?;
+    }
+    drop(fd);
+    Ok(ShmTransport {
+        rank,
+        size,
+        layout,
+        me,
+        slot,
+        peers,
+        spin: opts.spin,
+        broken: None,
+        aborted: false,
+        involved: Vec::new(),
+        coll: allreduce::State::default(),
+    })
+}
+
+/// `n` connected shared-memory transports in this process (rank `i` at index `i`), for tests.
+/// Move each into its own thread before using them together.
+pub fn local_group(n: usize, opts: &ShmOptions) -> Result<Vec<ShmTransport>> {
+    use crate::rendezvous::StoreServer;
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let server = StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"test")?;
+    let addr = server.local_addr();
+    let members: Vec<usize> = (0..n).collect();
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let members = members.clone();
+            let opts = opts.clone();
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let mut store = StoreClient::connect(addr, b"test", deadline)?;
+                connect(&mut store, rank, n, 0x5eed, &members, &opts, deadline)
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for h in handles {
+        out.push(h.join().map_err(|_| rdv("shm setup thread panicked"))??);
+    }
+    Ok(out)
+}
+
+impl ShmTransport {
+    /// Whether `peer` is reached through this transport.
+    pub fn has_peer(&self, peer: usize) -> bool {
+        matches!(self.peers.get(peer), Some(Some(_)))
+    }
+
+    /// Whether every rank of the group is on this host (the direct allreduce needs it).
+    pub fn covers_group(&self) -> bool {
+        self.layout.members == self.size && self.layout.arena_half > 0
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(TransportError::Aborted(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: TransportError) -> TransportError {
+        if !e.is_recoverable() && self.broken.is_none() {
+            self.broken = Some(e.to_string());
+        }
+        e
+    }
+
+    fn peer_ref(&self, peer: usize) -> Result<&Peer> {
+        match self.peers.get(peer) {
+            Some(Some(p)) => Ok(p),
+            _ => Err(TransportError::InvalidArgument(format!(
+                "peer {peer} is not another rank of this host's group (this is rank {} of {})",
+                self.rank, self.size
+            ))),
+        }
+    }
+
+    /// Wakes `peer` if it sleeps. Call after publishing something it may wait for.
+    fn notify(map: &Mapping) {
+        fence(Ordering::SeqCst);
+        if map.u32_at(H_SLEEPING).load(Ordering::Relaxed) != 0 {
+            map.u32_at(H_BELL).fetch_add(1, Ordering::SeqCst);
+            sys::futex_wake(map.u32_at(H_BELL));
+        }
+    }
+
+    fn notify_all(&self) {
+        for p in self.peers.iter().flatten() {
+            p.map.u32_at(H_BELL).fetch_add(1, Ordering::SeqCst);
+            sys::futex_wake(p.map.u32_at(H_BELL));
+        }
+    }
+
+    /// The error for a peer that stopped: closed, aborted (with its notice) or dead.
+    fn peer_gone(&self, j: usize, check_process: bool) -> Option<TransportError> {
+        let p = self.peers.get(j)?.as_ref()?;
+        match p.map.u32_at(H_STATE).load(Ordering::Acquire) {
+            STATE_LIVE => {}
+            STATE_ABORTED => {
+                let c = p.map.u64_at(H_CULPRIT).load(Ordering::Relaxed);
+                let n =
+                    (p.map.u32_at(H_REASON_LEN).load(Ordering::Relaxed) as usize).min(MAX_REASON);
+                let mut r = vec![0u8; n];
+                p.map.read(H_REASON, &mut r);
+                return Some(TransportError::PeerAborted {
+                    peer: j,
+                    culprit: usize::try_from(c).ok().filter(|&c| c < self.size),
+                    reason: String::from_utf8_lossy(&r).into_owned(),
+                });
+            }
+            _ => return Some(TransportError::PeerClosed { peer: j }),
+        }
+        if check_process && !p.live.alive() {
+            return Some(TransportError::PeerClosed { peer: j });
+        }
+        None
+    }
+
+    /// One step of a blocked wait on the peers in `self.involved`: fails if one of them is gone
+    /// or the deadline passed; otherwise re-polls (first `spin`), then arms and sleeps on the
+    /// bell. The caller re-checks its condition after every call.
+    pub(crate) fn stall(&mut self, w: &mut Stall, deadline: Instant) -> Result<()> {
+        for i in 0..self.involved.len() {
+            if let Some(e) = self.peer_gone(self.involved[i], w.armed.is_some()) {
+                self.disarm();
+                return Err(e);
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            self.disarm();
+            return Err(TransportError::Timeout {
+                peer: self.involved.first().copied(),
+                waited: now - w.start,
+            });
+        }
+        if let Some(b) = w.armed.take() {
+            sys::futex_wait(self.me.u32_at(H_BELL), b, (deadline - now).min(SLEEP_SLICE));
+            self.disarm();
+            return Ok(());
+        }
+        if now - w.start < self.spin {
+            w.polls += 1;
+            if w.polls % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            return Ok(());
+        }
+        // Arm: announce the sleep, then let the caller re-check before sleeping (see `model`).
+        self.me.u32_at(H_SLEEPING).store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        w.armed = Some(self.me.u32_at(H_BELL).load(Ordering::SeqCst));
+        Ok(())
+    }
+
+    fn disarm(&self) {
+        self.me.u32_at(H_SLEEPING).store(0, Ordering::Relaxed);
+    }
+
+    fn drive(&mut self, op: &mut Op<'_, '_>) -> Result<Moved> {
+        let j = op.req.peer();
+        self.peer_ref(j)?;
+        match op.req.direction() {
+            Direction::Send => {
+                let buf: &[u8] = match &op.buf {
+                    Buf::Send(b) => b,
+                    Buf::Recv(b) => b,
+                };
+                self.drive_send(j, op.req, buf)
+            }
+            Direction::Recv => {
+                let Buf::Recv(buf) = &mut op.buf else {
+                    return Err(TransportError::InvalidArgument(
+                        "a receive request needs a Buf::Recv buffer".into(),
+                    ));
+                };
+                self.drive_recv(j, op.req, buf)
+            }
+        }
+    }
+
+    fn drive_send(&mut self, j: usize, req: &mut Request, buf: &[u8]) -> Result<Moved> {
+        let ring = self.layout.ring;
+        let p = self.peers[j].as_mut().expect("checked peer");
+        if req.ticket() != Some(p.tx.head_ticket) {
+            return Ok(Moved::NotHead);
+        }
+        let base = p.out_ring;
+        let data = base + 2 * LINE;
+        let tail = p.map.u64_at(base + LINE).load(Ordering::Acquire);
+        let used = p.tx.pos.wrapping_sub(tail);
+        if used > ring as u64 {
+            return Err(TransportError::Protocol {
+                peer: j,
+                what: format!("ring consumer counter {tail} is ahead of the producer's"),
+            });
+        }
+        let mut free = ring - used as usize;
+        let mut moved = false;
+        let mut published = p.tx.pos;
+        if !p.tx.in_record {
+            if free < REC_HEADER {
+                return Ok(Moved::Blocked);
+            }
+            let mut h = [0u8; REC_HEADER];
+            h[0..4].copy_from_slice(&REC_MAGIC.to_le_bytes());
+            h[8..16].copy_from_slice(&p.tx.seq.to_le_bytes());
+            h[16..24].copy_from_slice(&req.tag().to_le_bytes());
+            h[24..32].copy_from_slice(&(req.len() as u64).to_le_bytes());
+            // Records are 64-aligned and the ring a multiple of 64: a header never wraps.
+            p.map.write(data + (p.tx.pos % ring as u64) as usize, &h);
+            p.tx.pos += REC_HEADER as u64;
+            p.tx.in_record = true;
+            free -= REC_HEADER;
+            moved = true;
+        }
+        let len = req.len();
+        while req.bytes_done() < req.available() && free > 0 {
+            let done = req.bytes_done();
+            let n = (req.available() - done).min(free).min(PIECE);
+            let at = (p.tx.pos % ring as u64) as usize;
+            let first = n.min(ring - at);
+            p.map.write(data + at, &buf[done..done + first]);
+            if n > first {
+                p.map.write(data, &buf[done + first..done + n]);
+            }
+            p.tx.pos += n as u64;
+            req.advance(n);
+            free -= n;
+            moved = true;
+            if p.tx.pos - published >= PIECE as u64 {
+                p.map.u64_at(base).store(p.tx.pos, Ordering::Release);
+                published = p.tx.pos;
+                Self::notify(&p.map);
+            }
+        }
+        if req.bytes_done() == len {
+            let pad = len.next_multiple_of(LINE) - len;
+            if free >= pad {
+                p.tx.pos += pad as u64;
+                p.tx.in_record = false;
+                p.tx.seq += 1;
+                p.tx.head_ticket += 1;
+                req.set_complete();
+                moved = true;
+            }
+        }
+        if p.tx.pos != published {
+            p.map.u64_at(base).store(p.tx.pos, Ordering::Release);
+            Self::notify(&p.map);
+        }
+        Ok(if moved {
+            Moved::Yes
+        } else if req.bytes_done() == req.available() && req.bytes_done() < len {
+            Moved::NeedsData
+        } else {
+            Moved::Blocked
+        })
+    }
+
+    /// The header of the next record from `j`, if one is there (not consumed).
+    fn peek_header(&self, j: usize) -> Result<Option<(u64, u64, u64)>> {
+        let ring = self.layout.ring;
+        let p = self.peers[j].as_ref().expect("checked peer");
+        let base = self.layout.ring_at(self.slot[j].expect("member"));
+        let head = self.me.u64_at(base).load(Ordering::Acquire);
+        let avail = head.wrapping_sub(p.rx.pos);
+        if avail > ring as u64 {
+            return Err(TransportError::Protocol {
+                peer: j,
+                what: format!(
+                    "ring producer counter {head} is not within the ring (consumer at {})",
+                    p.rx.pos
+                ),
+            });
+        }
+        if p.rx.in_record || avail < REC_HEADER as u64 {
+            return Ok(None);
+        }
+        let mut h = [0u8; REC_HEADER];
+        self.me
+            .read(base + 2 * LINE + (p.rx.pos % ring as u64) as usize, &mut h);
+        let word = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+        if h[0..4] != REC_MAGIC.to_le_bytes() {
+            return Err(TransportError::Protocol {
+                peer: j,
+                what: format!("bad record magic {:02x?}", &h[0..4]),
+            });
+        }
+        if word(8) != p.rx.seq {
+            return Err(TransportError::Protocol {
+                peer: j,
+                what: format!(
+                    "sequence number {} where {} was expected",
+                    word(8),
+                    p.rx.seq
+                ),
+            });
+        }
+        Ok(Some((word(16), word(24), head)))
+    }
+
+    fn drive_recv(&mut self, j: usize, req: &mut Request, buf: &mut [u8]) -> Result<Moved> {
+        let ring = self.layout.ring;
+        if req.ticket() != Some(self.peers[j].as_ref().expect("peer").rx.head_ticket) {
+            return Ok(Moved::NotHead);
+        }
+        let mut moved = false;
+        if let Some((tag, len, _)) = self.peek_header(j)? {
+            if tag != req.tag() || len > req.len() as u64 {
+                return Err(TransportError::Mismatch {
+                    peer: j,
+                    expected_tag: req.tag(),
+                    got_tag: tag,
+                    expected_len: req.len(),
+                    got_len: usize::try_from(len).unwrap_or(usize::MAX),
+                });
+            }
+            req.set_message_len(len as usize);
+            let p = self.peers[j].as_mut().expect("peer");
+            p.rx.pos += REC_HEADER as u64;
+            p.rx.in_record = true;
+            moved = true;
+        }
+        let base = self.layout.ring_at(self.slot[j].expect("member"));
+        let data = base + 2 * LINE;
+        let p = self.peers[j].as_mut().expect("peer");
+        if !p.rx.in_record {
+            return Ok(Moved::Blocked);
+        }
+        let head = self.me.u64_at(base).load(Ordering::Acquire);
+        let mut avail = head.wrapping_sub(p.rx.pos) as usize;
+        let msg_len = req.message_len().expect("header seen");
+        while req.bytes_done() < msg_len && avail > 0 {
+            let done = req.bytes_done();
+            let n = (msg_len - done).min(avail);
+            let at = (p.rx.pos % ring as u64) as usize;
+            let first = n.min(ring - at);
+            self.me.read(data + at, &mut buf[done..done + first]);
+            if n > first {
+                self.me.read(data, &mut buf[done + first..done + n]);
+            }
+            p.rx.pos += n as u64;
+            avail -= n;
+            req.advance(n);
+            moved = true;
+        }
+        if req.bytes_done() == msg_len {
+            let pad = msg_len.next_multiple_of(LINE) - msg_len;
+            if avail >= pad {
+                p.rx.pos += pad as u64;
+                p.rx.in_record = false;
+                p.rx.seq += 1;
+                p.rx.head_ticket += 1;
+                req.set_complete();
+                moved = true;
+            }
+        }
+        if moved {
+            self.me
+                .u64_at(base + LINE)
+                .store(p.rx.pos, Ordering::Release);
+            Self::notify(&p.map);
+            Ok(Moved::Yes)
+        } else {
+            Ok(Moved::Blocked)
+        }
+    }
+}
+
+/// The state of one blocked wait (see [`ShmTransport::stall`]).
+#[derive(Debug)]
+pub(crate) struct Stall {
+    start: Instant,
+    polls: u64,
+    armed: Option<u32>,
+}
+
+impl Stall {
+    pub(crate) fn new() -> Stall {
+        Stall {
+            start: Instant::now(),
+            polls: 0,
+            armed: None,
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn post(&mut self, req: &mut Request) -> Result<()> {
+        self.check_usable()?;
+        if req.is_posted() {
+            return Err(TransportError::InvalidUsage(
+                "request was already posted".into(),
+            ));
+        }
+        self.peer_ref(req.peer())?;
+        let p = self.peers[req.peer()].as_mut().expect("checked");
+        let t = match req.direction() {
+            Direction::Send => &mut p.tx.next_ticket,
+            Direction::Recv => &mut p.rx.next_ticket,
+        };
+        req.set_ticket(*t);
+        *t += 1;
+        Ok(())
+    }
+
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
+        self.check_usable()?;
+        for op in ops.iter() {
+            if !op.req.is_posted() {
+                return Err(TransportError::InvalidUsage(
+                    "progress on a request that was not posted".into(),
+                ));
+            }
+            let blen = match &op.buf {
+                Buf::Send(b) => b.len(),
+                Buf::Recv(b) => b.len(),
+            };
+            if blen < op.req.len() {
+                return Err(TransportError::InvalidArgument(format!(
+                    "buffer of {blen} bytes for a request of {} bytes",
+                    op.req.len()
+                )));
+            }
+            if matches!(
+                (&op.buf, op.req.direction()),
+                (Buf::Send(_), Direction::Recv)
+            ) {
+                return Err(TransportError::InvalidArgument(
+                    "a receive request needs a Buf::Recv buffer".into(),
+                ));
+            }
+            self.peer_ref(op.req.peer())?;
+        }
+        let mut stall: Option<Stall> = None;
+        loop {
+            let mut moved = false;
+            let mut all_done;
+            let mut blocked;
+            let mut needs_data;
+            loop {
+                let mut again = false;
+                all_done = true;
+                blocked = false;
+                needs_data = false;
+                for op in ops.iter_mut() {
+                    if op.req.is_complete() {
+                        continue;
+                    }
+                    match self.drive(op) {
+                        Ok(Moved::Yes) => {
+                            moved = true;
+                            again = true;
+                        }
+                        Ok(Moved::Blocked) => blocked = true,
+                        Ok(Moved::NeedsData) => needs_data = true,
+                        Ok(Moved::NotHead) => {}
+                        Err(e) => {
+                            self.disarm();
+                            return Err(self.fail(e));
+                        }
+                    }
+                    if !op.req.is_complete() {
+                        all_done = false;
+                    }
+                }
+                if !again || all_done {
+                    break;
+                }
+            }
+            if all_done || moved {
+                self.disarm();
+                return Ok(all_done);
+            }
+            let deadline = match wait {
+                Wait::No => return Ok(false),
+                Wait::Until(d) => d,
+            };
+            if !blocked {
+                self.disarm();
+                if needs_data {
+                    return Ok(false);
+                }
+                return Err(TransportError::InvalidUsage(
+                    "every pending request waits behind an earlier request of the same peer \
+                     that is not part of this wait"
+                        .into(),
+                ));
+            }
+            let w = stall.get_or_insert_with(|| {
+                self.involved.clear();
+                // Receives first: the timeout names the peer we wait to hear from.
+                for dir in [Direction::Recv, Direction::Send] {
+                    for op in ops.iter() {
+                        let j = op.req.peer();
+                        if !op.req.is_complete()
+                            && op.req.direction() == dir
+                            && !self.involved.contains(&j)
+                        {
+                            self.involved.push(j);
+                        }
+                    }
+                }
+                Stall::new()
+            });
+            if let Err(e) = self.stall(w, deadline) {
+                return Err(self.fail(e));
+            }
+        }
+    }
+
+    fn abort(&mut self, notice: &AbortNotice) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
+        if self.broken.is_none() {
+            self.broken = Some(format!("aborted by this rank: {}", notice.reason));
+        }
+        let reason = notice.reason.as_bytes();
+        let mut n = reason.len().min(MAX_REASON);
+        while !notice.reason.is_char_boundary(n) {
+            n -= 1;
+        }
+        self.me.write(H_REASON, &reason[..n]);
+        self.me
+            .u32_at(H_REASON_LEN)
+            .store(n as u32, Ordering::Relaxed);
+        self.me.u64_at(H_CULPRIT).store(
+            notice.culprit.map_or(u64::MAX, |c| c as u64),
+            Ordering::Relaxed,
+        );
+        self.me
+            .u32_at(H_STATE)
+            .store(STATE_ABORTED, Ordering::Release);
+        self.notify_all();
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        if !self.aborted {
+            self.me
+                .u32_at(H_STATE)
+                .store(STATE_CLOSED, Ordering::Release);
+        }
+        self.notify_all();
+    }
+}
+
+impl std::fmt::Debug for ShmTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("layout", &self.layout)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small_rings() -> ShmOptions {
+        // A small ring makes every large test message wrap around many times.
+        ShmOptions {
+            ring_bytes: 4096 + 64,
+            chunk_bytes: 8192,
+            ..ShmOptions::default()
+        }
+    }
+
+    #[test]
+    fn conformance_shm() {
+        crate::conformance::run_all(&|n| {
+            local_group(n, &ShmOptions::default())
+                .expect("local shm group")
+                .into_iter()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .collect()
+        });
+    }
+
+    #[test]
+    fn conformance_shm_small_rings() {
+        let make = |n| {
+            local_group(n, &small_rings())
+                .expect("local shm group")
+                .into_iter()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .collect()
+        };
+        crate::conformance::ping_pong(&make);
+        crate::conformance::ring_exchange_large(&make);
+        crate::conformance::ordered_tags(&make);
+        crate::conformance::nonblocking_and_partial(&make);
+    }
+
+    #[test]
+    fn layout_is_aligned_and_disjoint() {
+        let l = Layout {
+            members: 3,
+            ring: 4096,
+            arena_half: 8192,
+        };
+        assert!(l.ring_at(0) >= HEADER_BYTES);
+        assert_eq!(l.ring_at(0) % LINE, 0);
+        assert_eq!(l.ring_at(1) - l.ring_at(0), 2 * LINE + 4096);
+        assert!(l.arena() >= l.ring_at(3));
+        assert_eq!(l.arena() % 4096, 0);
+        assert!(l.total() >= l.arena() + 2 * 8192);
+    }
+
+    #[test]
+    fn mismatched_options_are_refused() {
+        use crate::rendezvous::StoreServer;
+        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+        let server =
+            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
+        let addr = server.local_addr();
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
+                    let opts = ShmOptions {
+                        ring_bytes: 4096 * (rank + 1),
+                        ..ShmOptions::default()
+                    };
+                    connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ())
+                })
+            })
+            .collect();
+        // Each rank fails: the first to check reports the mismatch and drops its segment, so
+        // the other may instead find nothing to open.
+        let errs: Vec<String> = hs
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap_err().to_string())
+            .collect();
+        assert!(
+            errs.iter().any(|e| e.contains("does not match")),
+            "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn garbage_in_a_ring_is_a_protocol_error() {
+        let mut g = local_group(2, &ShmOptions::default()).unwrap();
+        let mut t1 = g.pop().unwrap();
+        let t0 = g.pop().unwrap();
+        // Rank 0 scribbles a record with a bad magic into its ring towards rank 1.
+        let p = t0.peers[1].as_ref().unwrap();
+        let base = p.out_ring;
+        p.map.write(base + 2 * LINE, &[0xAB; 64]);
+        p.map.u64_at(base).store(64, Ordering::Release);
+        let mut b = [0u8; 8];
+        let e = t1.recv(0, 1, &mut b, Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, TransportError::Protocol { peer: 0, .. }), "{e}");
+        // A head counter beyond the ring is caught too (on a fresh pair).
+        let mut g = local_group(2, &ShmOptions::default()).unwrap();
+        let mut t1 = g.pop().unwrap();
+        let t0 = g.pop().unwrap();
+        let p = t0.peers[1].as_ref().unwrap();
+        p.map.u64_at(p.out_ring).store(1 << 40, Ordering::Release);
+        let e = t1.recv(0, 1, &mut b, Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, TransportError::Protocol { peer: 0, .. }), "{e}");
+        drop(t0);
+    }
+}

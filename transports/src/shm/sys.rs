@@ -1,0 +1,317 @@
+//! The system layer of the shared-memory transport: every `unsafe` block of it lives here, each
+//! wrapping one system call or one access to the mapped segment.
+//!
+//! - [`memfd`]: an anonymous shared-memory file (`memfd_create` + `ftruncate`). It has no name in
+//!   any file system, so nothing is ever left in `/dev/shm`, whatever happens to the process: the
+//!   kernel frees the memory when the last descriptor and mapping are gone.
+//! - [`open_peer_fd`]: another process's memfd, reopened through `/proc/<pid>/fd/<fd>`.
+//! - [`Mapping`]: a `MAP_SHARED | MAP_POPULATE` mapping (pre-faulted: first touch costs ~10×),
+//!   unmapped on drop, with bounds-checked accessors for atomics and byte ranges.
+//! - [`futex_wait`] / [`futex_wake`]: process-shared futexes on a 32-bit word of a mapping; every
+//!   wait has a timeout.
+//! - [`Liveness`]: whether a peer process still runs (a pidfd polled without blocking, or
+//!   `kill(pid, 0)` on kernels without pidfds).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::time::Duration;
+
+/// Turns a `-1` return into the thread's `errno`.
+fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// A new anonymous shared-memory file of `len` bytes (close-on-exec).
+pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `cname` is a valid NUL-terminated string that outlives the call; the flags are
+    // plain constants.
+    let fd = check(unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) } as _)?;
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    File::from(owned.try_clone()?).set_len(len as u64)?;
+    Ok(owned)
+}
+
+/// Opens the descriptor `fd` of process `pid` (a memfd it created) read-write.
+pub fn open_peer_fd(pid: u32, fd: i32) -> io::Result<OwnedFd> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/{pid}/fd/{fd}"))?;
+    Ok(OwnedFd::from(f))
+}
+
+/// A shared mapping of a whole file; unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics or through byte
+// copies whose exclusivity the transport's protocol guarantees (see the module docs of `shm`).
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared references only hand out atomics and byte copies.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared, readable and writable, with the pages pre-faulted.
+    pub fn map(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let actual = File::from(fd.try_clone()?).metadata()?.len();
+        if actual < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("shared segment has {actual} bytes, {len} expected"),
+            ));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (null hint) of a file at least `len`
+        // bytes long (checked above); the result is checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never: [`Mapping::map`] refuses zero bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check_range(&self, off: usize, len: usize, align: usize) {
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len) && off % align == 0,
+            "shared segment access {off}+{len} (align {align}) outside {} bytes",
+            self.len
+        );
+    }
+
+    /// The 64-bit atomic at byte offset `off` (8-aligned, in bounds; panics otherwise: offsets
+    /// come from the transport's own layout, never from a peer).
+    pub fn u64_at(&self, off: usize) -> &AtomicU64 {
+        self.check_range(off, 8, 8);
+        // SAFETY: in bounds and 8-aligned (checked; the mapping is page-aligned); AtomicU64 has
+        // the layout of u64 and any bit pattern is valid; the memory lives as long as `self`.
+        unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() }
+    }
+
+    /// The 32-bit atomic at byte offset `off` (4-aligned, in bounds).
+    pub fn u32_at(&self, off: usize) -> &AtomicU32 {
+        self.check_range(off, 4, 4);
+        // SAFETY: as for `u64_at`, with 4-byte alignment.
+        unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    /// Copies `src` into the mapping at `off`.
+    pub fn write(&self, off: usize, src: &[u8]) {
+        self.check_range(off, src.len(), 1);
+        // SAFETY: the destination range is inside the mapping (checked) and cannot overlap
+        // `src`, a Rust slice of this process's own memory or of another mapping's range the
+        // protocol keeps disjoint. Writers of this range are excluded by the protocol; a
+        // misbehaving peer could only change byte values, which are valid for any pattern.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `off` out of the mapping.
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
+        self.check_range(off, dst.len(), 1);
+        // SAFETY: the source range is inside the mapping (checked); `dst` is exclusively
+        // borrowed memory of this process, so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// The bytes at `off..off + len`, to read while the protocol guarantees that no one writes
+    /// them (a peer's published input or result).
+    pub fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        self.check_range(off, len, 1);
+        // SAFETY: in bounds (checked), u8 accepts any bit pattern, and the lifetime is tied to
+        // the mapping. The protocol (counters with acquire/release) ensures nobody writes the
+        // range while the slice is used.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+
+    /// The bytes at `off..off + len` for writing, while the protocol gives this rank exclusive
+    /// use of the range (its own slice of its own segment). Takes `&mut self` on the owner's
+    /// mapping so two such slices cannot coexist in this process.
+    pub fn bytes_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
+        self.check_range(off, len, 1);
+        // SAFETY: in bounds (checked); `&mut self` makes the slice unique within this process,
+        // and the protocol keeps other processes from touching the range meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe a mapping created by `Mapping::map` and not yet unmapped;
+        // no reference into it outlives `self` (accessors borrow `self`).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Sleeps while `*word == expected`, for at most `timeout` (process-shared futex). Returns on
+/// a wake-up, a timeout, a signal, or at once if the word already differs.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned 32-bit atomic for the duration of the call; the
+    // timespec outlives the call; FUTEX_WAIT reads the word and never writes memory. Errors
+    // (EAGAIN, ETIMEDOUT, EINTR) all mean "re-check", so the result is ignored.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every thread sleeping in [`futex_wait`] on `word` (in any process).
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned 32-bit atomic; FUTEX_WAKE only uses its address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Whether a peer process still runs.
+#[derive(Debug)]
+pub enum Liveness {
+    /// A peer in this very process (ranks as threads): alive as long as we are.
+    SameProcess,
+    /// A pidfd of the peer: readable once the process has exited (even before it is reaped,
+    /// and immune to pid reuse).
+    PidFd(OwnedFd),
+    /// Fallback for kernels without pidfds: `kill(pid, 0)`.
+    Pid(u32),
+}
+
+impl Liveness {
+    /// Watches process `pid`.
+    pub fn watch(pid: u32) -> Liveness {
+        if pid == std::process::id() {
+            return Liveness::SameProcess;
+        }
+        // SAFETY: pidfd_open takes a pid and flags by value; the result is checked.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
+        if fd >= 0 {
+            // SAFETY: a fresh descriptor returned by pidfd_open, owned by nobody else.
+            Liveness::PidFd(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+        } else {
+            Liveness::Pid(pid)
+        }
+    }
+
+    /// False once the process has exited.
+    pub fn alive(&self) -> bool {
+        match self {
+            Liveness::SameProcess => true,
+            Liveness::PidFd(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, zero timeout (never blocks).
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                !(n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0)
+            }
+            Liveness::Pid(pid) => {
+                // SAFETY: signal 0 only checks that the process exists.
+                let r = unsafe { libc::kill(*pid as libc::pid_t, 0) };
+                r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn memfd_map_share_and_reopen() {
+        let fd = memfd("chorus-test", 4096).unwrap();
+        let a = Mapping::map(&fd, 4096).unwrap();
+        let reopened = open_peer_fd(std::process::id(), fd.as_raw_fd()).unwrap();
+        let b = Mapping::map(&reopened, 4096).unwrap();
+        a.u64_at(64).store(0xdead_beef, Ordering::Release);
+        assert_eq!(b.u64_at(64).load(Ordering::Acquire), 0xdead_beef);
+        a.write(100, b"hello");
+        let mut out = [0u8; 5];
+        b.read(100, &mut out);
+        assert_eq!(&out, b"hello");
+        assert!(Mapping::map(&fd, 8192).is_err(), "mapping past the end");
+    }
+
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn out_of_bounds_access_panics() {
+        let fd = memfd("chorus-test", 4096).unwrap();
+        let a = Mapping::map(&fd, 4096).unwrap();
+        a.write(4090, &[0u8; 8]);
+    }
+
+    #[test]
+    fn futex_times_out_and_liveness_of_self() {
+        let w = AtomicU32::new(5);
+        let t = std::time::Instant::now();
+        futex_wait(&w, 5, Duration::from_millis(20));
+        assert!(t.elapsed() >= Duration::from_millis(15));
+        futex_wait(&w, 6, Duration::from_secs(5)); // differs: returns at once
+        futex_wake(&w);
+        assert!(Liveness::watch(std::process::id()).alive());
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let l = Liveness::watch(child.id());
+        child.wait().unwrap();
+        assert!(!l.alive());
+    }
+}
