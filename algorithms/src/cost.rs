@@ -1,8 +1,10 @@
 //! The α–β cost model of DESIGN.md §2, used by the selector to fill its cost table.
 //!
 //! A message of `b` bytes costs `α + b·β`; a schedule's cost is the sum over its sequential
-//! steps. Computation (reduction) is not modelled: it overlaps the transfers in every schedule
-//! that matters here.
+//! steps. Reductions that overlap the transfers (the ring, halving-doubling and the tree reduce
+//! each segment while the next arrives) are not modelled; recursive doubling reduces a whole
+//! message only after it arrived, so it also pays [`REDUCE_SECONDS_PER_BYTE`] per byte and
+//! round.
 
 /// The cost parameters of a link between two ranks.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -60,6 +62,90 @@ pub fn ring_allreduce(bytes: usize, ranks: usize, link: &Link) -> f64 {
     2.0 * (p - 1.0) * link.alpha + 2.0 * (p - 1.0) / p * bytes as f64 * link.beta
 }
 
+/// Seconds per byte of a reduction that does not overlap a transfer: `dst += src` reads two
+/// buffers and writes one at memory speed (DESIGN.md §5: f32 `a += b` runs at 11–13 GB/s when
+/// vectorised, 5.4 when not; the planning figure is the slower one).
+pub const REDUCE_SECONDS_PER_BYTE: f64 = 1.0 / 5.4e9;
+
+/// `(p', r)`: the largest power of two `p' ≤ p` and the `r = p − p'` ranks folded onto it.
+fn fold(ranks: usize) -> (f64, f64) {
+    let core = 1usize << ranks.ilog2();
+    (core as f64, (ranks - core) as f64)
+}
+
+/// The two messages of `n` bytes that folding `r > 0` extra ranks adds to the critical path.
+fn fold_cost(bytes: usize, extra: f64, link: &Link) -> f64 {
+    if extra > 0.0 {
+        2.0 * (link.alpha + bytes as f64 * link.beta)
+    } else {
+        0.0
+    }
+}
+
+/// Recursive doubling: `log₂p'·(α + nβ + nγ)` with `γ` = [`REDUCE_SECONDS_PER_BYTE`] (each
+/// round reduces the whole message after it arrived), plus `2(α + nβ)` when `p` is not a power
+/// of two; zero for one rank.
+///
+/// ```
+/// use chorus_algorithms::cost::{recursive_doubling_allreduce, Link, REDUCE_SECONDS_PER_BYTE};
+/// let l = Link { alpha: 1e-5, beta: 1e-9 };
+/// let round = 1e-5 + 8e-9 + 8.0 * REDUCE_SECONDS_PER_BYTE;
+/// assert!((recursive_doubling_allreduce(8, 4, &l) - 2.0 * round).abs() < 1e-15);
+/// assert!((recursive_doubling_allreduce(8, 5, &l) - 2.0 * round - 2.0 * (1e-5 + 8e-9)).abs() < 1e-15);
+/// ```
+pub fn recursive_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let (core, extra) = fold(ranks);
+    let n = bytes as f64;
+    core.log2() * (link.alpha + n * link.beta + n * REDUCE_SECONDS_PER_BYTE)
+        + fold_cost(bytes, extra, link)
+}
+
+/// Recursive halving-doubling (Rabenseifner): `2·log₂p'·α + 2(p'−1)/p'·nβ`, plus `2(α + nβ)`
+/// when `p` is not a power of two; zero for one rank.
+///
+/// ```
+/// use chorus_algorithms::cost::{halving_doubling_allreduce, ring_allreduce, Link};
+/// let l = Link { alpha: 1e-5, beta: 1e-9 };
+/// // Same bytes as the ring, fewer messages, for a power of two.
+/// let (hd, ring) = (halving_doubling_allreduce(1 << 20, 8, &l), ring_allreduce(1 << 20, 8, &l));
+/// assert!((ring - hd - 8.0 * 1e-5).abs() < 1e-12);
+/// ```
+pub fn halving_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let (core, extra) = fold(ranks);
+    2.0 * core.log2() * link.alpha
+        + 2.0 * (core - 1.0) / core * bytes as f64 * link.beta
+        + fold_cost(bytes, extra, link)
+}
+
+/// Pipelined binary tree with segments of `segment` bytes: `m = ⌈n/segment⌉` segments go up and
+/// come down a tree of depth `d = ⌊log₂p⌋`; an inner rank receives two segments per step (one
+/// per child) going up and sends two going down, so a step costs `α + 2sβ` and the critical
+/// path is `2d + m − 1` steps (`d` to fill the pipe each way, then one per segment); zero for
+/// one rank.
+///
+/// ```
+/// use chorus_algorithms::cost::{tree_allreduce, Link};
+/// let l = Link { alpha: 1e-5, beta: 0.0 };
+/// assert!((tree_allreduce(8, 4, 65536, &l) - 4.0 * 1e-5).abs() < 1e-15); // 2·2 + 1 − 1 steps
+/// ```
+pub fn tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let depth = ranks.ilog2() as f64;
+    let segments = bytes.div_ceil(segment.max(1)).max(1) as f64;
+    let s = bytes.min(segment) as f64;
+    // With two ranks the root has one child: one segment per step each way.
+    let fan_in = if ranks == 2 { 1.0 } else { 2.0 };
+    (2.0 * depth + segments - 1.0) * (link.alpha + fan_in * s * link.beta)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +160,36 @@ mod tests {
         let n = 1usize << 30;
         let big = ring_allreduce(n, 2, &l);
         assert!((big - n as f64 * l.beta) / big < 1e-3);
+    }
+
+    #[test]
+    fn recursive_schedules_fold() {
+        let l = Link::default();
+        for p in [2usize, 4, 8, 16] {
+            // A power of two pays no fold; one more rank pays two messages of n bytes.
+            let n = 1000;
+            let extra = 2.0 * (l.alpha + n as f64 * l.beta);
+            let d =
+                recursive_doubling_allreduce(n, p + 1, &l) - recursive_doubling_allreduce(n, p, &l);
+            assert!((d - extra).abs() < 1e-12, "p={p}");
+            let d = halving_doubling_allreduce(n, p + 1, &l) - halving_doubling_allreduce(n, p, &l);
+            assert!((d - extra).abs() < 1e-12, "p={p}");
+        }
+        assert_eq!(recursive_doubling_allreduce(8, 1, &l), 0.0);
+        assert_eq!(halving_doubling_allreduce(8, 1, &l), 0.0);
+        assert_eq!(tree_allreduce(8, 1, 1024, &l), 0.0);
+    }
+
+    #[test]
+    fn tree_pipelines_large_buffers() {
+        let l = Link::GIGABIT_ETHERNET;
+        let n = 64 << 20;
+        // Many segments: about 2nβ (every inner rank sends each byte to two children).
+        let t = tree_allreduce(n, 8, 1 << 16, &l);
+        let floor = 2.0 * n as f64 * l.beta;
+        assert!(
+            t > floor && t < 1.1 * floor + 2000.0 * l.alpha,
+            "{t} vs {floor}"
+        );
     }
 }

@@ -1,9 +1,29 @@
 //! Allreduce: every rank ends with the element-wise reduction of all ranks' buffers.
 //!
 //! One module per schedule; [`run`] validates the arguments once and dispatches. Every schedule
-//! finishes `Avg` itself (divides by the number of ranks), so callers get the final values.
+//! finishes `Avg` itself (divides by the number of ranks, once per element), so callers get the
+//! final values.
+//!
+//! | schedule | messages on the critical path | bytes sent per rank | best for |
+//! |---|---|---|---|
+//! | [`ring`] | `2(p−1)` | `2(p−1)/p·n` | large `n` |
+//! | [`halving_doubling`] | `2·log₂p` | `2(p−1)/p·n` | mid-size `n` |
+//! | [`recursive_doubling`] | `log₂p` | `log₂p·n` | tiny `n` |
+//! | [`tree`] | `≈ 2·log₂p + n/segment` | `≤ 3n` (inner ranks) | large `p`, mid `n` |
+//!
+//! (`p` rounded down to a power of two for the recursive schedules, plus two messages of `n`
+//! bytes when it is not one.)
+//!
+//! Tags: the low 16 bits of a tag are the step ([`CollCtx::tag`]); the recursive and tree
+//! schedules put their own number in bits 12..16 of it ([`step_tag`]), so ranks that picked
+//! different schedules for the same call fail with a tag mismatch instead of misreading each
+//! other's messages.
 
+pub mod exchange;
+pub mod halving_doubling;
+pub mod recursive_doubling;
 pub mod ring;
+pub mod tree;
 
 use std::fmt;
 use std::str::FromStr;
@@ -25,16 +45,31 @@ pub enum Algorithm {
     /// Reduce-scatter then allgather around a ring ([`ring`]): bandwidth-optimal, 2(p−1)
     /// latencies.
     Ring,
+    /// Pipelined binary tree ([`tree`]): reduce to rank 0 and broadcast back, in segments.
+    Tree,
+    /// Recursive halving then doubling, Rabenseifner's ([`halving_doubling`]):
+    /// bandwidth-optimal in 2·log₂p latencies.
+    HalvingDoubling,
+    /// Whole-buffer exchanges in log₂p rounds ([`recursive_doubling`]): tiny messages.
+    RecursiveDoubling,
 }
 
 impl Algorithm {
     /// Every schedule (the selector's candidates).
-    pub const ALL: [Algorithm; 1] = [Algorithm::Ring];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::HalvingDoubling,
+        Algorithm::RecursiveDoubling,
+    ];
 
     /// The name used by `CHORUS_ALGO` and in logs.
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+            Algorithm::HalvingDoubling => "halving_doubling",
+            Algorithm::RecursiveDoubling => "recursive_doubling",
         }
     }
 
@@ -42,8 +77,17 @@ impl Algorithm {
     pub fn cost(self, bytes: usize, ranks: usize, link: &Link) -> f64 {
         match self {
             Algorithm::Ring => ring::cost(bytes, ranks, link),
+            Algorithm::Tree => tree::cost(bytes, ranks, link),
+            Algorithm::HalvingDoubling => halving_doubling::cost(bytes, ranks, link),
+            Algorithm::RecursiveDoubling => recursive_doubling::cost(bytes, ranks, link),
         }
     }
+}
+
+/// The step number, below 2^16, of step `step` (below 2^12) of the schedule numbered `alg`
+/// (below 16): `alg` in bits 12..16. Pass it to [`CollCtx::tag`].
+pub(crate) const fn step_tag(alg: u64, step: u64) -> u64 {
+    (alg << 12) | step
 }
 
 impl fmt::Display for Algorithm {
@@ -55,16 +99,16 @@ impl fmt::Display for Algorithm {
 impl FromStr for Algorithm {
     type Err = ParseNameError;
 
-    /// Accepts the names of [`Algorithm::name`], case-insensitively.
+    /// Accepts the names of [`Algorithm::name`], case-insensitively, with `-` for `_`.
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        let name = s.trim().to_ascii_lowercase();
+        let name = s.trim().to_ascii_lowercase().replace('-', "_");
         Algorithm::ALL
             .into_iter()
             .find(|a| a.name() == name)
             .ok_or_else(|| ParseNameError {
                 what: "allreduce algorithm",
                 input: s.to_string(),
-                expected: "ring",
+                expected: "ring, tree, halving_doubling, recursive_doubling",
             })
     }
 }
@@ -88,6 +132,9 @@ pub fn run(
     validate(send, recv, dtype)?;
     match alg {
         Algorithm::Ring => ring::run(ctx, send, recv, dtype, op),
+        Algorithm::Tree => tree::run(ctx, send, recv, dtype, op),
+        Algorithm::HalvingDoubling => halving_doubling::run(ctx, send, recv, dtype, op),
+        Algorithm::RecursiveDoubling => recursive_doubling::run(ctx, send, recv, dtype, op),
     }
 }
 
@@ -124,7 +171,11 @@ mod tests {
                 a
             );
         }
-        assert!("tree".parse::<Algorithm>().is_err());
+        assert!("double_tree_x".parse::<Algorithm>().is_err());
+        assert_eq!(
+            "Halving-Doubling".parse::<Algorithm>().unwrap(),
+            Algorithm::HalvingDoubling
+        );
     }
 
     #[test]

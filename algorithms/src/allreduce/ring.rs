@@ -346,7 +346,11 @@ impl Ring<'_, '_> {
 }
 
 /// Borrows two disjoint ranges of `buf`, the first shared and the second mutable.
-fn split_pair(buf: &mut [u8], shared: Range<usize>, mutable: Range<usize>) -> (&[u8], &mut [u8]) {
+pub(crate) fn split_pair(
+    buf: &mut [u8],
+    shared: Range<usize>,
+    mutable: Range<usize>,
+) -> (&[u8], &mut [u8]) {
     if shared.start >= mutable.end {
         let (lo, hi) = buf.split_at_mut(mutable.end);
         (

@@ -1,0 +1,206 @@
+//! Every allreduce schedule over the in-memory transport against the naive reference: ranks ×
+//! counts × dtypes × ops × in place / out of place, tight buffers that split elements, and
+//! ranks that disagree (on the count, or on the schedule) failing instead of hanging.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use chorus_algorithms::allreduce::{self, Algorithm};
+use chorus_algorithms::reference::{count_wrong, expected, test_value};
+use chorus_algorithms::{CollCtx, DType, Element, ReduceOp};
+use chorus_transport::{Transport, TransportError};
+use half::{bf16, f16};
+use support::sweep::{cases, Case, RANKS, TIMEOUT};
+use support::{mem, run_group};
+
+/// The schedules this file checks (the ring has its own tests).
+const SCHEDULES: [Algorithm; 3] = [
+    Algorithm::RecursiveDoubling,
+    Algorithm::HalvingDoubling,
+    Algorithm::Tree,
+];
+
+fn one<T: Element>(
+    alg: Algorithm,
+    t: &mut dyn Transport,
+    scratch: &mut Vec<u8>,
+    seq: u64,
+    case: Case,
+) -> Result<usize, TransportError> {
+    let (rank, size) = (t.rank(), t.size());
+    let input: Vec<T> = (0..case.count)
+        .map(|i| test_value(rank, i, case.op, size))
+        .collect();
+    let want: Vec<T> = (0..case.count)
+        .map(|i| expected(i, case.op, size))
+        .collect();
+    let mut ctx = CollCtx {
+        transport: t,
+        deadline: Instant::now() + TIMEOUT,
+        tag_base: seq << 16,
+        scratch,
+    };
+    let (dt, op) = (T::DTYPE, case.op);
+    let got = if case.in_place {
+        let mut buf = input;
+        allreduce::run(
+            alg,
+            &mut ctx,
+            None,
+            bytemuck::cast_slice_mut(&mut buf),
+            dt,
+            op,
+        )?;
+        buf
+    } else {
+        // Garbage in the output: everything must be overwritten.
+        let mut buf = vec![T::from_f64(99.0); case.count];
+        let send = Some(bytemuck::cast_slice(&input));
+        allreduce::run(
+            alg,
+            &mut ctx,
+            send,
+            bytemuck::cast_slice_mut(&mut buf),
+            dt,
+            op,
+        )?;
+        buf
+    };
+    Ok(count_wrong(&got, &want, case.op))
+}
+
+fn run_case(
+    alg: Algorithm,
+    t: &mut dyn Transport,
+    scratch: &mut Vec<u8>,
+    seq: u64,
+    case: Case,
+) -> Result<usize, TransportError> {
+    match case.dtype {
+        DType::Int8 => one::<i8>(alg, t, scratch, seq, case),
+        DType::Uint8 => one::<u8>(alg, t, scratch, seq, case),
+        DType::Int32 => one::<i32>(alg, t, scratch, seq, case),
+        DType::Uint32 => one::<u32>(alg, t, scratch, seq, case),
+        DType::Int64 => one::<i64>(alg, t, scratch, seq, case),
+        DType::Uint64 => one::<u64>(alg, t, scratch, seq, case),
+        DType::Float16 => one::<f16>(alg, t, scratch, seq, case),
+        DType::Float32 => one::<f32>(alg, t, scratch, seq, case),
+        DType::Float64 => one::<f64>(alg, t, scratch, seq, case),
+        DType::Bfloat16 => one::<bf16>(alg, t, scratch, seq, case),
+    }
+}
+
+/// Every schedule × case on one group per size (reused across schedules and cases).
+fn sweep(cases: &[Case], ranks: &[usize], capacity: usize, frame: usize) {
+    let mut failures = Vec::new();
+    for &p in ranks {
+        let results = run_group(mem::group(p, capacity, frame), |_rank, t| {
+            let mut scratch = Vec::new();
+            let mut out = Vec::new();
+            let mut seq = 0;
+            for alg in SCHEDULES {
+                for case in cases {
+                    seq += 1;
+                    match run_case(alg, t, &mut scratch, seq, *case) {
+                        Ok(0) => {}
+                        Ok(wrong) => out.push(format!("{alg} {case:?}: {wrong} wrong")),
+                        Err(e) => {
+                            out.push(format!("{alg} {case:?}: {e}"));
+                            return out; // dropping the transport makes the peers fail too
+                        }
+                    }
+                }
+            }
+            out
+        });
+        for (rank, rs) in results.into_iter().enumerate() {
+            failures.extend(rs.into_iter().map(|f| format!("p={p} rank {rank} {f}")));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures[..failures.len().min(20)].join("\n")
+    );
+}
+
+#[test]
+fn every_dtype_and_op_small_counts() {
+    let cases = cases(&DType::ALL, &ReduceOp::ALL, &[0, 1, 7, 1023]);
+    sweep(&cases, &RANKS, 64 * 1024, 4096);
+}
+
+#[test]
+fn large_counts() {
+    let large = (1 << 19) + 3;
+    let mut all = cases(&[DType::Float32], &[ReduceOp::Sum], &[large]);
+    all.extend(cases(&[DType::Bfloat16], &[ReduceOp::Avg], &[large]));
+    sweep(&all, &[2, 3, 5, 8], 256 * 1024, 16 * 1024);
+}
+
+/// Tiny buffers and frames that split elements: back-pressure, partial segments, arrivals
+/// that end mid-element, tree segments queued behind each other.
+#[test]
+fn tight_buffers_and_odd_frames() {
+    let all = cases(
+        &[DType::Float64, DType::Float16, DType::Int32],
+        &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min],
+        &[3, 40_011],
+    );
+    sweep(&all, &[2, 3, 4, 6], 1000, 99);
+}
+
+fn run_on(t: &mut dyn Transport, alg: Algorithm, buf: &mut [f32]) -> Result<(), TransportError> {
+    let mut scratch = Vec::new();
+    let mut ctx = CollCtx {
+        transport: t,
+        deadline: Instant::now() + Duration::from_secs(20),
+        tag_base: 7 << 16,
+        scratch: &mut scratch,
+    };
+    let bytes = bytemuck::cast_slice_mut(buf);
+    allreduce::run(alg, &mut ctx, None, bytes, DType::Float32, ReduceOp::Sum)
+}
+
+#[test]
+fn different_counts_fail_instead_of_hanging() {
+    for alg in SCHEDULES {
+        for p in [2, 3, 4, 5] {
+            let results = run_group(mem::group(p, 64 * 1024, 4096), |rank, t| {
+                let count = if rank == 1 { 1000 } else { 1001 };
+                run_on(t, alg, &mut vec![1.0f32; count])
+            });
+            // Rank 1 always talks to someone: at least it, and nobody succeeds silently with
+            // a result of the wrong length.
+            assert!(results[1].is_err(), "{alg} p={p}: {results:?}");
+            assert!(
+                results
+                    .iter()
+                    .any(|r| matches!(r, Err(TransportError::Mismatch { .. }))),
+                "{alg} p={p}: {results:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ranks_running_different_schedules_are_told() {
+    for p in [2, 4] {
+        let results = run_group(mem::group(p, 64 * 1024, 4096), |rank, t| {
+            let alg = if rank == 0 {
+                Algorithm::RecursiveDoubling
+            } else {
+                Algorithm::HalvingDoubling
+            };
+            run_on(t, alg, &mut vec![1.0f32; 64])
+        });
+        assert!(
+            results
+                .iter()
+                .any(|r| matches!(r, Err(TransportError::Mismatch { .. }))),
+            "p={p}: {results:?}"
+        );
+    }
+}

@@ -1,0 +1,453 @@
+//! Choosing the allreduce schedule: a cost table filled once per communicator, cheapest entry
+//! wins (NCCL's tuning model).
+//!
+//! # The table
+//! One row per power-of-two message size (`2^0 … 2^48` bytes), one column per
+//! [`Algorithm`]: the modelled time [`Algorithm::cost`] of that schedule over this
+//! communicator's ranks and link. A call of `n` bytes uses the row of the next power of two
+//! `≥ n` and the cheapest allowed column.
+//!
+//! # The link (α, β)
+//! - **measured** at init by a short probe over the communicator's own transport ([`probe`]):
+//!   every rank exchanges messages with its ring neighbours — small ones for the latency α,
+//!   256 KiB ones for the per-byte time β — then the ranks agree on the largest (slowest)
+//!   figures, so every rank fills the same table and picks the same schedule. Bounded: a few
+//!   dozen messages, well under 50 ms on loopback or a gigabit link;
+//! - or **configured** with `CHORUS_ALPHA_US` (microseconds per message) and `CHORUS_BETA_GBPS`
+//!   (GB/s, 1 GB = 1e9 bytes); a variable that is set replaces the measured figure, and with
+//!   both set no probe runs.
+//!
+//! # Overrides
+//! `CHORUS_ALGO` edits the table in NCCL's grammar ([`AlgoFilter::parse`]): `ring,tree` allows
+//! only those, `^ring` everything but the ring, `allreduce:^ring;broadcast:tree` scopes a list
+//! to one collective (lists for other collectives are left to them). `AllReduceOptions::
+//! algorithm` forces a schedule for one call. With `CHORUS_DEBUG=INFO` rank 0 logs the link and
+//! which schedule covers which sizes.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use chorus_algorithms::allreduce::{self, Algorithm};
+use chorus_algorithms::cost::Link;
+use chorus_algorithms::{CollCtx, DType, ReduceOp};
+use chorus_transport::{Result as TResult, TransportError};
+
+use crate::comm::{CollKind, Communicator};
+use crate::error::CommError;
+use crate::log::{self, Level};
+
+/// Rows of the cost table: message sizes `2^0 … 2^(ROWS−1)` bytes.
+const ROWS: usize = 49;
+
+/// Small messages exchanged by the probe (the first [`PROBE_WARMUP`] are not timed).
+const PROBE_SMALL: usize = 12;
+/// Large messages exchanged by the probe (the first [`PROBE_WARMUP`] are not timed).
+const PROBE_LARGE: usize = 3;
+/// Untimed warm-up exchanges of each kind.
+const PROBE_WARMUP: usize = 1;
+/// Bytes of the probe's small messages.
+const PROBE_SMALL_BYTES: usize = 8;
+/// Bytes of the probe's large messages.
+const PROBE_LARGE_BYTES: usize = 256 * 1024;
+
+/// Which allreduce schedules `CHORUS_ALGO` allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgoFilter {
+    allowed: [bool; Algorithm::ALL.len()],
+}
+
+impl Default for AlgoFilter {
+    /// Everything allowed.
+    fn default() -> Self {
+        AlgoFilter {
+            allowed: [true; Algorithm::ALL.len()],
+        }
+    }
+}
+
+fn index(a: Algorithm) -> usize {
+    Algorithm::ALL
+        .iter()
+        .position(|&b| b == a)
+        .expect("every algorithm is in ALL")
+}
+
+impl AlgoFilter {
+    /// Parses a `CHORUS_ALGO` value (NCCL's grammar): `;`-separated sections, each an
+    /// optional `collective:` and a `,`-separated list of names, `^` in front of the list
+    /// excluding them instead. Sections for other collectives are ignored; a later section
+    /// for the allreduce replaces an earlier one.
+    ///
+    /// ```
+    /// use chorus::select::AlgoFilter;
+    /// use chorus::Algorithm;
+    /// let f = AlgoFilter::parse("allreduce:^ring;broadcast:ring").unwrap();
+    /// assert!(!f.allows(Algorithm::Ring) && f.allows(Algorithm::Tree));
+    /// assert_eq!(AlgoFilter::parse("ring").unwrap().forced(), Some(Algorithm::Ring));
+    /// assert!(AlgoFilter::parse("allreduce:warp").is_err());
+    /// ```
+    ///
+    /// Errors (kind `InvalidArgument`): an unknown allreduce schedule name, or a value that
+    /// allows none.
+    pub fn parse(spec: &str) -> Result<AlgoFilter, CommError> {
+        let bad = |msg: String| CommError::invalid("init", format!("CHORUS_ALGO={spec:?}: {msg}"));
+        let mut filter = AlgoFilter::default();
+        for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let list = match part.split_once(':') {
+                Some((coll, list)) => {
+                    let coll = coll.trim().to_ascii_lowercase().replace('_', "");
+                    if coll != "allreduce" {
+                        continue;
+                    }
+                    list.trim()
+                }
+                None => part,
+            };
+            let (exclude, list) = match list.strip_prefix('^') {
+                Some(l) => (true, l),
+                None => (false, list),
+            };
+            let mut named = [false; Algorithm::ALL.len()];
+            for n in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let a: Algorithm = n.parse().map_err(|e| bad(format!("{e}")))?;
+                named[index(a)] = true;
+            }
+            filter.allowed = named.map(|x| x != exclude);
+        }
+        if !filter.allowed.iter().any(|&a| a) {
+            return Err(bad("no allreduce algorithm is left".into()));
+        }
+        Ok(filter)
+    }
+
+    /// Whether `a` may be chosen.
+    pub fn allows(&self, a: Algorithm) -> bool {
+        self.allowed[index(a)]
+    }
+
+    /// The one schedule allowed, if only one is.
+    pub fn forced(&self) -> Option<Algorithm> {
+        let mut it = Algorithm::ALL.into_iter().filter(|&a| self.allows(a));
+        match (it.next(), it.next()) {
+            (Some(a), None) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Where the link figures of a [`Selector`] come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkSource {
+    /// Measured at init by [`probe`].
+    Measured,
+    /// From `CHORUS_ALPHA_US` / `CHORUS_BETA_GBPS` (a figure not set there was measured).
+    Configured,
+    /// Nothing to measure or choose (one rank, or `CHORUS_ALGO` leaves one schedule).
+    Default,
+}
+
+/// The allreduce cost table of one communicator.
+#[derive(Clone, Debug)]
+pub struct Selector {
+    ranks: usize,
+    link: Link,
+    source: LinkSource,
+    filter: AlgoFilter,
+    /// `best[b]`: the cheapest allowed schedule for `2^b` bytes.
+    best: [Algorithm; ROWS],
+}
+
+impl Selector {
+    /// Fills the table for `ranks` ranks over `link`, choosing among what `filter` allows.
+    ///
+    /// ```
+    /// use chorus::select::{AlgoFilter, LinkSource, Selector};
+    /// use chorus::Algorithm;
+    /// use chorus_algorithms::cost::Link;
+    /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
+    /// assert_eq!(s.select(8), Algorithm::RecursiveDoubling);
+    /// assert_eq!(s.select(64 << 20), Algorithm::HalvingDoubling); // same bytes as the ring, fewer messages
+    /// ```
+    pub fn new(ranks: usize, link: Link, source: LinkSource, filter: AlgoFilter) -> Selector {
+        let mut best = [Algorithm::Ring; ROWS];
+        for (b, slot) in best.iter_mut().enumerate() {
+            let bytes = 1usize << b;
+            *slot = Algorithm::ALL
+                .into_iter()
+                .filter(|&a| filter.allows(a))
+                .map(|a| (a, a.cost(bytes, ranks, &link)))
+                // Ties go to the earlier entry of `ALL` (the ring first).
+                .fold(None, |acc: Option<(Algorithm, f64)>, (a, c)| match acc {
+                    Some((_, best)) if best <= c => acc,
+                    _ => Some((a, c)),
+                })
+                .map_or(Algorithm::Ring, |(a, _)| a);
+        }
+        Selector {
+            ranks,
+            link,
+            source,
+            filter,
+            best,
+        }
+    }
+
+    /// The schedule for an allreduce of `bytes` bytes.
+    pub fn select(&self, bytes: usize) -> Algorithm {
+        let row = bytes
+            .max(1)
+            .checked_next_power_of_two()
+            .map_or(ROWS - 1, |b| b.trailing_zeros() as usize);
+        self.best[row.min(ROWS - 1)]
+    }
+
+    /// The link figures the table was filled with.
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
+    /// Where they come from.
+    pub fn source(&self) -> LinkSource {
+        self.source
+    }
+
+    /// What `CHORUS_ALGO` allows.
+    pub fn filter(&self) -> AlgoFilter {
+        self.filter
+    }
+
+    /// One line for the log: the link and which schedule covers which sizes, e.g.
+    /// `alpha 21.0 us, beta 2.50 GB/s (measured): recursive_doubling up to 2 KiB,
+    /// halving_doubling up to 256 KiB, ring above`.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "{} ranks, alpha {:.1} us, beta {:.2} GB/s ({}): ",
+            self.ranks,
+            self.link.alpha * 1e6,
+            1e-9 / self.link.beta,
+            match self.source {
+                LinkSource::Measured => "measured",
+                LinkSource::Configured => "configured",
+                LinkSource::Default => "default",
+            }
+        );
+        let mut b = 0;
+        while b < ROWS {
+            let a = self.best[b];
+            let mut end = b;
+            while end + 1 < ROWS && self.best[end + 1] == a {
+                end += 1;
+            }
+            if end + 1 == ROWS {
+                let _ = write!(s, "{a} {}", if b == 0 { "always" } else { "above" });
+            } else {
+                let _ = write!(s, "{a} up to {}, ", human(1usize << end));
+            }
+            b = end + 1;
+        }
+        s
+    }
+}
+
+impl Selector {
+    /// The selector of a freshly connected communicator: reads `CHORUS_ALPHA_US` /
+    /// `CHORUS_BETA_GBPS` (already validated into `env`), probes the link when a figure is
+    /// missing and there is a choice to make, fills the table and logs it at INFO (rank 0).
+    pub(crate) fn for_communicator(
+        comm: &mut Communicator,
+        filter: AlgoFilter,
+        env: (Option<f64>, Option<f64>),
+    ) -> Result<Selector, CommError> {
+        let ranks = comm.size();
+        let (link, source) = match env {
+            _ if ranks == 1 || filter.forced().is_some() => (Link::default(), LinkSource::Default),
+            (Some(alpha), Some(beta)) => (Link { alpha, beta }, LinkSource::Configured),
+            (alpha, beta) => {
+                let mut measured = Link::default();
+                comm.run_collective(
+                    "init (link probe)",
+                    CollKind::AllReduce,
+                    DType::Float64,
+                    ReduceOp::Max,
+                    None,
+                    |ctx| {
+                        measured = probe(ctx)?;
+                        Ok(())
+                    },
+                )?;
+                let source = if alpha.is_some() || beta.is_some() {
+                    LinkSource::Configured
+                } else {
+                    LinkSource::Measured
+                };
+                let link = Link {
+                    alpha: alpha.unwrap_or(measured.alpha),
+                    beta: beta.unwrap_or(measured.beta),
+                };
+                (link, source)
+            }
+        };
+        let s = Selector::new(ranks, link, source, filter);
+        if comm.rank() == 0 {
+            log::log(
+                Level::Info,
+                Some(0),
+                format_args!("all_reduce algorithms: {}", s.describe()),
+            );
+        }
+        Ok(s)
+    }
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+/// `CHORUS_ALPHA_US` and `CHORUS_BETA_GBPS`, validated: `(alpha seconds, beta seconds per
+/// byte)`, each `None` when unset.
+pub fn link_from_env() -> Result<(Option<f64>, Option<f64>), CommError> {
+    let read = |name: &str| -> Result<Option<f64>, CommError> {
+        match std::env::var(name) {
+            Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+                _ => Err(CommError::invalid(
+                    "init",
+                    format!("{name}={v:?}: expected a positive number"),
+                )),
+            },
+            _ => Ok(None),
+        }
+    };
+    let alpha = read("CHORUS_ALPHA_US")?.map(|us| us * 1e-6);
+    let beta = read("CHORUS_BETA_GBPS")?.map(|gbps| 1.0 / (gbps * 1e9));
+    Ok((alpha, beta))
+}
+
+/// Measures the link between ring neighbours: every rank sends to `rank + 1` and receives from
+/// `rank − 1`, first [`PROBE_SMALL`] messages of 8 bytes (α: the time of one exchange), then
+/// [`PROBE_LARGE`] of 256 KiB (β: the extra time per byte), then an allreduce-max so that every
+/// rank returns the same, slowest, figures. Must be called by every rank of a group of at
+/// least two.
+pub fn probe(ctx: &mut CollCtx<'_>) -> TResult<Link> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    let deadline = ctx.deadline;
+    let remaining = || deadline.saturating_duration_since(Instant::now());
+    let mut out = vec![0u8; PROBE_LARGE_BYTES];
+    let mut inb = vec![0u8; PROBE_LARGE_BYTES];
+    let mut time = |ctx: &mut CollCtx<'_>, step: u64, bytes: usize, rounds: usize| {
+        let tag = ctx.tag(step);
+        let mut times = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            let got = ctx.transport.send_recv(
+                right,
+                tag,
+                &out[..bytes],
+                left,
+                tag,
+                &mut inb[..bytes],
+                remaining(),
+            )?;
+            if got != bytes {
+                return Err(TransportError::Mismatch {
+                    peer: left,
+                    expected_tag: tag,
+                    got_tag: tag,
+                    expected_len: bytes,
+                    got_len: got,
+                });
+            }
+            times.push(t0.elapsed());
+        }
+        out[0] ^= 1; // keep the buffers used
+                     // The median of the timed rounds: robust to one descheduled round.
+        let mut timed: Vec<Duration> = times[PROBE_WARMUP..].to_vec();
+        timed.sort();
+        Ok(timed[timed.len() / 2].as_secs_f64())
+    };
+    let small = time(ctx, 0, PROBE_SMALL_BYTES, PROBE_SMALL)?;
+    let large = time(ctx, 1, PROBE_LARGE_BYTES, PROBE_LARGE)?;
+    let alpha = small;
+    let beta = ((large - small) / (PROBE_LARGE_BYTES - PROBE_SMALL_BYTES) as f64).max(1e-12);
+    // Agree: the slowest figures of any rank.
+    let mut both = [alpha, beta];
+    let mut agree = CollCtx {
+        transport: &mut *ctx.transport,
+        deadline,
+        tag_base: ctx.tag_base | 0x100,
+        scratch: &mut *ctx.scratch,
+    };
+    allreduce::run(
+        Algorithm::Ring,
+        &mut agree,
+        None,
+        bytemuck::cast_slice_mut(&mut both),
+        DType::Float64,
+        ReduceOp::Max,
+    )?;
+    Ok(Link {
+        alpha: both[0],
+        beta: both[1],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grammar() {
+        let only = |s: &str| AlgoFilter::parse(s).unwrap().forced();
+        assert_eq!(only("ring"), Some(Algorithm::Ring));
+        assert_eq!(only("allreduce:ring;broadcast:tree"), Some(Algorithm::Ring));
+        assert_eq!(only("all_reduce : tree"), Some(Algorithm::Tree));
+        assert_eq!(
+            only("ring;allreduce:halving_doubling"),
+            Some(Algorithm::HalvingDoubling)
+        );
+        assert_eq!(only("broadcast:ring"), None);
+        let f = AlgoFilter::parse("ring,tree").unwrap();
+        assert!(f.allows(Algorithm::Ring) && f.allows(Algorithm::Tree));
+        assert!(!f.allows(Algorithm::HalvingDoubling) && f.forced().is_none());
+        let f = AlgoFilter::parse("allreduce:^ring").unwrap();
+        assert!(!f.allows(Algorithm::Ring) && f.allows(Algorithm::RecursiveDoubling));
+        assert_eq!(AlgoFilter::parse("").unwrap(), AlgoFilter::default());
+        assert!(AlgoFilter::parse("allreduce:nonsense").is_err());
+        assert!(AlgoFilter::parse("^ring,tree,halving_doubling,recursive_doubling").is_err());
+    }
+
+    #[test]
+    fn cheapest_entry_wins_and_filters_edit_the_table() {
+        let l = Link::TCP_LOOPBACK;
+        let all = Selector::new(4, l, LinkSource::Default, AlgoFilter::default());
+        for b in [0, 1, 8, 1000, 1 << 16, 1 << 20, 1 << 26] {
+            let a = all.select(b);
+            let row = b.max(1).next_power_of_two();
+            let c = a.cost(row, 4, &l);
+            for other in Algorithm::ALL {
+                assert!(c <= other.cost(row, 4, &l), "{b}: {a} vs {other}");
+            }
+        }
+        assert_eq!(all.select(8), Algorithm::RecursiveDoubling);
+        let no_rd = AlgoFilter::parse("^recursive_doubling").unwrap();
+        let s = Selector::new(4, l, LinkSource::Default, no_rd);
+        assert_ne!(s.select(8), Algorithm::RecursiveDoubling);
+        let ring = AlgoFilter::parse("ring").unwrap();
+        let s = Selector::new(4, l, LinkSource::Default, ring);
+        assert!([0, 8, 1 << 30, usize::MAX]
+            .iter()
+            .all(|&b| s.select(b) == Algorithm::Ring));
+        assert!(s.describe().contains("ring always"), "{}", s.describe());
+        assert!(
+            all.describe().contains("recursive_doubling up to"),
+            "{}",
+            all.describe()
+        );
+    }
+}
