@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod allreduce;
+pub mod collectives;
 pub mod context;
 pub mod cost;
 pub mod dtype;

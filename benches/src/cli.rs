@@ -18,8 +18,11 @@ chorus-perf - collective benchmarks for chorus (nccl-tests conventions)
 
 USAGE:
     chorus-perf COLLECTIVE [OPTIONS]
-    COLLECTIVE: allreduce (broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
-                scatter, sendrecv: not implemented yet)
+    COLLECTIVE: allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
+                scatter, sendrecv
+    Sizes are per rank for allreduce, broadcast, reduce and sendrecv, and of the whole
+    p-rank buffer (rounded down to p blocks) for the others; roots are rank 0. Broadcast
+    runs in place only; gather, scatter and sendrecv out of place only.
 
 Without --ranks the process is one rank of a job described by the environment (CHORUS_RANK,
 CHORUS_WORLD_SIZE, CHORUS_ADDR, ... or what torchrun, mpirun, srun set); rank 0 prints.
@@ -39,7 +42,8 @@ OPTIONS:
     -o, --op NAME|all        sum prod min max avg [sum]
     -a, --average 0|1|2|3    time reported: 0 rank 0's, 1 mean, 2 min, 3 max over ranks
                              [1; 3 with --format peers, like the peers harness]
-        --algo NAME          force an allreduce algorithm (default: the selector decides)
+        --algo NAME          force an allreduce algorithm (default: the selector decides;
+                             other collectives: CHORUS_ALGO=broadcast:ring and the like)
         --inplace 0|1|2      0 out-of-place, 1 in-place, 2 both [2; 0 with --format peers]
         --json               one JSON object per line per size and placement
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
@@ -47,7 +51,7 @@ OPTIONS:
     -t, --timeout SECS       timeout of each collective (default: CHORUS_TIMEOUT or 300)
     -h, --help               this text
 
-EXIT STATUS: 0 ok; 1 wrong results; 2 usage error or not implemented; 3 a rank failed.
+EXIT STATUS: 0 ok; 1 wrong results; 2 usage error; 3 a rank failed.
 ";
 
 /// A command-line mistake; `main` prints it with a pointer to `-h` and exits with 2.

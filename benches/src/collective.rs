@@ -1,8 +1,7 @@
 //! The collectives chorus-perf knows by name, and how each converts algorithm bandwidth into
 //! bus bandwidth (DESIGN.md §1, the nccl-tests conventions).
 //!
-//! Adding a collective to the benchmark: implement its runner in `runner.rs`, then flip
-//! [`Collective::implemented`]. The name, factor and root flag are already here.
+//! How each one is called, fed and checked is in `calls.rs`.
 
 use std::fmt;
 
@@ -68,11 +67,6 @@ impl Collective {
         Collective::ALL
             .into_iter()
             .find(|c| c.name().replace('_', "") == squashed)
-    }
-
-    /// Whether chorus-perf can run it yet.
-    pub fn implemented(self) -> bool {
-        matches!(self, Collective::AllReduce)
     }
 
     /// Whether the collective has a root (the `root` column then shows it; otherwise -1).
@@ -148,12 +142,7 @@ mod tests {
     }
 
     #[test]
-    fn only_allreduce_is_implemented() {
-        let done: Vec<_> = Collective::ALL
-            .into_iter()
-            .filter(|c| c.implemented())
-            .collect();
-        assert_eq!(done, vec![Collective::AllReduce]);
+    fn roots() {
         assert!(Collective::Broadcast.rooted() && !Collective::AllReduce.rooted());
     }
 }

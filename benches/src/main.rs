@@ -11,6 +11,7 @@
 //! (`chorus::Communicator::from_env`); rank 0 prints. See `chorus-perf -h`.
 #![forbid(unsafe_code)]
 
+mod calls;
 mod cli;
 mod collective;
 mod data;
@@ -29,7 +30,7 @@ use crate::cli::{Command, Options, Output, UsageError};
 
 /// Exit status: some element was wrong.
 const EXIT_WRONG: u8 = 1;
-/// Exit status: bad command line or a collective not implemented yet.
+/// Exit status: bad command line.
 const EXIT_USAGE: u8 = 2;
 /// Exit status: the communicator or a collective failed.
 const EXIT_FAILED: u8 = 3;
@@ -56,13 +57,6 @@ fn main() -> ExitCode {
         Ok(Command::Run(o)) => o,
         Err(e) => return usage_error(&e),
     };
-    if !opts.collective.implemented() {
-        eprintln!(
-            "chorus-perf: {} is not implemented yet (available: allreduce)",
-            opts.collective
-        );
-        return ExitCode::from(EXIT_USAGE);
-    }
     // Resolve the names before starting anything, so a typo is reported once.
     let resolved = (|| {
         Ok::<_, UsageError>((
@@ -75,6 +69,12 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => return usage_error(&e),
     };
+    if algorithm.is_some() && opts.collective != collective::Collective::AllReduce {
+        return usage_error(&UsageError(format!(
+            "--algo names an allreduce algorithm; for {} set CHORUS_ALGO={}:<schedule>",
+            opts.collective, opts.collective
+        )));
+    }
 
     if let Some(ranks) = opts.ranks {
         let child_args = match cli::without_ranks(&args) {

@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use chorus::{AllReduceOptions, CommError, Communicator, DType, Element, ReduceOp};
 
-use crate::cli::{Average, Options, Output};
+use crate::calls;
+use crate::cli::{Average, Options, Output, Placement};
 use crate::data::{self, with_element};
 use crate::progress::Progress;
 use crate::report::{self, Groups, JsonContext, Measure, RowKey};
@@ -34,6 +35,9 @@ pub struct Runner<'a> {
     dtypes: Vec<DType>,
     ops: Vec<ReduceOp>,
     call: AllReduceOptions,
+    /// The placements run: those asked for that the collective has (see
+    /// [`calls::placements`]), or the one it has.
+    placement: Placement,
     algorithm: String,
     transport: &'static str,
     rank: usize,
@@ -59,6 +63,18 @@ impl<'a> Runner<'a> {
         let rank = comm.rank();
         let ranks = comm.size();
         let transport = comm.transport_name();
+        let (out_ok, in_ok) = calls::placements(opts.collective);
+        let asked = opts.placement;
+        let mut placement = Placement {
+            out_of_place: asked.out_of_place && out_ok,
+            in_place: asked.in_place && in_ok,
+        };
+        if !placement.out_of_place && !placement.in_place {
+            placement = Placement {
+                out_of_place: out_ok,
+                in_place: !out_ok,
+            };
+        }
         let total = ops.len()
             * dtypes
                 .iter()
@@ -70,6 +86,7 @@ impl<'a> Runner<'a> {
             dtypes,
             ops,
             call,
+            placement,
             algorithm: algorithm_label,
             transport,
             rank,
@@ -95,8 +112,8 @@ impl<'a> Runner<'a> {
 
     fn groups(&self) -> Groups {
         Groups {
-            out_of_place: self.opts.placement.out_of_place,
-            in_place: self.opts.placement.in_place,
+            out_of_place: self.placement.out_of_place,
+            in_place: self.placement.in_place,
         }
     }
 
@@ -207,7 +224,7 @@ impl<'a> Runner<'a> {
         };
         let max = usize::try_from(largest.count)
             .map_err(|_| CommError::invalid("chorus-perf", "size too large for this machine"))?;
-        let place = self.opts.placement;
+        let place = self.placement;
         // Out of place reads `send` (never modified, filled once) and writes `recv`;
         // in place works on `recv` alone.
         let send = if place.out_of_place {
@@ -221,7 +238,10 @@ impl<'a> Runner<'a> {
         if !self.opts.check {
             data::fill(&mut recv, self.rank, op, self.ranks);
         }
-        for p in points {
+        for mut p in points {
+            // The blocked collectives need a multiple of p elements.
+            p.count = calls::round_count(self.opts.collective, p.count, self.ranks);
+            p.bytes = p.count * T::DTYPE.size() as u64;
             self.done += 1;
             self.progress.show(&format!(
                 "chorus-perf: [{}/{}] {} {} {}",
@@ -255,13 +275,14 @@ impl<'a> Runner<'a> {
         p: SizePoint,
     ) -> Result<Measure, Box<CommError>> {
         let wrong = if self.opts.check {
+            let coll = self.opts.collective;
             if send.is_some() {
                 data::poison(buf);
             } else {
-                data::fill(buf, self.rank, op, self.ranks);
+                calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
             }
-            self.comm.all_reduce_with(send, buf, op, &self.call)?;
-            let local = data::count_wrong(buf, op, self.ranks);
+            calls::call(self.comm, coll, send, buf, op, &self.call)?;
+            let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
             let mut total = [local];
             self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
             self.wrong += total[0];
@@ -272,12 +293,12 @@ impl<'a> Runner<'a> {
 
         let (warmup, iters) = self.opts.iters.for_size(p.bytes);
         for _ in 0..warmup {
-            self.comm.all_reduce_with(send, buf, op, &self.call)?;
+            calls::call(self.comm, self.opts.collective, send, buf, op, &self.call)?;
         }
         self.comm.barrier()?;
         let start = Instant::now();
         for _ in 0..iters {
-            self.comm.all_reduce_with(send, buf, op, &self.call)?;
+            calls::call(self.comm, self.opts.collective, send, buf, op, &self.call)?;
         }
         let local = start.elapsed().as_secs_f64() / iters as f64;
         let seconds = self.over_ranks(local)?;

@@ -62,16 +62,16 @@ fn rows(stdout: &str) -> Vec<Vec<&str>> {
 }
 
 #[test]
-fn usage_errors_and_unimplemented_collectives_exit_2() {
+fn usage_errors_exit_2() {
     let r = perf("allreduce -b 1M -e 1K");
     assert_eq!(r.code, Some(2), "{}", r.stderr);
     assert!(r.stderr.contains("larger"), "{}", r.stderr);
     let r = perf("allreduce -d complex --ranks 2");
     assert_eq!(r.code, Some(2));
     assert!(r.stderr.contains("-d: unknown dtype"), "{}", r.stderr);
-    let r = perf("broadcast --ranks 2");
+    let r = perf("broadcast --algo ring --ranks 2");
     assert_eq!(r.code, Some(2));
-    assert!(r.stderr.contains("not implemented yet"), "{}", r.stderr);
+    assert!(r.stderr.contains("CHORUS_ALGO=broadcast:"), "{}", r.stderr);
     let r = perf("-h");
     assert_eq!(r.code, Some(0));
     assert!(r.stdout.contains("--minbytes"));
@@ -127,5 +127,65 @@ fn json_lines_of_three_ranks() {
         assert!(l.contains("\"ranks\":3"), "{l}");
         assert!(l.contains(&format!("\"inplace\":{}", i % 2 == 1)), "{l}");
         assert!(l.ends_with("\"wrong\":0}"), "{l}");
+    }
+}
+
+/// Every collective runs, checks its result (0 wrong), and reports nccl-tests' busbw factor
+/// and the same JSON fields as allreduce.
+#[test]
+fn every_collective_runs_checked_with_its_busbw_factor() {
+    let p = 3.0f64;
+    for (coll, factor, rooted, reduces) in [
+        ("broadcast", 1.0, true, false),
+        ("reduce", 1.0, true, true),
+        ("allgather", (p - 1.0) / p, false, false),
+        ("reduce_scatter", (p - 1.0) / p, false, true),
+        ("alltoall", (p - 1.0) / p, false, false),
+        ("gather", (p - 1.0) / p, true, false),
+        ("scatter", (p - 1.0) / p, true, false),
+        ("sendrecv", 1.0, false, false),
+    ] {
+        let r = perf(&format!(
+            "{coll} --ranks 3 --json -d int32 -o max -b 12 -e 12K -f 32 -n 2 -w 1"
+        ));
+        assert_eq!(r.code, Some(0), "{coll}: {}\n{}", r.stdout, r.stderr);
+        let lines: Vec<&str> = r.stdout.lines().collect();
+        assert!(lines.len() >= 3, "{coll}: {}", r.stdout);
+        for l in &lines {
+            assert!(
+                l.starts_with(&format!("{{\"collective\":\"{coll}\",\"size\":")),
+                "{l}"
+            );
+            assert!(l.ends_with("\"wrong\":0}"), "{l}");
+            assert!(
+                l.contains(if rooted { "\"root\":0" } else { "\"root\":-1" }),
+                "{l}"
+            );
+            assert!(
+                l.contains(if reduces {
+                    "\"op\":\"max\""
+                } else {
+                    "\"op\":\"none\""
+                }),
+                "{l}"
+            );
+            let field = |name: &str| -> f64 {
+                let at = l.find(&format!("\"{name}\":")).expect(name) + name.len() + 3;
+                let rest = &l[at..];
+                rest[..rest.find([',', '}']).unwrap()].parse().expect(name)
+            };
+            let size = field("size");
+            if coll != "broadcast" && coll != "reduce" && coll != "sendrecv" {
+                // The whole p-rank buffer: a multiple of p int32 elements.
+                assert_eq!(size % (3.0 * 4.0), 0.0, "{l}");
+            }
+            let (algbw, busbw) = (field("algbw"), field("busbw"));
+            if algbw > 0.0 {
+                assert!(
+                    (busbw / algbw - factor).abs() < 0.02 * factor + 1e-3,
+                    "{coll}: {l}"
+                );
+            }
+        }
     }
 }

@@ -1,0 +1,115 @@
+//! All-to-all: every rank holds `p` blocks of `b` bytes (`n = p·b`); block `j` of rank `r`
+//! ends as block `r` of rank `j`.
+//!
+//! # Schedule: pairwise exchange
+//! The own block is copied locally; then `p−1` steps: at step `s = 1..p` rank `r` sends block
+//! `r+s` to rank `r+s` and receives block `r−s` from rank `r−s` (mod p), straight into the
+//! output. Every rank sends and receives one block per step, so no rank is flooded:
+//! `(p−1)α + (p−1)/p·nβ`. In place (`send` `None`) the input is first copied to scratch.
+
+use chorus_transport::Result;
+
+use super::{block, exchange, tag};
+use crate::cost::Link;
+use crate::CollCtx;
+
+/// One step: the peers of the exchange.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// The rank this one sends its block `to` to.
+    pub to: usize,
+    /// The rank whose block for this one arrives (it lands in block `from`).
+    pub from: usize,
+}
+
+/// The `p−1` steps of `rank` in a group of `size`.
+///
+/// ```
+/// use chorus_algorithms::collectives::alltoall::plan;
+/// let s = plan(1, 4);
+/// assert_eq!((s[0].to, s[0].from), (2, 0));
+/// assert_eq!((s[2].to, s[2].from), (0, 2));
+/// ```
+pub fn plan(rank: usize, size: usize) -> Vec<Step> {
+    (1..size)
+        .map(|s| Step {
+            to: (rank + s) % size,
+            from: (rank + size - s) % size,
+        })
+        .collect()
+}
+
+/// The modelled time of an all-to-all of `bytes` bytes per rank (all `p` blocks).
+pub fn cost(bytes: usize, ranks: usize, link: &Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let p = ranks as f64;
+    (p - 1.0) * link.alpha + (p - 1.0) / p * bytes as f64 * link.beta
+}
+
+/// Exchanges blocks: `send` (or, `None`, `recv` itself) holds the `p` outgoing blocks,
+/// `recv` receives the `p` incoming ones.
+pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let n = recv.len();
+    if n % size != 0 || send.is_some_and(|s| s.len() != n) {
+        return Err(super::invalid(
+            "all_to_all",
+            format!(
+                "input of {} bytes and output of {n} bytes are not both {size} equal blocks",
+                send.map_or(n, <[u8]>::len)
+            ),
+        ));
+    }
+    let b = n / size;
+    let steps = plan(rank, size);
+    let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
+    let deadline = ctx.deadline;
+    let (t, scratch) = ctx.transport_and_scratch(if send.is_some() { 0 } else { n });
+    let input: &[u8] = match send {
+        Some(s) => s,
+        None => {
+            scratch.copy_from_slice(recv);
+            scratch
+        }
+    };
+    recv[block(rank, b)].copy_from_slice(&input[block(rank, b)]);
+    for (k, s) in steps.iter().enumerate() {
+        let out = &input[block(s.to, b)];
+        exchange(
+            t,
+            deadline,
+            s.to,
+            tags[k],
+            out,
+            s.from,
+            tags[k],
+            &mut recv[block(s.from, b)],
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_block_reaches_its_rank_once() {
+        for size in 1..=17 {
+            let plans: Vec<Vec<Step>> = (0..size).map(|r| plan(r, size)).collect();
+            for (r, p) in plans.iter().enumerate() {
+                assert_eq!(p.len(), size - 1);
+                let mut from: Vec<usize> = p.iter().map(|s| s.from).collect();
+                from.push(r);
+                from.sort_unstable();
+                assert_eq!(from, (0..size).collect::<Vec<_>>());
+                for (k, s) in p.iter().enumerate() {
+                    // The sender of this step sends to this rank in the same step.
+                    assert_eq!(plans[s.from][k].to, r);
+                }
+            }
+        }
+    }
+}

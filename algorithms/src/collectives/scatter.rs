@@ -1,0 +1,70 @@
+//! Scatter: the root holds `p` blocks of `b` bytes (`n = p·b`); rank `j` ends with block `j`.
+//!
+//! # Schedule: linear
+//! The root copies its own block and posts one send per rank, each straight from its block,
+//! progressed together; every other rank receives exactly `b` bytes. The root sends
+//! `(p−1)/p·n` bytes: [`cost`] `(p−1)α + (p−1)/p·nβ` (less when the latencies overlap).
+
+use chorus_transport::{Op, Request, Result};
+
+use super::{block, recv_exact, tag};
+use crate::cost::Link;
+use crate::CollCtx;
+
+/// The modelled time of a scatter of `bytes` bytes in all (`p` blocks).
+pub fn cost(bytes: usize, ranks: usize, link: &Link) -> f64 {
+    super::gather::cost(bytes, ranks, link)
+}
+
+/// The ranks `rank` sends to (block order; empty except at the root) and the rank it
+/// receives from (`None` at the root): the gather's plan, reversed.
+///
+/// ```
+/// use chorus_algorithms::collectives::scatter::plan;
+/// assert_eq!(plan(1, 3, 1), (vec![0, 2], None));
+/// assert_eq!(plan(0, 3, 1), (vec![], Some(1)));
+/// ```
+pub fn plan(rank: usize, size: usize, root: usize) -> (Vec<usize>, Option<usize>) {
+    super::gather::plan(rank, size, root)
+}
+
+/// Scatters the root's `send` (`p` blocks; `None` or ignored on the other ranks) so that
+/// every rank's `recv` gets its block.
+pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8], root: usize) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    if root >= size {
+        return Err(super::invalid(
+            "scatter",
+            format!("root {root} is not a rank of a group of {size}"),
+        ));
+    }
+    let b = recv.len();
+    let t = tag(ctx, root, 0, 0);
+    let (dests, source) = plan(rank, size, root);
+    if let Some(from) = source {
+        return recv_exact(&mut *ctx.transport, ctx.deadline, from, t, recv);
+    }
+    let send = match send {
+        Some(s) if s.len() == size * b => s,
+        other => {
+            return Err(super::invalid(
+                "scatter",
+                format!(
+                    "the root's input has {} bytes, not {size} blocks of {b}",
+                    other.map_or(0, <[u8]>::len)
+                ),
+            ))
+        }
+    };
+    recv.copy_from_slice(&send[block(rank, b)]);
+    let mut reqs: Vec<Request> = dests.iter().map(|&j| Request::send(j, t, b)).collect();
+    for r in reqs.iter_mut() {
+        ctx.transport.post(r)?;
+    }
+    let mut ops: Vec<Op<'_, '_>> = reqs
+        .iter_mut()
+        .zip(&dests)
+        .map(|(r, &j)| Op::send(r, &send[block(j, b)]))
+        .collect();
+    ctx.transport.wait_all(&mut ops, ctx.deadline)
+}

@@ -1,0 +1,205 @@
+//! How each collective is called, fed and checked by the runner.
+//!
+//! Buffers follow nccl-tests: for allreduce, broadcast, reduce and sendrecv the size is one
+//! rank's buffer (`count` elements); for allgather, reduce-scatter, alltoall, gather and
+//! scatter it is the whole p-rank buffer, `count` rounded down to a multiple of p, of which
+//! each rank contributes or receives a block of `count/p`. Rooted collectives use root 0.
+//!
+//! Inputs are `reference::test_value(rank, index)` where `index` is the element's position in
+//! the sending rank's buffer, so every expected element is known without gathering inputs.
+
+use chorus::{AllReduceOptions, CommError, Communicator, Element, ReduceOp};
+use chorus_algorithms::reference::{expected, is_correct, test_value};
+
+use crate::collective::Collective;
+use crate::data;
+
+/// The root of the rooted collectives.
+pub const ROOT: usize = 0;
+
+/// Which placements a collective has: (out of place, in place). Broadcast is in place only;
+/// gather, scatter and sendrecv have separate buffers only.
+pub fn placements(c: Collective) -> (bool, bool) {
+    match c {
+        Collective::Broadcast => (false, true),
+        Collective::Gather | Collective::Scatter | Collective::SendRecv => (true, false),
+        _ => (true, true),
+    }
+}
+
+/// Whether the size is the whole p-rank buffer (split into p blocks).
+pub fn blocked(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllGather
+            | Collective::ReduceScatter
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter
+    )
+}
+
+/// The element count actually used for a requested `count` (a multiple of `ranks` for the
+/// blocked collectives).
+pub fn round_count(c: Collective, count: u64, ranks: usize) -> u64 {
+    if blocked(c) {
+        count / ranks as u64 * ranks as u64
+    } else {
+        count
+    }
+}
+
+/// One call of `coll` on `buf` (`count` elements as [`round_count`] gives) with input `send`
+/// (`None`: in place).
+pub fn call<T: Element>(
+    comm: &mut Communicator,
+    coll: Collective,
+    send: Option<&[T]>,
+    buf: &mut [T],
+    op: ReduceOp,
+    opts: &AllReduceOptions,
+) -> Result<(), CommError> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let n = buf.len();
+    let b = n / p;
+    let root = (rank == ROOT).then_some(());
+    match (coll, send) {
+        (Collective::AllReduce, s) => comm.all_reduce_with(s, buf, op, opts),
+        (Collective::Broadcast, _) => comm.broadcast(buf, ROOT),
+        (Collective::Reduce, s) => comm.reduce(s, buf, op, ROOT),
+        (Collective::AllGather, Some(s)) => comm.all_gather(&s[..b], buf),
+        (Collective::AllGather, None) => comm.all_gather_in_place(buf),
+        (Collective::ReduceScatter, Some(s)) => comm.reduce_scatter(s, &mut buf[..b], op),
+        (Collective::ReduceScatter, None) => comm.reduce_scatter_in_place(buf, op),
+        (Collective::AllToAll, Some(s)) => comm.all_to_all(s, buf),
+        (Collective::AllToAll, None) => comm.all_to_all_in_place(buf),
+        (Collective::Gather, s) => {
+            let s = s.expect("gather runs out of place");
+            comm.gather(&s[..b], root.map(|_| buf), ROOT)
+        }
+        (Collective::Scatter, s) => {
+            let s = s.expect("scatter runs out of place");
+            comm.scatter(root.map(|_| s), &mut buf[..b], ROOT)
+        }
+        (Collective::SendRecv, s) => {
+            let s = s.expect("sendrecv runs out of place");
+            if p == 1 {
+                buf.copy_from_slice(s);
+                return Ok(());
+            }
+            comm.send_recv(s, (rank + 1) % p, buf, (rank + p - 1) % p)
+        }
+    }
+}
+
+/// Fill `buf` as the in-place input of `coll` on `rank`.
+pub fn fill_in_place<T: Element>(
+    coll: Collective,
+    buf: &mut [T],
+    rank: usize,
+    ranks: usize,
+    op: ReduceOp,
+) {
+    let b = buf.len() / ranks;
+    match coll {
+        Collective::Broadcast if rank != ROOT => data::poison(buf),
+        Collective::AllGather => {
+            data::poison(buf);
+            data::fill(&mut buf[rank * b..(rank + 1) * b], rank, op, ranks);
+        }
+        _ => data::fill(buf, rank, op, ranks),
+    }
+}
+
+/// Wrong elements of this rank's result of `coll` (the part of `buf` the collective defines
+/// on this rank; nothing off the root for reduce and gather).
+pub fn count_wrong<T: Element>(
+    coll: Collective,
+    in_place: bool,
+    buf: &[T],
+    rank: usize,
+    ranks: usize,
+    op: ReduceOp,
+) -> u64 {
+    let b = buf.len() / ranks;
+    let input = |r: usize, i: usize| test_value::<T>(r, i, op, ranks);
+    let wrong = |got: &[T], want: &dyn Fn(usize) -> T| -> u64 {
+        got.iter()
+            .enumerate()
+            .filter(|&(i, &g)| !is_correct(g, want(i), op))
+            .count() as u64
+    };
+    match coll {
+        Collective::AllReduce => data::count_wrong(buf, op, ranks),
+        Collective::Broadcast => wrong(buf, &|i| input(ROOT, i)),
+        Collective::Reduce if rank == ROOT => wrong(buf, &|i| expected(i, op, ranks)),
+        Collective::Gather if rank == ROOT => wrong(buf, &|i| input(i / b, i % b)),
+        Collective::Reduce | Collective::Gather => 0,
+        Collective::AllGather => wrong(buf, &|i| input(i / b, i % b)),
+        Collective::ReduceScatter => {
+            let out = if in_place {
+                &buf[rank * b..(rank + 1) * b]
+            } else {
+                &buf[..b]
+            };
+            wrong(out, &|i| expected(rank * b + i, op, ranks))
+        }
+        Collective::AllToAll => wrong(buf, &|i| input(i / b, rank * b + i % b)),
+        Collective::Scatter => wrong(&buf[..b], &|i| input(ROOT, rank * b + i)),
+        Collective::SendRecv => wrong(buf, &|i| input((rank + ranks - 1) % ranks, i)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_round_to_blocks() {
+        assert_eq!(round_count(Collective::AllGather, 10, 4), 8);
+        assert_eq!(round_count(Collective::Broadcast, 10, 4), 10);
+        assert_eq!(round_count(Collective::Scatter, 3, 4), 0);
+        assert_eq!(placements(Collective::Broadcast), (false, true));
+        assert_eq!(placements(Collective::AllReduce), (true, true));
+    }
+
+    /// The checks accept the right answer and catch a wrong one.
+    #[test]
+    fn checks_catch_errors() {
+        let (ranks, op) = (3, ReduceOp::Sum);
+        let b = 5;
+        // Allgather on rank 1: block j holds rank j's input.
+        let mut got: Vec<f32> = (0..ranks * b)
+            .map(|i| test_value(i / b, i % b, op, ranks))
+            .collect();
+        assert_eq!(
+            count_wrong(Collective::AllGather, false, &got, 1, ranks, op),
+            0
+        );
+        got[7] += 1.0;
+        assert_eq!(
+            count_wrong(Collective::AllGather, false, &got, 1, ranks, op),
+            1
+        );
+        // Reduce-scatter in place on rank 2: only block 2 is checked.
+        let mut buf = vec![0f32; ranks * b];
+        for i in 0..b {
+            buf[2 * b + i] = expected(2 * b + i, op, ranks);
+        }
+        assert_eq!(
+            count_wrong(Collective::ReduceScatter, true, &buf, 2, ranks, op),
+            0
+        );
+        assert_eq!(
+            count_wrong(Collective::ReduceScatter, false, &buf, 2, ranks, op),
+            b as u64
+        );
+        // In-place allgather input: own block filled, the rest poisoned.
+        let mut buf = vec![0i32; ranks * b];
+        fill_in_place(Collective::AllGather, &mut buf, 1, ranks, op);
+        assert_eq!(
+            count_wrong(Collective::AllGather, true, &buf, 1, ranks, op),
+            2 * b as u64
+        );
+    }
+}

@@ -1,0 +1,629 @@
+//! Every collective other than allreduce, on [`Communicator`]: typed methods for Rust callers
+//! and `_raw` byte methods (the C ABI's entry points).
+//!
+//! Each call validates its arguments on the calling rank before anything is sent (an
+//! [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) error leaves the
+//! communicator usable), chooses a schedule from its cost model (or `CHORUS_ALGO`, e.g.
+//! `broadcast:ring;allgather:recursive_doubling`), and runs it through the same path as
+//! allreduce. Ranks that disagree on the collective, the dtype, the op, the root or the sizes
+//! get an [`ErrorKind::Mismatch`](crate::ErrorKind::Mismatch) error on the rank that notices
+//! (a receiving rank), and every other rank fails at the latest at its next call, because the
+//! communicator is aborted. A rank that only sends in a collective (the root of a broadcast,
+//! a leaf of a reduce or gather) can return before the mismatch is seen.
+//!
+//! In place means: `broadcast` always; `reduce` with `send` `None` (the input is `recv`);
+//! `all_gather` with `send` `None` (this rank's block is already at block `rank` of `recv`);
+//! `reduce_scatter` with `send` `None` (`recv` holds all `p` input blocks, the result
+//! overwrites block `rank`); `all_to_all` with `send` `None`.
+
+use chorus_algorithms::collectives::{
+    allgather, alltoall, broadcast, gather, p2p, reduce, reduce_scatter, scatter,
+};
+use chorus_algorithms::cost::Link;
+use chorus_algorithms::{DType, Element, ReduceOp};
+
+use crate::comm::{tag_base, CollKind, Communicator};
+use crate::error::CommError;
+use crate::log::{self, Level};
+
+/// The op field of the tags of collectives that do not reduce.
+const NO_OP: ReduceOp = ReduceOp::Sum;
+
+fn bytes<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+/// The algorithm `CHORUS_ALGO` forces for collective `coll` (NCCL's grammar:
+/// `coll:name,name;…`; a part without `coll:` applies to every collective; `^` excludes).
+/// Returns the first listed name that `parse` accepts.
+fn forced<A>(spec: Option<&str>, coll: &str, parse: impl Fn(&str) -> Option<A>) -> Option<A> {
+    let squash = |s: &str| -> String {
+        s.chars()
+            .filter(|c| *c != '_' && *c != '-')
+            .collect::<String>()
+            .to_ascii_lowercase()
+    };
+    let mut chosen = None;
+    for part in spec?.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+        let (c, list) = match part.split_once(':') {
+            Some((c, l)) => (Some(c), l.trim()),
+            None => (None, part),
+        };
+        if c.is_some_and(|c| squash(c) != squash(coll)) || list.starts_with('^') {
+            continue;
+        }
+        if let Some(a) = list.split(',').find_map(|n| parse(n.trim())) {
+            chosen = Some(a);
+        }
+    }
+    chosen
+}
+
+fn parse_broadcast(n: &str) -> Option<broadcast::Algorithm> {
+    broadcast::Algorithm::ALL
+        .into_iter()
+        .find(|a| a.name().eq_ignore_ascii_case(n))
+}
+
+fn parse_reduce(n: &str) -> Option<reduce::Algorithm> {
+    reduce::Algorithm::ALL
+        .into_iter()
+        .find(|a| a.name().eq_ignore_ascii_case(n))
+}
+
+fn parse_allgather(n: &str) -> Option<allgather::Algorithm> {
+    allgather::Algorithm::ALL
+        .into_iter()
+        .find(|a| a.name().eq_ignore_ascii_case(n))
+}
+
+fn parse_reduce_scatter(n: &str) -> Option<reduce_scatter::Algorithm> {
+    reduce_scatter::Algorithm::ALL
+        .into_iter()
+        .find(|a| a.name().eq_ignore_ascii_case(n))
+}
+
+impl Communicator {
+    fn link(&self) -> Link {
+        Link::default()
+    }
+
+    fn invalid(&self, op: &'static str, msg: String) -> CommError {
+        CommError::invalid(op, msg).at_rank(self.rank())
+    }
+
+    /// Fails unless `len` bytes are whole `dtype` elements.
+    fn check_whole(
+        &self,
+        op: &'static str,
+        what: &str,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        if len % dtype.size() != 0 {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{what} of {len} bytes is not a whole number of {} elements ({} bytes each)",
+                    dtype.name(),
+                    dtype.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<(), CommError> {
+        if root >= self.size() {
+            return Err(self.invalid(
+                op,
+                format!("root {root} is not a rank of this group of {}", self.size()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `len × p` bytes, or an error if that overflows.
+    fn times_p(&self, op: &'static str, len: usize) -> Result<usize, CommError> {
+        len.checked_mul(self.size()).ok_or_else(|| {
+            self.invalid(op, format!("{len} bytes × {} ranks overflows", self.size()))
+        })
+    }
+
+    fn trace(&self, what: std::fmt::Arguments<'_>) {
+        log::log(Level::Trace, Some(self.rank()), what);
+    }
+
+    /// Broadcast: `buf` of `root` is copied into `buf` of every rank (same length
+    /// everywhere).
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        self.broadcast_raw(bytes_mut(buf), T::DTYPE, root)
+    }
+
+    /// [`Communicator::broadcast`] on raw bytes holding `dtype` elements.
+    pub fn broadcast_raw(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        const OP: &str = "broadcast";
+        self.check_whole(OP, "buffer", buf.len(), dtype)?;
+        self.check_root(OP, root)?;
+        let alg = forced(self.config().algo.as_deref(), OP, parse_broadcast)
+            .unwrap_or_else(|| broadcast::Algorithm::select(buf.len(), self.size(), &self.link()));
+        self.trace(format_args!(
+            "broadcast {} B from {root} with {}",
+            buf.len(),
+            alg.name()
+        ));
+        self.run_collective(OP, CollKind::Broadcast, dtype, NO_OP, None, |ctx| {
+            broadcast::run(alg, ctx, buf, root)
+        })
+    }
+
+    /// Reduce: `recv` of `root` gets the element-wise reduction of every rank's input, which
+    /// is `send`, or `recv` itself when `send` is `None` (in place). `Avg` divides by the
+    /// number of ranks once. On the other ranks `recv` is not written (with `send` given it
+    /// is ignored and may be empty).
+    pub fn reduce<T: Element>(
+        &mut self,
+        send: Option<&[T]>,
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.reduce_raw(send.map(bytes), bytes_mut(recv), T::DTYPE, op, root)
+    }
+
+    /// [`Communicator::reduce`] on raw bytes holding `dtype` elements.
+    pub fn reduce_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
+        const OP: &str = "reduce";
+        self.check_root(OP, root)?;
+        let n = send.map_or(recv.len(), <[u8]>::len);
+        self.check_whole(OP, "input", n, dtype)?;
+        if self.rank() == root && recv.len() != n {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "the root's send buffer has {n} bytes, its receive buffer {}",
+                    recv.len()
+                ),
+            ));
+        }
+        let alg = forced(self.config().algo.as_deref(), OP, parse_reduce)
+            .unwrap_or_else(|| reduce::Algorithm::select(n, self.size(), &self.link()));
+        self.trace(format_args!(
+            "reduce {n} B {} {} to {root} with {}",
+            dtype.name(),
+            op.name(),
+            alg.name()
+        ));
+        self.run_collective(OP, CollKind::Reduce, dtype, op, None, |ctx| {
+            reduce::run(alg, ctx, send, recv, dtype, op, root)
+        })
+    }
+
+    /// Allgather: `recv` (p × `send.len()` elements) gets every rank's `send`, rank `j`'s at
+    /// block `j`.
+    pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        self.all_gather_raw(Some(bytes(send)), bytes_mut(recv), T::DTYPE)
+    }
+
+    /// In-place allgather: this rank's block is already at block `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError> {
+        self.all_gather_raw(None, bytes_mut(buf), T::DTYPE)
+    }
+
+    /// [`Communicator::all_gather`] on raw bytes; `send` `None` is in place.
+    pub fn all_gather_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_gather";
+        self.check_blocks(OP, send, recv.len(), dtype, true)?;
+        let alg = forced(self.config().algo.as_deref(), OP, parse_allgather)
+            .unwrap_or_else(|| allgather::Algorithm::select(recv.len(), self.size(), &self.link()));
+        self.trace(format_args!(
+            "all_gather {} B with {}",
+            recv.len(),
+            alg.name()
+        ));
+        self.run_collective(OP, CollKind::AllGather, dtype, NO_OP, None, |ctx| {
+            allgather::run(alg, ctx, send, recv)
+        })
+    }
+
+    /// Checks `p` blocks against one: `gathers` — `send` is one block and `full` p blocks
+    /// (allgather); otherwise `send` is p blocks and `full` one block (reduce-scatter). With
+    /// `send` `None`, `full` is p blocks of whole elements.
+    fn check_blocks(
+        &self,
+        op: &'static str,
+        send: Option<&[u8]>,
+        other: usize,
+        dtype: DType,
+        gathers: bool,
+    ) -> Result<(), CommError> {
+        let p = self.size();
+        match send {
+            None => {
+                self.check_whole(op, "buffer", other, dtype)?;
+                if other % (p * dtype.size()) != 0 {
+                    return Err(self.invalid(
+                        op,
+                        format!(
+                            "in place, the buffer of {other} bytes is not {p} blocks of {} \
+                             elements",
+                            dtype.name()
+                        ),
+                    ));
+                }
+            }
+            Some(s) => {
+                self.check_whole(op, "send buffer", s.len(), dtype)?;
+                let (block, full, what) = if gathers {
+                    (s.len(), other, "receive")
+                } else {
+                    (other, s.len(), "send")
+                };
+                if self.times_p(op, block)? != full {
+                    return Err(self.invalid(
+                        op,
+                        format!(
+                            "the {what} buffer must hold {p} blocks of {block} bytes ({} bytes), \
+                             not {full}",
+                            block * p
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter: `recv` gets block `rank` of the reduction of every rank's `send`
+    /// (p × `recv.len()` elements). `Avg` divides by the number of ranks once.
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce_scatter_raw(Some(bytes(send)), bytes_mut(recv), T::DTYPE, op)
+    }
+
+    /// In-place reduce-scatter: `buf` holds the p input blocks; block `rank` gets the result
+    /// (the other blocks keep the input).
+    pub fn reduce_scatter_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce_scatter_raw(None, bytes_mut(buf), T::DTYPE, op)
+    }
+
+    /// [`Communicator::reduce_scatter`] on raw bytes; `send` `None` is in place (`recv` is
+    /// then the whole p-block buffer).
+    pub fn reduce_scatter_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        const OP: &str = "reduce_scatter";
+        self.check_blocks(OP, send, recv.len(), dtype, false)?;
+        let total = send.map_or(recv.len(), <[u8]>::len);
+        let alg = forced(self.config().algo.as_deref(), OP, parse_reduce_scatter)
+            .unwrap_or_else(|| reduce_scatter::Algorithm::select(total, self.size(), &self.link()));
+        self.trace(format_args!(
+            "reduce_scatter {total} B {} {} with {}",
+            dtype.name(),
+            op.name(),
+            alg.name()
+        ));
+        self.run_collective(OP, CollKind::ReduceScatter, dtype, op, None, |ctx| {
+            reduce_scatter::run(alg, ctx, send, recv, dtype, op)
+        })
+    }
+
+    /// All-to-all: block `j` of this rank's `send` becomes block `rank` of rank `j`'s `recv`
+    /// (both p blocks of equal size).
+    pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        self.all_to_all_raw(Some(bytes(send)), bytes_mut(recv), T::DTYPE)
+    }
+
+    /// In-place all-to-all on `buf` (p blocks).
+    pub fn all_to_all_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError> {
+        self.all_to_all_raw(None, bytes_mut(buf), T::DTYPE)
+    }
+
+    /// [`Communicator::all_to_all`] on raw bytes; `send` `None` is in place.
+    pub fn all_to_all_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all";
+        if let Some(s) = send {
+            if s.len() != recv.len() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "send buffer has {} bytes, receive buffer {}",
+                        s.len(),
+                        recv.len()
+                    ),
+                ));
+            }
+        }
+        self.check_blocks(OP, None, recv.len(), dtype, true)?;
+        self.trace(format_args!("all_to_all {} B pairwise", recv.len()));
+        self.run_collective(OP, CollKind::AllToAll, dtype, NO_OP, None, |ctx| {
+            alltoall::run(ctx, send, recv)
+        })
+    }
+
+    /// Gather: `recv` of `root` (p × `send.len()` elements) gets every rank's `send`, rank
+    /// `j`'s at block `j`. `recv` is only used on the root (`None` elsewhere is fine).
+    pub fn gather<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.gather_raw(bytes(send), recv.map(bytes_mut), T::DTYPE, root)
+    }
+
+    /// [`Communicator::gather`] on raw bytes.
+    pub fn gather_raw(
+        &mut self,
+        send: &[u8],
+        recv: Option<&mut [u8]>,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        const OP: &str = "gather";
+        self.check_root(OP, root)?;
+        self.check_whole(OP, "send buffer", send.len(), dtype)?;
+        let recv = if self.rank() == root {
+            let want = self.times_p(OP, send.len())?;
+            match recv {
+                Some(r) if r.len() == want => Some(r),
+                r => {
+                    return Err(self.invalid(
+                        OP,
+                        format!(
+                            "the root's receive buffer must hold {} blocks of {} bytes ({want} \
+                             bytes), not {}",
+                            self.size(),
+                            send.len(),
+                            r.map_or("none".to_string(), |r| r.len().to_string())
+                        ),
+                    ))
+                }
+            }
+        } else {
+            None
+        };
+        self.trace(format_args!("gather {} B to {root}", send.len()));
+        self.run_collective(OP, CollKind::Gather, dtype, NO_OP, None, |ctx| {
+            gather::run(ctx, send, recv, root)
+        })
+    }
+
+    /// Scatter: block `j` of `root`'s `send` (p × `recv.len()` elements) goes to rank `j`'s
+    /// `recv`. `send` is only used on the root (`None` elsewhere is fine).
+    pub fn scatter<T: Element>(
+        &mut self,
+        send: Option<&[T]>,
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.scatter_raw(send.map(bytes), bytes_mut(recv), T::DTYPE, root)
+    }
+
+    /// [`Communicator::scatter`] on raw bytes.
+    pub fn scatter_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        const OP: &str = "scatter";
+        self.check_root(OP, root)?;
+        self.check_whole(OP, "receive buffer", recv.len(), dtype)?;
+        let send = if self.rank() == root {
+            let want = self.times_p(OP, recv.len())?;
+            match send {
+                Some(s) if s.len() == want => Some(s),
+                s => {
+                    return Err(self.invalid(
+                        OP,
+                        format!(
+                            "the root's send buffer must hold {} blocks of {} bytes ({want} \
+                             bytes), not {}",
+                            self.size(),
+                            recv.len(),
+                            s.map_or("none".to_string(), |s| s.len().to_string())
+                        ),
+                    ))
+                }
+            }
+        } else {
+            None
+        };
+        self.trace(format_args!("scatter {} B from {root}", recv.len()));
+        self.run_collective(OP, CollKind::Scatter, dtype, NO_OP, None, |ctx| {
+            scatter::run(ctx, send, recv, root)
+        })
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "peer {peer} is not another rank of this group of {}",
+                    self.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Send `buf` to `peer`, which must call [`Communicator::recv`] with a buffer of the
+    /// same length and type. Messages between two ranks, point-to-point or collective, are
+    /// matched in the order they were sent: `peer` must receive this one before it takes
+    /// part in a collective that receives from this rank. Returns once the data is handed to
+    /// the transport (not necessarily received).
+    pub fn send<T: Element>(&mut self, buf: &[T], peer: usize) -> Result<(), CommError> {
+        self.send_raw(bytes(buf), T::DTYPE, peer)
+    }
+
+    /// [`Communicator::send`] on raw bytes.
+    pub fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<(), CommError> {
+        const OP: &str = "send";
+        self.check_whole(OP, "buffer", buf.len(), dtype)?;
+        self.check_peer(OP, peer)?;
+        self.trace(format_args!("send {} B to {peer}", buf.len()));
+        // Only two ranks take part: the collective sequence number must not advance.
+        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        self.run_tagged(OP, tag, None, |ctx| p2p::send(ctx, buf, peer))
+    }
+
+    /// Receive exactly `buf.len()` elements from `peer` (see [`Communicator::send`]); a
+    /// message of another length or type is an [`ErrorKind::Mismatch`](crate::ErrorKind).
+    pub fn recv<T: Element>(&mut self, buf: &mut [T], peer: usize) -> Result<(), CommError> {
+        self.recv_raw(bytes_mut(buf), T::DTYPE, peer)
+    }
+
+    /// Send `send` to `to` while receiving exactly `recv.len()` elements from `from`, both at
+    /// once (a ring of these cannot deadlock, unlike blocking [`Communicator::send`]s). The
+    /// peers may use `send`/`recv` or `send_recv` on their side.
+    pub fn send_recv<T: Element>(
+        &mut self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<(), CommError> {
+        self.send_recv_raw(bytes(send), to, bytes_mut(recv), from, T::DTYPE)
+    }
+
+    /// [`Communicator::send_recv`] on raw bytes.
+    pub fn send_recv_raw(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut [u8],
+        from: usize,
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        const OP: &str = "send_recv";
+        self.check_whole(OP, "send buffer", send.len(), dtype)?;
+        self.check_whole(OP, "receive buffer", recv.len(), dtype)?;
+        self.check_peer(OP, to)?;
+        self.check_peer(OP, from)?;
+        self.trace(format_args!(
+            "send_recv {} B to {to}, {} B from {from}",
+            send.len(),
+            recv.len()
+        ));
+        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        self.run_tagged(OP, tag, None, |ctx| {
+            p2p::send_recv(ctx, send, to, recv, from)
+        })
+    }
+
+    /// [`Communicator::recv`] on raw bytes.
+    pub fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<(), CommError> {
+        const OP: &str = "recv";
+        self.check_whole(OP, "buffer", buf.len(), dtype)?;
+        self.check_peer(OP, peer)?;
+        self.trace(format_args!("recv {} B from {peer}", buf.len()));
+        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        self.run_tagged(OP, tag, None, |ctx| p2p::recv(ctx, buf, peer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Config, ErrorKind};
+
+    #[test]
+    fn algo_override_grammar() {
+        let spec = Some("allreduce:ring;broadcast:ring;allgather:nonsense,recursive_doubling");
+        assert_eq!(
+            forced(spec, "broadcast", parse_broadcast),
+            Some(broadcast::Algorithm::Ring)
+        );
+        assert_eq!(forced(spec, "reduce", parse_reduce), None);
+        assert_eq!(
+            forced(spec, "all_gather", parse_allgather),
+            Some(allgather::Algorithm::RecursiveDoubling)
+        );
+        assert_eq!(
+            forced(Some("tree"), "reduce", parse_reduce),
+            Some(reduce::Algorithm::Tree)
+        );
+        assert_eq!(forced(Some("reduce:^tree"), "reduce", parse_reduce), None);
+        assert_eq!(forced(None, "reduce", parse_reduce), None);
+    }
+
+    /// A group of one: every collective is a local copy, and bad arguments are reported
+    /// without breaking the communicator.
+    #[test]
+    fn group_of_one() {
+        let mut c = Communicator::new(Config::new(0, 1, "127.0.0.1:0")).unwrap();
+        let mut v = [1i32, 2, 3];
+        c.broadcast(&mut v, 0).unwrap();
+        assert_eq!(v, [1, 2, 3]);
+        let mut out = [0i32; 3];
+        c.reduce(Some(&[4, 5, 6]), &mut out, ReduceOp::Avg, 0)
+            .unwrap();
+        assert_eq!(out, [4, 5, 6]);
+        c.all_gather(&[7, 8, 9], &mut out).unwrap();
+        assert_eq!(out, [7, 8, 9]);
+        c.reduce_scatter(&[1, 1, 1], &mut out, ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(out, [1, 1, 1]);
+        c.all_to_all(&[3, 2, 1], &mut out).unwrap();
+        assert_eq!(out, [3, 2, 1]);
+        c.gather(&[5, 5, 5], Some(&mut out), 0).unwrap();
+        assert_eq!(out, [5, 5, 5]);
+        c.scatter(Some(&[6, 6, 6]), &mut out, 0).unwrap();
+        assert_eq!(out, [6, 6, 6]);
+        let e = c.broadcast(&mut v, 1).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = c.send(&v, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = c.all_gather(&[1, 2], &mut out).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = c.gather(&[1, 2], None, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = c
+            .reduce_raw(None, &mut [0u8; 6], DType::Float32, ReduceOp::Sum, 0)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(c.is_usable());
+        c.barrier().unwrap();
+    }
+}

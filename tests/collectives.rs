@@ -1,0 +1,498 @@
+//! Every collective other than allreduce over TCP loopback and shared memory, ranks as
+//! threads: p in
+//! {1,2,3,4,5,7,8} × counts {0, 1, 7, 100003} × every schedule (the automatic choice and each
+//! schedule forced through `CHORUS_ALGO`), in place and out of place, roots first and last,
+//! compared exactly with naive references built from `reference::test_value`. Every dtype ×
+//! op on the small counts (automatic choice; the forced schedules take every op in f32 and
+//! every dtype with sum); f32 sum (root 0) and i32 max (last root) on the large one. One
+//! communicator per (p, schedule set) serves all cases. Then mismatches across ranks: each
+//! must give an error on every rank (in the call or the next one), never a hang.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::{CommError, Communicator, DType, Element, ErrorKind, ReduceOp};
+use chorus_algorithms::reference::{count_wrong, expected, is_correct, test_value};
+
+use common::*;
+
+const SMALL: [usize; 3] = [0, 1, 7];
+const LARGE: usize = 100_003;
+
+/// `CHORUS_ALGO` values: automatic choice, then every schedule of every collective.
+const ALGOS: [Option<&str>; 3] = [
+    None,
+    Some("broadcast:ring;reduce:ring;allgather:ring;reduce_scatter:ring"),
+    Some(
+        "broadcast:tree;reduce:tree;allgather:recursive_doubling;reduce_scatter:recursive_halving",
+    ),
+];
+
+/// Run `f` on `size` threads, each with a communicator built with `algo` and `timeout`;
+/// returns every rank's result, panicking after `watchdog`.
+fn group<R: Send + 'static>(
+    size: usize,
+    transport: &str,
+    algo: Option<&str>,
+    timeout: Duration,
+    watchdog: Duration,
+    f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let server = store();
+    let addr = server.local_addr();
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..size {
+        let (tx, f) = (tx.clone(), f.clone());
+        let algo = algo.map(str::to_string);
+        let transport = transport.to_string();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut cfg = config(rank, size, addr);
+                cfg.algo = algo;
+                cfg.transport = Some(transport);
+                cfg.timeout = timeout;
+                let mut c = Communicator::new(cfg).expect("communicator");
+                f(&mut c)
+            }));
+            let _ = tx.send((rank, r));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + watchdog;
+    let mut out: Vec<Option<R>> = (0..size).map(|_| None).collect();
+    for _ in 0..size {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((rank, Ok(r))) => out[rank] = Some(r),
+            Ok((rank, Err(p))) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("rank {rank} of {size} panicked: {msg}")
+            }
+            Err(_) => panic!("watchdog: a group of {size} still running after {watchdog:?}"),
+        }
+    }
+    drop(server);
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// Rank `r`'s input element `i`.
+fn input<T: Element>(r: usize, i: usize, op: ReduceOp, p: usize) -> T {
+    test_value(r, i, op, p)
+}
+
+fn poison<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_f64(-77.0); n]
+}
+
+fn inputs<T: Element>(r: usize, n: usize, op: ReduceOp, p: usize) -> Vec<T> {
+    (0..n).map(|i| input(r, i, op, p)).collect()
+}
+
+/// Collects failures of one rank.
+struct Checker {
+    bad: Vec<String>,
+    rank: usize,
+    size: usize,
+}
+
+impl Checker {
+    fn ok(&mut self, what: &str, r: Result<(), CommError>) -> bool {
+        match r {
+            Ok(()) => true,
+            Err(e) => panic!("rank {} p={}: {what}: {e}", self.rank, self.size),
+        }
+    }
+
+    fn wrong(&mut self, what: String, wrong: usize) {
+        if wrong > 0 {
+            self.bad.push(format!(
+                "rank {} p={} {what}: {wrong} wrong",
+                self.rank, self.size
+            ));
+        }
+    }
+}
+
+/// Every collective once for this type, op, count and root, both placements.
+fn check_all<T: Element>(
+    c: &mut Communicator,
+    k: &mut Checker,
+    n: usize,
+    op: ReduceOp,
+    root: usize,
+) {
+    let (r, p) = (c.rank(), c.size());
+    let d = T::DTYPE.name();
+    let tag = |coll: &str, inplace: bool| {
+        format!(
+            "{coll} {d} {} n={n} root={root} in_place={inplace}",
+            op.name()
+        )
+    };
+    let full = n * p;
+    let mine: Vec<T> = inputs(r, n, op, p);
+
+    // Broadcast (always in place).
+    let mut b: Vec<T> = if r == root {
+        inputs(root, n, op, p)
+    } else {
+        poison(n)
+    };
+    k.ok("broadcast", c.broadcast(&mut b, root));
+    k.wrong(
+        tag("broadcast", true),
+        count_wrong(&b, &inputs(root, n, op, p), op),
+    );
+
+    // Reduce: the root gets the reduction; other ranks' buffers are untouched.
+    let want: Vec<T> = (0..n).map(|i| expected(i, op, p)).collect();
+    let mut out = poison::<T>(n);
+    k.ok("reduce", c.reduce(Some(&mine), &mut out, op, root));
+    let w = if r == root {
+        count_wrong(&out, &want, op)
+    } else {
+        count_wrong(&out, &poison(n), op)
+    };
+    k.wrong(tag("reduce", false), w);
+    let mut buf = mine.clone();
+    k.ok("reduce in place", c.reduce(None, &mut buf, op, root));
+    let w = if r == root {
+        count_wrong(&buf, &want, op)
+    } else {
+        count_wrong(&buf, &mine, op)
+    };
+    k.wrong(tag("reduce", true), w);
+
+    // Allgather.
+    let gathered: Vec<T> = (0..p).flat_map(|j| inputs::<T>(j, n, op, p)).collect();
+    let mut out = poison::<T>(full);
+    k.ok("all_gather", c.all_gather(&mine, &mut out));
+    k.wrong(tag("all_gather", false), count_wrong(&out, &gathered, op));
+    let mut buf = poison::<T>(full);
+    buf[r * n..(r + 1) * n].copy_from_slice(&mine);
+    k.ok("all_gather in place", c.all_gather_in_place(&mut buf));
+    k.wrong(tag("all_gather", true), count_wrong(&buf, &gathered, op));
+
+    // Reduce-scatter: rank r's input is p blocks; it gets block r of the reduction.
+    let rs_in: Vec<T> = inputs(r, full, op, p);
+    let rs_want: Vec<T> = (r * n..(r + 1) * n).map(|i| expected(i, op, p)).collect();
+    let mut out = poison::<T>(n);
+    k.ok("reduce_scatter", c.reduce_scatter(&rs_in, &mut out, op));
+    k.wrong(
+        tag("reduce_scatter", false),
+        count_wrong(&out, &rs_want, op),
+    );
+    let mut buf = rs_in.clone();
+    k.ok(
+        "reduce_scatter in place",
+        c.reduce_scatter_in_place(&mut buf, op),
+    );
+    let mut want_buf = rs_in.clone();
+    want_buf[r * n..(r + 1) * n].copy_from_slice(&rs_want);
+    k.wrong(
+        tag("reduce_scatter", true),
+        count_wrong(&buf, &want_buf, op),
+    );
+
+    // All-to-all: block j of rank r's input goes to block r of rank j.
+    let a_in: Vec<T> = inputs(r, full, op, p);
+    let a_want: Vec<T> = (0..p)
+        .flat_map(|j| (0..n).map(move |i| input::<T>(j, r * n + i, op, p)))
+        .collect();
+    let mut out = poison::<T>(full);
+    k.ok("all_to_all", c.all_to_all(&a_in, &mut out));
+    k.wrong(tag("all_to_all", false), count_wrong(&out, &a_want, op));
+    let mut buf = a_in.clone();
+    k.ok("all_to_all in place", c.all_to_all_in_place(&mut buf));
+    k.wrong(tag("all_to_all", true), count_wrong(&buf, &a_want, op));
+
+    // Gather.
+    let mut out = poison::<T>(full);
+    let recv = (r == root).then_some(&mut out[..]);
+    k.ok("gather", c.gather(&mine, recv, root));
+    let w = if r == root {
+        count_wrong(&out, &gathered, op)
+    } else {
+        count_wrong(&out, &poison(full), op)
+    };
+    k.wrong(tag("gather", false), w);
+
+    // Scatter: block j of the root's buffer goes to rank j.
+    let s_in: Vec<T> = inputs(root, full, op, p);
+    let s_want: Vec<T> = s_in[r * n..(r + 1) * n].to_vec();
+    let mut out = poison::<T>(n);
+    let send = (r == root).then_some(&s_in[..]);
+    k.ok("scatter", c.scatter(send, &mut out, root));
+    k.wrong(tag("scatter", false), count_wrong(&out, &s_want, op));
+
+    // Send/recv around the ring, interleaved with the collectives: rank 0 starts, each rank
+    // forwards what it got, rank 0 gets its own buffer back.
+    if p > 1 {
+        let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+        let mut got = poison::<T>(n);
+        if r == 0 {
+            k.ok("send", c.send(&mine, next));
+            k.ok("recv", c.recv(&mut got, prev));
+        } else {
+            k.ok("recv", c.recv(&mut got, prev));
+            k.ok("send", c.send(&got, next));
+        }
+        k.wrong(
+            tag("send/recv", false),
+            count_wrong(&got, &inputs(0, n, op, p), op),
+        );
+        // Everyone at once: send to the next rank, receive from the previous one.
+        let mut got = poison::<T>(n);
+        k.ok("send_recv", c.send_recv(&mine, next, &mut got, prev));
+        k.wrong(
+            tag("send_recv", false),
+            count_wrong(&got, &inputs(prev, n, op, p), op),
+        );
+    }
+}
+
+macro_rules! each_dtype {
+    ($f:ident, $($arg:expr),*) => {
+        for dt in DType::ALL {
+            match dt {
+                DType::Int8 => $f::<i8>($($arg),*),
+                DType::Uint8 => $f::<u8>($($arg),*),
+                DType::Int32 => $f::<i32>($($arg),*),
+                DType::Uint32 => $f::<u32>($($arg),*),
+                DType::Int64 => $f::<i64>($($arg),*),
+                DType::Uint64 => $f::<u64>($($arg),*),
+                DType::Float16 => $f::<half::f16>($($arg),*),
+                DType::Float32 => $f::<f32>($($arg),*),
+                DType::Float64 => $f::<f64>($($arg),*),
+                DType::Bfloat16 => $f::<half::bf16>($($arg),*),
+            }
+        }
+    };
+}
+
+/// One rank's whole sweep; returns its failures. `full`: every dtype × op on the small
+/// counts with the last rank as root; otherwise every op in f32 and every dtype with `Sum`,
+/// root 0. The large count runs f32 sum with root 0 and i32 max with the last rank as root.
+fn sweep(c: &mut Communicator, full: bool) -> Vec<String> {
+    let (rank, size) = (c.rank(), c.size());
+    let mut k = Checker {
+        bad: Vec::new(),
+        rank,
+        size,
+    };
+    let small_root = if full { size - 1 } else { 0 };
+    for n in SMALL {
+        for op in ReduceOp::ALL {
+            if full || op == ReduceOp::Sum {
+                each_dtype!(check_all, c, &mut k, n, op, small_root);
+            } else {
+                check_all::<f32>(c, &mut k, n, op, small_root);
+            }
+        }
+    }
+    check_all::<f32>(c, &mut k, LARGE, ReduceOp::Sum, 0);
+    check_all::<i32>(c, &mut k, LARGE, ReduceOp::Max, size - 1);
+    c.barrier().expect("barrier");
+    k.bad
+}
+
+/// Every (forced or chosen) schedule set × p over `transport`; `full_auto`: the whole dtype ×
+/// op matrix for the automatic choice.
+fn sweep_transport(transport: &str, full_auto: bool) {
+    for algo in ALGOS {
+        for p in RANKS {
+            let full = full_auto && algo.is_none();
+            let bad: Vec<String> = group(
+                p,
+                transport,
+                algo,
+                Duration::from_secs(60),
+                Duration::from_secs(300),
+                move |c| sweep(c, full),
+            )
+            .into_iter()
+            .flatten()
+            .collect();
+            assert!(
+                bad.is_empty(),
+                "{transport} CHORUS_ALGO={algo:?} p={p}: {} failures, first: {:?}",
+                bad.len(),
+                &bad[..bad.len().min(5)]
+            );
+        }
+    }
+}
+
+#[test]
+fn every_collective_every_schedule_over_tcp() {
+    sweep_transport("tcp", true);
+}
+
+#[test]
+fn every_collective_every_schedule_over_shm() {
+    sweep_transport("shm", false);
+}
+
+/// The result of a call that may fail, then of a barrier: a mismatch must surface on every
+/// rank in one of the two.
+fn error_then_barrier(c: &mut Communicator, r: Result<(), CommError>) -> Option<ErrorKind> {
+    match r {
+        Err(e) => Some(e.kind()),
+        Ok(()) => c.barrier().err().map(|e| e.kind()),
+    }
+}
+
+/// Runs `call` on a fresh group of `p` and checks that every rank reports an error (in the
+/// call or the barrier after it), at least one of them a mismatch.
+fn expect_mismatch(p: usize, what: &str, call: fn(&mut Communicator) -> Result<(), CommError>) {
+    expect_errors(p, what, ErrorKind::Mismatch, call)
+}
+
+/// [`expect_mismatch`] with another kind of error expected on some rank.
+fn expect_errors(
+    p: usize,
+    what: &str,
+    kind: ErrorKind,
+    call: fn(&mut Communicator) -> Result<(), CommError>,
+) {
+    let kinds = group(
+        p,
+        "auto",
+        None,
+        Duration::from_secs(5),
+        Duration::from_secs(120),
+        move |c| {
+            // A correct call first: the communicator works.
+            let mut v = [c.rank() as i32];
+            c.broadcast(&mut v, 0).expect("warm-up broadcast");
+            let r = call(c);
+            error_then_barrier(c, r)
+        },
+    );
+    assert!(
+        kinds.iter().all(Option::is_some),
+        "{what}: some rank saw no error: {kinds:?}"
+    );
+    assert!(
+        kinds.contains(&Some(kind)),
+        "{what}: no rank reported {kind:?}: {kinds:?}"
+    );
+}
+
+#[test]
+fn mismatches_across_ranks_are_errors_on_every_rank() {
+    expect_mismatch(3, "broadcast counts", |c| {
+        let mut v = vec![1.0f32; 10 + c.rank()];
+        c.broadcast(&mut v, 0)
+    });
+    expect_mismatch(4, "broadcast roots", |c| {
+        let mut v = vec![1.0f32; 1000];
+        let root = usize::from(c.rank() == 2);
+        c.broadcast(&mut v, root)
+    });
+    expect_mismatch(3, "reduce dtypes", |c| {
+        if c.rank() == 1 {
+            let mut v = vec![1i32; 8];
+            c.reduce(None, &mut v, ReduceOp::Sum, 0)
+        } else {
+            let mut v = vec![1.0f32; 8];
+            c.reduce(None, &mut v, ReduceOp::Sum, 0)
+        }
+    });
+    expect_mismatch(3, "reduce_scatter ops", |c| {
+        let op = if c.rank() == 0 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let mut v = vec![1.0f64; 9];
+        c.reduce_scatter_in_place(&mut v, op)
+    });
+    expect_mismatch(4, "allgather counts", |c| {
+        let n = if c.rank() == 3 { 5 } else { 4 };
+        let mut out = vec![0u8; 4 * n];
+        c.all_gather(&vec![1u8; n], &mut out)
+    });
+    // Two ranks both act as the root and wait for each other: nothing wrong arrives, so
+    // this one is only seen at the timeout.
+    expect_errors(3, "gather roots", ErrorKind::Timeout, |c| {
+        let root = c.rank() % 2;
+        let mut out = [0i64; 6];
+        let recv = (c.rank() == root).then_some(&mut out[..]);
+        c.gather(&[1i64, 2], recv, root)
+    });
+    expect_mismatch(3, "scatter counts", |c| {
+        let n = 3 + usize::from(c.rank() == 2);
+        let send = vec![1i32; 3 * n];
+        let mut out = vec![0i32; n];
+        c.scatter((c.rank() == 0).then_some(&send[..]), &mut out, 0)
+    });
+    expect_mismatch(2, "all_to_all against all_gather", |c| {
+        let mut out = vec![0u32; 8];
+        if c.rank() == 0 {
+            c.all_to_all(&[1u32; 8], &mut out)
+        } else {
+            c.all_gather(&[1u32; 4], &mut out)
+        }
+    });
+    expect_mismatch(2, "send/recv lengths", |c| {
+        if c.rank() == 0 {
+            c.send(&[1i32; 5], 1)
+        } else {
+            let mut b = [0i32; 4];
+            c.recv(&mut b, 0)
+        }
+    });
+}
+
+/// Bad arguments are reported on the calling rank before anything is sent, and leave the
+/// communicator usable.
+#[test]
+fn bad_arguments_leave_the_communicator_usable() {
+    let res = group(
+        3,
+        "auto",
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(120),
+        |c| {
+            let r = c.rank();
+            let mut errors = Vec::new();
+            let mut b = vec![0.0f32; 6];
+            errors.push(c.broadcast(&mut b, 3).unwrap_err());
+            errors.push(
+                c.reduce(Some(&[1.0f32; 5]), &mut b, ReduceOp::Sum, r)
+                    .unwrap_err(),
+            );
+            errors.push(c.all_gather(&[1.0f32; 3], &mut b).unwrap_err());
+            errors.push(
+                c.reduce_scatter(&[1.0f32; 6], &mut b, ReduceOp::Sum)
+                    .unwrap_err(),
+            );
+            errors.push(c.all_to_all(&[1.0f32; 4], &mut b[..4]).unwrap_err());
+            errors.push(c.gather(&[1.0f32; 2], None, r).unwrap_err());
+            errors.push(c.scatter(None, &mut b[..2], r).unwrap_err());
+            errors.push(c.send(&b, r).unwrap_err());
+            errors.push(c.recv(&mut b, 7).unwrap_err());
+            errors.push(
+                c.broadcast_raw(&mut [0u8; 7], DType::Float32, 0)
+                    .unwrap_err(),
+            );
+            for e in &errors {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+                assert!(e.is_usable(), "{e}");
+            }
+            // Still usable: a real collective works.
+            let mut v = vec![r as f32; 3];
+            c.broadcast(&mut v, 1).unwrap();
+            assert!(v.iter().all(|x| is_correct(*x, 1.0, ReduceOp::Sum)));
+            errors.len()
+        },
+    );
+    assert!(res.iter().all(|&n| n == 10));
+}
