@@ -47,8 +47,9 @@ const DRAIN_GRACE: Duration = Duration::from_secs(1);
 const MAX_LINE: usize = 64 * 1024;
 /// Largest accepted `-n`.
 const MAX_RANKS: usize = 4096;
-/// Root host used with `--netns-prefix` (the first host of the namespace testbed).
-const NETNS_ROOT_HOST: &str = "10.77.0.1";
+/// Root host used with `--netns-prefix`: the first host of the namespace testbed that
+/// `tests/netns/cluster.sh` builds (hosts 10.78.0.1..N on eth0).
+const NETNS_ROOT_HOST: &str = "10.78.0.1";
 /// Exit code for a job stopped by `--timeout` (the code `timeout(1)` uses).
 const EXIT_TIMEOUT: i32 = 124;
 /// Exit code for a bad command line.
@@ -69,9 +70,11 @@ Options:
       --timeout SECS    kill the whole job after SECS seconds and exit with 124
       --env K=V         extra variable for every rank (repeatable; wins over ours)
       --no-prefix       pass the ranks' output through unchanged
-      --netns-prefix P  run rank r as `ip netns exec P<r+1> CMD...` (the namespace testbed:
-                        one emulated host per rank); CHORUS_ADDR then defaults to
-                        10.77.0.1:PORT and every rank is LOCAL_RANK 0 of LOCAL_SIZE 1
+      --netns-prefix P  run rank r as `ip netns exec P<r+1> CMD...` (the namespace testbed
+                        of tests/netns/cluster.sh, one emulated host per rank, e.g.
+                        --netns-prefix chorus-h); CHORUS_ADDR then defaults to
+                        10.78.0.1:PORT (host 1's eth0; --addr overrides it) and every
+                        rank is LOCAL_RANK 0 of LOCAL_SIZE 1
   -h, --help            print this help
       --version         print the version
 

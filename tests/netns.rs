@@ -1,0 +1,618 @@
+//! Allreduce across four emulated hosts: network namespaces on a bridge, 1 gbit links
+//! (`tests/netns/cluster.sh`), one rank per host, each a real process started with
+//! `ip netns exec`.
+//!
+//! The test builds a cluster of its own (namespaces `chorus-t<pid>-h1..4` and `-sw`, so
+//! parallel runs never collide), removes it when it ends — also when it fails — and also
+//! removes clusters that earlier runs left behind when they were killed. Inside the cluster:
+//!
+//! 1. ranks started directly with `CHORUS_SOCKET_IFNAME=eth0`: allreduce of a few dtypes, ops
+//!    and sizes checked exactly; every rank's sockets are on its eth0 address (read from the
+//!    kernel's socket table), and its `CHORUS_DEBUG=INFO` line names that address;
+//! 2. ranks started by `chorus-run --netns-prefix` without `CHORUS_SOCKET_IFNAME`: the default
+//!    interface choice works across hosts and never picks `lo`;
+//! 3. `CHORUS_SOCKET_IFNAME=lo` across hosts: every rank fails with an error within the
+//!    rendezvous timeout instead of hanging.
+//!
+//! It needs root (`ip netns`, `tc`). Where namespaces cannot be made it fails and says why;
+//! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIP` line). Every job runs under a watchdog.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use chorus::{Communicator, Config, DType, ReduceOp};
+use common::check_one;
+
+/// This test's name, which child ranks pass to the test binary to run only it.
+const TEST_NAME: &str = "allreduce_across_four_namespace_hosts";
+/// Set in child ranks: which check to run (`check`, `check-small`, `lo`).
+const CHILD_ENV: &str = "CHORUS_NETNS_CHILD";
+/// Hosts in the cluster, one rank each.
+const HOSTS: usize = 4;
+/// Link rate of the cluster.
+const RATE: &str = "1gbit";
+/// Addresses of the hosts: host i (1-based) is `SUBNET.i` on its eth0 (see cluster.sh).
+const SUBNET: [u8; 3] = [10, 78, 0];
+/// A job that is still running after this is killed and the test fails.
+const WATCHDOG: Duration = Duration::from_secs(90);
+/// Rendezvous timeout of the ranks expected to fail (scenario 3).
+const SHORT_INIT_TIMEOUT_SECS: u64 = 3;
+/// Token shared by the ranks of a job.
+const TOKEN: &str = "netns-test-token";
+/// Element counts checked: empty, one, odd, and 1 MiB of f32 plus an odd tail.
+const COUNTS: [usize; 5] = [0, 1, 7, 1023, (1 << 18) + 3];
+
+/// The eth0 address of host `i` (1-based).
+fn host_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(SUBNET[0], SUBNET[1], SUBNET[2], i as u8)
+}
+
+/// `tests/netns/cluster.sh`.
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/netns/cluster.sh")
+}
+
+/// Runs `cluster.sh ARGS` for the namespaces of `prefix`; Err(output) when it fails.
+fn cluster_sh(prefix: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new("bash")
+        .arg(script())
+        .args(args)
+        .env("CHORUS_NETNS_PREFIX", prefix)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run bash {}: {e}", script().display()))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!(
+            "cluster.sh {args:?} failed ({}): {text}",
+            out.status
+        ))
+    }
+}
+
+/// A cluster of namespace hosts that is removed when dropped, also while unwinding from a
+/// failed assertion.
+struct Cluster {
+    /// Namespace prefix: hosts are `<prefix>-h1..N`.
+    prefix: String,
+}
+
+impl Cluster {
+    /// Builds `hosts` hosts with links of `rate` under a prefix unique to this process.
+    fn up(hosts: usize, rate: &str) -> Result<Cluster, String> {
+        remove_stale_clusters();
+        let cluster = Cluster {
+            prefix: format!("chorus-t{}", std::process::id()),
+        };
+        cluster_sh(&cluster.prefix, &["up", &hosts.to_string(), rate])?;
+        Ok(cluster)
+    }
+
+    /// Namespace of host `i` (1-based).
+    fn host(&self, i: usize) -> String {
+        format!("{}-h{i}", self.prefix)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Err(e) = cluster_sh(&self.prefix, &["down"]) {
+            eprintln!("netns test: could not remove cluster {}: {e}", self.prefix);
+        }
+    }
+}
+
+/// Removes the clusters of earlier runs of this test whose process no longer exists (a run
+/// killed by a signal cannot run its `Drop`).
+fn remove_stale_clusters() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    let stale: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let name = line.split_whitespace().next()?;
+            let rest = name.strip_prefix("chorus-t")?;
+            let (pid, host) = rest.split_once('-')?;
+            let is_ours = host == "sw"
+                || host
+                    .strip_prefix('h')
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            let dead = pid.parse::<u32>().is_ok()
+                && !std::path::Path::new(&format!("/proc/{pid}")).exists();
+            (is_ours && dead).then(|| format!("chorus-t{pid}"))
+        })
+        .collect();
+    for prefix in stale {
+        eprintln!("netns test: removing cluster {prefix} left by an earlier run");
+        if let Err(e) = cluster_sh(&prefix, &["down"]) {
+            eprintln!("netns test: {e}");
+        }
+    }
+}
+
+/// What one process printed, and how it ended.
+struct Finished {
+    status: Option<ExitStatus>,
+    output: String,
+}
+
+/// Starts `cmd` with both output streams drained on threads (so a chatty process never
+/// blocks on a full pipe).
+fn start(mut cmd: Command) -> Result<(Child, JoinHandle<String>), String> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {:?}: {e}", cmd.get_program()))?;
+    let mut out = child.stdout.take().expect("piped stdout");
+    let mut err = child.stderr.take().expect("piped stderr");
+    let err_reader = thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = err.read_to_end(&mut s);
+        s
+    });
+    let reader = thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = out.read_to_end(&mut s);
+        let mut text = String::from_utf8_lossy(&s).into_owned();
+        text.push_str(&String::from_utf8_lossy(
+            &err_reader.join().unwrap_or_default(),
+        ));
+        text
+    });
+    Ok((child, reader))
+}
+
+/// Waits for every process; kills them all once [`WATCHDOG`] has passed (their status is
+/// then `None`).
+fn wait_all(started: Vec<(Child, JoinHandle<String>)>) -> Vec<Finished> {
+    let deadline = Instant::now() + WATCHDOG;
+    let mut children: Vec<(Child, Option<ExitStatus>)> = Vec::with_capacity(started.len());
+    let mut readers = Vec::with_capacity(started.len());
+    for (child, reader) in started {
+        children.push((child, None));
+        readers.push(reader);
+    }
+    let mut timed_out = false;
+    while children.iter().any(|(_, s)| s.is_none()) {
+        if Instant::now() >= deadline {
+            timed_out = true;
+            for (child, status) in children.iter_mut().filter(|(_, s)| s.is_none()) {
+                let _ = child.kill();
+                let _ = child.wait();
+                *status = None;
+            }
+            break;
+        }
+        for (child, status) in children.iter_mut().filter(|(_, s)| s.is_none()) {
+            *status = child.try_wait().unwrap_or(None);
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    children
+        .into_iter()
+        .zip(readers)
+        .map(|((_, status), reader)| {
+            let mut output = reader.join().unwrap_or_default();
+            if timed_out && status.is_none() {
+                output.push_str(&format!("\n[killed by the watchdog after {WATCHDOG:?}]\n"));
+            }
+            Finished { status, output }
+        })
+        .collect()
+}
+
+/// The command that runs this test binary as a child rank of kind `kind`.
+fn child_args(kind: &str) -> (PathBuf, Vec<&'static str>, (&'static str, String)) {
+    let exe = std::env::current_exe().expect("path of the test binary");
+    let args = vec![TEST_NAME, "--exact", "--nocapture", "--test-threads=1"];
+    (exe, args, (CHILD_ENV, kind.to_string()))
+}
+
+/// Starts one rank per host with `ip netns exec`, rendezvous at host 1 port `port`.
+fn run_ranks(cluster: &Cluster, kind: &str, port: u16, env: &[(&str, &str)]) -> Vec<Finished> {
+    let (exe, args, child_env) = child_args(kind);
+    let mut started = Vec::new();
+    for rank in 0..HOSTS {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &cluster.host(rank + 1)])
+            .arg(&exe)
+            .args(&args)
+            .env(child_env.0, &child_env.1)
+            .env("CHORUS_RANK", rank.to_string())
+            .env("CHORUS_WORLD_SIZE", HOSTS.to_string())
+            .env("CHORUS_ADDR", format!("{}:{port}", host_ip(1)))
+            .env("CHORUS_TOKEN", TOKEN)
+            .env("CHORUS_TIMEOUT", "30")
+            .env("CHORUS_INIT_TIMEOUT", "30")
+            .env_remove("CHORUS_SOCKET_IFNAME");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        match start(cmd) {
+            Ok(s) => started.push(s),
+            Err(e) => {
+                let finished = wait_all(started);
+                panic!("{e} (rank {rank}); {} ranks started before", finished.len());
+            }
+        }
+    }
+    wait_all(started)
+}
+
+/// Formats every rank's status and output, for failure messages.
+fn dump(ranks: &[Finished]) -> String {
+    ranks
+        .iter()
+        .enumerate()
+        .map(|(r, f)| format!("--- rank {r}: {:?}\n{}", f.status, f.output))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// One check run inside the cluster; Err(what went wrong, with the ranks' output).
+type Scenario = fn(&Cluster) -> Result<(), String>;
+
+/// Scenario 1: `CHORUS_SOCKET_IFNAME=eth0`, ranks started directly.
+fn eth0_scenario(cluster: &Cluster) -> Result<(), String> {
+    let ranks = run_ranks(
+        cluster,
+        "check",
+        29501,
+        &[("CHORUS_SOCKET_IFNAME", "eth0"), ("CHORUS_DEBUG", "INFO")],
+    );
+    for (rank, f) in ranks.iter().enumerate() {
+        if !f.status.is_some_and(|s| s.success()) {
+            return Err(format!("eth0: rank {rank} failed\n{}", dump(&ranks)));
+        }
+        let ip = host_ip(rank + 1);
+        if !f.output.contains(&format!("RANK-OK {rank} eth0={ip}")) {
+            return Err(format!(
+                "eth0: rank {rank} did not report\n{}",
+                dump(&ranks)
+            ));
+        }
+        // What chorus says it chose (CHORUS_DEBUG=INFO) must be the eth0 address too.
+        let listening = f
+            .output
+            .lines()
+            .find(|l| l.contains("listening on"))
+            .unwrap_or("");
+        if !listening.contains(&format!("listening on {ip}:")) {
+            return Err(format!(
+                "eth0: rank {rank} does not log listening on {ip}: {listening:?}\n{}",
+                dump(&ranks)
+            ));
+        }
+        // libtest may print "test NAME ... " before it on the same line.
+        let sent = format!("rank {rank}: eth0 sent");
+        for line in f
+            .output
+            .lines()
+            .filter_map(|l| l.find(&sent).map(|i| &l[i..]))
+        {
+            eprintln!("  {line}");
+        }
+    }
+    Ok(())
+}
+
+/// Scenario 2: no `CHORUS_SOCKET_IFNAME`; ranks started by `chorus-run --netns-prefix`, which
+/// also supplies the rendezvous address (host 1's eth0 and a free port).
+fn default_interface_scenario(cluster: &Cluster) -> Result<(), String> {
+    let (exe, args, child_env) = child_args("check-small");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
+    cmd.args(["--timeout", "60", "--netns-prefix"])
+        .arg(format!("{}-h", cluster.prefix))
+        .args(["-n", &HOSTS.to_string(), "--"])
+        .arg(exe)
+        .args(args)
+        .env(child_env.0, child_env.1)
+        .env("CHORUS_TIMEOUT", "30")
+        .env("CHORUS_INIT_TIMEOUT", "30")
+        .env_remove("CHORUS_SOCKET_IFNAME")
+        .env_remove("CHORUS_ADDR");
+    let job = wait_all(vec![start(cmd)?]);
+    let f = &job[0];
+    if !f.status.is_some_and(|s| s.success()) {
+        return Err(format!(
+            "default interface: chorus-run failed ({:?})\n{}",
+            f.status, f.output
+        ));
+    }
+    for rank in 0..HOSTS {
+        // libtest may print "test NAME ... " before it on the same line.
+        let (prefix, want) = (
+            format!("[{rank}] "),
+            format!("RANK-OK {rank} eth0={}", host_ip(rank + 1)),
+        );
+        if !f
+            .output
+            .lines()
+            .any(|l| l.starts_with(&prefix) && l.ends_with(&want))
+        {
+            return Err(format!(
+                "default interface: no line {want:?} in\n{}",
+                f.output
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Scenario 3: `CHORUS_SOCKET_IFNAME=lo` cannot connect hosts: every rank must report an error
+/// (not hang, not succeed) once the rendezvous timeout has passed.
+fn loopback_scenario(cluster: &Cluster) -> Result<(), String> {
+    let timeout = SHORT_INIT_TIMEOUT_SECS.to_string();
+    let ranks = run_ranks(
+        cluster,
+        "lo",
+        29503,
+        &[
+            ("CHORUS_SOCKET_IFNAME", "lo"),
+            ("CHORUS_INIT_TIMEOUT", &timeout),
+        ],
+    );
+    for (rank, f) in ranks.iter().enumerate() {
+        let reported = f.output.contains(&format!("EXPECTED-ERROR rank {rank}:"));
+        if !f.status.is_some_and(|s| s.success()) || !reported {
+            return Err(format!(
+                "lo: rank {rank} did not fail cleanly\n{}",
+                dump(&ranks)
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn allreduce_across_four_namespace_hosts() {
+    if let Ok(kind) = std::env::var(CHILD_ENV) {
+        child(&kind);
+        return;
+    }
+    if std::env::var("CHORUS_SKIP_NETNS").is_ok_and(|v| v.trim() == "1") {
+        println!("SKIP {TEST_NAME}: CHORUS_SKIP_NETNS=1");
+        return;
+    }
+    let cluster = Cluster::up(HOSTS, RATE).unwrap_or_else(|e| {
+        panic!(
+            "cannot build the namespace cluster (needs root and iproute2: ip netns, tc, \
+             bridge; set CHORUS_SKIP_NETNS=1 to skip this test where that is impossible): {e}"
+        )
+    });
+    let mut failures = Vec::new();
+    let scenarios: [(&str, Scenario); 3] = [
+        ("eth0", eth0_scenario),
+        ("default interface", default_interface_scenario),
+        ("lo", loopback_scenario),
+    ];
+    for (name, scenario) in scenarios {
+        let began = Instant::now();
+        let result = scenario(&cluster);
+        eprintln!(
+            "netns scenario {name}: {} in {:.1} s",
+            if result.is_ok() { "ok" } else { "FAILED" },
+            began.elapsed().as_secs_f64()
+        );
+        if let Err(e) = result {
+            failures.push(e);
+        }
+    }
+    drop(cluster);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The body of a child rank.
+fn child(kind: &str) {
+    match kind {
+        "check" | "check-small" => check_rank(kind == "check"),
+        "lo" => {
+            let config = Config::from_env().expect("configuration from the environment");
+            let rank = config.rank;
+            let began = Instant::now();
+            match Communicator::new(config) {
+                Ok(_) => panic!(
+                    "rank {rank}: a communicator across hosts was built on lo; it cannot work"
+                ),
+                Err(e) => println!(
+                    "EXPECTED-ERROR rank {rank}: after {:.1} s: {e}",
+                    began.elapsed().as_secs_f64()
+                ),
+            }
+        }
+        other => panic!("unknown {CHILD_ENV}={other:?}"),
+    }
+}
+
+/// Builds the communicator, checks where its sockets are, then allreduces (all of [`COUNTS`]
+/// with several dtypes and ops when `full`, fewer otherwise) against the reference.
+fn check_rank(full: bool) {
+    let mut c = Communicator::from_env().unwrap_or_else(|e| panic!("communicator: {e}"));
+    let rank = c.rank();
+    let eth0 = eth0_address();
+    assert_eq!(
+        eth0,
+        host_ip(rank + 1),
+        "rank {rank} runs on the wrong host"
+    );
+    check_sockets(rank, eth0);
+    // The hosts share only the network: no other transport may carry their data.
+    assert_eq!(
+        c.transport_name(),
+        "tcp",
+        "rank {rank}: hosts of the testbed must talk over the network"
+    );
+
+    let mut cases: Vec<(DType, ReduceOp, &[usize])> = Vec::new();
+    if full {
+        for op in ReduceOp::ALL {
+            cases.push((DType::Float32, op, &COUNTS));
+        }
+        for dt in [
+            DType::Float64,
+            DType::Int32,
+            DType::Uint8,
+            DType::Int64,
+            DType::Bfloat16,
+        ] {
+            cases.push((dt, ReduceOp::Sum, &COUNTS));
+            cases.push((dt, ReduceOp::Max, &COUNTS[..4]));
+        }
+    } else {
+        cases.push((DType::Float32, ReduceOp::Sum, &[1, 1023, (1 << 18) + 3]));
+        cases.push((DType::Int64, ReduceOp::Max, &[7]));
+    }
+    let (eth0_before, lo_before) = (tx_bytes("eth0"), tx_bytes("lo"));
+    let mut payload = 0;
+    let mut wrong = Vec::new();
+    for (dt, op, counts) in cases {
+        for &count in counts {
+            for inplace in [true, false] {
+                payload += count * dt.size();
+                let n = match dt {
+                    DType::Float32 => check_one::<f32>(&mut c, count, op, inplace),
+                    DType::Float64 => check_one::<f64>(&mut c, count, op, inplace),
+                    DType::Int32 => check_one::<i32>(&mut c, count, op, inplace),
+                    DType::Uint8 => check_one::<u8>(&mut c, count, op, inplace),
+                    DType::Int64 => check_one::<i64>(&mut c, count, op, inplace),
+                    DType::Bfloat16 => check_one::<half::bf16>(&mut c, count, op, inplace),
+                    other => unreachable!("no case uses {}", other.name()),
+                };
+                if n > 0 {
+                    wrong.push(format!(
+                        "{} {} count {count} inplace {inplace}: {n} wrong",
+                        dt.name(),
+                        op.name()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "rank {rank}: {wrong:#?}");
+    // The data went out through eth0, the shaped link: an allreduce of n bytes makes every
+    // rank send at least about n (p-1)/p; half of n is a safe lower bound. Loopback carries
+    // only rank 0's talk with its own rendezvous store.
+    let (eth0_sent, lo_sent) = (tx_bytes("eth0") - eth0_before, tx_bytes("lo") - lo_before);
+    assert!(
+        eth0_sent >= payload as u64 / 2,
+        "rank {rank}: eth0 sent {eth0_sent} bytes for {payload} bytes of allreduce input"
+    );
+    println!("rank {rank}: eth0 sent {eth0_sent} B, lo {lo_sent} B, allreduce input {payload} B");
+    assert!(
+        lo_sent <= eth0_sent / 10,
+        "rank {rank}: lo sent {lo_sent} bytes (eth0 {eth0_sent})"
+    );
+    // Sockets again, now that data has flowed: still only on eth0.
+    check_sockets(rank, eth0);
+    c.barrier().unwrap_or_else(|e| panic!("final barrier: {e}"));
+    println!("RANK-OK {rank} eth0={eth0}");
+}
+
+/// Bytes sent so far through interface `dev` of this namespace.
+fn tx_bytes(dev: &str) -> u64 {
+    let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    text.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{path}: {text:?}: {e}"))
+}
+
+/// This namespace's eth0 IPv4 address.
+fn eth0_address() -> Ipv4Addr {
+    let addrs = chorus_transport::ifaddr::list().expect("list interfaces");
+    addrs
+        .iter()
+        .find_map(|a| match a.addr {
+            IpAddr::V4(ip) if a.name == "eth0" => Some(ip),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no IPv4 address on eth0: {addrs:?}"))
+}
+
+/// Socket state "established" in /proc/net/tcp.
+const TCP_ESTABLISHED: u8 = 0x01;
+/// Socket state "listen" in /proc/net/tcp.
+const TCP_LISTEN: u8 = 0x0A;
+
+/// The IPv4 TCP sockets of this network namespace: (state, local, remote). The namespace
+/// holds one rank, so they are all this process's.
+fn tcp_sockets(file: &str) -> Vec<(u8, SocketAddrV4, SocketAddrV4)> {
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    let addr = |s: &str| -> Option<SocketAddrV4> {
+        let (ip, port) = s.split_once(':')?;
+        // The kernel prints the address as the hex of its in-memory (network order) bytes
+        // read as a native integer.
+        let ip = u32::from_str_radix(ip, 16).ok()?;
+        let port = u16::from_str_radix(port, 16).ok()?;
+        Some(SocketAddrV4::new(Ipv4Addr::from(ip.to_ne_bytes()), port))
+    };
+    text.lines()
+        .skip(1)
+        .map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let parsed = (|| {
+                Some((
+                    u8::from_str_radix(f.get(3)?, 16).ok()?,
+                    addr(f.get(1)?)?,
+                    addr(f.get(2)?)?,
+                ))
+            })();
+            parsed.unwrap_or_else(|| panic!("unexpected line in {file}: {line:?}"))
+        })
+        .collect()
+}
+
+/// Every listening or connected socket of this rank is on its eth0 address (none on `lo`),
+/// and it is connected to every other host.
+fn check_sockets(rank: usize, eth0: Ipv4Addr) {
+    let sockets = tcp_sockets("/proc/net/tcp");
+    let mut peers = BTreeSet::new();
+    for &(state, local, remote) in &sockets {
+        if state != TCP_ESTABLISHED && state != TCP_LISTEN {
+            continue;
+        }
+        assert_eq!(
+            *local.ip(),
+            eth0,
+            "rank {rank}: socket {local} -> {remote} is not on eth0 ({eth0}); all: {sockets:?}"
+        );
+        if state == TCP_ESTABLISHED {
+            peers.insert(*remote.ip());
+        }
+    }
+    let others: BTreeSet<Ipv4Addr> = (1..=HOSTS)
+        .filter(|&h| h != rank + 1)
+        .map(host_ip)
+        .collect();
+    assert!(
+        peers.is_superset(&others),
+        "rank {rank}: connected to {peers:?}, expected every other host {others:?}"
+    );
+    // Nothing on IPv6 either (the rendezvous root is an IPv4 address).
+    let v6 = std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    let v6_active = v6
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let state = l.split_whitespace().nth(3).unwrap_or("");
+            state == "01" || state == "0A"
+        })
+        .count();
+    assert_eq!(v6_active, 0, "rank {rank}: IPv6 sockets in use:\n{v6}");
+}
