@@ -5,12 +5,16 @@ use std::time::{Duration, Instant};
 
 use chorus_algorithms::allreduce::{self, Algorithm};
 use chorus_algorithms::{CollCtx, DType, Element, ReduceOp};
+use chorus_transport::hybrid::{self, Choice};
+use chorus_transport::shm::allreduce::Reducer;
+use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
+use crate::select::{AlgoFilter, LinkSource, Selector};
 
 /// Per-call options of an allreduce.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -37,6 +41,7 @@ pub struct Communicator {
     seq: u32,
     scratch: Vec<u8>,
     broken: Option<String>,
+    selector: Selector,
 }
 
 /// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
@@ -171,28 +176,17 @@ impl Communicator {
                 format!("rank {rank} is not in 0..{size}"),
             )));
         }
-        match config
-            .transport
-            .as_deref()
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            None | Some("") | Some("tcp") | Some("auto") => {}
-            Some("shm") => return Err(fail(CommError::new(
-                ErrorKind::Unsupported,
-                "init",
-                "CHORUS_TRANSPORT=shm: the shared-memory transport is not available in this build",
-            ))),
-            Some(other) => {
-                return Err(fail(CommError::invalid(
+        let choice = match config.transport.as_deref() {
+            None => Choice::Auto,
+            Some(s) => Choice::parse(s).ok_or_else(|| {
+                fail(CommError::invalid(
                     "init",
-                    format!("CHORUS_TRANSPORT={other:?}: expected tcp or shm"),
-                )))
-            }
-        }
-        if let Some(a) = &config.algo {
-            parse_algo_override(a).map_err(fail)?;
-        }
+                    format!("CHORUS_TRANSPORT={s:?}: expected tcp, shm or auto"),
+                ))
+            })?,
+        };
+        let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
+        let env_link = crate::select::link_from_env().map_err(fail)?;
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {
@@ -227,22 +221,41 @@ impl Communicator {
             let (mut t, r) =
                 tcp::connect(&opts).map_err(|e| fail(CommError::from_transport("init", e)))?;
             // Spinning only pays when every local rank has a core to spin on.
-            let local = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
+            let machine = tcp::machine_identity();
+            let local = r
+                .hosts
+                .iter()
+                .filter(|h| h.starts_with(&format!("{machine}|")))
+                .count();
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             if spin_override.is_none() && local > cores {
                 t.set_spin(Duration::ZERO);
             }
+            // Peers on this host through shared memory, the others through TCP.
+            let mut r = r;
+            let shm_opts = shm_options().map_err(fail)?;
+            let t = hybrid::connect(
+                t,
+                &mut r.store,
+                &r.hosts,
+                choice,
+                &shm_opts,
+                Instant::now() + config.init_timeout,
+            )
+            .map_err(|e| fail(CommError::from_transport("init", e)))?;
             log::log(
                 Level::Info,
                 Some(rank),
                 format_args!(
-                    "connected {size} ranks over tcp, listening on {}, communicator {:#x}",
-                    r.addrs[rank], r.comm_id
+                    "connected {size} ranks over {}, listening on {}, communicator {:#x}",
+                    t.name(),
+                    r.addrs[rank],
+                    r.comm_id
                 ),
             );
             (Box::new(t), Some(r))
         };
-        Ok(Communicator {
+        let mut comm = Communicator {
             rank,
             size,
             config,
@@ -251,7 +264,10 @@ impl Communicator {
             seq: 0,
             scratch: Vec::new(),
             broken: None,
-        })
+            selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
+        };
+        comm.selector = Selector::for_communicator(&mut comm, filter, env_link)?;
+        Ok(comm)
     }
 
     /// This rank.
@@ -279,14 +295,16 @@ impl Communicator {
         self.broken.is_none()
     }
 
-    /// The algorithm an allreduce of `bytes` bytes would use with default options.
+    /// The algorithm an allreduce of `bytes` bytes would use with default options: the
+    /// cheapest that `CHORUS_ALGO` allows in this communicator's cost table (see
+    /// [`crate::select`]).
     pub fn selected_algorithm(&self, bytes: usize) -> Algorithm {
-        let _ = bytes;
-        self.config
-            .algo
-            .as_deref()
-            .and_then(|a| parse_algo_override(a).ok().flatten())
-            .unwrap_or(Algorithm::Ring)
+        self.selector.select(bytes)
+    }
+
+    /// The cost table allreduce schedules are chosen from.
+    pub fn selector(&self) -> &Selector {
+        &self.selector
     }
 
     /// In-place allreduce: every rank ends with the reduction of everyone's `buf`.
@@ -366,6 +384,16 @@ impl Communicator {
                 algorithm.name()
             ),
         );
+        if opts.algorithm.is_none()
+            && self.config.algo.is_none()
+            && self.transport.shared_memory().is_some()
+        {
+            // Every rank on this host: the direct shared-memory allreduce beats any message
+            // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
+            return self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
+                shm_all_reduce(ctx, send, recv, dtype, op)
+            });
+        }
         self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
             allreduce::run(algorithm, ctx, send, recv, dtype, op)
         })
@@ -386,8 +414,21 @@ impl Communicator {
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
         self.check_usable(name)?;
-        let timeout = timeout.unwrap_or(self.config.timeout);
         let tag = tag_base(self.next_seq(), kind, dtype, op);
+        self.run_tagged(name, tag, timeout, schedule)
+    }
+
+    /// [`Communicator::run_collective`] with an explicit tag base and without advancing the
+    /// collective sequence number: for point-to-point calls, which only two ranks make.
+    pub(crate) fn run_tagged(
+        &mut self,
+        name: &'static str,
+        tag: u64,
+        timeout: Option<Duration>,
+        schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
+    ) -> Result<(), CommError> {
+        self.check_usable(name)?;
+        let timeout = timeout.unwrap_or(self.config.timeout);
         let mut ctx = CollCtx {
             transport: &mut *self.transport,
             deadline: Instant::now() + timeout,
@@ -400,23 +441,13 @@ impl Communicator {
 
     /// Block until every rank reached the barrier.
     pub fn barrier(&mut self) -> Result<(), CommError> {
-        let mut b = [0u8; 1];
         self.run_collective(
             "barrier",
             CollKind::Barrier,
             DType::Uint8,
             ReduceOp::Max,
             None,
-            |ctx| {
-                allreduce::run(
-                    Algorithm::Ring,
-                    ctx,
-                    None,
-                    &mut b,
-                    DType::Uint8,
-                    ReduceOp::Max,
-                )
-            },
+            chorus_algorithms::collectives::barrier::run,
         )
     }
 
@@ -488,39 +519,47 @@ impl Communicator {
     }
 }
 
-/// Parse a `CHORUS_ALGO` value (NCCL grammar: `ring,tree` or `allreduce:ring;broadcast:...`,
-/// `^` excludes). Returns the forced allreduce algorithm if the value pins one.
-fn parse_algo_override(spec: &str) -> Result<Option<Algorithm>, CommError> {
-    let mut chosen = None;
-    for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-        let (coll, list) = match part.split_once(':') {
-            Some((c, l)) => (Some(c.trim()), l.trim()),
-            None => (None, part),
-        };
-        if let Some(c) = coll {
-            if !c.eq_ignore_ascii_case("allreduce") && !c.eq_ignore_ascii_case("all_reduce") {
-                continue;
-            }
-        }
-        let (exclude, list) = match list.strip_prefix('^') {
-            Some(l) => (true, l),
-            None => (false, list),
-        };
-        let mut names = Vec::new();
-        for n in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-            let a: Algorithm = n.parse().map_err(|_| {
-                CommError::invalid(
-                    "init",
-                    format!("CHORUS_ALGO: unknown algorithm {n:?} in {spec:?}"),
-                )
-            })?;
-            names.push(a);
-        }
-        if !exclude {
-            chosen = names.first().copied();
-        }
+/// The shared-memory transport's tunables, from `CHORUS_SHM_RING_BYTES` and
+/// `CHORUS_SHM_CHUNK_BYTES` (every rank must use the same values).
+fn shm_options() -> Result<ShmOptions, CommError> {
+    let mut o = ShmOptions::default();
+    if let Some(b) = env_parse::<usize>("CHORUS_SHM_RING_BYTES")? {
+        o.ring_bytes = b.clamp(4096, 1 << 30);
     }
-    Ok(chosen)
+    if let Some(b) = env_parse::<usize>("CHORUS_SHM_CHUNK_BYTES")? {
+        o.chunk_bytes = b.clamp(4096, 1 << 30);
+    }
+    Ok(o)
+}
+
+/// The direct same-host allreduce of [`chorus_transport::shm::allreduce`], with this crate's
+/// reduce kernels.
+fn shm_all_reduce(
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> chorus_transport::Result<()> {
+    let size = ctx.transport.size();
+    let reduce = |d: &mut [u8], s: &[u8]| chorus_algorithms::reduce::reduce_bytes(dtype, op, d, s);
+    let finish = |d: &mut [u8]| {
+        if op == ReduceOp::Avg {
+            chorus_algorithms::reduce::finish_avg_bytes(dtype, d, size)
+        }
+    };
+    let red = Reducer {
+        elem_size: dtype.size(),
+        reduce: &reduce,
+        finish: &finish,
+    };
+    let (tag, deadline) = (ctx.tag(0), ctx.deadline);
+    match ctx.transport.shared_memory() {
+        Some(shm) => shm.all_reduce(send, recv, tag, deadline, &red),
+        None => Err(TransportError::InvalidUsage(
+            "no shared-memory transport".into(),
+        )),
+    }
 }
 
 impl Drop for Communicator {
@@ -552,17 +591,6 @@ mod tests {
         assert!(d.contains("float"), "{d}");
         assert!(d.contains("max"), "{d}");
         assert!(d.contains("step 3"), "{d}");
-    }
-
-    #[test]
-    fn algo_override_grammar() {
-        assert_eq!(parse_algo_override("ring").unwrap(), Some(Algorithm::Ring));
-        assert_eq!(
-            parse_algo_override("allreduce:ring;broadcast:tree").unwrap(),
-            Some(Algorithm::Ring)
-        );
-        assert_eq!(parse_algo_override("broadcast:ring").unwrap(), None);
-        assert!(parse_algo_override("allreduce:nonsense").is_err());
     }
 
     #[test]

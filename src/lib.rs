@@ -16,10 +16,12 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod collectives;
 pub mod comm;
 pub mod config;
 pub mod error;
 pub mod log;
+pub mod select;
 
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::{DType, Element, ReduceOp};

@@ -1,6 +1,6 @@
-//! Allreduce over TCP loopback, ranks as threads and as processes: every p in {1,2,3,4,5,7,8},
-//! counts {0, 1, 7, 1023, 2^20+3}, every dtype × op, in place and out of place, compared
-//! exactly with the naive reference on integer-valued inputs.
+//! Allreduce, ranks as threads and as processes, over TCP loopback and over shared memory:
+//! every p in {1,2,3,4,5,7,8}, counts {0, 1, 7, 1023, 2^20+3}, every dtype × op, in place and
+//! out of place, compared exactly with the naive reference on integer-valued inputs.
 
 mod common;
 
@@ -8,25 +8,31 @@ use std::time::Duration;
 
 use common::*;
 
-#[test]
-fn threads_full_matrix() {
+fn threads_matrix(transport: &'static str) {
     for p in RANKS {
-        let bad = on_threads(p, Duration::from_secs(300), |c| sweep(c, &COUNTS));
+        let bad = on_threads_on(transport, p, Duration::from_secs(300), move |c| {
+            if p > 1 {
+                assert_eq!(c.transport_name(), transport, "wrong transport");
+            }
+            sweep(c, &COUNTS)
+        });
         let bad: Vec<String> = bad.into_iter().flatten().collect();
         assert!(
             bad.is_empty(),
-            "p={p}: {} failures, first: {:?}",
+            "{transport} p={p}: {} failures, first: {:?}",
             bad.len(),
             &bad[..bad.len().min(5)]
         );
     }
 }
 
-/// The process variant: the parent spawns p copies of this test binary, each runs the sweep.
-#[test]
-fn processes_full_matrix() {
+/// The parent spawns p copies of this test binary per p; each child runs the sweep.
+fn processes_matrix(test_name: &str, transport: &str) {
     if is_child() {
         let mut c = child_comm();
+        if c.size() > 1 {
+            assert_eq!(c.transport_name(), transport, "wrong transport");
+        }
         let bad = sweep(&mut c, &COUNTS);
         for b in &bad {
             println!("FAIL {b}");
@@ -36,14 +42,38 @@ fn processes_full_matrix() {
         return;
     }
     for p in RANKS {
-        let job = spawn_job(p, "processes_full_matrix", &[]);
+        let job = spawn_job(p, test_name, &[("CHORUS_TRANSPORT", transport.to_string())]);
         let res = wait_job(job, Duration::from_secs(300));
         for (rank, (code, out)) in res.iter().enumerate() {
-            assert_eq!(*code, Some(0), "p={p} rank {rank} failed:\n{out}");
+            assert_eq!(*code, Some(0), "{transport} p={p} rank {rank} failed:\n{out}");
             assert!(
                 out.contains("CHILD-OK"),
-                "p={p} rank {rank} did not run the sweep:\n{out}"
+                "{transport} p={p} rank {rank} did not run the sweep:\n{out}"
             );
         }
     }
+}
+
+#[test]
+fn threads_tcp() {
+    if !is_child() {
+        threads_matrix("tcp");
+    }
+}
+
+#[test]
+fn threads_shm() {
+    if !is_child() {
+        threads_matrix("shm");
+    }
+}
+
+#[test]
+fn processes_tcp() {
+    processes_matrix("processes_tcp", "tcp");
+}
+
+#[test]
+fn processes_shm() {
+    processes_matrix("processes_shm", "shm");
 }

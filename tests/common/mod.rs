@@ -27,11 +27,19 @@ pub fn store() -> StoreServer {
     .expect("store")
 }
 
+/// A test rank's configuration over TCP (tests that mean shared memory say so with
+/// [`config_on`]).
 pub fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
+    config_on(rank, size, addr, "tcp")
+}
+
+/// A test rank's configuration over the named transport (`tcp`, `shm`, `auto`).
+pub fn config_on(rank: usize, size: usize, addr: SocketAddr, transport: &str) -> Config {
     let mut c = Config::new(rank, size, addr.to_string());
     c.token = Some(TOKEN.to_string());
     c.host_store = Some(false);
     c.timeout = Duration::from_secs(60);
+    c.transport = Some(transport.to_string());
     c.init_timeout = Duration::from_secs(60);
     c
 }
@@ -39,6 +47,16 @@ pub fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
 /// Run `f` on `size` ranks as threads, each with its own communicator; panics (with the rank)
 /// if one fails, and fails instead of hanging after `watchdog`.
 pub fn on_threads<R: Send + 'static>(
+    size: usize,
+    watchdog: Duration,
+    f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    on_threads_on("tcp", size, watchdog, f)
+}
+
+/// [`on_threads`] over the named transport.
+pub fn on_threads_on<R: Send + 'static>(
+    transport: &'static str,
     size: usize,
     watchdog: Duration,
     f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
@@ -51,7 +69,8 @@ pub fn on_threads<R: Send + 'static>(
         let f = f.clone();
         std::thread::spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut c = Communicator::new(config(rank, size, addr)).expect("communicator");
+                let mut c = Communicator::new(config_on(rank, size, addr, transport))
+                    .expect("communicator");
                 f(&mut c)
             }));
             let _ = tx.send((rank, r));
@@ -108,18 +127,30 @@ pub fn check_one<T: Element>(
     op: ReduceOp,
     inplace: bool,
 ) -> usize {
+    check_one_with::<T>(c, count, op, inplace, &AllReduceOptions::default())
+}
+
+/// [`check_one`] with explicit options (e.g. a forced algorithm).
+pub fn check_one_with<T: Element>(
+    c: &mut Communicator,
+    count: usize,
+    op: ReduceOp,
+    inplace: bool,
+    opts: &AllReduceOptions,
+) -> usize {
     let (rank, size) = (c.rank(), c.size());
     let input: Vec<T> = (0..count)
         .map(|i| test_value::<T>(rank, i, op, size))
         .collect();
     let got = if inplace {
         let mut b = input.clone();
-        c.all_reduce(&mut b, op).unwrap_or_else(|e| panic!("{e}"));
+        c.all_reduce_with(None, &mut b, op, opts)
+            .unwrap_or_else(|e| panic!("{e}"));
         b
     } else {
         // Poison the output so an algorithm that forgets to write it is caught.
         let mut b = vec![T::from_f64(99.0); count];
-        c.all_reduce_with(Some(&input), &mut b, op, &AllReduceOptions::default())
+        c.all_reduce_with(Some(&input), &mut b, op, opts)
             .unwrap_or_else(|e| panic!("{e}"));
         b
     };
@@ -158,17 +189,30 @@ macro_rules! for_dtype {
 /// The full sweep on one communicator: every dtype × op × count, in place and out of place.
 /// Returns a list of failures ("dtype op count inplace: wrong").
 pub fn sweep(c: &mut Communicator, counts: &[usize]) -> Vec<String> {
+    let default = AllReduceOptions::default();
+    sweep_with(c, counts, &DType::ALL, &ReduceOp::ALL, &default)
+}
+
+/// [`sweep`] over the given dtypes and ops with explicit options (e.g. a forced algorithm).
+pub fn sweep_with(
+    c: &mut Communicator,
+    counts: &[usize],
+    dtypes: &[DType],
+    ops: &[ReduceOp],
+    opts: &AllReduceOptions,
+) -> Vec<String> {
     let mut bad = Vec::new();
     for &count in counts {
-        for dt in DType::ALL {
-            for op in ReduceOp::ALL {
+        for &dt in dtypes {
+            for &op in ops {
                 for inplace in [true, false] {
-                    let wrong = for_dtype!(dt, check_one, c, count, op, inplace);
+                    let wrong = for_dtype!(dt, check_one_with, c, count, op, inplace, opts);
                     if wrong > 0 {
                         bad.push(format!(
-                            "rank {} p={} {} {} count {count} inplace {inplace}: {wrong} wrong",
+                            "rank {} p={} {:?} {} {} count {count} inplace {inplace}: {wrong} wrong",
                             c.rank(),
                             c.size(),
+                            opts.algorithm,
                             dt.name(),
                             op.name()
                         ));
@@ -200,6 +244,7 @@ pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> 
                 .env("CHORUS_WORLD_SIZE", size.to_string())
                 .env("CHORUS_ADDR", addr.to_string())
                 .env("CHORUS_TOKEN", TOKEN)
+                .env("CHORUS_TRANSPORT", "tcp")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in extra_env {

@@ -1,0 +1,220 @@
+//! Ranks on one host over shared memory: the allreduce matrix (direct shared-memory allreduce,
+//! and ring over the shm transport) with ranks as threads and as processes, a rank killed in
+//! the middle (named by every survivor, nothing left in /dev/shm), and ranks that disagree on
+//! CHORUS_TRANSPORT.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use chorus::{Communicator, ReduceOp};
+use common::*;
+
+fn shm_config(rank: usize, size: usize, addr: std::net::SocketAddr) -> chorus::Config {
+    let mut c = config(rank, size, addr);
+    c.transport = Some("shm".into());
+    c
+}
+
+/// Like `on_threads`, with CHORUS_TRANSPORT=shm and an optional forced algorithm.
+fn on_shm_threads<R: Send + 'static>(
+    size: usize,
+    algo: Option<&'static str>,
+    f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let server = store();
+    let addr = server.local_addr();
+    let hs: Vec<_> = (0..size)
+        .map(|rank| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let mut cfg = shm_config(rank, size, addr);
+                cfg.algo = algo.map(str::to_string);
+                let mut c = Communicator::new(cfg).expect("communicator");
+                if size > 1 {
+                    assert_eq!(c.transport_name(), "shm");
+                }
+                f(&mut c)
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut out = Vec::new();
+    for (rank, h) in hs.into_iter().enumerate() {
+        while !h.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "watchdog: rank {rank} of {size} hangs"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        out.push(
+            h.join()
+                .unwrap_or_else(|_| panic!("rank {rank} of {size} panicked")),
+        );
+    }
+    out
+}
+
+fn assert_clean(p: usize, bad: Vec<Vec<String>>) {
+    let bad: Vec<String> = bad.into_iter().flatten().collect();
+    assert!(
+        bad.is_empty(),
+        "p={p}: {} failures, first: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
+/// Small counts (the one-phase path) on every group size; the large count (many two-phase
+/// rounds) on a few. `tests/allreduce.rs` runs the whole matrix over the default transport,
+/// which is shared memory on one host.
+const SMALL_COUNTS: [usize; 4] = [0, 1, 7, 1023];
+
+#[test]
+fn direct_allreduce_threads_full_matrix() {
+    for p in RANKS {
+        let counts: &'static [usize] = if p <= 3 { &COUNTS } else { &SMALL_COUNTS };
+        assert_clean(p, on_shm_threads(p, None, move |c| sweep(c, counts)));
+    }
+}
+
+#[test]
+fn ring_over_shm_threads() {
+    for p in [2usize, 3] {
+        assert_clean(
+            p,
+            on_shm_threads(p, Some("ring"), |c| sweep(c, &[0, 1, 7, 70_001])),
+        );
+    }
+}
+
+#[test]
+fn direct_allreduce_processes() {
+    if is_child() {
+        let mut c = child_comm();
+        assert_eq!(c.transport_name(), "shm");
+        let bad = sweep(&mut c, &[0, 1, 7, 1023, 300_001]);
+        for b in &bad {
+            println!("FAIL {b}");
+        }
+        assert!(bad.is_empty());
+        println!("CHILD-OK rank {}", c.rank());
+        return;
+    }
+    for p in [2usize, 4] {
+        let job = spawn_job(
+            p,
+            "direct_allreduce_processes",
+            &[("CHORUS_TRANSPORT", "shm".to_string())],
+        );
+        for (rank, (code, out)) in wait_job(job, Duration::from_secs(240)).iter().enumerate() {
+            assert_eq!(*code, Some(0), "p={p} rank {rank} failed:\n{out}");
+            assert!(out.contains("CHILD-OK"), "p={p} rank {rank}:\n{out}");
+        }
+    }
+}
+
+fn dev_shm() -> BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A rank exits abruptly in the middle of large shared-memory allreduces: every survivor gets
+/// an error naming it, and nothing of the job is left in /dev/shm.
+#[test]
+fn killed_rank_is_named_and_leaves_nothing() {
+    if is_child() {
+        let victim: usize = std::env::var("CHORUS_TEST_VICTIM")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut c = child_comm();
+        assert_eq!(c.transport_name(), "shm");
+        let mut small = vec![1.0f32; 16];
+        c.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+        if c.rank() == victim {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                std::process::exit(17);
+            });
+        }
+        let mut big = vec![1.0f32; 1 << 22];
+        let start = Instant::now();
+        for _ in 0..2000 {
+            if let Err(e) = c.all_reduce(&mut big, ReduceOp::Sum) {
+                println!(
+                    "ERR after {:.2}s kind={:?}: {e}",
+                    start.elapsed().as_secs_f64(),
+                    e.kind()
+                );
+                assert!(!e.is_usable());
+                assert!(c.all_reduce(&mut small, ReduceOp::Sum).is_err());
+                return;
+            }
+        }
+        println!("NO-ERROR");
+        std::process::exit(3);
+    }
+    let before = dev_shm();
+    for (p, victim) in [(4usize, 2usize), (2, 0), (3, 1)] {
+        let job = spawn_job(
+            p,
+            "killed_rank_is_named_and_leaves_nothing",
+            &[
+                ("CHORUS_TEST_VICTIM", victim.to_string()),
+                ("CHORUS_TRANSPORT", "shm".to_string()),
+                ("CHORUS_TIMEOUT", "30".to_string()),
+            ],
+        );
+        let res = wait_job(job, Duration::from_secs(90));
+        for (rank, (code, out)) in res.iter().enumerate() {
+            if rank == victim {
+                assert_eq!(*code, Some(17), "victim output:\n{out}");
+                continue;
+            }
+            assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
+            let line = out
+                .lines()
+                .find(|l| l.contains("ERR after"))
+                .unwrap_or_default();
+            assert!(
+                line.contains(&format!("rank {victim}")),
+                "p={p} rank {rank} does not name rank {victim}: {line}\n{out}"
+            );
+        }
+    }
+    let after = dev_shm();
+    let new: Vec<_> = after.difference(&before).collect();
+    assert!(new.is_empty(), "left behind in /dev/shm: {new:?}");
+}
+
+/// One rank forces TCP while the others use the default: every rank fails at init with an
+/// error saying so, instead of hanging on mismatched transports.
+#[test]
+fn disagreeing_transport_choice_fails_everywhere() {
+    let server = store();
+    let addr = server.local_addr();
+    let hs: Vec<_> = (0..3)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut cfg = config_on(rank, 3, addr, "auto");
+                cfg.init_timeout = Duration::from_secs(20);
+                if rank == 1 {
+                    cfg.transport = Some("tcp".into());
+                }
+                Communicator::new(cfg).map(|_| ()).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    for h in hs {
+        let msg = h.join().expect("rank thread");
+        assert!(msg.contains("CHORUS_TRANSPORT"), "{msg}");
+    }
+}
