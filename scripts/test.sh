@@ -12,10 +12,16 @@ QUICK=0
 
 log() { printf '== %s\n' "$*" >&2; }
 
-# System packages the tests use (C compiler for C tests, iproute2 for namespace tests).
+# System packages the tests use (C compiler and pkg-config for the C tests, iproute2 for
+# namespace tests, Debian's Python with numpy, PyTorch and pytest for the Python package).
 need=()
 command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v ip >/dev/null || need+=(iproute2)
+PY=/usr/bin/python3
+"$PY" -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
+"$PY" -c 'import torch' 2>/dev/null || need+=(python3-torch)
+"$PY" -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
 if [[ ${#need[@]} -gt 0 ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${need[*]}"
@@ -37,5 +43,13 @@ log "cargo test"
 # Integration tests spawn processes and thread groups; one test binary at a time keeps the
 # 2-core CI machine from oversubscribing, tests inside a binary still run in parallel.
 cargo test --workspace -- --test-threads=2
+
+log "python package (ffi/python) over 4 processes"
+# The C library (libchorus_ffi.so) and the launcher, dev profile.
+cargo build --quiet -p chorus-ffi
+cargo build --quiet -p chorus --bin chorus-run
+target=$(cargo metadata --format-version 1 --no-deps | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+CHORUS_LIBRARY="$target/debug/libchorus_ffi.so" CHORUS_RUN="$target/debug/chorus-run" \
+    "$PY" -m pytest -q -p no:cacheprovider ffi/python/tests
 
 log "all tests passed"

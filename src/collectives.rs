@@ -88,8 +88,9 @@ fn parse_reduce_scatter(n: &str) -> Option<reduce_scatter::Algorithm> {
 }
 
 impl Communicator {
+    /// The α/β the selector measured (or was given) for this communicator.
     fn link(&self) -> Link {
-        Link::default()
+        self.selector().link()
     }
 
     fn invalid(&self, op: &'static str, msg: String) -> CommError {

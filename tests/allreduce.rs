@@ -45,7 +45,11 @@ fn processes_matrix(test_name: &str, transport: &str) {
         let job = spawn_job(p, test_name, &[("CHORUS_TRANSPORT", transport.to_string())]);
         let res = wait_job(job, Duration::from_secs(300));
         for (rank, (code, out)) in res.iter().enumerate() {
-            assert_eq!(*code, Some(0), "{transport} p={p} rank {rank} failed:\n{out}");
+            assert_eq!(
+                *code,
+                Some(0),
+                "{transport} p={p} rank {rank} failed:\n{out}"
+            );
             assert!(
                 out.contains("CHILD-OK"),
                 "{transport} p={p} rank {rank} did not run the sweep:\n{out}"

@@ -20,7 +20,7 @@
 
 mod mesh;
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Read};
 use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
@@ -35,6 +35,8 @@ const TRAILER_END: [u8; 8] = *b"CHRS-END";
 /// Trailer closing a frame whose payload was padded because the sender aborted.
 const TRAILER_ABORT: [u8; 8] = *b"CHRS-ABT";
 const TRAILER_LEN: usize = 8;
+/// Flags of every data-plane send.
+const NO_SIGPIPE: libc::c_int = libc::MSG_NOSIGNAL;
 /// Per-peer receive staging buffer; payloads at least this large bypass it.
 const STAGING: usize = 64 * 1024;
 /// Upper bound on the time [`Transport::abort`] spends notifying peers.
@@ -373,7 +375,7 @@ impl TcpTransport {
             let Some(Some(p)) = self.peers.get_mut(j) else {
                 return false;
             };
-            match p.stream.write(&bytes[off..]) {
+            match socket2::SockRef::from(&p.stream).send_with_flags(&bytes[off..], NO_SIGPIPE) {
                 Ok(0) => return false,
                 Ok(n) => off += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -452,7 +454,9 @@ fn drive_send(
             return Ok(if moved { Moved::Yes } else { Moved::Blocked });
         }
         let slices = [IoSlice::new(h), IoSlice::new(pay), IoSlice::new(trailer)];
-        match p.stream.write_vectored(&slices) {
+        // sendmsg with MSG_NOSIGNAL: a vanished peer is an EPIPE error, never a SIGPIPE that
+        // would kill a C host program.
+        match socket2::SockRef::from(&p.stream).send_vectored_with_flags(&slices, NO_SIGPIPE) {
             Ok(0) => return Err(TransportError::PeerClosed { peer }),
             Ok(n) => {
                 moved = true;

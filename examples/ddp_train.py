@@ -1,0 +1,79 @@
+"""Data-parallel training with PyTorch DDP, gradients averaged by chorus.
+
+A small MLP (the student) learns a fixed random MLP (the teacher) from data each rank draws
+from its own seed. Run it with either launcher:
+
+    chorus-run -n 4 python3 examples/ddp_train.py --hook chorus
+    torchrun --nproc_per_node 4 examples/ddp_train.py --hook chorus
+
+(Debian's torch 1.13 on Python 3.11 also needs ``--redirects 1 --tee 1`` with torchrun: it
+cannot parse their default.)
+
+``--hook gloo`` uses DDP's own allreduce over Gloo instead; both print the same final loss
+(up to float rounding), which is what ``ffi/python/tests`` checks. Needs the chorus Python
+package (``pip install ./ffi/python``, or ``CHORUS_LIBRARY`` and ``PYTHONPATH=ffi/python``).
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hook", choices=["chorus", "gloo"], default="chorus")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    args = p.parse_args()
+
+    # Both launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DDP needs a process
+    # group for its set-up even when chorus moves the gradients.
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # the same teacher and initial student on every rank
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    student = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = DDP(student)
+
+    comm = None
+    if args.hook == "chorus":
+        import chorus
+        from chorus.ddp import allreduce_hook
+
+        comm = chorus.init()  # the same launcher environment
+        assert (comm.rank, comm.size) == (rank, world)
+        model.register_comm_hook(comm, allreduce_hook)
+
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    data = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    loss = torch.tensor(0.0)
+    for _ in range(args.steps):
+        x = torch.randn(args.batch, 16, generator=data)
+        with torch.no_grad():
+            y = teacher(x)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    # The mean over ranks of the last step's loss, computed the same way for both hooks.
+    final = loss.detach().clone()
+    dist.all_reduce(final)
+    final /= world
+    if rank == 0:
+        print(f"hook {args.hook} ranks {world} steps {args.steps} final loss {final.item():.8f}")
+    if comm is not None:
+        comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,512 @@
+"""chorus: collective communication for CPUs and ordinary networks, from Python.
+
+Start the ranks with a launcher (``chorus-run -n 4 python train.py``, torchrun, mpirun,
+srun), then::
+
+    import numpy as np
+    import chorus
+
+    comm = chorus.init()                 # reads the launcher's environment
+    grad = np.full(1024, comm.rank, dtype=np.float32)
+    comm.allreduce(grad, op="sum")       # in place; returns grad
+    comm.barrier()
+
+Every collective works in place on numpy arrays and PyTorch CPU tensors (C-contiguous, native
+byte order). Errors raise subclasses of :class:`ChorusError`, one per C status code; argument
+errors (:class:`InvalidArgumentError`) leave the communicator usable, errors involving a peer
+(:class:`RemoteError`, :class:`ChorusTimeoutError`, :class:`MismatchError`) make it unusable:
+call :meth:`Communicator.abort` and build a new one. The GIL is released while a collective
+runs. For PyTorch DDP see :mod:`chorus.ddp`.
+"""
+
+import ctypes
+import sys
+from typing import Any, Dict, Optional, Tuple
+
+from . import _lib
+from ._lib import lib
+
+__all__ = [
+    "ChorusError",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "ChorusSystemError",
+    "RemoteError",
+    "ChorusTimeoutError",
+    "MismatchError",
+    "UnsupportedError",
+    "InternalError",
+    "Communicator",
+    "init",
+    "version",
+    "DTYPES",
+    "OPS",
+]
+
+
+def version() -> str:
+    """The version of the loaded C library, e.g. ``"0.1.0"``."""
+    return lib.chorus_version().decode()
+
+
+__version__ = version()
+
+# ---- errors ----------------------------------------------------------------------------
+
+
+class ChorusError(Exception):
+    """A chorus call failed. ``status`` is the C status code, ``message`` the details (which
+    rank, which call, which peer, whether the communicator is still usable)."""
+
+    status: int = -1
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+
+class InvalidArgumentError(ChorusError, ValueError):
+    """A bad argument (wrong dtype, size, device, layout, root...). Nothing was sent; the
+    communicator is still usable. Status 1."""
+
+    status = 1
+
+
+class InvalidUsageError(ChorusError, RuntimeError):
+    """A call not allowed now: the communicator is aborted, closed, broken by an earlier
+    error, or in use by another thread. Status 2."""
+
+    status = 2
+
+
+class ChorusSystemError(ChorusError, OSError):
+    """An operating-system error (socket, address). Status 3."""
+
+    status = 3
+
+
+class RemoteError(ChorusError, ConnectionError):
+    """A peer was lost, aborted or sent garbage. The communicator is unusable. Status 4."""
+
+    status = 4
+
+
+class ChorusTimeoutError(ChorusError, TimeoutError):
+    """A peer did not answer in time. The communicator is unusable. Status 5."""
+
+    status = 5
+
+
+class MismatchError(ChorusError, RuntimeError):
+    """Ranks called different collectives or with different sizes, dtypes or ops. The
+    communicator is unusable. Status 6."""
+
+    status = 6
+
+
+class UnsupportedError(ChorusError, NotImplementedError):
+    """Not supported by this build or for these arguments. Status 7."""
+
+    status = 7
+
+
+class InternalError(ChorusError, RuntimeError):
+    """A bug in chorus. Status 8."""
+
+    status = 8
+
+
+_ERRORS = {
+    cls.status: cls
+    for cls in (
+        InvalidArgumentError,
+        InvalidUsageError,
+        ChorusSystemError,
+        RemoteError,
+        ChorusTimeoutError,
+        MismatchError,
+        UnsupportedError,
+        InternalError,
+    )
+}
+
+
+def _check(status: int) -> None:
+    """Raise the exception of a non-zero status with this thread's last error message."""
+    if status == 0:
+        return
+    detail = (lib.chorus_last_error() or b"").decode(errors="replace")
+    name = lib.chorus_status_string(status).decode()
+    cls = _ERRORS.get(status, ChorusError)
+    raise cls(detail or name, status)
+
+
+# ---- dtypes and ops --------------------------------------------------------------------
+
+#: C dtype numbers (NCCL's) by name.
+DTYPES: Dict[str, int] = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "uint32": 3,
+    "int64": 4,
+    "uint64": 5,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
+#: C op numbers (NCCL's) by name.
+OPS: Dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_OP_ALIASES = {"product": "prod", "mean": "avg", "average": "avg"}
+
+
+def _op_code(op: str) -> int:
+    if not isinstance(op, str):
+        raise InvalidArgumentError(f"op must be a string such as 'sum', not {op!r}")
+    key = _OP_ALIASES.get(op.lower(), op.lower())
+    if key not in OPS:
+        raise InvalidArgumentError(f"unknown op {op!r}: expected one of {', '.join(OPS)}")
+    return OPS[key]
+
+
+class _Buffer:
+    """A contiguous CPU buffer: address, element count, C dtype, and the object owning it."""
+
+    __slots__ = ("ptr", "count", "dtype", "itemsize", "obj")
+
+    def __init__(self, ptr: int, count: int, dtype: int, itemsize: int, obj: Any):
+        self.ptr, self.count, self.dtype, self.itemsize, self.obj = (
+            ptr,
+            count,
+            dtype,
+            itemsize,
+            obj,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+
+def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
+    torch = sys.modules["torch"]
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"{what} is on device {t.device}; chorus works on CPU tensors (use .cpu())"
+        )
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(f"{what} has layout {t.layout}; chorus needs a dense tensor")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"{what} is not contiguous (strides {tuple(t.stride())}); pass .contiguous() and "
+            "copy the result back"
+        )
+    names = {
+        torch.int8: "int8",
+        torch.uint8: "uint8",
+        torch.int32: "int32",
+        torch.int64: "int64",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.bfloat16: "bfloat16",
+    }
+    name = names.get(t.dtype)
+    if name is None:
+        raise InvalidArgumentError(
+            f"{what} has dtype {t.dtype}; supported: {', '.join(str(d) for d in names)}"
+        )
+    if writable and t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        raise InvalidArgumentError(
+            f"{what} is a leaf tensor that requires grad; use it under torch.no_grad() or "
+            "pass .grad / .detach()"
+        )
+    return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t)
+
+
+def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
+    if not a.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"{what} is not C-contiguous (strides {a.strides}); pass np.ascontiguousarray(x) "
+            "and copy the result back"
+        )
+    if writable and not a.flags.writeable:
+        raise InvalidArgumentError(f"{what} is read-only")
+    dt = a.dtype
+    name = dt.name
+    if name not in DTYPES or (dt.byteorder not in ("=", "|") and dt.itemsize > 1):
+        if name not in DTYPES:
+            raise InvalidArgumentError(
+                f"{what} has dtype {dt}; supported: {', '.join(DTYPES)}"
+            )
+        raise InvalidArgumentError(f"{what} has non-native byte order ({dt.str})")
+    return _Buffer(a.ctypes.data, a.size, DTYPES[name], dt.itemsize, a)
+
+
+def _buffer(x: Any, what: str, writable: bool = True) -> _Buffer:
+    """The buffer of a numpy array or PyTorch tensor, checked."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _torch_buffer(x, what, writable)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return _numpy_buffer(x, what, writable)
+    raise InvalidArgumentError(
+        f"{what} must be a numpy array or a PyTorch CPU tensor, not {type(x).__name__}"
+    )
+
+
+def _same_dtype(a: _Buffer, b: _Buffer, call: str) -> None:
+    if a.dtype != b.dtype:
+        names = {v: k for k, v in DTYPES.items()}
+        raise InvalidArgumentError(
+            f"{call}: input is {names[a.dtype]} but output is {names[b.dtype]}"
+        )
+
+
+# ---- the communicator ------------------------------------------------------------------
+
+
+class Communicator:
+    """A group of ranks running collectives together (build one with :func:`init`).
+
+    Every rank must call the same collectives in the same order with matching sizes, dtypes
+    and ops. Calls on one communicator must not overlap in time (a second thread gets
+    :class:`InvalidUsageError`). Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, handle: ctypes.c_void_p):
+        self._handle: Optional[ctypes.c_void_p] = handle
+        r, s = ctypes.c_int(-1), ctypes.c_int(-1)
+        _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
+        _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
+        self._rank, self._size = r.value, s.value
+
+    @property
+    def rank(self) -> int:
+        """This rank, ``0 <= rank < size``."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        return self._size
+
+    def _h(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise InvalidUsageError("the communicator is closed")
+        return self._handle
+
+    def allreduce(
+        self,
+        x: Any,
+        op: str = "sum",
+        *,
+        algorithm: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
+        """Replace ``x`` on every rank by the element-wise reduction of everyone's ``x``.
+
+        ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``. ``algorithm`` forces a
+        schedule (e.g. ``"ring"``); ``timeout`` (seconds) overrides the communicator's for
+        this call. Returns ``x``.
+        """
+        b = _buffer(x, "x")
+        opts = None
+        if algorithm is not None or timeout is not None:
+            o = _lib.Options()
+            o.size = ctypes.sizeof(_lib.Options)
+            o.algorithm = algorithm.encode() if algorithm is not None else None
+            o.timeout_seconds = float(timeout) if timeout is not None else 0.0
+            opts = ctypes.byref(o)
+        _check(
+            lib.chorus_allreduce_opts(
+                self._h(), b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts
+            )
+        )
+        return x
+
+    def barrier(self) -> None:
+        """Block until every rank has called ``barrier``."""
+        _check(lib.chorus_barrier(self._h()))
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Copy ``x`` of rank ``root`` into ``x`` on every rank (same size everywhere).
+        Returns ``x``."""
+        b = _buffer(x, "x")
+        _check(lib.chorus_broadcast(self._h(), b.ptr, b.count, b.dtype, _int(root, "root")))
+        return x
+
+    def reduce(self, x: Any, root: int = 0, op: str = "sum") -> Any:
+        """Reduce everyone's ``x`` into ``x`` of rank ``root`` (in place; ``x`` on the other
+        ranks is left unchanged). Returns ``x``."""
+        b = _buffer(x, "x")
+        _check(
+            lib.chorus_reduce(
+                self._h(), b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root")
+            )
+        )
+        return x
+
+    def allgather(self, x: Any, out: Any) -> Any:
+        """Gather every rank's ``x`` into ``out`` (``size`` times as many elements), rank
+        ``j``'s at block ``j``. Returns ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "allgather")
+        if r.count != s.count * self.size:
+            raise InvalidArgumentError(
+                f"allgather: out has {r.count} elements, need {self.size} x {s.count}"
+            )
+        _check(lib.chorus_allgather(self._h(), s.ptr, r.ptr, s.count, s.dtype))
+        return out
+
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
+        """Reduce everyone's ``x`` (``size`` blocks) and leave block ``rank`` of the result in
+        ``out``. Returns ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "reduce_scatter")
+        if s.count != r.count * self.size:
+            raise InvalidArgumentError(
+                f"reduce_scatter: x has {s.count} elements, need {self.size} x {r.count}"
+            )
+        _check(
+            lib.chorus_reduce_scatter(self._h(), s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
+        )
+        return out
+
+    def alltoall(self, x: Any, out: Any) -> Any:
+        """Block ``j`` of this rank's ``x`` becomes block ``rank`` of rank ``j``'s ``out``
+        (both ``size`` equal blocks). ``out`` may be ``x`` (in place). Returns ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "alltoall")
+        if s.count != r.count or s.count % self.size:
+            raise InvalidArgumentError(
+                f"alltoall: x and out need the same number of elements, a multiple of "
+                f"{self.size} (got {s.count} and {r.count})"
+            )
+        _check(lib.chorus_alltoall(self._h(), s.ptr, r.ptr, s.count // self.size, s.dtype))
+        return out
+
+    def gather(self, x: Any, out: Any = None, root: int = 0) -> Any:
+        """Gather every rank's ``x`` into ``out`` on rank ``root`` (``size`` blocks; ``out``
+        is only needed there). Returns ``out``."""
+        s = _buffer(x, "x", writable=False)
+        root = _int(root, "root")
+        ptr = None
+        if self.rank == root:
+            if out is None:
+                raise InvalidArgumentError("gather: the root needs an output buffer")
+            r = _buffer(out, "out")
+            _same_dtype(s, r, "gather")
+            if r.count != s.count * self.size:
+                raise InvalidArgumentError(
+                    f"gather: out has {r.count} elements, need {self.size} x {s.count}"
+                )
+            ptr = r.ptr
+        _check(lib.chorus_gather(self._h(), s.ptr, ptr, s.count, s.dtype, root))
+        return out
+
+    def scatter(self, x: Any, out: Any, root: int = 0) -> Any:
+        """Block ``j`` of ``x`` on rank ``root`` (``size`` blocks; ``x`` is only needed there,
+        pass ``None`` elsewhere) goes to ``out`` of rank ``j``. Returns ``out``."""
+        r = _buffer(out, "out")
+        root = _int(root, "root")
+        ptr = None
+        if self.rank == root:
+            if x is None:
+                raise InvalidArgumentError("scatter: the root needs an input buffer")
+            s = _buffer(x, "x", writable=False)
+            _same_dtype(s, r, "scatter")
+            if s.count != r.count * self.size:
+                raise InvalidArgumentError(
+                    f"scatter: x has {s.count} elements, need {self.size} x {r.count}"
+                )
+            ptr = s.ptr
+        _check(lib.chorus_scatter(self._h(), ptr, r.ptr, r.count, r.dtype, root))
+        return out
+
+    def send(self, x: Any, peer: int) -> None:
+        """Send ``x`` to rank ``peer``, which must :meth:`recv` the same size and dtype."""
+        b = _buffer(x, "x", writable=False)
+        _check(lib.chorus_send(self._h(), b.ptr, b.count, b.dtype, _int(peer, "peer")))
+
+    def recv(self, x: Any, peer: int) -> Any:
+        """Receive into ``x`` exactly what rank ``peer`` sends. Returns ``x``."""
+        b = _buffer(x, "x")
+        _check(lib.chorus_recv(self._h(), b.ptr, b.count, b.dtype, _int(peer, "peer")))
+        return x
+
+    def abort(self) -> None:
+        """Tell every peer this rank gives up (their calls fail at once) and make this
+        communicator unusable. Call :meth:`close` afterwards."""
+        _check(lib.chorus_comm_abort(self._h()))
+
+    def close(self) -> None:
+        """Free the communicator and close its connections. Idempotent."""
+        h, self._handle = self._handle, None
+        if h is not None:
+            _check(lib.chorus_comm_destroy(h))
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._handle is None else "open"
+        return f"<chorus.Communicator rank {self._rank} of {self._size}, {state}>"
+
+
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidArgumentError(f"{what} must be an int, not {v!r}")
+    if not -(2**31) <= v < 2**31:
+        raise InvalidArgumentError(f"{what} {v} is out of range")
+    return v
+
+
+def init(
+    rank: Optional[int] = None,
+    size: Optional[int] = None,
+    addr: Optional[str] = None,
+    token: Optional[str] = None,
+) -> Communicator:
+    """Join a communicator; blocks until every rank has joined.
+
+    Without arguments, from the environment the launchers set (``CHORUS_RANK``,
+    ``CHORUS_WORLD_SIZE``, ``CHORUS_ADDR``, ``CHORUS_TOKEN``, ``CHORUS_TIMEOUT``...; torchrun's
+    ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, Open MPI's, MPICH's, Slurm's).
+    With ``rank``, ``size`` and ``addr`` (``"host:port"`` of the rendezvous store, hosted by
+    rank 0), explicitly; ``token`` is the shared secret authenticating connections.
+    """
+    handle = ctypes.c_void_p()
+    if rank is None and size is None and addr is None and token is None:
+        _check(lib.chorus_comm_init_env(ctypes.byref(handle)))
+    else:
+        if rank is None or size is None or addr is None:
+            raise InvalidArgumentError("init: give rank, size and addr together (or none)")
+        _check(
+            lib.chorus_comm_init(
+                ctypes.byref(handle),
+                _int(rank, "rank"),
+                _int(size, "size"),
+                addr.encode(),
+                token.encode() if token is not None else None,
+            )
+        )
+    return Communicator(handle)
+
+
+def _status_names() -> Tuple[str, ...]:
+    """The C library's description of every status code 0..8 (for tests and messages)."""
+    return tuple(lib.chorus_status_string(i).decode() for i in range(9))

@@ -1,0 +1,94 @@
+"""Loading libchorus and declaring the C functions (ctypes; no compiler needed).
+
+ctypes' ``CDLL`` releases the GIL for the duration of every foreign call, so other Python
+threads run while a collective waits on the network.
+"""
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+c_int = ctypes.c_int
+c_int32 = ctypes.c_int32
+c_size_t = ctypes.c_size_t
+c_void_p = ctypes.c_void_p
+c_char_p = ctypes.c_char_p
+
+
+class Options(ctypes.Structure):
+    """``chorus_options`` (version 1): size, algorithm name, timeout in seconds."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("algorithm", c_char_p),
+        ("timeout_seconds", ctypes.c_double),
+    ]
+
+
+def _candidates():
+    """Where the library may be, in order: CHORUS_LIBRARY, the bundled copy, the system."""
+    given = os.environ.get("CHORUS_LIBRARY")
+    if given:
+        yield given
+        return
+    yield str(Path(__file__).with_name("libchorus.so"))
+    found = ctypes.util.find_library("chorus")
+    if found:
+        yield found
+
+
+def _load() -> ctypes.CDLL:
+    errors = []
+    for path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            errors.append(f"{path}: no such file")
+            continue
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise ImportError(
+        "chorus: cannot load the C library libchorus.so ("
+        + "; ".join(errors or ["not found"])
+        + "). Install the package with `pip install ./ffi/python` (which builds and bundles "
+        "it), or point CHORUS_LIBRARY at a libchorus.so / libchorus_ffi.so."
+    )
+
+
+lib = _load()
+
+_comm_pp = ctypes.POINTER(c_void_p)
+_PROTOTYPES = {
+    "chorus_status_string": (c_char_p, [c_int32]),
+    "chorus_last_error": (c_char_p, []),
+    "chorus_version": (c_char_p, []),
+    "chorus_comm_init_env": (c_int32, [_comm_pp]),
+    "chorus_comm_init": (c_int32, [_comm_pp, c_int, c_int, c_char_p, c_char_p]),
+    "chorus_comm_rank": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
+    "chorus_comm_size": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
+    "chorus_comm_abort": (c_int32, [c_void_p]),
+    "chorus_comm_destroy": (c_int32, [c_void_p]),
+    "chorus_allreduce_opts": (
+        c_int32,
+        [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32, ctypes.POINTER(Options)],
+    ),
+    "chorus_barrier": (c_int32, [c_void_p]),
+    "chorus_broadcast": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_reduce": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32, c_int]),
+    "chorus_allgather": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32]),
+    "chorus_reduce_scatter": (
+        c_int32,
+        [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32],
+    ),
+    "chorus_alltoall": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32]),
+    "chorus_gather": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+}
+
+for _name, (_restype, _argtypes) in _PROTOTYPES.items():
+    _f = getattr(lib, _name)
+    _f.restype = _restype
+    _f.argtypes = _argtypes

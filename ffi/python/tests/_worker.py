@@ -1,0 +1,210 @@
+"""One rank of the multi-process Python tests (started by test_multiprocess.py through
+chorus-run). ``python _worker.py collectives|errors``; prints ``ok <mode>`` on success,
+raises (non-zero exit) on the first wrong result."""
+
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+import chorus
+
+NP_DTYPES = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]
+TORCH_DTYPES = {
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+OPS = ["sum", "prod", "max", "min", "avg"]
+N = 6  # elements per block
+
+
+def inputs(rank, count):
+    """1, 2 or 3: sums, products (3^4 = 81), maxima, minima and averages stay exact."""
+    return 1 + (np.arange(count) + 2 * rank) % 3
+
+
+def reduced(op, size, count, is_float):
+    stack = np.stack([inputs(r, count) for r in range(size)]).astype(np.float64)
+    if op == "sum":
+        return stack.sum(0)
+    if op == "prod":
+        return stack.prod(0)
+    if op == "max":
+        return stack.max(0)
+    if op == "min":
+        return stack.min(0)
+    s = stack.sum(0) / size
+    return s if is_float else np.floor(s)
+
+
+class Backend:
+    """Makes and reads buffers of one kind (numpy arrays or torch tensors)."""
+
+    def __init__(self, kind, dtype):
+        self.kind, self.dtype = kind, dtype
+        self.is_float = "float" in dtype
+
+    def make(self, values):
+        values = np.asarray(values, dtype=np.float64)
+        if self.kind == "numpy":
+            return values.astype(self.dtype)
+        return torch.tensor(values, dtype=torch.float64).to(TORCH_DTYPES[self.dtype])
+
+    def read(self, x):
+        if self.kind == "numpy":
+            return x.astype(np.float64)
+        return x.to(torch.float64).numpy()
+
+
+def check(what, got, want):
+    if not np.array_equal(got, np.asarray(want, dtype=np.float64)):
+        raise AssertionError(f"{what}: got {got}, want {want}")
+
+
+def collectives(comm):
+    p, me = comm.size, comm.rank
+    root = p - 1
+    cases = [("numpy", d) for d in NP_DTYPES] + [("torch", d) for d in TORCH_DTYPES]
+    for kind, dt in cases:
+        b = Backend(kind, dt)
+        tag = f"{kind} {dt}"
+        for op in OPS:
+            for count in (0, 1, 1000):
+                x = b.make(inputs(me, count))
+                assert comm.allreduce(x, op=op) is x
+                check(f"{tag} allreduce {op} n={count}", b.read(x), reduced(op, p, count, b.is_float))
+        x = b.make(np.arange(N) + 1 if me == root else np.zeros(N))
+        comm.broadcast(x, root=root)
+        check(f"{tag} broadcast", b.read(x), np.arange(N) + 1)
+        x = b.make(inputs(me, N))
+        comm.reduce(x, root=0, op="max")
+        if me == 0:
+            check(f"{tag} reduce", b.read(x), reduced("max", p, N, b.is_float))
+        x, out = b.make(np.arange(N) + me + 1), b.make(np.zeros(N * p))
+        comm.allgather(x, out)
+        want = np.concatenate([np.arange(N) + r + 1 for r in range(p)])
+        check(f"{tag} allgather", b.read(out), want)
+        x, out = b.make(inputs(me, N * p)), b.make(np.zeros(N))
+        comm.reduce_scatter(x, out, op="sum")
+        check(f"{tag} reduce_scatter", b.read(out), reduced("sum", p, N * p, b.is_float)[me * N:(me + 1) * N])
+        x = b.make(np.concatenate([np.full(N, me * 10 + j) for j in range(p)]))
+        out = b.make(np.zeros(N * p))
+        comm.alltoall(x, out)
+        check(f"{tag} alltoall", b.read(out), np.concatenate([np.full(N, j * 10 + me) for j in range(p)]))
+        comm.alltoall(x, x)
+        check(f"{tag} alltoall in place", b.read(x), np.concatenate([np.full(N, j * 10 + me) for j in range(p)]))
+        x = b.make(np.arange(N) + me)
+        out = b.make(np.zeros(N * p)) if me == root else None
+        comm.gather(x, out, root=root)
+        if me == root:
+            check(f"{tag} gather", b.read(out), np.concatenate([np.arange(N) + r for r in range(p)]))
+        x = b.make(np.arange(N * p)) if me == 0 else None
+        out = b.make(np.zeros(N))
+        comm.scatter(x, out, root=0)
+        check(f"{tag} scatter", b.read(out), np.arange(N) + me * N)
+        if p > 1:
+            right, left = (me + 1) % p, (me - 1) % p
+            x, got = b.make(np.full(N, me)), b.make(np.zeros(N))
+            if me % 2 == 0:
+                comm.send(x, right)
+                comm.recv(got, left)
+            else:
+                comm.recv(got, left)
+                comm.send(x, right)
+            check(f"{tag} send/recv", b.read(got), np.full(N, left))
+    comm.barrier()
+
+    # Options: a forced algorithm and a per-call timeout.
+    x = np.ones(100, dtype=np.float32)
+    comm.allreduce(x, algorithm="ring", timeout=30)
+    check("allreduce with options", x.astype(np.float64), np.full(100, p))
+
+    # The GIL is released during a collective: while rank 0 sleeps before the barrier, a
+    # Python thread on the other ranks keeps counting.
+    if me == 0:
+        time.sleep(0.5)
+        comm.barrier()
+    else:
+        counter = [0]
+        stop = threading.Event()
+
+        def count():
+            while not stop.is_set():
+                counter[0] += 1
+
+        t = threading.Thread(target=count)
+        t.start()
+        time.sleep(0.05)
+        before = counter[0]
+        comm.barrier()
+        during = counter[0] - before
+        stop.set()
+        t.join()
+        if during < 1000:
+            raise AssertionError(f"a Python thread ran only {during} times during a barrier: GIL held?")
+
+
+def expect(exc, f, what):
+    try:
+        f()
+    except exc as e:
+        assert isinstance(e, chorus.ChorusError) and e.message, what
+        return e
+    raise AssertionError(f"{what}: no {exc.__name__}")
+
+
+def errors(comm):
+    p, me = comm.size, comm.rank
+    x = np.ones(8, dtype=np.float32)
+    E = chorus.InvalidArgumentError
+    expect(E, lambda: comm.allreduce(np.ones(16, np.float32)[::2]), "non-contiguous numpy")
+    expect(E, lambda: comm.allreduce(torch.ones(4, 4).t()), "non-contiguous torch")
+    expect(E, lambda: comm.allreduce(torch.ones(4, device="meta")), "wrong device")
+    expect(E, lambda: comm.allreduce(torch.ones(4, dtype=torch.complex64)), "complex")
+    expect(E, lambda: comm.allreduce(np.ones(4, dtype=bool)), "bool")
+    expect(E, lambda: comm.allreduce(np.ones(4, dtype=">f4")), "big endian")
+    expect(E, lambda: comm.allreduce([1.0, 2.0]), "a list")
+    expect(E, lambda: comm.allreduce(x, op="median"), "op")
+    expect(E, lambda: comm.allreduce(x, algorithm="nope"), "algorithm")
+    expect(E, lambda: comm.allreduce(x, timeout=-1), "timeout")
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    expect(E, lambda: comm.allreduce(ro), "read-only")
+    expect(E, lambda: comm.allreduce(torch.ones(3, requires_grad=True)), "leaf requiring grad")
+    expect(E, lambda: comm.allgather(x, np.zeros(8 * p + 1, np.float32)), "allgather size")
+    expect(E, lambda: comm.allgather(x, np.zeros(8 * p, np.float64)), "allgather dtype")
+    expect(E, lambda: comm.broadcast(x, root=p), "root out of range")
+    expect(E, lambda: comm.broadcast(x, root=-1), "negative root")
+    expect(E, lambda: comm.send(x, me), "send to self")
+    # Still usable after all of that.
+    comm.allreduce(x)
+    assert (x == p).all(), x
+    # A mismatch: the last rank gives another count. Every rank gets an error, never a hang.
+    y = np.ones(100 + (me == p - 1), dtype=np.float32)
+    e = expect((chorus.MismatchError, chorus.RemoteError, chorus.ChorusTimeoutError),
+               lambda: comm.allreduce(y), "mismatched counts")
+    print(f"rank {me}: {type(e).__name__}: {e.message}", flush=True)
+    expect(chorus.InvalidUsageError, comm.barrier, "a broken communicator")
+    comm.abort()
+    comm.close()
+    expect(chorus.InvalidUsageError, comm.barrier, "a closed communicator")
+
+
+def main():
+    mode = sys.argv[1]
+    comm = chorus.init()
+    {"collectives": collectives, "errors": errors}[mode](comm)
+    comm.close()
+    print(f"ok {mode} rank {comm.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""In-process tests: a group of one, a group of two ranks on two threads, argument checks,
+error classes, and the GIL being released during a collective."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import chorus
+
+
+@pytest.fixture(scope="module")
+def solo():
+    with chorus.init(rank=0, size=1, addr="127.0.0.1:0") as c:
+        yield c
+
+
+def test_version_and_statuses():
+    assert chorus.version() == chorus.__version__
+    assert len(set(chorus._status_names())) == 9
+    assert issubclass(chorus.InvalidArgumentError, ValueError)
+    assert issubclass(chorus.ChorusTimeoutError, TimeoutError)
+    statuses = [c.status for c in chorus._ERRORS.values()]
+    assert sorted(statuses) == list(range(1, 9))
+
+
+def test_group_of_one_keeps_values(solo):
+    assert (solo.rank, solo.size) == (0, 1)
+    for dt in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:
+        x = np.arange(7).astype(dt)
+        for op in chorus.OPS:
+            assert solo.allreduce(x, op=op) is x
+            np.testing.assert_array_equal(x, np.arange(7).astype(dt))
+    t = torch.arange(5, dtype=torch.bfloat16)
+    solo.allreduce(t, op="avg")
+    assert torch.equal(t, torch.arange(5, dtype=torch.bfloat16))
+
+
+def test_argument_errors_leave_it_usable(solo):
+    with pytest.raises(chorus.InvalidArgumentError, match="contiguous"):
+        solo.allreduce(np.ones(10)[::2])
+    with pytest.raises(chorus.InvalidArgumentError, match="device"):
+        solo.allreduce(torch.ones(2, device="meta"))
+    with pytest.raises(chorus.InvalidArgumentError, match="dtype"):
+        solo.allreduce(np.ones(2, dtype=np.complex64))
+    with pytest.raises(chorus.InvalidArgumentError, match="root"):
+        solo.broadcast(np.ones(2), root=1)
+    with pytest.raises(chorus.InvalidArgumentError, match="options.timeout"):
+        solo.allreduce(np.ones(2), timeout=float("nan"))
+    x = np.ones(3)
+    solo.allreduce(x)
+    assert (x == 1).all()
+
+
+def test_init_errors():
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(rank=3, size=2, addr="127.0.0.1:1")
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(rank=0, size=2)
+
+
+def test_two_ranks_on_threads_and_the_gil_is_released():
+    """Two communicators in one process, each driven by its own thread: only possible if the
+    GIL is released while a call blocks (rank 1 waits in init and barrier for rank 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    comms = [None, None]
+    results = {}
+
+    def rank_main(r):
+        c = chorus.init(rank=r, size=2, addr=addr, token="t")
+        comms[r] = c
+        x = np.full(4, r + 1.0, dtype=np.float32)
+        c.allreduce(x)
+        results[r] = x.copy()
+        if r == 0:
+            time.sleep(0.3)  # rank 1 waits in the barrier meanwhile
+        c.barrier()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    ticks = 0
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        ticks += 1
+        time.sleep(0.001)
+    for t in threads:
+        t.join(timeout=1)
+    assert not any(t.is_alive() for t in threads), "watchdog: ranks still running"
+    for r in (0, 1):
+        np.testing.assert_array_equal(results[r], np.full(4, 3.0, dtype=np.float32))
+        comms[r].close()
+    assert ticks > 50, f"the main thread ran only {ticks} times while the ranks blocked"
+
+
+def test_one_communicator_from_two_threads_at_once_is_refused():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    comms = {}
+
+    def init(r):
+        comms[r] = chorus.init(rank=r, size=2, addr=addr)
+
+    ts = [threading.Thread(target=init, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    [t.join(timeout=60) for t in ts]
+    c0, c1 = comms[0], comms[1]
+    # Thread A blocks in a barrier on c0 (rank 1 is not there yet); the main thread's call on
+    # c0 meanwhile must be refused, not interleaved.
+    a = threading.Thread(target=c0.barrier)
+    a.start()
+    time.sleep(0.2)
+    with pytest.raises(chorus.InvalidUsageError, match="another thread"):
+        c0.allreduce(np.ones(2))
+    c1.barrier()
+    a.join(timeout=30)
+    assert not a.is_alive()
+    c0.close()
+    c1.close()

@@ -1,0 +1,216 @@
+//! Every conversion from a C pointer to a Rust reference, in one place. Each helper checks for
+//! NULL (an invalid-argument [`Failure`] naming the parameter) and states what it relies on.
+
+use std::ffi::{c_char, c_void, CStr};
+
+use crate::status::Failure;
+use crate::{chorus_comm, chorus_options};
+
+/// The communicator behind `p`.
+///
+/// # Safety
+/// `p` is NULL or was returned by `chorus_comm_init*` and not yet destroyed, and no other
+/// thread destroys it during the call.
+pub(crate) unsafe fn comm<'a>(p: *const chorus_comm) -> Result<&'a chorus_comm, Failure> {
+    // SAFETY: the caller promises `p` is NULL or a live communicator made by `into_raw`.
+    unsafe { p.as_ref() }.ok_or_else(|| Failure::invalid("comm is NULL"))
+}
+
+/// Hand a communicator to C.
+pub(crate) fn into_raw(c: chorus_comm) -> *mut chorus_comm {
+    Box::into_raw(Box::new(c))
+}
+
+/// Take back a communicator from C (NULL: nothing).
+///
+/// # Safety
+/// `p` is NULL or was returned by `into_raw` and is not used again.
+pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: `p` came from `Box::into_raw` and ownership returns to us exactly once.
+        Some(unsafe { Box::from_raw(p) })
+    }
+}
+
+/// Store `value` through the out-parameter `p` named `what`.
+///
+/// # Safety
+/// `p` is NULL or valid for writing a `T` (aligned).
+pub(crate) unsafe fn write_out<T>(p: *mut T, value: T, what: &str) -> Result<(), Failure> {
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL, and the caller promises it is valid for writes of a `T`.
+    unsafe { p.write(value) };
+    Ok(())
+}
+
+/// Check an out-parameter before doing work whose result it will receive.
+pub(crate) fn check_out<T>(p: *mut T, what: &str) -> Result<(), Failure> {
+    if p.is_null() {
+        Err(Failure::invalid(format!("{what} is NULL")))
+    } else {
+        Ok(())
+    }
+}
+
+/// The UTF-8 string at `p` (`None` for NULL).
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that stays alive during the call.
+pub(crate) unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, Failure> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL and NUL-terminated by the caller's promise.
+    let c = unsafe { CStr::from_ptr(p) };
+    c.to_str()
+        .map(Some)
+        .map_err(|_| Failure::invalid(format!("{what} is not valid UTF-8")))
+}
+
+/// The byte length of `count` elements of `elem` bytes, or an invalid-argument failure when it
+/// does not fit in memory.
+pub(crate) fn byte_len(count: usize, elem: usize, what: &str) -> Result<usize, Failure> {
+    count
+        .checked_mul(elem)
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Failure::invalid(format!(
+                "{what}: {count} elements of {elem} bytes do not fit in memory"
+            ))
+        })
+}
+
+/// A read-only buffer of `len` bytes at `p`; NULL is accepted only when `len` is 0.
+///
+/// # Safety
+/// Unless NULL, `p` is valid for reading `len` bytes during the call, and nothing writes them
+/// meanwhile (except through a buffer this call also received, which must not overlap it:
+/// see [`check_disjoint`]).
+pub(crate) unsafe fn buf<'a>(
+    p: *const c_void,
+    len: usize,
+    what: &str,
+) -> Result<&'a [u8], Failure> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL, `len` ≤ isize::MAX (from `byte_len`), readable by the caller's promise.
+    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
+}
+
+/// A writable buffer of `len` bytes at `p`; NULL is accepted only when `len` is 0.
+///
+/// # Safety
+/// Unless NULL, `p` is valid for reading and writing `len` bytes during the call and nothing
+/// else accesses them meanwhile.
+pub(crate) unsafe fn buf_mut<'a>(
+    p: *mut c_void,
+    len: usize,
+    what: &str,
+) -> Result<&'a mut [u8], Failure> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL, `len` ≤ isize::MAX, exclusively ours for the call by the caller's
+    // promise (overlap with the other buffer of the call is ruled out by `check_disjoint`).
+    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+}
+
+/// Fail unless the byte ranges `[a, a + a_len)` and `[b, b + b_len)` are disjoint (empty
+/// ranges never overlap). Called before making a shared and a mutable slice of two buffers.
+pub(crate) fn check_disjoint(
+    a: *const c_void,
+    a_len: usize,
+    b: *const c_void,
+    b_len: usize,
+    what: &str,
+) -> Result<(), Failure> {
+    let (a, b) = (a as usize, b as usize);
+    let overlap =
+        a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len);
+    if overlap {
+        Err(Failure::invalid(format!(
+            "{what} overlap without being the same buffer (pass equal pointers for in place)"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+/// The largest options struct accepted (a guard against a garbage `size` field).
+const MAX_OPTIONS_SIZE: usize = 4096;
+
+/// The options at `p` (`None` for NULL), checked against their `size` field.
+///
+/// A `size` below this version's struct is invalid (there is no older version); above it,
+/// from a newer header, is accepted when every field this library does not know is zero
+/// (unset), and unsupported otherwise.
+///
+/// # Safety
+/// `p` is NULL or points to a `chorus_options` whose `size` field says how many bytes are
+/// readable there.
+pub(crate) unsafe fn options(p: *const chorus_options) -> Result<Option<chorus_options>, Failure> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL; the first field, `size`, is always present.
+    let size = unsafe { p.cast::<usize>().read_unaligned() };
+    let ours = std::mem::size_of::<chorus_options>();
+    if size < ours || size > MAX_OPTIONS_SIZE {
+        return Err(Failure::invalid(format!(
+            "options: size field is {size}, expected sizeof(chorus_options) = {ours} \
+             (initialise the struct with CHORUS_OPTIONS_INIT)"
+        )));
+    }
+    if size > ours {
+        // SAFETY: the caller says `size` bytes are readable at `p`.
+        let tail = unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(ours), size - ours) };
+        if tail.iter().any(|&b| b != 0) {
+            return Err(Failure::new(
+                crate::status::chorus_status::CHORUS_UNSUPPORTED,
+                format!(
+                    "options: the struct has {size} bytes with fields set that this library \
+                     (chorus {}) does not know",
+                    chorus_core::VERSION
+                ),
+            ));
+        }
+    }
+    // SAFETY: `size` ≥ our struct's size, so a whole `chorus_options` is readable at `p`.
+    Ok(Some(unsafe { p.read_unaligned() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_rules() {
+        let b = [0u8; 16];
+        let p = b.as_ptr().cast::<c_void>();
+        // SAFETY: offsets stay inside `b`.
+        let q = unsafe { p.cast::<u8>().add(8).cast::<c_void>() };
+        assert!(check_disjoint(p, 8, q, 8, "x").is_ok());
+        assert!(check_disjoint(p, 9, q, 8, "x").is_err());
+        assert!(check_disjoint(q, 8, p, 9, "x").is_err());
+        assert!(check_disjoint(p, 16, p, 16, "x").is_err());
+        assert!(check_disjoint(p, 0, p, 16, "x").is_ok());
+    }
+
+    #[test]
+    fn byte_len_rejects_overflow() {
+        assert_eq!(byte_len(3, 4, "x").unwrap(), 12);
+        assert!(byte_len(usize::MAX, 2, "x").is_err());
+        assert!(byte_len(isize::MAX as usize, 2, "x").is_err());
+    }
+}

@@ -1,0 +1,449 @@
+/*
+ * Tests of the chorus C ABI. ffi/tests/c_api.rs compiles this file with the system C compiler
+ * and runs it as every rank of a job (CHORUS_* in the environment, rank 0 hosts the store).
+ *
+ *   api_test sweep            every dtype x op x count, in place and out of place, checked
+ *   api_test collectives      broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
+ *                             scatter, send/recv on every dtype, in place and out of place
+ *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
+ *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
+ *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
+ *                             (KIND = count | dtype | op | collective): every rank gets an
+ *                             error (mismatch, remote or timeout), then the communicator refuses
+ *                             further calls
+ *   api_test peer_exit        the last rank exits without a word: the others get an error
+ *   api_test peer_abort       the last rank aborts: the others get an error naming it
+ *
+ * Each rank prints "status <code> <name>" for the error cases and "ok <mode>" at the end;
+ * any failed check prints "FAIL ..." and exits 1.
+ */
+#include <chorus.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_rank = -1, g_size = -1;
+
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            fprintf(stderr, "FAIL rank %d line %d: ", g_rank, __LINE__);                      \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fprintf(stderr, "\n");                                                            \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+/* The call must succeed. */
+#define OK(call)                                                                              \
+    do {                                                                                      \
+        int32_t st_ = (call);                                                                 \
+        CHECK(st_ == CHORUS_OK, "%s -> %d (%s): %s", #call, (int)st_,                         \
+              chorus_status_string(st_), chorus_last_error());                                \
+        CHECK(chorus_last_error()[0] == '\0', "%s: last error set after success", #call);     \
+    } while (0)
+
+/* The call must fail with `want` and leave a message. */
+#define EXPECT(call, want)                                                                    \
+    do {                                                                                      \
+        int32_t st_ = (call);                                                                 \
+        CHECK(st_ == (want), "%s -> %d (%s), want %d: %s", #call, (int)st_,                   \
+              chorus_status_string(st_), (int)(want), chorus_last_error());                   \
+        CHECK(strlen(chorus_last_error()) > 0, "%s: no last error message", #call);           \
+    } while (0)
+
+/* ---- element access for every dtype (values used here are small and exact) ---- */
+
+static int is_float(chorus_dtype dt) {
+    return dt == CHORUS_FLOAT16 || dt == CHORUS_FLOAT32 || dt == CHORUS_FLOAT64 ||
+           dt == CHORUS_BFLOAT16;
+}
+
+/* binary16 bits of v, which must be 0 or a normal binary16 value. */
+static uint16_t half_bits(double v) {
+    if (v == 0) return 0;
+    uint16_t sign = v < 0 ? 0x8000 : 0;
+    int e;
+    double m = frexp(fabs(v), &e); /* |v| = m * 2^e, m in [0.5, 1) */
+    return (uint16_t)(sign | (uint16_t)((e - 1 + 15) << 10) | (uint16_t)((m * 2 - 1) * 1024));
+}
+
+static double half_value(uint16_t h) {
+    int e = (h >> 10) & 0x1f, f = h & 0x3ff;
+    double v = e == 0 ? ldexp(f, -24) : e == 31 ? (f ? NAN : INFINITY) : ldexp(1024 + f, e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+static uint16_t bf16_bits(double v) {
+    float f = (float)v;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16); /* exact for the values used here */
+}
+
+static double bf16_value(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void store(chorus_dtype dt, void *p, size_t i, double v) {
+    switch (dt) {
+    case CHORUS_INT8: ((int8_t *)p)[i] = (int8_t)v; break;
+    case CHORUS_UINT8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    case CHORUS_INT32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case CHORUS_UINT32: ((uint32_t *)p)[i] = (uint32_t)v; break;
+    case CHORUS_INT64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case CHORUS_UINT64: ((uint64_t *)p)[i] = (uint64_t)v; break;
+    case CHORUS_FLOAT16: ((uint16_t *)p)[i] = half_bits(v); break;
+    case CHORUS_FLOAT32: ((float *)p)[i] = (float)v; break;
+    case CHORUS_FLOAT64: ((double *)p)[i] = v; break;
+    case CHORUS_BFLOAT16: ((uint16_t *)p)[i] = bf16_bits(v); break;
+    }
+}
+
+static double load(chorus_dtype dt, const void *p, size_t i) {
+    switch (dt) {
+    case CHORUS_INT8: return ((const int8_t *)p)[i];
+    case CHORUS_UINT8: return ((const uint8_t *)p)[i];
+    case CHORUS_INT32: return ((const int32_t *)p)[i];
+    case CHORUS_UINT32: return ((const uint32_t *)p)[i];
+    case CHORUS_INT64: return (double)((const int64_t *)p)[i];
+    case CHORUS_UINT64: return (double)((const uint64_t *)p)[i];
+    case CHORUS_FLOAT16: return half_value(((const uint16_t *)p)[i]);
+    case CHORUS_FLOAT32: return ((const float *)p)[i];
+    case CHORUS_FLOAT64: return ((const double *)p)[i];
+    case CHORUS_BFLOAT16: return bf16_value(((const uint16_t *)p)[i]);
+    }
+    return NAN;
+}
+
+/* Input of rank r at index i: 1, 2 or 3, so that sums, products (3^4 = 81 fits in int8),
+ * maxima, minima and averages are exact in every dtype for up to 4 ranks. */
+static double input(int r, size_t i) { return (double)(1 + (i + 2 * (size_t)r) % 3); }
+
+static double expected(chorus_dtype dt, chorus_op op, size_t i) {
+    double acc = input(0, i);
+    for (int r = 1; r < g_size; r++) {
+        double x = input(r, i);
+        switch (op) {
+        case CHORUS_SUM: case CHORUS_AVG: acc += x; break;
+        case CHORUS_PROD: acc *= x; break;
+        case CHORUS_MAX: acc = x > acc ? x : acc; break;
+        case CHORUS_MIN: acc = x < acc ? x : acc; break;
+        }
+    }
+    if (op == CHORUS_AVG) acc = is_float(dt) ? acc / g_size : floor(acc / g_size);
+    return acc;
+}
+
+/* ---- modes ---- */
+
+static void sweep(chorus_comm *comm) {
+    static const size_t counts[] = {0, 1, 7, 1000, 65537};
+    size_t max = 65537 * 8;
+    unsigned char *send = malloc(max), *recv = malloc(max);
+    CHECK(send && recv, "out of memory");
+    int calls = 0;
+    for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+        size_t n = counts[c];
+        for (int d = CHORUS_INT8; d <= CHORUS_BFLOAT16; d++) {
+            chorus_dtype dt = (chorus_dtype)d;
+            for (int o = CHORUS_SUM; o <= CHORUS_AVG; o++) {
+                chorus_op op = (chorus_op)o;
+                for (int inplace = 0; inplace < 2; inplace++) {
+                    for (size_t i = 0; i < n; i++) {
+                        store(dt, send, i, input(g_rank, i));
+                        store(dt, recv, i, -1);
+                    }
+                    void *rb = inplace ? send : recv;
+                    if (n == 0) {
+                        /* NULL buffers are fine for an empty call. */
+                        OK(chorus_allreduce(comm, NULL, inplace ? NULL : recv, 0, dt, op));
+                    } else if (++calls % 7 == 0) {
+                        chorus_options o = CHORUS_OPTIONS_INIT;
+                        o.algorithm = "ring";
+                        o.timeout_seconds = 60;
+                        OK(chorus_allreduce_opts(comm, send, rb, n, dt, op, &o));
+                    } else {
+                        OK(chorus_allreduce(comm, send, rb, n, dt, op));
+                    }
+                    for (size_t i = 0; i < n; i++) {
+                        double got = load(dt, rb, i), want = expected(dt, op, i);
+                        CHECK(got == want, "p=%d dtype %d op %d count %zu inplace %d: [%zu] = %g, want %g",
+                              g_size, d, o, n, inplace, i, got, want);
+                    }
+                }
+            }
+        }
+        OK(chorus_barrier(comm));
+    }
+    free(send);
+    free(recv);
+}
+
+/* Every other collective on every dtype, in place and out of place, checked exactly. */
+static void collectives(chorus_comm *comm) {
+    const size_t n = 5; /* elements per block */
+    const int p = g_size, me = g_rank;
+    size_t all = n * (size_t)p;
+    unsigned char *a = malloc(all * 8), *b = malloc(all * 8);
+    CHECK(a && b, "out of memory");
+    for (int d = CHORUS_INT8; d <= CHORUS_BFLOAT16; d++) {
+        chorus_dtype dt = (chorus_dtype)d;
+        size_t es = (d <= CHORUS_UINT8) ? 1 : (d == CHORUS_FLOAT16 || d == CHORUS_BFLOAT16) ? 2
+                  : (d == CHORUS_INT32 || d == CHORUS_UINT32 || d == CHORUS_FLOAT32) ? 4 : 8;
+        int root = p - 1;
+#define FILL(buf, count, expr) for (size_t i = 0; i < (count); i++) store(dt, buf, i, (expr))
+#define VERIFY(buf, count, expr, what)                                                         \
+    for (size_t i = 0; i < (count); i++)                                                       \
+        CHECK(load(dt, buf, i) == (expr), "%s dtype %d [%zu] = %g, want %g", what, d, i,       \
+              load(dt, buf, i), (double)(expr))
+        /* broadcast from the last rank */
+        FILL(a, n, me == root ? (double)(i + 1) : 0.0);
+        OK(chorus_broadcast(comm, a, n, dt, root));
+        VERIFY(a, n, (double)(i + 1), "broadcast");
+        /* reduce (sum) to rank 0, out of place and in place */
+        FILL(a, n, input(me, i));
+        FILL(b, n, -1.0);
+        OK(chorus_reduce(comm, a, me == 0 ? b : NULL, n, dt, CHORUS_SUM, 0));
+        if (me == 0) VERIFY(b, n, expected(dt, CHORUS_SUM, i), "reduce");
+        OK(chorus_reduce(comm, a, a, n, dt, CHORUS_MAX, 0));
+        if (me == 0) VERIFY(a, n, expected(dt, CHORUS_MAX, i), "reduce in place");
+        /* allgather: block j holds j + i + 1 */
+        FILL(a, n, (double)(me + i + 1));
+        OK(chorus_allgather(comm, a, b, n, dt));
+        VERIFY(b, all, (double)(i / n + i % n + 1), "allgather");
+        FILL(b, all, (i / n == (size_t)me) ? (double)(me + i % n + 1) : 0.0);
+        OK(chorus_allgather(comm, b + (size_t)me * n * es, b, n, dt));
+        VERIFY(b, all, (double)(i / n + i % n + 1), "allgather in place");
+        /* reduce_scatter (sum): every rank sends input(r, i); block me of the sum */
+        FILL(a, all, input(me, i));
+        OK(chorus_reduce_scatter(comm, a, b, n, dt, CHORUS_SUM));
+        VERIFY(b, n, expected(dt, CHORUS_SUM, (size_t)me * n + i), "reduce_scatter");
+        OK(chorus_reduce_scatter(comm, a, a + (size_t)me * n * es, n, dt, CHORUS_SUM));
+        VERIFY(a + (size_t)me * n * es, n, expected(dt, CHORUS_SUM, (size_t)me * n + i),
+               "reduce_scatter in place");
+        /* alltoall: block j of rank r holds r + j + i%n + 1 -> block r of rank j */
+        FILL(a, all, (double)(me + i / n + i % n + 1));
+        OK(chorus_alltoall(comm, a, b, n, dt));
+        VERIFY(b, all, (double)(i / n + me + i % n + 1), "alltoall");
+        OK(chorus_alltoall(comm, a, a, n, dt));
+        VERIFY(a, all, (double)(i / n + me + i % n + 1), "alltoall in place");
+        /* gather to the last rank, scatter from it */
+        FILL(a, n, (double)(me + i + 1));
+        OK(chorus_gather(comm, a, me == root ? b : NULL, n, dt, root));
+        if (me == root) VERIFY(b, all, (double)(i / n + i % n + 1), "gather");
+        FILL(a, all, (double)(i / n + i % n + 1));
+        FILL(b, n, 0.0);
+        OK(chorus_scatter(comm, me == root ? a : NULL, b, n, dt, root));
+        VERIFY(b, n, (double)(me + i + 1), "scatter");
+        /* send/recv around a ring: even ranks send first */
+        if (p > 1) {
+            int right = (me + 1) % p, left = (me + p - 1) % p;
+            FILL(a, n, (double)(me + i + 1));
+            if (me % 2 == 0) {
+                OK(chorus_send(comm, a, n, dt, right));
+                OK(chorus_recv(comm, b, n, dt, left));
+            } else {
+                OK(chorus_recv(comm, b, n, dt, left));
+                OK(chorus_send(comm, a, n, dt, right));
+            }
+            VERIFY(b, n, (double)(left + i + 1), "send/recv");
+        }
+#undef FILL
+#undef VERIFY
+    }
+    /* Bad arguments of these calls: refused before anything is sent. */
+    EXPECT(chorus_broadcast(comm, a, n, CHORUS_FLOAT32, -1), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_broadcast(comm, a, n, CHORUS_FLOAT32, p), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_broadcast(comm, NULL, n, CHORUS_FLOAT32, 0), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_reduce(comm, a, b, n, CHORUS_FLOAT32, (chorus_op)9, 0), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allgather(comm, a, a + 1, n, CHORUS_FLOAT32), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allgather(comm, a, b, SIZE_MAX / 2, CHORUS_FLOAT32), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_reduce_scatter(comm, a, NULL, n, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_alltoall(comm, a, b, n, (chorus_dtype)77), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_send(comm, a, n, CHORUS_FLOAT32, me), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_recv(comm, b, n, CHORUS_FLOAT32, -3), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_gather(comm, a, b, n, CHORUS_FLOAT32, p + 5), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_barrier(comm));
+    free(a);
+    free(b);
+}
+
+static void badargs(chorus_comm *comm) {
+    float a[8] = {0}, b[8] = {0};
+    int x = -1;
+
+    /* Status names: fixed, distinct, never NULL. */
+    for (int s = 0; s <= 8; s++) {
+        CHECK(strcmp(chorus_status_string(s), "unknown status") != 0, "status %d unnamed", s);
+        for (int t = 0; t < s; t++)
+            CHECK(strcmp(chorus_status_string(s), chorus_status_string(t)) != 0,
+                  "statuses %d and %d share a name", s, t);
+    }
+    CHECK(strcmp(chorus_status_string(9), "unknown status") == 0, "status 9");
+    CHECK(strcmp(chorus_status_string(-1), "unknown status") == 0, "status -1");
+    const char *want_version = getenv("CHORUS_EXPECT_VERSION");
+    CHECK(want_version && strcmp(chorus_version(), want_version) == 0, "version %s",
+          chorus_version());
+
+    /* NULL pointers. */
+    EXPECT(chorus_allreduce(NULL, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, NULL, b, 8, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, a, NULL, 8, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, NULL, NULL, 8, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_barrier(NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_rank(NULL, &x), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_rank(comm, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_size(NULL, &x), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_size(comm, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_abort(NULL), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_comm_destroy(NULL));
+
+    /* Bad enums. */
+    EXPECT(chorus_allreduce(comm, a, b, 8, (chorus_dtype)10, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "dtype") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_allreduce(comm, a, b, 8, (chorus_dtype)-1, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, (chorus_op)5), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "op") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, (chorus_op)INT32_MIN),
+           CHORUS_INVALID_ARGUMENT);
+
+    /* Sizes that do not fit in memory; overlapping buffers. */
+    EXPECT(chorus_allreduce(comm, a, b, SIZE_MAX, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, a, b, SIZE_MAX / 2, CHORUS_UINT8, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, a, a + 1, 4, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "overlap") != NULL, "message: %s", chorus_last_error());
+
+    /* Options. */
+    chorus_options o = CHORUS_OPTIONS_INIT;
+    o.size = 0;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o), CHORUS_INVALID_ARGUMENT);
+    o.size = sizeof o - 1;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o), CHORUS_INVALID_ARGUMENT);
+    o.size = (size_t)-1;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o), CHORUS_INVALID_ARGUMENT);
+    chorus_options o2 = CHORUS_OPTIONS_INIT;
+    o2.algorithm = "no-such-algorithm";
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o2), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "no-such-algorithm") != NULL, "message: %s", chorus_last_error());
+    o2.algorithm = "\xff\xfe";
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o2), CHORUS_INVALID_ARGUMENT);
+    chorus_options o3 = CHORUS_OPTIONS_INIT;
+    o3.timeout_seconds = -1;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o3), CHORUS_INVALID_ARGUMENT);
+    o3.timeout_seconds = NAN;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o3), CHORUS_INVALID_ARGUMENT);
+    /* A struct from a newer header: unknown fields zero is fine, set is unsupported. */
+    struct {
+        chorus_options v1;
+        uint64_t newer_field;
+    } big = {CHORUS_OPTIONS_INIT, 0};
+    big.v1.size = sizeof big;
+    big.newer_field = 1;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &big.v1), CHORUS_UNSUPPORTED);
+
+    /* Init arguments (no communication happens). */
+    chorus_comm *other = (chorus_comm *)&x; /* must be reset to NULL on failure */
+    EXPECT(chorus_comm_init(NULL, 0, 1, "127.0.0.1:0", NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init(&other, -1, 2, "127.0.0.1:1", NULL), CHORUS_INVALID_ARGUMENT);
+    CHECK(other == NULL, "out not reset on failure");
+    EXPECT(chorus_comm_init(&other, 2, 2, "127.0.0.1:1", NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init(&other, 0, 0, "127.0.0.1:1", NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init(&other, 1, 2, NULL, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init(&other, 1, 2, "no port here", NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init(&other, 0, 1, "127.0.0.1:0", "\xff"), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init_env(NULL), CHORUS_INVALID_ARGUMENT);
+    CHECK(other == NULL, "out not NULL after failures");
+    /* A group of one needs no peers and works beside the job's communicator. */
+    OK(chorus_comm_init(&other, 0, 1, "127.0.0.1:0", ""));
+    OK(chorus_comm_size(other, &x));
+    CHECK(x == 1, "size %d", x);
+    OK(chorus_comm_destroy(other));
+
+    /* After all that, the communicator still works. */
+    for (int i = 0; i < 8; i++) a[i] = (float)(g_rank + i);
+    OK(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM));
+    for (int i = 0; i < 8; i++)
+        CHECK(b[i] == (float)(g_size * (g_size - 1) / 2 + g_size * i), "b[%d] = %g", i, b[i]);
+    OK(chorus_barrier(comm));
+}
+
+static void report(int32_t st) {
+    printf("status %d %s: %s\n", (int)st, chorus_status_string(st), chorus_last_error());
+    fflush(stdout);
+}
+
+static void mismatch(chorus_comm *comm, const char *kind) {
+    int last = g_rank == g_size - 1;
+    float buf[101] = {0};
+    int32_t st;
+    if (strcmp(kind, "count") == 0)
+        st = chorus_allreduce(comm, buf, buf, last ? 101 : 100, CHORUS_FLOAT32, CHORUS_SUM);
+    else if (strcmp(kind, "dtype") == 0)
+        st = chorus_allreduce(comm, buf, buf, 100, last ? CHORUS_INT32 : CHORUS_FLOAT32, CHORUS_SUM);
+    else if (strcmp(kind, "op") == 0)
+        st = chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, last ? CHORUS_MAX : CHORUS_SUM);
+    else if (strcmp(kind, "collective") == 0)
+        st = last ? chorus_barrier(comm) : chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, CHORUS_SUM);
+    else {
+        CHECK(0, "unknown mismatch kind %s", kind);
+        return;
+    }
+    report(st);
+    CHECK(st == CHORUS_MISMATCH || st == CHORUS_REMOTE_ERROR || st == CHORUS_TIMEOUT,
+          "mismatch %s gave %d", kind, (int)st);
+    /* The communicator is now unusable; abort and destroy still work. */
+    EXPECT(chorus_barrier(comm), CHORUS_INVALID_USAGE);
+    OK(chorus_comm_abort(comm));
+    EXPECT(chorus_allreduce(comm, buf, buf, 1, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_USAGE);
+}
+
+static void peer_gone(chorus_comm *comm, int abort_it) {
+    float buf[1000];
+    for (int i = 0; i < 1000; i++) buf[i] = 1;
+    if (g_rank == g_size - 1) {
+        if (abort_it) {
+            OK(chorus_comm_abort(comm));
+            OK(chorus_comm_destroy(comm));
+        }
+        printf("ok leaving\n");
+        fflush(stdout);
+        exit(0); /* without destroying: the process exit closes the connections */
+    }
+    int32_t st = chorus_allreduce(comm, buf, buf, 1000, CHORUS_FLOAT32, CHORUS_SUM);
+    report(st);
+    CHECK(st == CHORUS_REMOTE_ERROR, "a lost peer gave %d, want CHORUS_REMOTE_ERROR", (int)st);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|mismatch KIND|peer_exit|peer_abort\n", argv[0]);
+        return 2;
+    }
+    const char *mode = argv[1];
+    chorus_comm *comm = NULL;
+    OK(chorus_comm_init_env(&comm));
+    CHECK(comm != NULL, "init returned NULL");
+    OK(chorus_comm_rank(comm, &g_rank));
+    OK(chorus_comm_size(comm, &g_size));
+    CHECK(g_size >= 1 && g_rank >= 0 && g_rank < g_size, "rank %d size %d", g_rank, g_size);
+    CHECK(g_size <= 4, "these inputs are exact for at most 4 ranks");
+
+    if (strcmp(mode, "sweep") == 0) sweep(comm);
+    else if (strcmp(mode, "collectives") == 0) collectives(comm);
+    else if (strcmp(mode, "badargs") == 0) badargs(comm);
+    else if (strcmp(mode, "mismatch") == 0 && argc > 2) mismatch(comm, argv[2]);
+    else if (strcmp(mode, "peer_exit") == 0) peer_gone(comm, 0);
+    else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
+    else CHECK(0, "unknown mode %s", mode);
+
+    OK(chorus_comm_destroy(comm));
+    printf("ok %s\n", mode);
+    return 0;
+}

@@ -1,0 +1,299 @@
+//! The C ABI from C: installs the library built for this test run with `ffi/install.sh`,
+//! compiles `ffi/tests/c/api_test.c` (shared library, flags from pkg-config) and
+//! `examples/allreduce.c` (static library) with the system C compiler, and runs them as
+//! multi-process jobs (ranks spawned here with the CHORUS_* environment; rank 0 hosts the
+//! rendezvous store). Every job runs under a watchdog.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Longest a job may run before it is killed and the test fails.
+const WATCHDOG: Duration = Duration::from_secs(120);
+/// Collective and rendezvous timeout given to the ranks (errors must come well before).
+const RANK_TIMEOUT_S: &str = "30";
+
+struct Built {
+    prefix: PathBuf,
+    api_test: PathBuf,
+    example_static: PathBuf,
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// `target/<profile>/deps`, where cargo put this test and libchorus_ffi.so and
+/// libchorus_ffi.a (it builds every crate type of the library before the integration tests).
+fn deps_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent().expect("target/<profile>/deps").to_path_buf()
+}
+
+/// `target/<profile>`.
+fn profile_dir() -> PathBuf {
+    deps_dir().parent().expect("target/<profile>").to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn pkg_config(prefix: &Path, args: &[&str]) -> Vec<String> {
+    let out = run(Command::new("pkg-config")
+        .args(args)
+        .arg("chorus")
+        .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig")));
+    out.split_whitespace().map(str::to_string).collect()
+}
+
+/// Install and compile once for all tests of this binary.
+fn built() -> &'static Built {
+    static BUILT: OnceLock<Built> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let ws = workspace();
+        // One directory per run; earlier runs' directories are removed.
+        let name = format!("chorus-ffi-c-tests-{}", std::process::id());
+        if let Ok(entries) = std::fs::read_dir(profile_dir()) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with("chorus-ffi-c-tests-") && n != name {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let work = profile_dir().join(name);
+        std::fs::create_dir_all(&work).expect("work dir");
+        let prefix = work.join("prefix");
+        run(Command::new("bash")
+            .arg(ws.join("ffi/install.sh"))
+            .arg("--prefix")
+            .arg(&prefix)
+            .arg("--from")
+            .arg(deps_dir()));
+
+        let cflags = pkg_config(&prefix, &["--cflags"]);
+        let libs = pkg_config(&prefix, &["--libs"]);
+        let api_test = work.join("api_test");
+        run(Command::new("cc")
+            .args([
+                "-std=c11",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-pedantic",
+            ])
+            .args(&cflags)
+            .arg(ws.join("ffi/tests/c/api_test.c"))
+            .arg("-o")
+            .arg(&api_test)
+            .args(&libs)
+            .arg("-lm")
+            .arg(format!("-Wl,-rpath,{}", prefix.join("lib").display())));
+
+        // Static: the archive itself plus the system libraries pkg-config lists for it.
+        let static_libs: Vec<String> = pkg_config(&prefix, &["--static", "--libs"])
+            .into_iter()
+            .map(|a| {
+                if a == "-lchorus" {
+                    prefix.join("lib/libchorus.a").display().to_string()
+                } else {
+                    a
+                }
+            })
+            .collect();
+        let example_static = work.join("allreduce_static");
+        run(Command::new("cc")
+            .args(["-std=c11", "-O1", "-Wall", "-Wextra", "-Werror"])
+            .args(&cflags)
+            .arg(ws.join("examples/allreduce.c"))
+            .arg("-o")
+            .arg(&example_static)
+            .args(&static_libs));
+        Built {
+            prefix,
+            api_test,
+            example_static,
+        }
+    })
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// Run `exe args` as `size` ranks; returns (exit code, output) per rank.
+fn job(exe: &Path, args: &[&str], size: usize) -> Vec<(Option<i32>, String)> {
+    job_with_timeout(exe, args, size, RANK_TIMEOUT_S)
+}
+
+/// [`job`] with the ranks' collective timeout set to `timeout_s` seconds.
+fn job_with_timeout(
+    exe: &Path,
+    args: &[&str],
+    size: usize,
+    timeout_s: &str,
+) -> Vec<(Option<i32>, String)> {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut children: Vec<Child> = (0..size)
+        .map(|rank| {
+            Command::new(exe)
+                .args(args)
+                .env("CHORUS_RANK", rank.to_string())
+                .env("CHORUS_WORLD_SIZE", size.to_string())
+                .env("CHORUS_ADDR", &addr)
+                .env("CHORUS_TOKEN", "c-api-test")
+                .env("CHORUS_TIMEOUT", timeout_s)
+                .env("CHORUS_INIT_TIMEOUT", RANK_TIMEOUT_S)
+                .env("CHORUS_EXPECT_VERSION", env!("CARGO_PKG_VERSION"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn rank")
+        })
+        .collect();
+    let deadline = Instant::now() + WATCHDOG;
+    let mut status = vec![None; size];
+    while status.iter().any(Option::is_none) {
+        if Instant::now() > deadline {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            panic!("watchdog: {exe:?} {args:?} on {size} ranks still running after {WATCHDOG:?}");
+        }
+        for (i, c) in children.iter_mut().enumerate() {
+            if status[i].is_none() {
+                status[i] = c.try_wait().expect("try_wait");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    children
+        .into_iter()
+        .zip(status)
+        .map(|(c, st)| {
+            let out = c.wait_with_output().expect("rank output");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (st.and_then(|s| s.code()), text)
+        })
+        .collect()
+}
+
+fn assert_all_ok(results: &[(Option<i32>, String)], what: &str) {
+    for (rank, (code, out)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "{what}: rank {rank} failed:\n{out}");
+    }
+}
+
+#[test]
+fn every_dtype_and_op_on_1_to_4_ranks() {
+    let b = built();
+    for size in [1, 2, 3, 4] {
+        let r = job(&b.api_test, &["sweep"], size);
+        assert_all_ok(&r, &format!("sweep p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains("ok sweep")));
+    }
+}
+
+#[test]
+fn every_other_collective_on_1_to_4_ranks() {
+    let b = built();
+    for size in [1, 2, 3, 4] {
+        let r = job(&b.api_test, &["collectives"], size);
+        assert_all_ok(&r, &format!("collectives p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains("ok collectives")));
+    }
+}
+
+#[test]
+fn bad_arguments_are_refused_and_the_communicator_stays_usable() {
+    let b = built();
+    let r = job(&b.api_test, &["badargs"], 2);
+    assert_all_ok(&r, "badargs");
+    assert!(r.iter().all(|(_, o)| o.contains("ok badargs")));
+}
+
+#[test]
+fn mismatched_calls_fail_on_every_rank() {
+    let b = built();
+    for kind in ["count", "dtype", "op", "collective"] {
+        // Each rank checks it got CHORUS_MISMATCH, CHORUS_REMOTE_ERROR (a peer that saw the
+        // mismatch first aborted) or CHORUS_TIMEOUT (a rank waiting on a peer that is itself
+        // stuck), then that the communicator refuses further calls. A short timeout keeps the
+        // last case quick.
+        let r = job_with_timeout(&b.api_test, &["mismatch", kind], 3, "4");
+        assert_all_ok(&r, &format!("mismatch {kind}"));
+        assert!(
+            r.iter().any(|(_, o)| o.contains("status 6 mismatch")),
+            "mismatch {kind}: no rank reported CHORUS_MISMATCH:\n{r:#?}"
+        );
+    }
+}
+
+#[test]
+fn a_lost_peer_is_an_error_on_the_others() {
+    let b = built();
+    for mode in ["peer_exit", "peer_abort"] {
+        let r = job(&b.api_test, &[mode], 3);
+        assert_all_ok(&r, mode);
+        for (rank, (_, out)) in r.iter().enumerate().take(2) {
+            assert!(out.contains("status 4 "), "{mode}: rank {rank}:\n{out}");
+            assert!(
+                out.contains("rank 2"),
+                "{mode}: rank {rank} does not name rank 2:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn example_links_statically_and_runs() {
+    let b = built();
+    for size in [1, 3] {
+        let r = job(&b.example_static, &[], size);
+        assert_all_ok(&r, &format!("examples/allreduce.c p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains(" 0 wrong")), "{r:#?}");
+    }
+    let needed = run(Command::new("sh").arg("-c").arg(format!(
+        "command -v readelf >/dev/null && readelf -d {} || true",
+        b.example_static.display()
+    )));
+    assert!(
+        !needed.contains("libchorus.so"),
+        "the static example depends on libchorus.so:\n{needed}"
+    );
+}
+
+#[test]
+fn pkg_config_file_describes_the_install() {
+    let b = built();
+    let v = pkg_config(&b.prefix, &["--modversion"]);
+    assert_eq!(v, [env!("CARGO_PKG_VERSION")]);
+    let cflags = pkg_config(&b.prefix, &["--cflags"]).join(" ");
+    assert!(cflags.contains(&b.prefix.join("include").display().to_string()));
+    assert!(b.prefix.join("include/chorus.h").is_file());
+    assert!(b.prefix.join("lib/libchorus.so").is_file());
+    assert!(b.prefix.join("lib/libchorus.a").is_file());
+}
