@@ -1,4 +1,5 @@
-//! Every allreduce algorithm through the communicator over TCP loopback (ranks as threads),
+//! Every allreduce algorithm through the communicator over TCP loopback and over shared memory
+//! (ranks as threads),
 //! against the naive reference: p ∈ {1,2,3,4,5,7,8} × counts {0, 1, 7, 1023} × every dtype ×
 //! op, in place and out of place, plus a large odd count on a few dtype/op pairs; one
 //! communicator per p, reused for every algorithm and case. Also: the selector's choice is the
@@ -15,9 +16,20 @@ const SMALL: [usize; 4] = [0, 1, 7, 1023];
 const LARGE: usize = (1 << 18) + 3;
 
 #[test]
-fn every_algorithm_matches_the_reference() {
+fn every_algorithm_matches_the_reference_over_tcp() {
+    every_algorithm("tcp");
+}
+
+/// The same schedules over shared-memory messages (an explicit algorithm bypasses the direct
+/// same-host allreduce, so the message schedules themselves run over shm).
+#[test]
+fn every_algorithm_matches_the_reference_over_shm() {
+    every_algorithm("shm");
+}
+
+fn every_algorithm(transport: &'static str) {
     for p in RANKS {
-        let bad = on_threads(p, Duration::from_secs(300), |c| {
+        let bad = on_threads_on(transport, p, Duration::from_secs(300), |c| {
             let mut bad = Vec::new();
             for alg in Algorithm::ALL {
                 let opts = AllReduceOptions {
@@ -34,7 +46,7 @@ fn every_algorithm_matches_the_reference() {
         let bad: Vec<String> = bad.into_iter().flatten().collect();
         assert!(
             bad.is_empty(),
-            "p={p}: {} failures, first: {:?}",
+            "{transport} p={p}: {} failures, first: {:?}",
             bad.len(),
             &bad[..bad.len().min(5)]
         );

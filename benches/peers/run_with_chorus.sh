@@ -73,9 +73,9 @@ cat >"$DEFS" <<EOF
 # ---- chorus (added by run_with_chorus.sh) ----
 CHORUS_PERF=$(printf '%q' "$PERF")
 chorus_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \\n'; }
-chorus_lo() {
+chorus_lo() { # NP TRANSPORT
     MASTER_ADDR=127.0.0.1 MASTER_PORT=\$PORT CHORUS_SOCKET_IFNAME=lo CHORUS_TOKEN=\$(chorus_token) \\
-        ./launch.sh "\$1" "\$CHORUS_PERF" allreduce --format peers "\${LOOP_ARGS[@]}"
+        CHORUS_TRANSPORT=\$2 ./launch.sh "\$1" "\$CHORUS_PERF" allreduce --format peers "\${LOOP_ARGS[@]}"
 }
 chorus_netns() {
     MASTER_ADDR=10.77.0.1 MASTER_PORT=\$PORT CHORUS_SOCKET_IFNAME=eth0 CHORUS_TOKEN=\$(chorus_token) \\
@@ -87,10 +87,10 @@ EOF
 RUN_ALL=$WORK/run_all.sh
 sed -i \
     -e '/^MPIRUN=(/r '"$DEFS" \
-    -e 's|^\([[:space:]]*\)"ref-tcp-ring=ring_lo \$np"$|\1"ref-tcp-ring=ring_lo $np" \\\n\1"chorus=chorus_lo $np"|' \
+    -e 's|^\([[:space:]]*\)"ref-tcp-ring=ring_lo \$np"$|\1"ref-tcp-ring=ring_lo $np" \\\n\1"chorus-tcp=chorus_lo $np tcp" \\\n\1"chorus-shm=chorus_lo $np shm"|' \
     -e 's|^\([[:space:]]*\)"ref-tcp-ring=ring_netns"$|\1"ref-tcp-ring=ring_netns" \\\n\1"chorus=chorus_netns"|' \
     "$RUN_ALL"
-for want in '^chorus_lo() {' '^chorus_netns() {' '"chorus=chorus_lo \$np"$' '"chorus=chorus_netns"$'; do
+for want in '^chorus_lo() {' '^chorus_netns() {' '"chorus-tcp=chorus_lo \$np tcp" \\$' '"chorus-shm=chorus_lo \$np shm"$' '"chorus=chorus_netns"$'; do
     grep -q "$want" "$RUN_ALL" || die "could not patch $RUN_ALL (no match for $want): has run_all.sh changed?"
 done
 bash -n "$RUN_ALL" || die "patched $RUN_ALL does not parse"
