@@ -57,11 +57,13 @@ pub struct AlgoFilter {
 }
 
 impl Default for AlgoFilter {
-    /// Everything allowed.
+    /// Everything allowed except the double binary tree, which runs only when `CHORUS_ALGO`
+    /// or an option names it: its cost model is not yet calibrated against measurements
+    /// (on the 2-core test machine it lost to the single tree and the ring at every size).
     fn default() -> Self {
-        AlgoFilter {
-            allowed: [true; Algorithm::ALL.len()],
-        }
+        let mut allowed = [true; Algorithm::ALL.len()];
+        allowed[index(Algorithm::DoubleTree)] = false;
+        AlgoFilter { allowed }
     }
 }
 
@@ -419,7 +421,10 @@ mod tests {
         assert!(!f.allows(Algorithm::Ring) && f.allows(Algorithm::RecursiveDoubling));
         assert_eq!(AlgoFilter::parse("").unwrap(), AlgoFilter::default());
         assert!(AlgoFilter::parse("allreduce:nonsense").is_err());
-        assert!(AlgoFilter::parse("^ring,tree,halving_doubling,recursive_doubling").is_err());
+        assert!(
+            AlgoFilter::parse("^ring,tree,halving_doubling,recursive_doubling,double_tree")
+                .is_err()
+        );
     }
 
     #[test]

@@ -90,7 +90,7 @@ fn chorus_algo_edits_the_table() {
         picks.iter().flatten().all(|&a| a == Algorithm::Ring),
         "{picks:?}"
     );
-    let picks = on_threads_with_algo(3, "^ring,tree");
+    let picks = on_threads_with_algo(3, "^ring,tree,double_tree");
     assert!(
         picks
             .iter()

@@ -146,6 +146,33 @@ pub fn tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -
     (2.0 * depth + segments - 1.0) * (link.alpha + fan_in * s * link.beta)
 }
 
+/// A double binary tree allreduce ([`crate::allreduce::double_tree`]): the two halves of
+/// `bytes` go through two pipelined trees of depth `⌊log₂ranks⌋` at once, in segments of
+/// `segment` bytes. Each rank forwards to children in one tree only: a pipeline step, with
+/// [`tree_allreduce`]'s convention, costs `α + (f + 1)·sβ` for half-buffer segments of `s`
+/// bytes and fan-out `f` (two segments down the tree where the rank is inner, one up the tree
+/// where it is a leaf, on the same network port): `(2·depth + m − 1)·(α + (f + 1)·sβ)` with `m`
+/// segments per half, `≈ 2·log₂p·α + 1.5·nβ` for large buffers (the single tree: `2nβ`).
+///
+/// ```
+/// use chorus_algorithms::cost::{double_tree_allreduce, Link};
+/// let l = Link { alpha: 1e-5, beta: 0.0 };
+/// assert!((double_tree_allreduce(8, 4, 65536, &l) - 4.0 * 1e-5).abs() < 1e-15);
+/// ```
+pub fn double_tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let depth = ranks.ilog2() as f64;
+    let half = bytes.div_ceil(2);
+    let segments = half.div_ceil(segment.max(1)).max(1) as f64;
+    let s = half.min(segment) as f64;
+    // With two ranks each tree is one edge: a rank sends one half-segment down one tree and
+    // one up the other per step.
+    let per_step = if ranks == 2 { 2.0 } else { 3.0 };
+    (2.0 * depth + segments - 1.0) * (link.alpha + per_step * s * link.beta)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +205,23 @@ mod tests {
         assert_eq!(recursive_doubling_allreduce(8, 1, &l), 0.0);
         assert_eq!(halving_doubling_allreduce(8, 1, &l), 0.0);
         assert_eq!(tree_allreduce(8, 1, 1024, &l), 0.0);
+    }
+
+    #[test]
+    fn double_tree_halves_the_tree_bandwidth_term() {
+        let l = Link::GIGABIT_ETHERNET;
+        assert_eq!(double_tree_allreduce(8, 1, 1024, &l), 0.0);
+        let n = 64 << 20;
+        let t = double_tree_allreduce(n, 8, 1 << 16, &l);
+        let floor = 1.5 * n as f64 * l.beta;
+        assert!(
+            t > floor && t < 1.1 * floor + 2000.0 * l.alpha,
+            "{t} vs {floor}"
+        );
+        assert!(t < 0.8 * tree_allreduce(n, 8, 1 << 16, &l));
+        // Two ranks: each half crosses the one link in each direction, like the ring.
+        let two = double_tree_allreduce(n, 2, 1 << 16, &l);
+        assert!(two > n as f64 * l.beta && two < 1.1 * n as f64 * l.beta);
     }
 
     #[test]

@@ -15,10 +15,11 @@ use support::sweep::{cases, Case, RANKS, TIMEOUT};
 use support::{mem, run_group};
 
 /// The schedules this file checks (the ring has its own tests).
-const SCHEDULES: [Algorithm; 3] = [
+const SCHEDULES: [Algorithm; 4] = [
     Algorithm::RecursiveDoubling,
     Algorithm::HalvingDoubling,
     Algorithm::Tree,
+    Algorithm::DoubleTree,
 ];
 
 fn one<T: Element>(

@@ -10,6 +10,7 @@
 //! | [`halving_doubling`] | `2·log₂p` | `2(p−1)/p·n` | mid-size `n` |
 //! | [`recursive_doubling`] | `log₂p` | `log₂p·n` | tiny `n` |
 //! | [`tree`] | `≈ 2·log₂p + n/segment` | `≤ 3n` (inner ranks) | large `p`, mid `n` |
+//! | [`double_tree`] | `≈ 2·log₂p + n/(2·segment)` | `≤ 2n` (inner ranks) | large `p`, mid `n` |
 //!
 //! (`p` rounded down to a power of two for the recursive schedules, plus two messages of `n`
 //! bytes when it is not one.)
@@ -19,6 +20,7 @@
 //! different schedules for the same call fail with a tag mismatch instead of misreading each
 //! other's messages.
 
+pub mod double_tree;
 pub mod exchange;
 pub mod halving_doubling;
 pub mod recursive_doubling;
@@ -52,15 +54,19 @@ pub enum Algorithm {
     HalvingDoubling,
     /// Whole-buffer exchanges in log₂p rounds ([`recursive_doubling`]): tiny messages.
     RecursiveDoubling,
+    /// Two pipelined binary trees, one per half of the buffer, inner ranks of one being
+    /// leaves of the other ([`double_tree`]).
+    DoubleTree,
 }
 
 impl Algorithm {
     /// Every schedule (the selector's candidates).
-    pub const ALL: [Algorithm; 4] = [
+    pub const ALL: [Algorithm; 5] = [
         Algorithm::Ring,
         Algorithm::Tree,
         Algorithm::HalvingDoubling,
         Algorithm::RecursiveDoubling,
+        Algorithm::DoubleTree,
     ];
 
     /// The name used by `CHORUS_ALGO` and in logs.
@@ -70,6 +76,7 @@ impl Algorithm {
             Algorithm::Tree => "tree",
             Algorithm::HalvingDoubling => "halving_doubling",
             Algorithm::RecursiveDoubling => "recursive_doubling",
+            Algorithm::DoubleTree => "double_tree",
         }
     }
 
@@ -80,6 +87,7 @@ impl Algorithm {
             Algorithm::Tree => tree::cost(bytes, ranks, link),
             Algorithm::HalvingDoubling => halving_doubling::cost(bytes, ranks, link),
             Algorithm::RecursiveDoubling => recursive_doubling::cost(bytes, ranks, link),
+            Algorithm::DoubleTree => double_tree::cost(bytes, ranks, link),
         }
     }
 }
@@ -108,7 +116,7 @@ impl FromStr for Algorithm {
             .ok_or_else(|| ParseNameError {
                 what: "allreduce algorithm",
                 input: s.to_string(),
-                expected: "ring, tree, halving_doubling, recursive_doubling",
+                expected: "ring, tree, halving_doubling, recursive_doubling, double_tree",
             })
     }
 }
@@ -135,6 +143,7 @@ pub fn run(
         Algorithm::Tree => tree::run(ctx, send, recv, dtype, op),
         Algorithm::HalvingDoubling => halving_doubling::run(ctx, send, recv, dtype, op),
         Algorithm::RecursiveDoubling => recursive_doubling::run(ctx, send, recv, dtype, op),
+        Algorithm::DoubleTree => double_tree::run(ctx, send, recv, dtype, op),
     }
 }
 

@@ -148,25 +148,59 @@ pub fn run(
         return Ok(());
     }
     let plan = plan(rank, size, n / dtype.size(), dtype.size());
-    let tag_base = ctx.tag(super::step_tag(ALG_ID, 0));
+    let node = Node {
+        parent: plan.parent,
+        children: plan.children,
+    };
+    let segments: Vec<(usize, Range<usize>)> = plan.segments.into_iter().map(|r| (0, r)).collect();
+    run_segments(ctx, send, recv, dtype, op, ALG_ID, &[node], &segments)
+}
+
+/// A rank's place in one tree: used by [`run_segments`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Node {
+    /// The rank segments go up to and come down from (`None` at the root).
+    pub(crate) parent: Option<usize>,
+    /// The ranks segments come up from and go down to (at most two).
+    pub(crate) children: Vec<usize>,
+}
+
+/// The pipelined tree machinery, over several trees at once: segment `(t, range)` of
+/// `segments` goes up and down tree `trees[t]` (this rank's place in it), in the order given
+/// (every rank must pass the same segments in the same order, and the same trees up to its own
+/// place in them). The ranges must be disjoint, non-empty and within `recv`; `alg` is the
+/// schedule number of the tags ([`super::step_tag`]). A tree's root divides by `p` for `Avg`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_segments(
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    alg: u64,
+    trees: &[Node],
+    segments: &[(usize, Range<usize>)],
+) -> Result<()> {
+    let size = ctx.transport.size();
+    let tag_base = ctx.tag(super::step_tag(alg, 0));
     let up_tag = |k: usize| tag_base | (k as u64 % TAG_SPAN);
     let down_tag = |k: usize| tag_base | (TAG_SPAN + k as u64 % TAG_SPAN);
-    let slot_len = plan.segments[0].len();
-    let nkids = plan.children.len();
+    let slot_len = segments.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    let max_kids = trees.iter().map(|t| t.children.len()).max().unwrap_or(0);
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(nkids * WINDOW * slot_len);
-    // slots[child][w]: the scratch slot of window position `w` for `child`.
-    let mut slots: Vec<Vec<&mut [u8]>> = if nkids == 0 {
+    let (t, scratch) = ctx.transport_and_scratch(max_kids * WINDOW * slot_len);
+    // slots[child][w]: the scratch slot of window position `w` for a segment's `child`-th child.
+    let mut slots: Vec<Vec<&mut [u8]>> = if max_kids == 0 || slot_len == 0 {
         Vec::new()
     } else {
         scratch
             .chunks_mut(WINDOW * slot_len)
+            .take(max_kids)
             .map(|c| c.chunks_mut(slot_len).collect())
             .collect()
     };
-    let leaf_input = send.filter(|_| nkids == 0);
 
-    let nseg = plan.segments.len();
+    let nseg = segments.len();
     let mut segs: Vec<Seg> = Vec::with_capacity(nseg);
     // Segments lo..segs.len() are in progress; below lo they are finished.
     let mut lo = 0;
@@ -174,20 +208,21 @@ pub fn run(
         // Enter new segments into the window, posting their requests in segment order.
         while segs.len() < nseg && segs.len() < lo + WINDOW {
             let k = segs.len();
-            let range = plan.segments[k].clone();
+            let (tree, range) = &segments[k];
+            let node = &trees[*tree];
             let len = range.len();
             let mut s = Seg {
-                range,
-                up_recv: plan
+                range: range.clone(),
+                up_recv: node
                     .children
                     .iter()
                     .map(|&c| Request::recv(c, up_tag(k), len))
                     .collect(),
-                up_send: plan
+                up_send: node
                     .parent
                     .map(|p| Request::send_partial(p, up_tag(k), len, 0)),
-                down_recv: plan.parent.map(|p| Request::recv(p, down_tag(k), len)),
-                down_send: plan
+                down_recv: node.parent.map(|p| Request::recv(p, down_tag(k), len)),
+                down_send: node
                     .children
                     .iter()
                     .map(|&c| Request::send_partial(c, down_tag(k), len, 0))
@@ -210,12 +245,13 @@ pub fn run(
             }
             if !s.reduced && s.up_recv.iter().all(Request::is_complete) {
                 let dst = &mut recv[s.range.clone()];
+                let nkids = s.up_recv.len();
                 if nkids > 0 {
                     if let Some(input) = send {
                         dst.copy_from_slice(&input[s.range.clone()]);
                     }
                 }
-                for slots in slots.iter() {
+                for slots in slots.iter().take(nkids) {
                     reduce_bytes(dtype, op, dst, &slots[k % WINDOW][..dst.len()]);
                 }
                 s.reduced = true;
@@ -225,7 +261,8 @@ pub fn run(
                         if op == ReduceOp::Avg {
                             finish_avg_bytes(dtype, dst, size);
                         }
-                        s.down_send.iter_mut().for_each(|d| d.set_available(n));
+                        let len = dst.len();
+                        s.down_send.iter_mut().for_each(|d| d.set_available(len));
                     }
                 }
             }
@@ -243,15 +280,7 @@ pub fn run(
         if lo != before {
             continue; // enter and release the next segments first
         }
-        progress_window(
-            t,
-            &mut segs[lo..],
-            lo,
-            &mut slots,
-            recv,
-            leaf_input,
-            deadline,
-        )?;
+        progress_window(t, &mut segs[lo..], lo, &mut slots, recv, send, deadline)?;
     }
     Ok(())
 }
@@ -263,7 +292,7 @@ fn progress_window(
     first: usize,
     slots: &mut [Vec<&mut [u8]>],
     recv: &mut [u8],
-    leaf_input: Option<&[u8]>,
+    send: Option<&[u8]>,
     deadline: std::time::Instant,
 ) -> Result<()> {
     let mut ops = Vec::new();
@@ -276,14 +305,27 @@ fn progress_window(
             b.iter_mut().chain(a.iter_mut())
         })
         .collect();
-    // The output cut along the window's segments (they are consecutive).
-    let start = segs.first().map_or(0, |s| s.range.start);
-    let mut rest = &mut recv[start..];
-    for s in segs.iter_mut() {
-        let (out, tail) = std::mem::take(&mut rest).split_at_mut(s.range.len());
-        rest = tail;
-        for (r, slot) in s.up_recv.iter_mut().zip(kid_slots.iter_mut()) {
-            let slot = slot.next().expect("one slot per window position");
+    // The output cut along the window's segments (disjoint, in any order).
+    let mut by_start: Vec<usize> = (0..segs.len()).collect();
+    by_start.sort_by_key(|&i| segs[i].range.start);
+    let mut outs: Vec<Option<&mut [u8]>> = (0..segs.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (&mut recv[..], 0);
+    for i in by_start {
+        let range = &segs[i].range;
+        let tail = std::mem::take(&mut rest).split_at_mut(range.start - at).1;
+        let (out, tail) = tail.split_at_mut(range.len());
+        outs[i] = Some(out);
+        (rest, at) = (tail, range.end);
+    }
+    for (s, out) in segs.iter_mut().zip(outs) {
+        let out = out.expect("one output per segment");
+        let leaf_input = send.filter(|_| s.up_recv.is_empty());
+        // Every child position advances, whether or not this segment's tree uses it.
+        let mine: Vec<&mut &mut [u8]> = kid_slots
+            .iter_mut()
+            .map(|it| it.next().expect("one slot per window position"))
+            .collect();
+        for (r, slot) in s.up_recv.iter_mut().zip(mine) {
             if !r.is_complete() {
                 ops.push(Op::recv(r, &mut slot[..out.len()]));
             }
@@ -320,10 +362,9 @@ fn progress_window(
     drop(ops);
     // Forward what has arrived of segments still coming down (non-blocking, their own call:
     // the receive holds the same bytes mutably above).
-    let mut rest = &recv[start..];
+    let recv: &[u8] = recv;
     for s in segs.iter_mut() {
-        let (out, tail) = rest.split_at(s.range.len());
-        rest = tail;
+        let out = &recv[s.range.clone()];
         if s.down_recv.as_ref().is_some_and(|d| !d.is_complete()) {
             let got = s.down_recv.as_ref().map_or(0, Request::bytes_done);
             for d in s.down_send.iter_mut() {

@@ -243,7 +243,14 @@ pub fn connect(
         .store(layout.arena_half as u64, Ordering::Release);
     store.set(
         &format!("shm/seg/{rank}"),
-        format!("{} {}", std::process::id(), fd.as_raw_fd()).as_bytes(),
+        format!(
+            "{} {} {} {}",
+            std::process::id(),
+            fd.as_raw_fd(),
+            layout.ring,
+            layout.arena_half
+        )
+        .as_bytes(),
     )?;
 
     let mut slot = vec![None; size];
@@ -256,9 +263,12 @@ pub fn connect(
         let v = store.get(&format!("shm/seg/{j}"), deadline)?;
         let text = String::from_utf8_lossy(&v);
         let mut it = text.split(' ').map(str::parse::<i64>);
-        let (pid, pfd) = match (it.next(), it.next(), it.next()) {
-            (Some(Ok(p)), Some(Ok(f)), None) if p > 0 && p <= u32::MAX as i64 && f >= 0 => {
-                (p as u32, f as i32)
+        let (pid, pfd, ring, arena) = match (it.next(), it.next(), it.next(), it.next(), it.next())
+        {
+            (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
+                if p > 0 && p <= u32::MAX as i64 && f >= 0 =>
+            {
+                (p as u32, f as i32, r, a)
             }
             _ => {
                 return Err(rdv(format!(
@@ -266,6 +276,16 @@ pub fn connect(
                 )))
             }
         };
+        // Options first, from the store: a peer with other sizes is refused before anything
+        // is opened or mapped.
+        if ring != layout.ring as i64 || arena != layout.arena_half as i64 {
+            return Err(rdv(format!(
+                "rank {j}'s shared segment does not match this communicator or its options \
+                 (it has ring {ring} B, chunk {arena} B; this rank ring {} B, chunk {} B: \
+                 set CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES alike on every rank)",
+                layout.ring, layout.arena_half
+            )));
+        }
         let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
             rdv(format!(
                 "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
