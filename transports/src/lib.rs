@@ -230,6 +230,37 @@ impl<'r, 'b> Op<'r, 'b> {
     }
 }
 
+/// Checks every transport does at the start of [`Transport::progress`]: each op was posted,
+/// its buffer is at least the request's length, and a receive has a writable buffer.
+pub fn check_ops(ops: &[Op<'_, '_>]) -> Result<()> {
+    for op in ops {
+        if !op.req.is_posted() {
+            return Err(TransportError::InvalidUsage(
+                "progress on a request that was not posted".into(),
+            ));
+        }
+        let blen = match &op.buf {
+            Buf::Send(b) => b.len(),
+            Buf::Recv(b) => b.len(),
+        };
+        if blen < op.req.len() {
+            return Err(TransportError::InvalidArgument(format!(
+                "buffer of {blen} bytes for a request of {} bytes",
+                op.req.len()
+            )));
+        }
+        if matches!(
+            (&op.buf, op.req.direction()),
+            (Buf::Send(_), Direction::Recv)
+        ) {
+            return Err(TransportError::InvalidArgument(
+                "a receive request needs a Buf::Recv buffer".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// How long a [`Transport::progress`] call may block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wait {

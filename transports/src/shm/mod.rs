@@ -44,7 +44,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::rendezvous::StoreClient;
-use crate::{AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait};
+use crate::{
+    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+};
 use sys::{Liveness, Mapping};
 
 /// Cache line size used for padding.
@@ -758,30 +760,8 @@ impl Transport for ShmTransport {
 
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
         self.check_usable()?;
+        check_ops(ops)?;
         for op in ops.iter() {
-            if !op.req.is_posted() {
-                return Err(TransportError::InvalidUsage(
-                    "progress on a request that was not posted".into(),
-                ));
-            }
-            let blen = match &op.buf {
-                Buf::Send(b) => b.len(),
-                Buf::Recv(b) => b.len(),
-            };
-            if blen < op.req.len() {
-                return Err(TransportError::InvalidArgument(format!(
-                    "buffer of {blen} bytes for a request of {} bytes",
-                    op.req.len()
-                )));
-            }
-            if matches!(
-                (&op.buf, op.req.direction()),
-                (Buf::Send(_), Direction::Recv)
-            ) {
-                return Err(TransportError::InvalidArgument(
-                    "a receive request needs a Buf::Recv buffer".into(),
-                ));
-            }
             self.peer_ref(op.req.peer())?;
         }
         let mut stall: Option<Stall> = None;

@@ -28,7 +28,9 @@ use mio::{Events, Interest, Poll, Token};
 pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOptions, Rendezvous};
 
 use crate::frame::{self, Header, Kind, HEADER_LEN};
-use crate::{AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait};
+use crate::{
+    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+};
 
 /// Trailer closing a complete frame.
 const TRAILER_END: [u8; 8] = *b"CHRS-END";
@@ -739,31 +741,7 @@ impl Transport for TcpTransport {
 
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
         self.check_usable()?;
-        for op in ops.iter() {
-            if !op.req.is_posted() {
-                return Err(TransportError::InvalidUsage(
-                    "progress on a request that was not posted".into(),
-                ));
-            }
-            let blen = match &op.buf {
-                Buf::Send(b) => b.len(),
-                Buf::Recv(b) => b.len(),
-            };
-            if blen < op.req.len() {
-                return Err(TransportError::InvalidArgument(format!(
-                    "buffer of {blen} bytes for a request of {} bytes",
-                    op.req.len()
-                )));
-            }
-            if matches!(
-                (&op.buf, op.req.direction()),
-                (Buf::Send(_), Direction::Recv)
-            ) {
-                return Err(TransportError::InvalidArgument(
-                    "a receive request needs a Buf::Recv buffer".into(),
-                ));
-            }
-        }
+        check_ops(ops)?;
         let comm_id = self.comm_id;
         let started = Instant::now();
         let mut refreshed = false;
