@@ -10,8 +10,7 @@
 
 mod common;
 
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chorus::{CommError, Communicator, DType, Element, ErrorKind, ReduceOp};
 use chorus_algorithms::reference::{count_wrong, expected, is_correct, test_value};
@@ -40,44 +39,16 @@ fn group<R: Send + 'static>(
     watchdog: Duration,
     f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
-    let server = store();
-    let addr = server.local_addr();
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..size {
-        let (tx, f) = (tx.clone(), f.clone());
-        let algo = algo.map(str::to_string);
-        let transport = transport.to_string();
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut cfg = config(rank, size, addr);
-                cfg.algo = algo;
-                cfg.transport = Some(transport);
-                cfg.timeout = timeout;
-                let mut c = Communicator::new(cfg).expect("communicator");
-                f(&mut c)
-            }));
-            let _ = tx.send((rank, r));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + watchdog;
-    let mut out: Vec<Option<R>> = (0..size).map(|_| None).collect();
-    for _ in 0..size {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((rank, Ok(r))) => out[rank] = Some(r),
-            Ok((rank, Err(p))) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                panic!("rank {rank} of {size} panicked: {msg}")
-            }
-            Err(_) => panic!("watchdog: a group of {size} still running after {watchdog:?}"),
-        }
-    }
-    drop(server);
-    out.into_iter().map(Option::unwrap).collect()
+    let algo = algo.map(str::to_string);
+    let transport = transport.to_string();
+    let make = move |rank, addr| {
+        let mut cfg = config(rank, size, addr);
+        cfg.algo = algo.clone();
+        cfg.transport = Some(transport.clone());
+        cfg.timeout = timeout;
+        cfg
+    };
+    on_threads_cfg(size, watchdog, make, f)
 }
 
 /// Rank `r`'s input element `i`.

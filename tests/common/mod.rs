@@ -61,16 +61,30 @@ pub fn on_threads_on<R: Send + 'static>(
     watchdog: Duration,
     f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
+    on_threads_cfg(
+        size,
+        watchdog,
+        move |rank, addr| config_on(rank, size, addr, transport),
+        f,
+    )
+}
+
+/// [`on_threads`] with each rank's configuration made by `make(rank, store_addr)`.
+pub fn on_threads_cfg<R: Send + 'static>(
+    size: usize,
+    watchdog: Duration,
+    make: impl Fn(usize, SocketAddr) -> Config + Send + Sync + Clone + 'static,
+    f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
     let server = store();
     let addr = server.local_addr();
     let (tx, rx) = mpsc::channel();
     for rank in 0..size {
         let tx = tx.clone();
-        let f = f.clone();
+        let (f, make) = (f.clone(), make.clone());
         std::thread::spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut c = Communicator::new(config_on(rank, size, addr, transport))
-                    .expect("communicator");
+                let mut c = Communicator::new(make(rank, addr)).expect("communicator");
                 f(&mut c)
             }));
             let _ = tx.send((rank, r));
