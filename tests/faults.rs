@@ -12,76 +12,15 @@ use chorus::{AllReduceOptions, Communicator, ErrorKind, ReduceOp};
 use chorus_transport::rendezvous::{connect_handshake, StoreClient};
 use common::*;
 
-const BIG: usize = 1 << 22; // 16 MiB of f32: long enough to be killed in the middle
-
 /// A rank exits (process::exit, no goodbye) in the middle of a large allreduce; every other
 /// rank must return an error naming it, well within the timeout.
 #[test]
 fn rank_exits_mid_allreduce() {
     if is_child() {
-        let victim: usize = std::env::var("CHORUS_TEST_VICTIM")
-            .unwrap()
-            .parse()
-            .unwrap();
-        let mut c = child_comm();
-        let mut small = vec![1.0f32; 16];
-        c.all_reduce(&mut small, ReduceOp::Sum).unwrap();
-        if c.rank() == victim {
-            std::thread::spawn(|| {
-                std::thread::sleep(Duration::from_millis(30));
-                std::process::exit(17);
-            });
-        }
-        let mut big = vec![1.0f32; BIG];
-        let start = Instant::now();
-        for _ in 0..200 {
-            if let Err(e) = c.all_reduce(&mut big, ReduceOp::Sum) {
-                println!(
-                    "ERR after {:.2}s kind={:?} peer={:?}: {e}",
-                    start.elapsed().as_secs_f64(),
-                    e.kind(),
-                    e.peer()
-                );
-                assert!(!e.is_usable());
-                // The communicator refuses further work, without hanging.
-                assert!(c.all_reduce(&mut small, ReduceOp::Sum).is_err());
-                return;
-            }
-        }
-        println!("NO-ERROR");
-        std::process::exit(3);
+        return kill_test_child("tcp");
     }
     for (p, victim) in [(4usize, 2usize), (3, 0), (5, 4)] {
-        let job = spawn_job(
-            p,
-            "rank_exits_mid_allreduce",
-            &[
-                ("CHORUS_TEST_VICTIM", victim.to_string()),
-                ("CHORUS_TIMEOUT", "30".to_string()),
-            ],
-        );
-        let start = Instant::now();
-        let res = wait_job(job, Duration::from_secs(90));
-        for (rank, (code, out)) in res.iter().enumerate() {
-            if rank == victim {
-                assert_eq!(*code, Some(17), "victim output:\n{out}");
-                continue;
-            }
-            assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
-            let line = out
-                .lines()
-                .find(|l| l.contains("ERR after"))
-                .unwrap_or_default();
-            assert!(
-                line.contains(&format!("rank {victim}")),
-                "p={p} rank {rank} does not name rank {victim}: {line}\n{out}"
-            );
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "errors took {:?}",
-            start.elapsed()
-        );
+        kill_test_parent("rank_exits_mid_allreduce", "tcp", p, victim);
     }
 }
 

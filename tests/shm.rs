@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use chorus::{Communicator, ReduceOp};
+use chorus::Communicator;
 use common::*;
 
 fn shm_config(rank: usize, size: usize, addr: std::net::SocketAddr) -> chorus::Config {
@@ -131,64 +131,11 @@ fn dev_shm() -> BTreeSet<String> {
 #[test]
 fn killed_rank_is_named_and_leaves_nothing() {
     if is_child() {
-        let victim: usize = std::env::var("CHORUS_TEST_VICTIM")
-            .unwrap()
-            .parse()
-            .unwrap();
-        let mut c = child_comm();
-        assert_eq!(c.transport_name(), "shm");
-        let mut small = vec![1.0f32; 16];
-        c.all_reduce(&mut small, ReduceOp::Sum).unwrap();
-        if c.rank() == victim {
-            std::thread::spawn(|| {
-                std::thread::sleep(Duration::from_millis(50));
-                std::process::exit(17);
-            });
-        }
-        let mut big = vec![1.0f32; 1 << 22];
-        let start = Instant::now();
-        for _ in 0..2000 {
-            if let Err(e) = c.all_reduce(&mut big, ReduceOp::Sum) {
-                println!(
-                    "ERR after {:.2}s kind={:?}: {e}",
-                    start.elapsed().as_secs_f64(),
-                    e.kind()
-                );
-                assert!(!e.is_usable());
-                assert!(c.all_reduce(&mut small, ReduceOp::Sum).is_err());
-                return;
-            }
-        }
-        println!("NO-ERROR");
-        std::process::exit(3);
+        return kill_test_child("shm");
     }
     let before = dev_shm();
     for (p, victim) in [(4usize, 2usize), (2, 0), (3, 1)] {
-        let job = spawn_job(
-            p,
-            "killed_rank_is_named_and_leaves_nothing",
-            &[
-                ("CHORUS_TEST_VICTIM", victim.to_string()),
-                ("CHORUS_TRANSPORT", "shm".to_string()),
-                ("CHORUS_TIMEOUT", "30".to_string()),
-            ],
-        );
-        let res = wait_job(job, Duration::from_secs(90));
-        for (rank, (code, out)) in res.iter().enumerate() {
-            if rank == victim {
-                assert_eq!(*code, Some(17), "victim output:\n{out}");
-                continue;
-            }
-            assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
-            let line = out
-                .lines()
-                .find(|l| l.contains("ERR after"))
-                .unwrap_or_default();
-            assert!(
-                line.contains(&format!("rank {victim}")),
-                "p={p} rank {rank} does not name rank {victim}: {line}\n{out}"
-            );
-        }
+        kill_test_parent("killed_rank_is_named_and_leaves_nothing", "shm", p, victim);
     }
     let after = dev_shm();
     let new: Vec<_> = after.difference(&before).collect();

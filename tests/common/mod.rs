@@ -311,3 +311,77 @@ pub fn child_comm() -> Communicator {
     c.host_store = Some(false);
     Communicator::new(c).expect("communicator")
 }
+
+/// Child side of a kill test: a warm-up allreduce, then rank `CHORUS_TEST_VICTIM` exits
+/// (no goodbye) 30 ms into a stream of 16 MiB allreduces while the others must get an error
+/// (printed as `ERR after …`), and the communicator refuses further work without hanging.
+pub fn kill_test_child(transport: &str) {
+    let victim: usize = std::env::var("CHORUS_TEST_VICTIM")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut c = child_comm();
+    assert_eq!(c.transport_name(), transport);
+    let mut small = vec![1.0f32; 16];
+    c.all_reduce(&mut small, chorus::ReduceOp::Sum).unwrap();
+    if c.rank() == victim {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(30));
+            std::process::exit(17);
+        });
+    }
+    let mut big = vec![1.0f32; 1 << 22];
+    let start = Instant::now();
+    for _ in 0..2000 {
+        if let Err(e) = c.all_reduce(&mut big, chorus::ReduceOp::Sum) {
+            println!(
+                "ERR after {:.2}s kind={:?} peer={:?}: {e}",
+                start.elapsed().as_secs_f64(),
+                e.kind(),
+                e.peer()
+            );
+            assert!(!e.is_usable());
+            assert!(c.all_reduce(&mut small, chorus::ReduceOp::Sum).is_err());
+            return;
+        }
+    }
+    println!("NO-ERROR");
+    std::process::exit(3);
+}
+
+/// Parent side of a kill test: runs `test_name` as a job of `p` ranks over `transport` with
+/// `victim` exiting, and checks every survivor reported an error naming the victim, well
+/// within the 30 s timeout.
+pub fn kill_test_parent(test_name: &str, transport: &str, p: usize, victim: usize) {
+    let job = spawn_job(
+        p,
+        test_name,
+        &[
+            ("CHORUS_TEST_VICTIM", victim.to_string()),
+            ("CHORUS_TRANSPORT", transport.to_string()),
+            ("CHORUS_TIMEOUT", "30".to_string()),
+        ],
+    );
+    let start = Instant::now();
+    let res = wait_job(job, Duration::from_secs(90));
+    for (rank, (code, out)) in res.iter().enumerate() {
+        if rank == victim {
+            assert_eq!(*code, Some(17), "victim output:\n{out}");
+            continue;
+        }
+        assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("ERR after"))
+            .unwrap_or_default();
+        assert!(
+            line.contains(&format!("rank {victim}")),
+            "p={p} rank {rank} does not name rank {victim}: {line}\n{out}"
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "errors took {:?}",
+        start.elapsed()
+    );
+}
