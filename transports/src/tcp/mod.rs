@@ -745,6 +745,7 @@ impl Transport for TcpTransport {
         let comm_id = self.comm_id;
         let started = Instant::now();
         let mut refreshed = false;
+        let mut notice_check = false;
         loop {
             let mut moved = false;
             let mut all_done;
@@ -782,6 +783,15 @@ impl Transport for TcpTransport {
             if all_done {
                 return Ok(true);
             }
+            // An abort notice fails this wait only once the ops it could still complete have
+            // been driven with what already arrived: a peer that finished this collective and
+            // aborted in its next one must not fail a call whose data is all here.
+            if notice_check {
+                notice_check = false;
+                if let Some(e) = self.pending_notice(false) {
+                    return Err(self.fail(e));
+                }
+            }
             let deadline = match wait {
                 // Readiness is learnt from epoll: look once, without blocking, before giving
                 // up (otherwise a socket that once would block is never retried under No).
@@ -809,20 +819,22 @@ impl Transport for TcpTransport {
                 ));
             }
             let ready = self.wait_ready(deadline)?;
+            if ready {
+                notice_check = true;
+                continue;
+            }
             if let Some(e) = self.pending_notice(false) {
                 return Err(self.fail(e));
             }
-            if !ready {
-                let peer = ops
-                    .iter()
-                    .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
-                    .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
-                    .map(|o| o.req.peer());
-                return Err(self.fail(TransportError::Timeout {
-                    peer,
-                    waited: started.elapsed(),
-                }));
-            }
+            let peer = ops
+                .iter()
+                .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
+                .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
+                .map(|o| o.req.peer());
+            return Err(self.fail(TransportError::Timeout {
+                peer,
+                waited: started.elapsed(),
+            }));
         }
     }
 
