@@ -8,6 +8,7 @@
 
 pub mod allreduce;
 pub mod collectives;
+pub mod compress;
 pub mod context;
 pub mod cost;
 pub mod dtype;
@@ -15,6 +16,7 @@ mod halfconv;
 pub mod op;
 pub mod reduce;
 pub mod reference;
+pub mod sparse;
 
 pub use context::CollCtx;
 pub use dtype::{DType, Element};
