@@ -463,13 +463,13 @@ impl Communicator {
         }
     }
 
-    fn next_seq(&mut self) -> u32 {
+    pub(crate) fn next_seq(&mut self) -> u32 {
         let s = self.seq;
         self.seq = self.seq.wrapping_add(1);
         s
     }
 
-    fn check_usable(&self, op: &'static str) -> Result<(), CommError> {
+    pub(crate) fn check_usable(&self, op: &'static str) -> Result<(), CommError> {
         match &self.broken {
             None => Ok(()),
             Some(why) => Err(CommError::new(

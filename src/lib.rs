@@ -18,6 +18,7 @@
 
 mod collectives;
 pub mod comm;
+pub mod compress;
 pub mod config;
 pub mod error;
 pub mod log;
@@ -26,6 +27,13 @@ pub mod select;
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::{DType, Element, ReduceOp};
 pub use comm::{AllReduceOptions, Communicator};
+pub use compress::{CompressionReport, Compressor, CompressorSpec};
+
+/// Sparse vectors and the sparse allreduce algorithms (see
+/// [`Communicator::sparse_all_reduce`]).
+pub mod sparse {
+    pub use chorus_algorithms::sparse::{SparseAlgo, SparseResult, SparseVec, WireStats};
+}
 pub use config::Config;
 pub use error::{CommError, ErrorKind};
 

@@ -1,0 +1,610 @@
+//! Compressed and sparse allreduce: the [`Compressor`] a user keeps per tensor, its spec
+//! grammar, and the [`Communicator`] calls that use it.
+//!
+//! # Spec grammar
+//!
+//! `method[:argument][,key=value]…`, case-insensitive, spaces ignored:
+//!
+//! | method | meaning |
+//! |---|---|
+//! | `fp16` (`f16`), `bf16` | cast to 16 bits (round to nearest) |
+//! | `int8`, `int4` | per-chunk scale, stochastic rounding (unbiased) |
+//! | `sign` (`1bit`) | 1 bit per value and a per-chunk scale (biased: error feedback on) |
+//! | `ternary` | TernGrad: per-chunk scale, stochastic {−1, 0, +1} (unbiased) |
+//! | `topk:R` | keep the fraction `R` (0 < R ≤ 1) of largest magnitudes (biased: error feedback on) |
+//!
+//! | key | values | default |
+//! |---|---|---|
+//! | `ef` | `on`/`off` (`1`/`0`, `true`/`false`) | on for `sign` and `topk`, off otherwise |
+//! | `min_bytes` | tensors smaller than this many bytes go uncompressed | 16384 |
+//! | `chunk` | elements per scale (quantized codecs) | 1024 |
+//! | `clip` | `on`/`off`: ternary clips at 2.5σ | off |
+//! | `schedule` | `scatter_gather` (`sg`) or `integer_ring` (`ring`) | the codec's |
+//! | `algo` | top-k: `two_phase`, `dsar`, `sparse_rd` | `two_phase` |
+//! | `seed` | the random streams' seed (each rank draws its own stream) | 0 |
+//!
+//! ```
+//! use chorus::Compressor;
+//! let c = Compressor::new("int8,ef=on,chunk=512")?;
+//! assert_eq!(c.spec().to_string(), "int8,ef=on,chunk=512,min_bytes=16384,seed=0");
+//! assert!(Compressor::new("topk:0").is_err());
+//! # Ok::<(), chorus::CommError>(())
+//! ```
+
+use std::fmt;
+
+use chorus_algorithms::compress::{
+    self, Codec, CompressedOptions, Residual, Rng, Schedule, DEFAULT_CHUNK,
+};
+use chorus_algorithms::sparse::{
+    self, SparseAlgo, SparseResult, SparseVec, TopkOptions, TopkState,
+};
+use chorus_algorithms::{DType, ReduceOp};
+
+use crate::comm::{tag_base, CollKind, Communicator};
+use crate::error::CommError;
+use crate::AllReduceOptions;
+
+/// Tensors below this many bytes go uncompressed unless the spec says otherwise.
+pub const DEFAULT_MIN_BYTES: usize = 16 << 10;
+
+/// What a compressor does to a tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Method {
+    /// A quantizing codec.
+    Quantize(Codec),
+    /// Top-k sparsification keeping the fraction `ratio` of the values.
+    TopK {
+        /// Fraction of the values each rank contributes, in (0, 1].
+        ratio: f64,
+    },
+}
+
+/// A parsed compressor spec (see the [module documentation](self) for the grammar).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressorSpec {
+    /// The method.
+    pub method: Method,
+    /// Error feedback: keep what compression lost and add it to the next call's input.
+    pub error_feedback: bool,
+    /// Tensors smaller than this many bytes go through the plain allreduce.
+    pub min_bytes: usize,
+    /// Elements per scale (quantized codecs).
+    pub chunk: usize,
+    /// Schedule of a quantized allreduce (`None`: the codec's default).
+    pub schedule: Option<Schedule>,
+    /// Algorithm of a top-k allreduce.
+    pub sparse_algo: SparseAlgo,
+    /// Seed of the random streams (rank `r` draws stream `r`).
+    pub seed: u64,
+}
+
+impl CompressorSpec {
+    /// Parses a spec; errors name the part that is wrong.
+    pub fn parse(spec: &str) -> Result<CompressorSpec, String> {
+        let cleaned: String = spec
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect::<String>()
+            .to_ascii_lowercase();
+        let mut parts = cleaned.split(',');
+        let head = parts.next().unwrap_or_default();
+        let (name, arg) = match head.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (head, None),
+        };
+        let method = match (name, arg) {
+            ("topk" | "top_k" | "top-k", Some(a)) => {
+                let ratio: f64 = a
+                    .parse()
+                    .map_err(|_| format!("topk ratio {a:?} is not a number"))?;
+                if !(ratio > 0.0 && ratio <= 1.0) {
+                    return Err(format!("topk ratio {ratio} is not in (0, 1]"));
+                }
+                Method::TopK { ratio }
+            }
+            ("topk" | "top_k" | "top-k", None) => {
+                return Err("topk needs a ratio, e.g. topk:0.01".into())
+            }
+            (n, None) => Method::Quantize(Codec::parse(n).ok_or_else(|| {
+                format!(
+                    "unknown compression method {n:?} (expected fp16, bf16, int8, int4, sign, \
+                     ternary or topk:R)"
+                )
+            })?),
+            (n, Some(a)) => return Err(format!("method {n:?} takes no argument (got {a:?})")),
+        };
+        let mut s = CompressorSpec {
+            method,
+            error_feedback: match method {
+                Method::Quantize(c) => c.is_biased(),
+                Method::TopK { .. } => true,
+            },
+            min_bytes: DEFAULT_MIN_BYTES,
+            chunk: DEFAULT_CHUNK,
+            schedule: None,
+            sparse_algo: SparseAlgo::TwoPhase,
+            seed: 0,
+        };
+        let mut clip = false;
+        for kv in parts {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, "on"));
+            let flag = |v: &str| match v {
+                "on" | "1" | "true" | "yes" => Ok(true),
+                "off" | "0" | "false" | "no" => Ok(false),
+                _ => Err(format!("{k}={v:?}: expected on or off")),
+            };
+            let number = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("{k}={v:?}: expected a non-negative integer"))
+            };
+            match k {
+                "ef" | "error_feedback" => s.error_feedback = flag(v)?,
+                "min_bytes" => s.min_bytes = number(v)? as usize,
+                "chunk" => {
+                    let c = number(v)?;
+                    if !(16..=1 << 20).contains(&c) {
+                        return Err(format!("chunk={c}: expected 16 to 1048576 elements"));
+                    }
+                    s.chunk = c as usize;
+                }
+                "clip" => clip = flag(v)?,
+                "schedule" => {
+                    s.schedule = Some(match v {
+                        "sg" | "scatter_gather" => Schedule::ScatterGather,
+                        "ring" | "integer_ring" => Schedule::IntegerRing,
+                        _ => {
+                            return Err(format!("schedule={v:?}: expected scatter_gather or ring"))
+                        }
+                    })
+                }
+                "algo" => {
+                    s.sparse_algo = v
+                        .parse()
+                        .map_err(|_| format!("algo={v:?}: expected two_phase, dsar or sparse_rd"))?
+                }
+                "seed" => s.seed = number(v)?,
+                "" => {}
+                _ => return Err(format!("unknown compressor option {k:?}")),
+            }
+        }
+        match &mut s.method {
+            Method::Quantize(Codec::Ternary { clip: c }) => *c = clip,
+            _ if clip => return Err("clip applies to ternary only".into()),
+            _ => {}
+        }
+        if let (Method::Quantize(c), Some(Schedule::IntegerRing)) = (s.method, s.schedule) {
+            if !c.integer_ring() {
+                return Err(format!(
+                    "{} has no integer-domain ring (int8, int4 and ternary do)",
+                    c.name()
+                ));
+            }
+        }
+        Ok(s)
+    }
+
+    /// Whether the method is top-k sparsification.
+    pub fn is_topk(&self) -> bool {
+        matches!(self.method, Method::TopK { .. })
+    }
+}
+
+impl fmt::Display for CompressorSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.method {
+            Method::Quantize(Codec::Ternary { clip }) => {
+                f.write_str("ternary")?;
+                if clip {
+                    f.write_str(",clip=on")?;
+                }
+            }
+            Method::Quantize(c) => f.write_str(c.name())?,
+            Method::TopK { ratio } => write!(f, "topk:{ratio}")?,
+        }
+        write!(f, ",ef={}", if self.error_feedback { "on" } else { "off" })?;
+        match self.method {
+            Method::Quantize(_) => {
+                write!(f, ",chunk={}", self.chunk)?;
+                match self.schedule {
+                    Some(Schedule::ScatterGather) => f.write_str(",schedule=scatter_gather")?,
+                    Some(Schedule::IntegerRing) => f.write_str(",schedule=integer_ring")?,
+                    None => {}
+                }
+            }
+            Method::TopK { .. } => write!(f, ",algo={}", self.sparse_algo.name())?,
+        }
+        write!(f, ",min_bytes={},seed={}", self.min_bytes, self.seed)
+    }
+}
+
+/// What one compressed allreduce did, for reports and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CompressionReport {
+    /// Whether the tensor went compressed (false: below `min_bytes`, plain allreduce).
+    pub compressed: bool,
+    /// Bytes this rank put on the wire (payload, headers of the sparse streams included).
+    pub bytes_sent: u64,
+    /// Bytes this rank received.
+    pub bytes_received: u64,
+    /// Bytes of the tensor as f32.
+    pub dense_bytes: u64,
+    /// Top-k: values each rank contributed (k).
+    pub k: Option<usize>,
+    /// Top-k: non-zero values of the result.
+    pub result_nnz: Option<usize>,
+}
+
+impl CompressionReport {
+    /// Dense bytes over bytes sent: how much smaller than the tensor this rank's traffic was
+    /// (a plain ring sends about 2·(p−1)/p of the tensor).
+    pub fn ratio(&self) -> f64 {
+        if self.bytes_sent == 0 {
+            return 1.0;
+        }
+        self.dense_bytes as f64 / self.bytes_sent as f64
+    }
+}
+
+/// Compression state of one tensor: the spec, the error-feedback residuals and the random
+/// stream. Keep one per tensor (gradient bucket) and pass it to every call for that tensor;
+/// a tensor of another size resets the residual.
+pub struct Compressor {
+    spec: CompressorSpec,
+    residual: Residual,
+    topk: TopkState,
+    rng: Option<Rng>,
+    staging: Vec<f32>,
+    last: CompressionReport,
+}
+
+impl fmt::Debug for Compressor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Compressor")
+            .field("spec", &self.spec.to_string())
+            .field("last", &self.last)
+            .finish()
+    }
+}
+
+impl Compressor {
+    /// A compressor from a spec string (see the [module documentation](self)).
+    pub fn new(spec: &str) -> Result<Compressor, CommError> {
+        let spec = CompressorSpec::parse(spec).map_err(|m| {
+            CommError::invalid("compressor", format!("compressor spec {spec:?}: {m}"))
+        })?;
+        Ok(Compressor::from_spec(spec))
+    }
+
+    /// A compressor from a parsed spec.
+    pub fn from_spec(spec: CompressorSpec) -> Compressor {
+        Compressor {
+            spec,
+            residual: Residual::default(),
+            topk: TopkState::default(),
+            rng: None,
+            staging: Vec::new(),
+            last: CompressionReport::default(),
+        }
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &CompressorSpec {
+        &self.spec
+    }
+
+    /// What the last call did.
+    pub fn last_report(&self) -> CompressionReport {
+        self.last
+    }
+
+    /// Forget the residuals (e.g. after the model was reloaded).
+    pub fn reset(&mut self) {
+        self.residual = Residual::default();
+        self.topk = TopkState::default();
+    }
+
+    /// The sum of the absolute residuals (what error feedback still owes), for diagnostics.
+    pub fn residual_norm1(&self) -> f64 {
+        let r = if self.spec.is_topk() {
+            &self.topk.residual
+        } else {
+            &self.residual.local
+        };
+        r.iter().map(|v| v.abs() as f64).sum()
+    }
+
+    /// A number per method for the tag, so ranks using different methods are told so.
+    fn method_id(&self) -> u64 {
+        match self.spec.method {
+            Method::Quantize(Codec::F16) => 1,
+            Method::Quantize(Codec::Bf16) => 2,
+            Method::Quantize(Codec::Int8) => 3,
+            Method::Quantize(Codec::Int4) => 4,
+            Method::Quantize(Codec::Sign) => 5,
+            Method::Quantize(Codec::Ternary { .. }) => 6,
+            Method::TopK { .. } => 7,
+        }
+    }
+}
+
+impl Communicator {
+    /// Allreduce of an f32 tensor through `comp` (sum or avg), in place. Every rank must
+    /// pass a compressor of the same spec. Tensors below the spec's `min_bytes` go through the
+    /// plain allreduce. The result is identical on every rank.
+    ///
+    /// ```no_run
+    /// # fn demo(comm: &mut chorus::Communicator, grad: &mut [f32]) -> Result<(), chorus::CommError> {
+    /// let mut comp = chorus::Compressor::new("int8")?; // one per tensor, kept across steps
+    /// let report = comm.all_reduce_compressed(grad, chorus::ReduceOp::Avg, &mut comp)?;
+    /// println!("sent {} bytes ({:.1}x smaller)", report.bytes_sent, report.ratio());
+    /// # Ok(()) }
+    /// ```
+    pub fn all_reduce_compressed(
+        &mut self,
+        buf: &mut [f32],
+        op: ReduceOp,
+        comp: &mut Compressor,
+    ) -> Result<CompressionReport, CommError> {
+        const OP: &str = "all_reduce_compressed";
+        self.check_usable(OP)?;
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+            return Err(CommError::invalid(
+                OP,
+                format!(
+                    "compressed allreduce sums or averages; {} is not supported",
+                    op.name()
+                ),
+            )
+            .at_rank(self.rank()));
+        }
+        let dense_bytes = std::mem::size_of_val(buf) as u64;
+        let p = self.size() as u64;
+        if std::mem::size_of_val(buf) < comp.spec.min_bytes {
+            self.all_reduce_with(None, buf, op, &AllReduceOptions::default())?;
+            // A ring-like allreduce sends about 2(p−1)/p of the tensor.
+            let moved = dense_bytes * 2 * (p - 1) / p.max(1);
+            comp.last = CompressionReport {
+                compressed: false,
+                bytes_sent: moved,
+                bytes_received: moved,
+                dense_bytes,
+                k: None,
+                result_nnz: None,
+            };
+            return Ok(comp.last);
+        }
+        let rank = self.rank() as u64;
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::CompressedAllReduce,
+            DType::Float32,
+            op,
+        ) | (comp.method_id() << 12);
+        let spec = comp.spec.clone();
+        let mut report = CompressionReport {
+            compressed: true,
+            dense_bytes,
+            ..Default::default()
+        };
+        match spec.method {
+            Method::Quantize(codec) => {
+                let opts = CompressedOptions {
+                    codec,
+                    chunk: spec.chunk,
+                    schedule: spec.schedule,
+                    error_feedback: spec.error_feedback,
+                };
+                let rng = comp.rng.get_or_insert_with(|| Rng::new(spec.seed, rank));
+                let residual = spec.error_feedback.then_some(&mut comp.residual);
+                let mut wire = compress::WireStats::default();
+                self.run_tagged(OP, tag, None, |ctx| {
+                    wire = compress::all_reduce_compressed(ctx, buf, op, &opts, rng, residual)?;
+                    Ok(())
+                })?;
+                report.bytes_sent = wire.bytes_sent;
+                report.bytes_received = wire.bytes_received;
+            }
+            Method::TopK { ratio } => {
+                let opts = TopkOptions {
+                    ratio,
+                    error_feedback: spec.error_feedback,
+                    algo: spec.sparse_algo,
+                    ..TopkOptions::default()
+                };
+                // A tensor of another length starts afresh (every rank sees the same length,
+                // or the call fails as a mismatch anyway).
+                if !comp.topk.residual.is_empty() && comp.topk.residual.len() != buf.len() {
+                    comp.topk = TopkState::default();
+                }
+                let state = &mut comp.topk;
+                let mut stats = None;
+                self.run_tagged(OP, tag, None, |ctx| {
+                    stats = Some(sparse::topk_all_reduce(ctx, buf, op, &opts, state)?);
+                    Ok(())
+                })?;
+                let s = stats.expect("set on success");
+                report.bytes_sent = s.wire.bytes_sent;
+                report.bytes_received = s.wire.bytes_received;
+                report.k = Some(s.k);
+                report.result_nnz = Some(s.result_nnz);
+            }
+        }
+        comp.last = report;
+        Ok(report)
+    }
+
+    /// [`Communicator::all_reduce_compressed`] on raw bytes of f32, f16 or bf16 elements (the
+    /// C ABI's entry point); 16-bit inputs are widened to f32, reduced, and rounded back.
+    pub fn all_reduce_compressed_raw(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        comp: &mut Compressor,
+    ) -> Result<CompressionReport, CommError> {
+        const OP: &str = "all_reduce_compressed";
+        let elem = dtype.size();
+        if !matches!(dtype, DType::Float32 | DType::Float16 | DType::Bfloat16) {
+            return Err(CommError::invalid(
+                OP,
+                format!(
+                    "compressed allreduce takes float32, float16 or bfloat16, not {}",
+                    dtype.name()
+                ),
+            )
+            .at_rank(self.rank()));
+        }
+        if buf.len() % elem != 0 {
+            return Err(CommError::invalid(
+                OP,
+                format!(
+                    "buffer of {} bytes is not a whole number of {} elements",
+                    buf.len(),
+                    dtype.name()
+                ),
+            )
+            .at_rank(self.rank()));
+        }
+        let n = buf.len() / elem;
+        let mut staging = std::mem::take(&mut comp.staging);
+        staging.clear();
+        match dtype {
+            DType::Float32 => staging.extend(
+                buf.chunks_exact(4)
+                    .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            DType::Float16 => staging.extend(
+                buf.chunks_exact(2)
+                    .map(|b| half::f16::from_ne_bytes([b[0], b[1]]).to_f32()),
+            ),
+            _ => staging.extend(
+                buf.chunks_exact(2)
+                    .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32()),
+            ),
+        }
+        debug_assert_eq!(staging.len(), n);
+        let r = self.all_reduce_compressed(&mut staging, op, comp);
+        if r.is_ok() {
+            for (b, v) in buf.chunks_exact_mut(elem).zip(&staging) {
+                match dtype {
+                    DType::Float32 => b.copy_from_slice(&v.to_ne_bytes()),
+                    DType::Float16 => b.copy_from_slice(&half::f16::from_f32(*v).to_ne_bytes()),
+                    _ => b.copy_from_slice(&half::bf16::from_f32(*v).to_ne_bytes()),
+                }
+            }
+        }
+        comp.staging = staging;
+        r
+    }
+
+    /// The exact sum of every rank's sparse vector (all of the same dense length); the result,
+    /// identical on every rank, is sparse or dense depending on how much it filled in.
+    /// `algo: None` lets the cost model choose.
+    pub fn sparse_all_reduce(
+        &mut self,
+        input: &SparseVec,
+        algo: Option<SparseAlgo>,
+    ) -> Result<SparseResult, CommError> {
+        self.sparse_all_reduce_stats(input, algo).map(|r| r.0)
+    }
+
+    /// [`Communicator::sparse_all_reduce`], also returning the bytes this rank moved.
+    pub fn sparse_all_reduce_stats(
+        &mut self,
+        input: &SparseVec,
+        algo: Option<SparseAlgo>,
+    ) -> Result<(SparseResult, sparse::WireStats), CommError> {
+        const OP: &str = "sparse_all_reduce";
+        self.check_usable(OP)?;
+        let algo = match algo {
+            Some(a) => a,
+            None => {
+                // Ranks must pick the same algorithm: agree on the densest input first (one
+                // small allreduce; pass `algo` to skip it).
+                let mut nnz = [input.nnz() as u64];
+                self.all_reduce(&mut nnz, ReduceOp::Max)?;
+                self.select_sparse(input.n, nnz[0] as usize)
+            }
+        };
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::SparseAllReduce,
+            DType::Float32,
+            ReduceOp::Sum,
+        );
+        let mut out = None;
+        self.run_tagged(OP, tag, None, |ctx| {
+            out = Some(sparse::sparse_all_reduce(ctx, input, algo)?);
+            Ok(())
+        })?;
+        Ok(out.expect("set on success"))
+    }
+
+    /// The sparse algorithm the cost model picks for `nnz` non-zeros per rank out of `n` on
+    /// this communicator's link (every rank must pass the same figures to agree).
+    pub fn select_sparse(&self, n: usize, nnz: usize) -> SparseAlgo {
+        let link = self.selector().link();
+        let p = self.size();
+        SparseAlgo::ALL
+            .into_iter()
+            .map(|a| (a, a.cost(n, nnz, p, &link)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(a, _)| a)
+            .unwrap_or(SparseAlgo::TwoPhase)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grammar() {
+        let p = |s: &str| CompressorSpec::parse(s);
+        let s = p("int8").unwrap();
+        assert_eq!(s.method, Method::Quantize(Codec::Int8));
+        assert!(!s.error_feedback);
+        assert!(p("sign").unwrap().error_feedback);
+        assert!(!p("sign, ef = off").unwrap().error_feedback);
+        assert!(p("TopK:0.01").unwrap().error_feedback);
+        assert_eq!(p("topk:0.25").unwrap().method, Method::TopK { ratio: 0.25 });
+        assert_eq!(
+            p("ternary,clip").unwrap().method,
+            Method::Quantize(Codec::Ternary { clip: true })
+        );
+        assert_eq!(p("int4,min_bytes=0").unwrap().min_bytes, 0);
+        assert_eq!(
+            p("int8,schedule=sg").unwrap().schedule,
+            Some(Schedule::ScatterGather)
+        );
+        for bad in [
+            "",
+            "int3",
+            "topk",
+            "topk:0",
+            "topk:1.5",
+            "topk:x",
+            "int8:2",
+            "int8,ef=maybe",
+            "int8,chunk=3",
+            "sign,clip",
+            "fp16,schedule=ring",
+            "int8,foo=1",
+            "topk:0.1,algo=x",
+        ] {
+            assert!(p(bad).is_err(), "{bad:?} parsed");
+        }
+        // Display round-trips.
+        for s in [
+            "int8",
+            "sign,ef=off",
+            "ternary,clip=on",
+            "topk:0.01,algo=dsar",
+            "bf16",
+        ] {
+            let a = p(s).unwrap();
+            assert_eq!(p(&a.to_string()).unwrap(), a, "{s}");
+        }
+    }
+}
