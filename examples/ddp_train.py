@@ -29,6 +29,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument(
+        "--compress",
+        default=None,
+        help="with --hook chorus: a compressor spec for the gradients, e.g. int8 or topk:0.1",
+    )
     args = p.parse_args()
 
     # Both launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DDP needs a process
@@ -44,11 +49,15 @@ def main() -> None:
     comm = None
     if args.hook == "chorus":
         import chorus
-        from chorus.ddp import allreduce_hook
+        from chorus.ddp import CompressedHookState, allreduce_hook, compressed_allreduce_hook
 
         comm = chorus.init()  # the same launcher environment
         assert (comm.rank, comm.size) == (rank, world)
-        model.register_comm_hook(comm, allreduce_hook)
+        if args.compress:
+            state = CompressedHookState(comm, args.compress)
+            model.register_comm_hook(state, compressed_allreduce_hook)
+        else:
+            model.register_comm_hook(comm, allreduce_hook)
 
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own data

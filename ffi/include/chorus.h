@@ -184,6 +184,15 @@ typedef int32_t chorus_op;
 typedef struct chorus_comm chorus_comm;
 
 /**
+ * Compression state of one tensor (gradient bucket): the method, its options and the
+ * error-feedback residual. Opaque.
+ *
+ * Create it with `chorus_compressor_create`, keep one per tensor across steps, free it with
+ * `chorus_compressor_destroy`. Calls using one compressor must not overlap in time.
+ */
+typedef struct chorus_compressor chorus_compressor;
+
+/**
  * Per-call options, versioned by their first field.
  *
  * Initialise with `CHORUS_OPTIONS_INIT` (or set `size = sizeof(chorus_options)` and zero the
@@ -205,6 +214,41 @@ typedef struct {
    */
   double timeout_seconds;
 } chorus_options;
+
+/**
+ * What the last `chorus_allreduce_compressed` on a compressor did. Versioned like
+ * `chorus_options`: set `size = sizeof(chorus_compression_report)` before the call.
+ */
+typedef struct {
+  /**
+   * `sizeof(chorus_compression_report)`. Required.
+   */
+  size_t size;
+  /**
+   * 1 when the tensor went compressed, 0 when it was below the spec's `min_bytes`.
+   */
+  int32_t compressed;
+  /**
+   * Bytes this rank sent.
+   */
+  uint64_t bytes_sent;
+  /**
+   * Bytes this rank received.
+   */
+  uint64_t bytes_received;
+  /**
+   * Bytes of the tensor as 32-bit floats.
+   */
+  uint64_t dense_bytes;
+  /**
+   * Top-k: values each rank contributed (0 for quantized methods).
+   */
+  uint64_t k;
+  /**
+   * Top-k: non-zero values of the result (0 for quantized methods).
+   */
+  uint64_t result_nnz;
+} chorus_compression_report;
 
 #ifdef __cplusplus
 extern "C" {
@@ -469,6 +513,57 @@ int32_t chorus_send(chorus_comm *comm, const void *buf, size_t count, chorus_dty
  * `dtype`, not accessed elsewhere during the call.
  */
 int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dtype, int peer);
+
+/**
+ * Create a compressor from a spec: `method[:argument][,key=value]...`, methods `fp16`,
+ * `bf16`, `int8`, `int4`, `sign`, `ternary`, `topk:R` (0 < R <= 1); keys `ef=on|off`
+ * (error feedback; default on for sign and topk), `min_bytes=N` (smaller tensors go
+ * uncompressed; default 16384), `chunk=N` (elements per scale, default 1024), `clip=on`
+ * (ternary, 2.5 sigma), `schedule=scatter_gather|ring`, `algo=two_phase|dsar|sparse_rd`
+ * (top-k), `seed=N`. Example: `"int8"`, `"sign,ef=off"`, `"topk:0.01"`. A spec that does not
+ * parse is `CHORUS_INVALID_ARGUMENT` and `*out` is left untouched.
+ *
+ * # Safety
+ * `out` is NULL or valid for writing a pointer; `spec` is NULL or a NUL-terminated string.
+ */
+int32_t chorus_compressor_create(chorus_compressor **out, const char *spec);
+
+/**
+ * Free a compressor. NULL is a no-op.
+ *
+ * # Safety
+ * `comp` is NULL or was returned by `chorus_compressor_create`, is not used afterwards and
+ * no other thread is using it.
+ */
+int32_t chorus_compressor_destroy(chorus_compressor *comp);
+
+/**
+ * Allreduce of `count` elements of `buf` in place through `comp`: `dtype` is
+ * `CHORUS_FLOAT32`, `CHORUS_FLOAT16` or `CHORUS_BFLOAT16` (16-bit inputs are reduced in
+ * float32), `op` is `CHORUS_SUM` or `CHORUS_AVG`. Every rank passes a compressor of the same
+ * spec for the same tensor; the result is identical on every rank.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `comp` is NULL or a live compressor not used by
+ * another thread; `buf` is NULL (only when `count == 0`) or valid for reading and writing
+ * `count` elements of `dtype`.
+ */
+int32_t chorus_allreduce_compressed(chorus_comm *comm,
+                                    void *buf,
+                                    size_t count,
+                                    chorus_dtype dtype,
+                                    chorus_op op,
+                                    chorus_compressor *comp);
+
+/**
+ * Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
+ * `size` field must be set).
+ *
+ * # Safety
+ * `comp` is NULL or a live compressor; `report` is NULL or points to a
+ * `chorus_compression_report` whose `size` field is right.
+ */
+int32_t chorus_compressor_report(const chorus_compressor *comp, chorus_compression_report *report);
 
 #ifdef __cplusplus
 }  // extern "C"

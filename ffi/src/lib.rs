@@ -23,6 +23,7 @@
 #![deny(missing_docs)]
 #![allow(non_camel_case_types)]
 
+mod compress;
 mod ptr;
 mod sigpipe;
 mod status;
@@ -33,6 +34,10 @@ use std::time::Duration;
 
 use chorus_core::{Algorithm, AllReduceOptions, Communicator, Config, DType, ReduceOp};
 
+pub use compress::{
+    chorus_allreduce_compressed, chorus_compression_report, chorus_compressor,
+    chorus_compressor_create, chorus_compressor_destroy, chorus_compressor_report,
+};
 pub use status::chorus_status;
 use status::{chorus_status as S, guard, Failure};
 

@@ -236,6 +236,16 @@ fn bad_arguments_are_refused_and_the_communicator_stays_usable() {
 }
 
 #[test]
+fn compressed_allreduce_from_c() {
+    let b = built();
+    for size in [1, 3] {
+        let r = job(&b.api_test, &["compression"], size);
+        assert_all_ok(&r, &format!("compression p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains("ok compression")));
+    }
+}
+
+#[test]
 fn mismatched_calls_fail_on_every_rank() {
     let b = built();
     for kind in ["count", "dtype", "op", "collective"] {

@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedError",
     "InternalError",
     "Communicator",
+    "Compressor",
     "init",
     "version",
     "DTYPES",
@@ -304,6 +305,7 @@ class Communicator:
         self,
         x: Any,
         op: str = "sum",
+        compressor: Optional["Compressor"] = None,
         *,
         algorithm: Optional[str] = None,
         timeout: Optional[float] = None,
@@ -312,9 +314,26 @@ class Communicator:
 
         ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``. ``algorithm`` forces a
         schedule (e.g. ``"ring"``); ``timeout`` (seconds) overrides the communicator's for
-        this call. Returns ``x``.
+        this call. With a :class:`Compressor` (one per tensor, kept across steps) the
+        allreduce is compressed: float32, float16 or bfloat16 data, ``"sum"`` or ``"avg"``;
+        ``algorithm`` and ``timeout`` do not apply then. Returns ``x``.
         """
         b = _buffer(x, "x")
+        if compressor is not None:
+            if not isinstance(compressor, Compressor):
+                raise InvalidArgumentError(
+                    f"compressor must be a chorus.Compressor, not {type(compressor).__name__}"
+                )
+            if algorithm is not None or timeout is not None:
+                raise InvalidArgumentError(
+                    "algorithm and timeout do not apply to a compressed allreduce"
+                )
+            _check(
+                lib.chorus_allreduce_compressed(
+                    self._h(), b.ptr, b.count, b.dtype, _op_code(op), compressor._h()
+                )
+            )
+            return x
         opts = None
         if algorithm is not None or timeout is not None:
             o = _lib.Options()
@@ -465,6 +484,56 @@ class Communicator:
     def __repr__(self) -> str:
         state = "closed" if self._handle is None else "open"
         return f"<chorus.Communicator rank {self._rank} of {self._size}, {state}>"
+
+
+class Compressor:
+    """Compression state of one tensor (gradient bucket), for
+    ``comm.allreduce(x, op, compressor=c)``: the method, its options and the error-feedback
+    residual. Keep one per tensor across steps; every rank uses the same spec.
+
+    ``spec`` is ``method[:argument][,key=value]...``: methods ``"fp16"``, ``"bf16"``,
+    ``"int8"``, ``"int4"``, ``"sign"``, ``"ternary"``, ``"topk:R"`` (0 < R <= 1); keys
+    ``ef=on|off`` (error feedback, default on for sign and topk), ``min_bytes=N`` (smaller
+    tensors go uncompressed, default 16384), ``chunk=N``, ``clip=on`` (ternary),
+    ``schedule=scatter_gather|ring``, ``algo=two_phase|dsar|sparse_rd`` (top-k), ``seed=N``.
+    A bad spec raises :class:`InvalidArgumentError`.
+    """
+
+    def __init__(self, spec: str):
+        if not isinstance(spec, str):
+            raise InvalidArgumentError(f"spec must be a str, not {type(spec).__name__}")
+        h = ctypes.c_void_p()
+        _check(lib.chorus_compressor_create(ctypes.byref(h), spec.encode()))
+        self._handle: Optional[ctypes.c_void_p] = h
+        self.spec = spec
+
+    def _h(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise InvalidUsageError("the compressor is closed")
+        return self._handle
+
+    def last_report(self) -> Dict[str, int]:
+        """What the last compressed allreduce did: ``compressed`` (0/1), ``bytes_sent``,
+        ``bytes_received``, ``dense_bytes``, ``k`` and ``result_nnz`` (top-k)."""
+        r = _lib.CompressionReport()
+        r.size = ctypes.sizeof(_lib.CompressionReport)
+        _check(lib.chorus_compressor_report(self._h(), ctypes.byref(r)))
+        return {name: int(getattr(r, name)) for name, _ in _lib.CompressionReport._fields_[1:]}
+
+    def close(self) -> None:
+        """Free the compressor (idempotent)."""
+        h, self._handle = self._handle, None
+        if h is not None:
+            lib.chorus_compressor_destroy(h)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"chorus.Compressor({self.spec!r})"
 
 
 def _int(v: Any, what: str) -> int:

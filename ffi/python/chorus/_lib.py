@@ -26,6 +26,20 @@ class Options(ctypes.Structure):
     ]
 
 
+class CompressionReport(ctypes.Structure):
+    """``chorus_compression_report`` (version 1)."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("compressed", c_int32),
+        ("bytes_sent", ctypes.c_uint64),
+        ("bytes_received", ctypes.c_uint64),
+        ("dense_bytes", ctypes.c_uint64),
+        ("k", ctypes.c_uint64),
+        ("result_nnz", ctypes.c_uint64),
+    ]
+
+
 def _candidates():
     """Where the library may be, in order: CHORUS_LIBRARY, the bundled copy, the system."""
     given = os.environ.get("CHORUS_LIBRARY")
@@ -86,6 +100,13 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_compressor_create": (c_int32, [_comm_pp, c_char_p]),
+    "chorus_compressor_destroy": (c_int32, [c_void_p]),
+    "chorus_compressor_report": (c_int32, [c_void_p, ctypes.POINTER(CompressionReport)]),
+    "chorus_allreduce_compressed": (
+        c_int32,
+        [c_void_p, c_void_p, c_size_t, c_int32, c_int32, c_void_p],
+    ),
 }
 
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():

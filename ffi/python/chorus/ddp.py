@@ -17,12 +17,14 @@ The hook sums the bucket over the ranks with chorus and divides by the number of
 itself, as DDP's default hook does, so training gives the same result as with Gloo.
 """
 
+from typing import Dict
+
 import torch
 import torch.distributed as dist
 
-from . import Communicator
+from . import Communicator, Compressor
 
-__all__ = ["allreduce_hook"]
+__all__ = ["allreduce_hook", "CompressedHookState", "compressed_allreduce_hook"]
 
 
 def allreduce_hook(
@@ -40,6 +42,43 @@ def allreduce_hook(
     grads = bucket.buffer()
     state.allreduce(grads, op="sum")
     grads.div_(state.size)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(grads)
+    return fut
+
+
+class CompressedHookState:
+    """State of :func:`compressed_allreduce_hook`: the communicator, the compressor spec, and
+    one :class:`chorus.Compressor` per bucket (created on first use, so each bucket keeps its
+    own error-feedback residual across steps)::
+
+        model.register_comm_hook(CompressedHookState(comm, "int8"), compressed_allreduce_hook)
+    """
+
+    def __init__(self, comm: Communicator, spec: str):
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a chorus.Communicator, not {type(comm).__name__}")
+        self.comm = comm
+        self.spec = spec
+        Compressor(spec).close()  # validate the spec now, not in the backward pass
+        self.compressors: Dict[int, Compressor] = {}
+
+
+def compressed_allreduce_hook(
+    state: CompressedHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the ranks through chorus's compressed allreduce (the bucket's
+    own compressor from ``state``); returns a completed future holding the bucket."""
+    if not isinstance(state, CompressedHookState):
+        raise TypeError(
+            "compressed_allreduce_hook needs a chorus.ddp.CompressedHookState as its state, "
+            f"not {type(state).__name__}"
+        )
+    grads = bucket.buffer()
+    comp = state.compressors.get(bucket.index())
+    if comp is None:
+        comp = state.compressors[bucket.index()] = Compressor(state.spec)
+    state.comm.allreduce(grads, op="avg", compressor=comp)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)
     return fut

@@ -198,10 +198,57 @@ def errors(comm):
     expect(chorus.InvalidUsageError, comm.barrier, "a closed communicator")
 
 
+def compression(comm):
+    p, me = comm.size, comm.rank
+    n = 5000
+    mine = np.random.default_rng(100 + me).standard_normal(n).astype(np.float32)
+    dense = np.zeros(n, dtype=np.float64)
+    for r in range(p):
+        dense += np.random.default_rng(100 + r).standard_normal(n).astype(np.float32)
+    for spec, tol in [("fp16", 1e-3), ("bf16", 1e-2), ("int8", 0.05), ("ternary", 1.5),
+                      ("sign", 1.5), ("topk:0.3", 1.0)]:
+        c = chorus.Compressor(spec + ",min_bytes=0")
+        for kind in ("numpy", "torch"):
+            x = mine.copy() if kind == "numpy" else torch.from_numpy(mine.copy())
+            assert comm.allreduce(x, op="sum", compressor=c) is x
+            got = np.asarray(x, dtype=np.float64)
+            rel = np.linalg.norm(got - dense) / np.linalg.norm(dense)
+            assert rel < tol, f"{spec} {kind}: relative error {rel}"
+            # identical on every rank
+            digest = np.array([float(np.sum(got * np.arange(n)))], dtype=np.float64)
+            ref = digest.copy()
+            comm.broadcast(ref, root=0)
+            assert ref[0] == digest[0], f"{spec}: ranks differ"
+            r = c.last_report()
+            assert r["compressed"] == 1 and r["dense_bytes"] == 4 * n and r["bytes_sent"] > 0, r
+            if spec in ("int8", "ternary", "sign"):
+                assert r["bytes_sent"] < 4 * n, (spec, r)
+        c.close()
+    # float16 / bfloat16 tensors, avg
+    for dt in (torch.float16, torch.bfloat16):
+        c = chorus.Compressor("int8,min_bytes=0")
+        x = torch.full((1000,), float(me + 1), dtype=dt)
+        comm.allreduce(x, op="avg", compressor=c)
+        want = (p + 1) / 2
+        assert torch.allclose(x.float(), torch.full((1000,), want), rtol=0.05), (dt, x[:4])
+    # Small tensors go uncompressed (exact).
+    c = chorus.Compressor("sign")
+    x = np.full(10, me + 1.0, dtype=np.float32)
+    comm.allreduce(x, op="sum", compressor=c)
+    assert (x == p * (p + 1) / 2).all() and c.last_report()["compressed"] == 0, x
+    E = chorus.InvalidArgumentError
+    expect(E, lambda: chorus.Compressor("int3"), "bad spec")
+    expect(E, lambda: chorus.Compressor("topk:2"), "bad ratio")
+    expect(E, lambda: comm.allreduce(np.ones(8, np.int32), compressor=c), "int dtype")
+    expect(E, lambda: comm.allreduce(np.ones(8, np.float32), op="max", compressor=c), "max op")
+    expect(E, lambda: comm.allreduce(np.ones(8, np.float32), compressor="int8"), "a str")
+    comm.barrier()
+
+
 def main():
     mode = sys.argv[1]
     comm = chorus.init()
-    {"collectives": collectives, "errors": errors}[mode](comm)
+    {"collectives": collectives, "errors": errors, "compression": compression}[mode](comm)
     comm.close()
     print(f"ok {mode} rank {comm.rank}", flush=True)
 

@@ -36,6 +36,12 @@ def test_errors_on_4_ranks():
     assert "MismatchError" in out, out
 
 
+def test_compression_on_4_ranks():
+    code, out = launch(4, [PYTHON, str(HERE / "_worker.py"), "compression"])
+    assert code == 0, out
+    assert out.count("ok compression") == 4, out
+
+
 def final_loss(out):
     m = re.search(r"final loss ([0-9.]+)", out)
     assert m, out
@@ -53,6 +59,22 @@ def test_ddp_hook_trains_like_gloo(workspace):
     gloo_loss = final_loss(out)
     assert chorus_loss == pytest.approx(gloo_loss, rel=1e-4), (chorus_loss, gloo_loss)
     assert chorus_loss < 0.5 * final_loss_at_start(workspace), "the model did not learn"
+
+
+def test_ddp_compressed_hook_trains(workspace):
+    """The compressed hook (int8 bucket by bucket) trains to about the same loss as Gloo."""
+    script = str(workspace / "examples" / "ddp_train.py")
+    env = {"OMP_NUM_THREADS": "1"}
+    code, out = launch(2, [PYTHON, script, "--hook", "gloo", "--steps", "100"], env=env)
+    assert code == 0, out
+    gloo_loss = final_loss(out)
+    code, out = launch(
+        2,
+        [PYTHON, script, "--hook", "chorus", "--compress", "int8,min_bytes=0", "--steps", "100"],
+        env=env,
+    )
+    assert code == 0, out
+    assert final_loss(out) == pytest.approx(gloo_loss, rel=0.05), (final_loss(out), gloo_loss)
 
 
 def final_loss_at_start(workspace):

@@ -374,6 +374,59 @@ static void badargs(chorus_comm *comm) {
     OK(chorus_barrier(comm));
 }
 
+/* Compressed allreduce: every spec, float32 and float16 buffers, the report, bad input. */
+static void compression(chorus_comm *comm) {
+    enum { N = 4096 };
+    static float a[N];
+    static uint16_t h[N];
+    const char *specs[] = {"fp16,min_bytes=0", "bf16,min_bytes=0", "int8,min_bytes=0",
+                           "int4,min_bytes=0", "ternary,min_bytes=0", "sign,min_bytes=0",
+                           "topk:0.5,min_bytes=0"};
+    for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
+        chorus_compressor *c = NULL;
+        OK(chorus_compressor_create(&c, specs[s]));
+        CHECK(c != NULL, "create returned NULL");
+        /* Every rank holds 1.0: the average is 1.0, a value every codec keeps well. */
+        for (int i = 0; i < N; i++) a[i] = 1.0f;
+        OK(chorus_allreduce_compressed(comm, a, N, CHORUS_FLOAT32, CHORUS_AVG, c));
+        double err = 0;
+        for (int i = 0; i < N; i++) err += fabs(a[i] - 1.0);
+        CHECK(err / N < 0.6, "%s: mean error %g", specs[s], err / N);
+        chorus_compression_report r = {0};
+        r.size = sizeof r;
+        OK(chorus_compressor_report(c, &r));
+        CHECK(r.compressed == 1 && r.dense_bytes == 4 * N, "%s: report %d %llu", specs[s],
+              (int)r.compressed, (unsigned long long)r.dense_bytes);
+        CHECK(g_size == 1 || r.bytes_sent > 0, "%s: nothing sent", specs[s]);
+        OK(chorus_compressor_destroy(c));
+    }
+    chorus_compressor *c = NULL;
+    OK(chorus_compressor_create(&c, "int8,min_bytes=0"));
+    for (int i = 0; i < N; i++) h[i] = half_bits(2.0);
+    OK(chorus_allreduce_compressed(comm, h, N, CHORUS_FLOAT16, CHORUS_SUM, c));
+    for (int i = 0; i < N; i++)
+        CHECK(fabs(half_value(h[i]) - 2.0 * g_size) < 0.05 * g_size, "h[%d] = %g", i, half_value(h[i]));
+    /* Bad input: a clear status, the communicator still usable. */
+    chorus_compressor *none = NULL;
+    EXPECT(chorus_compressor_create(&none, "int3"), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "int3") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_compressor_create(&none, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_compressor_create(NULL, "int8"), CHORUS_INVALID_ARGUMENT);
+    CHECK(none == NULL, "out set on failure");
+    EXPECT(chorus_allreduce_compressed(comm, a, N, CHORUS_INT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(comm, a, N, CHORUS_FLOAT32, CHORUS_MAX, c), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(comm, a, N, CHORUS_FLOAT32, 99, c), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(comm, a, N, CHORUS_FLOAT32, CHORUS_SUM, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(NULL, a, N, CHORUS_FLOAT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(comm, NULL, N, CHORUS_FLOAT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
+    chorus_compression_report bad = {0};
+    EXPECT(chorus_compressor_report(c, &bad), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_compressor_report(c, NULL), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_compressor_destroy(c));
+    OK(chorus_compressor_destroy(NULL));
+    OK(chorus_barrier(comm));
+}
+
 static void report(int32_t st) {
     printf("status %d %s: %s\n", (int)st, chorus_status_string(st), chorus_last_error());
     fflush(stdout);
@@ -423,7 +476,7 @@ static void peer_gone(chorus_comm *comm, int abort_it) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|mismatch KIND|peer_exit|peer_abort\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -438,6 +491,7 @@ int main(int argc, char **argv) {
     if (strcmp(mode, "sweep") == 0) sweep(comm);
     else if (strcmp(mode, "collectives") == 0) collectives(comm);
     else if (strcmp(mode, "badargs") == 0) badargs(comm);
+    else if (strcmp(mode, "compression") == 0) compression(comm);
     else if (strcmp(mode, "mismatch") == 0 && argc > 2) mismatch(comm, argv[2]);
     else if (strcmp(mode, "peer_exit") == 0) peer_gone(comm, 0);
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);

@@ -1,0 +1,176 @@
+//! Compressed allreduce from C: `chorus_compressor` (state kept per tensor) and
+//! `chorus_allreduce_compressed`.
+
+use std::ffi::{c_char, c_void};
+use std::sync::{Mutex, TryLockError};
+
+use chorus_core::Compressor;
+
+use crate::status::{chorus_status as S, guard, Failure};
+use crate::{ptr, DtypeArg, OpArg};
+
+/// Compression state of one tensor (gradient bucket): the method, its options and the
+/// error-feedback residual. Opaque.
+///
+/// Create it with `chorus_compressor_create`, keep one per tensor across steps, free it with
+/// `chorus_compressor_destroy`. Calls using one compressor must not overlap in time.
+pub struct chorus_compressor {
+    inner: Mutex<Compressor>,
+}
+
+/// What the last `chorus_allreduce_compressed` on a compressor did. Versioned like
+/// `chorus_options`: set `size = sizeof(chorus_compression_report)` before the call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct chorus_compression_report {
+    /// `sizeof(chorus_compression_report)`. Required.
+    pub size: usize,
+    /// 1 when the tensor went compressed, 0 when it was below the spec's `min_bytes`.
+    pub compressed: i32,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+    /// Bytes this rank received.
+    pub bytes_received: u64,
+    /// Bytes of the tensor as 32-bit floats.
+    pub dense_bytes: u64,
+    /// Top-k: values each rank contributed (0 for quantized methods).
+    pub k: u64,
+    /// Top-k: non-zero values of the result (0 for quantized methods).
+    pub result_nnz: u64,
+}
+
+/// Create a compressor from a spec: `method[:argument][,key=value]...`, methods `fp16`,
+/// `bf16`, `int8`, `int4`, `sign`, `ternary`, `topk:R` (0 < R <= 1); keys `ef=on|off`
+/// (error feedback; default on for sign and topk), `min_bytes=N` (smaller tensors go
+/// uncompressed; default 16384), `chunk=N` (elements per scale, default 1024), `clip=on`
+/// (ternary, 2.5 sigma), `schedule=scatter_gather|ring`, `algo=two_phase|dsar|sparse_rd`
+/// (top-k), `seed=N`. Example: `"int8"`, `"sign,ef=off"`, `"topk:0.01"`. A spec that does not
+/// parse is `CHORUS_INVALID_ARGUMENT` and `*out` is left untouched.
+///
+/// # Safety
+/// `out` is NULL or valid for writing a pointer; `spec` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_compressor_create(
+    out: *mut *mut chorus_compressor,
+    spec: *const c_char,
+) -> i32 {
+    guard("chorus_compressor_create", || {
+        ptr::check_out(out, "out")?;
+        // SAFETY: NULL or NUL-terminated by the caller's promise.
+        let spec = unsafe { ptr::opt_str(spec, "spec")? }
+            .ok_or_else(|| Failure::invalid("spec is NULL"))?;
+        let c = Compressor::new(spec)?;
+        let raw = Box::into_raw(Box::new(chorus_compressor {
+            inner: Mutex::new(c),
+        }));
+        // SAFETY: checked non-NULL above, writable by the caller's promise.
+        unsafe { ptr::write_out(out, raw, "out") }
+    })
+}
+
+/// Free a compressor. NULL is a no-op.
+///
+/// # Safety
+/// `comp` is NULL or was returned by `chorus_compressor_create`, is not used afterwards and
+/// no other thread is using it.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor) -> i32 {
+    guard("chorus_compressor_destroy", || {
+        if !comp.is_null() {
+            // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`; ownership comes
+            // back exactly once by the caller's promise.
+            drop(unsafe { Box::from_raw(comp) });
+        }
+        Ok(())
+    })
+}
+
+/// Allreduce of `count` elements of `buf` in place through `comp`: `dtype` is
+/// `CHORUS_FLOAT32`, `CHORUS_FLOAT16` or `CHORUS_BFLOAT16` (16-bit inputs are reduced in
+/// float32), `op` is `CHORUS_SUM` or `CHORUS_AVG`. Every rank passes a compressor of the same
+/// spec for the same tensor; the result is identical on every rank.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `comp` is NULL or a live compressor not used by
+/// another thread; `buf` is NULL (only when `count == 0`) or valid for reading and writing
+/// `count` elements of `dtype`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_allreduce_compressed(
+    comm: *mut crate::chorus_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    comp: *mut chorus_compressor,
+) -> i32 {
+    guard("chorus_allreduce_compressed", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or live by the caller's promise.
+        let comp = unsafe { comp.as_ref() }.ok_or_else(|| Failure::invalid("comp is NULL"))?;
+        let dtype = dtype.get()?;
+        let op = op.get()?;
+        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+        // SAFETY: valid for `bytes` bytes by the caller's promise.
+        let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
+        let mut state = lock(comp)?;
+        c.with(|c| {
+            c.all_reduce_compressed_raw(buf, dtype, op, &mut state)?;
+            Ok(())
+        })
+    })
+}
+
+/// Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
+/// `size` field must be set).
+///
+/// # Safety
+/// `comp` is NULL or a live compressor; `report` is NULL or points to a
+/// `chorus_compression_report` whose `size` field is right.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_compressor_report(
+    comp: *const chorus_compressor,
+    report: *mut chorus_compression_report,
+) -> i32 {
+    guard("chorus_compressor_report", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let comp = unsafe { comp.as_ref() }.ok_or_else(|| Failure::invalid("comp is NULL"))?;
+        ptr::check_out(report, "report")?;
+        // SAFETY: non-NULL; the first field, `size`, is always present.
+        let size = unsafe { report.cast::<usize>().read_unaligned() };
+        let ours = std::mem::size_of::<chorus_compression_report>();
+        if size != ours {
+            return Err(Failure::invalid(format!(
+                "report: size field is {size}, expected sizeof(chorus_compression_report) = {ours}"
+            )));
+        }
+        let r = lock(comp)?.last_report();
+        let out = chorus_compression_report {
+            size: ours,
+            compressed: r.compressed as i32,
+            bytes_sent: r.bytes_sent,
+            bytes_received: r.bytes_received,
+            dense_bytes: r.dense_bytes,
+            k: r.k.unwrap_or(0) as u64,
+            result_nnz: r.result_nnz.unwrap_or(0) as u64,
+        };
+        // SAFETY: non-NULL and a whole report is writable there (its size field says so).
+        unsafe { report.write_unaligned(out) };
+        Ok(())
+    })
+}
+
+fn lock(comp: &chorus_compressor) -> Result<std::sync::MutexGuard<'_, Compressor>, Failure> {
+    match comp.inner.try_lock() {
+        Ok(g) => Ok(g),
+        Err(TryLockError::WouldBlock) => Err(Failure::new(
+            S::CHORUS_INVALID_USAGE,
+            "the compressor is in use by another thread (calls on one compressor must not \
+             overlap)",
+        )),
+        Err(TryLockError::Poisoned(_)) => Err(Failure::new(
+            S::CHORUS_INTERNAL_ERROR,
+            "the compressor is unusable after an internal error; destroy it",
+        )),
+    }
+}
