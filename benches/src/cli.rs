@@ -49,6 +49,14 @@ OPTIONS:
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
         --ranks N            start N local ranks of this program on 127.0.0.1 and show rank 0
     -t, --timeout SECS       timeout of each collective (default: CHORUS_TIMEOUT or 300)
+        --compress SPEC      allreduce: compressed float allreduce (a chorus::Compressor spec:
+                             fp16 bf16 int8 int4 sign ternary topk:R, options ef=on|off ...);
+                             adds wire bytes per rank, compression ratio, relative error against
+                             the dense result and the dense allreduce's time
+        --topk RATIO         allreduce: the same as --compress topk:RATIO
+        --sparse DENSITY     allreduce: sparse_all_reduce of random sparse vectors with this
+                             fraction of non-zeros per rank, against the dense allreduce
+        --sparse-algo NAME   with --sparse: sparse_rd, dsar or two_phase [cost model]
     -h, --help               this text
 
 EXIT STATUS: 0 ok; 1 wrong results; 2 usage error; 3 a rank failed.
@@ -140,6 +148,12 @@ pub struct Options {
     pub ranks: Option<usize>,
     /// `-t`.
     pub timeout: Option<Duration>,
+    /// `--compress` / `--topk`: a compressor spec.
+    pub compress: Option<String>,
+    /// `--sparse`: density of the sparse inputs.
+    pub sparse: Option<f64>,
+    /// `--sparse-algo`.
+    pub sparse_algo: Option<String>,
 }
 
 /// What the command line asks for.
@@ -148,7 +162,7 @@ pub enum Command {
     /// Print the usage text.
     Help,
     /// Run a benchmark.
-    Run(Options),
+    Run(Box<Options>),
 }
 
 /// The options, by name.
@@ -172,6 +186,10 @@ enum Opt {
     Format,
     Ranks,
     Timeout,
+    Compress,
+    Topk,
+    Sparse,
+    SparseAlgo,
     Help,
 }
 
@@ -195,6 +213,10 @@ const SPECS: &[(Opt, Option<char>, &str, bool)] = &[
     (Opt::Format, None, "format", true),
     (Opt::Ranks, None, "ranks", true),
     (Opt::Timeout, Some('t'), "timeout", true),
+    (Opt::Compress, None, "compress", true),
+    (Opt::Topk, None, "topk", true),
+    (Opt::Sparse, None, "sparse", true),
+    (Opt::SparseAlgo, None, "sparse-algo", true),
     (Opt::Help, Some('h'), "help", false),
 ];
 
@@ -329,6 +351,9 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut format = None;
     let mut ranks = None;
     let mut timeout = None;
+    let mut compress: Option<String> = None;
+    let mut sparse = None;
+    let mut sparse_algo = None;
 
     for tok in tokenize(args)? {
         let (opt, value) = match tok {
@@ -390,12 +415,31 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 }
                 _ => return usage_err(format!("-t: '{v}' is not a positive number of seconds")),
             },
+            Opt::Compress => compress = Some(v.to_string()),
+            Opt::Topk => match v.trim().parse::<f64>() {
+                Ok(r) if r > 0.0 && r <= 1.0 => compress = Some(format!("topk:{r}")),
+                _ => return usage_err(format!("--topk: '{v}' is not a ratio in (0, 1]")),
+            },
+            Opt::Sparse => match v.trim().parse::<f64>() {
+                Ok(d) if (0.0..=1.0).contains(&d) => sparse = Some(d),
+                _ => return usage_err(format!("--sparse: '{v}' is not a density in [0, 1]")),
+            },
+            Opt::SparseAlgo => sparse_algo = Some(v.to_string()),
         }
     }
 
     let Some(collective) = collective else {
         return usage_err("no collective given (e.g. chorus-perf allreduce)");
     };
+    if (compress.is_some() || sparse.is_some()) && collective != Collective::AllReduce {
+        return usage_err("--compress, --topk and --sparse apply to allreduce only");
+    }
+    if compress.is_some() && sparse.is_some() {
+        return usage_err("--sparse and --compress/--topk exclude each other");
+    }
+    if sparse_algo.is_some() && sparse.is_none() {
+        return usage_err("--sparse-algo needs --sparse");
+    }
     let output = match (json, format) {
         (true, Some(Output::Table | Output::Peers)) => {
             return usage_err("--json and --format table/peers exclude each other")
@@ -422,7 +466,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         (Some(1), _) => (false, true),
         _ => (true, true),
     };
-    Ok(Command::Run(Options {
+    Ok(Command::Run(Box::new(Options {
         collective,
         grid: SizeGrid {
             min_bytes,
@@ -448,7 +492,10 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         output,
         ranks,
         timeout,
-    }))
+        compress,
+        sparse,
+        sparse_algo,
+    })))
 }
 
 /// The arguments with every `--ranks N` / `--ranks=N` removed: what the self-launched ranks get.
@@ -479,7 +526,7 @@ mod tests {
 
     fn run(s: &str) -> Options {
         match parse(&args(s)) {
-            Ok(Command::Run(o)) => o,
+            Ok(Command::Run(o)) => *o,
             other => panic!("{s}: {other:?}"),
         }
     }

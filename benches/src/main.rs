@@ -14,6 +14,7 @@
 mod calls;
 mod cli;
 mod collective;
+mod compressed;
 mod data;
 mod launch;
 mod progress;
@@ -54,7 +55,7 @@ fn main() -> ExitCode {
             print!("{}", cli::USAGE);
             return ExitCode::SUCCESS;
         }
-        Ok(Command::Run(o)) => o,
+        Ok(Command::Run(o)) => *o,
         Err(e) => return usage_error(&e),
     };
     // Resolve the names before starting anything, so a typo is reported once.
@@ -126,6 +127,17 @@ fn run_rank(
             return ExitCode::from(EXIT_FAILED);
         }
     };
+    if opts.compress.is_some() || opts.sparse.is_some() {
+        return match compressed::run(&mut comm, opts) {
+            Ok(0) => ExitCode::SUCCESS,
+            Ok(_) => ExitCode::from(EXIT_WRONG),
+            Err(e) => {
+                eprintln!("chorus-perf: rank {rank}: {e}");
+                comm.abort(&format!("chorus-perf on rank {rank} failed: {e}"));
+                ExitCode::from(EXIT_FAILED)
+            }
+        };
+    }
     let result = runner::Runner::new(&mut comm, opts, dtypes, ops, call, algorithm_label).run();
     match result {
         Ok(outcome) if outcome.wrong.unwrap_or(0) > 0 => ExitCode::from(EXIT_WRONG),

@@ -1,0 +1,339 @@
+//! `chorus-perf allreduce --compress SPEC | --topk R | --sparse D`: compressed and sparse
+//! allreduce against the dense allreduce of the same data, in one run.
+//!
+//! Columns: size and count (float32), the compressed call's time and algbw/busbw (computed on
+//! the dense bytes, so they compare with the plain table), bytes this rank put on the wire
+//! (mean over ranks), the compression ratio (dense ring bytes 2(p−1)/p·size over wire bytes),
+//! the relative error ‖compressed − dense‖/‖dense‖ of a first call with a fresh compressor,
+//! the dense allreduce's time on the same data and the speed-up over it. For `--sparse`, the
+//! non-zeros per rank and of the result replace the ratio and error (the result is exact; any
+//! difference from the dense sum is counted as wrong).
+
+use std::time::Instant;
+
+use chorus::compress::{Compressor, CompressorSpec};
+use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
+use chorus::{CommError, Communicator, ReduceOp};
+
+use crate::cli::{Options, Output};
+use crate::report::{format_time_us, human_bytes, json_string};
+
+/// splitmix64's finaliser: a well-mixed hash of `x`.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A deterministic pseudo-normal value for element `i` of rank `rank` (sum of 4 uniforms,
+/// centred): gradient-like data whose compression error means something.
+fn value(rank: usize, i: usize) -> f32 {
+    let base = ((rank as u64) << 40) ^ ((i as u64) << 2);
+    let acc: f32 = (0..4)
+        .map(|j| (mix(base + j) >> 40) as f32 / (1u64 << 24) as f32)
+        .sum();
+    (acc - 2.0) * 1.7
+}
+
+fn mean_over_ranks(comm: &mut Communicator, v: f64) -> Result<f64, Box<CommError>> {
+    let mut t = [v];
+    comm.all_reduce(&mut t, ReduceOp::Avg)?;
+    Ok(t[0])
+}
+
+fn max_over_ranks(comm: &mut Communicator, v: f64) -> Result<f64, Box<CommError>> {
+    let mut t = [v];
+    comm.all_reduce(&mut t, ReduceOp::Max)?;
+    Ok(t[0])
+}
+
+/// The time of `iters` calls of `f` after `warmup` (max over ranks, as the peers harness).
+fn time(
+    comm: &mut Communicator,
+    warmup: u64,
+    iters: u64,
+    mut f: impl FnMut(&mut Communicator) -> Result<(), Box<CommError>>,
+) -> Result<f64, Box<CommError>> {
+    for _ in 0..warmup {
+        f(comm)?;
+    }
+    comm.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f(comm)?;
+    }
+    let local = t0.elapsed().as_secs_f64() / iters as f64;
+    max_over_ranks(comm, local)
+}
+
+struct Row {
+    bytes: u64,
+    count: u64,
+    seconds: f64,
+    wire: f64,
+    third: f64,
+    fourth: f64,
+    dense_seconds: f64,
+}
+
+/// Run the compressed (`opts.compress`) or sparse (`opts.sparse`) benchmark on this rank.
+/// Returns the number of wrong elements (sparse mode checks exactness).
+pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError>> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let show = rank == 0;
+    let json = opts.output == Output::Json;
+    let sparse_algo = match &opts.sparse_algo {
+        Some(n) => Some(n.parse::<SparseAlgo>().map_err(|_| {
+            CommError::invalid(
+                "chorus-perf",
+                format!("--sparse-algo {n:?}: expected sparse_rd, dsar or two_phase"),
+            )
+        })?),
+        None => None,
+    };
+    let spec = match &opts.compress {
+        Some(s) => Some(
+            CompressorSpec::parse(s)
+                .map_err(|m| CommError::invalid("chorus-perf", format!("--compress {s:?}: {m}")))?,
+        ),
+        None => None,
+    };
+    let mode = match (&spec, opts.sparse) {
+        (Some(s), _) => format!("compress {s}"),
+        (None, Some(d)) => format!(
+            "sparse density {d} algo {}",
+            sparse_algo.map_or("auto", |a| a.name())
+        ),
+        _ => unreachable!("run only with --compress or --sparse"),
+    };
+    if show && !json {
+        println!(
+            "# chorus-perf allreduce {mode}: {p} ranks, transport {}, float32 sum",
+            comm.transport_name()
+        );
+        if spec.is_some() {
+            println!(
+                "# {:>12} {:>12} {:>10} {:>8} {:>8} {:>12} {:>8} {:>10} {:>10} {:>8}",
+                "size",
+                "count",
+                "time(us)",
+                "algbw",
+                "busbw",
+                "wire_B/rank",
+                "ratio",
+                "rel_err",
+                "dense(us)",
+                "speedup"
+            );
+        } else {
+            println!(
+                "# {:>12} {:>12} {:>10} {:>8} {:>8} {:>12} {:>10} {:>10} {:>10} {:>8}",
+                "size",
+                "count",
+                "time(us)",
+                "algbw",
+                "busbw",
+                "wire_B/rank",
+                "nnz/rank",
+                "result_nnz",
+                "dense(us)",
+                "speedup"
+            );
+        }
+    }
+    let factor = 2.0 * (p as f64 - 1.0) / p as f64;
+    let mut wrong_total = 0u64;
+    for point in opts.grid.points(4) {
+        let n = point.count as usize;
+        let bytes = point.bytes;
+        let (warmup, iters) = opts.iters.for_size(bytes);
+        let input: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+        let row = if let Some(spec) = &spec {
+            // Reference: the dense sum.
+            let mut dense = input.clone();
+            comm.all_reduce(&mut dense, ReduceOp::Sum)?;
+            // Accuracy of one call with a fresh compressor.
+            let mut comp = Compressor::from_spec(spec.clone());
+            let mut out = input.clone();
+            comm.all_reduce_compressed(&mut out, ReduceOp::Sum, &mut comp)?;
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for (a, b) in out.iter().zip(&dense) {
+                num += ((a - b) as f64).powi(2);
+                den += (*b as f64).powi(2);
+            }
+            let rel = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
+            let rel = max_over_ranks(comm, rel)?;
+            // Time, on a fresh copy each call (the copy is not timed separately: it is one
+            // pass over memory, small against encoding).
+            let mut work = input.clone();
+            let mut wire = 0u64;
+            let seconds = time(comm, warmup, iters, |c| {
+                work.copy_from_slice(&input);
+                let r = c.all_reduce_compressed(&mut work, ReduceOp::Sum, &mut comp)?;
+                wire = r.bytes_sent;
+                Ok(())
+            })?;
+            let mut dwork = input.clone();
+            let dense_seconds = time(comm, warmup, iters, |c| {
+                dwork.copy_from_slice(&input);
+                Ok(c.all_reduce(&mut dwork, ReduceOp::Sum)?)
+            })?;
+            let wire = mean_over_ranks(comm, wire as f64)?;
+            let ratio = if wire > 0.0 {
+                bytes as f64 * factor / wire
+            } else {
+                1.0
+            };
+            Row {
+                bytes,
+                count: n as u64,
+                seconds,
+                wire,
+                third: ratio,
+                fourth: rel,
+                dense_seconds,
+            }
+        } else {
+            let density = opts.sparse.unwrap_or(0.0);
+            let sv = random_sparse(rank, n, density);
+            let mut dense = sv.to_dense();
+            comm.all_reduce(&mut dense, ReduceOp::Sum)?;
+            let (result, stats) = comm.sparse_all_reduce_stats(&sv, sparse_algo)?;
+            let (got, result_nnz) = match result {
+                SparseResult::Dense(d) => {
+                    let nnz = d.iter().filter(|v| **v != 0.0).count();
+                    (d, nnz)
+                }
+                SparseResult::Sparse(s) => (s.to_dense(), s.nnz()),
+            };
+            let wrong = got.iter().zip(&dense).filter(|(a, b)| a != b).count() as f64;
+            let wrong = max_over_ranks(comm, wrong)? as u64;
+            wrong_total += wrong;
+            let mut sent = 0u64;
+            let seconds = time(comm, warmup, iters, |c| {
+                let (_, s) = c.sparse_all_reduce_stats(&sv, sparse_algo)?;
+                sent = s.bytes_sent;
+                Ok(())
+            })?;
+            let dense_in = sv.to_dense();
+            let mut dwork = dense_in.clone();
+            let dense_seconds = time(comm, warmup, iters, |c| {
+                dwork.copy_from_slice(&dense_in);
+                Ok(c.all_reduce(&mut dwork, ReduceOp::Sum)?)
+            })?;
+            let _ = stats;
+            let wire = mean_over_ranks(comm, sent as f64)?;
+            Row {
+                bytes,
+                count: n as u64,
+                seconds,
+                wire,
+                third: sv.nnz() as f64,
+                fourth: result_nnz as f64,
+                dense_seconds,
+            }
+        };
+        if show {
+            print_row(
+                &row,
+                spec.is_some(),
+                json,
+                &mode,
+                p,
+                factor,
+                comm.transport_name(),
+            );
+        }
+    }
+    if show && !json && opts.sparse.is_some() {
+        println!(
+            "# Out of bounds values : {wrong_total} {}",
+            if wrong_total == 0 { "OK" } else { "FAILED" }
+        );
+    }
+    Ok(wrong_total)
+}
+
+fn print_row(
+    r: &Row,
+    compressed: bool,
+    json: bool,
+    mode: &str,
+    p: usize,
+    factor: f64,
+    transport: &str,
+) {
+    let algbw = if r.seconds > 0.0 {
+        r.bytes as f64 / r.seconds / 1e9
+    } else {
+        0.0
+    };
+    let speedup = if r.seconds > 0.0 {
+        r.dense_seconds / r.seconds
+    } else {
+        0.0
+    };
+    if json {
+        let (k3, k4) = if compressed {
+            ("ratio", "rel_err")
+        } else {
+            ("nnz_per_rank", "result_nnz")
+        };
+        println!(
+            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4}}}",
+            json_string(mode),
+            json_string(transport),
+            r.bytes,
+            r.count,
+            r.seconds * 1e6,
+            algbw,
+            algbw * factor,
+            r.wire,
+            r.third,
+            r.fourth,
+            r.dense_seconds * 1e6,
+            speedup
+        );
+        return;
+    }
+    let third = if compressed {
+        format!("{:.2}", r.third)
+    } else {
+        format!("{:.0}", r.third)
+    };
+    let fourth = if compressed {
+        format!("{:.2e}", r.fourth)
+    } else {
+        format!("{:.0}", r.fourth)
+    };
+    println!(
+        "  {:>12} {:>12} {:>10} {:>8.2} {:>8.2} {:>12} {:>8} {:>10} {:>10} {:>8.2}",
+        human_bytes(r.bytes),
+        r.count,
+        format_time_us(r.seconds * 1e6),
+        algbw,
+        algbw * factor,
+        format!("{:.0}", r.wire),
+        third,
+        fourth,
+        format_time_us(r.dense_seconds * 1e6),
+        speedup
+    );
+}
+
+/// A random sparse vector of `n` elements with about `density·n` non-zeros at positions drawn
+/// per rank, integer values (so the sum is exact).
+fn random_sparse(rank: usize, n: usize, density: f64) -> SparseVec {
+    let threshold = (density.clamp(0.0, 1.0) * (1u64 << 32) as f64) as u64;
+    let mut idx = Vec::new();
+    let mut vals = Vec::new();
+    for i in 0..n {
+        let h = mix(((rank as u64) << 40) ^ (i as u64) ^ 0x5bd1_e995) >> 32;
+        if h < threshold {
+            idx.push(i as u64);
+            vals.push(((i + rank) % 7) as f32 + 1.0);
+        }
+    }
+    SparseVec::new(n, idx, vals).expect("sorted, in range")
+}
