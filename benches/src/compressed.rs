@@ -16,7 +16,7 @@ use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
 use chorus::{CommError, Communicator, ReduceOp};
 
 use crate::cli::{Options, Output};
-use crate::report::{format_time_us, human_bytes, json_string};
+use crate::report::{format_time_us, json_string};
 
 /// splitmix64's finaliser: a well-mixed hash of `x`.
 fn mix(x: u64) -> u64 {
@@ -75,6 +75,8 @@ struct Row {
     third: f64,
     fourth: f64,
     dense_seconds: f64,
+    /// Fraction of the result's elements that are non-zero.
+    density: f64,
 }
 
 /// Run the compressed (`opts.compress`) or sparse (`opts.sparse`) benchmark on this rank.
@@ -163,6 +165,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
                 den += (*b as f64).powi(2);
             }
             let rel = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
+            let density = out.iter().filter(|v| **v != 0.0).count() as f64 / n.max(1) as f64;
             let rel = max_over_ranks(comm, rel)?;
             // Time, on a fresh copy each call (the copy is not timed separately: it is one
             // pass over memory, small against encoding).
@@ -193,6 +196,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
                 third: ratio,
                 fourth: rel,
                 dense_seconds,
+                density,
             }
         } else {
             let density = opts.sparse.unwrap_or(0.0);
@@ -232,6 +236,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
                 third: sv.nnz() as f64,
                 fourth: result_nnz as f64,
                 dense_seconds,
+                density: result_nnz as f64 / n.max(1) as f64,
             }
         };
         if show {
@@ -281,7 +286,7 @@ fn print_row(
             ("nnz_per_rank", "result_nnz")
         };
         println!(
-            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4}}}",
+            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4},\"result_density\":{:.6}}}",
             json_string(mode),
             json_string(transport),
             r.bytes,
@@ -293,7 +298,8 @@ fn print_row(
             r.third,
             r.fourth,
             r.dense_seconds * 1e6,
-            speedup
+            speedup,
+            r.density
         );
         return;
     }
@@ -307,9 +313,14 @@ fn print_row(
     } else {
         format!("{:.0}", r.fourth)
     };
+    let density = if compressed {
+        format!(" {:>9.4}", r.density)
+    } else {
+        String::new()
+    };
     println!(
-        "  {:>12} {:>12} {:>10} {:>8.2} {:>8.2} {:>12} {:>8} {:>10} {:>10} {:>8.2}",
-        human_bytes(r.bytes),
+        "  {:>12} {:>12} {:>10} {:>8.2} {:>8.2} {:>12} {:>8} {:>10} {:>10} {:>8.2}{density}",
+        r.bytes,
         r.count,
         format_time_us(r.seconds * 1e6),
         algbw,

@@ -77,6 +77,18 @@ fn main() -> ExitCode {
         )));
     }
 
+    if let Some(spec) = &opts.compress {
+        if let Err(m) = chorus::CompressorSpec::parse(spec) {
+            return usage_error(&UsageError(format!("--compress {spec:?}: {m}")));
+        }
+    }
+    if let Some(name) = &opts.sparse_algo {
+        if name.parse::<chorus::sparse::SparseAlgo>().is_err() {
+            return usage_error(&UsageError(format!(
+                "--sparse-algo {name:?}: expected sparse_rd, dsar or two_phase"
+            )));
+        }
+    }
     if let Some(ranks) = opts.ranks {
         let child_args = match cli::without_ranks(&args) {
             Ok(a) => a,

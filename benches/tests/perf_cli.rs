@@ -189,3 +189,59 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
         }
     }
 }
+
+#[test]
+fn compressed_topk_and_sparse_modes() {
+    for spec in ["int8", "sign", "topk:0.01"] {
+        let r = perf(&format!(
+            "allreduce --ranks 3 --compress {spec},min_bytes=0 -b 4K -e 64K -f 4 -n 2 -w 1"
+        ));
+        assert_eq!(r.code, Some(0), "{spec}: {}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.stdout.contains("# chorus-perf allreduce compress"),
+            "{}",
+            r.stdout
+        );
+        let rows = rows(&r.stdout);
+        assert_eq!(rows.len(), 3, "{}", r.stdout);
+        for (i, row) in rows.iter().enumerate() {
+            // size count time algbw busbw wire ratio rel_err dense speedup density
+            assert_eq!(row.len(), 11, "{row:?}");
+            let ratio: f64 = row[6].parse().unwrap();
+            let rel: f64 = row[7].parse().unwrap();
+            let density: f64 = row[10].parse().unwrap();
+            // Headers weigh on the smallest sizes; the largest must be smaller than dense.
+            assert!(
+                ratio > 0.5 && (i < 2 || ratio > 1.5),
+                "{spec}: ratio {ratio}"
+            );
+            assert!(rel.is_finite() && rel < 2.0, "{spec}: rel_err {rel}");
+            assert!((0.0..=1.0).contains(&density), "{spec}: density {density}");
+            if spec.starts_with("topk") {
+                assert!(density < 0.05, "topk density {density}");
+            }
+        }
+    }
+    let r = perf("allreduce --ranks 2 --topk 0.01 -b 64K -e 64K -n 2 -w 1 --json");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("\"wire_bytes_per_rank\""), "{}", r.stdout);
+    assert!(r.stdout.contains("\"result_density\""), "{}", r.stdout);
+
+    let r = perf("allreduce --ranks 3 --sparse 0.01 -b 4K -e 64K -f 4 -n 2 -w 1");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("# Out of bounds values : 0 OK"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(rows(&r.stdout).len(), 3, "{}", r.stdout);
+    for bad in [
+        "allreduce --ranks 2 --compress int3",
+        "broadcast --ranks 2 --compress int8",
+        "allreduce --ranks 2 --topk 2",
+        "allreduce --ranks 2 --sparse-algo dsar",
+    ] {
+        let r = perf(bad);
+        assert_ne!(r.code, Some(0), "{bad}: {}", r.stdout);
+    }
+}
