@@ -62,7 +62,7 @@ pub struct TrainResult {
     pub final_loss: f64,
     /// The same at the start.
     pub initial_loss: f64,
-    /// Bytes a rank sent per step, averaged (compressed runs; dense reports the ring's).
+    /// Bytes a rank sent per step, averaged over steps and ranks (dense reports a ring's).
     pub bytes_per_step: f64,
     /// Parameters (gradient length).
     pub params: usize,
@@ -299,10 +299,13 @@ pub fn train_threads(cfg: &TrainConfig) -> Result<TrainResult, String> {
         out.push(h.join().map_err(|_| "a rank panicked".to_string())??);
     }
     drop(store);
-    let (first, digest) = out[0].clone();
+    let (mut first, digest) = out[0].clone();
     if out.iter().any(|(_, d)| *d != digest) {
         return Err(format!("{}: the replicas diverged", cfg.method));
     }
+    // Ranks that own more of the tensor send more: report the mean.
+    first.bytes_per_step =
+        out.iter().map(|(r, _)| r.bytes_per_step).sum::<f64>() / out.len() as f64;
     Ok(first)
 }
 
