@@ -309,8 +309,9 @@ pub fn train_threads(cfg: &TrainConfig) -> Result<TrainResult, String> {
     Ok(first)
 }
 
-/// Every method the demonstration compares, dense first.
-pub const METHODS: [&str; 9] = [
+/// Every method the demonstration compares, dense first; the last two (no error feedback
+/// where the method needs it) are the negative controls.
+pub const METHODS: [&str; 10] = [
     "dense",
     "fp16",
     "bf16",
@@ -319,8 +320,14 @@ pub const METHODS: [&str; 9] = [
     "ternary",
     "sign",
     "topk:0.01",
+    "sign,ef=off",
     "topk:0.01,ef=off",
 ];
+
+/// Whether `method` is one of the negative controls of [`METHODS`].
+pub fn is_negative_control(method: &str) -> bool {
+    method.contains("ef=off")
+}
 
 #[allow(dead_code)] // the integration test includes this file for `train_threads`
 fn main() {
