@@ -177,6 +177,9 @@ pub struct ShmTransport {
     slot: Vec<Option<usize>>,
     peers: Vec<Option<Peer>>,
     spin: Duration,
+    /// While spinning, give the core away every this many polls: every poll when the host's
+    /// members outnumber its cores (the rank waited for may be the one not running).
+    yield_every: u64,
     broken: Option<String>,
     aborted: bool,
     /// Peers the current wait depends on (reused buffer).
@@ -346,6 +349,12 @@ pub fn connect(
         slot,
         peers,
         spin: opts.spin,
+        yield_every: if members.len() > std::thread::available_parallelism().map_or(1, |n| n.get())
+        {
+            1
+        } else {
+            64
+        },
         broken: None,
         aborted: false,
         involved: Vec::new(),
@@ -480,7 +489,7 @@ impl ShmTransport {
         }
         if now - w.start < self.spin {
             w.polls += 1;
-            if w.polls % 64 == 0 {
+            if w.polls % self.yield_every == 0 {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
