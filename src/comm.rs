@@ -14,7 +14,7 @@ use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
-use crate::select::{AlgoFilter, LinkSource, Selector};
+use crate::select::{self, AlgoFilter, LinkSource, Next, Selector, TrialPlan, Tuner};
 
 /// Per-call options of an allreduce.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -42,6 +42,10 @@ pub struct Communicator {
     scratch: Vec<u8>,
     broken: Option<String>,
     selector: Selector,
+    /// Per-bucket online tuning of the allreduce schedule ([`crate::select`]).
+    tuner: Tuner,
+    /// Whether the allreduce schedule is tuned (`CHORUS_TUNE`, [`Communicator::set_tuning`]).
+    tuning: bool,
 }
 
 /// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
@@ -62,6 +66,10 @@ pub(crate) enum CollKind {
     SendRecv = 10,
     SparseAllReduce = 11,
     CompressedAllReduce = 12,
+    /// A tuning trial of an allreduce schedule (on a scratch buffer).
+    AllReduceTrial = 13,
+    /// The agreement on the times of the tuning trials.
+    Tuning = 14,
 }
 
 impl CollKind {
@@ -79,6 +87,8 @@ impl CollKind {
             10 => "send/recv",
             11 => "sparse_all_reduce",
             12 => "compressed_all_reduce",
+            13 => "all_reduce tuning trial",
+            14 => "all_reduce tuning agreement",
             _ => "unknown collective",
         }
     }
@@ -187,6 +197,7 @@ impl Communicator {
         };
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
         let env_link = crate::select::link_from_env().map_err(fail)?;
+        let tuning = crate::select::tune_from_env().map_err(fail)?;
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {
@@ -265,6 +276,8 @@ impl Communicator {
             scratch: Vec::new(),
             broken: None,
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
+            tuner: Tuner::new(),
+            tuning,
         };
         comm.selector = Selector::for_communicator(&mut comm, filter, env_link)?;
         Ok(comm)
@@ -295,11 +308,33 @@ impl Communicator {
         self.broken.is_none()
     }
 
-    /// The algorithm an allreduce of `bytes` bytes would use with default options: the
-    /// cheapest that `CHORUS_ALGO` allows in this communicator's cost table (see
-    /// [`crate::select`]).
+    /// The algorithm an allreduce of `bytes` bytes uses with default options once its size
+    /// bucket is tuned: the one tuning chose, or (before, or with tuning off) the cheapest
+    /// that `CHORUS_ALGO` allows in this communicator's cost table (see [`crate::select`]).
+    /// Every rank returns the same. (When every rank is on one host and `CHORUS_ALGO` is
+    /// unset, allreduce uses the direct shared-memory schedule instead.)
     pub fn selected_algorithm(&self, bytes: usize) -> Algorithm {
-        self.selector.select(bytes)
+        self.tuner
+            .decided(bytes)
+            .unwrap_or_else(|| self.selector.select(bytes))
+    }
+
+    /// The algorithm tuning settled on for allreduces of `bytes` bytes, if their size bucket
+    /// is tuned (see [`crate::select`]).
+    pub fn tuned_algorithm(&self, bytes: usize) -> Option<Algorithm> {
+        self.tuner.decided(bytes)
+    }
+
+    /// Turn online tuning of the allreduce schedule on or off (the default is `CHORUS_TUNE`,
+    /// on when unset). Every rank must make the same choice before the same call; ranks that
+    /// do not fail with a mismatch. Buckets already tuned keep their choice.
+    pub fn set_tuning(&mut self, on: bool) {
+        self.tuning = on;
+    }
+
+    /// Whether allreduce schedules are tuned online.
+    pub fn tuning(&self) -> bool {
+        self.tuning
     }
 
     /// The cost table allreduce schedules are chosen from.
@@ -369,9 +404,29 @@ impl Communicator {
                 .at_rank(self.rank));
             }
         }
-        let algorithm = match opts.algorithm {
-            Some(a) => a,
-            None => self.selected_algorithm(recv.len()),
+        if opts.algorithm.is_none()
+            && self.config.algo.is_none()
+            && self.transport.shared_memory().is_some()
+        {
+            // Every rank on this host: the direct shared-memory allreduce beats any message
+            // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
+            return self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
+                shm_all_reduce(ctx, send, recv, dtype, op)
+            });
+        }
+        let bytes = recv.len();
+        let (algorithm, online) = match opts.algorithm {
+            Some(a) => (a, false),
+            None if !self.tuning || self.size == 1 || bytes == 0 => {
+                (self.selected_algorithm(bytes), false)
+            }
+            None => match self.tuner.next(&self.selector, bytes) {
+                Next::Use(a) => (a, false),
+                Next::Online(a) => (a, true),
+                Next::Trials(plan) => {
+                    (self.dedicated_trials(&plan, bytes, dtype, op, opts)?, false)
+                }
+            },
         };
         log::log(
             Level::Trace,
@@ -384,19 +439,137 @@ impl Communicator {
                 algorithm.name()
             ),
         );
-        if opts.algorithm.is_none()
-            && self.config.algo.is_none()
-            && self.transport.shared_memory().is_some()
-        {
-            // Every rank on this host: the direct shared-memory allreduce beats any message
-            // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
-            return self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
-                shm_all_reduce(ctx, send, recv, dtype, op)
-            });
+        if online {
+            if let Some(candidates) = self.tuner.online_fresh(bytes) {
+                // Before the first trial: run every candidate once, untimed, so that none pays
+                // for TCP connections still in slow start; grow the scratch memory, so that
+                // the first does not pay for it (a schedule needs at most the buffer's size).
+                let mut warm = vec![0u8; bytes.min(select::DEDICATED_MAX_BYTES)];
+                warm.truncate(warm.len() / dtype.size() * dtype.size());
+                for alg in candidates {
+                    let r = self.run_collective(
+                        "all_reduce (tuning warm-up)",
+                        CollKind::AllReduceTrial,
+                        dtype,
+                        op,
+                        opts.timeout,
+                        |ctx| allreduce::run(alg, ctx, None, &mut warm, dtype, op),
+                    );
+                    if r.is_err() {
+                        self.tuner.reset(bytes);
+                        return r;
+                    }
+                }
+                let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
+                if self.scratch.len() < need {
+                    self.scratch.resize(need, 0);
+                }
+            }
         }
-        self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
+        let started = Instant::now();
+        let r = self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
             allreduce::run(algorithm, ctx, send, recv, dtype, op)
-        })
+        });
+        if online {
+            if r.is_err() {
+                self.tuner.reset(bytes);
+                return r;
+            }
+            let seconds = started.elapsed().as_secs_f64();
+            if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
+                self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
+            }
+        }
+        r
+    }
+
+    /// The dedicated tuning trials of the first call of a small bucket (see
+    /// [`crate::select`]): every candidate of `plan` on a zeroed buffer of `bytes` bytes, once
+    /// untimed and then its repetitions back to back, in `plan.passes` passes; this rank's time
+    /// of a candidate is the mean run of its best pass. Returns the schedule agreed on.
+    fn dedicated_trials(
+        &mut self,
+        plan: &TrialPlan,
+        bytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+        opts: &AllReduceOptions,
+    ) -> Result<Algorithm, CommError> {
+        const TRIAL: &str = "all_reduce (tuning trial)";
+        let mut buf = vec![0u8; bytes];
+        let mut times = vec![f64::INFINITY; plan.candidates.len()];
+        for _ in 0..plan.passes {
+            for (i, &(alg, reps)) in plan.candidates.iter().enumerate() {
+                let mut started = Instant::now();
+                for rep in 0..=reps {
+                    // The first run of a pass only lines the ranks up.
+                    if rep == 1 {
+                        started = Instant::now();
+                    }
+                    self.run_collective(
+                        TRIAL,
+                        CollKind::AllReduceTrial,
+                        dtype,
+                        op,
+                        opts.timeout,
+                        |ctx| allreduce::run(alg, ctx, None, &mut buf, dtype, op),
+                    )?;
+                }
+                // The mean of back-to-back runs, as a loop of calls sees it (the time of a
+                // single run is skewed by where a rank sits in the schedule); the best pass,
+                // so that one disturbed pass does not count.
+                let mean = started.elapsed().as_secs_f64() / reps as f64;
+                times[i] = times[i].min(mean);
+            }
+        }
+        let candidates: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        self.agree_and_decide(bytes, &candidates, times, opts.timeout)
+    }
+
+    /// Agrees on the trial `times` of `candidates` across ranks (the largest of every
+    /// candidate's), settles the bucket of `bytes` on the fastest and logs the decision.
+    fn agree_and_decide(
+        &mut self,
+        bytes: usize,
+        candidates: &[Algorithm],
+        mut times: Vec<f64>,
+        timeout: Option<Duration>,
+    ) -> Result<Algorithm, CommError> {
+        self.run_collective(
+            "all_reduce (tuning agreement)",
+            CollKind::Tuning,
+            DType::Float64,
+            ReduceOp::Max,
+            timeout,
+            |ctx| {
+                allreduce::run(
+                    Algorithm::RecursiveDoubling,
+                    ctx,
+                    None,
+                    bytemuck::cast_slice_mut(&mut times),
+                    DType::Float64,
+                    ReduceOp::Max,
+                )
+            },
+        )?;
+        let chosen = self.tuner.decide(bytes, candidates, &times);
+        if self.rank == 0 {
+            log::log(
+                Level::Info,
+                Some(0),
+                format_args!(
+                    "{}",
+                    select::describe_decision(
+                        bytes,
+                        self.selector.select(bytes),
+                        candidates,
+                        &times,
+                        chosen
+                    )
+                ),
+            );
+        }
+        Ok(chosen)
     }
 
     /// Run one collective: checks the communicator is usable, gives the schedule a context

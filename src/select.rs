@@ -23,6 +23,33 @@
 //! to one collective (lists for other collectives are left to them). `AllReduceOptions::
 //! algorithm` forces a schedule for one call. With `CHORUS_DEBUG=INFO` rank 0 logs the link and
 //! which schedule covers which sizes.
+//!
+//! # Online tuning
+//! The α–β model ranks the schedules well at the extremes but misses by up to 2× in between
+//! (kernel buffers, segment pipelining, wake-ups on oversubscribed cores are not in it). So the
+//! table is only the prior: unless `CHORUS_TUNE=0` (or `off`), the first allreduce of every
+//! size bucket (power of two, as the table's rows) times the allowed schedules (for large
+//! buckets only those the model puts within [`PLAUSIBLE`]× of its cheapest) and the bucket
+//! keeps the fastest one.
+//! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
+//!   on a zeroed buffer of its size before doing the caller's work: each candidate once
+//!   untimed, then back-to-back repetitions (as many as fit [`TRIAL_BUDGET`]), in one to three
+//!   interleaved passes (more when they are cheap); a candidate's time is the mean run of its
+//!   best pass (a loop of calls sees the mean). Only that first call is slower.
+//! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
+//!   [`ONLINE_CANDIDATES`], best modelled first), so nothing is run twice; the bucket is decided
+//!   after the last one. Before the first, every candidate runs once untimed on a zeroed
+//!   buffer of at most [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections
+//!   that have not carried bulk data yet), and the communicator's scratch memory is grown to
+//!   the buffer's size (so that no candidate pays for it).
+//!
+//! Every rank times the same trials; the per-rank figures of every candidate are then
+//! allreduced with `max`, so every rank holds the same vector and picks the same schedule
+//! (ties go to the better-modelled one). Trials and the agreement carry their own collective
+//! kinds in the tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or
+//! different counts in one call) fail with a mismatch instead of mixing messages. Forced
+//! schedules (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO`
+//! logs every decision with the times measured.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -49,6 +76,20 @@ const PROBE_WARMUP: usize = 1;
 const PROBE_SMALL_BYTES: usize = 8;
 /// Bytes of the probe's large messages.
 const PROBE_LARGE_BYTES: usize = 256 * 1024;
+
+/// Schedules the model puts within this factor of its cheapest are tried by the tuner.
+pub const PLAUSIBLE: f64 = 3.0;
+/// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
+pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
+/// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
+pub const TRIAL_BUDGET: Duration = Duration::from_millis(2);
+/// Most timed repetitions of one candidate in one pass of dedicated trials.
+pub const TRIAL_MAX_REPS: usize = 8;
+/// Most candidates of a bucket tuned on the caller's calls.
+pub const ONLINE_CANDIDATES: usize = 3;
+/// Dedicated trials run three passes when one is modelled to take at most this long, two when
+/// it takes at most five times as long.
+const CHEAP_PASS: Duration = Duration::from_millis(20);
 
 /// Which allreduce schedules `CHORUS_ALGO` allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,13 +235,69 @@ impl Selector {
         }
     }
 
-    /// The schedule for an allreduce of `bytes` bytes.
+    /// The schedule the model picks for an allreduce of `bytes` bytes.
     pub fn select(&self, bytes: usize) -> Algorithm {
-        let row = bytes
-            .max(1)
-            .checked_next_power_of_two()
-            .map_or(ROWS - 1, |b| b.trailing_zeros() as usize);
-        self.best[row.min(ROWS - 1)]
+        self.best[bucket(bytes)]
+    }
+
+    /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
+    /// for dedicated trials (cheap, and the model is least reliable at mid sizes), else those
+    /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`];
+    /// cheapest modelled first.
+    ///
+    /// ```
+    /// use chorus::select::{AlgoFilter, LinkSource, Selector};
+    /// use chorus_algorithms::cost::Link;
+    /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
+    /// let small = s.trial_plan(8);
+    /// assert!(small.dedicated && small.candidates.len() > 1);
+    /// assert_eq!(small.candidates[0].0, s.select(8));
+    /// let large = s.trial_plan(64 << 20);
+    /// assert!(!large.dedicated && large.candidates.len() <= 3);
+    /// ```
+    pub fn trial_plan(&self, bytes: usize) -> TrialPlan {
+        let row = bytes.max(1);
+        let mut costs: Vec<(Algorithm, f64)> = Algorithm::ALL
+            .into_iter()
+            .filter(|&a| self.filter.allows(a))
+            .map(|a| (a, a.cost(row, self.ranks, &self.link)))
+            .collect();
+        // Stable: ties keep the order of `ALL`, as the table does.
+        costs.sort_by(|x, y| x.1.total_cmp(&y.1));
+        let best = costs.first().map_or(0.0, |c| c.1);
+        let dedicated = bytes <= DEDICATED_MAX_BYTES;
+        if !dedicated {
+            costs.retain(|c| c.1 <= PLAUSIBLE * best);
+            costs.truncate(ONLINE_CANDIDATES);
+        }
+        let budget = TRIAL_BUDGET.as_secs_f64();
+        let candidates: Vec<(Algorithm, usize)> = costs
+            .iter()
+            .map(|&(a, c)| {
+                let reps = if dedicated && c > 0.0 {
+                    ((budget / c) as usize).clamp(1, TRIAL_MAX_REPS)
+                } else {
+                    1
+                };
+                (a, reps)
+            })
+            .collect();
+        let pass: f64 = costs
+            .iter()
+            .zip(&candidates)
+            .map(|(&(_, c), &(_, reps))| c * (reps + 1) as f64)
+            .sum();
+        let cheap = CHEAP_PASS.as_secs_f64();
+        let passes = match dedicated {
+            true if pass <= cheap => 3,
+            true if pass <= 5.0 * cheap => 2,
+            _ => 1,
+        };
+        TrialPlan {
+            candidates,
+            passes,
+            dedicated,
+        }
     }
 
     /// The link figures the table was filled with.
@@ -299,6 +396,205 @@ impl Selector {
         }
         Ok(s)
     }
+}
+
+/// The row of the table (and the tuner's bucket) of a call of `bytes` bytes: the exponent of
+/// the next power of two.
+pub(crate) fn bucket(bytes: usize) -> usize {
+    bytes
+        .max(1)
+        .checked_next_power_of_two()
+        .map_or(ROWS - 1, |b| b.trailing_zeros() as usize)
+        .min(ROWS - 1)
+}
+
+/// How the schedules are tried for one bucket ([`Selector::trial_plan`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrialPlan {
+    /// The candidates, best modelled first, each with its timed repetitions per pass
+    /// (dedicated trials; 1 when tuned on the caller's calls).
+    pub candidates: Vec<(Algorithm, usize)>,
+    /// Passes over the candidates (dedicated trials; 1 to 3).
+    pub passes: usize,
+    /// Dedicated trials on the first call (else the caller's calls are the trials).
+    pub dedicated: bool,
+}
+
+/// `CHORUS_TUNE`: whether allreduce schedules are tuned online (default on). Accepts
+/// `1 on true yes` and `0 off false no`, case-insensitively.
+pub fn tune_from_env() -> Result<bool, CommError> {
+    parse_tune(&std::env::var("CHORUS_TUNE").unwrap_or_default())
+}
+
+/// Parses a `CHORUS_TUNE` value (empty: the default, on).
+///
+/// ```
+/// use chorus::select::parse_tune;
+/// assert!(parse_tune("").unwrap() && parse_tune("On").unwrap());
+/// assert!(!parse_tune("0").unwrap() && !parse_tune("off").unwrap());
+/// assert!(parse_tune("sometimes").is_err());
+/// ```
+pub fn parse_tune(v: &str) -> Result<bool, CommError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "on" | "true" | "yes" => Ok(true),
+        "0" | "off" | "false" | "no" => Ok(false),
+        _ => Err(CommError::invalid(
+            "init",
+            format!("CHORUS_TUNE={v:?}: expected on or off (1 or 0)"),
+        )),
+    }
+}
+
+/// Where the tuning of one bucket stands.
+#[derive(Clone, Debug, PartialEq)]
+enum Bucket {
+    /// No call of this size yet.
+    Fresh,
+    /// Tuned on the caller's calls: the candidates, and the time of those already tried.
+    Online {
+        candidates: Vec<Algorithm>,
+        times: Vec<f64>,
+    },
+    /// Decided (by trials, or because there was nothing to try).
+    Decided(Algorithm),
+}
+
+/// What the tuner says about the next call of a bucket.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Next {
+    /// Use this schedule; nothing to time.
+    Use(Algorithm),
+    /// Run dedicated trials first, by this plan.
+    Trials(TrialPlan),
+    /// Use this schedule, time the call and [`Tuner::record`] it (trial `k` of the bucket).
+    Online(Algorithm),
+}
+
+/// Per-bucket tuning state of one communicator (see the module docs). Pure bookkeeping: the
+/// communicator runs the trials and the agreement.
+#[derive(Clone, Debug)]
+pub(crate) struct Tuner {
+    buckets: Vec<Bucket>,
+}
+
+impl Tuner {
+    pub(crate) fn new() -> Tuner {
+        Tuner {
+            buckets: vec![Bucket::Fresh; ROWS],
+        }
+    }
+
+    /// The schedule decided for `bytes`, if its bucket is decided.
+    pub(crate) fn decided(&self, bytes: usize) -> Option<Algorithm> {
+        match self.buckets[bucket(bytes)] {
+            Bucket::Decided(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// What to do for a call of `bytes` bytes.
+    pub(crate) fn next(&mut self, selector: &Selector, bytes: usize) -> Next {
+        let b = bucket(bytes);
+        match &self.buckets[b] {
+            Bucket::Decided(a) => Next::Use(*a),
+            Bucket::Online { candidates, times } => Next::Online(candidates[times.len()]),
+            Bucket::Fresh => {
+                let plan = selector.trial_plan(bytes);
+                if plan.candidates.len() <= 1 {
+                    let a = plan
+                        .candidates
+                        .first()
+                        .map_or(selector.select(bytes), |c| c.0);
+                    self.buckets[b] = Bucket::Decided(a);
+                    return Next::Use(a);
+                }
+                if plan.dedicated {
+                    return Next::Trials(plan);
+                }
+                let candidates: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+                let first = candidates[0];
+                self.buckets[b] = Bucket::Online {
+                    candidates,
+                    times: Vec::new(),
+                };
+                Next::Online(first)
+            }
+        }
+    }
+
+    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and their
+    /// times (this rank's) once the last one is in: the caller agrees on them across ranks and
+    /// calls [`Tuner::decide`].
+    pub(crate) fn record(
+        &mut self,
+        bytes: usize,
+        seconds: f64,
+    ) -> Option<(Vec<Algorithm>, Vec<f64>)> {
+        let b = bucket(bytes);
+        if let Bucket::Online { candidates, times } = &mut self.buckets[b] {
+            times.push(seconds);
+            if times.len() == candidates.len() {
+                return Some((candidates.clone(), times.clone()));
+            }
+        }
+        None
+    }
+
+    /// Settles the bucket of `bytes` on the fastest of `candidates` by the agreed `times`
+    /// (ties to the earlier, better-modelled, candidate) and returns it.
+    pub(crate) fn decide(
+        &mut self,
+        bytes: usize,
+        candidates: &[Algorithm],
+        times: &[f64],
+    ) -> Algorithm {
+        let mut best = 0;
+        for (i, t) in times.iter().enumerate() {
+            if *t < times[best] {
+                best = i;
+            }
+        }
+        let a = candidates[best];
+        self.buckets[bucket(bytes)] = Bucket::Decided(a);
+        a
+    }
+
+    /// The candidates of the bucket of `bytes` when it is tuned on the caller's calls and none
+    /// has been timed yet (the communicator warms them up first).
+    pub(crate) fn online_fresh(&self, bytes: usize) -> Option<Vec<Algorithm>> {
+        match &self.buckets[bucket(bytes)] {
+            Bucket::Online { candidates, times } if times.is_empty() => Some(candidates.clone()),
+            _ => None,
+        }
+    }
+
+    /// Forgets an online trial in progress (the call failed): the bucket starts again.
+    pub(crate) fn reset(&mut self, bytes: usize) {
+        let b = bucket(bytes);
+        if matches!(self.buckets[b], Bucket::Online { .. }) {
+            self.buckets[b] = Bucket::Fresh;
+        }
+    }
+}
+
+/// One log line for a tuning decision.
+pub(crate) fn describe_decision(
+    bytes: usize,
+    model: Algorithm,
+    candidates: &[Algorithm],
+    times: &[f64],
+    chosen: Algorithm,
+) -> String {
+    let mut s = format!(
+        "all_reduce tuned for {} (bucket up to {}): ",
+        human(bytes),
+        human(1usize << bucket(bytes))
+    );
+    for (a, t) in candidates.iter().zip(times) {
+        let _ = write!(s, "{a} {:.1} us, ", t * 1e6);
+    }
+    let _ = write!(s, "-> {chosen} (model: {model})");
+    s
 }
 
 fn human(bytes: usize) -> String {
@@ -425,6 +721,110 @@ mod tests {
             AlgoFilter::parse("^ring,tree,halving_doubling,recursive_doubling,double_tree")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn trial_plans_follow_the_model_and_the_filter() {
+        for link in [Link::TCP_LOOPBACK, Link::GIGABIT_ETHERNET] {
+            for p in [2, 3, 4, 5, 8] {
+                let s = Selector::new(p, link, LinkSource::Default, AlgoFilter::default());
+                for b in [
+                    1,
+                    8,
+                    1000,
+                    1 << 16,
+                    1 << 20,
+                    4 << 20,
+                    (4 << 20) + 1,
+                    64 << 20,
+                ] {
+                    let plan = s.trial_plan(b);
+                    assert!(!plan.candidates.is_empty());
+                    // The model's choice first, every candidate allowed and plausible.
+                    assert_eq!(plan.candidates[0].0, s.select(b), "p={p} b={b}");
+                    let best = s.select(b).cost(b, p, &link);
+                    for &(a, reps) in &plan.candidates {
+                        assert!(AlgoFilter::default().allows(a));
+                        assert!(plan.dedicated || a.cost(b, p, &link) <= PLAUSIBLE * best);
+                        assert!((1..=TRIAL_MAX_REPS).contains(&reps));
+                    }
+                    assert_eq!(plan.dedicated, b <= DEDICATED_MAX_BYTES);
+                    if !plan.dedicated {
+                        assert!(plan.candidates.len() <= ONLINE_CANDIDATES);
+                        assert!(plan.candidates.iter().all(|c| c.1 == 1) && plan.passes == 1);
+                    }
+                    assert!((1..=3).contains(&plan.passes));
+                }
+            }
+        }
+        let tiny = Selector::new(
+            4,
+            Link::TCP_LOOPBACK,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        assert!(tiny.trial_plan(8).candidates.len() >= 2);
+        assert!(tiny.trial_plan(8).candidates[0].1 > 1, "tiny trials repeat");
+        let two = AlgoFilter::parse("ring,tree").unwrap();
+        let s = Selector::new(4, Link::TCP_LOOPBACK, LinkSource::Default, two);
+        for b in [8, 1 << 20, 64 << 20] {
+            assert!(s
+                .trial_plan(b)
+                .candidates
+                .iter()
+                .all(|c| matches!(c.0, Algorithm::Ring | Algorithm::Tree)));
+        }
+    }
+
+    #[test]
+    fn tuner_states() {
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let mut t = Tuner::new();
+        // Small: dedicated trials, decided by the agreed times (ties to the first).
+        let Next::Trials(plan) = t.next(&s, 100) else {
+            panic!("small buckets run dedicated trials")
+        };
+        let cands: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        let mut times = vec![2.0; cands.len()];
+        *times.last_mut().unwrap() = 1.0;
+        assert_eq!(t.decide(100, &cands, &times), *cands.last().unwrap());
+        assert_eq!(t.decided(128), Some(*cands.last().unwrap()), "same bucket");
+        assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
+        assert_eq!(t.decided(129), None);
+        assert_eq!(t.decide(8, &cands, &vec![1.0; cands.len()]), cands[0]);
+        // Large: the caller's calls are the trials, decided after the last.
+        let big = 5 << 20;
+        let plan = s.trial_plan(big);
+        let cands: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        assert!(cands.len() >= 2, "{cands:?}");
+        for (i, &a) in cands.iter().enumerate() {
+            assert_eq!(t.next(&s, big), Next::Online(a));
+            let done = t.record(big, 1.0 + i as f64);
+            assert_eq!(done.is_some(), i + 1 == cands.len());
+        }
+        assert_eq!(t.decided(big), None, "decided only once agreed");
+        // A failed call starts the bucket again.
+        t.reset(big);
+        assert_eq!(t.next(&s, big), Next::Online(cands[0]));
+        t.decide(big, &cands, &[3.0, 1.0, 2.0][..cands.len()]);
+        assert_eq!(t.decided(big), Some(cands[1]));
+        t.reset(big);
+        assert_eq!(
+            t.decided(big),
+            Some(cands[1]),
+            "reset leaves decided buckets"
+        );
+        // One candidate: nothing to try.
+        let ring = AlgoFilter::parse("ring").unwrap();
+        let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, ring);
+        let mut t = Tuner::new();
+        assert_eq!(t.next(&s, 100), Next::Use(Algorithm::Ring));
+        assert_eq!(t.decided(100), Some(Algorithm::Ring));
     }
 
     #[test]
