@@ -13,6 +13,8 @@
 //! - `CHORUS_TOKEN`, `CHORUS_TIMEOUT` (seconds, float; collectives), `CHORUS_INIT_TIMEOUT`
 //!   (seconds; rendezvous), `CHORUS_SOCKET_IFNAME`, `CHORUS_TRANSPORT`, `CHORUS_ALGO`,
 //!   `CHORUS_DEBUG` (read by [`crate::log`]).
+//! - Read by the selector at init ([`crate::select`]): `CHORUS_ALPHA_US`, `CHORUS_BETA_GBPS`
+//!   (link figures instead of the probe), `CHORUS_TUNE=0|off` (no online tuning of `auto`).
 //!
 //! A variable set to an empty or blank string counts as unset. Errors name the missing or
 //! malformed variable and what would fix it.
