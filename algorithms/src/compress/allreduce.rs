@@ -10,29 +10,40 @@
 //! - **round**: every rank sends one message to every other rank and receives one from each,
 //!   all posted at once; messages of a round share a tag. Received messages are processed in
 //!   a fixed order (from rank `r−1` down), so results are reproducible run to run.
+//! - **group**: whole chunks, at least 64 Ki values and about a sixteenth of the tensor, the
+//!   unit of pipelining (tensors of up to 256 Ki values are one group). Sends are
+//!   posted empty and widened group by group as their bytes are computed
+//!   ([`Request::set_available`]), the transport is given a chance to move bytes after each
+//!   group, and received messages are consumed group by group (or chunk by chunk) as their
+//!   bytes arrive. So encoding, the wire and decoding overlap, which is what matters when the
+//!   ranks share cores or a link.
 //!
 //! # Scatter-gather (any codec)
 //! 1. Round 1: for every other rank `j`, encode this rank's values of slice `j` (with error
-//!    feedback: of `g + e`, keeping what was lost in `e`) and send them. Encode the own slice
-//!    the same way and decode it: the sum starts there. Receive the other ranks' encodings of
-//!    the own slice and add them, decoded, in f32. (Every contribution is quantized exactly
-//!    once, so the error is the same whatever the number of ranks.)
+//!    feedback: of `g + e`, keeping what was lost in `e`) group by group and send them. Encode
+//!    the own slice the same way and decode it: the sum starts there. Add the other ranks'
+//!    encodings of the own slice, decoded, in f32, as they arrive (rank by rank in the fixed
+//!    order, so the f32 sums are reproducible). (Every contribution is quantized exactly once,
+//!    so the error is the same whatever the number of ranks.)
 //! 2. The owner adds its owner residual (error feedback) and encodes the sum once.
-//! 3. Round 2: send that encoding to every rank, unchanged; receive every other slice's
-//!    encoding. Every rank, the owner too, decodes all slices from the same bytes, so all ranks
-//!    end bit-identical. `Avg` divides by `p` in f32 after decoding.
+//! 3. Round 2: send that encoding to every rank, unchanged, group by group as it is encoded;
+//!    decode every other slice's encoding as it arrives. Every rank, the owner too, decodes
+//!    all slices from the same bytes, so all ranks end bit-identical. `Avg` divides by `p` in
+//!    f32 after decoding.
 //!
 //! # Integer domain (int8, int4, ternary)
-//! 1. Round 1: send each owner this rank's range (largest magnitude, clipped for
-//!    `ternary-clip`) of each of its chunks; the owner keeps the largest, exactly (ranges are
-//!    compared as bit patterns).
-//! 2. Round 2: each owner sends its chunks' shared ranges to every rank.
-//! 3. Round 3: quantize every chunk at its shared step `range/L` by stochastic rounding and send
-//!    each owner the packed codes (no scales: all ranks know them). The owner adds the codes
-//!    of all ranks as integers, exactly (i32 lanes).
-//! 4. Round 4: each owner sends its sums, packed in `⌈log₂(2·p·L + 1)⌉` bits each (int8: 9 bits
-//!    at p = 2, 11 at p = 8), to every rank; every rank decodes `sum·step` (then `/p` for
-//!    `Avg`).
+//! 1. Round 1: send every rank this rank's range (largest magnitude, clipped for
+//!    `ternary-clip`) of every chunk; each rank keeps the largest of each, exactly (ranges
+//!    are compared as bit patterns), so all ranks hold the same shared ranges after one round
+//!    trip.
+//! 2. Round 2: quantize every chunk at its shared step `range/L` by stochastic rounding and send
+//!    each owner the packed codes (no scales: all ranks know them), a group of every owner's
+//!    slice in turn. The owner adds the codes of all ranks as integers, exactly (i32 lanes),
+//!    a group as soon as every rank's codes for it have arrived.
+//! 3. Round 3, overlapping round 2: each owner sends the sums of each finished group, packed
+//!    in `w = ⌈log₂(2·p·L + 1)⌉` bits each (int8: 9 bits at p = 2, 11 at p = 8; widths 9 to 16
+//!    as a plane of low bytes and a plane of the high `w − 8` bits, per block of 256), to
+//!    every rank; every rank decodes `sum·step` (then `/p` for `Avg`) as they arrive.
 //!
 //! The reduce-scatter is done as a direct exchange rather than around a ring: the same
 //! number of messages and bytes per rank, but each value travels as its `b`-bit code instead
@@ -40,7 +51,7 @@
 //!
 //! # Volume (bytes each rank sends; receives as much), `n` values, `b` bits per code
 //! - scatter-gather: `2·(p−1)/p · n·b/8`, plus 4 bytes per chunk and 16 per message of round 1;
-//! - integer domain: `(p−1)/p · n·(b + ⌈log₂(2·p·L + 1)⌉)/8`, plus `2·(p−1)/p · 4` bytes per
+//! - integer domain: `(p−1)/p · n·(b + ⌈log₂(2·p·L + 1)⌉)/8`, plus `(p−1) · 4` bytes per
 //!   chunk (the ranges) and 16 per message of round 1.
 //!
 //! # Wire format
@@ -61,9 +72,11 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use chorus_transport::{Op, Request, Result, Tag, Transport, TransportError, Wait};
+use chorus_transport::{Direction, Op, Request, Result, Tag, Transport, TransportError, Wait};
 
-use super::pack::{pack_codes, pack_uint, packed_len, unpack_codes, unpack_uint, width_for};
+use super::pack::{
+    block_len, pack_block, pack_codes, packed_len, unpack_block, unpack_codes, width_for,
+};
 use super::rng::Dither;
 use super::stochastic::{self, Levels};
 use super::{
@@ -374,7 +387,7 @@ fn scatter_gather(
     rng: &mut Rng,
     mut residual: Option<&mut Residual>,
 ) -> Result<()> {
-    let (me, p, codec, chunk) = (run.rank, run.size, run.codec, run.plan.chunk);
+    let (me, p, codec, chunk, n) = (run.rank, run.size, run.codec, run.plan.chunk, run.n);
     let slices = run.plan.slices.clone();
     let own = slices[me].clone();
     let enc_len = |j: usize| codec.encoded_len(slices[j].len(), chunk);
@@ -402,29 +415,42 @@ fn scatter_gather(
         let (out_buf, rest) = split_aligned(scratch, out1);
         let mut outs = cut(out_buf, (0..p).map(piece));
         let mut inbox = cut(&mut rest[..in1], (0..p).map(in_len));
-        let mut round = Round::new(p, tags[0], run.deadline);
+        let mut round = Round::new(p, me, 1, tags[0], run.deadline);
         for i in run.order() {
             round.post_recv(t, i, HEADER_BYTES + enc_len(me))?;
         }
         let header = run.header();
+        // Every send is posted with its first group and widened group by group as it is
+        // encoded.
         for k in 1..p {
             let j = (me + k) % p;
-            let (h, body) = outs[j].split_at_mut(HEADER_BYTES);
-            h.copy_from_slice(&header);
-            let s = slices[j].clone();
-            match residual.as_deref_mut() {
-                Some(r) => {
-                    codec.encode_with_feedback(&data[s.clone()], &mut r.local[s], chunk, body, rng)
+            outs[j][..HEADER_BYTES].copy_from_slice(&header);
+            let mut pos = HEADER_BYTES;
+            for g in groups(slices[j].clone(), chunk, n) {
+                let len = codec.encoded_len(g.len(), chunk);
+                let body = &mut outs[j][pos..pos + len];
+                match residual.as_deref_mut() {
+                    Some(r) => codec.encode_with_feedback(
+                        &data[g.clone()],
+                        &mut r.local[g],
+                        chunk,
+                        body,
+                        rng,
+                    ),
+                    None => codec.encode(&data[g], chunk, body, rng),
                 }
-                None => codec.encode(&data[s], chunk, body, rng),
+                pos += len;
+                round.offer(t, j, tags[0], outs[j].len(), pos, &mut run.stats)?;
+                round.progress(t, |j| &*outs[j], &mut inbox, false)?;
             }
-            round.post_send(t, j, outs[j].len(), &mut run.stats)?;
-            round.progress(t, |j| &*outs[j], &mut inbox, false)?;
+            round.offer(t, j, tags[0], outs[j].len(), pos, &mut run.stats)?;
         }
+        round.progress(t, |j| &*outs[j], &mut inbox, false)?;
         // The own values go through the codec too (each contribution is quantized exactly
         // once, whoever owns it): they start the sum.
         let first = run.plan.chunks[me].start;
         let mine = &mut *inbox[me];
+        // (Encoded whole before any of it is overwritten by the decoded sum.)
         match residual.as_deref_mut() {
             Some(r) => codec.encode_with_feedback(
                 &data[own.clone()],
@@ -435,21 +461,45 @@ fn scatter_gather(
             ),
             None => codec.encode(&data[own.clone()], chunk, mine, rng),
         }
-        if let Err(e) = codec.decode(mine, chunk, &mut data[own.clone()]) {
-            let e = run.decode_error(e, me, first, false);
-            run.record(e);
+        // The sum, group by group so that it stays in cache: the own piece decoded, then the
+        // peers' pieces added in a fixed order (r−1, r−2, …: f32 sums are reproducible), each
+        // as soon as it has arrived.
+        for i in run.order() {
+            let got = round.wait_bytes(t, i, HEADER_BYTES, |j| &*outs[j], &mut inbox)?;
+            if got >= HEADER_BYTES {
+                run.check_header(i, tags[0], &inbox[i][..HEADER_BYTES])?;
+            }
+        }
+        let mut poisoned = false;
+        'groups: for g in groups(own.clone(), chunk, n) {
+            let from = codec.encoded_len(g.start - own.start, chunk);
+            let to = from + codec.encoded_len(g.len(), chunk);
+            let gfirst = first + (g.start - own.start) / chunk;
+            if let Err(e) = codec.decode(&inbox[me][from..to], chunk, &mut data[g.clone()]) {
+                let e = run.decode_error(e, me, gfirst, false);
+                run.record(e);
+                poisoned = true;
+            }
+            for i in run.order() {
+                let need = HEADER_BYTES + to;
+                if round.wait_bytes(t, i, need, |j| &*outs[j], &mut inbox)? < need {
+                    break 'groups; // a short message: `wait_recv` reports it
+                }
+                let body = &inbox[i][HEADER_BYTES + from..need];
+                if let Err(e) = codec.decode_add(body, chunk, &mut data[g.clone()]) {
+                    let e = run.decode_error(e, i, gfirst, false);
+                    run.record(e);
+                    poisoned = true;
+                }
+            }
+        }
+        if poisoned {
+            // The sum re-encodes with NaN scales, so every rank fails.
             data[own.clone()].fill(f32::NAN);
         }
         for i in run.order() {
+            // Fails here if a message was shorter than posted.
             round.wait_recv(t, i, |j| &*outs[j], &mut inbox, &mut run.stats)?;
-            let (h, body) = inbox[i].split_at(HEADER_BYTES);
-            run.check_header(i, tags[0], h)?;
-            if let Err(e) = codec.decode_add(body, chunk, &mut data[own.clone()]) {
-                let e = run.decode_error(e, i, first, false);
-                run.record(e);
-                // Poison the sum: it re-encodes with NaN scales, so every rank fails.
-                data[own.clone()].fill(f32::NAN);
-            }
         }
         round.finish_sends(t, |j| &*outs[j], &mut inbox)?;
     }
@@ -457,35 +507,71 @@ fn scatter_gather(
     // Round 2: the owner's one re-quantization, then the codes go round unchanged.
     let mut slots = cut(&mut scratch[..all2], (0..p).map(enc_len));
     let mine = std::mem::take(&mut slots[me]);
-    match residual {
-        Some(r) => codec.encode_with_feedback(&data[own.clone()], &mut r.owner, chunk, mine, rng),
-        None => codec.encode(&data[own.clone()], chunk, mine, rng),
-    }
-    let mine: &[u8] = mine;
-    let mut round = Round::new(p, tags[1], run.deadline);
+    let mut round = Round::new(p, me, 1, tags[1], run.deadline);
     for i in run.order() {
         round.post_recv(t, i, enc_len(i))?;
     }
-    for k in 1..p {
-        round.post_send(t, (me + k) % p, mine.len(), &mut run.stats)?;
+    let mut pos = 0;
+    for g in groups(own.clone(), chunk, n) {
+        let len = codec.encoded_len(g.len(), chunk);
+        let out = &mut mine[pos..pos + len];
+        let o = g.start - own.start..g.end - own.start;
+        match residual.as_deref_mut() {
+            Some(r) => codec.encode_with_feedback(&data[g], &mut r.owner[o], chunk, out, rng),
+            None => codec.encode(&data[g], chunk, out, rng),
+        }
+        pos += len;
+        round.offer_all(t, 0, tags[1], mine.len(), pos, &mut run.stats)?;
+        round.progress(t, |_| &*mine, &mut slots, false)?;
     }
-    round.progress(t, |_| mine, &mut slots, false)?;
+    round.offer_all(t, 0, tags[1], mine.len(), pos, &mut run.stats)?;
+    let mine: &[u8] = mine;
     for i in std::iter::once(me).chain(run.order()) {
+        let s = slices[i].clone();
+        let first = run.plan.chunks[i].start;
+        let mut pos = 0;
+        for g in groups(s.clone(), chunk, n) {
+            let len = codec.encoded_len(g.len(), chunk);
+            if i != me {
+                let got = round.wait_bytes(t, i, pos + len, |_| mine, &mut slots)?;
+                if got < pos + len {
+                    break; // a short message: `wait_recv` reports it
+                }
+            }
+            let bytes: &[u8] = if i == me { mine } else { slots[i] };
+            let gfirst = first + (g.start - s.start) / chunk;
+            if let Err(e) = codec.decode(&bytes[pos..pos + len], chunk, &mut data[g.clone()]) {
+                let e = run.decode_error(e, i, gfirst, true);
+                run.record(e);
+            }
+            pos += len;
+            if run.avg {
+                divide(&mut data[g], p);
+            }
+        }
         if i != me {
             round.wait_recv(t, i, |_| mine, &mut slots, &mut run.stats)?;
-        }
-        let bytes: &[u8] = if i == me { mine } else { slots[i] };
-        let s = slices[i].clone();
-        if let Err(e) = codec.decode(bytes, chunk, &mut data[s.clone()]) {
-            let e = run.decode_error(e, i, run.plan.chunks[i].start, true);
-            run.record(e);
-        }
-        if run.avg {
-            divide(&mut data[s], p);
         }
     }
     round.finish_sends(t, |_| mine, &mut slots)?;
     Ok(())
+}
+
+/// `values` (whole chunks of `chunk` from its start, the last possibly short) cut into groups
+/// of whole chunks of at least [`GROUP`] values and about a sixteenth of the tensor's `n`:
+/// the unit in which the schedules encode, send and decode, so that bytes move while the
+/// rest is computed. Tensors of up to [`PIPELINE_MIN`] values are one group: their messages
+/// are short, and waking up for each piece would cost more than the overlap saves.
+fn groups(values: Range<usize>, chunk: usize, n: usize) -> impl Iterator<Item = Range<usize>> {
+    let step = if n <= PIPELINE_MIN {
+        values.len().max(1)
+    } else {
+        (GROUP.max(n / 16) / chunk).max(1) * chunk
+    };
+    let end = values.end;
+    (values.start..end)
+        .step_by(step)
+        .map(move |s| s..(s + step).min(end))
 }
 
 /// Integer domain (see the module documentation).
@@ -514,89 +600,80 @@ fn integer(
         (len / chunk) * packed_len(chunk, bits) + packed_len(len % chunk, bits)
     };
     let codes_len = |j: usize| per_chunk(j, lv.bits);
-    let sums_len = |j: usize| per_chunk(j, sum_lanes.width);
-    let ranges_len = |j: usize| HEADER_BYTES + 4 * chunks[j].len();
+    // Sums travel block by block (see `pack_block`).
+    let sum_bytes = |m: usize| {
+        let w = sum_lanes.width;
+        (m / BLOCK) * block_len(BLOCK, w) + block_len(m % BLOCK, w)
+    };
+    let sums_len = |j: usize| {
+        let len = slices[j].len();
+        (len / chunk) * sum_bytes(chunk) + sum_bytes(len % chunk)
+    };
+    let ranges_len = HEADER_BYTES + 4 * total;
     let others = |f: &dyn Fn(usize) -> usize, j: usize| if j == me { 0 } else { f(j) };
     let out_len = |f: &dyn Fn(usize) -> usize| (0..p).map(|j| others(f, j)).sum::<usize>();
-    let r1 = round_up(out_len(&ranges_len)) + p * ranges_len(me);
-    let r3 = round_up(out_len(&codes_len)) + p * codes_len(me);
-    let r4: usize = (0..p).map(sums_len).sum();
-    let need = round_up(4 * total) + round_up(4 * own.len()) + r1.max(r3).max(r4);
+    let r1 = round_up(ranges_len) + p * ranges_len;
+    let r23 = round_up(out_len(&codes_len))
+        + round_up((p - 1) * codes_len(me))
+        + round_up(sums_len(me))
+        + out_len(&sums_len);
+    let need = round_up(4 * total) + round_up(4 * own.len()) + r1.max(r23);
     let (t, scratch) = ctx.transport_and_scratch(need);
     let (shared, rest) = split_aligned(scratch, 4 * total);
     let (sums, work) = split_aligned(rest, 4 * own.len());
     let values = |c: usize| c * chunk..((c + 1) * chunk).min(n);
 
-    // Round 1: local ranges (of g + e with error feedback) to the owners, who keep the
-    // largest of each chunk.
+    // Round 1: every rank's local ranges (of g + e with error feedback) to every rank;
+    // each keeps the largest of each chunk, so all hold the same shared ranges after one
+    // round trip.
     {
-        let local = |c: usize| -> u32 {
+        let (out_buf, rest) = split_aligned(work, ranges_len);
+        let mut inbox = cut(rest, (0..p).map(|i| if i == me { 0 } else { ranges_len }));
+        let mut round = Round::new(p, me, 1, tags[0], run.deadline);
+        for i in run.order() {
+            round.post_recv(t, i, ranges_len)?;
+        }
+        let (h, body) = out_buf.split_at_mut(HEADER_BYTES);
+        h.copy_from_slice(&run.header());
+        for (b, c) in body.chunks_exact_mut(4).zip(0..total) {
             let s = values(c);
             let range = match residual.as_deref() {
                 Some(r) => stochastic::local_range_sum(&data[s.clone()], &r.local[s], lv.clip),
                 None => stochastic::local_range(&data[s], lv.clip),
             };
-            range.to_bits()
-        };
-        let (out_buf, rest) = split_aligned(work, out_len(&ranges_len));
-        let mut outs = cut(out_buf, (0..p).map(|j| others(&ranges_len, j)));
-        let mut inbox = cut(rest, (0..p).map(|i| others(&|_| ranges_len(me), i)));
-        let mut round = Round::new(p, tags[0], run.deadline);
-        for i in run.order() {
-            round.post_recv(t, i, ranges_len(me))?;
+            b.copy_from_slice(&range.to_bits().to_le_bytes());
         }
-        let header = run.header();
+        let out: &[u8] = out_buf;
         for k in 1..p {
-            let j = (me + k) % p;
-            let (h, body) = outs[j].split_at_mut(HEADER_BYTES);
-            h.copy_from_slice(&header);
-            for (b, c) in body.chunks_exact_mut(4).zip(chunks[j].clone()) {
-                b.copy_from_slice(&local(c).to_le_bytes());
-            }
-            round.post_send(t, j, outs[j].len(), &mut run.stats)?;
-            round.progress(t, |j| &*outs[j], &mut inbox, false)?;
+            round.post_send(t, (me + k) % p, out.len(), &mut run.stats)?;
         }
-        let mine: &mut [u32] =
-            bytemuck::cast_slice_mut(&mut shared[4 * chunks[me].start..4 * chunks[me].end]);
-        for (m, c) in mine.iter_mut().zip(chunks[me].clone()) {
-            *m = local(c);
-        }
+        round.progress(t, |_| out, &mut inbox, false)?;
+        shared.copy_from_slice(&out[HEADER_BYTES..]);
+        let mine: &mut [u32] = bytemuck::cast_slice_mut(&mut shared[..]);
         for i in run.order() {
-            round.wait_recv(t, i, |j| &*outs[j], &mut inbox, &mut run.stats)?;
+            round.wait_recv(t, i, |_| out, &mut inbox, &mut run.stats)?;
             let (h, body) = inbox[i].split_at(HEADER_BYTES);
             run.check_header(i, tags[0], h)?;
-            for (k, (m, b)) in mine.iter_mut().zip(body.chunks_exact(4)).enumerate() {
-                let mut bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                if bits >= 0x8000_0000 {
-                    // A negative range: no encoder sends that.
-                    let what = format!("a negative range for chunk {}", chunks[me].start + k);
-                    let e = run.garbage(i, what);
-                    run.record(e);
-                    bits = f32::NAN.to_bits();
-                }
+            let mut negative = 0u32;
+            for (m, b) in mine.iter_mut().zip(body.chunks_exact(4)) {
+                let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 // Non-negative floats order as their bit patterns (NaN above ∞ above the
-                // finite ones), so the maximum is exact and the same on every rank.
+                // finite ones), so the maximum is exact and the same on every rank. A
+                // negative range (sign bit set, above every NaN) no encoder sends: it is
+                // caught below, and poisons the chunk as a NaN range would.
+                negative |= bits & 0x8000_0000;
                 *m = (*m).max(bits);
             }
+            if negative != 0 {
+                let c = body
+                    .chunks_exact(4)
+                    .position(|b| b[3] & 0x80 != 0)
+                    .unwrap_or(0);
+                let e = run.garbage(i, format!("a negative range for chunk {c}"));
+                run.record(e);
+            }
         }
-        round.finish_sends(t, |j| &*outs[j], &mut inbox)?;
-    }
-
-    // Round 2: the shared ranges to everyone, straight into place.
-    {
-        let mut slots = cut(&mut shared[..], (0..p).map(|j| 4 * chunks[j].len()));
-        let mine: &[u8] = std::mem::take(&mut slots[me]) as &[u8];
-        let mut round = Round::new(p, tags[1], run.deadline);
-        for i in run.order() {
-            round.post_recv(t, i, 4 * chunks[i].len())?;
-        }
-        for k in 1..p {
-            round.post_send(t, (me + k) % p, mine.len(), &mut run.stats)?;
-        }
-        for i in run.order() {
-            round.wait_recv(t, i, |_| mine, &mut slots, &mut run.stats)?;
-        }
-        round.finish_sends(t, |_| mine, &mut slots)?;
+        round.finish_sends(t, |_| out, &mut inbox)?;
     }
     let shared: &[u32] = bytemuck::cast_slice(&shared[..]);
     // Every rank holds the same ranges now: a NaN or infinite one fails all ranks alike,
@@ -611,123 +688,280 @@ fn integer(
     }
     let range = |c: usize| f32::from_bits(shared[c]);
 
-    // Round 3: codes at the shared steps to the owners, who add them up exactly.
+    // Rounds 2 and 3, overlapped group by group (whole chunks, about `GROUP` values):
+    // each rank quantizes a group of every owner's slice in turn and lets it go at once; an
+    // owner adds up a group of its slice as soon as every rank's codes for it have arrived
+    // (exactly, as integers: the order does not matter) and sends its sums to every rank at
+    // once; every rank decodes the slices as their sums arrive. Round 2's messages are in
+    // slots `0..p` of the round, round 3's in `p..2p`.
     let sums: &mut [i32] = bytemuck::cast_slice_mut(sums);
-    {
-        let (out_buf, rest) = split_aligned(work, out_len(&codes_len));
-        let mut outs = cut(out_buf, (0..p).map(|j| others(&codes_len, j)));
-        let mut inbox = cut(rest, (0..p).map(|i| others(&|_| codes_len(me), i)));
-        let mut round = Round::new(p, tags[2], run.deadline);
-        for i in run.order() {
-            round.post_recv(t, i, codes_len(me))?;
-        }
-        let mut dither = Dither::new(rng);
-        let mut q = [0i8; BLOCK];
-        let mut quantize = |b: Range<usize>, c: usize, q: &mut [i8]| {
-            let res = residual.as_deref_mut().map(|r| &mut r.local[b.clone()]);
-            quantize_block(&data[b], res, range(c), lv, &mut dither, q);
-        };
+    let (out_buf, rest) = split_aligned(work, out_len(&codes_len));
+    let (in_buf, rest) = split_aligned(rest, (p - 1) * codes_len(me));
+    let (mine, rest) = split_aligned(rest, sums_len(me));
+    let mut outs = cut(out_buf, (0..p).map(|j| others(&codes_len, j)));
+    let mut inbox = cut(in_buf, (0..p).map(|i| others(&|_| codes_len(me), i)));
+    inbox.extend(cut(rest, (0..p).map(|i| others(&sums_len, i))));
+    let mut round = Round::new(p, me, 2, tags[2], run.deadline);
+    for i in run.order() {
+        let (codes, sums_in) = (
+            Request::recv(i, tags[2], codes_len(me)),
+            Request::recv(i, tags[3], sums_len(i)),
+        );
+        round.post_at(t, i, codes, &mut run.stats)?;
+        round.post_at(t, p + i, sums_in, &mut run.stats)?;
+    }
+    // Sends are posted with their first group (a round-3 send to a rank after the round-2
+    // send to it: messages are matched in order) and widened as groups are computed.
+    // Byte offsets of a chunk-aligned value position `v` of slice `j` in its codes and sums.
+    let code_off = |j: usize, v: usize| {
+        let d = v - slices[j].start;
+        (d / chunk) * packed_len(chunk, lv.bits) + packed_len(d % chunk, lv.bits)
+    };
+    let sum_off = |v: usize| {
+        let d = v - own.start;
+        (d / chunk) * sum_bytes(chunk) + sum_bytes(d % chunk)
+    };
+    let group_blocks = |g: &Range<usize>| {
+        let cs = g.start / chunk..g.end.div_ceil(chunk);
+        cs.flat_map(move |c| {
+            let v = c * chunk..((c + 1) * chunk).min(n);
+            (v.start..v.end)
+                .step_by(BLOCK)
+                .map(move |s| (c, s..(s + BLOCK).min(v.end)))
+        })
+    };
+    let own_groups: Vec<Range<usize>> = groups(own.clone(), chunk, n).collect();
+    let ngroups = (0..p)
+        .map(|j| groups(slices[j].clone(), chunk, n).count())
+        .max()
+        .unwrap_or(0);
+    let mut dither = Dither::new(rng);
+    let mut q = [0i8; BLOCK];
+    let mut lane = [0u32; BLOCK];
+    let mut quantize = |b: Range<usize>, c: usize, q: &mut [i8]| {
+        let res = residual.as_deref_mut().map(|r| &mut r.local[b.clone()]);
+        quantize_block(&data[b], res, range(c), lv, &mut dither, q);
+    };
+    // Own groups summed and sent so far.
+    let mut finished = 0;
+    let peers: Vec<usize> = run.order().collect();
+    for g in 0..ngroups {
         for k in 1..p {
             let j = (me + k) % p;
-            let mut pos = 0;
-            for (c, b) in blocks(&chunks[j], &values) {
+            let Some(gr) = groups(slices[j].clone(), chunk, n).nth(g) else {
+                continue;
+            };
+            let mut pos = code_off(j, gr.start);
+            for (c, b) in group_blocks(&gr) {
                 let qb = &mut q[..b.len()];
                 quantize(b, c, qb);
                 let len = packed_len(qb.len(), lv.bits);
                 pack_codes(qb, lv.bits, &mut outs[j][pos..pos + len]);
                 pos += len;
             }
-            round.post_send(t, j, outs[j].len(), &mut run.stats)?;
-            round.progress(t, |j| &*outs[j], &mut inbox, false)?;
+            round.offer(t, j, tags[2], outs[j].len(), pos, &mut run.stats)?;
+            round.progress(
+                t,
+                |s| if s < p { &*outs[s] } else { &*mine },
+                &mut inbox,
+                false,
+            )?;
         }
-        for (c, b) in blocks(&chunks[me], &values) {
-            let qb = &mut q[..b.len()];
-            quantize(b.clone(), c, qb);
-            let dst = &mut sums[b.start - own.start..b.end - own.start];
-            dst.iter_mut()
-                .zip(qb.iter())
-                .for_each(|(s, &v)| *s = i32::from(v));
-        }
-        for i in run.order() {
-            round.wait_recv(t, i, |j| &*outs[j], &mut inbox, &mut run.stats)?;
-            let mut pos = 0;
-            for (c, b) in blocks(&chunks[me], &values) {
+        if let Some(gr) = own_groups.get(g) {
+            for (c, b) in group_blocks(gr) {
                 let qb = &mut q[..b.len()];
-                let len = packed_len(qb.len(), lv.bits);
-                let ok = unpack_codes(&inbox[i][pos..pos + len], lv.bits, qb);
-                pos += len;
+                quantize(b.clone(), c, qb);
                 let dst = &mut sums[b.start - own.start..b.end - own.start];
-                if ok {
-                    dst.iter_mut()
-                        .zip(qb.iter())
-                        .for_each(|(s, &v)| *s = s.wrapping_add(i32::from(v)));
-                } else {
-                    let what = format!("chunk {c}: a reserved code or non-zero padding");
-                    let e = run.garbage(i, what);
-                    run.record(e);
-                    // Marked: it goes out as the reserved all-ones sum.
-                    let cv = values(c);
-                    sums[cv.start - own.start..cv.end - own.start].fill(i32::MIN);
+                dst.iter_mut()
+                    .zip(qb.iter())
+                    .for_each(|(s, &v)| *s = i32::from(v));
+            }
+        }
+        // Sum and send the own groups whose codes have all arrived (without waiting).
+        while finished <= g && finished < own_groups.len() {
+            let gr = &own_groups[finished];
+            let need = code_off(me, gr.end);
+            if run.order().any(|i| round.arrived(i) < need) {
+                break;
+            }
+            let (sent, fault) = finish_group(
+                gr,
+                &own,
+                &peers,
+                lv,
+                sum_lanes,
+                &inbox,
+                code_off(me, gr.start),
+                sum_off(gr.start),
+                &values,
+                chunk,
+                sums,
+                mine,
+                &mut q,
+                &mut lane,
+            );
+            if let Some((i, c)) = fault {
+                let e = run.garbage(i, format!("chunk {c}: a reserved code or non-zero padding"));
+                run.record(e);
+            }
+            round.offer_all(t, p, tags[3], mine.len(), sent, &mut run.stats)?;
+            finished += 1;
+        }
+    }
+    // The rest, waiting for the codes.
+    while finished < own_groups.len() {
+        let gr = &own_groups[finished];
+        let need = code_off(me, gr.end);
+        for i in run.order() {
+            round.wait_bytes(
+                t,
+                i,
+                need,
+                |s| if s < p { &*outs[s] } else { &*mine },
+                &mut inbox,
+            )?;
+        }
+        if run.order().any(|i| round.arrived(i) < need) {
+            break; // a short message: `wait_recv` reports it below
+        }
+        let (sent, fault) = finish_group(
+            gr,
+            &own,
+            &peers,
+            lv,
+            sum_lanes,
+            &inbox,
+            code_off(me, gr.start),
+            sum_off(gr.start),
+            &values,
+            chunk,
+            sums,
+            mine,
+            &mut q,
+            &mut lane,
+        );
+        if let Some((i, c)) = fault {
+            let e = run.garbage(i, format!("chunk {c}: a reserved code or non-zero padding"));
+            run.record(e);
+        }
+        round.offer_all(t, p, tags[3], mine.len(), sent, &mut run.stats)?;
+        round.progress(
+            t,
+            |s| if s < p { &*outs[s] } else { &*mine },
+            &mut inbox,
+            false,
+        )?;
+        finished += 1;
+    }
+    for i in run.order() {
+        round.wait_recv(
+            t,
+            i,
+            |s| if s < p { &*outs[s] } else { &*mine },
+            &mut inbox,
+            &mut run.stats,
+        )?;
+    }
+    // Every slice decoded, the peers' chunk by chunk as their sums arrive.
+    let mine: &[u8] = mine;
+    let out = |s: usize| if s < p { &*outs[s] } else { mine };
+    for i in std::iter::once(me).chain(run.order()) {
+        let mut pos = 0;
+        let mut bad = None;
+        for c in chunks[i].clone() {
+            let cv = values(c);
+            let len = sum_bytes(cv.len());
+            if i != me {
+                let got = round.wait_bytes(t, p + i, pos + len, out, &mut inbox)?;
+                if got < pos + len {
+                    break; // a short message: `wait_recv` reports it
+                }
+            }
+            let bytes: &[u8] = if i == me { mine } else { &*inbox[p + i] };
+            let step = stochastic::step_of(range(c), lv);
+            for b in (cv.start..cv.end).step_by(BLOCK) {
+                let b = b..(b + BLOCK).min(cv.end);
+                let len = block_len(b.len(), sum_lanes.width);
+                let lb = &mut lane[..b.len()];
+                let padding_ok = unpack_block(&bytes[pos..pos + len], sum_lanes.width, lb);
+                pos += len;
+                let out = &mut data[b];
+                let ok = sum_lanes.decode(lb, step, out);
+                if run.avg {
+                    divide(out, p);
+                }
+                if !(ok && padding_ok) && bad.is_none() {
+                    bad = Some(c);
                 }
             }
         }
-        round.finish_sends(t, |j| &*outs[j], &mut inbox)?;
-    }
-
-    // Round 4: the sums, packed, to everyone; every rank decodes every slice.
-    let lanes: &mut [u32] = bytemuck::cast_slice_mut(sums);
-    for v in lanes.iter_mut() {
-        *v = sum_lanes.lane(*v as i32);
-    }
-    let lanes: &[u32] = lanes;
-    let mut slots = cut(&mut work[..r4], (0..p).map(sums_len));
-    let mine = std::mem::take(&mut slots[me]);
-    let mut pos = 0;
-    for (_, b) in blocks(&chunks[me], &values) {
-        let len = packed_len(b.len(), sum_lanes.width);
-        let lane = &lanes[b.start - own.start..b.end - own.start];
-        pack_uint(lane, sum_lanes.width, &mut mine[pos..pos + len]);
-        pos += len;
-    }
-    let mine: &[u8] = mine;
-    let mut round = Round::new(p, tags[3], run.deadline);
-    for i in run.order() {
-        round.post_recv(t, i, sums_len(i))?;
-    }
-    for k in 1..p {
-        round.post_send(t, (me + k) % p, mine.len(), &mut run.stats)?;
-    }
-    round.progress(t, |_| mine, &mut slots, false)?;
-    let mut lane = [0u32; BLOCK];
-    for i in std::iter::once(me).chain(run.order()) {
         if i != me {
-            round.wait_recv(t, i, |_| mine, &mut slots, &mut run.stats)?;
-        }
-        let bytes: &[u8] = if i == me { mine } else { slots[i] };
-        let mut pos = 0;
-        let mut bad = None;
-        for (c, b) in blocks(&chunks[i], &values) {
-            let len = packed_len(b.len(), sum_lanes.width);
-            let lb = &mut lane[..b.len()];
-            let padding_ok = unpack_uint(&bytes[pos..pos + len], sum_lanes.width, lb);
-            pos += len;
-            let step = stochastic::step_of(range(c), lv);
-            let ok = sum_lanes.decode(lb, step, &mut data[b]);
-            if !(ok && padding_ok) && bad.is_none() {
-                bad = Some(c);
-            }
+            round.wait_recv(t, p + i, out, &mut inbox, &mut run.stats)?;
         }
         if let Some(c) = bad {
             let what = format!("the sums of chunk {c} are marked invalid or out of range");
             let e = run.garbage(i, what);
             run.record(e);
         }
-        if run.avg {
-            divide(&mut data[slices[i].clone()], p);
+    }
+    round.finish_sends(t, out, &mut inbox)?;
+    Ok(())
+}
+
+/// Adds the peers' codes of the own group `gr` (whole chunks of `values`) to `sums` (which
+/// hold the own codes) and packs the group's sums into `mine`; returns the bytes of `mine`
+/// now complete and the first peer and chunk whose codes were invalid (that chunk's sums are
+/// then marked, and go out as the reserved all-ones lane).
+#[allow(clippy::too_many_arguments)]
+fn finish_group(
+    gr: &Range<usize>,
+    own: &Range<usize>,
+    peers: &[usize],
+    lv: Levels,
+    sum_lanes: SumLanes,
+    inbox: &[&mut [u8]],
+    code_off: usize,
+    sum_off: usize,
+    values: &dyn Fn(usize) -> Range<usize>,
+    chunk: usize,
+    sums: &mut [i32],
+    mine: &mut [u8],
+    q: &mut [i8; BLOCK],
+    lane: &mut [u32; BLOCK],
+) -> (usize, Option<(usize, usize)>) {
+    let mut fault = None;
+    let cs = gr.start / chunk..gr.end.div_ceil(chunk);
+    for &i in peers {
+        let mut pos = code_off;
+        for c in cs.clone() {
+            let cv = values(c);
+            let mut ok = true;
+            for b in (cv.start..cv.end).step_by(BLOCK) {
+                let b = b..(b + BLOCK).min(cv.end);
+                let qb = &mut q[..b.len()];
+                let len = packed_len(qb.len(), lv.bits);
+                ok &= unpack_codes(&inbox[i][pos..pos + len], lv.bits, qb);
+                pos += len;
+                let dst = &mut sums[b.start - own.start..b.end - own.start];
+                dst.iter_mut()
+                    .zip(qb.iter())
+                    .for_each(|(s, &x)| *s = s.wrapping_add(i32::from(x)));
+            }
+            if !ok {
+                fault.get_or_insert((i, c));
+                sums[cv.start - own.start..cv.end - own.start].fill(i32::MIN);
+            }
         }
     }
-    round.finish_sends(t, |_| mine, &mut slots)?;
-    Ok(())
+    let mut pos = sum_off;
+    for (_, b) in blocks(&cs, &values) {
+        let len = block_len(b.len(), sum_lanes.width);
+        let lb = &mut lane[..b.len()];
+        sum_lanes.lanes(&sums[b.start - own.start..b.end - own.start], lb);
+        pack_block(lb, sum_lanes.width, &mut mine[pos..pos + len]);
+        pos += len;
+    }
+    (pos, fault)
 }
 
 /// The blocks (at most [`BLOCK`] values, never across chunks) of the chunks `cs`, with their
@@ -796,13 +1030,13 @@ impl SumLanes {
         }
     }
 
-    /// The lane of a sum (poisoned sums, far outside, become the all-ones lane).
-    fn lane(&self, sum: i32) -> u32 {
-        let v = i64::from(sum) + i64::from(self.offset);
-        if (0..=i64::from(self.max)).contains(&v) {
-            v as u32
-        } else {
-            self.poison
+    /// The lane of every sum (poisoned sums, far outside, become the all-ones lane).
+    fn lanes(&self, sums: &[i32], out: &mut [u32]) {
+        let (offset, max, poison) = (self.offset as u32, self.max, self.poison);
+        for (o, &s) in out.iter_mut().zip(sums) {
+            // In range exactly when `s + p·L` lands in `0..=2·p·L` without wrapping.
+            let v = (s as u32).wrapping_add(offset);
+            *o = if v <= max { v } else { poison };
         }
     }
 
@@ -817,8 +1051,20 @@ impl SumLanes {
     }
 }
 
+/// Values in a group: the unit in which the schedules compute, send and consume, so that
+/// bytes move while the rest is computed (a fraction of a millisecond of work: links stay
+/// busy, yet the transport is called few enough times that its cost does not show).
+const GROUP: usize = 1 << 16;
+
+/// Tensors of at most this many values are not pipelined (see [`groups`]).
+const PIPELINE_MIN: usize = 1 << 18;
+
 /// The requests of one round: at most one send to and one receive from each peer.
 struct Round {
+    /// The number of ranks.
+    peers: usize,
+    /// This rank.
+    me: usize,
     tag: Tag,
     deadline: Instant,
     send: Vec<Option<Request>>,
@@ -826,12 +1072,15 @@ struct Round {
 }
 
 impl Round {
-    fn new(size: usize, tag: Tag, deadline: Instant) -> Round {
+    /// A round of `phases` exchanges (slots `phase·peers + peer`) among `peers` ranks.
+    fn new(peers: usize, me: usize, phases: usize, tag: Tag, deadline: Instant) -> Round {
         Round {
+            peers,
+            me,
             tag,
             deadline,
-            send: vec![None; size],
-            recv: vec![None; size],
+            send: vec![None; phases * peers],
+            recv: vec![None; phases * peers],
         }
     }
 
@@ -850,6 +1099,98 @@ impl Round {
             stats.bytes_sent += len as u64;
         }
         Ok(())
+    }
+
+    /// Lets the send in slot `slot` (to the peer `slot mod peers`) of `len` bytes read the
+    /// first `bytes` bytes of its buffer, posting it (with `tag`) if it is not yet: a send is
+    /// posted only once it has bytes to go, so the message never starts with a header
+    /// alone (none if `len` is zero).
+    #[allow(clippy::too_many_arguments)]
+    fn offer(
+        &mut self,
+        t: &mut dyn Transport,
+        slot: usize,
+        tag: Tag,
+        len: usize,
+        bytes: usize,
+        stats: &mut WireStats,
+    ) -> Result<()> {
+        match self.send[slot].as_mut() {
+            Some(r) => r.set_available(bytes),
+            None => {
+                let r = Request::send_partial(slot % self.peers, tag, len, bytes);
+                self.post_at(t, slot, r, stats)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Round::offer`] of one buffer to every other rank, in slots `first + peer`.
+    fn offer_all(
+        &mut self,
+        t: &mut dyn Transport,
+        first: usize,
+        tag: Tag,
+        len: usize,
+        bytes: usize,
+        stats: &mut WireStats,
+    ) -> Result<()> {
+        for k in 1..self.peers {
+            let peer = (self.me + k) % self.peers;
+            self.offer(t, first + peer, tag, len, bytes, stats)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the message in receive slot `slot` that have arrived so far.
+    fn arrived(&self, slot: usize) -> usize {
+        self.recv[slot].as_ref().map_or(0, Request::bytes_done)
+    }
+
+    /// Posts `r` (a send or a receive; none if empty) in slot `slot`. A round that overlaps
+    /// two exchanges has `2·size` slots: the first exchange's message to or from `peer` in
+    /// slot `peer`, the second's in slot `size + peer`.
+    fn post_at(
+        &mut self,
+        t: &mut dyn Transport,
+        slot: usize,
+        mut r: Request,
+        stats: &mut WireStats,
+    ) -> Result<()> {
+        if r.is_empty() {
+            return Ok(());
+        }
+        t.post(&mut r)?;
+        match r.direction() {
+            Direction::Send => {
+                stats.bytes_sent += r.len() as u64;
+                self.send[slot] = Some(r);
+            }
+            Direction::Recv => self.recv[slot] = Some(r),
+        }
+        Ok(())
+    }
+
+    /// Blocks until at least `need` bytes of the message from `peer` have arrived or it is
+    /// complete (a shorter message: [`Round::wait_recv`] reports it); returns the bytes that
+    /// have arrived. Every send must be fully available (nothing else would move).
+    fn wait_bytes<'b>(
+        &mut self,
+        t: &mut dyn Transport,
+        peer: usize,
+        need: usize,
+        out: impl Fn(usize) -> &'b [u8] + Copy,
+        inbox: &mut [&mut [u8]],
+    ) -> Result<usize> {
+        loop {
+            let Some(r) = self.recv[peer].as_ref() else {
+                return Ok(0);
+            };
+            if r.bytes_done() >= need || r.is_complete() {
+                return Ok(r.bytes_done());
+            }
+            self.progress(t, out, inbox, true)?;
+        }
     }
 
     /// Posts a receive of exactly `len` bytes from `peer` (none if empty).
@@ -903,7 +1244,10 @@ impl Round {
         inbox: &mut [&mut [u8]],
         stats: &mut WireStats,
     ) -> Result<()> {
-        let Some(want) = self.recv[peer].as_ref().map(Request::len) else {
+        let Some((want, from, tag)) = self.recv[peer]
+            .as_ref()
+            .map(|r| (r.len(), r.peer(), r.tag()))
+        else {
             return Ok(());
         };
         while !self.recv[peer].as_ref().is_some_and(Request::is_complete) {
@@ -912,9 +1256,9 @@ impl Round {
         let got = self.recv[peer].as_ref().map_or(0, Request::bytes_done);
         if got != want {
             return Err(TransportError::Mismatch {
-                peer,
-                expected_tag: self.tag,
-                got_tag: self.tag,
+                peer: from,
+                expected_tag: tag,
+                got_tag: tag,
                 expected_len: want,
                 got_len: got,
             });
@@ -978,7 +1322,8 @@ mod tests {
             assert_eq!(s.width, width, "p={p} {lv:?}");
             let most = p as i32 * lv.max;
             let sums = [-most, -1, 0, 1, most, i32::MIN, i32::MIN + 5];
-            let lanes: Vec<u32> = sums.iter().map(|&v| s.lane(v)).collect();
+            let mut lanes = vec![0u32; sums.len()];
+            s.lanes(&sums, &mut lanes);
             assert!(lanes.iter().all(|&l| l < 1 << s.width));
             let mut out = [0f32; 5];
             assert!(s.decode(&lanes[..5], 0.5, &mut out));

@@ -307,6 +307,10 @@ impl Codec {
         assert_eq!(x.len(), residual.len(), "residual of the wrong length");
         let want = self.encoded_len(x.len(), chunk);
         assert_eq!(out.len(), want, "encode: output of the wrong length");
+        if matches!(self.family(), Family::Sign) {
+            sign::encode_with_feedback(x, residual, chunk, out);
+            return;
+        }
         apply(Mode::Add, residual, x);
         self.encode(residual, chunk, out, rng);
         let mut pos = 0;

@@ -6,8 +6,12 @@
 //!   produced, so the codecs keep ranges symmetric, and the unpacker reports it, and any non-zero
 //!   padding in the last byte, as invalid input.
 //! - **Unsigned lanes of any width** ([`pack_uint`], [`unpack_uint`]): values below `2^w` for
-//!   `w` ∈ 1..=32, `w` bits each, in the same bit order; the integer-domain schedule sends its
-//!   exact sums this way, `⌈log₂(2·p·levels + 1)⌉` bits each.
+//!   `w` ∈ 1..=32, `w` bits each, in the same bit order.
+//! - **Blocks of sums** ([`pack_block`], [`unpack_block`]): how the integer-domain schedule
+//!   sends its exact sums, `w = ⌈log₂(2·p·levels + 1)⌉` bits each, a block (at most 256
+//!   values) at a time: widths up to 8 and above 16 as unsigned lanes; widths 9 to 16 as two
+//!   planes, the low bytes of the block's values then their high `w − 8` bits as lanes (the
+//!   same bytes for whole groups of 8 values, and byte-wise loops that vectorise).
 
 /// Bytes of `n` values of `bits` bits, packed.
 pub(crate) fn packed_len(n: usize, bits: u32) -> usize {
@@ -269,6 +273,119 @@ pub(crate) fn unpack_uint(bytes: &[u8], w: u32, v: &mut [u32]) -> bool {
     true
 }
 
+/// Bytes of one block of `m` sums of width `w` in the layout of [`pack_block`].
+pub(crate) fn block_len(m: usize, w: u32) -> usize {
+    if (9..=16).contains(&w) {
+        m + packed_len(m, w - 8)
+    } else {
+        packed_len(m, w)
+    }
+}
+
+/// Packs one block of values `v` (each below `2^w`) for the wire, in [`block_len`] bytes:
+/// widths up to 8 as [`pack_uint`]; widths 9 to 16 as two planes, the low bytes of all values
+/// then their high `w − 8` bits packed (both loops vectorise or nearly, where a 9-to-16-bit
+/// packing straddles machine words); wider ones as [`pack_uint`].
+pub(crate) fn pack_block(v: &[u32], w: u32, out: &mut [u8]) {
+    debug_assert_eq!(out.len(), block_len(v.len(), w));
+    match w {
+        1..=7 => with_small_width!(w, pack_small, v, 0, out),
+        9..=15 => {
+            let (lo, hi) = out.split_at_mut(v.len());
+            lo.iter_mut().zip(v).for_each(|(o, &x)| *o = x as u8);
+            with_small_width!(w - 8, pack_small, v, 8, hi);
+        }
+        16 => {
+            let (lo, hi) = out.split_at_mut(v.len());
+            lo.iter_mut().zip(v).for_each(|(o, &x)| *o = x as u8);
+            hi.iter_mut().zip(v).for_each(|(o, &x)| *o = (x >> 8) as u8);
+        }
+        _ => pack_uint(v, w, out),
+    }
+}
+
+/// Unpacks one block written by [`pack_block`] into `v`; `false` if padding bits are set.
+pub(crate) fn unpack_block(bytes: &[u8], w: u32, v: &mut [u32]) -> bool {
+    debug_assert_eq!(bytes.len(), block_len(v.len(), w));
+    match w {
+        1..=7 => with_small_width!(w, unpack_small, bytes, v),
+        9..=16 => {
+            let (lo, hi) = bytes.split_at(v.len());
+            let ok = if w == 16 {
+                v.iter_mut().zip(hi).for_each(|(x, &b)| *x = u32::from(b));
+                true
+            } else {
+                with_small_width!(w - 8, unpack_small, hi, v)
+            };
+            v.iter_mut()
+                .zip(lo)
+                .for_each(|(x, &b)| *x = *x << 8 | u32::from(b));
+            ok
+        }
+        _ => unpack_uint(bytes, w, v),
+    }
+}
+
+/// Calls `f::<W>(args)` with the width `w` (1..8) as a constant.
+macro_rules! with_small_width {
+    ($w:expr, $f:ident, $($arg:expr),*) => {
+        match $w {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            6 => $f::<6>($($arg),*),
+            _ => $f::<7>($($arg),*),
+        }
+    };
+}
+use with_small_width;
+
+/// `v[k] >> shift` (each below `2^W`, `W < 8`) packed in `W` bits each: eight values fill
+/// exactly `W` bytes, gathered in one 64-bit word.
+fn pack_small<const W: u32>(v: &[u32], shift: u32, out: &mut [u8]) {
+    let w = W as usize;
+    let whole = v.len() / 8 * 8;
+    for (o, g) in out.chunks_exact_mut(w).zip(v[..whole].chunks_exact(8)) {
+        let mut acc = 0u64;
+        for (k, &x) in g.iter().enumerate() {
+            acc |= u64::from(x >> shift) << (k as u32 * W);
+        }
+        o.copy_from_slice(&acc.to_le_bytes()[..w]);
+    }
+    let mut acc = 0u64;
+    for (k, &x) in v[whole..].iter().enumerate() {
+        acc |= u64::from(x >> shift) << (k as u32 * W);
+    }
+    let start = whole / 8 * w;
+    let rest = out.len() - start;
+    out[start..].copy_from_slice(&acc.to_le_bytes()[..rest]);
+}
+
+/// The inverse of [`pack_small`] (with no shift); `false` if padding bits are set.
+fn unpack_small<const W: u32>(bytes: &[u8], v: &mut [u32]) -> bool {
+    let (w, mask) = (W as usize, (1u64 << W) - 1);
+    let whole = v.len() / 8 * 8;
+    for (g, b) in v[..whole].chunks_exact_mut(8).zip(bytes.chunks_exact(w)) {
+        let mut word = [0u8; 8];
+        word[..w].copy_from_slice(b);
+        let acc = u64::from_le_bytes(word);
+        for (k, x) in g.iter_mut().enumerate() {
+            *x = (acc >> (k as u32 * W) & mask) as u32;
+        }
+    }
+    let start = whole / 8 * w;
+    let mut word = [0u8; 8];
+    word[..bytes.len() - start].copy_from_slice(&bytes[start..]);
+    let acc = u64::from_le_bytes(word);
+    let tail = v.len() - whole;
+    for (k, x) in v[whole..].iter_mut().enumerate() {
+        *x = (acc >> (k as u32 * W) & mask) as u32;
+    }
+    acc >> (tail as u32 * W) == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +420,31 @@ mod tests {
             let mut back = vec![0u32; n];
             prop_assert!(unpack_uint(&bytes, w, &mut back));
             prop_assert_eq!(back, v);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn blocks_round_trip(w in 1u32..=32, seed in any::<u64>(), n in 0usize..300) {
+            let mask = if w == 32 { u32::MAX } else { (1u32 << w) - 1 };
+            let mut s = seed;
+            let v: Vec<u32> = (0..n).map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 20) as u32 & mask
+            }).collect();
+            let len = block_len(n, w);
+            prop_assert!(len >= packed_len(n, w) && len <= packed_len(n, w) + 1);
+            let mut bytes = vec![0x55u8; len];
+            pack_block(&v, w, &mut bytes);
+            let mut back = vec![0u32; n];
+            prop_assert!(unpack_block(&bytes, w, &mut back));
+            prop_assert_eq!(&back, &v);
+            // A set padding bit (where there is one) is reported.
+            let used = if (9..=16).contains(&w) { n * (w as usize - 8) % 8 } else { n * w as usize % 8 };
+            if used != 0 {
+                *bytes.last_mut().unwrap() |= 0x80;
+                prop_assert!(!unpack_block(&bytes, w, &mut back));
+            }
         }
     }
 

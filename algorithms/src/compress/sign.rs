@@ -57,6 +57,47 @@ pub(crate) fn encode(x: &[f32], chunk: usize, out: &mut [u8]) {
     }
 }
 
+/// Error feedback in one pass over memory: per chunk, `residual += x` (kept in cache),
+/// encoded as [`encode`] would encode it, then `residual −= ±scale`. The same bytes and
+/// residual as encoding `x + residual` and subtracting its decoding; a chunk that held NaN or
+/// ±∞ (or whose residual overflowed) has its residual dropped.
+pub(crate) fn encode_with_feedback(x: &[f32], residual: &mut [f32], chunk: usize, out: &mut [u8]) {
+    let mut pos = 0;
+    for (xs, rs) in x.chunks(chunk).zip(residual.chunks_mut(chunk)) {
+        let len = chunk_bytes(xs.len());
+        let (head, bits) = out[pos..pos + len].split_at_mut(4);
+        pos += len;
+        rs.iter_mut().zip(xs).for_each(|(r, &v)| *r += v);
+        let Some(scale) = mean_magnitude(rs) else {
+            head.copy_from_slice(&f32::NAN.to_le_bytes());
+            bits.fill(0);
+            rs.fill(0.0);
+            continue;
+        };
+        head.copy_from_slice(&scale.to_le_bytes());
+        let s = scale.to_bits();
+        let mut groups = rs.chunks_exact_mut(8);
+        for (b, g) in bits.iter_mut().zip(&mut groups) {
+            let byte = (0..8).fold(0u8, |acc, j| acc | u8::from(g[j] < 0.0) << j);
+            *b = byte;
+            for (j, r) in g.iter_mut().enumerate() {
+                *r -= f32::from_bits(s | SIGN_BITS[usize::from(byte)][j]);
+            }
+        }
+        let rest = groups.into_remainder();
+        if !rest.is_empty() {
+            let byte = (0..rest.len()).fold(0u8, |acc, j| acc | u8::from(rest[j] < 0.0) << j);
+            bits[xs.len() / 8] = byte;
+            for (j, r) in rest.iter_mut().enumerate() {
+                *r -= f32::from_bits(s | SIGN_BITS[usize::from(byte)][j]);
+            }
+        }
+        if !super::all_finite(rs) {
+            rs.fill(0.0);
+        }
+    }
+}
+
 /// The mean magnitude of a chunk, `None` if it holds NaN or ±∞.
 fn mean_magnitude(xs: &[f32]) -> Option<f32> {
     // Lane-wise accumulators (see `stochastic::Stats`); each term divided by the length

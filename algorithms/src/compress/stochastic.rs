@@ -62,15 +62,24 @@ pub(crate) fn chunk_bytes(lv: Levels, m: usize) -> usize {
 
 /// The range of a chunk (see the module documentation); NaN if a value is not finite.
 pub(crate) fn local_range(x: &[f32], clip: bool) -> f32 {
+    if clip {
+        range_of::<true>(x)
+    } else {
+        range_of::<false>(x)
+    }
+}
+
+/// [`local_range`], the sum of squares computed only when clipping (`CLIP`).
+fn range_of<const CLIP: bool>(x: &[f32]) -> f32 {
     let mut s = Stats::default();
     let mut lanes = x.chunks_exact(LANES);
     for v in &mut lanes {
-        s.add(v.try_into().expect("LANES values"));
+        s.add::<CLIP>(v.try_into().expect("LANES values"));
     }
     let mut tail = [0f32; LANES];
     tail[..lanes.remainder().len()].copy_from_slice(lanes.remainder());
-    s.add(&tail);
-    s.range(x.len(), clip)
+    s.add::<CLIP>(&tail);
+    s.range(x.len(), CLIP)
 }
 
 /// [`local_range`] of `x + e` (error feedback), without storing the sum.
@@ -84,7 +93,7 @@ pub(crate) fn local_range_sum(x: &[f32], e: &[f32], clip: bool) -> f32 {
         for ((d, &u), &v) in sum.iter_mut().zip(a).zip(b) {
             *d = u + v;
         }
-        s.add(&sum);
+        s.add::<true>(&sum);
     }
     s.range(x.len(), clip)
 }
@@ -109,15 +118,18 @@ impl Default for Stats {
 }
 
 impl Stats {
+    /// Adds `LANES` values; their squares only if `SQ` (clipping needs them).
     #[inline(always)]
-    fn add(&mut self, v: &[f32; LANES]) {
+    fn add<const SQ: bool>(&mut self, v: &[f32; LANES]) {
         let lanes = self.amax.iter_mut().zip(&mut self.nan).zip(&mut self.sumsq);
         for (((m, nan), sq), &x) in lanes.zip(v) {
             let a = x.abs();
             // `>` keeps the accumulator on NaN (flagged separately); ∞ wins like any value.
             *m = if a > *m { a } else { *m };
             *nan |= u32::from(x.is_nan());
-            *sq += x * x;
+            if SQ {
+                *sq += x * x;
+            }
         }
     }
 
@@ -188,23 +200,42 @@ pub(crate) fn round_one(y: f32, u: f32, lim: f32) -> i8 {
 /// [`round_block`] of `x·pre·inv`.
 #[inline(always)]
 fn round_scaled(x: &[f32], pre: f32, inv: f32, lim: f32, dither: &mut Dither, q: &mut [i8]) {
-    let round = |v: f32, u: f32| -> i8 {
-        let y = if pre == 1.0 { v * inv } else { v * pre * inv };
-        round_one(y, u, lim)
+    if pre == 1.0 {
+        round_lanes::<false>(x, pre, inv, lim, dither, q);
+    } else {
+        round_lanes::<true>(x, pre, inv, lim, dither, q);
+    }
+}
+
+/// [`round_scaled`], the pre-scaling a constant choice so the loop has no branch.
+#[inline(always)]
+fn round_lanes<const PRE: bool>(
+    x: &[f32],
+    pre: f32,
+    inv: f32,
+    lim: f32,
+    dither: &mut Dither,
+    q: &mut [i8],
+) {
+    let lanes = |xv: &[f32], u: &[f32; LANES], qv: &mut [i8]| {
+        let mut k = [0i32; LANES];
+        for ((k, &v), &u) in k.iter_mut().zip(xv).zip(u) {
+            let y = if PRE { v * pre * inv } else { v * inv };
+            *k = i32::from(round_one(y, u, lim));
+        }
+        for (o, &k) in qv.iter_mut().zip(&k) {
+            *o = k as i8;
+        }
     };
     let mut xs = x.chunks_exact(LANES);
     let mut qs = q.chunks_exact_mut(LANES);
     for (xv, qv) in (&mut xs).zip(&mut qs) {
         let u = dither.next_centred();
-        for ((o, &v), &u) in qv.iter_mut().zip(xv).zip(&u) {
-            *o = round(v, u);
-        }
+        lanes(xv, &u, qv);
     }
     if !xs.remainder().is_empty() {
         let u = dither.next_centred();
-        for ((o, &v), &u) in qs.into_remainder().iter_mut().zip(xs.remainder()).zip(&u) {
-            *o = round(v, u);
-        }
+        lanes(xs.remainder(), &u, qs.into_remainder());
     }
 }
 
