@@ -439,6 +439,11 @@ fn drive_send(
     loop {
         let avail = req.available();
         let off = p.tx_off;
+        if off == 0 && avail == 0 && len > 0 {
+            // Nothing of the payload yet: a header alone would cost the receiver a wake-up
+            // for nothing. It goes out with the first bytes.
+            return Ok(if moved { Moved::Yes } else { Moved::NeedsData });
+        }
         // Assemble what can be written now: rest of header, available payload, trailer.
         let h = &header[off.min(HEADER_LEN)..];
         let pay_from = off.saturating_sub(HEADER_LEN).min(len);
