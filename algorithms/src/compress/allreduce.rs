@@ -745,6 +745,37 @@ fn integer(
     // Own groups summed and sent so far.
     let mut finished = 0;
     let peers: Vec<usize> = run.order().collect();
+    // Adds up own group `gr` (every rank's codes for it in `inbox`), records a malformed
+    // chunk, and returns the bytes of `mine` ready to send.
+    let finish = |gr: &Range<usize>,
+                  inbox: &[&mut [u8]],
+                  sums: &mut [i32],
+                  mine: &mut [u8],
+                  q: &mut [i8; BLOCK],
+                  lane: &mut [u32; BLOCK],
+                  run: &mut Run| {
+        let (sent, fault) = finish_group(
+            gr,
+            &own,
+            &peers,
+            lv,
+            sum_lanes,
+            inbox,
+            code_off(me, gr.start),
+            sum_off(gr.start),
+            &values,
+            chunk,
+            sums,
+            mine,
+            q,
+            lane,
+        );
+        if let Some((i, c)) = fault {
+            let e = run.garbage(i, format!("chunk {c}: a reserved code or non-zero padding"));
+            run.record(e);
+        }
+        sent
+    };
     for g in 0..ngroups {
         for k in 1..p {
             let j = (me + k) % p;
@@ -784,26 +815,7 @@ fn integer(
             if run.order().any(|i| round.arrived(i) < need) {
                 break;
             }
-            let (sent, fault) = finish_group(
-                gr,
-                &own,
-                &peers,
-                lv,
-                sum_lanes,
-                &inbox,
-                code_off(me, gr.start),
-                sum_off(gr.start),
-                &values,
-                chunk,
-                sums,
-                mine,
-                &mut q,
-                &mut lane,
-            );
-            if let Some((i, c)) = fault {
-                let e = run.garbage(i, format!("chunk {c}: a reserved code or non-zero padding"));
-                run.record(e);
-            }
+            let sent = finish(gr, &inbox, sums, mine, &mut q, &mut lane, run);
             round.offer_all(t, p, tags[3], mine.len(), sent, &mut run.stats)?;
             finished += 1;
         }
@@ -824,26 +836,7 @@ fn integer(
         if run.order().any(|i| round.arrived(i) < need) {
             break; // a short message: `wait_recv` reports it below
         }
-        let (sent, fault) = finish_group(
-            gr,
-            &own,
-            &peers,
-            lv,
-            sum_lanes,
-            &inbox,
-            code_off(me, gr.start),
-            sum_off(gr.start),
-            &values,
-            chunk,
-            sums,
-            mine,
-            &mut q,
-            &mut lane,
-        );
-        if let Some((i, c)) = fault {
-            let e = run.garbage(i, format!("chunk {c}: a reserved code or non-zero padding"));
-            run.record(e);
-        }
+        let sent = finish(gr, &inbox, sums, mine, &mut q, &mut lane, run);
         round.offer_all(t, p, tags[3], mine.len(), sent, &mut run.stats)?;
         round.progress(
             t,

@@ -473,6 +473,37 @@ pub(crate) fn exchange(
     Ok(rreq.iter().map(Request::bytes_done).collect())
 }
 
+/// Sends `sends` while receiving one message of at most `caps[k]` bytes from the `k`-th of
+/// `peers` (all with tag `t`) into the context's scratch, and returns the received messages in
+/// `peers` order, each cut to the length that arrived.
+pub(crate) fn exchange_into_scratch<'c>(
+    ctx: &'c mut CollCtx<'_>,
+    t: Tag,
+    sends: &[(usize, Tag, &[u8])],
+    peers: impl IntoIterator<Item = usize>,
+    caps: &[usize],
+) -> Result<Vec<&'c [u8]>> {
+    let deadline = ctx.deadline;
+    let (tr, scratch) = ctx.transport_and_scratch(carve_len(caps));
+    let mut bufs = carve(scratch, caps);
+    let mut recvs: Vec<_> = peers
+        .into_iter()
+        .zip(bufs.iter_mut())
+        .map(|(j, b)| (j, t, &mut **b))
+        .collect();
+    debug_assert_eq!(recvs.len(), caps.len(), "one capacity per peer");
+    let got = exchange(tr, deadline, sends, &mut recvs)?;
+    drop(recvs);
+    Ok(bufs
+        .into_iter()
+        .zip(got)
+        .map(|(b, g)| {
+            let b: &'c [u8] = b;
+            &b[..g]
+        })
+        .collect())
+}
+
 /// Cuts `buf` into slices of the given sizes (each start rounded up to 8 bytes, so values
 /// read from an aligned buffer stay aligned).
 pub(crate) fn carve<'s>(mut buf: &'s mut [u8], sizes: &[usize]) -> Vec<&'s mut [u8]> {

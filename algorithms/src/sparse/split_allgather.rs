@@ -23,7 +23,7 @@ use chorus_transport::Result;
 
 use super::recursive_doubling::{expected_union, segment_bytes};
 use super::stream::{self, Acc, Expect, Part, SegView, Stamp};
-use super::{assemble, carve, carve_len, tag, Entries, SparseResult};
+use super::{assemble, exchange_into_scratch, tag, Entries, SparseResult};
 use crate::cost::{Link, REDUCE_SECONDS_PER_BYTE};
 use crate::CollCtx;
 
@@ -109,30 +109,21 @@ pub(crate) fn split_reduce(
         .collect();
     let cap = stream::max_segment_bytes(bound, len);
     let caps = vec![cap; peers.len()];
-    let deadline = ctx.deadline;
-    let (tr, scratch) = ctx.transport_and_scratch(carve_len(&caps));
-    let mut bufs = carve(scratch, &caps);
-    let mut recvs: Vec<_> = peers
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&j, b)| (j, t, &mut **b))
-        .collect();
-    let got = super::exchange(tr, deadline, &sends, &mut recvs)?;
-    drop(recvs);
+    let msgs = exchange_into_scratch(ctx, t, &sends, peers.iter().copied(), &caps)?;
     let expect = Expect {
         region: Some((start, len)),
         max_entries: bound,
     };
     let mut parts = Vec::with_capacity(size);
     let mut aux = Vec::with_capacity(size);
-    let mut received = peers.iter().zip(bufs.iter()).zip(&got);
+    let mut received = peers.iter().zip(&msgs);
     for j in 0..size {
         if j == rank {
             let (idx, val) = input.range(start, start + len);
             parts.push(Part::Local(idx, val));
             aux.push(stamp.aux);
-        } else if let Some(((&peer, b), &g)) = received.next() {
-            let v = SegView::parse(&b[..g], peer, stamp, expect)?;
+        } else if let Some((&peer, &b)) = received.next() {
+            let v = SegView::parse(b, peer, stamp, expect)?;
             aux.push(v.header.aux);
             parts.push(Part::View(v));
         }
@@ -161,18 +152,9 @@ pub(crate) fn gather_regions(
         .iter()
         .map(|&j| stream::max_segment_bytes(region_bound, region(j).1))
         .collect();
-    let deadline = ctx.deadline;
-    let (tr, scratch) = ctx.transport_and_scratch(carve_len(&caps));
-    let mut bufs = carve(scratch, &caps);
-    let mut recvs: Vec<_> = peers
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&j, b)| (j, t, &mut **b))
-        .collect();
-    let got = super::exchange(tr, deadline, &sends, &mut recvs)?;
-    drop(recvs);
+    let msgs = exchange_into_scratch(ctx, t, &sends, peers.iter().copied(), &caps)?;
     let mut views = Vec::with_capacity(size);
-    let mut received = peers.iter().zip(bufs.iter()).zip(&got);
+    let mut received = peers.iter().zip(&msgs);
     for j in 0..size {
         let (s, l) = region(j);
         let expect = Expect {
@@ -182,8 +164,8 @@ pub(crate) fn gather_regions(
         if j == rank {
             // This rank's own bytes, decoded like everyone else's.
             views.push(SegView::parse(&out, rank, stamp, expect)?);
-        } else if let Some(((&peer, b), &g)) = received.next() {
-            views.push(SegView::parse(&b[..g], peer, stamp, expect)?);
+        } else if let Some((&peer, &b)) = received.next() {
+            views.push(SegView::parse(b, peer, stamp, expect)?);
         }
     }
     let ranks: Vec<usize> = (0..size).collect();

@@ -38,10 +38,10 @@ use chorus_transport::{Result, Tag, TransportError};
 use super::recursive_doubling::{expected_union, segment_bytes};
 use super::split_allgather::split_reduce;
 use super::stream::{self, Acc, Expect, SegView, Stamp};
-use super::{assemble, carve, carve_len, mag, tag, Entries, SparseResult};
+use super::{assemble, exchange_into_scratch, mag, tag, Entries, SparseResult};
 use crate::allreduce::{self, Algorithm};
 use crate::cost::{recursive_doubling_allreduce, Link, REDUCE_SECONDS_PER_BYTE};
-use crate::{CollCtx, DType, ReduceOp};
+use crate::{CollCtx, Element, ReduceOp};
 
 /// This schedule's tag id.
 const ALG: u64 = 3;
@@ -175,26 +175,14 @@ pub fn cost(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
 }
 
 /// Sums `v` over all ranks (a small recursive-doubling allreduce).
-pub(crate) fn allreduce_u64(ctx: &mut CollCtx<'_>, v: &mut [u64]) -> Result<()> {
+pub(crate) fn allreduce_sum<T: Element>(ctx: &mut CollCtx<'_>, v: &mut [T]) -> Result<()> {
     let bytes = bytemuck::cast_slice_mut(v);
     allreduce::run(
         Algorithm::RecursiveDoubling,
         ctx,
         None,
         bytes,
-        DType::Uint64,
-        ReduceOp::Sum,
-    )
-}
-
-fn allreduce_f64(ctx: &mut CollCtx<'_>, v: &mut [f64]) -> Result<()> {
-    let bytes = bytemuck::cast_slice_mut(v);
-    allreduce::run(
-        Algorithm::RecursiveDoubling,
-        ctx,
-        None,
-        bytes,
-        DType::Float64,
+        T::DTYPE,
         ReduceOp::Sum,
     )
 }
@@ -203,7 +191,7 @@ fn allreduce_f64(ctx: &mut CollCtx<'_>, v: &mut [f64]) -> Result<()> {
 pub(crate) fn agree_bounds(ctx: &mut CollCtx<'_>, idx: &[u64], n: u64) -> Result<Vec<u64>> {
     let p = ctx.transport.size();
     let mut sums = quantile_sums(idx, p);
-    allreduce_f64(ctx, &mut sums)?;
+    allreduce_sum(ctx, &mut sums)?;
     Ok(boundaries(&sums, n, p))
 }
 
@@ -296,23 +284,15 @@ pub(crate) fn balanced_allgatherv(
         .iter()
         .map(|&(_, c)| stream::max_segment_bytes(c, n))
         .collect();
-    let deadline = ctx.deadline;
-    let (tr, scratch) = ctx.transport_and_scratch(carve_len(&caps));
-    let mut bufs = carve(scratch, &caps);
-    let mut recvs: Vec<_> = incoming
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&(j, _), b)| (j, t, &mut **b))
-        .collect();
-    let got = super::exchange(tr, deadline, &sends, &mut recvs)?;
-    drop(recvs);
+    let from = incoming.iter().map(|&(j, _)| j);
+    let msgs = exchange_into_scratch(ctx, t, &sends, from, &caps)?;
     // The chunk: the pieces in owner order.
     let want = plan.chunk.end - plan.chunk.start;
     let (mut cidx, mut cval) = (
         Vec::with_capacity(want as usize),
         Vec::with_capacity(want as usize),
     );
-    let mut received = incoming.iter().zip(bufs.iter()).zip(&got);
+    let mut received = incoming.iter().zip(&msgs);
     let own_start = counts[..rank].iter().sum::<u64>();
     for &(j, c) in &plan.pieces {
         let before = cidx.len();
@@ -321,12 +301,12 @@ pub(crate) fn balanced_allgatherv(
             let r = from as usize..(from + c) as usize;
             cidx.extend_from_slice(&mine.0[r.clone()]);
             cval.extend_from_slice(&mine.1[r]);
-        } else if let Some(((&(peer, _), b), &g)) = received.next() {
+        } else if let Some((&(peer, _), &b)) = received.next() {
             let expect = Expect {
                 region: None,
                 max_entries: c,
             };
-            let v = SegView::parse(&b[..g], peer, stamp, expect)?;
+            let v = SegView::parse(b, peer, stamp, expect)?;
             v.append_to(&mut cidx, &mut cval, true);
             let bad = if cidx.len() - before != c as usize {
                 Some(format!(
@@ -371,18 +351,10 @@ pub(crate) fn balanced_allgatherv(
             stream::max_segment_bytes(c.end - c.start, n)
         })
         .collect();
-    let (tr, scratch) = ctx.transport_and_scratch(carve_len(&caps));
-    let mut bufs = carve(scratch, &caps);
-    let mut recvs: Vec<_> = peers
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&j, b)| (j, t, &mut **b))
-        .collect();
-    let got = super::exchange(tr, deadline, &sends, &mut recvs)?;
-    drop(recvs);
+    let msgs = exchange_into_scratch(ctx, t, &sends, peers.iter().copied(), &caps)?;
     let mut views = Vec::with_capacity(size);
     let mut senders = Vec::with_capacity(size);
-    let mut received = peers.iter().zip(bufs.iter()).zip(&got);
+    let mut received = peers.iter().zip(&msgs);
     for j in 0..size {
         let c = chunk(total, size, j);
         if c.is_empty() {
@@ -394,8 +366,8 @@ pub(crate) fn balanced_allgatherv(
         };
         if j == rank {
             views.push(SegView::parse(&out, rank, stamp, expect)?);
-        } else if let Some(((&peer, b), &g)) = received.next() {
-            views.push(SegView::parse(&b[..g], peer, stamp, expect)?);
+        } else if let Some((&peer, &b)) = received.next() {
+            views.push(SegView::parse(b, peer, stamp, expect)?);
         }
         senders.push(j);
     }
@@ -411,7 +383,7 @@ fn count_vector(ctx: &mut CollCtx<'_>, mine: u64) -> Result<Vec<u64>> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let mut counts = vec![0u64; size];
     counts[rank] = mine;
-    allreduce_u64(ctx, &mut counts)?;
+    allreduce_sum(ctx, &mut counts)?;
     Ok(counts)
 }
 
@@ -632,7 +604,7 @@ fn exact_threshold(ctx: &mut CollCtx<'_>, mags: &[u32], k: u64) -> Result<u32> {
         for &m in &cand {
             hist[((m >> shift) & mask) as usize] += 1;
         }
-        allreduce_u64(ctx, &mut hist)?;
+        allreduce_sum(ctx, &mut hist)?;
         let mut cum = above;
         let mut pick = None;
         // Saturating: the counts come from peers.
