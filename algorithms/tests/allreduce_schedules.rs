@@ -7,11 +7,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use chorus_algorithms::allreduce::{self, Algorithm};
-use chorus_algorithms::reference::{count_wrong, expected, test_value};
-use chorus_algorithms::{CollCtx, DType, Element, ReduceOp};
+use chorus_algorithms::{CollCtx, DType, ReduceOp};
 use chorus_transport::{Transport, TransportError};
-use half::{bf16, f16};
-use support::sweep::{cases, Case, RANKS, TIMEOUT};
+use support::sweep::{cases, run_case, Case, RANKS};
 use support::{mem, run_group};
 
 /// The schedules this file checks (the ring has its own tests).
@@ -21,76 +19,6 @@ const SCHEDULES: [Algorithm; 4] = [
     Algorithm::Tree,
     Algorithm::DoubleTree,
 ];
-
-fn one<T: Element>(
-    alg: Algorithm,
-    t: &mut dyn Transport,
-    scratch: &mut Vec<u8>,
-    seq: u64,
-    case: Case,
-) -> Result<usize, TransportError> {
-    let (rank, size) = (t.rank(), t.size());
-    let input: Vec<T> = (0..case.count)
-        .map(|i| test_value(rank, i, case.op, size))
-        .collect();
-    let want: Vec<T> = (0..case.count)
-        .map(|i| expected(i, case.op, size))
-        .collect();
-    let mut ctx = CollCtx {
-        transport: t,
-        deadline: Instant::now() + TIMEOUT,
-        tag_base: seq << 16,
-        scratch,
-    };
-    let (dt, op) = (T::DTYPE, case.op);
-    let got = if case.in_place {
-        let mut buf = input;
-        allreduce::run(
-            alg,
-            &mut ctx,
-            None,
-            bytemuck::cast_slice_mut(&mut buf),
-            dt,
-            op,
-        )?;
-        buf
-    } else {
-        // Garbage in the output: everything must be overwritten.
-        let mut buf = vec![T::from_f64(99.0); case.count];
-        let send = Some(bytemuck::cast_slice(&input));
-        allreduce::run(
-            alg,
-            &mut ctx,
-            send,
-            bytemuck::cast_slice_mut(&mut buf),
-            dt,
-            op,
-        )?;
-        buf
-    };
-    Ok(count_wrong(&got, &want, case.op))
-}
-
-fn run_case(
-    alg: Algorithm,
-    t: &mut dyn Transport,
-    scratch: &mut Vec<u8>,
-    seq: u64,
-    case: Case,
-) -> Result<usize, TransportError> {
-    match case.dtype {
-        DType::Int8 => one::<i8>(alg, t, scratch, seq, case),
-        DType::Uint8 => one::<u8>(alg, t, scratch, seq, case),
-        DType::Int32 => one::<i32>(alg, t, scratch, seq, case),
-        DType::Uint32 => one::<u32>(alg, t, scratch, seq, case),
-        DType::Int64 => one::<i64>(alg, t, scratch, seq, case),
-        DType::Uint64 => one::<u64>(alg, t, scratch, seq, case),
-        DType::Float16 => one::<f16>(alg, t, scratch, seq, case),
-        DType::Float32 => one::<f32>(alg, t, scratch, seq, case),
-        DType::Float64 => one::<f64>(alg, t, scratch, seq, case),
-        DType::Bfloat16 => one::<bf16>(alg, t, scratch, seq, case),
-    }
-}
 
 /// Every schedule × case on one group per size (reused across schedules and cases).
 fn sweep(cases: &[Case], ranks: &[usize], capacity: usize, frame: usize) {

@@ -22,9 +22,10 @@ pub struct Case {
     pub in_place: bool,
 }
 
-/// Runs one allreduce of [`test_value`] inputs on this rank; returns its number of wrong
-/// elements.
+/// Runs one allreduce of [`test_value`] inputs with schedule `alg` on this rank; returns its
+/// number of wrong elements.
 fn one<T: Element>(
+    alg: Algorithm,
     t: &mut dyn Transport,
     scratch: &mut Vec<u8>,
     seq: u64,
@@ -46,36 +47,38 @@ fn one<T: Element>(
     let got = if case.in_place {
         let mut buf = input;
         let bytes = bytemuck::cast_slice_mut(&mut buf);
-        allreduce::run(Algorithm::Ring, &mut ctx, None, bytes, T::DTYPE, case.op)?;
+        allreduce::run(alg, &mut ctx, None, bytes, T::DTYPE, case.op)?;
         buf
     } else {
         // Garbage in the output: everything must be overwritten.
         let mut buf = vec![T::from_f64(99.0); case.count];
         let send = Some(bytemuck::cast_slice(&input));
         let bytes = bytemuck::cast_slice_mut(&mut buf);
-        allreduce::run(Algorithm::Ring, &mut ctx, send, bytes, T::DTYPE, case.op)?;
+        allreduce::run(alg, &mut ctx, send, bytes, T::DTYPE, case.op)?;
         buf
     };
     Ok(count_wrong(&got, &want, case.op))
 }
 
-fn run_case(
+/// [`one`] for the element type of `case.dtype`.
+pub fn run_case(
+    alg: Algorithm,
     t: &mut dyn Transport,
     scratch: &mut Vec<u8>,
     seq: u64,
     case: Case,
 ) -> Result<usize, TransportError> {
     match case.dtype {
-        DType::Int8 => one::<i8>(t, scratch, seq, case),
-        DType::Uint8 => one::<u8>(t, scratch, seq, case),
-        DType::Int32 => one::<i32>(t, scratch, seq, case),
-        DType::Uint32 => one::<u32>(t, scratch, seq, case),
-        DType::Int64 => one::<i64>(t, scratch, seq, case),
-        DType::Uint64 => one::<u64>(t, scratch, seq, case),
-        DType::Float16 => one::<f16>(t, scratch, seq, case),
-        DType::Float32 => one::<f32>(t, scratch, seq, case),
-        DType::Float64 => one::<f64>(t, scratch, seq, case),
-        DType::Bfloat16 => one::<bf16>(t, scratch, seq, case),
+        DType::Int8 => one::<i8>(alg, t, scratch, seq, case),
+        DType::Uint8 => one::<u8>(alg, t, scratch, seq, case),
+        DType::Int32 => one::<i32>(alg, t, scratch, seq, case),
+        DType::Uint32 => one::<u32>(alg, t, scratch, seq, case),
+        DType::Int64 => one::<i64>(alg, t, scratch, seq, case),
+        DType::Uint64 => one::<u64>(alg, t, scratch, seq, case),
+        DType::Float16 => one::<f16>(alg, t, scratch, seq, case),
+        DType::Float32 => one::<f32>(alg, t, scratch, seq, case),
+        DType::Float64 => one::<f64>(alg, t, scratch, seq, case),
+        DType::Bfloat16 => one::<bf16>(alg, t, scratch, seq, case),
     }
 }
 
@@ -92,7 +95,7 @@ where
             let mut scratch = Vec::new();
             let mut out = Vec::new();
             for (seq, case) in cases.iter().enumerate() {
-                let r = run_case(t, &mut scratch, seq as u64, *case);
+                let r = run_case(Algorithm::Ring, t, &mut scratch, seq as u64, *case);
                 let failed = r.is_err();
                 out.push(r.map_err(|e| e.to_string()));
                 if failed {
