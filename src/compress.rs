@@ -467,6 +467,12 @@ impl Communicator {
             .at_rank(self.rank()));
         }
         let n = buf.len() / elem;
+        if dtype == DType::Float32 {
+            // Aligned f32 (what C, numpy and torch hand over): in place, no staging copy.
+            if let Ok(floats) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
+                return self.all_reduce_compressed(floats, op, comp);
+            }
+        }
         let mut staging = std::mem::take(&mut comp.staging);
         staging.clear();
         match dtype {

@@ -222,7 +222,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
             let sv = random_sparse(rank, n, density);
             let mut dense = sv.to_dense();
             comm.all_reduce(&mut dense, ReduceOp::Sum)?;
-            let (result, stats) = comm.sparse_all_reduce_stats(&sv, sparse_algo)?;
+            let (result, _) = comm.sparse_all_reduce_stats(&sv, sparse_algo)?;
             let (got, result_nnz) = match result {
                 SparseResult::Dense(d) => {
                     let nnz = d.iter().filter(|v| **v != 0.0).count();
@@ -240,7 +240,6 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
                 Ok(())
             })?;
             let dense_seconds = time_dense(comm, &sv.to_dense(), warmup, iters)?;
-            let _ = stats;
             let wire = mean_over_ranks(comm, sent as f64)?;
             Row {
                 bytes,
