@@ -33,9 +33,12 @@
 //! keeps the fastest one.
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
 //!   on a zeroed buffer of its size before doing the caller's work: each candidate once
-//!   untimed, then back-to-back repetitions (as many as fit [`TRIAL_BUDGET`]), in one to three
-//!   interleaved passes (more when they are cheap); a candidate's time is the mean run of its
-//!   best pass (a loop of calls sees the mean). Only that first call is slower.
+//!   untimed, then back-to-back repetitions (as many as fit [`TRIAL_BUDGET`], at most
+//!   [`TRIAL_MAX_REPS`]), in one to five interleaved passes (more when they are cheap); a
+//!   candidate's time is the median over passes of the mean run of a pass (a loop of calls
+//!   sees the mean; the median drops one disturbed pass either way). Only that first call
+//!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
+//!   bandwidth-bound ones.
 //! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
 //!   [`ONLINE_CANDIDATES`], best modelled first), so nothing is run twice; the bucket is decided
 //!   after the last one. Before the first, every candidate runs once untimed on a zeroed
@@ -44,10 +47,11 @@
 //!   the buffer's size (so that no candidate pays for it).
 //!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
-//! allreduced with `max`, so every rank holds the same vector and picks the same schedule
-//! (ties go to the better-modelled one). Trials and the agreement carry their own collective
-//! kinds in the tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or
-//! different counts in one call) fail with a mismatch instead of mixing messages. Forced
+//! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
+//! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] (ties
+//! among the others go to the better-modelled one). Trials and the agreement carry their own
+//! collective kinds in the tag, so ranks that disagree about tuning (different `CHORUS_TUNE`,
+//! or different counts in one call) fail with a mismatch instead of mixing messages. Forced
 //! schedules (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO`
 //! logs every decision with the times measured.
 
@@ -82,14 +86,17 @@ pub const PLAUSIBLE: f64 = 3.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
-pub const TRIAL_BUDGET: Duration = Duration::from_millis(2);
+pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
 /// Most timed repetitions of one candidate in one pass of dedicated trials.
-pub const TRIAL_MAX_REPS: usize = 8;
+pub const TRIAL_MAX_REPS: usize = 32;
 /// Most candidates of a bucket tuned on the caller's calls.
 pub const ONLINE_CANDIDATES: usize = 3;
-/// Dedicated trials run three passes when one is modelled to take at most this long, two when
-/// it takes at most five times as long.
-const CHEAP_PASS: Duration = Duration::from_millis(20);
+/// A schedule that measured faster than the model's choice replaces it only when it is faster
+/// by more than this fraction.
+pub const KEEP_MODEL_MARGIN: f64 = 0.05;
+/// Dedicated trials run five passes when one is modelled to take at most this long, three when
+/// it takes at most four times as long, two up to ten times, else one.
+const CHEAP_PASS: Duration = Duration::from_millis(50);
 
 /// Which allreduce schedules `CHORUS_ALGO` allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,8 +296,9 @@ impl Selector {
             .sum();
         let cheap = CHEAP_PASS.as_secs_f64();
         let passes = match dedicated {
-            true if pass <= cheap => 3,
-            true if pass <= 5.0 * cheap => 2,
+            true if pass <= cheap => 5,
+            true if pass <= 4.0 * cheap => 3,
+            true if pass <= 10.0 * cheap => 2,
             _ => 1,
         };
         TrialPlan {
@@ -540,8 +548,11 @@ impl Tuner {
         None
     }
 
-    /// Settles the bucket of `bytes` on the fastest of `candidates` by the agreed `times`
-    /// (ties to the earlier, better-modelled, candidate) and returns it.
+    /// Settles the bucket of `bytes` on the fastest of `candidates` by the agreed `times` and
+    /// returns it. `candidates[0]`, the model's choice, keeps the bucket unless the fastest
+    /// beats it by more than [`KEEP_MODEL_MARGIN`]: trials are short, and a few percent
+    /// between them is noise more often than a real difference (ties among the others go to
+    /// the earlier, better-modelled, one).
     pub(crate) fn decide(
         &mut self,
         bytes: usize,
@@ -553,6 +564,9 @@ impl Tuner {
             if *t < times[best] {
                 best = i;
             }
+        }
+        if times[0] <= times[best] * (1.0 + KEEP_MODEL_MARGIN) {
+            best = 0;
         }
         let a = candidates[best];
         self.buckets[bucket(bytes)] = Bucket::Decided(a);
@@ -595,6 +609,16 @@ pub(crate) fn describe_decision(
     }
     let _ = write!(s, "-> {chosen} (model: {model})");
     s
+}
+
+/// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
+pub(crate) fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
 }
 
 fn human(bytes: usize) -> String {
@@ -753,7 +777,7 @@ mod tests {
                         assert!(plan.candidates.len() <= ONLINE_CANDIDATES);
                         assert!(plan.candidates.iter().all(|c| c.1 == 1) && plan.passes == 1);
                     }
-                    assert!((1..=3).contains(&plan.passes));
+                    assert!((1..=5).contains(&plan.passes));
                 }
             }
         }
@@ -777,6 +801,14 @@ mod tests {
     }
 
     #[test]
+    fn median_of_passes() {
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(median(&mut [3.0]), 3.0);
+        assert_eq!(median(&mut [9.0, 1.0]), 5.0);
+        assert_eq!(median(&mut [9.0, 1.0, 2.0]), 2.0);
+    }
+
+    #[test]
     fn tuner_states() {
         let s = Selector::new(
             4,
@@ -797,6 +829,20 @@ mod tests {
         assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
         assert_eq!(t.decided(129), None);
         assert_eq!(t.decide(8, &cands, &vec![1.0; cands.len()]), cands[0]);
+        // The model's choice stays unless another is faster by more than the margin.
+        let mut close = vec![1.0; cands.len()];
+        close[0] = 1.0 + KEEP_MODEL_MARGIN / 2.0;
+        assert_eq!(t.decide(8, &cands, &close), cands[0]);
+        let mut clear = vec![2.0; cands.len()];
+        clear[0] = 1.0 + 2.0 * KEEP_MODEL_MARGIN;
+        clear[1] = 1.0;
+        assert_eq!(t.decide(8, &cands, &clear), cands[1]);
+        // Among the others, ties go to the better-modelled one.
+        if cands.len() >= 3 {
+            let mut tie = vec![1.0; cands.len()];
+            tie[0] = 2.0;
+            assert_eq!(t.decide(8, &cands, &tie), cands[1]);
+        }
         // Large: the caller's calls are the trials, decided after the last.
         let big = 5 << 20;
         let plan = s.trial_plan(big);

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # run_with_chorus.sh - run the peers harness (shared/peers/run_all.sh) with chorus as one more peer.
 #
-#   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [run_all.sh args...]
+#   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [--algorithms]
+#                      [--np LIST] [--loop-args ARGS] [--netns-args ARGS] [run_all.sh args...]
 #   e.g. run_with_chorus.sh --quick --only loopback
+#   the allreduce table of issue #4 (every schedule, auto and the peers, p=4, 8 B .. 64 MiB):
+#     run_with_chorus.sh --workdir W --algorithms --np 4 --only loopback,netns --reps 3 \
+#         --loop-args "-b 8 -e 64M -f 4 -w 2 -n 20 -m 3 -B 256M" \
+#         --netns-args "-b 8 -e 64M -f 4 -w 2 -n 20 -m 3 -B 256M"
+#     benches/peers/allreduce_table.py W/results/full/raw
 #
 # The harness directory is read-only, so it is copied (without its results/) to DIR (default:
 # a fresh /tmp/peers-chorus.XXXXXX) and the copy's run_all.sh gets two more peers:
@@ -10,6 +16,11 @@
 #             (MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT; chorus listens on MASTER_PORT+1)
 #   netns:    "chorus=chorus_netns"   launch.sh -N allr-h 4 ... NETNS_ARGS
 #             (MASTER_ADDR=10.77.0.1, CHORUS_SOCKET_IFNAME=eth0)
+# --algorithms adds one chorus peer per allreduce schedule (chorus-tcp-ring, ... on loopback,
+# chorus-ring, ... on the testbed; chorus-tcp and chorus, with no schedule forced, are `auto`)
+# and Open MPI's forced ring on loopback (ompi-tcp-ring, as the netns section has).  --np
+# replaces the loopback rank counts (default "2 4"); --loop-args / --netns-args replace the
+# benchmark arguments of every peer of that section.
 # Every launch gets a fresh CHORUS_TOKEN.  chorus-perf is built first
 # (cargo build --release -p chorus-benches; a no-op when up to date) unless --no-build or
 # CHORUS_PERF=/path/to/chorus-perf is given.  Everything after the wrapper's own options goes
@@ -26,13 +37,22 @@ PEERS_DIR=${PEERS_DIR:-$(cd "$ROOT/.." && pwd)/shared/peers}
 WORK=""
 BUILD=1
 PREPARE_ONLY=0
+ALGORITHMS=0
+NPS=""
+LOOP_OVERRIDE=""
+NETNS_OVERRIDE=""
+SCHEDULES=(ring tree halving_doubling recursive_doubling)
 PASS=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --workdir) WORK=${2:?--workdir needs a directory}; shift 2 ;;
         --no-build) BUILD=0; shift ;;
         --prepare-only) PREPARE_ONLY=1; shift ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        --algorithms) ALGORITHMS=1; shift ;;
+        --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
+        --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
+        --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -73,26 +93,73 @@ cat >"$DEFS" <<EOF
 # ---- chorus (added by run_with_chorus.sh) ----
 CHORUS_PERF=$(printf '%q' "$PERF")
 chorus_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \\n'; }
-chorus_lo() { # NP TRANSPORT
+chorus_lo() { # NP TRANSPORT [SCHEDULE]
+    local algo=(); [[ -n \${3:-} ]] && algo=(--algo "\$3")
     MASTER_ADDR=127.0.0.1 MASTER_PORT=\$PORT CHORUS_SOCKET_IFNAME=lo CHORUS_TOKEN=\$(chorus_token) \\
-        CHORUS_TRANSPORT=\$2 ./launch.sh "\$1" "\$CHORUS_PERF" allreduce --format peers "\${LOOP_ARGS[@]}"
+        CHORUS_TRANSPORT=\$2 ./launch.sh "\$1" "\$CHORUS_PERF" allreduce --format peers "\${algo[@]}" "\${LOOP_ARGS[@]}"
 }
-chorus_netns() {
+chorus_netns() { # [SCHEDULE]
+    local algo=(); [[ -n \${1:-} ]] && algo=(--algo "\$1")
     MASTER_ADDR=10.77.0.1 MASTER_PORT=\$PORT CHORUS_SOCKET_IFNAME=eth0 CHORUS_TOKEN=\$(chorus_token) \\
-        ./launch.sh -N allr-h \$NN "\$CHORUS_PERF" allreduce --format peers "\${NETNS_ARGS[@]}"
+        ./launch.sh -N allr-h \$NN "\$CHORUS_PERF" allreduce --format peers "\${algo[@]}" "\${NETNS_ARGS[@]}"
+}
+ompi_tcp_ring() { # NP: Open MPI over TCP with its ring allreduce forced
+    "\${MPIRUN[@]}" -np "\$1" --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo \\
+        --mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4 \\
+        build/mpi_allreduce_bench "\${LOOP_ARGS[@]}"
 }
 echo "chorus-perf: \$CHORUS_PERF" >>"\$OUT/machine.txt"
 EOF
+[[ -z $LOOP_OVERRIDE ]] || echo "LOOP_ARGS=($LOOP_OVERRIDE)" >>"$DEFS"
+[[ -z $NETNS_OVERRIDE ]] || echo "NETNS_ARGS=($NETNS_OVERRIDE)" >>"$DEFS"
+
+# The peers added to the run_rounds lists, as lines of the list (INDENT is the list's indent).
+lo_peers=('"chorus-tcp=chorus_lo $np tcp"' '"chorus-shm=chorus_lo $np shm"')
+netns_peers=('"chorus=chorus_netns"')
+if [[ $ALGORITHMS == 1 ]]; then
+    lo_peers+=('"ompi-tcp-ring=ompi_tcp_ring $np"')
+    for a in "${SCHEDULES[@]}"; do
+        lo_peers+=("\"chorus-tcp-$a=chorus_lo \$np tcp $a\"")
+        netns_peers+=("\"chorus-$a=chorus_netns $a\"")
+    done
+fi
 
 RUN_ALL=$WORK/run_all.sh
-sed -i \
-    -e '/^MPIRUN=(/r '"$DEFS" \
-    -e 's|^\([[:space:]]*\)"ref-tcp-ring=ring_lo \$np"$|\1"ref-tcp-ring=ring_lo $np" \\\n\1"chorus-tcp=chorus_lo $np tcp" \\\n\1"chorus-shm=chorus_lo $np shm"|' \
-    -e 's|^\([[:space:]]*\)"ref-tcp-ring=ring_netns"$|\1"ref-tcp-ring=ring_netns" \\\n\1"chorus=chorus_netns"|' \
-    "$RUN_ALL"
-for want in '^chorus_lo() {' '^chorus_netns() {' '"chorus-tcp=chorus_lo \$np tcp" \\$' '"chorus-shm=chorus_lo \$np shm"$' '"chorus=chorus_netns"$'; do
+# add_peers ANCHOR PEER... : after the run_rounds entry ANCHOR (a line of its own, ending the
+# list), append one entry per PEER with the same indent.
+add_peers() {
+    local anchor=$1 tmp
+    shift
+    tmp=$(mktemp)
+    ANCHOR=$anchor python3 -c '
+import os, sys
+anchor, peers = os.environ["ANCHOR"], sys.argv[1:]
+lines, hits = [], 0
+for line in sys.stdin.read().split("\n"):
+    if line.strip() == anchor:
+        hits += 1
+        indent = line[: len(line) - len(line.lstrip())]
+        lines.append(line + " \\")
+        lines += [indent + p + " \\" for p in peers[:-1]] + [indent + peers[-1]]
+    else:
+        lines.append(line)
+if hits != 1:
+    sys.exit("anchor %r found %d times" % (anchor, hits))
+sys.stdout.write("\n".join(lines))
+' "$@" <"$RUN_ALL" >"$tmp" || { rm -f "$tmp"; die "could not patch $RUN_ALL: has run_all.sh changed?"; }
+    mv "$tmp" "$RUN_ALL"
+}
+sed -i -e '/^MPIRUN=(/r '"$DEFS" "$RUN_ALL"
+add_peers '"ref-tcp-ring=ring_lo $np"' "${lo_peers[@]}"
+add_peers '"ref-tcp-ring=ring_netns"' "${netns_peers[@]}"
+for want in '^chorus_lo() {' '^chorus_netns() {' '"chorus-tcp=chorus_lo \$np tcp" \\$' '"chorus-shm=chorus_lo \$np shm"' '"chorus=chorus_netns"'; do
     grep -q "$want" "$RUN_ALL" || die "could not patch $RUN_ALL (no match for $want): has run_all.sh changed?"
 done
+if [[ -n $NPS ]]; then
+    [[ $NPS =~ ^[0-9\ ]+$ ]] || die "--np takes rank counts such as \"2 4\", not $NPS"
+    sed -i "s|^\([[:space:]]*\)for np in 2 4; do$|\1for np in $NPS; do|" "$RUN_ALL"
+    grep -q "for np in $NPS; do" "$RUN_ALL" || die "could not patch the rank counts of $RUN_ALL"
+fi
 bash -n "$RUN_ALL" || die "patched $RUN_ALL does not parse"
 
 echo "harness copy: $WORK (chorus-perf: $PERF)" >&2

@@ -196,8 +196,8 @@ impl TcpTransport {
         })
     }
 
-    /// Change how long waits spin before sleeping in the kernel (zero: never spin, the right
-    /// choice when there are more busy ranks than cores).
+    /// Change how long waits spin (yielding the core at every poll) before sleeping in the
+    /// kernel; zero never spins.
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }

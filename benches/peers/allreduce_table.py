@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""allreduce_table.py RAW_DIR [SCENARIO ...] - the allreduce table of issue #4 from one run of
+run_with_chorus.sh --algorithms (raw outputs of the peers harness, one file per launch).
+
+For every scenario folder of RAW_DIR (loopback-np4, netns4-1gbit, ...; or only those named)
+it prints one markdown table: per message size the median over launches of every chorus
+schedule, of chorus `auto` and of every peer (time in us up to 128 B, busbw in MB/s above),
+then two ratios of those medians:
+  auto / best schedule : auto against the fastest chorus schedule at that size
+  chorus / best peer   : auto against the fastest peer (Open MPI default and forced ring,
+                         Gloo, the reference ring; shared-memory peers are left out of the
+                         TCP comparison)
+A ratio >= 100 % means auto is at least as fast. Standard library only.
+"""
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+REP_RE = re.compile(r"^(?P<name>.+)\.rep(?P<k>\d+)\.txt$")
+ROW_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?(\d+)\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
+SCHEDULES = ["ring", "tree", "halving_doubling", "recursive_doubling"]
+LATENCY_MAX = 128  # bytes: up to here the table shows time, above it busbw
+
+
+def human(n):
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def parse(path):
+    """{size: (time_us, busbw)} of one launch"""
+    rows = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = ROW_RE.match(line)
+            if m:
+                rows[int(m.group(1))] = (float(m.group(4)), float(m.group(6)))
+    return rows
+
+
+def roles(peers):
+    """(auto, {schedule: peer}, [other peers]) for the peer names of one scenario"""
+    auto = "chorus-tcp" if "chorus-tcp" in peers else ("chorus" if "chorus" in peers else None)
+    prefix = "chorus-tcp-" if auto == "chorus-tcp" else "chorus-"
+    scheds = {s: prefix + s for s in SCHEDULES if prefix + s in peers}
+    others = [p for p in peers if not p.startswith("chorus") and "vader" not in p]
+    return auto, scheds, others
+
+
+def table(name, folder):
+    reps = defaultdict(list)
+    for fn in sorted(os.listdir(folder)):
+        m = REP_RE.match(fn)
+        if m:
+            reps[m.group("name")].append(parse(os.path.join(folder, fn)))
+    auto, scheds, others = roles(reps)
+    if auto is None or not scheds:
+        return None
+    sizes = sorted(set().union(*(r.keys() for r in reps[auto])))
+    scale = 1000.0  # the benchmarks print GB/s
+    cols = list(scheds.values()) + [auto] + others
+
+    def med(peer, s):
+        v = [r[s] for r in reps[peer] if s in r]
+        if not v:
+            return None
+        if s <= LATENCY_MAX:
+            return statistics.median(x[0] for x in v)
+        return statistics.median(x[1] for x in v) * scale
+
+    def better(a, b, s):  # ratio: a's speed over b's
+        if a is None or b is None or a == 0 or b == 0:
+            return None
+        return b / a if s <= LATENCY_MAX else a / b
+
+    out = [f"### {name}", "",
+           f"time (us) up to {LATENCY_MAX} B, busbw (MB/s) above; median over launches "
+           f"({', '.join(f'{c}: {len(reps[c])}' for c in cols)})", "",
+           "| size | " + " | ".join(c.replace("chorus-tcp-", "").replace("chorus-", "")
+                                    if c != auto else "auto" for c in cols)
+           + " | auto / best schedule | auto / best peer (which) |",
+           "|---:|" + "---:|" * (len(cols) + 2)]
+    worst_sched, worst_peer = [], []
+    for s in sizes:
+        m = {c: med(c, s) for c in cols}
+        cells = []
+        for c in cols:
+            v = m[c]
+            cells.append("—" if v is None else (f"{v:.1f}" if s <= LATENCY_MAX else f"{v:.0f}"))
+        def best_of(names):
+            v = [(c, m[c]) for c in names if m[c] is not None]
+            if not v:
+                return None, None
+            return (min if s <= LATENCY_MAX else max)(v, key=lambda x: x[1])
+        _, bs = best_of(scheds.values())
+        bp_name, bp = best_of(others)
+        r1 = better(m[auto], bs, s)
+        r2 = better(m[auto], bp, s)
+        if r1 is not None:
+            worst_sched.append((r1, s))
+        if r2 is not None:
+            worst_peer.append((r2, s))
+        c1 = "—" if r1 is None else f"{r1 * 100:.0f} %"
+        c2 = "—" if r2 is None else f"{r2 * 100:.0f} % ({bp_name})"
+        out.append(f"| {human(s)} | " + " | ".join(cells) + f" | {c1} | {c2} |")
+    out.append("")
+    if worst_sched:
+        r, s = min(worst_sched)
+        out.append(f"- auto / best schedule: lowest {r * 100:.0f} % (at {human(s)}); "
+                   f"{sum(1 for x, _ in worst_sched if x >= 0.9)} of {len(worst_sched)} sizes >= 90 %")
+    if worst_peer:
+        r, s = min(worst_peer)
+        out.append(f"- auto / best peer: lowest {r * 100:.0f} % (at {human(s)}); "
+                   f"{sum(1 for x, _ in worst_peer if x >= 1.0)} of {len(worst_peer)} sizes >= 100 %")
+    out.append("")
+    return "\n".join(out)
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) >= 2 else 2)
+    raw = sys.argv[1]
+    wanted = sys.argv[2:]
+    shown = 0
+    for scen in sorted(os.listdir(raw)):
+        folder = os.path.join(raw, scen)
+        if not os.path.isdir(folder) or (wanted and scen not in wanted):
+            continue
+        t = table(scen, folder)
+        if t:
+            print(t)
+            shown += 1
+    if not shown:
+        sys.exit(f"allreduce_table.py: no scenario with chorus schedules under {raw}")
+
+
+if __name__ == "__main__":
+    main()
