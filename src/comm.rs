@@ -436,17 +436,8 @@ impl Communicator {
                 // Before the first trial: run every candidate once, untimed, so that none pays
                 // for TCP connections still in slow start; grow the scratch memory, so that
                 // the first does not pay for it (a schedule needs at most the buffer's size).
-                let mut warm = vec![0u8; bytes.min(select::DEDICATED_MAX_BYTES)];
-                warm.truncate(warm.len() / dtype.size() * dtype.size());
                 for alg in candidates {
-                    let r = self.run_collective(
-                        "all_reduce (tuning warm-up)",
-                        CollKind::AllReduceTrial,
-                        dtype,
-                        op,
-                        opts.timeout,
-                        |ctx| allreduce::run(alg, ctx, None, &mut warm, dtype, op),
-                    );
+                    let r = self.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
                     if r.is_err() {
                         self.tuner.reset(bytes);
                         return r;
@@ -469,10 +460,38 @@ impl Communicator {
             }
             let seconds = started.elapsed().as_secs_f64();
             if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
-                self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
+                let chosen = self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
+                if chosen != algorithm {
+                    // The winner's connections sat idle through the last trial, and TCP
+                    // restarts an idle connection's window: warm them again, so that the
+                    // caller's next call runs at the speed the trials measured.
+                    self.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
+                }
             }
         }
         r
+    }
+
+    /// One untimed run of `alg` on a zeroed buffer of `bytes` bytes, at most
+    /// [`select::DEDICATED_MAX_BYTES`] (enough to open the TCP windows it uses).
+    fn tuning_warm_up(
+        &mut self,
+        alg: Algorithm,
+        bytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+        timeout: Option<Duration>,
+    ) -> Result<(), CommError> {
+        let mut warm = vec![0u8; bytes.min(select::DEDICATED_MAX_BYTES)];
+        warm.truncate(warm.len() / dtype.size() * dtype.size());
+        self.run_collective(
+            "all_reduce (tuning warm-up)",
+            CollKind::AllReduceTrial,
+            dtype,
+            op,
+            timeout,
+            |ctx| allreduce::run(alg, ctx, None, &mut warm, dtype, op),
+        )
     }
 
     /// The dedicated tuning trials of the first call of a small bucket (see
@@ -520,7 +539,8 @@ impl Communicator {
     }
 
     /// Agrees on the trial `times` of `candidates` across ranks (the largest of every
-    /// candidate's), settles the bucket of `bytes` on the fastest and logs the decision.
+    /// trial's; round by round when there are more trials than candidates), settles the
+    /// bucket of `bytes` on the fastest and logs the decision.
     fn agree_and_decide(
         &mut self,
         bytes: usize,
@@ -545,7 +565,13 @@ impl Communicator {
                 )
             },
         )?;
-        let chosen = self.tuner.decide(bytes, candidates, &times);
+        // Online tuning times every candidate in several rounds: its fastest call counts.
+        let times = select::per_candidate(candidates.len(), &times);
+        let modelled: Vec<f64> = candidates
+            .iter()
+            .map(|&a| self.selector.modelled_cost(a, bytes))
+            .collect();
+        let chosen = self.tuner.decide(bytes, candidates, &times, &modelled);
         if self.rank == 0 {
             log::log(
                 Level::Info,

@@ -39,17 +39,21 @@
 //!   sees the mean; the median drops one disturbed pass either way). Only that first call
 //!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
 //!   bandwidth-bound ones.
-//! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
-//!   [`ONLINE_CANDIDATES`], best modelled first), so nothing is run twice; the bucket is decided
-//!   after the last one. Before the first, every candidate runs once untimed on a zeroed
-//!   buffer of at most [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections
-//!   that have not carried bulk data yet), and the communicator's scratch memory is grown to
-//!   the buffer's size (so that no candidate pays for it).
+//! - **Large buckets**: the caller's own calls are the trials, [`ONLINE_ROUNDS`] per candidate
+//!   (at most [`ONLINE_CANDIDATES`], worst modelled first so that the calls after the trials
+//!   follow a likely winner) in interleaved rounds, a candidate's time the fastest of its
+//!   calls; nothing is run twice, and the bucket is decided after the last trial. Before the first, every candidate runs
+//!   once untimed on a zeroed buffer of at most [`DEDICATED_MAX_BYTES`] (so that no candidate
+//!   pays for connections that have not carried bulk data yet), and the communicator's
+//!   scratch memory is grown to the buffer's size (so that no candidate pays for it); after
+//!   the decision a winner that did not run last runs once more the same way (TCP restarts
+//!   the window of a connection left idle, and the winner's sat idle through the last trial).
 //!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
 //! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
-//! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] (ties
-//! among the others go to the better-modelled one). Trials and the agreement carry their own
+//! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] while
+//! the model put it more than that margin behind (schedules the model cannot tell apart, such
+//! as the ring and halving-doubling on large messages, are decided by the trials alone). Trials and the agreement carry their own
 //! collective kinds in the tag, so ranks that disagree about tuning (different `CHORUS_TUNE`,
 //! or different counts in one call) fail with a mismatch instead of mixing messages. Forced
 //! schedules (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO`
@@ -81,8 +85,12 @@ const PROBE_SMALL_BYTES: usize = 8;
 /// Bytes of the probe's large messages.
 const PROBE_LARGE_BYTES: usize = 256 * 1024;
 
-/// Schedules the model puts within this factor of its cheapest are tried by the tuner.
-pub const PLAUSIBLE: f64 = 3.0;
+/// Schedules the model puts within this factor of its cheapest are tried on the caller's calls
+/// (large buckets). Large messages are bandwidth-bound, where the model is reliable: the ring
+/// and halving-doubling tie, the tree and recursive doubling move a third more bytes. Trying
+/// those on the caller's data would cost a slow call and, on a real link, a congestion
+/// episode that slows the calls after it.
+pub const PLAUSIBLE: f64 = 1.25;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
@@ -91,6 +99,8 @@ pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
 pub const TRIAL_MAX_REPS: usize = 32;
 /// Most candidates of a bucket tuned on the caller's calls.
 pub const ONLINE_CANDIDATES: usize = 3;
+/// Calls of every candidate when a large bucket is tuned on the caller's calls.
+pub const ONLINE_ROUNDS: usize = 1;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
@@ -247,6 +257,12 @@ impl Selector {
         self.best[bucket(bytes)]
     }
 
+    /// The modelled time of `a` for `bytes` bytes over this communicator's ranks and link
+    /// (seconds; the row of the table the tuner's trial plans are sorted by).
+    pub fn modelled_cost(&self, a: Algorithm, bytes: usize) -> f64 {
+        a.cost(bytes.max(1), self.ranks, &self.link)
+    }
+
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
     /// for dedicated trials (cheap, and the model is least reliable at mid sizes), else those
     /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`];
@@ -263,11 +279,10 @@ impl Selector {
     /// assert!(!large.dedicated && large.candidates.len() <= 3);
     /// ```
     pub fn trial_plan(&self, bytes: usize) -> TrialPlan {
-        let row = bytes.max(1);
         let mut costs: Vec<(Algorithm, f64)> = Algorithm::ALL
             .into_iter()
             .filter(|&a| self.filter.allows(a))
-            .map(|a| (a, a.cost(row, self.ranks, &self.link)))
+            .map(|a| (a, self.modelled_cost(a, bytes)))
             .collect();
         // Stable: ties keep the order of `ALL`, as the table does.
         costs.sort_by(|x, y| x.1.total_cmp(&y.1));
@@ -505,7 +520,9 @@ impl Tuner {
         let b = bucket(bytes);
         match &self.buckets[b] {
             Bucket::Decided(a) => Next::Use(*a),
-            Bucket::Online { candidates, times } => Next::Online(candidates[times.len()]),
+            Bucket::Online { candidates, times } => {
+                Next::Online(candidates[times.len() % candidates.len()])
+            }
             Bucket::Fresh => {
                 let plan = selector.trial_plan(bytes);
                 if plan.candidates.len() <= 1 {
@@ -519,7 +536,11 @@ impl Tuner {
                 if plan.dedicated {
                     return Next::Trials(plan);
                 }
-                let candidates: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+                // Worst modelled first, best last: the caller's calls after the trials find
+                // the connections as a likely winner left them (a bandwidth-hungry loser's
+                // queues and congestion windows have had the other trials to recover).
+                let candidates: Vec<Algorithm> =
+                    plan.candidates.iter().rev().map(|c| c.0).collect();
                 let first = candidates[0];
                 self.buckets[b] = Bucket::Online {
                     candidates,
@@ -530,8 +551,9 @@ impl Tuner {
         }
     }
 
-    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and their
-    /// times (this rank's) once the last one is in: the caller agrees on them across ranks and
+    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and the
+    /// times of every trial (this rank's; round by round, candidates in order) once the last
+    /// one is in: the caller agrees on them across ranks, folds them with [`per_candidate`] and
     /// calls [`Tuner::decide`].
     pub(crate) fn record(
         &mut self,
@@ -541,7 +563,7 @@ impl Tuner {
         let b = bucket(bytes);
         if let Bucket::Online { candidates, times } = &mut self.buckets[b] {
             times.push(seconds);
-            if times.len() == candidates.len() {
+            if times.len() == candidates.len() * ONLINE_ROUNDS {
                 return Some((candidates.clone(), times.clone()));
             }
         }
@@ -549,26 +571,35 @@ impl Tuner {
     }
 
     /// Settles the bucket of `bytes` on the fastest of `candidates` by the agreed `times` and
-    /// returns it. `candidates[0]`, the model's choice, keeps the bucket unless the fastest
-    /// beats it by more than [`KEEP_MODEL_MARGIN`]: trials are short, and a few percent
-    /// between them is noise more often than a real difference (ties among the others go to
-    /// the earlier, better-modelled, one).
+    /// returns it. `modelled` holds the candidates' modelled costs: the model's choice (the
+    /// cheapest) keeps the bucket unless the fastest beats it by more than
+    /// [`KEEP_MODEL_MARGIN`], where the model itself tells the two apart by more than that
+    /// margin (trials are short, and a few percent between them is noise more often than a
+    /// real difference). Schedules the model cannot tell apart are decided by the trials
+    /// alone. Equal times go to the better-modelled candidate.
     pub(crate) fn decide(
         &mut self,
         bytes: usize,
         candidates: &[Algorithm],
         times: &[f64],
+        modelled: &[f64],
     ) -> Algorithm {
-        let mut best = 0;
-        for (i, t) in times.iter().enumerate() {
-            if *t < times[best] {
-                best = i;
+        let faster = |i: usize, j: usize| {
+            times[i] < times[j] || (times[i] == times[j] && modelled[i] < modelled[j])
+        };
+        let (mut fastest, mut model) = (0, 0);
+        for i in 1..candidates.len() {
+            if faster(i, fastest) {
+                fastest = i;
+            }
+            if modelled[i] < modelled[model] {
+                model = i;
             }
         }
-        if times[0] <= times[best] * (1.0 + KEEP_MODEL_MARGIN) {
-            best = 0;
-        }
-        let a = candidates[best];
+        let margin = 1.0 + KEEP_MODEL_MARGIN;
+        let keep =
+            times[model] <= times[fastest] * margin && modelled[fastest] > modelled[model] * margin;
+        let a = candidates[if keep { model } else { fastest }];
         self.buckets[bucket(bytes)] = Bucket::Decided(a);
         a
     }
@@ -609,6 +640,21 @@ pub(crate) fn describe_decision(
     }
     let _ = write!(s, "-> {chosen} (model: {model})");
     s
+}
+
+/// Each of `candidates` candidates' fastest time among `times`, the trials of rounds in which
+/// every candidate ran once, in order.
+pub(crate) fn per_candidate(candidates: usize, times: &[f64]) -> Vec<f64> {
+    (0..candidates)
+        .map(|i| {
+            times
+                .iter()
+                .skip(i)
+                .step_by(candidates.max(1))
+                .copied()
+                .fold(f64::INFINITY, f64::min)
+        })
+        .collect()
 }
 
 /// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
@@ -801,6 +847,12 @@ mod tests {
     }
 
     #[test]
+    fn online_rounds_fold_to_the_fastest_call() {
+        assert_eq!(per_candidate(2, &[5.0, 1.0, 3.0, 4.0]), vec![3.0, 1.0]);
+        assert_eq!(per_candidate(3, &[1.0, 2.0, 3.0]), vec![1.0, 2.0, 3.0]);
+    }
+
+    #[test]
     fn median_of_passes() {
         assert_eq!(median(&mut []), 0.0);
         assert_eq!(median(&mut [3.0]), 3.0);
@@ -822,42 +874,69 @@ mod tests {
             panic!("small buckets run dedicated trials")
         };
         let cands: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        let model = |c: &[Algorithm], b: usize| -> Vec<f64> {
+            c.iter().map(|&a| s.modelled_cost(a, b)).collect()
+        };
+        let m = model(&cands, 8);
         let mut times = vec![2.0; cands.len()];
         *times.last_mut().unwrap() = 1.0;
-        assert_eq!(t.decide(100, &cands, &times), *cands.last().unwrap());
+        assert_eq!(
+            t.decide(100, &cands, &times, &model(&cands, 100)),
+            *cands.last().unwrap()
+        );
         assert_eq!(t.decided(128), Some(*cands.last().unwrap()), "same bucket");
         assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
         assert_eq!(t.decided(129), None);
-        assert_eq!(t.decide(8, &cands, &vec![1.0; cands.len()]), cands[0]);
+        assert_eq!(t.decide(8, &cands, &vec![1.0; cands.len()], &m), cands[0]);
         // The model's choice stays unless another is faster by more than the margin.
         let mut close = vec![1.0; cands.len()];
         close[0] = 1.0 + KEEP_MODEL_MARGIN / 2.0;
-        assert_eq!(t.decide(8, &cands, &close), cands[0]);
+        assert!(m[1] > m[0] * (1.0 + KEEP_MODEL_MARGIN), "{m:?}");
+        assert_eq!(t.decide(8, &cands, &close, &m), cands[0]);
         let mut clear = vec![2.0; cands.len()];
         clear[0] = 1.0 + 2.0 * KEEP_MODEL_MARGIN;
         clear[1] = 1.0;
-        assert_eq!(t.decide(8, &cands, &clear), cands[1]);
+        assert_eq!(t.decide(8, &cands, &clear, &m), cands[1]);
         // Among the others, ties go to the better-modelled one.
         if cands.len() >= 3 {
             let mut tie = vec![1.0; cands.len()];
             tie[0] = 2.0;
-            assert_eq!(t.decide(8, &cands, &tie), cands[1]);
+            assert_eq!(t.decide(8, &cands, &tie, &m), cands[1]);
         }
+        // Schedules the model cannot tell apart: the trials decide, however close.
+        let pair = [Algorithm::HalvingDoubling, Algorithm::Ring];
+        let tied = [1.0, 1.0 + KEEP_MODEL_MARGIN / 10.0];
+        assert_eq!(t.decide(8, &pair, &[1.02, 1.0], &tied), Algorithm::Ring);
+        assert_eq!(
+            t.decide(8, &pair, &[1.0, 1.0], &tied),
+            Algorithm::HalvingDoubling
+        );
         // Large: the caller's calls are the trials, decided after the last.
         let big = 5 << 20;
         let plan = s.trial_plan(big);
-        let cands: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        // Run worst modelled first.
+        let cands: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(cands.len() >= 2, "{cands:?}");
-        for (i, &a) in cands.iter().enumerate() {
-            assert_eq!(t.next(&s, big), Next::Online(a));
+        assert_eq!(*cands.last().unwrap(), s.select(big));
+        let trials = cands.len() * ONLINE_ROUNDS;
+        for i in 0..trials {
+            assert_eq!(t.next(&s, big), Next::Online(cands[i % cands.len()]));
             let done = t.record(big, 1.0 + i as f64);
-            assert_eq!(done.is_some(), i + 1 == cands.len());
+            assert_eq!(done.is_some(), i + 1 == trials);
+            if let Some((c, times)) = done {
+                assert_eq!((c, times.len()), (cands.clone(), trials));
+            }
         }
         assert_eq!(t.decided(big), None, "decided only once agreed");
         // A failed call starts the bucket again.
         t.reset(big);
         assert_eq!(t.next(&s, big), Next::Online(cands[0]));
-        t.decide(big, &cands, &[3.0, 1.0, 2.0][..cands.len()]);
+        t.decide(
+            big,
+            &cands,
+            &[3.0, 1.0, 2.0][..cands.len()],
+            &model(&cands, big),
+        );
         assert_eq!(t.decided(big), Some(cands[1]));
         t.reset(big);
         assert_eq!(

@@ -147,7 +147,8 @@ if hits != 1:
     sys.exit("anchor %r found %d times" % (anchor, hits))
 sys.stdout.write("\n".join(lines))
 ' "$@" <"$RUN_ALL" >"$tmp" || { rm -f "$tmp"; die "could not patch $RUN_ALL: has run_all.sh changed?"; }
-    mv "$tmp" "$RUN_ALL"
+    cat "$tmp" >"$RUN_ALL"
+    rm -f "$tmp"
 }
 sed -i -e '/^MPIRUN=(/r '"$DEFS" "$RUN_ALL"
 add_peers '"ref-tcp-ring=ring_lo $np"' "${lo_peers[@]}"
