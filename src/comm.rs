@@ -198,6 +198,8 @@ impl Communicator {
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
         let env_link = crate::select::link_from_env().map_err(fail)?;
         let tuning = crate::select::tune_from_env().map_err(fail)?;
+        // This host runs more ranks than it has cores (the tuner's view of the link, below).
+        let mut crowded = false;
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {
@@ -246,6 +248,9 @@ impl Communicator {
                 Instant::now() + config.init_timeout,
             )
             .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            crowded = on_my_host > cores;
             log::log(
                 Level::Info,
                 Some(rank),
@@ -271,7 +276,7 @@ impl Communicator {
             tuner: Tuner::new(),
             tuning,
         };
-        comm.selector = Selector::for_communicator(&mut comm, filter, env_link)?;
+        comm.selector = Selector::for_communicator(&mut comm, filter, env_link, crowded)?;
         Ok(comm)
     }
 

@@ -29,7 +29,8 @@
 //! (kernel buffers, segment pipelining, wake-ups on oversubscribed cores are not in it). So the
 //! table is only the prior: unless `CHORUS_TUNE=0` (or `off`), the first allreduce of every
 //! size bucket (power of two, as the table's rows) times the allowed schedules (for large
-//! buckets only those the model puts within [`PLAUSIBLE`]× of its cheapest) and the bucket
+//! buckets only those the model puts within [`PLAUSIBLE`]× of its cheapest, or
+//! [`PLAUSIBLE_CPU_BOUND`]× when some host runs more ranks than it has cores) and the bucket
 //! keeps the fastest one.
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
 //!   on a zeroed buffer of its size before doing the caller's work: each candidate once
@@ -91,6 +92,11 @@ const PROBE_LARGE_BYTES: usize = 256 * 1024;
 /// those on the caller's data would cost a slow call and, on a real link, a congestion
 /// episode that slows the calls after it.
 pub const PLAUSIBLE: f64 = 1.25;
+/// [`PLAUSIBLE`] when a host runs more ranks than it has cores: transfers are then bound by
+/// the CPU (kernel copies, reductions and wake-ups of ranks sharing a core), not by the link
+/// the α–β model describes, and a schedule the model puts behind (the pipelined tree, on 4
+/// ranks sharing 2 cores) can win on large messages.
+pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
@@ -215,6 +221,8 @@ pub struct Selector {
     filter: AlgoFilter,
     /// `best[b]`: the cheapest allowed schedule for `2^b` bytes.
     best: [Algorithm; ROWS],
+    /// Some host runs more ranks than it has cores (see [`PLAUSIBLE_CPU_BOUND`]).
+    cpu_bound: bool,
 }
 
 impl Selector {
@@ -249,7 +257,20 @@ impl Selector {
             source,
             filter,
             best,
+            cpu_bound: false,
         }
+    }
+
+    /// The same table, marked as serving ranks that outnumber the cores of some host (every
+    /// rank must pass the same value: it decides which schedules the tuner tries).
+    pub fn with_cpu_bound(mut self, cpu_bound: bool) -> Selector {
+        self.cpu_bound = cpu_bound;
+        self
+    }
+
+    /// Whether some host runs more ranks than it has cores.
+    pub fn cpu_bound(&self) -> bool {
+        self.cpu_bound
     }
 
     /// The schedule the model picks for an allreduce of `bytes` bytes.
@@ -289,7 +310,12 @@ impl Selector {
         let best = costs.first().map_or(0.0, |c| c.1);
         let dedicated = bytes <= DEDICATED_MAX_BYTES;
         if !dedicated {
-            costs.retain(|c| c.1 <= PLAUSIBLE * best);
+            let plausible = if self.cpu_bound {
+                PLAUSIBLE_CPU_BOUND
+            } else {
+                PLAUSIBLE
+            };
+            costs.retain(|c| c.1 <= plausible * best);
             costs.truncate(ONLINE_CANDIDATES);
         }
         let budget = TRIAL_BUDGET.as_secs_f64();
@@ -375,10 +401,14 @@ impl Selector {
     /// The selector of a freshly connected communicator: reads `CHORUS_ALPHA_US` /
     /// `CHORUS_BETA_GBPS` (already validated into `env`), probes the link when a figure is
     /// missing and there is a choice to make, fills the table and logs it at INFO (rank 0).
+    ///
+    /// `crowded`: this rank's host runs more ranks than it has cores; the ranks agree (with an
+    /// 8-byte allreduce) on whether any host does.
     pub(crate) fn for_communicator(
         comm: &mut Communicator,
         filter: AlgoFilter,
         env: (Option<f64>, Option<f64>),
+        crowded: bool,
     ) -> Result<Selector, CommError> {
         let ranks = comm.size();
         let (link, source) = match env {
@@ -409,7 +439,27 @@ impl Selector {
                 (link, source)
             }
         };
-        let s = Selector::new(ranks, link, source, filter);
+        let mut any_crowded = [u8::from(crowded)];
+        if ranks > 1 && filter.forced().is_none() {
+            comm.run_collective(
+                "init (cores per host)",
+                CollKind::AllReduce,
+                DType::Uint8,
+                ReduceOp::Max,
+                None,
+                |ctx| {
+                    allreduce::run(
+                        Algorithm::RecursiveDoubling,
+                        ctx,
+                        None,
+                        &mut any_crowded,
+                        DType::Uint8,
+                        ReduceOp::Max,
+                    )
+                },
+            )?;
+        }
+        let s = Selector::new(ranks, link, source, filter).with_cpu_bound(any_crowded[0] != 0);
         if comm.rank() == 0 {
             log::log(
                 Level::Info,
@@ -835,6 +885,31 @@ mod tests {
         );
         assert!(tiny.trial_plan(8).candidates.len() >= 2);
         assert!(tiny.trial_plan(8).candidates[0].1 > 1, "tiny trials repeat");
+        // Large buckets on a link: the ring and halving-doubling only (the model's bandwidth
+        // ranking holds); with more ranks than cores, the others within 3x too.
+        let big = 64 << 20;
+        let linked: Vec<Algorithm> = tiny
+            .trial_plan(big)
+            .candidates
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        assert_eq!(linked.len(), 2, "{linked:?}");
+        assert!(linked.contains(&Algorithm::Ring) && linked.contains(&Algorithm::HalvingDoubling));
+        let crowded = tiny.clone().with_cpu_bound(true);
+        assert!(crowded.cpu_bound() && !tiny.cpu_bound());
+        let plan = crowded.trial_plan(big);
+        assert_eq!(
+            plan.candidates.len(),
+            ONLINE_CANDIDATES,
+            "{:?}",
+            plan.candidates
+        );
+        assert!(plan
+            .candidates
+            .iter()
+            .all(|c| crowded.modelled_cost(c.0, big)
+                <= PLAUSIBLE_CPU_BOUND * crowded.modelled_cost(crowded.select(big), big)));
         let two = AlgoFilter::parse("ring,tree").unwrap();
         let s = Selector::new(4, Link::TCP_LOOPBACK, LinkSource::Default, two);
         for b in [8, 1 << 20, 64 << 20] {
