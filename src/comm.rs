@@ -544,8 +544,7 @@ impl Communicator {
     }
 
     /// Agrees on the trial `times` of `candidates` across ranks (the largest of every
-    /// trial's; round by round when there are more trials than candidates), settles the
-    /// bucket of `bytes` on the fastest and logs the decision.
+    /// candidate's), settles the bucket of `bytes` on the fastest and logs the decision.
     fn agree_and_decide(
         &mut self,
         bytes: usize,
@@ -570,8 +569,6 @@ impl Communicator {
                 )
             },
         )?;
-        // Online tuning times every candidate in several rounds: its fastest call counts.
-        let times = select::per_candidate(candidates.len(), &times);
         let modelled: Vec<f64> = candidates
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))

@@ -40,23 +40,24 @@
 //!   sees the mean; the median drops one disturbed pass either way). Only that first call
 //!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
 //!   bandwidth-bound ones.
-//! - **Large buckets**: the caller's own calls are the trials, [`ONLINE_ROUNDS`] per candidate
-//!   (at most [`ONLINE_CANDIDATES`], worst modelled first so that the calls after the trials
-//!   follow a likely winner) in interleaved rounds, a candidate's time the fastest of its
-//!   calls; nothing is run twice, and the bucket is decided after the last trial. Before the first, every candidate runs
-//!   once untimed on a zeroed buffer of at most [`DEDICATED_MAX_BYTES`] (so that no candidate
-//!   pays for connections that have not carried bulk data yet), and the communicator's
-//!   scratch memory is grown to the buffer's size (so that no candidate pays for it); after
-//!   the decision a winner that did not run last runs once more the same way (TCP restarts
-//!   the window of a connection left idle, and the winner's sat idle through the last trial).
+//! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
+//!   [`ONLINE_CANDIDATES`], worst modelled first so that the calls after the trials follow a
+//!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
+//!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
+//!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
+//!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
+//!   size (so that no candidate pays for it); after the decision a winner that did not run
+//!   last runs once more the same way (TCP restarts the window of a connection left idle,
+//!   and the winner's sat idle through the last trial).
 //!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
 //! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
 //! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] while
 //! the model put it more than that margin behind (schedules the model cannot tell apart, such
-//! as the ring and halving-doubling on large messages, are decided by the trials alone). Trials and the agreement carry their own
-//! collective kinds in the tag, so ranks that disagree about tuning (different `CHORUS_TUNE`,
-//! or different counts in one call) fail with a mismatch instead of mixing messages. Forced
+//! as the ring and halving-doubling on large messages, are decided by the trials alone).
+//! Trials and the agreement carry their own collective kinds in the tag, so ranks that
+//! disagree about tuning (different `CHORUS_TUNE`, or different counts in one call) fail with
+//! a mismatch instead of mixing messages. Forced
 //! schedules (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO`
 //! logs every decision with the times measured.
 
@@ -105,8 +106,6 @@ pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
 pub const TRIAL_MAX_REPS: usize = 32;
 /// Most candidates of a bucket tuned on the caller's calls.
 pub const ONLINE_CANDIDATES: usize = 3;
-/// Calls of every candidate when a large bucket is tuned on the caller's calls.
-pub const ONLINE_ROUNDS: usize = 1;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
@@ -570,9 +569,7 @@ impl Tuner {
         let b = bucket(bytes);
         match &self.buckets[b] {
             Bucket::Decided(a) => Next::Use(*a),
-            Bucket::Online { candidates, times } => {
-                Next::Online(candidates[times.len() % candidates.len()])
-            }
+            Bucket::Online { candidates, times } => Next::Online(candidates[times.len()]),
             Bucket::Fresh => {
                 let plan = selector.trial_plan(bytes);
                 if plan.candidates.len() <= 1 {
@@ -601,9 +598,8 @@ impl Tuner {
         }
     }
 
-    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and the
-    /// times of every trial (this rank's; round by round, candidates in order) once the last
-    /// one is in: the caller agrees on them across ranks, folds them with [`per_candidate`] and
+    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and their
+    /// times (this rank's) once the last one is in: the caller agrees on them across ranks and
     /// calls [`Tuner::decide`].
     pub(crate) fn record(
         &mut self,
@@ -613,7 +609,7 @@ impl Tuner {
         let b = bucket(bytes);
         if let Bucket::Online { candidates, times } = &mut self.buckets[b] {
             times.push(seconds);
-            if times.len() == candidates.len() * ONLINE_ROUNDS {
+            if times.len() == candidates.len() {
                 return Some((candidates.clone(), times.clone()));
             }
         }
@@ -690,21 +686,6 @@ pub(crate) fn describe_decision(
     }
     let _ = write!(s, "-> {chosen} (model: {model})");
     s
-}
-
-/// Each of `candidates` candidates' fastest time among `times`, the trials of rounds in which
-/// every candidate ran once, in order.
-pub(crate) fn per_candidate(candidates: usize, times: &[f64]) -> Vec<f64> {
-    (0..candidates)
-        .map(|i| {
-            times
-                .iter()
-                .skip(i)
-                .step_by(candidates.max(1))
-                .copied()
-                .fold(f64::INFINITY, f64::min)
-        })
-        .collect()
 }
 
 /// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
@@ -922,12 +903,6 @@ mod tests {
     }
 
     #[test]
-    fn online_rounds_fold_to_the_fastest_call() {
-        assert_eq!(per_candidate(2, &[5.0, 1.0, 3.0, 4.0]), vec![3.0, 1.0]);
-        assert_eq!(per_candidate(3, &[1.0, 2.0, 3.0]), vec![1.0, 2.0, 3.0]);
-    }
-
-    #[test]
     fn median_of_passes() {
         assert_eq!(median(&mut []), 0.0);
         assert_eq!(median(&mut [3.0]), 3.0);
@@ -993,13 +968,12 @@ mod tests {
         let cands: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(cands.len() >= 2, "{cands:?}");
         assert_eq!(*cands.last().unwrap(), s.select(big));
-        let trials = cands.len() * ONLINE_ROUNDS;
-        for i in 0..trials {
-            assert_eq!(t.next(&s, big), Next::Online(cands[i % cands.len()]));
+        for (i, &a) in cands.iter().enumerate() {
+            assert_eq!(t.next(&s, big), Next::Online(a));
             let done = t.record(big, 1.0 + i as f64);
-            assert_eq!(done.is_some(), i + 1 == trials);
+            assert_eq!(done.is_some(), i + 1 == cands.len());
             if let Some((c, times)) = done {
-                assert_eq!((c, times.len()), (cands.clone(), trials));
+                assert_eq!((c, times.len()), (cands.clone(), cands.len()));
             }
         }
         assert_eq!(t.decided(big), None, "decided only once agreed");

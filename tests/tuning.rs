@@ -17,7 +17,7 @@ const WATCHDOG: Duration = Duration::from_secs(240);
 /// and above `DEDICATED_MAX_BYTES` (tuned on the caller's calls).
 const COUNTS: [usize; 5] = [1, 7, 1023, 65_539, (1 << 20) + 5];
 /// Calls per count: enough to go through every online trial and stay in the steady phase.
-const CALLS: usize = chorus::select::ONLINE_CANDIDATES * chorus::select::ONLINE_ROUNDS + 2;
+const CALLS: usize = chorus::select::ONLINE_CANDIDATES + 2;
 
 /// The schedule every bucket settled on, per rank.
 fn tune_and_check(c: &mut Communicator) -> Vec<Option<Algorithm>> {
