@@ -51,13 +51,18 @@ pub fn cost(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
     if p <= 1 {
         return 0.0;
     }
+    2.0 * (p as f64 - 1.0) * link.alpha + split_and_sum_volume(n, nnz, p, link)
+}
+
+/// The part of the modelled time that grows with the data, shared with the two-phase
+/// schedule: each rank sends its `p−1` splits and its region's sum `p−1` times, and merges
+/// the splits it receives (`p > 1`).
+pub(crate) fn split_and_sum_volume(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
     let pf = p as f64;
     let region = n.div_ceil(p);
     let split = segment_bytes(nnz as f64 / pf, region);
     let sum = segment_bytes(expected_union(n, nnz, p) / pf, region);
-    2.0 * (pf - 1.0) * link.alpha
-        + (pf - 1.0) * (split + sum) * link.beta
-        + (pf - 1.0) * split * REDUCE_SECONDS_PER_BYTE
+    (pf - 1.0) * (split + sum) * link.beta + (pf - 1.0) * split * REDUCE_SECONDS_PER_BYTE
 }
 
 /// Runs the schedule on this rank for `input` (at most `bound` entries on every rank).

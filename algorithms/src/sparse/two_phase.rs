@@ -35,12 +35,11 @@ use std::ops::Range;
 
 use chorus_transport::{Result, Tag, TransportError};
 
-use super::recursive_doubling::{expected_union, segment_bytes};
-use super::split_allgather::split_reduce;
+use super::split_allgather::{split_and_sum_volume, split_reduce};
 use super::stream::{self, Acc, Expect, SegView, Stamp};
 use super::{assemble, exchange_into_scratch, mag, tag, Entries, SparseResult};
 use crate::allreduce::{self, Algorithm};
-use crate::cost::{recursive_doubling_allreduce, Link, REDUCE_SECONDS_PER_BYTE};
+use crate::cost::{recursive_doubling_allreduce, Link};
 use crate::{CollCtx, Element, ReduceOp};
 
 /// This schedule's tag id.
@@ -164,14 +163,9 @@ pub fn cost(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    let pf = p as f64;
-    let region = n.div_ceil(p);
-    let split = segment_bytes(nnz as f64 / pf, region);
-    let sum = segment_bytes(expected_union(n, nnz, p) / pf, region);
     2.0 * recursive_doubling_allreduce(8 * p, p, link)
-        + (2.0 * (pf - 1.0) + 1.0) * link.alpha
-        + (pf - 1.0) * (split + sum) * link.beta
-        + (pf - 1.0) * split * REDUCE_SECONDS_PER_BYTE
+        + (2.0 * (p as f64 - 1.0) + 1.0) * link.alpha
+        + split_and_sum_volume(n, nnz, p, link)
 }
 
 /// Sums `v` over all ranks (a small recursive-doubling allreduce).
