@@ -25,6 +25,17 @@ pub struct AllReduceOptions {
     pub timeout: Option<Duration>,
 }
 
+/// How an allreduce call takes part in tuning its size bucket (see [`crate::select`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Timing {
+    /// Not at all.
+    None,
+    /// It is an online trial: timed and recorded.
+    Online,
+    /// It is part of a revisit: recorded, timed when `timed`; `rival`: it runs the rival.
+    Revisit { timed: bool, rival: bool },
+}
+
 /// A group of ranks that run collectives together.
 ///
 /// Collectives must be called by every rank in the same order with matching arguments (count,
@@ -412,17 +423,23 @@ impl Communicator {
             });
         }
         let bytes = recv.len();
-        let (algorithm, online) = match opts.algorithm {
-            Some(a) => (a, false),
+        let (algorithm, timing) = match opts.algorithm {
+            Some(a) => (a, Timing::None),
             None if !self.tuning || self.size == 1 || bytes == 0 => {
-                (self.selected_algorithm(bytes), false)
+                (self.selected_algorithm(bytes), Timing::None)
             }
             None => match self.tuner.next(&self.selector, bytes) {
-                Next::Use(a) => (a, false),
-                Next::Online(a) => (a, true),
-                Next::Trials(plan) => {
-                    (self.dedicated_trials(&plan, bytes, dtype, op, opts)?, false)
-                }
+                Next::Use(a) => (a, Timing::None),
+                Next::Online(a) => (a, Timing::Online),
+                Next::Trials(plan) => (
+                    self.dedicated_trials(&plan, bytes, dtype, op, opts)?,
+                    Timing::None,
+                ),
+                Next::Revisit {
+                    algorithm,
+                    timed,
+                    rival,
+                } => (algorithm, Timing::Revisit { timed, rival }),
             },
         };
         log::log(
@@ -436,7 +453,7 @@ impl Communicator {
                 algorithm.name()
             ),
         );
-        if online {
+        if timing == Timing::Online {
             if let Some(candidates) = self.tuner.online_fresh(bytes) {
                 // Before the first trial: run every candidate once, untimed, so that none pays
                 // for TCP connections still in slow start; grow the scratch memory, so that
@@ -454,27 +471,77 @@ impl Communicator {
                 }
             }
         }
+        // A rival's calls in a revisit carry the trial kind, so that a rank that does not
+        // tune (and runs the bucket's schedule) fails with a mismatch instead of mixing
+        // messages of two schedules.
+        let kind = match timing {
+            Timing::Revisit { rival: true, .. } => CollKind::AllReduceTrial,
+            _ => CollKind::AllReduce,
+        };
         let started = Instant::now();
-        let r = self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
+        let r = self.run_collective(OP, kind, dtype, op, opts.timeout, |ctx| {
             allreduce::run(algorithm, ctx, send, recv, dtype, op)
         });
-        if online {
-            if r.is_err() {
-                self.tuner.reset(bytes);
-                return r;
+        let seconds = started.elapsed().as_secs_f64();
+        match timing {
+            Timing::None => {}
+            _ if r.is_err() => self.tuner.reset(bytes),
+            Timing::Online => {
+                if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
+                    let chosen = self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
+                    if chosen != algorithm {
+                        // The winner's connections sat idle through the last trial, and TCP
+                        // restarts an idle connection's window: warm them again, so that the
+                        // caller's next call runs at the speed the trials measured.
+                        self.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
+                    }
+                }
             }
-            let seconds = started.elapsed().as_secs_f64();
-            if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
-                let chosen = self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
-                if chosen != algorithm {
-                    // The winner's connections sat idle through the last trial, and TCP
-                    // restarts an idle connection's window: warm them again, so that the
-                    // caller's next call runs at the speed the trials measured.
-                    self.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
+            Timing::Revisit { timed, .. } => {
+                let seconds = if timed { seconds } else { 0.0 };
+                if let Some((_, _, times)) = self.tuner.record_revisit(bytes, seconds) {
+                    self.agree_revisit(bytes, times, opts.timeout)?;
                 }
             }
         }
         r
+    }
+
+    /// Agrees on the mean `times` of a revisit of the bucket of `bytes` across ranks (the
+    /// largest of each), settles it and logs the outcome.
+    fn agree_revisit(
+        &mut self,
+        bytes: usize,
+        mut times: [f64; 2],
+        timeout: Option<Duration>,
+    ) -> Result<(), CommError> {
+        self.run_collective(
+            "all_reduce (tuning agreement)",
+            CollKind::Tuning,
+            DType::Float64,
+            ReduceOp::Max,
+            timeout,
+            |ctx| {
+                allreduce::run(
+                    Algorithm::RecursiveDoubling,
+                    ctx,
+                    None,
+                    bytemuck::cast_slice_mut(&mut times),
+                    DType::Float64,
+                    ReduceOp::Max,
+                )
+            },
+        )?;
+        if let Some(outcome) = self.tuner.settle_revisit(bytes, times) {
+            if self.rank == 0 {
+                log::log(
+                    Level::Info,
+                    Some(0),
+                    format_args!("{}", select::describe_revisit(bytes, &outcome)),
+                );
+            }
+        }
+        Ok(())
     }
 
     /// One untimed run of `alg` on a zeroed buffer of `bytes` bytes, at most

@@ -41,7 +41,8 @@
 //!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
 //!   bandwidth-bound ones.
 //! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
-//!   [`ONLINE_CANDIDATES`], worst modelled first so that the calls after the trials follow a
+//!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
+//!   one is tried; worst modelled first so that the calls after the trials follow a
 //!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
@@ -50,16 +51,33 @@
 //!   last runs once more the same way (TCP restarts the window of a connection left idle,
 //!   and the winner's sat idle through the last trial).
 //!
+//! - **Revisits**: which schedule wins can change after the trials (another job takes the
+//!   cores, ranks sharing a core fall into another rhythm, a link gets busier), and short
+//!   trials can pick the loser of two close schedules. So the schedules the trials timed within
+//!   [`RIVAL_WITHIN`]× of the winner stay its rivals, and the bucket re-times them on the
+//!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
+//!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`], 2 to
+//!   [`REVISIT_MAX_WINDOW`] calls; the first call of each is not timed, as the schedule
+//!   changes there). The ranks agree on the two mean times (one 16-byte allreduce); a rival
+//!   faster by more than [`REVISIT_MARGIN`] takes over (and the old schedule becomes the
+//!   rival revisited next), else the gap to the next revisit doubles (up to
+//!   [`REVISIT_MAX_GAP`] blocks) and a rival slower than [`RIVAL_DROP`]× is dropped. The cost
+//!   is a block of a slower rival now and then, a share that halves with every revisit that
+//!   keeps the schedule; a bucket with no rival left is settled for good. Every call of a
+//!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
+//!   floating-point values may differ in the last bits from call to call when the schedule
+//!   changes (force one schedule, or `CHORUS_TUNE=0`, for bitwise repeatable results).
+//!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
 //! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
 //! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] while
 //! the model put it more than that margin behind (schedules the model cannot tell apart, such
 //! as the ring and halving-doubling on large messages, are decided by the trials alone).
-//! Trials and the agreement carry their own collective kinds in the tag, so ranks that
-//! disagree about tuning (different `CHORUS_TUNE`, or different counts in one call) fail with
-//! a mismatch instead of mixing messages. Forced
-//! schedules (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO`
-//! logs every decision with the times measured.
+//! Trials, a revisit's rival calls and the agreements carry their own collective kinds in the
+//! tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or different counts in
+//! one call) fail with a mismatch instead of mixing messages. Forced schedules (`CHORUS_ALGO`
+//! naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO` logs every decision and
+//! every revisit with the times measured.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -104,11 +122,34 @@ pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
 /// Most timed repetitions of one candidate in one pass of dedicated trials.
 pub const TRIAL_MAX_REPS: usize = 32;
-/// Most candidates of a bucket tuned on the caller's calls.
+/// Most candidates of a bucket tuned on the caller's calls (no cap when some host runs more
+/// ranks than cores: the model's ranking is weakest there).
 pub const ONLINE_CANDIDATES: usize = 3;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
+/// After a bucket is decided, the schedules its trials timed within this factor of the winner
+/// stay its rivals: they are re-timed now and then on the caller's calls (revisits; see the
+/// module docs).
+pub const RIVAL_WITHIN: f64 = 1.5;
+/// A rival that a revisit measures slower than this factor of the bucket's schedule is
+/// dropped (not revisited again).
+pub const RIVAL_DROP: f64 = 1.3;
+/// A rival replaces the bucket's schedule when a revisit measures it faster by more than this
+/// fraction.
+pub const REVISIT_MARGIN: f64 = 0.03;
+/// Modelled time of one block of a revisit (the rival's calls, then as many of the bucket's
+/// schedule), from the decided schedule's trial time; a block has 2 to [`REVISIT_MAX_WINDOW`]
+/// calls.
+pub const REVISIT_BLOCK: Duration = Duration::from_millis(2);
+/// Most calls in one block of a revisit.
+pub const REVISIT_MAX_WINDOW: usize = 16;
+/// Calls of a bucket between its decision and its first revisit, in blocks; the gap doubles
+/// after every revisit that keeps the schedule (up to [`REVISIT_MAX_GAP`] blocks) and starts
+/// again from here after one that switches.
+pub const REVISIT_FIRST_GAP: usize = 4;
+/// Longest gap between revisits, in blocks.
+pub const REVISIT_MAX_GAP: usize = 1024;
 /// Dedicated trials run five passes when one is modelled to take at most this long, three when
 /// it takes at most four times as long, two up to ten times, else one.
 const CHEAP_PASS: Duration = Duration::from_millis(50);
@@ -285,7 +326,8 @@ impl Selector {
 
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
     /// for dedicated trials (cheap, and the model is least reliable at mid sizes), else those
-    /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`];
+    /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`]
+    /// (with [`PLAUSIBLE_CPU_BOUND`] and no cap when some host runs more ranks than cores);
     /// cheapest modelled first.
     ///
     /// ```
@@ -315,7 +357,9 @@ impl Selector {
                 PLAUSIBLE
             };
             costs.retain(|c| c.1 <= plausible * best);
-            costs.truncate(ONLINE_CANDIDATES);
+            if !self.cpu_bound {
+                costs.truncate(ONLINE_CANDIDATES);
+            }
         }
         let budget = TRIAL_BUDGET.as_secs_f64();
         let candidates: Vec<(Algorithm, usize)> = costs
@@ -527,8 +571,88 @@ enum Bucket {
         candidates: Vec<Algorithm>,
         times: Vec<f64>,
     },
-    /// Decided (by trials, or because there was nothing to try).
-    Decided(Algorithm),
+    /// Decided (by trials, or because there was nothing to try); `watch`: rivals still worth
+    /// re-timing.
+    Decided {
+        chosen: Algorithm,
+        watch: Option<Watch>,
+    },
+}
+
+/// The revisits of a decided bucket: its rivals are re-timed on the caller's calls, each in a
+/// block of `window` calls followed by a block of as many calls of the bucket's schedule (the
+/// first call of a block untimed, as the schedules change there), every `gap` calls.
+#[derive(Clone, Debug, PartialEq)]
+struct Watch {
+    /// Rivals in the order they are revisited.
+    rivals: Vec<Algorithm>,
+    /// Index in `rivals` of the next to revisit.
+    turn: usize,
+    /// Calls per block.
+    window: usize,
+    /// Calls between two revisits.
+    gap: usize,
+    /// Calls of the bucket's schedule left before the next revisit.
+    countdown: usize,
+    /// The revisit in progress.
+    revisit: Option<Revisit>,
+}
+
+/// A revisit in progress.
+#[derive(Clone, Debug, PartialEq)]
+struct Revisit {
+    rival: Algorithm,
+    /// Calls of the revisit done (`0 .. 2 * window`).
+    done: usize,
+    /// Timed seconds of the rival's block and of the schedule's block.
+    sums: [f64; 2],
+}
+
+impl Watch {
+    /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
+    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch).
+    fn after_trials(chosen: Algorithm, candidates: &[Algorithm], times: &[f64]) -> Option<Watch> {
+        let own = candidates
+            .iter()
+            .zip(times)
+            .find(|(&a, _)| a == chosen)
+            .map(|(_, &t)| t)?;
+        let mut rivals: Vec<(Algorithm, f64)> = candidates
+            .iter()
+            .zip(times)
+            .filter(|(&a, &t)| a != chosen && t <= own * RIVAL_WITHIN)
+            .map(|(&a, &t)| (a, t))
+            .collect();
+        if rivals.is_empty() || own.is_nan() || own <= 0.0 {
+            return None;
+        }
+        rivals.sort_by(|x, y| x.1.total_cmp(&y.1));
+        let block = REVISIT_BLOCK.as_secs_f64();
+        let window = ((block / own).ceil() as usize).clamp(2, REVISIT_MAX_WINDOW);
+        let gap = REVISIT_FIRST_GAP * window;
+        Some(Watch {
+            rivals: rivals.into_iter().map(|r| r.0).collect(),
+            turn: 0,
+            window,
+            gap,
+            countdown: gap,
+            revisit: None,
+        })
+    }
+}
+
+/// The outcome of a revisit ([`Tuner::settle_revisit`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Revisited {
+    /// The rival re-timed, and the bucket's schedule it was compared with.
+    pub rival: Algorithm,
+    pub chosen: Algorithm,
+    /// Their agreed mean times per call (seconds).
+    pub times: [f64; 2],
+    /// The bucket's schedule from now on.
+    pub now: Algorithm,
+    /// Calls before the next revisit (`None`: no rival left, the bucket is settled).
+    pub next_in: Option<usize>,
 }
 
 /// What the tuner says about the next call of a bucket.
@@ -540,6 +664,13 @@ pub(crate) enum Next {
     Trials(TrialPlan),
     /// Use this schedule, time the call and [`Tuner::record`] it (trial `k` of the bucket).
     Online(Algorithm),
+    /// A call of a revisit: use this schedule, time the call when `timed`, and
+    /// [`Tuner::record_revisit`] it either way. `rival`: the schedule is the rival's.
+    Revisit {
+        algorithm: Algorithm,
+        timed: bool,
+        rival: bool,
+    },
 }
 
 /// Per-bucket tuning state of one communicator (see the module docs). Pure bookkeeping: the
@@ -559,7 +690,7 @@ impl Tuner {
     /// The schedule decided for `bytes`, if its bucket is decided.
     pub(crate) fn decided(&self, bytes: usize) -> Option<Algorithm> {
         match self.buckets[bucket(bytes)] {
-            Bucket::Decided(a) => Some(a),
+            Bucket::Decided { chosen, .. } => Some(chosen),
             _ => None,
         }
     }
@@ -567,8 +698,34 @@ impl Tuner {
     /// What to do for a call of `bytes` bytes.
     pub(crate) fn next(&mut self, selector: &Selector, bytes: usize) -> Next {
         let b = bucket(bytes);
-        match &self.buckets[b] {
-            Bucket::Decided(a) => Next::Use(*a),
+        match &mut self.buckets[b] {
+            Bucket::Decided {
+                chosen,
+                watch: None,
+            } => Next::Use(*chosen),
+            Bucket::Decided {
+                chosen,
+                watch: Some(w),
+            } => {
+                if w.revisit.is_none() {
+                    if w.countdown > 0 {
+                        w.countdown -= 1;
+                        return Next::Use(*chosen);
+                    }
+                    w.revisit = Some(Revisit {
+                        rival: w.rivals[w.turn],
+                        done: 0,
+                        sums: [0.0; 2],
+                    });
+                }
+                let r = w.revisit.as_ref().expect("a revisit is in progress");
+                let rival = r.done < w.window;
+                Next::Revisit {
+                    algorithm: if rival { r.rival } else { *chosen },
+                    timed: r.done % w.window != 0,
+                    rival,
+                }
+            }
             Bucket::Online { candidates, times } => Next::Online(candidates[times.len()]),
             Bucket::Fresh => {
                 let plan = selector.trial_plan(bytes);
@@ -577,7 +734,10 @@ impl Tuner {
                         .candidates
                         .first()
                         .map_or(selector.select(bytes), |c| c.0);
-                    self.buckets[b] = Bucket::Decided(a);
+                    self.buckets[b] = Bucket::Decided {
+                        chosen: a,
+                        watch: None,
+                    };
                     return Next::Use(a);
                 }
                 if plan.dedicated {
@@ -646,8 +806,89 @@ impl Tuner {
         let keep =
             times[model] <= times[fastest] * margin && modelled[fastest] > modelled[model] * margin;
         let a = candidates[if keep { model } else { fastest }];
-        self.buckets[bucket(bytes)] = Bucket::Decided(a);
+        self.buckets[bucket(bytes)] = Bucket::Decided {
+            chosen: a,
+            watch: Watch::after_trials(a, candidates, times),
+        };
         a
+    }
+
+    /// Records a call of a revisit of `bytes` bytes (`seconds`: its time on this rank, counted
+    /// when [`Next::Revisit`] said `timed`). Returns the rival, the bucket's schedule and this
+    /// rank's mean times per timed call of both once the revisit's last call is in: the caller
+    /// agrees on them across ranks and calls [`Tuner::settle_revisit`].
+    pub(crate) fn record_revisit(
+        &mut self,
+        bytes: usize,
+        seconds: f64,
+    ) -> Option<(Algorithm, Algorithm, [f64; 2])> {
+        let Bucket::Decided {
+            chosen,
+            watch: Some(w),
+        } = &mut self.buckets[bucket(bytes)]
+        else {
+            return None;
+        };
+        let r = w.revisit.as_mut()?;
+        if r.done % w.window != 0 {
+            r.sums[usize::from(r.done >= w.window)] += seconds;
+        }
+        r.done += 1;
+        if r.done < 2 * w.window {
+            return None;
+        }
+        let timed = (w.window - 1) as f64;
+        Some((r.rival, *chosen, r.sums.map(|s| s / timed)))
+    }
+
+    /// Ends the revisit of the bucket of `bytes` by the agreed mean `times` of its rival and of
+    /// its schedule: the rival takes over when faster by more than [`REVISIT_MARGIN`] (the old
+    /// schedule becomes the rival revisited next, and revisits start again at the first gap);
+    /// otherwise the schedule stays, the gap doubles, the next rival takes its turn, and a
+    /// rival slower than [`RIVAL_DROP`] is dropped (with none left, the bucket is settled).
+    pub(crate) fn settle_revisit(&mut self, bytes: usize, times: [f64; 2]) -> Option<Revisited> {
+        let slot = &mut self.buckets[bucket(bytes)];
+        let Bucket::Decided {
+            chosen,
+            watch: Some(w),
+        } = slot
+        else {
+            return None;
+        };
+        let r = w.revisit.take()?;
+        let old = *chosen;
+        let [rival_time, own_time] = times;
+        let mut out = Revisited {
+            rival: r.rival,
+            chosen: old,
+            times,
+            now: old,
+            next_in: None,
+        };
+        if rival_time < own_time * (1.0 - REVISIT_MARGIN) {
+            *chosen = r.rival;
+            w.rivals[w.turn] = old;
+            w.gap = REVISIT_FIRST_GAP * w.window;
+            out.now = r.rival;
+        } else {
+            if rival_time > own_time * RIVAL_DROP {
+                w.rivals.remove(w.turn);
+            } else {
+                w.turn += 1;
+            }
+            if w.rivals.is_empty() {
+                *slot = Bucket::Decided {
+                    chosen: old,
+                    watch: None,
+                };
+                return Some(out);
+            }
+            w.turn %= w.rivals.len();
+            w.gap = (w.gap * 2).min(REVISIT_MAX_GAP * w.window);
+        }
+        w.countdown = w.gap;
+        out.next_in = Some(w.gap);
+        Some(out)
     }
 
     /// The candidates of the bucket of `bytes` when it is tuned on the caller's calls and none
@@ -659,11 +900,17 @@ impl Tuner {
         }
     }
 
-    /// Forgets an online trial in progress (the call failed): the bucket starts again.
+    /// Forgets an online trial or a revisit in progress (the call failed): an undecided
+    /// bucket starts again, a revisit waits for its next turn.
     pub(crate) fn reset(&mut self, bytes: usize) {
         let b = bucket(bytes);
-        if matches!(self.buckets[b], Bucket::Online { .. }) {
-            self.buckets[b] = Bucket::Fresh;
+        match &mut self.buckets[b] {
+            Bucket::Online { .. } => self.buckets[b] = Bucket::Fresh,
+            Bucket::Decided { watch: Some(w), .. } if w.revisit.is_some() => {
+                w.revisit = None;
+                w.countdown = w.gap;
+            }
+            _ => {}
         }
     }
 }
@@ -685,6 +932,27 @@ pub(crate) fn describe_decision(
         let _ = write!(s, "{a} {:.1} us, ", t * 1e6);
     }
     let _ = write!(s, "-> {chosen} (model: {model})");
+    s
+}
+
+/// One log line for the outcome of a revisit.
+pub(crate) fn describe_revisit(bytes: usize, r: &Revisited) -> String {
+    let mut s = format!(
+        "all_reduce revisited {} (bucket up to {}): {} {:.1} us, {} {:.1} us -> {}",
+        human(bytes),
+        human(1usize << bucket(bytes)),
+        r.rival,
+        r.times[0] * 1e6,
+        r.chosen,
+        r.times[1] * 1e6,
+        r.now
+    );
+    match r.next_in {
+        Some(n) => {
+            let _ = write!(s, " (next revisit in {n} calls)");
+        }
+        None => s.push_str(" (no rival left)"),
+    }
     s
 }
 
@@ -880,10 +1148,9 @@ mod tests {
         let crowded = tiny.clone().with_cpu_bound(true);
         assert!(crowded.cpu_bound() && !tiny.cpu_bound());
         let plan = crowded.trial_plan(big);
-        assert_eq!(
-            plan.candidates.len(),
-            ONLINE_CANDIDATES,
-            "{:?}",
+        assert!(
+            plan.candidates.len() > ONLINE_CANDIDATES,
+            "every plausible one: {:?}",
             plan.candidates
         );
         assert!(plan
@@ -900,6 +1167,124 @@ mod tests {
                 .iter()
                 .all(|c| matches!(c.0, Algorithm::Ring | Algorithm::Tree)));
         }
+    }
+
+    #[test]
+    fn revisits_retime_rivals_and_switch() {
+        use Algorithm::{HalvingDoubling as Hd, RecursiveDoubling as Rd, Ring, Tree};
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let mut t = Tuner::new();
+        let b = 8;
+        let cands = [Rd, Tree, Hd, Ring];
+        let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, b)).collect();
+        // 40 us: 16-call blocks. The tree (1.2x) and HD (1.45x) are rivals, the ring is not.
+        let own = 40e-6;
+        let times = [own, 1.2 * own, 1.45 * own, 1.6 * own];
+        assert_eq!(t.decide(b, &cands, &times, &m), Rd);
+        let window =
+            ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize).clamp(2, REVISIT_MAX_WINDOW);
+        assert_eq!(window, REVISIT_MAX_WINDOW);
+        // Runs one revisit: the rival's block, then the schedule's; the first call of each
+        // untimed. Returns what `record_revisit` handed back at the end.
+        let revisit = |t: &mut Tuner, rival: Algorithm, chosen: Algorithm, secs: [f64; 2]| {
+            for call in 0..2 * window {
+                let is_rival = call < window;
+                let expect = Next::Revisit {
+                    algorithm: if is_rival { rival } else { chosen },
+                    timed: call % window != 0,
+                    rival: is_rival,
+                };
+                assert_eq!(t.next(&s, b), expect, "call {call}");
+                // Untimed calls report 0 (as the communicator does) but any value is ignored.
+                let got = t.record_revisit(b, if is_rival { secs[0] } else { secs[1] });
+                assert_eq!(got.is_some(), call + 1 == 2 * window, "call {call}");
+                if let Some((r, c, means)) = got {
+                    assert_eq!((r, c), (rival, chosen));
+                    for (m, s) in means.iter().zip(secs) {
+                        assert!((m - s).abs() < 1e-12, "{means:?} {secs:?}");
+                    }
+                    return means;
+                }
+            }
+            unreachable!()
+        };
+        let uses = |t: &mut Tuner, b: usize, n: usize, a: Algorithm| {
+            for _ in 0..n {
+                assert_eq!(t.next(&s, b), Next::Use(a));
+            }
+        };
+        let gap = REVISIT_FIRST_GAP * window;
+        uses(&mut t, b, gap, Rd);
+        // The tree, close behind: kept as a rival; the gap doubles; HD's turn next.
+        let means = revisit(&mut t, Tree, Rd, [1.1 * own, own]);
+        let out = t.settle_revisit(b, means).unwrap();
+        assert_eq!((out.now, out.next_in), (Rd, Some(2 * gap)));
+        uses(&mut t, b, 2 * gap, Rd);
+        // HD wins by more than the margin: it takes over, RD is revisited next, first gap.
+        let means = revisit(&mut t, Hd, Rd, [0.9 * own, own]);
+        let out = t.settle_revisit(b, means).unwrap();
+        assert_eq!((out.rival, out.chosen, out.now), (Hd, Rd, Hd));
+        assert_eq!(t.decided(b), Some(Hd));
+        uses(&mut t, b, gap, Hd);
+        // Faster by less than the margin: no switch.
+        let means = revisit(&mut t, Rd, Hd, [(1.0 - REVISIT_MARGIN / 2.0) * own, own]);
+        assert_eq!(t.settle_revisit(b, means).unwrap().now, Hd);
+        uses(&mut t, b, 2 * gap, Hd);
+        // A failed call drops the revisit in progress; the bucket keeps its schedule and
+        // waits the same gap.
+        assert!(matches!(t.next(&s, b), Next::Revisit { rival: true, .. }));
+        t.reset(b);
+        assert_eq!(t.decided(b), Some(Hd));
+        uses(&mut t, b, 2 * gap, Hd);
+        // Rivals far behind are dropped; with none left the bucket is settled for good.
+        for rival in [Tree, Rd] {
+            let means = revisit(&mut t, rival, Hd, [2.0 * own, own]);
+            let out = t.settle_revisit(b, means).unwrap();
+            assert_eq!(out.now, Hd);
+            if rival == Rd {
+                assert_eq!(out.next_in, None);
+            } else {
+                let n = out.next_in.unwrap();
+                uses(&mut t, b, n, Hd);
+            }
+        }
+        uses(&mut t, b, 100 * gap, Hd);
+        // Large buckets (one call is longer than a block): two-call blocks.
+        let big = 64 << 20;
+        let pair = [Ring, Hd];
+        let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
+        t.decide(big, &pair, &[0.5, 0.6], &mp);
+        assert_eq!(t.decided(big), Some(Ring));
+        uses(&mut t, big, REVISIT_FIRST_GAP * 2, Ring);
+        assert_eq!(
+            t.next(&s, big),
+            Next::Revisit {
+                algorithm: Hd,
+                timed: false,
+                rival: true
+            }
+        );
+        // The gap stops doubling at its cap.
+        let mut t = Tuner::new();
+        t.decide(big, &pair, &[0.5, 0.6], &mp);
+        let mut last = 0;
+        for _ in 0..20 {
+            while let Next::Use(_) = t.next(&s, big) {}
+            t.record_revisit(big, 0.0);
+            for _ in 1..4 {
+                assert!(matches!(t.next(&s, big), Next::Revisit { .. }));
+                t.record_revisit(big, 0.5);
+            }
+            let out = t.settle_revisit(big, [0.5, 0.5]).unwrap();
+            assert_eq!(out.now, Ring);
+            last = out.next_in.unwrap();
+        }
+        assert_eq!(last, REVISIT_MAX_GAP * 2);
     }
 
     #[test]

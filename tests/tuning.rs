@@ -16,8 +16,9 @@ const WATCHDOG: Duration = Duration::from_secs(240);
 /// Element counts (f32/i32) landing in different buckets: tiny, small, mid (dedicated trials)
 /// and above `DEDICATED_MAX_BYTES` (tuned on the caller's calls).
 const COUNTS: [usize; 5] = [1, 7, 1023, 65_539, (1 << 20) + 5];
-/// Calls per count: enough to go through every online trial and stay in the steady phase.
-const CALLS: usize = chorus::select::ONLINE_CANDIDATES + 2;
+/// Calls per count: enough to go through every online trial (at most one per schedule) and
+/// stay in the steady phase.
+const CALLS: usize = Algorithm::ALL.len() + 2;
 
 /// The schedule every bucket settled on, per rank.
 fn tune_and_check(c: &mut Communicator) -> Vec<Option<Algorithm>> {
@@ -51,6 +52,43 @@ fn ranks_agree_through_trial_and_steady_phases() {
         for (r, got) in per_rank.iter().enumerate() {
             assert!(got.iter().all(Option::is_some), "p={p} rank {r}: {got:?}");
             assert_eq!(got, &per_rank[0], "p={p}: rank {r} disagrees with rank 0");
+        }
+    }
+}
+
+#[test]
+fn revisits_keep_results_exact_and_ranks_in_step() {
+    // The ring and halving-doubling send the same messages at p=2, so the trials keep the
+    // other as a rival and a long run of calls goes through revisits (the rival's calls, the
+    // agreement, maybe a switch). Every call must stay exact, and the ranks must hold the same
+    // schedule after every call.
+    for p in [2, 3] {
+        let out = on_threads_cfg(
+            p,
+            WATCHDOG,
+            move |rank, addr| {
+                let mut c = config(rank, p, addr);
+                c.algo = Some("ring,halving_doubling".into());
+                c
+            },
+            |c| {
+                c.set_tuning(true);
+                let mut held = Vec::with_capacity(400);
+                for call in 0..400 {
+                    let wrong = if call % 3 == 0 {
+                        check_one::<f32>(c, 301, ReduceOp::Sum, call % 2 == 0)
+                    } else {
+                        check_one::<i32>(c, 301, ReduceOp::Sum, call % 2 == 0)
+                    };
+                    assert_eq!(wrong, 0, "rank {} call {call}", c.rank());
+                    held.push(c.tuned_algorithm(1204));
+                }
+                held
+            },
+        );
+        for (r, held) in out.iter().enumerate() {
+            assert!(held.iter().all(Option::is_some), "p={p} rank {r}");
+            assert_eq!(held, &out[0], "p={p}: rank {r} holds another schedule");
         }
     }
 }
