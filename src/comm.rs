@@ -640,7 +640,10 @@ impl Communicator {
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
             .collect();
-        let chosen = self.tuner.decide(bytes, candidates, &times, &modelled);
+        let revisit = self.selector.revisits(bytes);
+        let chosen = self
+            .tuner
+            .decide(bytes, candidates, &times, &modelled, revisit);
         if self.rank == 0 {
             log::log(
                 Level::Info,

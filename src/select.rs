@@ -54,7 +54,9 @@
 //! - **Revisits**: which schedule wins can change after the trials (another job takes the
 //!   cores, ranks sharing a core fall into another rhythm, a link gets busier), and short
 //!   trials can pick the loser of two close schedules. So the schedules the trials timed within
-//!   [`RIVAL_WITHIN`]× of the winner stay its rivals, and the bucket re-times them on the
+//!   [`RIVAL_WITHIN`]× of the winner stay its rivals (in buckets with dedicated trials, and in
+//!   every bucket when some host runs more ranks than cores: [`Selector::revisits`]), and the
+//!   bucket re-times them on the
 //!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`], 2 to
 //!   [`REVISIT_MAX_WINDOW`] calls; the first call of each is not timed, as the schedule
@@ -322,6 +324,15 @@ impl Selector {
     /// (seconds; the row of the table the tuner's trial plans are sorted by).
     pub fn modelled_cost(&self, a: Algorithm, bytes: usize) -> f64 {
         a.cost(bytes.max(1), self.ranks, &self.link)
+    }
+
+    /// Whether a bucket of `bytes` bytes is revisited after its trials (see the module docs):
+    /// buckets with dedicated trials, and every bucket when some host runs more ranks than
+    /// cores. Not large buckets on links: they are bandwidth-bound, the candidates (the ring
+    /// and halving-doubling) move the same bytes, and a revisit would cost the connections'
+    /// windows a switch of schedule twice for a gain within the noise.
+    pub fn revisits(&self, bytes: usize) -> bool {
+        bytes <= DEDICATED_MAX_BYTES || self.cpu_bound
     }
 
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
@@ -783,12 +794,15 @@ impl Tuner {
     /// margin (trials are short, and a few percent between them is noise more often than a
     /// real difference). Schedules the model cannot tell apart are decided by the trials
     /// alone. Equal times go to the better-modelled candidate.
+    ///
+    /// With `revisit` ([`Selector::revisits`]), the candidates close behind stay rivals.
     pub(crate) fn decide(
         &mut self,
         bytes: usize,
         candidates: &[Algorithm],
         times: &[f64],
         modelled: &[f64],
+        revisit: bool,
     ) -> Algorithm {
         let faster = |i: usize, j: usize| {
             times[i] < times[j] || (times[i] == times[j] && modelled[i] < modelled[j])
@@ -808,7 +822,9 @@ impl Tuner {
         let a = candidates[if keep { model } else { fastest }];
         self.buckets[bucket(bytes)] = Bucket::Decided {
             chosen: a,
-            watch: Watch::after_trials(a, candidates, times),
+            watch: revisit
+                .then(|| Watch::after_trials(a, candidates, times))
+                .flatten(),
         };
         a
     }
@@ -1185,7 +1201,7 @@ mod tests {
         // 40 us: 16-call blocks. The tree (1.2x) and HD (1.45x) are rivals, the ring is not.
         let own = 40e-6;
         let times = [own, 1.2 * own, 1.45 * own, 1.6 * own];
-        assert_eq!(t.decide(b, &cands, &times, &m), Rd);
+        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
         let window =
             ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize).clamp(2, REVISIT_MAX_WINDOW);
         assert_eq!(window, REVISIT_MAX_WINDOW);
@@ -1258,7 +1274,7 @@ mod tests {
         let big = 64 << 20;
         let pair = [Ring, Hd];
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        t.decide(big, &pair, &[0.5, 0.6], &mp);
+        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         assert_eq!(t.decided(big), Some(Ring));
         uses(&mut t, big, REVISIT_FIRST_GAP * 2, Ring);
         assert_eq!(
@@ -1271,7 +1287,7 @@ mod tests {
         );
         // The gap stops doubling at its cap.
         let mut t = Tuner::new();
-        t.decide(big, &pair, &[0.5, 0.6], &mp);
+        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         let mut last = 0;
         for _ in 0..20 {
             while let Next::Use(_) = t.next(&s, big) {}
@@ -1316,34 +1332,40 @@ mod tests {
         let mut times = vec![2.0; cands.len()];
         *times.last_mut().unwrap() = 1.0;
         assert_eq!(
-            t.decide(100, &cands, &times, &model(&cands, 100)),
+            t.decide(100, &cands, &times, &model(&cands, 100), true),
             *cands.last().unwrap()
         );
         assert_eq!(t.decided(128), Some(*cands.last().unwrap()), "same bucket");
         assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
         assert_eq!(t.decided(129), None);
-        assert_eq!(t.decide(8, &cands, &vec![1.0; cands.len()], &m), cands[0]);
+        assert_eq!(
+            t.decide(8, &cands, &vec![1.0; cands.len()], &m, true),
+            cands[0]
+        );
         // The model's choice stays unless another is faster by more than the margin.
         let mut close = vec![1.0; cands.len()];
         close[0] = 1.0 + KEEP_MODEL_MARGIN / 2.0;
         assert!(m[1] > m[0] * (1.0 + KEEP_MODEL_MARGIN), "{m:?}");
-        assert_eq!(t.decide(8, &cands, &close, &m), cands[0]);
+        assert_eq!(t.decide(8, &cands, &close, &m, true), cands[0]);
         let mut clear = vec![2.0; cands.len()];
         clear[0] = 1.0 + 2.0 * KEEP_MODEL_MARGIN;
         clear[1] = 1.0;
-        assert_eq!(t.decide(8, &cands, &clear, &m), cands[1]);
+        assert_eq!(t.decide(8, &cands, &clear, &m, true), cands[1]);
         // Among the others, ties go to the better-modelled one.
         if cands.len() >= 3 {
             let mut tie = vec![1.0; cands.len()];
             tie[0] = 2.0;
-            assert_eq!(t.decide(8, &cands, &tie, &m), cands[1]);
+            assert_eq!(t.decide(8, &cands, &tie, &m, true), cands[1]);
         }
         // Schedules the model cannot tell apart: the trials decide, however close.
         let pair = [Algorithm::HalvingDoubling, Algorithm::Ring];
         let tied = [1.0, 1.0 + KEEP_MODEL_MARGIN / 10.0];
-        assert_eq!(t.decide(8, &pair, &[1.02, 1.0], &tied), Algorithm::Ring);
         assert_eq!(
-            t.decide(8, &pair, &[1.0, 1.0], &tied),
+            t.decide(8, &pair, &[1.02, 1.0], &tied, true),
+            Algorithm::Ring
+        );
+        assert_eq!(
+            t.decide(8, &pair, &[1.0, 1.0], &tied, true),
             Algorithm::HalvingDoubling
         );
         // Large: the caller's calls are the trials, decided after the last.
@@ -1370,8 +1392,15 @@ mod tests {
             &cands,
             &[3.0, 1.0, 2.0][..cands.len()],
             &model(&cands, big),
+            s.revisits(big),
         );
         assert_eq!(t.decided(big), Some(cands[1]));
+        // Large buckets on links are not revisited: the bucket's schedule from now on.
+        assert!(!s.revisits(big) && s.revisits(DEDICATED_MAX_BYTES));
+        assert!(s.clone().with_cpu_bound(true).revisits(big));
+        for _ in 0..10_000 {
+            assert_eq!(t.next(&s, big), Next::Use(cands[1]));
+        }
         t.reset(big);
         assert_eq!(
             t.decided(big),
