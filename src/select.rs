@@ -58,8 +58,9 @@
 //!   every bucket when some host runs more ranks than cores: [`Selector::revisits`]), and the
 //!   bucket re-times them on the
 //!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
-//!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`], 2 to
-//!   [`REVISIT_MAX_WINDOW`] calls; the first call of each is not timed, as the schedule
+//!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
+//!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls; the first call of each is not
+//!   timed, as the schedule
 //!   changes there). The ranks agree on the two mean times (one 16-byte allreduce); a rival
 //!   faster by more than [`REVISIT_MARGIN`] takes over (and the old schedule becomes the
 //!   rival revisited next), else the gap to the next revisit doubles (up to
@@ -140,10 +141,13 @@ pub const RIVAL_DROP: f64 = 1.3;
 /// A rival replaces the bucket's schedule when a revisit measures it faster by more than this
 /// fraction.
 pub const REVISIT_MARGIN: f64 = 0.03;
-/// Modelled time of one block of a revisit (the rival's calls, then as many of the bucket's
-/// schedule), from the decided schedule's trial time; a block has 2 to [`REVISIT_MAX_WINDOW`]
-/// calls.
-pub const REVISIT_BLOCK: Duration = Duration::from_millis(2);
+/// Time of one block of a revisit (the rival's calls, then as many of the bucket's schedule),
+/// from the decided schedule's trial time; a block has [`REVISIT_MIN_WINDOW`] to
+/// [`REVISIT_MAX_WINDOW`] calls.
+pub const REVISIT_BLOCK: Duration = Duration::from_millis(10);
+/// Fewest calls in one block of a revisit: the first is not timed, and one timed call of a
+/// schedule whose calls vary by 2× (ranks sharing cores) decides nothing.
+pub const REVISIT_MIN_WINDOW: usize = 3;
 /// Most calls in one block of a revisit.
 pub const REVISIT_MAX_WINDOW: usize = 16;
 /// Calls of a bucket between its decision and its first revisit, in blocks; the gap doubles
@@ -639,7 +643,7 @@ impl Watch {
         }
         rivals.sort_by(|x, y| x.1.total_cmp(&y.1));
         let block = REVISIT_BLOCK.as_secs_f64();
-        let window = ((block / own).ceil() as usize).clamp(2, REVISIT_MAX_WINDOW);
+        let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         let gap = REVISIT_FIRST_GAP * window;
         Some(Watch {
             rivals: rivals.into_iter().map(|r| r.0).collect(),
@@ -1202,8 +1206,8 @@ mod tests {
         let own = 40e-6;
         let times = [own, 1.2 * own, 1.45 * own, 1.6 * own];
         assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
-        let window =
-            ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize).clamp(2, REVISIT_MAX_WINDOW);
+        let window = ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize)
+            .clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         assert_eq!(window, REVISIT_MAX_WINDOW);
         // Runs one revisit: the rival's block, then the schedule's; the first call of each
         // untimed. Returns what `record_revisit` handed back at the end.
@@ -1270,13 +1274,14 @@ mod tests {
             }
         }
         uses(&mut t, b, 100 * gap, Hd);
-        // Large buckets (one call is longer than a block): two-call blocks.
+        // Large buckets (one call is longer than a block): the fewest calls per block.
+        let w = REVISIT_MIN_WINDOW;
         let big = 64 << 20;
         let pair = [Ring, Hd];
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
         t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         assert_eq!(t.decided(big), Some(Ring));
-        uses(&mut t, big, REVISIT_FIRST_GAP * 2, Ring);
+        uses(&mut t, big, REVISIT_FIRST_GAP * w, Ring);
         assert_eq!(
             t.next(&s, big),
             Next::Revisit {
@@ -1292,7 +1297,7 @@ mod tests {
         for _ in 0..20 {
             while let Next::Use(_) = t.next(&s, big) {}
             t.record_revisit(big, 0.0);
-            for _ in 1..4 {
+            for _ in 1..2 * w {
                 assert!(matches!(t.next(&s, big), Next::Revisit { .. }));
                 t.record_revisit(big, 0.5);
             }
@@ -1300,7 +1305,7 @@ mod tests {
             assert_eq!(out.now, Ring);
             last = out.next_in.unwrap();
         }
-        assert_eq!(last, REVISIT_MAX_GAP * 2);
+        assert_eq!(last, REVISIT_MAX_GAP * w);
     }
 
     #[test]
