@@ -337,6 +337,10 @@ impl Communicator {
     /// on when unset). Every rank must make the same choice before the same call; ranks that
     /// do not fail with a mismatch. Buckets already tuned keep their choice.
     pub fn set_tuning(&mut self, on: bool) {
+        if on != self.tuning {
+            // A revisit in progress would resume after calls it did not time: start afresh.
+            self.tuner.drop_revisits();
+        }
         self.tuning = on;
     }
 
@@ -488,7 +492,9 @@ impl Communicator {
             _ if r.is_err() => self.tuner.reset(bytes),
             Timing::Online => {
                 if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
-                    let chosen = self.agree_and_decide(bytes, &candidates, times, opts.timeout)?;
+                    let chosen = self
+                        .agree_and_decide(bytes, &candidates, times, opts.timeout)
+                        .inspect_err(|_| self.tuner.reset(bytes))?;
                     if chosen != algorithm {
                         // The winner's connections sat idle through the last trial, and TCP
                         // restarts an idle connection's window: warm them again, so that the
@@ -500,7 +506,8 @@ impl Communicator {
             Timing::Revisit { timed, .. } => {
                 let seconds = if timed { seconds } else { 0.0 };
                 if let Some((_, _, times)) = self.tuner.record_revisit(bytes, seconds) {
-                    self.agree_revisit(bytes, times, opts.timeout)?;
+                    self.agree_revisit(bytes, times, opts.timeout)
+                        .inspect_err(|_| self.tuner.reset(bytes))?;
                 }
             }
         }

@@ -920,6 +920,18 @@ impl Tuner {
         }
     }
 
+    /// Drops every revisit in progress (tuning was turned off or on): each bucket keeps its
+    /// schedule and waits its gap before the next.
+    pub(crate) fn drop_revisits(&mut self) {
+        for b in &mut self.buckets {
+            if let Bucket::Decided { watch: Some(w), .. } = b {
+                if w.revisit.take().is_some() {
+                    w.countdown = w.gap;
+                }
+            }
+        }
+    }
+
     /// Forgets an online trial or a revisit in progress (the call failed): an undecided
     /// bucket starts again, a revisit waits for its next turn.
     pub(crate) fn reset(&mut self, bytes: usize) {
@@ -1260,6 +1272,11 @@ mod tests {
         assert!(matches!(t.next(&s, b), Next::Revisit { rival: true, .. }));
         t.reset(b);
         assert_eq!(t.decided(b), Some(Hd));
+        uses(&mut t, b, 2 * gap, Hd);
+        // So does turning tuning off or on in the middle of one.
+        assert!(matches!(t.next(&s, b), Next::Revisit { rival: true, .. }));
+        t.record_revisit(b, 0.0);
+        t.drop_revisits();
         uses(&mut t, b, 2 * gap, Hd);
         // Rivals far behind are dropped; with none left the bucket is settled for good.
         for rival in [Tree, Rd] {
