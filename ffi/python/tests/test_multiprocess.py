@@ -108,8 +108,19 @@ def test_ddp_example_runs_under_torchrun(workspace):
 
 
 def _free_port():
+    """A port P for torchrun's store such that P + 1 (where chorus's store listens when it shares
+    MASTER_ADDR) is free too, below Linux's ephemeral range (32768-60999) so that no outgoing
+    connection of another test takes either port between this check and the launch."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports in 20000-32000")
