@@ -514,14 +514,9 @@ impl Communicator {
         r
     }
 
-    /// Agrees on the mean `times` of a revisit of the bucket of `bytes` across ranks (the
-    /// largest of each), settles it and logs the outcome.
-    fn agree_revisit(
-        &mut self,
-        bytes: usize,
-        mut times: [f64; 2],
-        timeout: Option<Duration>,
-    ) -> Result<(), CommError> {
+    /// Replaces every rank's tuning `times` by their largest over the ranks (the agreement
+    /// every tuning decision starts from, so that all ranks decide alike).
+    fn agree_max(&mut self, times: &mut [f64], timeout: Option<Duration>) -> Result<(), CommError> {
         self.run_collective(
             "all_reduce (tuning agreement)",
             CollKind::Tuning,
@@ -533,12 +528,23 @@ impl Communicator {
                     Algorithm::RecursiveDoubling,
                     ctx,
                     None,
-                    bytemuck::cast_slice_mut(&mut times),
+                    bytemuck::cast_slice_mut(times),
                     DType::Float64,
                     ReduceOp::Max,
                 )
             },
-        )?;
+        )
+    }
+
+    /// Agrees on the mean `times` of a revisit of the bucket of `bytes` across ranks (the
+    /// largest of each), settles it and logs the outcome.
+    fn agree_revisit(
+        &mut self,
+        bytes: usize,
+        mut times: [f64; 2],
+        timeout: Option<Duration>,
+    ) -> Result<(), CommError> {
+        self.agree_max(&mut times, timeout)?;
         if let Some(outcome) = self.tuner.settle_revisit(bytes, times) {
             if self.rank == 0 {
                 log::log(
@@ -626,23 +632,7 @@ impl Communicator {
         mut times: Vec<f64>,
         timeout: Option<Duration>,
     ) -> Result<Algorithm, CommError> {
-        self.run_collective(
-            "all_reduce (tuning agreement)",
-            CollKind::Tuning,
-            DType::Float64,
-            ReduceOp::Max,
-            timeout,
-            |ctx| {
-                allreduce::run(
-                    Algorithm::RecursiveDoubling,
-                    ctx,
-                    None,
-                    bytemuck::cast_slice_mut(&mut times),
-                    DType::Float64,
-                    ReduceOp::Max,
-                )
-            },
-        )?;
+        self.agree_max(&mut times, timeout)?;
         let modelled: Vec<f64> = candidates
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
