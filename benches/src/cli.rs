@@ -44,6 +44,14 @@ OPTIONS:
                              [1; 3 with --format peers, like the peers harness]
         --algo NAME          force an allreduce algorithm (default: the selector decides;
                              other collectives: CHORUS_ALGO=broadcast:ring and the like)
+        --algo A,B,...|all   allreduce: compare schedules in one launch (`auto` is the
+                             selector; `all` is every schedule and auto): per size, --rounds
+                             rounds each time a block of every entry, in rotating order, out
+                             of place; a row per entry with the median over rounds and the
+                             spread (slowest / fastest round), then each entry's share of the
+                             best forced schedule
+        --rounds N           rounds of a comparison; the iterations of a size are split
+                             over them [5]
         --inplace 0|1|2      0 out-of-place, 1 in-place, 2 both [2; 0 with --format peers]
         --json               one JSON object per line per size and placement
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
@@ -140,6 +148,10 @@ pub struct Options {
     pub average: Average,
     /// `--algo`.
     pub algo: Option<String>,
+    /// `--algo` names a list (or `all`): a side-by-side comparison in one launch.
+    pub compare: bool,
+    /// `--rounds`: rounds of a comparison.
+    pub rounds: u64,
     /// `--inplace`.
     pub placement: Placement,
     /// `--json` / `--format`.
@@ -181,6 +193,7 @@ enum Opt {
     Op,
     Average,
     Algo,
+    Rounds,
     Inplace,
     Json,
     Format,
@@ -208,6 +221,7 @@ const SPECS: &[(Opt, Option<char>, &str, bool)] = &[
     (Opt::Op, Some('o'), "op", true),
     (Opt::Average, Some('a'), "average", true),
     (Opt::Algo, None, "algo", true),
+    (Opt::Rounds, None, "rounds", true),
     (Opt::Inplace, None, "inplace", true),
     (Opt::Json, None, "json", false),
     (Opt::Format, None, "format", true),
@@ -345,7 +359,8 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut datatype = "float".to_string();
     let mut op = "sum".to_string();
     let mut average = None;
-    let mut algo = None;
+    let mut algo: Option<String> = None;
+    let mut rounds = None;
     let mut inplace = None;
     let mut json = false;
     let mut format = None;
@@ -398,6 +413,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 })
             }
             Opt::Algo => algo = Some(v.to_string()),
+            Opt::Rounds => rounds = Some(parse_int("--rounds", v, 1, 1000)?),
             Opt::Inplace => inplace = Some(parse_int("--inplace", v, 0, 2)?),
             Opt::Json => json = true,
             Opt::Format => {
@@ -458,7 +474,26 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         ));
     }
     let peers = output == Output::Peers;
-    let placement = match (inplace, peers) {
+    let compare = algo
+        .as_deref()
+        .is_some_and(|a| a.contains(',') || a.trim().eq_ignore_ascii_case("all"));
+    if compare {
+        if collective != Collective::AllReduce {
+            return usage_err("--algo with a list compares allreduce schedules only");
+        }
+        if compress.is_some() || sparse.is_some() {
+            return usage_err("--algo with a list excludes --compress, --topk and --sparse");
+        }
+        if peers {
+            return usage_err("--format peers takes one algorithm per launch, not a list");
+        }
+        if matches!(inplace, Some(1 | 2)) {
+            return usage_err("--algo with a list runs out of place only (--inplace 0)");
+        }
+    } else if rounds.is_some() {
+        return usage_err("--rounds needs --algo with a list of schedules");
+    }
+    let placement = match (inplace, peers || compare) {
         (Some(1 | 2), true) => {
             return usage_err("--format peers prints out-of-place rows only (--inplace 0)")
         }
@@ -485,6 +520,8 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         op,
         average: average.unwrap_or(if peers { Average::Max } else { Average::Mean }),
         algo,
+        compare,
+        rounds: rounds.unwrap_or(5),
         placement: Placement {
             out_of_place: placement.0,
             in_place: placement.1,
@@ -654,6 +691,27 @@ mod tests {
         assert_eq!(parse(&args("allreduce -h")), Ok(Command::Help));
         assert_eq!(parse(&args("--help")), Ok(Command::Help));
         assert_eq!(run("reduce_scatter").collective, Collective::ReduceScatter);
+    }
+
+    /// A list after --algo (or `all`) is a comparison: out of place, 5 rounds unless told.
+    #[test]
+    fn algorithm_lists_compare() {
+        let o = run("allreduce --algo ring,auto");
+        assert!(o.compare);
+        assert_eq!(o.rounds, 5);
+        assert!(o.placement.out_of_place && !o.placement.in_place);
+        let o = run("allreduce --algo all --rounds 3 --json");
+        assert!(o.compare);
+        assert_eq!(o.rounds, 3);
+        let o = run("allreduce --algo ring");
+        assert!(!o.compare);
+        assert!(o.placement.in_place);
+        assert!(err("broadcast --algo ring,tree").contains("allreduce schedules only"));
+        assert!(err("allreduce --algo ring,tree --format peers").contains("one algorithm"));
+        assert!(err("allreduce --algo ring,tree --inplace 2").contains("out of place only"));
+        assert!(err("allreduce --algo ring,tree --topk 0.1").contains("excludes"));
+        assert!(err("allreduce --algo ring --rounds 3").contains("needs --algo"));
+        assert!(err("allreduce --algo all --rounds 0").contains("--rounds"));
     }
 
     #[test]

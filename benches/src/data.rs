@@ -85,6 +85,37 @@ pub fn resolve_algo(name: Option<&str>) -> Result<Option<Algorithm>, UsageError>
     .transpose()
 }
 
+/// Resolve a comparison's `--algo` list: schedule names and `auto` (the selector, `None`),
+/// comma-separated, or `all` (every schedule, then `auto`). Each entry at most once.
+pub fn resolve_algo_list(list: &str) -> Result<Vec<Option<Algorithm>>, UsageError> {
+    if list.trim().eq_ignore_ascii_case("all") {
+        return Ok(Algorithm::ALL
+            .into_iter()
+            .map(Some)
+            .chain(std::iter::once(None))
+            .collect());
+    }
+    let mut out = Vec::new();
+    for name in list.split(',') {
+        let entry = if name.trim().eq_ignore_ascii_case("auto") {
+            None
+        } else {
+            Some(
+                name.parse::<Algorithm>()
+                    .map_err(|e| UsageError(format!("--algo: {e} (or auto)")))?,
+            )
+        };
+        if out.contains(&entry) {
+            return Err(UsageError(format!(
+                "--algo: {} is listed twice",
+                name.trim()
+            )));
+        }
+        out.push(entry);
+    }
+    Ok(out)
+}
+
 /// Fill `buf` with this rank's test inputs (element `i` of the buffer is input index `i`).
 pub fn fill<T: Element>(buf: &mut [T], rank: usize, op: ReduceOp, ranks: usize) {
     for (i, x) in buf.iter_mut().enumerate() {
@@ -127,6 +158,18 @@ mod tests {
         assert!(resolve_ops("xor").unwrap_err().0.starts_with("-o: "));
         assert_eq!(resolve_algo(None).unwrap(), None);
         assert!(resolve_algo(Some("no-such-algorithm")).is_err());
+        let all = resolve_algo_list("all").unwrap();
+        assert_eq!(all.len(), Algorithm::ALL.len() + 1);
+        assert_eq!(all.last(), Some(&None));
+        assert_eq!(
+            resolve_algo_list("tree, AUTO").unwrap(),
+            vec![Some(Algorithm::Tree), None]
+        );
+        assert!(resolve_algo_list("ring,ring")
+            .unwrap_err()
+            .0
+            .contains("twice"));
+        assert!(resolve_algo_list("ring,nope").is_err());
     }
 
     /// The check accepts exactly what the reference allreduce produces, and catches a wrong

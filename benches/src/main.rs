@@ -63,14 +63,21 @@ fn main() -> ExitCode {
         Ok::<_, UsageError>((
             data::resolve_dtypes(&opts.datatype)?,
             data::resolve_ops(&opts.op)?,
-            data::resolve_algo(opts.algo.as_deref())?,
+            if opts.compare {
+                data::resolve_algo_list(opts.algo.as_deref().unwrap_or("all"))?
+            } else {
+                vec![data::resolve_algo(opts.algo.as_deref())?]
+            },
         ))
     })();
-    let (dtypes, ops, algorithm) = match resolved {
+    let (dtypes, ops, algorithms) = match resolved {
         Ok(r) => r,
         Err(e) => return usage_error(&e),
     };
-    if algorithm.is_some() && opts.collective != collective::Collective::AllReduce {
+    if !opts.compare
+        && algorithms[0].is_some()
+        && opts.collective != collective::Collective::AllReduce
+    {
         return usage_error(&UsageError(format!(
             "--algo names an allreduce algorithm; for {} set CHORUS_ALGO={}:<schedule>",
             opts.collective, opts.collective
@@ -99,11 +106,7 @@ fn main() -> ExitCode {
         return ExitCode::from(u8::try_from(code).unwrap_or(EXIT_FAILED));
     }
 
-    let call = AllReduceOptions {
-        algorithm,
-        timeout: None,
-    };
-    run_rank(&opts, dtypes, ops, call)
+    run_rank(&opts, dtypes, ops, &algorithms)
 }
 
 /// Be one rank of the job the environment describes.
@@ -111,7 +114,7 @@ fn run_rank(
     opts: &Options,
     dtypes: Vec<chorus::DType>,
     ops: Vec<chorus::ReduceOp>,
-    call: AllReduceOptions,
+    algorithms: &[Option<chorus::Algorithm>],
 ) -> ExitCode {
     let mut config = match Config::from_env() {
         Ok(c) => c,
@@ -126,11 +129,21 @@ fn run_rank(
     if let Some(t) = opts.timeout {
         config.timeout = t;
     }
-    let algorithm_label = match (&call.algorithm, &config.algo) {
-        (Some(a), _) => a.name().to_string(),
-        (None, Some(env)) => format!("auto (CHORUS_ALGO={env})"),
-        (None, None) => "auto".to_string(),
-    };
+    // What the header, rows and JSON call each entry.
+    let variants: Vec<runner::Variant> = algorithms
+        .iter()
+        .map(|&algorithm| runner::Variant {
+            label: match (algorithm, &config.algo) {
+                (Some(a), _) => a.name().to_string(),
+                (None, Some(env)) if !opts.compare => format!("auto (CHORUS_ALGO={env})"),
+                (None, _) => "auto".to_string(),
+            },
+            call: AllReduceOptions {
+                algorithm,
+                timeout: None,
+            },
+        })
+        .collect();
     let rank = config.rank;
     let mut comm = match Communicator::new(config) {
         Ok(c) => c,
@@ -150,7 +163,7 @@ fn run_rank(
             }
         };
     }
-    let result = runner::Runner::new(&mut comm, opts, dtypes, ops, call, algorithm_label).run();
+    let result = runner::Runner::new(&mut comm, opts, dtypes, ops, variants).run();
     match result {
         Ok(outcome) if outcome.wrong.unwrap_or(0) > 0 => ExitCode::from(EXIT_WRONG),
         Ok(_) => ExitCode::SUCCESS,

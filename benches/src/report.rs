@@ -137,6 +137,110 @@ pub fn table_footer(total_wrong: Option<u64>, busbw: &[f64]) -> Vec<String> {
     ]
 }
 
+/// One entry of a comparison at one size: the median over its rounds, and their spread.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Compared {
+    /// Figures of the median round (the mean of the two middle rounds for an even count).
+    pub measure: Measure,
+    /// The slowest round's time over the fastest's (1 when every round took as long).
+    pub spread: f64,
+}
+
+impl Compared {
+    /// Figures from the per-call `seconds` of each round (at least one), `iters` timed
+    /// iterations in all.
+    pub fn new(
+        bytes: u64,
+        iters: u64,
+        seconds: &[f64],
+        factor: f64,
+        wrong: Option<u64>,
+    ) -> Compared {
+        let mut t: Vec<f64> = seconds.iter().copied().filter(|x| x.is_finite()).collect();
+        t.sort_by(f64::total_cmp);
+        let median = match t.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => t[n / 2],
+            n => (t[n / 2 - 1] + t[n / 2]) / 2.0,
+        };
+        let spread = match (t.first(), t.last()) {
+            (Some(&lo), Some(&hi)) if lo > 0.0 => hi / lo,
+            _ => f64::NAN,
+        };
+        Compared {
+            measure: Measure::new(bytes, iters, median, factor, wrong),
+            spread,
+        }
+    }
+}
+
+/// The header of a comparison table.
+pub fn compare_header() -> Vec<String> {
+    vec![
+        format!(
+            "#{:>11}  {:>12}  {:>8}  {:>6}  {:<18}{}  spread",
+            "size", "count", "type", "redop", "algorithm", GROUP_TITLES
+        ),
+        format!(
+            "#{:>11}  {:>12}  {:>8}  {:>6}  {:<18}{}",
+            "(B)", "(elements)", "", "", "", GROUP_UNITS
+        )
+        .trim_end()
+        .to_string(),
+    ]
+}
+
+/// The rows of one size of a comparison, one per entry (`labels[i]`, `rows[i]`), then a
+/// comment naming the fastest forced schedule (`forced[i]`) and every other entry's share of
+/// it (its time over theirs), e.g. `#  best schedule: ring; auto 97.2 %`.
+pub fn compare_rows(
+    key: &RowKey<'_>,
+    labels: &[&str],
+    rows: &[Compared],
+    forced: &[bool],
+) -> Vec<String> {
+    let mut out: Vec<String> = labels
+        .iter()
+        .zip(rows)
+        .map(|(label, c)| {
+            let m = &c.measure;
+            let wrong = m.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string());
+            format!(
+                "{:>12}  {:>12}  {:>8}  {:>6}  {:<18}  {}  {:6.2}  {:6.2} {:>6}  {:5.2}x",
+                key.size,
+                key.count,
+                key.dtype,
+                key.op,
+                label,
+                format_time_us(m.time_us),
+                m.algbw,
+                m.busbw,
+                wrong,
+                c.spread
+            )
+        })
+        .collect();
+    let best = rows
+        .iter()
+        .zip(forced)
+        .enumerate()
+        .filter(|(_, (c, &f))| f && c.measure.time_us.is_finite())
+        .min_by(|a, b| a.1 .0.measure.time_us.total_cmp(&b.1 .0.measure.time_us))
+        .map(|(i, _)| i);
+    if let Some(b) = best {
+        let t_best = rows[b].measure.time_us;
+        let mut line = format!("#  best schedule: {}", labels[b]);
+        for (i, c) in rows.iter().enumerate() {
+            if i != b && !forced[i] {
+                let share = 100.0 * t_best / c.measure.time_us;
+                let _ = write!(line, "; {} {share:.1} %", labels[i]);
+            }
+        }
+        out.push(line);
+    }
+    out
+}
+
 /// The context of a JSON record.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JsonContext<'a> {
@@ -298,6 +402,37 @@ mod tests {
         });
         assert!(!only_in[0].contains("out-of-place"));
         assert_eq!(only_in[1].matches("#wrong").count(), 1);
+    }
+
+    /// The median (odd and even round counts), the spread, and the best-schedule line.
+    #[test]
+    fn comparison_rows() {
+        let c = Compared::new(1000, 15, &[3e-6, 1e-6, 2e-6], 1.5, Some(0));
+        assert!((c.measure.time_us - 2.0).abs() < 1e-9);
+        assert!((c.spread - 3.0).abs() < 1e-9);
+        assert_eq!(c.measure.iters, 15);
+        let even = Compared::new(1000, 4, &[4e-6, 1e-6, 2e-6, 3e-6], 1.0, None);
+        assert!((even.measure.time_us - 2.5).abs() < 1e-9);
+        let k = key();
+        let rows = [
+            Compared::new(1000, 5, &[2e-6], 1.5, Some(0)),
+            Compared::new(1000, 5, &[1e-6], 1.5, Some(0)),
+            Compared::new(1000, 5, &[1.25e-6], 1.5, Some(0)),
+        ];
+        let lines = compare_rows(&k, &["ring", "tree", "auto"], &rows, &[true, true, false]);
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines[3], "#  best schedule: tree; auto 80.0 %");
+        let header = compare_header();
+        assert_eq!(
+            lines[0].len(),
+            header[0].len(),
+            "\n{}\n{}",
+            header[0],
+            lines[0]
+        );
+        assert!(lines[1].contains(" tree ") && lines[1].ends_with(" 1.00x"));
+        // without a forced entry there is no best line
+        assert_eq!(compare_rows(&k, &["auto"], &rows[..1], &[false]).len(), 1);
     }
 
     #[test]

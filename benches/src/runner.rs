@@ -7,6 +7,13 @@
 //! 2. warm up, barrier, time `iters` back-to-back calls on the same buffers (in place the
 //!    buffer changes every call, as in nccl-tests: timing does not depend on the values);
 //! 3. reduce the time over ranks as `-a` says, derive algbw and busbw, print.
+//!
+//! A comparison (`--algo ring,tree,auto`, `--algo all`) runs several allreduce entries in one
+//! launch: each is checked, then `--rounds` rounds each time one block of every entry, the
+//! order rotating from round to round, and each entry's row holds the median of its rounds.
+//! Launches of 4 ranks on 2 cores settle into faster or slower modes for every schedule
+//! alike; entries compared inside one launch, in interleaved blocks, share the mode, so the
+//! ratio between them means something where separate launches' figures do not.
 
 use std::io::Write;
 use std::time::Instant;
@@ -17,7 +24,7 @@ use crate::calls;
 use crate::cli::{Average, Options, Output, Placement};
 use crate::data::{self, with_element};
 use crate::progress::Progress;
-use crate::report::{self, Groups, JsonContext, Measure, RowKey};
+use crate::report::{self, Compared, Groups, JsonContext, Measure, RowKey};
 use crate::sizes::{SizePoint, Step};
 
 // Errors are boxed: a `CommError` is large and travels up through every size's loop.
@@ -28,17 +35,25 @@ pub struct Outcome {
     pub wrong: Option<u64>,
 }
 
+/// One entry run: what it is called and how each call is made.
+pub struct Variant {
+    /// The name in the header, rows and JSON (`ring`, `auto`, ...).
+    pub label: String,
+    /// The options of every call (the allreduce algorithm, `None` for the selector).
+    pub call: AllReduceOptions,
+}
+
 /// A benchmark in progress on one rank.
 pub struct Runner<'a> {
     comm: &'a mut Communicator,
     opts: &'a Options,
     dtypes: Vec<DType>,
     ops: Vec<ReduceOp>,
-    call: AllReduceOptions,
+    /// One entry, or the entries of a comparison.
+    variants: Vec<Variant>,
     /// The placements run: those asked for that the collective has (see
     /// [`calls::placements`]), or the one it has.
     placement: Placement,
-    algorithm: String,
     transport: &'static str,
     rank: usize,
     ranks: usize,
@@ -51,15 +66,15 @@ pub struct Runner<'a> {
 }
 
 impl<'a> Runner<'a> {
-    /// Prepare a run; `algorithm_label` is what the header and JSON call the algorithm.
+    /// Prepare a run of one entry, or of a comparison when `opts.compare` is set.
     pub fn new(
         comm: &'a mut Communicator,
         opts: &'a Options,
         dtypes: Vec<DType>,
         ops: Vec<ReduceOp>,
-        call: AllReduceOptions,
-        algorithm_label: String,
+        variants: Vec<Variant>,
     ) -> Runner<'a> {
+        assert!(!variants.is_empty(), "a run needs an entry");
         let rank = comm.rank();
         let ranks = comm.size();
         let transport = comm.transport_name();
@@ -85,9 +100,8 @@ impl<'a> Runner<'a> {
             opts,
             dtypes,
             ops,
-            call,
+            variants,
             placement,
-            algorithm: algorithm_label,
             transport,
             rank,
             ranks,
@@ -117,8 +131,14 @@ impl<'a> Runner<'a> {
         }
     }
 
+    fn labels(&self) -> String {
+        let labels: Vec<&str> = self.variants.iter().map(|v| v.label.as_str()).collect();
+        labels.join(",")
+    }
+
     fn header(&self) {
         let o = self.opts;
+        let algorithm = self.labels();
         let it = &o.iters;
         let step = match o.grid.step {
             Step::Factor(f) => format!("{f}(factor)"),
@@ -132,7 +152,7 @@ impl<'a> Runner<'a> {
                      chorus {}",
                     self.ranks,
                     self.transport,
-                    self.algorithm,
+                    algorithm,
                     o.collective,
                     chorus::VERSION
                 ));
@@ -153,8 +173,26 @@ impl<'a> Runner<'a> {
                     u8::from(o.check),
                     o.average.describe()
                 ));
+                if o.compare {
+                    let algo = std::env::var("CHORUS_ALGO").unwrap_or_default();
+                    self.print(&format!(
+                        "#  comparison: {} rounds per size, each a block of every entry in \
+                         rotating order; median over rounds{}",
+                        o.rounds,
+                        if algo.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; auto under CHORUS_ALGO={algo}")
+                        }
+                    ));
+                }
                 self.print("#");
-                for line in report::table_header(self.groups()) {
+                let header = if o.compare {
+                    report::compare_header()
+                } else {
+                    report::table_header(self.groups())
+                };
+                for line in header {
                     self.print(&line);
                 }
             }
@@ -169,7 +207,7 @@ impl<'a> Runner<'a> {
                     ops.join(","),
                     chorus::VERSION,
                     self.transport,
-                    self.algorithm.replace(' ', "_"),
+                    algorithm.replace(' ', "_"),
                     o.average.describe().replace(' ', "_"),
                 ));
                 self.print(&format!(
@@ -252,6 +290,11 @@ impl<'a> Runner<'a> {
                 op
             ));
             let n = p.count as usize;
+            if self.opts.compare {
+                let compared = self.compare(&send[..n], &mut recv[..n], op, p)?;
+                self.report_compared(T::DTYPE, op, p, &compared);
+                continue;
+            }
             let mut measures = Vec::with_capacity(2);
             if place.out_of_place {
                 let m = self.measure(Some(&send[..n]), &mut recv[..n], op, p)?;
@@ -281,7 +324,7 @@ impl<'a> Runner<'a> {
             } else {
                 calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
             }
-            calls::call(self.comm, coll, send, buf, op, &self.call)?;
+            calls::call(self.comm, coll, send, buf, op, &self.variants[0].call)?;
             let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
             let mut total = [local];
             self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
@@ -293,17 +336,84 @@ impl<'a> Runner<'a> {
 
         let (warmup, iters) = self.opts.iters.for_size(p.bytes);
         for _ in 0..warmup {
-            calls::call(self.comm, self.opts.collective, send, buf, op, &self.call)?;
+            calls::call(
+                self.comm,
+                self.opts.collective,
+                send,
+                buf,
+                op,
+                &self.variants[0].call,
+            )?;
         }
         self.comm.barrier()?;
         let start = Instant::now();
         for _ in 0..iters {
-            calls::call(self.comm, self.opts.collective, send, buf, op, &self.call)?;
+            calls::call(
+                self.comm,
+                self.opts.collective,
+                send,
+                buf,
+                op,
+                &self.variants[0].call,
+            )?;
         }
         let local = start.elapsed().as_secs_f64() / iters as f64;
         let seconds = self.over_ranks(local)?;
         let factor = self.opts.collective.busbw_factor(self.ranks);
         Ok(Measure::new(p.bytes, iters, seconds, factor, wrong))
+    }
+
+    /// Check every entry of a comparison once, then time `--rounds` rounds of one block per
+    /// entry (out of place; the first block of each entry after the full warm-up, later ones
+    /// after one untimed call, as the schedule changes there). The size's iterations are
+    /// split over the rounds.
+    fn compare<T: Element>(
+        &mut self,
+        send: &[T],
+        buf: &mut [T],
+        op: ReduceOp,
+        p: SizePoint,
+    ) -> Result<Vec<Compared>, Box<CommError>> {
+        let coll = self.opts.collective;
+        let k = self.variants.len();
+        let mut wrong = vec![None; k];
+        if self.opts.check {
+            for (i, w) in wrong.iter_mut().enumerate() {
+                data::poison(buf);
+                calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
+                let local = calls::count_wrong(coll, false, buf, self.rank, self.ranks, op);
+                let mut total = [local];
+                self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
+                self.wrong += total[0];
+                *w = Some(total[0]);
+            }
+        }
+        let (warmup, iters) = self.opts.iters.for_size(p.bytes);
+        let rounds = self.opts.rounds.max(1);
+        let per_round = iters.div_ceil(rounds).max(1);
+        let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds as usize); k];
+        for r in 0..rounds as usize {
+            for j in 0..k {
+                let i = (r + j) % k;
+                let untimed = if r == 0 { warmup } else { warmup.min(1) };
+                for _ in 0..untimed {
+                    calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
+                }
+                self.comm.barrier()?;
+                let start = Instant::now();
+                for _ in 0..per_round {
+                    calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
+                }
+                let local = start.elapsed().as_secs_f64() / per_round as f64;
+                times[i].push(self.over_ranks(local)?);
+            }
+        }
+        let factor = coll.busbw_factor(self.ranks);
+        Ok(times
+            .iter()
+            .zip(wrong)
+            .map(|(t, w)| Compared::new(p.bytes, per_round * rounds, t, factor, w))
+            .collect())
     }
 
     /// The time `-a` asks for.
@@ -341,7 +451,7 @@ impl<'a> Runner<'a> {
                 let ctx = JsonContext {
                     collective: self.opts.collective.name(),
                     ranks: self.ranks,
-                    algorithm: &self.algorithm,
+                    algorithm: &self.variants[0].label,
                     transport: self.transport,
                 };
                 for (inplace, m) in measures {
@@ -351,6 +461,43 @@ impl<'a> Runner<'a> {
             Output::Peers => {
                 for (_, m) in measures.iter().filter(|(inplace, _)| !inplace) {
                     self.print(&report::peers_row(&key, m));
+                }
+            }
+        }
+    }
+}
+
+impl Runner<'_> {
+    fn report_compared(&mut self, dtype: DType, op: ReduceOp, p: SizePoint, rows: &[Compared]) {
+        let key = RowKey {
+            size: p.bytes,
+            count: p.count,
+            dtype: dtype.name(),
+            op: op.name(),
+            root: -1,
+        };
+        let labels: Vec<&str> = self.variants.iter().map(|v| v.label.as_str()).collect();
+        let forced: Vec<bool> = self
+            .variants
+            .iter()
+            .map(|v| v.call.algorithm.is_some())
+            .collect();
+        match self.opts.output {
+            Output::Table | Output::Peers => {
+                self.busbw.extend(rows.iter().map(|c| c.measure.busbw));
+                for line in report::compare_rows(&key, &labels, rows, &forced) {
+                    self.print(&line);
+                }
+            }
+            Output::Json => {
+                for (label, c) in labels.iter().zip(rows) {
+                    let ctx = JsonContext {
+                        collective: self.opts.collective.name(),
+                        ranks: self.ranks,
+                        algorithm: label,
+                        transport: self.transport,
+                    };
+                    self.print(&report::json_line(&ctx, &key, false, &c.measure));
                 }
             }
         }

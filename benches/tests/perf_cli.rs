@@ -245,3 +245,38 @@ fn compressed_topk_and_sparse_modes() {
         assert_ne!(r.code, Some(0), "{bad}: {}", r.stdout);
     }
 }
+
+/// `--algo A,B,auto` compares entries in one launch: every entry is checked and gets a row
+/// per size (JSON: its own `algorithm`), and the table names the best forced schedule.
+#[test]
+fn comparison_runs_every_entry() {
+    let r = perf("allreduce --ranks 3 --algo ring,recursive_doubling,auto -b 8 -e 512 -f 8 -n 6 -w 1 --rounds 3 --json");
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 3 * 3, "{}", r.stdout);
+    for (i, line) in lines.iter().enumerate() {
+        let want = ["ring", "recursive_doubling", "auto"][i % 3];
+        assert!(
+            line.contains(&format!("\"algorithm\":\"{want}\"")),
+            "{line}"
+        );
+        assert!(line.contains("\"wrong\":0"), "{line}");
+        assert!(line.contains("\"inplace\":false"), "{line}");
+        assert!(line.contains("\"iters\":6"), "{line}");
+    }
+    let r = perf("allreduce --ranks 2 --algo all -b 1K -e 1K -n 4 -w 1 --rounds 2");
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_eq!(rows(&r.stdout).len(), 6, "{}", r.stdout);
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with("#  best schedule: ") && l.contains("; auto ")),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout.contains("Out of bounds values : 0 OK"),
+        "{}",
+        r.stdout
+    );
+}
