@@ -61,12 +61,19 @@
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
 //!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls; the first call of each is not
 //!   timed, as the schedule
-//!   changes there). The ranks agree on the two mean times (one 16-byte allreduce); a rival
-//!   faster by more than [`REVISIT_MARGIN`] takes over (and the old schedule becomes the
-//!   rival revisited next), else the gap to the next revisit doubles (up to
-//!   [`REVISIT_MAX_GAP`] blocks) and a rival slower than [`RIVAL_DROP`]× is dropped. The cost
-//!   is a block of a slower rival now and then, a share that halves with every revisit that
-//!   keeps the schedule; a bucket with no rival left is settled for good. Every call of a
+//!   changes there). The ranks agree on the two mean times (one 16-byte allreduce), and the
+//!   rival's time over the schedule's joins that rival's evidence (its last
+//!   [`REVISIT_EVIDENCE`] ratios). One pair of blocks decides nothing where ranks share cores:
+//!   a schedule's blocks there vary up to 2× within one run as the ranks fall in and out of
+//!   step. So a rival takes over only when the median of at least [`REVISIT_CONFIRM`] ratios,
+//!   most of them wins, puts it faster by more than [`REVISIT_MARGIN`] (the old schedule then
+//!   becomes the rival revisited next, with the same evidence inverted; the other rivals' is
+//!   forgotten, as it was against the old schedule). A revisit that favours the rival without
+//!   that confirmation retimes the same rival after the first gap; otherwise the gap to the
+//!   next revisit doubles (up to [`REVISIT_MAX_GAP`] blocks) and a rival whose median is
+//!   slower than [`RIVAL_DROP`]× over at least [`RIVAL_DROP_AFTER`] ratios is dropped. The
+//!   cost is a block of a slower rival now and then, a share that halves with every revisit
+//!   that keeps the schedule; a bucket with no rival left is settled for good. Every call of a
 //!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
 //!   floating-point values may differ in the last bits from call to call when the schedule
 //!   changes (force one schedule, or `CHORUS_TUNE=0`, for bitwise repeatable results).
@@ -135,12 +142,18 @@ pub const KEEP_MODEL_MARGIN: f64 = 0.05;
 /// stay its rivals: they are re-timed now and then on the caller's calls (revisits; see the
 /// module docs).
 pub const RIVAL_WITHIN: f64 = 1.5;
-/// A rival that a revisit measures slower than this factor of the bucket's schedule is
-/// dropped (not revisited again).
+/// A rival whose revisits put it slower than this factor of the bucket's schedule (the median
+/// of at least [`RIVAL_DROP_AFTER`] ratios) is dropped (not revisited again).
 pub const RIVAL_DROP: f64 = 1.3;
-/// A rival replaces the bucket's schedule when a revisit measures it faster by more than this
-/// fraction.
+/// Revisits of a rival before it can be dropped.
+pub const RIVAL_DROP_AFTER: usize = 3;
+/// A rival replaces the bucket's schedule when its revisits (the median of at least
+/// [`REVISIT_CONFIRM`] ratios, most of them wins) put it faster by more than this fraction.
 pub const REVISIT_MARGIN: f64 = 0.03;
+/// Revisits of a rival before it can take over.
+pub const REVISIT_CONFIRM: usize = 2;
+/// Ratios kept per rival (the latest).
+pub const REVISIT_EVIDENCE: usize = 5;
 /// Time of one block of a revisit (the rival's calls, then as many of the bucket's schedule),
 /// from the decided schedule's trial time; a block has [`REVISIT_MIN_WINDOW`] to
 /// [`REVISIT_MAX_WINDOW`] calls.
@@ -601,6 +614,9 @@ enum Bucket {
 struct Watch {
     /// Rivals in the order they are revisited.
     rivals: Vec<Algorithm>,
+    /// Per rival, the natural logarithms of its latest revisits' time ratios (rival over the
+    /// bucket's schedule; below 0: the rival was faster), oldest first.
+    evidence: Vec<Vec<f64>>,
     /// Index in `rivals` of the next to revisit.
     turn: usize,
     /// Calls per block.
@@ -646,6 +662,7 @@ impl Watch {
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         let gap = REVISIT_FIRST_GAP * window;
         Some(Watch {
+            evidence: vec![Vec::new(); rivals.len()],
             rivals: rivals.into_iter().map(|r| r.0).collect(),
             turn: 0,
             window,
@@ -666,6 +683,9 @@ pub(crate) struct Revisited {
     pub times: [f64; 2],
     /// The bucket's schedule from now on.
     pub now: Algorithm,
+    /// The rival's evidence so far against the schedule it was compared with: revisits, and
+    /// the median ratio of their times (rival over schedule).
+    pub evidence: (usize, f64),
     /// Calls before the next revisit (`None`: no rival left, the bucket is settled).
     pub next_in: Option<usize>,
 }
@@ -862,10 +882,12 @@ impl Tuner {
     }
 
     /// Ends the revisit of the bucket of `bytes` by the agreed mean `times` of its rival and of
-    /// its schedule: the rival takes over when faster by more than [`REVISIT_MARGIN`] (the old
-    /// schedule becomes the rival revisited next, and revisits start again at the first gap);
-    /// otherwise the schedule stays, the gap doubles, the next rival takes its turn, and a
-    /// rival slower than [`RIVAL_DROP`] is dropped (with none left, the bucket is settled).
+    /// its schedule, by the rule of the module docs: the rival takes over when its evidence
+    /// confirms it faster by more than [`REVISIT_MARGIN`] (the old schedule becomes the rival
+    /// revisited next, and revisits start again at the first gap); a revisit that favours the
+    /// rival unconfirmed retimes it after the first gap; otherwise the schedule stays, the gap
+    /// doubles, the next rival takes its turn, and a rival confirmed slower than
+    /// [`RIVAL_DROP`] is dropped (with none left, the bucket is settled).
     pub(crate) fn settle_revisit(&mut self, bytes: usize, times: [f64; 2]) -> Option<Revisited> {
         let slot = &mut self.buckets[bucket(bytes)];
         let Bucket::Decided {
@@ -878,21 +900,46 @@ impl Tuner {
         let r = w.revisit.take()?;
         let old = *chosen;
         let [rival_time, own_time] = times;
+        let ratio = (rival_time / own_time).ln();
+        let ev = &mut w.evidence[w.turn];
+        // A time that is not a positive number (a clock that did not move) is no evidence.
+        if ratio.is_finite() {
+            ev.push(ratio);
+            if ev.len() > REVISIT_EVIDENCE {
+                ev.remove(0);
+            }
+        }
+        let n = ev.len();
+        let mid = median(&mut ev.clone());
+        let wins = ev.iter().filter(|&&x| x < 0.0).count();
+        let faster = (1.0 - REVISIT_MARGIN).ln();
         let mut out = Revisited {
             rival: r.rival,
             chosen: old,
             times,
             now: old,
+            evidence: (n, mid.exp()),
             next_in: None,
         };
-        if rival_time < own_time * (1.0 - REVISIT_MARGIN) {
+        if n >= REVISIT_CONFIRM && mid < faster && 2 * wins > n {
             *chosen = r.rival;
             w.rivals[w.turn] = old;
+            let inverted: Vec<f64> = ev.iter().map(|x| -x).collect();
+            for e in &mut w.evidence {
+                e.clear();
+            }
+            w.evidence[w.turn] = inverted;
             w.gap = REVISIT_FIRST_GAP * w.window;
             out.now = r.rival;
+        } else if ratio < faster {
+            // Favoured but not confirmed: the same rival again soon; the gap is unchanged.
+            w.countdown = REVISIT_FIRST_GAP * w.window;
+            out.next_in = Some(w.countdown);
+            return Some(out);
         } else {
-            if rival_time > own_time * RIVAL_DROP {
+            if n >= RIVAL_DROP_AFTER && mid > RIVAL_DROP.ln() {
                 w.rivals.remove(w.turn);
+                w.evidence.remove(w.turn);
             } else {
                 w.turn += 1;
             }
@@ -970,13 +1017,16 @@ pub(crate) fn describe_decision(
 /// One log line for the outcome of a revisit.
 pub(crate) fn describe_revisit(bytes: usize, r: &Revisited) -> String {
     let mut s = format!(
-        "all_reduce revisited {} (bucket up to {}): {} {:.1} us, {} {:.1} us -> {}",
+        "all_reduce revisited {} (bucket up to {}): {} {:.1} us, {} {:.1} us \
+         (median ratio {:.2} over {} revisits) -> {}",
         human(bytes),
         human(1usize << bucket(bytes)),
         r.rival,
         r.times[0] * 1e6,
         r.chosen,
         r.times[1] * 1e6,
+        r.evidence.1,
+        r.evidence.0,
         r.now
     );
     match r.next_in {
@@ -1257,10 +1307,18 @@ mod tests {
         let out = t.settle_revisit(b, means).unwrap();
         assert_eq!((out.now, out.next_in), (Rd, Some(2 * gap)));
         uses(&mut t, b, 2 * gap, Rd);
-        // HD wins by more than the margin: it takes over, RD is revisited next, first gap.
+        // HD wins by more than the margin: one revisit is not enough; HD is retimed after the
+        // first gap, and the second win confirms it: it takes over, RD is revisited next.
+        let means = revisit(&mut t, Hd, Rd, [0.9 * own, own]);
+        let out = t.settle_revisit(b, means).unwrap();
+        assert_eq!((out.rival, out.now, out.next_in), (Hd, Rd, Some(gap)));
+        assert_eq!(out.evidence.0, 1);
+        uses(&mut t, b, gap, Rd);
         let means = revisit(&mut t, Hd, Rd, [0.9 * own, own]);
         let out = t.settle_revisit(b, means).unwrap();
         assert_eq!((out.rival, out.chosen, out.now), (Hd, Rd, Hd));
+        assert_eq!(out.evidence.0, 2);
+        assert!((out.evidence.1 - 0.9).abs() < 1e-9, "{:?}", out.evidence);
         assert_eq!(t.decided(b), Some(Hd));
         uses(&mut t, b, gap, Hd);
         // Faster by less than the margin: no switch.
@@ -1278,19 +1336,52 @@ mod tests {
         t.record_revisit(b, 0.0);
         t.drop_revisits();
         uses(&mut t, b, 2 * gap, Hd);
-        // Rivals far behind are dropped; with none left the bucket is settled for good.
-        for rival in [Tree, Rd] {
-            let means = revisit(&mut t, rival, Hd, [2.0 * own, own]);
-            let out = t.settle_revisit(b, means).unwrap();
+        // Rivals far behind are dropped once at least RIVAL_DROP_AFTER revisits each confirm
+        // it; with none left the bucket is settled for good.
+        let mut revisits = std::collections::HashMap::new();
+        let mut settled = false;
+        for _ in 0..20 {
+            let rival = loop {
+                match t.next(&s, b) {
+                    Next::Use(a) => assert_eq!(a, Hd),
+                    Next::Revisit {
+                        algorithm,
+                        timed: false,
+                        rival: true,
+                    } => break algorithm,
+                    other => panic!("{other:?}"),
+                }
+            };
+            *revisits.entry(rival).or_insert(0) += 1;
+            let mut means = None;
+            for call in 0..2 * window {
+                if call > 0 {
+                    assert!(matches!(t.next(&s, b), Next::Revisit { .. }));
+                }
+                let secs = if call < window { 2.0 * own } else { own };
+                means = t.record_revisit(b, secs);
+            }
+            let out = t.settle_revisit(b, means.unwrap().2).unwrap();
             assert_eq!(out.now, Hd);
-            if rival == Rd {
-                assert_eq!(out.next_in, None);
-            } else {
-                let n = out.next_in.unwrap();
-                uses(&mut t, b, n, Hd);
+            if out.next_in.is_none() {
+                settled = true;
+                break;
             }
         }
+        assert!(settled);
+        assert!(revisits.values().all(|&n| n >= RIVAL_DROP_AFTER), "{revisits:?}");
         uses(&mut t, b, 100 * gap, Hd);
+        // A win then a loss: no switch (the median of the two is within the margin), and the
+        // loss doubles the gap as usual.
+        let mut t = Tuner::new();
+        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
+        uses(&mut t, b, gap, Rd);
+        let means = revisit(&mut t, Tree, Rd, [0.8 * own, own]);
+        assert_eq!(t.settle_revisit(b, means).unwrap().next_in, Some(gap));
+        uses(&mut t, b, gap, Rd);
+        let means = revisit(&mut t, Tree, Rd, [1.2 * own, own]);
+        let out = t.settle_revisit(b, means).unwrap();
+        assert_eq!((out.now, out.next_in), (Rd, Some(2 * gap)));
         // Large buckets (one call is longer than a block): the fewest calls per block.
         let w = REVISIT_MIN_WINDOW;
         let big = 64 << 20;
