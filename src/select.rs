@@ -1369,7 +1369,10 @@ mod tests {
             }
         }
         assert!(settled);
-        assert!(revisits.values().all(|&n| n >= RIVAL_DROP_AFTER), "{revisits:?}");
+        assert!(
+            revisits.values().all(|&n| n >= RIVAL_DROP_AFTER),
+            "{revisits:?}"
+        );
         uses(&mut t, b, 100 * gap, Hd);
         // A win then a loss: no switch (the median of the two is within the margin), and the
         // loss doubles the gap as usual.

@@ -46,7 +46,7 @@ OPTIONS:
                              other collectives: CHORUS_ALGO=broadcast:ring and the like)
         --algo A,B,...|all   allreduce: compare schedules in one launch (`auto` is the
                              selector; `all` is every schedule and auto): per size, --rounds
-                             rounds each time a block of every entry, in rotating order, out
+                             rounds each time a block of every entry, in shuffled order, out
                              of place; a row per entry with the median over rounds and the
                              spread (slowest / fastest round), then each entry's share of the
                              best forced schedule

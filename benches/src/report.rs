@@ -138,12 +138,14 @@ pub fn table_footer(total_wrong: Option<u64>, busbw: &[f64]) -> Vec<String> {
 }
 
 /// One entry of a comparison at one size: the median over its rounds, and their spread.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Compared {
     /// Figures of the median round (the mean of the two middle rounds for an even count).
     pub measure: Measure,
     /// The slowest round's time over the fastest's (1 when every round took as long).
     pub spread: f64,
+    /// The per-call seconds of every round, in round order.
+    pub rounds: Vec<f64>,
 }
 
 impl Compared {
@@ -170,6 +172,7 @@ impl Compared {
         Compared {
             measure: Measure::new(bytes, iters, median, factor, wrong),
             spread,
+            rounds: seconds.to_vec(),
         }
     }
 }
@@ -190,9 +193,30 @@ pub fn compare_header() -> Vec<String> {
     ]
 }
 
+/// The median over rounds of `best`'s time over `other`'s in the same round: `other`'s share
+/// of `best`, paired by round (rounds run the entries close together in time, so slow phases
+/// of the machine that last longer than a round cancel out).
+fn paired_share(best: &Compared, other: &Compared) -> f64 {
+    let mut r: Vec<f64> = best
+        .rounds
+        .iter()
+        .zip(&other.rounds)
+        .map(|(b, o)| b / o)
+        .filter(|x| x.is_finite())
+        .collect();
+    r.sort_by(f64::total_cmp);
+    match r.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => r[n / 2],
+        n => (r[n / 2 - 1] + r[n / 2]) / 2.0,
+    }
+}
+
 /// The rows of one size of a comparison, one per entry (`labels[i]`, `rows[i]`), then a
-/// comment naming the fastest forced schedule (`forced[i]`) and every other entry's share of
-/// it (its time over theirs), e.g. `#  best schedule: ring; auto 97.2 %`.
+/// comment naming the fastest forced schedule (`forced[i]`) by median and every other
+/// entry's share of it: the best's median time over the entry's, then the median of the
+/// same ratio taken round by round, e.g.
+/// `#  best schedule: ring; auto 97.2 % (paired by round 98.0 %)`.
 pub fn compare_rows(
     key: &RowKey<'_>,
     labels: &[&str],
@@ -234,6 +258,10 @@ pub fn compare_rows(
             if i != b && !forced[i] {
                 let share = 100.0 * t_best / c.measure.time_us;
                 let _ = write!(line, "; {} {share:.1} %", labels[i]);
+                let paired = paired_share(&rows[b], c);
+                if paired.is_finite() {
+                    let _ = write!(line, " (paired by round {:.1} %)", 100.0 * paired);
+                }
             }
         }
         out.push(line);
@@ -421,7 +449,10 @@ mod tests {
         ];
         let lines = compare_rows(&k, &["ring", "tree", "auto"], &rows, &[true, true, false]);
         assert_eq!(lines.len(), 4);
-        assert_eq!(lines[3], "#  best schedule: tree; auto 80.0 %");
+        assert_eq!(
+            lines[3],
+            "#  best schedule: tree; auto 80.0 % (paired by round 80.0 %)"
+        );
         let header = compare_header();
         assert_eq!(
             lines[0].len(),
@@ -431,6 +462,16 @@ mod tests {
             lines[0]
         );
         assert!(lines[1].contains(" tree ") && lines[1].ends_with(" 1.00x"));
+        // Paired by round: the median of the per-round ratios, not the ratio of medians.
+        let a = Compared::new(1000, 3, &[1.0, 2.0, 3.0], 1.0, None);
+        let b = Compared::new(1000, 3, &[3.0, 1.0, 1.9], 1.0, None);
+        let auto = Compared::new(1000, 3, &[1.0, 2.0, 3.0], 1.0, None);
+        // b has the best median (1.9); a/auto = 1, 1, 1; b/auto = 3, 0.5, 0.633: median 0.633
+        let lines = compare_rows(&k, &["a", "b", "auto"], &[a, b, auto], &[true, true, false]);
+        assert_eq!(
+            lines[3],
+            "#  best schedule: b; auto 95.0 % (paired by round 63.3 %)"
+        );
         // without a forced entry there is no best line
         assert_eq!(compare_rows(&k, &["auto"], &rows[..1], &[false]).len(), 1);
     }

@@ -9,8 +9,12 @@
 //! 3. reduce the time over ranks as `-a` says, derive algbw and busbw, print.
 //!
 //! A comparison (`--algo ring,tree,auto`, `--algo all`) runs several allreduce entries in one
-//! launch: each is checked, then `--rounds` rounds each time one block of every entry, the
-//! order rotating from round to round, and each entry's row holds the median of its rounds.
+//! launch: each is checked, then `--rounds` rounds each time one block of every entry, in an
+//! order shuffled from round to round (the same on every rank), and each entry's row holds the
+//! median of its rounds. A fixed order would always put the same entry behind the same other
+//! one, and the switch between two schedules costs something that the block's untimed first
+//! call does not always absorb: in a check with two names for the same schedule, the one that
+//! always followed a different schedule came out 4–7 % slower.
 //! Launches of 4 ranks on 2 cores settle into faster or slower modes for every schedule
 //! alike; entries compared inside one launch, in interleaved blocks, share the mode, so the
 //! ratio between them means something where separate launches' figures do not.
@@ -177,7 +181,7 @@ impl<'a> Runner<'a> {
                     let algo = std::env::var("CHORUS_ALGO").unwrap_or_default();
                     self.print(&format!(
                         "#  comparison: {} rounds per size, each a block of every entry in \
-                         rotating order; median over rounds{}",
+                         shuffled order; median over rounds{}",
                         o.rounds,
                         if algo.is_empty() {
                             String::new()
@@ -392,9 +396,8 @@ impl<'a> Runner<'a> {
         let rounds = self.opts.rounds.max(1);
         let per_round = iters.div_ceil(rounds).max(1);
         let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds as usize); k];
-        for r in 0..rounds as usize {
-            for j in 0..k {
-                let i = (r + j) % k;
+        for r in 0..rounds {
+            for i in round_order(k, r) {
                 let untimed = if r == 0 { warmup } else { warmup.min(1) };
                 for _ in 0..untimed {
                     calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
@@ -501,5 +504,51 @@ impl Runner<'_> {
                 }
             }
         }
+    }
+}
+
+/// The order of the entries in round `round` of a comparison: a shuffle (Fisher–Yates driven
+/// by a 64-bit mix of the round number), the same on every rank.
+pub fn round_order(entries: usize, round: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..entries).collect();
+    let mut x = round.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for i in (1..entries).rev() {
+        // splitmix64 step
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let j = (z % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+
+    /// Every round runs every entry once; over many rounds each entry follows each other one.
+    #[test]
+    fn rounds_shuffle_every_entry() {
+        let k = 6;
+        let mut follows = vec![vec![0; k]; k];
+        for r in 0..200 {
+            let mut o = round_order(k, r);
+            assert_eq!(o, round_order(k, r), "deterministic");
+            for w in o.windows(2) {
+                follows[w[1]][w[0]] += 1;
+            }
+            o.sort_unstable();
+            assert_eq!(o, (0..k).collect::<Vec<_>>());
+        }
+        for (a, row) in follows.iter().enumerate() {
+            for (b, &n) in row.iter().enumerate() {
+                assert!(a == b || n > 10, "{a} after {b}: {n}");
+            }
+        }
+        assert_eq!(round_order(1, 7), vec![0]);
+        assert!(round_order(0, 7).is_empty());
     }
 }
