@@ -15,9 +15,14 @@ struct Run {
 }
 
 fn perf(args: &str) -> Run {
+    perf_env(args, &[])
+}
+
+fn perf_env(args: &str, envs: &[(&str, &str)]) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-perf"))
         .args(args.split_whitespace())
         .env_remove("CHORUS_PERF_PROGRESS")
+        .envs(envs.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -279,4 +284,34 @@ fn comparison_runs_every_entry() {
         "{}",
         r.stdout
     );
+}
+
+/// `CHORUS_TCP_CONGESTION` sets every connection's congestion control; a name the kernel does
+/// not know fails the start on every rank with a message that names the option.
+#[test]
+fn tcp_congestion_control_is_set_or_refused() {
+    let tcp = ("CHORUS_TRANSPORT", "tcp");
+    let r = perf_env(
+        "allreduce --ranks 2 -b 8 -e 64K -f 64 -n 2 -w 1",
+        &[tcp, ("CHORUS_TCP_CONGESTION", "reno")],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(
+        r.stdout.contains("Out of bounds values : 0 OK"),
+        "{}",
+        r.stdout
+    );
+    let r = perf_env(
+        "allreduce --ranks 2 -b 8 -e 8 -n 1",
+        &[tcp, ("CHORUS_TCP_CONGESTION", "nosuchcc")],
+    );
+    assert_eq!(r.code, Some(3), "{}", r.stderr);
+    assert!(r.stderr.contains("TCP_CONGESTION"), "{}", r.stderr);
+    assert!(r.stderr.contains("nosuchcc"), "{}", r.stderr);
+    let r = perf_env(
+        "allreduce --ranks 2 -b 8 -e 8 -n 1",
+        &[tcp, ("CHORUS_TCP_CONGESTION", "not a name")],
+    );
+    assert_eq!(r.code, Some(3), "{}", r.stderr);
+    assert!(r.stderr.contains("CHORUS_TCP_CONGESTION"), "{}", r.stderr);
 }

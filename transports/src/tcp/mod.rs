@@ -110,6 +110,12 @@ pub struct TcpOptions {
     pub spin: Duration,
     /// SO_SNDBUF / SO_RCVBUF to request, or `None` for the kernel's auto-tuning.
     pub socket_buffer: Option<usize>,
+    /// TCP congestion control for every connection (`TCP_CONGESTION`, e.g. `cubic`), or
+    /// `None` for the system's default.
+    pub congestion: Option<String>,
+    /// A connection whose congestion control cannot be set fails the mesh (else it keeps the
+    /// system's default).
+    pub congestion_required: bool,
 }
 
 impl Default for TcpOptions {
@@ -117,6 +123,8 @@ impl Default for TcpOptions {
         TcpOptions {
             spin: Duration::from_micros(50),
             socket_buffer: None,
+            congestion: None,
+            congestion_required: false,
         }
     }
 }
@@ -172,6 +180,25 @@ impl TcpTransport {
                             .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_SNDBUF)", e))?;
                         sock.set_recv_buffer_size(b)
                             .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_RCVBUF)", e))?;
+                    }
+                    if let Some(cc) = &options.congestion {
+                        // Without `congestion_required` it is a preference: a kernel
+                        // without it (or that does not allow it to this user) keeps its
+                        // default.
+                        match sock.set_tcp_congestion(cc.as_bytes()) {
+                            Err(e) if options.congestion_required => {
+                                let e = std::io::Error::new(
+                                    e.kind(),
+                                    format!(
+                                        "{cc:?}: {e} (the choices are in \
+                                         /proc/sys/net/ipv4/tcp_allowed_congestion_control)"
+                                    ),
+                                );
+                                let during = "setsockopt(TCP_CONGESTION)";
+                                return Err(TransportError::io(Some(j), during, e));
+                            }
+                            _ => {}
+                        }
                     }
                     s.set_nonblocking(true)
                         .map_err(|e| TransportError::io(Some(j), "set_nonblocking", e))?;
