@@ -158,13 +158,8 @@ impl Compared {
         factor: f64,
         wrong: Option<u64>,
     ) -> Compared {
-        let mut t: Vec<f64> = seconds.iter().copied().filter(|x| x.is_finite()).collect();
-        t.sort_by(f64::total_cmp);
-        let median = match t.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => t[n / 2],
-            n => (t[n / 2 - 1] + t[n / 2]) / 2.0,
-        };
+        let t = sorted_finite(seconds.iter().copied());
+        let median = median_of_sorted(&t);
         let spread = match (t.first(), t.last()) {
             (Some(&lo), Some(&hi)) if lo > 0.0 => hi / lo,
             _ => f64::NAN,
@@ -197,18 +192,23 @@ pub fn compare_header() -> Vec<String> {
 /// of `best`, paired by round (rounds run the entries close together in time, so slow phases
 /// of the machine that last longer than a round cancel out).
 fn paired_share(best: &Compared, other: &Compared) -> f64 {
-    let mut r: Vec<f64> = best
-        .rounds
-        .iter()
-        .zip(&other.rounds)
-        .map(|(b, o)| b / o)
-        .filter(|x| x.is_finite())
-        .collect();
-    r.sort_by(f64::total_cmp);
-    match r.len() {
+    let ratios = best.rounds.iter().zip(&other.rounds).map(|(b, o)| b / o);
+    median_of_sorted(&sorted_finite(ratios))
+}
+
+/// The finite values of `xs`, in increasing order.
+fn sorted_finite(xs: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = xs.filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// The median of sorted values (the mean of the middle two for an even count; NaN for none).
+fn median_of_sorted(v: &[f64]) -> f64 {
+    match v.len() {
         0 => f64::NAN,
-        n if n % 2 == 1 => r[n / 2],
-        n => (r[n / 2 - 1] + r[n / 2]) / 2.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 

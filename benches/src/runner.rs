@@ -322,49 +322,62 @@ impl<'a> Runner<'a> {
         p: SizePoint,
     ) -> Result<Measure, Box<CommError>> {
         let wrong = if self.opts.check {
-            let coll = self.opts.collective;
-            if send.is_some() {
-                data::poison(buf);
-            } else {
-                calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
-            }
-            calls::call(self.comm, coll, send, buf, op, &self.variants[0].call)?;
-            let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
-            let mut total = [local];
-            self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
-            self.wrong += total[0];
-            Some(total[0])
+            Some(self.check(0, send, buf, op)?)
         } else {
             None
         };
-
         let (warmup, iters) = self.opts.iters.for_size(p.bytes);
-        for _ in 0..warmup {
-            calls::call(
-                self.comm,
-                self.opts.collective,
-                send,
-                buf,
-                op,
-                &self.variants[0].call,
-            )?;
+        let seconds = self.time_block(0, send, buf, op, warmup, iters)?;
+        let factor = self.opts.collective.busbw_factor(self.ranks);
+        Ok(Measure::new(p.bytes, iters, seconds, factor, wrong))
+    }
+
+    /// One checked call of entry `v` (`send` is `None` in place): its wrong elements summed
+    /// over ranks, also added to the run's count.
+    fn check<T: Element>(
+        &mut self,
+        v: usize,
+        send: Option<&[T]>,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<u64, Box<CommError>> {
+        let coll = self.opts.collective;
+        if send.is_some() {
+            data::poison(buf);
+        } else {
+            calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
+        }
+        calls::call(self.comm, coll, send, buf, op, &self.variants[v].call)?;
+        let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
+        let mut total = [local];
+        self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
+        self.wrong += total[0];
+        Ok(total[0])
+    }
+
+    /// `untimed` calls of entry `v`, a barrier, then `iters` timed calls: the seconds per call,
+    /// reduced over ranks as `-a` says.
+    fn time_block<T: Element>(
+        &mut self,
+        v: usize,
+        send: Option<&[T]>,
+        buf: &mut [T],
+        op: ReduceOp,
+        untimed: u64,
+        iters: u64,
+    ) -> Result<f64, Box<CommError>> {
+        let coll = self.opts.collective;
+        let call = &self.variants[v].call;
+        for _ in 0..untimed {
+            calls::call(self.comm, coll, send, buf, op, call)?;
         }
         self.comm.barrier()?;
         let start = Instant::now();
         for _ in 0..iters {
-            calls::call(
-                self.comm,
-                self.opts.collective,
-                send,
-                buf,
-                op,
-                &self.variants[0].call,
-            )?;
+            calls::call(self.comm, coll, send, buf, op, call)?;
         }
         let local = start.elapsed().as_secs_f64() / iters as f64;
-        let seconds = self.over_ranks(local)?;
-        let factor = self.opts.collective.busbw_factor(self.ranks);
-        Ok(Measure::new(p.bytes, iters, seconds, factor, wrong))
+        self.over_ranks(local)
     }
 
     /// Check every entry of a comparison once, then time `--rounds` rounds of one block per
@@ -378,18 +391,11 @@ impl<'a> Runner<'a> {
         op: ReduceOp,
         p: SizePoint,
     ) -> Result<Vec<Compared>, Box<CommError>> {
-        let coll = self.opts.collective;
         let k = self.variants.len();
         let mut wrong = vec![None; k];
         if self.opts.check {
-            for (i, w) in wrong.iter_mut().enumerate() {
-                data::poison(buf);
-                calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
-                let local = calls::count_wrong(coll, false, buf, self.rank, self.ranks, op);
-                let mut total = [local];
-                self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
-                self.wrong += total[0];
-                *w = Some(total[0]);
+            for (v, w) in wrong.iter_mut().enumerate() {
+                *w = Some(self.check(v, Some(send), buf, op)?);
             }
         }
         let (warmup, iters) = self.opts.iters.for_size(p.bytes);
@@ -397,21 +403,12 @@ impl<'a> Runner<'a> {
         let per_round = iters.div_ceil(rounds).max(1);
         let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds as usize); k];
         for r in 0..rounds {
-            for i in round_order(k, r) {
+            for v in round_order(k, r) {
                 let untimed = if r == 0 { warmup } else { warmup.min(1) };
-                for _ in 0..untimed {
-                    calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
-                }
-                self.comm.barrier()?;
-                let start = Instant::now();
-                for _ in 0..per_round {
-                    calls::call(self.comm, coll, Some(send), buf, op, &self.variants[i].call)?;
-                }
-                let local = start.elapsed().as_secs_f64() / per_round as f64;
-                times[i].push(self.over_ranks(local)?);
+                times[v].push(self.time_block(v, Some(send), buf, op, untimed, per_round)?);
             }
         }
-        let factor = coll.busbw_factor(self.ranks);
+        let factor = self.opts.collective.busbw_factor(self.ranks);
         Ok(times
             .iter()
             .zip(wrong)
