@@ -613,10 +613,7 @@ enum Bucket {
 #[derive(Clone, Debug, PartialEq)]
 struct Watch {
     /// Rivals in the order they are revisited.
-    rivals: Vec<Algorithm>,
-    /// Per rival, the natural logarithms of its latest revisits' time ratios (rival over the
-    /// bucket's schedule; below 0: the rival was faster), oldest first.
-    evidence: Vec<Vec<f64>>,
+    rivals: Vec<Rival>,
     /// Index in `rivals` of the next to revisit.
     turn: usize,
     /// Calls per block.
@@ -627,6 +624,15 @@ struct Watch {
     countdown: usize,
     /// The revisit in progress.
     revisit: Option<Revisit>,
+}
+
+/// A rival of a decided bucket.
+#[derive(Clone, Debug, PartialEq)]
+struct Rival {
+    algorithm: Algorithm,
+    /// The natural logarithms of its latest revisits' time ratios (rival over the bucket's
+    /// schedule; below 0: the rival was faster), oldest first.
+    evidence: Vec<f64>,
 }
 
 /// A revisit in progress.
@@ -662,8 +668,13 @@ impl Watch {
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         let gap = REVISIT_FIRST_GAP * window;
         Some(Watch {
-            evidence: vec![Vec::new(); rivals.len()],
-            rivals: rivals.into_iter().map(|r| r.0).collect(),
+            rivals: rivals
+                .into_iter()
+                .map(|r| Rival {
+                    algorithm: r.0,
+                    evidence: Vec::new(),
+                })
+                .collect(),
             turn: 0,
             window,
             gap,
@@ -748,7 +759,7 @@ impl Tuner {
                         return Next::Use(*chosen);
                     }
                     w.revisit = Some(Revisit {
-                        rival: w.rivals[w.turn],
+                        rival: w.rivals[w.turn].algorithm,
                         done: 0,
                         sums: [0.0; 2],
                     });
@@ -901,7 +912,7 @@ impl Tuner {
         let old = *chosen;
         let [rival_time, own_time] = times;
         let ratio = (rival_time / own_time).ln();
-        let ev = &mut w.evidence[w.turn];
+        let ev = &mut w.rivals[w.turn].evidence;
         // A time that is not a positive number (a clock that did not move) is no evidence.
         if ratio.is_finite() {
             ev.push(ratio);
@@ -923,12 +934,14 @@ impl Tuner {
         };
         if n >= REVISIT_CONFIRM && mid < faster && 2 * wins > n {
             *chosen = r.rival;
-            w.rivals[w.turn] = old;
             let inverted: Vec<f64> = ev.iter().map(|x| -x).collect();
-            for e in &mut w.evidence {
-                e.clear();
+            for other in &mut w.rivals {
+                other.evidence.clear();
             }
-            w.evidence[w.turn] = inverted;
+            w.rivals[w.turn] = Rival {
+                algorithm: old,
+                evidence: inverted,
+            };
             w.gap = REVISIT_FIRST_GAP * w.window;
             out.now = r.rival;
         } else if ratio < faster {
@@ -939,7 +952,6 @@ impl Tuner {
         } else {
             if n >= RIVAL_DROP_AFTER && mid > RIVAL_DROP.ln() {
                 w.rivals.remove(w.turn);
-                w.evidence.remove(w.turn);
             } else {
                 w.turn += 1;
             }
