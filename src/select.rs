@@ -73,7 +73,11 @@
 //!   next revisit doubles (up to [`REVISIT_MAX_GAP`] blocks) and a rival whose median is
 //!   slower than [`RIVAL_DROP`]× over at least [`RIVAL_DROP_AFTER`] ratios is dropped. The
 //!   cost is a block of a slower rival now and then, a share that halves with every revisit
-//!   that keeps the schedule; a bucket with no rival left is settled for good. Every call of a
+//!   that keeps the schedule; a bucket with no rival left is settled for good. Every gap is
+//!   also long enough for the revisit after it to cost at most [`REVISIT_BUDGET`] of the calls'
+//!   time, by the rival's expected ratio (its evidence so far; [`UNSEEN_RIVAL_RATIO`] before
+//!   its first revisit): rivals that may win are re-timed soon, rivals far behind rarely, and
+//!   a short loop of calls does not pay for blocks of a slow rival. Every call of a
 //!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
 //!   floating-point values may differ in the last bits from call to call when the schedule
 //!   changes (force one schedule, or `CHORUS_TUNE=0`, for bitwise repeatable results).
@@ -169,6 +173,19 @@ pub const REVISIT_MAX_WINDOW: usize = 16;
 pub const REVISIT_FIRST_GAP: usize = 4;
 /// Longest gap between revisits, in blocks.
 pub const REVISIT_MAX_GAP: usize = 1024;
+/// Share of a bucket's call time that revisits may spend on rivals slower than its schedule,
+/// by the rivals' expected ratios: a revisit of a rival expected `r`× as slow costs about
+/// `window · (r − 1)` calls' time, so it waits at least `window · (r − 1) / REVISIT_BUDGET`
+/// calls after the last revisit (and at least the doubling gap). Close rivals, the ones that
+/// may win, are re-timed often; far ones rarely. Without the budget the first revisits came
+/// after 4 blocks whatever the rival's cost: on the 4-host testbed a 200-call 8-byte loop
+/// spent ~8 % of its time in 16-call blocks of a rival 1.8× slower.
+pub const REVISIT_BUDGET: f64 = 0.04;
+/// The expected ratio of a rival not revisited yet: as slow as the trials let a rival be
+/// ([`RIVAL_WITHIN`]), not its trial ratio, which short trials under-estimate (on the
+/// testbed, 8 B: halving-doubling 1.09× recursive doubling's time in the trials, 1.83× in its
+/// first revisit).
+pub const UNSEEN_RIVAL_RATIO: f64 = RIVAL_WITHIN;
 /// Dedicated trials run five passes when one is modelled to take at most this long, three when
 /// it takes at most four times as long, two up to ten times, else one.
 const CHEAP_PASS: Duration = Duration::from_millis(50);
@@ -667,7 +684,7 @@ impl Watch {
         let block = REVISIT_BLOCK.as_secs_f64();
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         let gap = REVISIT_FIRST_GAP * window;
-        Some(Watch {
+        let mut w = Watch {
             rivals: rivals
                 .into_iter()
                 .map(|r| Rival {
@@ -678,9 +695,37 @@ impl Watch {
             turn: 0,
             window,
             gap,
-            countdown: gap,
+            countdown: 0,
             revisit: None,
-        })
+        };
+        w.countdown = w.wait(gap);
+        Some(w)
+    }
+
+    /// Calls before the revisit of the rival whose turn it is: at least `base`, and long enough
+    /// for the revisit's expected cost to stay within [`REVISIT_BUDGET`] of the calls'
+    /// time (capped at [`REVISIT_MAX_GAP`] blocks).
+    fn wait(&self, base: usize) -> usize {
+        let excess = (self.rivals[self.turn].expected_ratio() - 1.0).max(0.0);
+        let budget = (self.window as f64 * excess / REVISIT_BUDGET).ceil();
+        let cap = REVISIT_MAX_GAP * self.window;
+        if budget.is_finite() {
+            base.max((budget as usize).min(cap))
+        } else {
+            base.max(cap)
+        }
+    }
+}
+
+impl Rival {
+    /// Its time over the bucket's schedule's, as its revisits put it (the median of its
+    /// evidence), or [`UNSEEN_RIVAL_RATIO`] before its first.
+    fn expected_ratio(&self) -> f64 {
+        if self.evidence.is_empty() {
+            UNSEEN_RIVAL_RATIO
+        } else {
+            median(&mut self.evidence.clone()).exp()
+        }
     }
 }
 
@@ -946,7 +991,7 @@ impl Tuner {
             out.now = r.rival;
         } else if ratio < faster {
             // Favoured but not confirmed: the same rival again soon; the gap is unchanged.
-            w.countdown = REVISIT_FIRST_GAP * w.window;
+            w.countdown = w.wait(REVISIT_FIRST_GAP * w.window);
             out.next_in = Some(w.countdown);
             return Some(out);
         } else {
@@ -965,8 +1010,8 @@ impl Tuner {
             w.turn %= w.rivals.len();
             w.gap = (w.gap * 2).min(REVISIT_MAX_GAP * w.window);
         }
-        w.countdown = w.gap;
-        out.next_in = Some(w.gap);
+        w.countdown = w.wait(w.gap);
+        out.next_in = Some(w.countdown);
         Some(out)
     }
 
@@ -985,7 +1030,7 @@ impl Tuner {
         for b in &mut self.buckets {
             if let Bucket::Decided { watch: Some(w), .. } = b {
                 if w.revisit.take().is_some() {
-                    w.countdown = w.gap;
+                    w.countdown = w.wait(w.gap);
                 }
             }
         }
@@ -999,7 +1044,7 @@ impl Tuner {
             Bucket::Online { .. } => self.buckets[b] = Bucket::Fresh,
             Bucket::Decided { watch: Some(w), .. } if w.revisit.is_some() => {
                 w.revisit = None;
-                w.countdown = w.gap;
+                w.countdown = w.wait(w.gap);
             }
             _ => {}
         }
@@ -1313,12 +1358,21 @@ mod tests {
             }
         };
         let gap = REVISIT_FIRST_GAP * window;
-        uses(&mut t, b, gap, Rd);
-        // The tree, close behind: kept as a rival; the gap doubles; HD's turn next.
+        // Calls before a revisit of a rival expected `ratio`x as slow, by the budget alone.
+        let budget = |ratio: f64, window: usize| {
+            (window as f64 * (ratio - 1.0) / REVISIT_BUDGET).ceil() as usize
+        };
+        // A rival not revisited yet is expected as slow as the trials admit: the first
+        // revisit waits longer than the first gap.
+        let unseen = budget(UNSEEN_RIVAL_RATIO, window);
+        assert!(unseen > 2 * gap, "{unseen} {gap}");
+        uses(&mut t, b, unseen, Rd);
+        // The tree, close behind: kept as a rival; the gap doubles; HD's turn next (not
+        // revisited yet: the budget's wait is longer than the doubled gap).
         let means = revisit(&mut t, Tree, Rd, [1.1 * own, own]);
         let out = t.settle_revisit(b, means).unwrap();
-        assert_eq!((out.now, out.next_in), (Rd, Some(2 * gap)));
-        uses(&mut t, b, 2 * gap, Rd);
+        assert_eq!((out.now, out.next_in), (Rd, Some(unseen)));
+        uses(&mut t, b, unseen, Rd);
         // HD wins by more than the margin: one revisit is not enough; HD is retimed after the
         // first gap, and the second win confirms it: it takes over, RD is revisited next.
         let means = revisit(&mut t, Hd, Rd, [0.9 * own, own]);
@@ -1332,22 +1386,27 @@ mod tests {
         assert_eq!(out.evidence.0, 2);
         assert!((out.evidence.1 - 0.9).abs() < 1e-9, "{:?}", out.evidence);
         assert_eq!(t.decided(b), Some(Hd));
+        // RD is revisited next, expected 1/0.9 as slow: within the budget after the first gap.
+        assert!(budget(1.0 / 0.9, window) <= gap);
+        assert_eq!(out.next_in, Some(gap));
         uses(&mut t, b, gap, Hd);
-        // Faster by less than the margin: no switch.
+        // Faster by less than the margin: no switch; the tree's turn (its evidence was
+        // forgotten at the switch, so it waits as a rival not revisited yet).
         let means = revisit(&mut t, Rd, Hd, [(1.0 - REVISIT_MARGIN / 2.0) * own, own]);
-        assert_eq!(t.settle_revisit(b, means).unwrap().now, Hd);
-        uses(&mut t, b, 2 * gap, Hd);
+        let out = t.settle_revisit(b, means).unwrap();
+        assert_eq!((out.now, out.next_in), (Hd, Some(unseen)));
+        uses(&mut t, b, unseen, Hd);
         // A failed call drops the revisit in progress; the bucket keeps its schedule and
         // waits the same gap.
         assert!(matches!(t.next(&s, b), Next::Revisit { rival: true, .. }));
         t.reset(b);
         assert_eq!(t.decided(b), Some(Hd));
-        uses(&mut t, b, 2 * gap, Hd);
+        uses(&mut t, b, unseen, Hd);
         // So does turning tuning off or on in the middle of one.
         assert!(matches!(t.next(&s, b), Next::Revisit { rival: true, .. }));
         t.record_revisit(b, 0.0);
         t.drop_revisits();
-        uses(&mut t, b, 2 * gap, Hd);
+        uses(&mut t, b, unseen, Hd);
         // Rivals far behind are dropped once at least RIVAL_DROP_AFTER revisits each confirm
         // it; with none left the bucket is settled for good.
         let mut revisits = std::collections::HashMap::new();
@@ -1375,6 +1434,10 @@ mod tests {
             }
             let out = t.settle_revisit(b, means.unwrap().2).unwrap();
             assert_eq!(out.now, Hd);
+            // Every rival measured 2x as slow: the next revisit waits out the budget.
+            if let (Some(n), 2..) = (out.next_in, revisits.values().sum::<usize>()) {
+                assert!(n >= budget(2.0, window).min(unseen), "{n}");
+            }
             if out.next_in.is_none() {
                 settled = true;
                 break;
@@ -1390,13 +1453,13 @@ mod tests {
         // loss doubles the gap as usual.
         let mut t = Tuner::new();
         assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
-        uses(&mut t, b, gap, Rd);
+        uses(&mut t, b, unseen, Rd);
         let means = revisit(&mut t, Tree, Rd, [0.8 * own, own]);
         assert_eq!(t.settle_revisit(b, means).unwrap().next_in, Some(gap));
         uses(&mut t, b, gap, Rd);
         let means = revisit(&mut t, Tree, Rd, [1.2 * own, own]);
         let out = t.settle_revisit(b, means).unwrap();
-        assert_eq!((out.now, out.next_in), (Rd, Some(2 * gap)));
+        assert_eq!((out.now, out.next_in), (Rd, Some(unseen)));
         // Large buckets (one call is longer than a block): the fewest calls per block.
         let w = REVISIT_MIN_WINDOW;
         let big = 64 << 20;
@@ -1404,7 +1467,7 @@ mod tests {
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
         t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         assert_eq!(t.decided(big), Some(Ring));
-        uses(&mut t, big, REVISIT_FIRST_GAP * w, Ring);
+        uses(&mut t, big, budget(UNSEEN_RIVAL_RATIO, w), Ring);
         assert_eq!(
             t.next(&s, big),
             Next::Revisit {
@@ -1429,6 +1492,62 @@ mod tests {
             last = out.next_in.unwrap();
         }
         assert_eq!(last, REVISIT_MAX_GAP * w);
+    }
+
+    #[test]
+    fn revisits_spend_a_bounded_share() {
+        use Algorithm::{HalvingDoubling as Hd, RecursiveDoubling as Rd, Ring, Tree};
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let cands = [Rd, Tree, Hd, Ring];
+        let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, 8)).collect();
+        // True per-call times (RD decided): both rivals slower, by up to what the trials
+        // admit; the caller's loop sees every call, the rivals' included.
+        for (bytes, own) in [(8, 40e-6), (64 << 20, 0.05)] {
+            let truth = |a: Algorithm| match a {
+                Tree => 1.3 * own,
+                Hd => 1.45 * own,
+                _ => own,
+            };
+            let mut t = Tuner::new();
+            let trial = [own, 1.1 * own, 1.2 * own, 3.0 * own];
+            assert_eq!(t.decide(bytes, &cands, &trial, &m, true), Rd);
+            let (mut calls, mut spent) = (0usize, 0.0);
+            let mut revisits = 0;
+            for _ in 0..200_000 {
+                let (a, timed, rival) = match t.next(&s, bytes) {
+                    Next::Use(a) => (a, false, None),
+                    Next::Revisit {
+                        algorithm,
+                        timed,
+                        rival,
+                    } => (algorithm, timed, Some(rival)),
+                    other => panic!("{other:?}"),
+                };
+                calls += 1;
+                spent += truth(a);
+                if rival.is_some() {
+                    let secs = if timed { truth(a) } else { 0.0 };
+                    if let Some((_, _, means)) = t.record_revisit(bytes, secs) {
+                        t.settle_revisit(bytes, means).unwrap();
+                        revisits += 1;
+                        // The slower calls so far stay within the budget of all calls'
+                        // time (the schedule's own time is `own` per call).
+                        let share = spent / (calls as f64 * own) - 1.0;
+                        assert!(share <= REVISIT_BUDGET, "{bytes} B: {share} after {calls}");
+                    }
+                }
+            }
+            assert!(revisits >= 2, "{revisits}");
+            // Settled for good: both rivals dropped, RD kept throughout.
+            assert_eq!(t.next(&s, bytes), Next::Use(Rd));
+            let share = spent / (calls as f64 * own) - 1.0;
+            assert!(share < REVISIT_BUDGET / 4.0, "{bytes} B: {share}");
+        }
     }
 
     #[test]
