@@ -35,9 +35,11 @@
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
 //!   on a zeroed buffer of its size before doing the caller's work: each candidate once
 //!   untimed, then back-to-back repetitions (as many as fit [`TRIAL_BUDGET`], at most
-//!   [`TRIAL_MAX_REPS`]), in one to five interleaved passes (more when they are cheap); a
-//!   candidate's time is the median over passes of the mean run of a pass (a loop of calls
-//!   sees the mean; the median drops one disturbed pass either way). Only that first call
+//!   [`TRIAL_MAX_REPS`]), in one to five rounds (more when they are cheap), each split into
+//!   interleaved passes of at most [`TRIAL_PASS_REPS`] repetitions per candidate (so that the
+//!   candidates sample the same spells of a crowded host); a candidate's time is the median
+//!   over passes of the mean run of a pass (a loop of calls sees the mean; the median drops
+//!   disturbed passes either way). Only that first call
 //!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
 //!   bandwidth-bound ones.
 //! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
@@ -134,8 +136,13 @@ pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
 pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
-/// Most timed repetitions of one candidate in one pass of dedicated trials.
+/// Most timed repetitions of one candidate in dedicated trials, per pass of the plan by the
+/// model (split into passes of at most [`TRIAL_PASS_REPS`]).
 pub const TRIAL_MAX_REPS: usize = 32;
+/// Most timed repetitions of one candidate in one pass of dedicated trials. Where ranks share
+/// cores, a schedule's speed shifts with how their turns fall, in spells of a few
+/// milliseconds; short passes, interleaved, let every candidate sample the same spells.
+pub const TRIAL_PASS_REPS: usize = 8;
 /// Most candidates of a bucket tuned on the caller's calls (no cap when some host runs more
 /// ranks than cores: the model's ranking is weakest there).
 pub const ONLINE_CANDIDATES: usize = 3;
@@ -430,6 +437,14 @@ impl Selector {
             true if pass <= 10.0 * cheap => 2,
             _ => 1,
         };
+        // The same timed runs in passes of at most TRIAL_PASS_REPS each.
+        let most = candidates.iter().map(|c| c.1).max().unwrap_or(1);
+        let split = most.div_ceil(TRIAL_PASS_REPS);
+        let candidates = candidates
+            .into_iter()
+            .map(|(a, reps)| (a, reps.div_ceil(split)))
+            .collect();
+        let passes = passes * split;
         TrialPlan {
             candidates,
             passes,
@@ -575,7 +590,8 @@ pub struct TrialPlan {
     /// The candidates, best modelled first, each with its timed repetitions per pass
     /// (dedicated trials; 1 when tuned on the caller's calls).
     pub candidates: Vec<(Algorithm, usize)>,
-    /// Passes over the candidates (dedicated trials; 1 to 3).
+    /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
+    /// to 20; else 1).
     pub passes: usize,
     /// Dedicated trials on the first call (else the caller's calls are the trials).
     pub dedicated: bool,
@@ -1261,7 +1277,8 @@ mod tests {
                         assert!(plan.candidates.len() <= ONLINE_CANDIDATES);
                         assert!(plan.candidates.iter().all(|c| c.1 == 1) && plan.passes == 1);
                     }
-                    assert!((1..=5).contains(&plan.passes));
+                    assert!((1..=5 * TRIAL_MAX_REPS / TRIAL_PASS_REPS).contains(&plan.passes));
+                    assert!(plan.candidates.iter().all(|c| c.1 <= TRIAL_PASS_REPS));
                 }
             }
         }
