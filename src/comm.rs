@@ -474,7 +474,7 @@ impl Communicator {
                 Next::Use(a) => (a, Timing::None),
                 Next::Online(a) => (a, Timing::Online),
                 Next::Trials(plan) => (
-                    self.dedicated_trials(&plan, bytes, dtype, op, opts)?,
+                    self.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
                     Timing::None,
                 ),
                 Next::Revisit {
@@ -618,7 +618,9 @@ impl Communicator {
     }
 
     /// The dedicated tuning trials of the first call of a small bucket (see
-    /// [`crate::select`]): every candidate of `plan` on a zeroed buffer of `bytes` bytes, once
+    /// [`crate::select`]): every candidate of `plan` on a zeroed buffer of `bytes` bytes (from
+    /// a second zeroed buffer when the call is `out_of_place`, as a schedule's copies and
+    /// memory traffic differ between the two), once
     /// untimed and then its repetitions back to back, in `plan.passes` passes; this rank's time
     /// of a candidate is the median over passes of a pass's mean run. Returns the schedule
     /// agreed on.
@@ -626,12 +628,14 @@ impl Communicator {
         &mut self,
         plan: &TrialPlan,
         bytes: usize,
+        out_of_place: bool,
         dtype: DType,
         op: ReduceOp,
         opts: &AllReduceOptions,
     ) -> Result<Algorithm, CommError> {
         const TRIAL: &str = "all_reduce (tuning trial)";
         let mut buf = vec![0u8; bytes];
+        let src = out_of_place.then(|| vec![0u8; bytes]);
         let mut runs = vec![Vec::with_capacity(plan.passes); plan.candidates.len()];
         for _ in 0..plan.passes {
             for (i, &(alg, reps)) in plan.candidates.iter().enumerate() {
@@ -647,7 +651,7 @@ impl Communicator {
                         dtype,
                         op,
                         opts.timeout,
-                        |ctx| allreduce::run(alg, ctx, None, &mut buf, dtype, op),
+                        |ctx| allreduce::run(alg, ctx, src.as_deref(), &mut buf, dtype, op),
                     )?;
                 }
                 // The mean of back-to-back runs, as a loop of calls sees it (the time of a

@@ -34,14 +34,15 @@
 //! keeps the fastest one.
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
 //!   on a zeroed buffer of its size before doing the caller's work: each candidate once
-//!   untimed, then back-to-back repetitions (as many as fit [`TRIAL_BUDGET`], at most
-//!   [`TRIAL_MAX_REPS`]), in one to five rounds (more when they are cheap), each split into
-//!   interleaved passes of at most [`TRIAL_PASS_REPS`] repetitions per candidate (so that the
-//!   candidates sample the same spells of a crowded host); a candidate's time is the median
-//!   over passes of the mean run of a pass (a loop of calls sees the mean; the median drops
-//!   disturbed passes either way). Only that first call
-//!   is slower: a few milliseconds for latency-bound buckets, a few dozen calls' time for
-//!   bandwidth-bound ones.
+//!   untimed, then back-to-back repetitions (up to [`TRIAL_PASS_REPS`], as many as the model
+//!   fits in [`TRIAL_PASS_TIME`]), in interleaved passes (as many as fit [`TRIAL_TIME`], at
+//!   most [`TRIAL_MAX_PASSES`], and at least [`TRIAL_MIN_PASSES`] where they fit
+//!   [`TRIAL_MAX_TIME`]);
+//!   a candidate's time is the median over passes of the mean run of a pass (a loop of calls
+//!   sees the mean; the median drops disturbed passes either way). Short passes let the
+//!   candidates sample the same spells of a crowded host; passes much shorter than that miss
+//!   how a schedule runs in a loop. Only that first call is slower: a few dozen milliseconds
+//!   for latency-bound buckets, a few hundred for the largest.
 //! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
 //!   one is tried; worst modelled first so that the calls after the trials follow a
@@ -134,15 +135,23 @@ pub const PLAUSIBLE: f64 = 1.25;
 pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
-/// Modelled time the repetitions of one candidate in one pass of dedicated trials may take.
-pub const TRIAL_BUDGET: Duration = Duration::from_millis(5);
-/// Most timed repetitions of one candidate in dedicated trials, per pass of the plan by the
-/// model (split into passes of at most [`TRIAL_PASS_REPS`]).
-pub const TRIAL_MAX_REPS: usize = 32;
-/// Most timed repetitions of one candidate in one pass of dedicated trials. Where ranks share
-/// cores, a schedule's speed shifts with how their turns fall, in spells of a few
-/// milliseconds; short passes, interleaved, let every candidate sample the same spells.
+/// Modelled time of the dedicated trials of one bucket.
+pub const TRIAL_TIME: Duration = Duration::from_millis(100);
+/// Modelled time the dedicated trials of one bucket may take to run [`TRIAL_MIN_PASSES`].
+pub const TRIAL_MAX_TIME: Duration = Duration::from_millis(300);
+/// Modelled time of one candidate's timed repetitions in one pass of dedicated trials.
+pub const TRIAL_PASS_TIME: Duration = Duration::from_millis(20);
+/// Most timed repetitions of one candidate in one pass of dedicated trials (after one untimed).
+/// Where ranks share cores, a schedule's speed shifts with how their turns fall, in spells of
+/// a few milliseconds; short passes, interleaved, let every candidate sample the same spells.
+/// Shorter runs mislead: on 4 ranks sharing 2 cores, out-of-place 2 MiB blocks of 2 calls
+/// put halving-doubling level with the ring or ahead, blocks of 10 or more put the ring
+/// 20-35 % ahead, as in a loop of calls.
 pub const TRIAL_PASS_REPS: usize = 8;
+/// Fewest passes of dedicated trials (the median needs a few).
+pub const TRIAL_MIN_PASSES: usize = 3;
+/// Most passes of dedicated trials.
+pub const TRIAL_MAX_PASSES: usize = 20;
 /// Most candidates of a bucket tuned on the caller's calls (no cap when some host runs more
 /// ranks than cores: the model's ranking is weakest there).
 pub const ONLINE_CANDIDATES: usize = 3;
@@ -169,9 +178,10 @@ pub const REVISIT_EVIDENCE: usize = 5;
 /// from the decided schedule's trial time; a block has [`REVISIT_MIN_WINDOW`] to
 /// [`REVISIT_MAX_WINDOW`] calls.
 pub const REVISIT_BLOCK: Duration = Duration::from_millis(10);
-/// Fewest calls in one block of a revisit: the first is not timed, and one timed call of a
-/// schedule whose calls vary by 2× (ranks sharing cores) decides nothing.
-pub const REVISIT_MIN_WINDOW: usize = 3;
+/// Fewest calls in one block of a revisit: the first is not timed, then as many as a pass of
+/// dedicated trials ([`TRIAL_PASS_REPS`]): a few timed calls of a schedule whose calls vary by
+/// 2× (ranks sharing cores) decide nothing, and short blocks miss how it runs in a loop.
+pub const REVISIT_MIN_WINDOW: usize = TRIAL_PASS_REPS + 1;
 /// Most calls in one block of a revisit.
 pub const REVISIT_MAX_WINDOW: usize = 16;
 /// Calls of a bucket between its decision and its first revisit, in blocks; the gap doubles
@@ -193,9 +203,6 @@ pub const REVISIT_BUDGET: f64 = 0.04;
 /// testbed, 8 B: halving-doubling 1.09× recursive doubling's time in the trials, 1.83× in its
 /// first revisit).
 pub const UNSEEN_RIVAL_RATIO: f64 = RIVAL_WITHIN;
-/// Dedicated trials run five passes when one is modelled to take at most this long, three when
-/// it takes at most four times as long, two up to ten times, else one.
-const CHEAP_PASS: Duration = Duration::from_millis(50);
 
 /// Which allreduce schedules `CHORUS_ALGO` allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -413,38 +420,27 @@ impl Selector {
                 costs.truncate(ONLINE_CANDIDATES);
             }
         }
-        let budget = TRIAL_BUDGET.as_secs_f64();
-        let candidates: Vec<(Algorithm, usize)> = costs
-            .iter()
-            .map(|&(a, c)| {
-                let reps = if dedicated && c > 0.0 {
-                    ((budget / c) as usize).clamp(1, TRIAL_MAX_REPS)
-                } else {
-                    1
-                };
-                (a, reps)
-            })
-            .collect();
-        let pass: f64 = costs
-            .iter()
-            .zip(&candidates)
-            .map(|(&(_, c), &(_, reps))| c * (reps + 1) as f64)
-            .sum();
-        let cheap = CHEAP_PASS.as_secs_f64();
-        let passes = match dedicated {
-            true if pass <= cheap => 5,
-            true if pass <= 4.0 * cheap => 3,
-            true if pass <= 10.0 * cheap => 2,
-            _ => 1,
+        let reps = |c: f64| match dedicated {
+            false => 1,
+            true if c > 0.0 => {
+                ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, TRIAL_PASS_REPS)
+            }
+            true => TRIAL_PASS_REPS,
         };
-        // The same timed runs in passes of at most TRIAL_PASS_REPS each.
-        let most = candidates.iter().map(|c| c.1).max().unwrap_or(1);
-        let split = most.div_ceil(TRIAL_PASS_REPS);
-        let candidates = candidates
-            .into_iter()
-            .map(|(a, reps)| (a, reps.div_ceil(split)))
-            .collect();
-        let passes = passes * split;
+        let candidates: Vec<(Algorithm, usize)> =
+            costs.iter().map(|&(a, c)| (a, reps(c))).collect();
+        let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
+        let fit = |budget: Duration| match budget.as_secs_f64() / pass {
+            n if n.is_finite() => (n as usize).min(TRIAL_MAX_PASSES),
+            _ => TRIAL_MAX_PASSES,
+        };
+        let passes = match dedicated {
+            false => 1,
+            true => match fit(TRIAL_TIME) {
+                n if n >= TRIAL_MIN_PASSES => n,
+                _ => fit(TRIAL_MAX_TIME).clamp(1, TRIAL_MIN_PASSES),
+            },
+        };
         TrialPlan {
             candidates,
             passes,
@@ -591,7 +587,7 @@ pub struct TrialPlan {
     /// (dedicated trials; 1 when tuned on the caller's calls).
     pub candidates: Vec<(Algorithm, usize)>,
     /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
-    /// to 20; else 1).
+    /// to [`TRIAL_MAX_PASSES`]; else 1).
     pub passes: usize,
     /// Dedicated trials on the first call (else the caller's calls are the trials).
     pub dedicated: bool,
@@ -1270,15 +1266,14 @@ mod tests {
                     for &(a, reps) in &plan.candidates {
                         assert!(AlgoFilter::default().allows(a));
                         assert!(plan.dedicated || a.cost(b, p, &link) <= PLAUSIBLE * best);
-                        assert!((1..=TRIAL_MAX_REPS).contains(&reps));
+                        assert!((1..=TRIAL_PASS_REPS).contains(&reps));
                     }
                     assert_eq!(plan.dedicated, b <= DEDICATED_MAX_BYTES);
                     if !plan.dedicated {
                         assert!(plan.candidates.len() <= ONLINE_CANDIDATES);
                         assert!(plan.candidates.iter().all(|c| c.1 == 1) && plan.passes == 1);
                     }
-                    assert!((1..=5 * TRIAL_MAX_REPS / TRIAL_PASS_REPS).contains(&plan.passes));
-                    assert!(plan.candidates.iter().all(|c| c.1 <= TRIAL_PASS_REPS));
+                    assert!((1..=TRIAL_MAX_PASSES).contains(&plan.passes));
                 }
             }
         }
