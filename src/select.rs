@@ -33,7 +33,10 @@
 //! [`PLAUSIBLE_CPU_BOUND`]× when some host runs more ranks than it has cores) and the bucket
 //! keeps the fastest one.
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
-//!   on a zeroed buffer of its size before doing the caller's work: each candidate once
+//!   (of every allowed schedule; where the model puts the bucket in the bandwidth-bound range,
+//!   of those within [`DEDICATED_PLAUSIBLE`]× of its cheapest) on a zeroed buffer of its size
+//!   (and a second one as the source when the call is out of place) before doing the caller's
+//!   work: each candidate once
 //!   untimed, then back-to-back repetitions (up to [`TRIAL_PASS_REPS`], as many as the model
 //!   fits in [`TRIAL_PASS_TIME`]), in interleaved passes (as many as fit [`TRIAL_TIME`], at
 //!   most [`TRIAL_MAX_PASSES`], and at least [`TRIAL_MIN_PASSES`] where they fit
@@ -133,6 +136,16 @@ pub const PLAUSIBLE: f64 = 1.25;
 /// the α–β model describes, and a schedule the model puts behind (the pipelined tree, on 4
 /// ranks sharing 2 cores) can win on large messages.
 pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
+/// Dedicated trials of a bucket the model puts in the bandwidth-bound range (the best
+/// schedule's modelled time more than twice its latency part) leave out the schedules it puts
+/// more than this factor behind, as the caller's trials of large buckets do on links. There
+/// the model ranks by bytes moved, which it knows; and a schedule that moves far more bytes
+/// disturbs the others' trials: on 4 ranks sharing 2 cores, the ring's 2 MiB trial took
+/// 1.9–2.2 ms beside the tree and 4.0–4.1 ms beside recursive doubling (which exchanges the
+/// whole buffer at every step), against 1.8–2.5 ms in a loop, and lost its trials to schedules
+/// 20–35 % slower in loops. Latency-bound buckets try every schedule: the model misranks them
+/// (it puts the tree 2× behind recursive doubling at 8 B, where the two measure within 10 %).
+pub const DEDICATED_PLAUSIBLE: f64 = PLAUSIBLE;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time of the dedicated trials of one bucket.
@@ -409,6 +422,11 @@ impl Selector {
         costs.sort_by(|x, y| x.1.total_cmp(&y.1));
         let best = costs.first().map_or(0.0, |c| c.1);
         let dedicated = bytes <= DEDICATED_MAX_BYTES;
+        let (best_alg, _) = costs.first().copied().unwrap_or((Algorithm::Ring, 0.0));
+        let bandwidth_bound = best > 2.0 * self.modelled_cost(best_alg, 0);
+        if dedicated && bandwidth_bound {
+            costs.retain(|c| c.1 <= DEDICATED_PLAUSIBLE * best);
+        }
         if !dedicated {
             let plausible = if self.cpu_bound {
                 PLAUSIBLE_CPU_BOUND
@@ -1267,6 +1285,20 @@ mod tests {
                         assert!(AlgoFilter::default().allows(a));
                         assert!(plan.dedicated || a.cost(b, p, &link) <= PLAUSIBLE * best);
                         assert!((1..=TRIAL_PASS_REPS).contains(&reps));
+                        // Bandwidth-bound dedicated trials: only schedules the model puts
+                        // within DEDICATED_PLAUSIBLE.
+                        let bandwidth_bound = best > 2.0 * s.select(b).cost(1, p, &link);
+                        assert!(
+                            !bandwidth_bound || a.cost(b, p, &link) <= DEDICATED_PLAUSIBLE * best
+                        );
+                    }
+                    // Latency-bound buckets try every allowed schedule.
+                    if plan.dedicated && best <= 2.0 * s.select(b).cost(1, p, &link) {
+                        assert_eq!(
+                            plan.candidates.len(),
+                            Algorithm::ALL.len() - 1,
+                            "p={p} b={b}"
+                        );
                     }
                     assert_eq!(plan.dedicated, b <= DEDICATED_MAX_BYTES);
                     if !plan.dedicated {
