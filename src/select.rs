@@ -146,6 +146,9 @@ pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// 20–35 % slower in loops. Latency-bound buckets try every schedule: the model misranks them
 /// (it puts the tree 2× behind recursive doubling at 8 B, where the two measure within 10 %).
 pub const DEDICATED_PLAUSIBLE: f64 = PLAUSIBLE;
+/// A bucket is bandwidth-bound ([`Selector::bandwidth_bound`]) when the model's cheapest
+/// schedule takes more than this factor of its latency part.
+pub const BANDWIDTH_BOUND: f64 = 2.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time of the dedicated trials of one bucket.
@@ -422,9 +425,7 @@ impl Selector {
         costs.sort_by(|x, y| x.1.total_cmp(&y.1));
         let best = costs.first().map_or(0.0, |c| c.1);
         let dedicated = bytes <= DEDICATED_MAX_BYTES;
-        let (best_alg, _) = costs.first().copied().unwrap_or((Algorithm::Ring, 0.0));
-        let bandwidth_bound = best > 2.0 * self.modelled_cost(best_alg, 0);
-        if dedicated && bandwidth_bound {
+        if dedicated && self.bandwidth_bound(bytes) {
             costs.retain(|c| c.1 <= DEDICATED_PLAUSIBLE * best);
         }
         if !dedicated {
@@ -448,10 +449,8 @@ impl Selector {
         let candidates: Vec<(Algorithm, usize)> =
             costs.iter().map(|&(a, c)| (a, reps(c))).collect();
         let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
-        let fit = |budget: Duration| match budget.as_secs_f64() / pass {
-            n if n.is_finite() => (n as usize).min(TRIAL_MAX_PASSES),
-            _ => TRIAL_MAX_PASSES,
-        };
+        // `as` saturates: a pass modelled at zero fits the most passes.
+        let fit = |budget: Duration| ((budget.as_secs_f64() / pass) as usize).min(TRIAL_MAX_PASSES);
         let passes = match dedicated {
             false => 1,
             true => match fit(TRIAL_TIME) {
@@ -464,6 +463,13 @@ impl Selector {
             passes,
             dedicated,
         }
+    }
+
+    /// Whether the model puts `bytes` in the bandwidth-bound range: its cheapest schedule's
+    /// time is more than [`BANDWIDTH_BOUND`]× that schedule's latency part.
+    pub fn bandwidth_bound(&self, bytes: usize) -> bool {
+        let best = self.select(bytes);
+        self.modelled_cost(best, bytes) > BANDWIDTH_BOUND * self.modelled_cost(best, 0)
     }
 
     /// The link figures the table was filled with.
@@ -737,13 +743,8 @@ impl Watch {
     /// time (capped at [`REVISIT_MAX_GAP`] blocks).
     fn wait(&self, base: usize) -> usize {
         let excess = (self.rivals[self.turn].expected_ratio() - 1.0).max(0.0);
-        let budget = (self.window as f64 * excess / REVISIT_BUDGET).ceil();
-        let cap = REVISIT_MAX_GAP * self.window;
-        if budget.is_finite() {
-            base.max((budget as usize).min(cap))
-        } else {
-            base.max(cap)
-        }
+        let budget = (self.window as f64 * excess / REVISIT_BUDGET).ceil() as usize;
+        base.max(budget.min(REVISIT_MAX_GAP * self.window))
     }
 }
 
@@ -1287,13 +1288,14 @@ mod tests {
                         assert!((1..=TRIAL_PASS_REPS).contains(&reps));
                         // Bandwidth-bound dedicated trials: only schedules the model puts
                         // within DEDICATED_PLAUSIBLE.
-                        let bandwidth_bound = best > 2.0 * s.select(b).cost(1, p, &link);
+                        let bandwidth_bound =
+                            best > BANDWIDTH_BOUND * s.select(b).cost(1, p, &link);
                         assert!(
                             !bandwidth_bound || a.cost(b, p, &link) <= DEDICATED_PLAUSIBLE * best
                         );
                     }
                     // Latency-bound buckets try every allowed schedule.
-                    if plan.dedicated && best <= 2.0 * s.select(b).cost(1, p, &link) {
+                    if plan.dedicated && best <= BANDWIDTH_BOUND * s.select(b).cost(1, p, &link) {
                         assert_eq!(
                             plan.candidates.len(),
                             Algorithm::ALL.len() - 1,
