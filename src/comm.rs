@@ -621,9 +621,10 @@ impl Communicator {
     /// [`crate::select`]): every candidate of `plan` on a zeroed buffer of `bytes` bytes (from
     /// a second zeroed buffer when the call is `out_of_place`, as a schedule's copies and
     /// memory traffic differ between the two), once
-    /// untimed and then its repetitions back to back, in `plan.passes` passes; this rank's time
-    /// of a candidate is the median over passes of a pass's mean run. Returns the schedule
-    /// agreed on.
+    /// untimed and then its repetitions back to back, in passes: the first as `plan` sizes
+    /// it, the rest as [`TrialPlan::after_first_pass`] sizes them from the first's agreed
+    /// times; this rank's time of a candidate is the median over passes of a pass's mean run.
+    /// Returns the schedule agreed on.
     fn dedicated_trials(
         &mut self,
         plan: &TrialPlan,
@@ -636,16 +637,17 @@ impl Communicator {
         const TRIAL: &str = "all_reduce (tuning trial)";
         let mut buf = vec![0u8; bytes];
         let src = out_of_place.then(|| vec![0u8; bytes]);
-        let mut runs = vec![Vec::with_capacity(plan.passes); plan.candidates.len()];
-        for _ in 0..plan.passes {
-            for (i, &(alg, reps)) in plan.candidates.iter().enumerate() {
+        // One pass: this rank's mean time per run of every candidate.
+        let mut pass = |comm: &mut Self, plan: &TrialPlan| -> Result<Vec<f64>, CommError> {
+            let mut means = Vec::with_capacity(plan.candidates.len());
+            for &(alg, reps) in &plan.candidates {
                 let mut started = Instant::now();
                 for rep in 0..=reps {
                     // The first run of a pass only lines the ranks up.
                     if rep == 1 {
                         started = Instant::now();
                     }
-                    self.run_collective(
+                    comm.run_collective(
                         TRIAL,
                         CollKind::AllReduceTrial,
                         dtype,
@@ -656,7 +658,20 @@ impl Communicator {
                 }
                 // The mean of back-to-back runs, as a loop of calls sees it (the time of a
                 // single run is skewed by where a rank sits in the schedule).
-                runs[i].push(started.elapsed().as_secs_f64() / reps as f64);
+                means.push(started.elapsed().as_secs_f64() / reps as f64);
+            }
+            Ok(means)
+        };
+        // The first pass as the model sizes it; the rest as its times, agreed across ranks
+        // (the largest of each candidate's) so that every rank runs the same passes, size it.
+        let first = pass(self, plan)?;
+        let mut runs: Vec<Vec<f64>> = first.iter().map(|&t| vec![t]).collect();
+        let mut agreed = first;
+        self.agree_max(&mut agreed, opts.timeout)?;
+        let rest = plan.after_first_pass(&agreed);
+        for _ in 0..rest.passes {
+            for (r, t) in runs.iter_mut().zip(pass(self, &rest)?) {
+                r.push(t);
             }
         }
         // The median pass, so that one disturbed pass (slow or lucky) does not decide.

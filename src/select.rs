@@ -37,10 +37,12 @@
 //!   of those within [`DEDICATED_PLAUSIBLE`]× of its cheapest) on a zeroed buffer of its size
 //!   (and a second one as the source when the call is out of place) before doing the caller's
 //!   work: each candidate once
-//!   untimed, then back-to-back repetitions (up to [`TRIAL_PASS_REPS`], as many as the model
-//!   fits in [`TRIAL_PASS_TIME`]), in interleaved passes (as many as fit [`TRIAL_TIME`], at
+//!   untimed, then back-to-back repetitions (up to [`TRIAL_PASS_REPS`], as many as fit in
+//!   [`TRIAL_PASS_TIME`]), in interleaved passes (as many as fit [`TRIAL_TIME`], at
 //!   most [`TRIAL_MAX_PASSES`], and at least [`TRIAL_MIN_PASSES`] where they fit
-//!   [`TRIAL_MAX_TIME`]);
+//!   [`TRIAL_MAX_TIME`]). The model sizes the first pass; the ranks agree on its times (the
+//!   largest of each candidate's) and those size the rest ([`TrialPlan::after_first_pass`]),
+//!   so the trials' time holds whatever the probe measured;
 //!   a candidate's time is the median over passes of the mean run of a pass (a loop of calls
 //!   sees the mean; the median drops disturbed passes either way). Short passes let the
 //!   candidates sample the same spells of a crowded host; passes much shorter than that miss
@@ -137,7 +139,7 @@ pub const PLAUSIBLE: f64 = 1.25;
 /// ranks sharing 2 cores) can win on large messages.
 pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// Dedicated trials of a bucket the model puts in the bandwidth-bound range (the best
-/// schedule's modelled time more than twice its latency part) leave out the schedules it puts
+/// schedule's modelled time more than [`BANDWIDTH_BOUND`]× its latency part) leave out the schedules it puts
 /// more than this factor behind, as the caller's trials of large buckets do on links. There
 /// the model ranks by bytes moved, which it knows; and a schedule that moves far more bytes
 /// disturbs the others' trials: on 4 ranks sharing 2 cores, the ring's 2 MiB trial took
@@ -147,8 +149,13 @@ pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// (it puts the tree 2× behind recursive doubling at 8 B, where the two measure within 10 %).
 pub const DEDICATED_PLAUSIBLE: f64 = PLAUSIBLE;
 /// A bucket is bandwidth-bound ([`Selector::bandwidth_bound`]) when the model's cheapest
-/// schedule takes more than this factor of its latency part.
-pub const BANDWIDTH_BOUND: f64 = 2.0;
+/// schedule takes more than this factor of its latency part: where the bytes dominate by an
+/// order of magnitude. Near the crossover the model's ranking hangs on the probe's α, which
+/// varies 4× from launch to launch where ranks share cores: on 4 ranks sharing 2 cores,
+/// with a factor of 2, 32 KiB counted as bandwidth-bound when the probe read α ≈ 9 µs and
+/// its trials left out recursive doubling and the tree, the two fastest there in loops
+/// (58 and 73 µs against halving-doubling's 92).
+pub const BANDWIDTH_BOUND: f64 = 16.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Modelled time of the dedicated trials of one bucket.
@@ -438,26 +445,13 @@ impl Selector {
             if !self.cpu_bound {
                 costs.truncate(ONLINE_CANDIDATES);
             }
+            return TrialPlan {
+                candidates: costs.iter().map(|&(a, _)| (a, 1)).collect(),
+                passes: 1,
+                dedicated,
+            };
         }
-        let reps = |c: f64| match dedicated {
-            false => 1,
-            true if c > 0.0 => {
-                ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, TRIAL_PASS_REPS)
-            }
-            true => TRIAL_PASS_REPS,
-        };
-        let candidates: Vec<(Algorithm, usize)> =
-            costs.iter().map(|&(a, c)| (a, reps(c))).collect();
-        let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
-        // `as` saturates: a pass modelled at zero fits the most passes.
-        let fit = |budget: Duration| ((budget.as_secs_f64() / pass) as usize).min(TRIAL_MAX_PASSES);
-        let passes = match dedicated {
-            false => 1,
-            true => match fit(TRIAL_TIME) {
-                n if n >= TRIAL_MIN_PASSES => n,
-                _ => fit(TRIAL_MAX_TIME).clamp(1, TRIAL_MIN_PASSES),
-            },
-        };
+        let (candidates, passes) = size_passes(&costs);
         TrialPlan {
             candidates,
             passes,
@@ -615,6 +609,52 @@ pub struct TrialPlan {
     pub passes: usize,
     /// Dedicated trials on the first call (else the caller's calls are the trials).
     pub dedicated: bool,
+}
+
+impl TrialPlan {
+    /// The rest of dedicated trials after their first pass, sized by the candidates' agreed
+    /// `measured` mean times per run in that pass (seconds, in the order of `candidates`)
+    /// instead of the model's: the repetitions of every later pass and how many passes
+    /// follow, by the same rules ([`TRIAL_PASS_TIME`], [`TRIAL_TIME`], [`TRIAL_MIN_PASSES`]
+    /// within [`TRIAL_MAX_TIME`], at most [`TRIAL_MAX_PASSES`] in all, the first included).
+    /// The model's per-byte time comes from a short probe that can be far off (on 4 ranks
+    /// sharing 2 cores it read 0.15–0.37 GB/s where the ring moves 1.1–1.7 GB/s), and trials
+    /// sized by it ran 3 passes of 5 runs at 512 KiB where 12 passes of 8 fit their time.
+    pub fn after_first_pass(&self, measured: &[f64]) -> TrialPlan {
+        let costs: Vec<(Algorithm, f64)> = self
+            .candidates
+            .iter()
+            .zip(measured)
+            .map(|(&(a, _), &t)| (a, t))
+            .collect();
+        let (candidates, passes) = size_passes(&costs);
+        TrialPlan {
+            candidates,
+            passes: passes.saturating_sub(1),
+            dedicated: self.dedicated,
+        }
+    }
+}
+
+/// Timed repetitions per pass of each candidate and the number of passes of dedicated trials,
+/// from each candidate's time per run (`costs`, seconds): up to [`TRIAL_PASS_REPS`] runs, as
+/// many as fit [`TRIAL_PASS_TIME`]; as many passes as fit [`TRIAL_TIME`] (at most
+/// [`TRIAL_MAX_PASSES`]), and at least [`TRIAL_MIN_PASSES`] where they fit [`TRIAL_MAX_TIME`].
+fn size_passes(costs: &[(Algorithm, f64)]) -> (Vec<(Algorithm, usize)>, usize) {
+    let reps = |c: f64| match c > 0.0 {
+        true => ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, TRIAL_PASS_REPS),
+        false => TRIAL_PASS_REPS,
+    };
+    let candidates: Vec<(Algorithm, usize)> = costs.iter().map(|&(a, c)| (a, reps(c))).collect();
+    // Every candidate's untimed first run counts too.
+    let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
+    // `as` saturates: a pass of zero time fits the most passes.
+    let fit = |budget: Duration| ((budget.as_secs_f64() / pass) as usize).min(TRIAL_MAX_PASSES);
+    let passes = match fit(TRIAL_TIME) {
+        n if n >= TRIAL_MIN_PASSES => n,
+        _ => fit(TRIAL_MAX_TIME).clamp(1, TRIAL_MIN_PASSES),
+    };
+    (candidates, passes)
 }
 
 /// `CHORUS_TUNE`: whether allreduce schedules are tuned online (default on). Accepts
@@ -1343,6 +1383,45 @@ mod tests {
             .iter()
             .all(|c| crowded.modelled_cost(c.0, big)
                 <= PLAUSIBLE_CPU_BOUND * crowded.modelled_cost(crowded.select(big), big)));
+        // A probe's figures on 4 ranks sharing 2 cores: 32 KiB tries every schedule (recursive
+        // doubling and the tree win there in loops), 2 MiB only the ring and halving-doubling.
+        let probed = Selector::new(
+            4,
+            Link::new(8.9e-6, 0.26e9),
+            LinkSource::Measured,
+            AlgoFilter::default(),
+        );
+        assert_eq!(
+            probed.trial_plan(32 << 10).candidates.len(),
+            Algorithm::ALL.len() - 1
+        );
+        let mut two_mib: Vec<Algorithm> = probed
+            .trial_plan(2 << 20)
+            .candidates
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        two_mib.sort_by_key(|a| a.name());
+        assert_eq!(two_mib, [Algorithm::HalvingDoubling, Algorithm::Ring]);
+        // Such a probe's β is 4-6x too slow: the model sizes 512 KiB trials at a few passes of
+        // few runs; the first pass's times size the rest as they fit the trial time.
+        let plan = probed.trial_plan(512 << 10);
+        assert!(plan.passes <= TRIAL_MIN_PASSES && plan.candidates.iter().all(|c| c.1 < 8));
+        let measured: Vec<f64> = plan.candidates.iter().map(|_| 0.6e-3).collect();
+        let rest = plan.after_first_pass(&measured);
+        assert!(rest.dedicated);
+        assert_eq!(
+            rest.candidates.iter().map(|c| c.0).collect::<Vec<_>>(),
+            plan.candidates.iter().map(|c| c.0).collect::<Vec<_>>()
+        );
+        assert!(rest.candidates.iter().all(|c| c.1 == TRIAL_PASS_REPS));
+        let pass = 0.6e-3 * (TRIAL_PASS_REPS + 1) as f64 * plan.candidates.len() as f64;
+        let fit = (TRIAL_TIME.as_secs_f64() / pass) as usize;
+        assert_eq!(rest.passes, fit.min(TRIAL_MAX_PASSES) - 1);
+        // Slower than modelled: fewer passes, within the longest trial time.
+        let slow = plan.after_first_pass(&vec![0.2; plan.candidates.len()]);
+        assert!(slow.candidates.iter().all(|c| c.1 == 1));
+        assert_eq!(slow.passes, 0);
         let two = AlgoFilter::parse("ring,tree").unwrap();
         let s = Selector::new(4, Link::TCP_LOOPBACK, LinkSource::Default, two);
         for b in [8, 1 << 20, 64 << 20] {
