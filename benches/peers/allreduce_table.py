@@ -10,7 +10,12 @@ then two ratios of those medians:
   chorus / best peer   : auto against the fastest peer (Open MPI default and forced ring,
                          Gloo, the reference ring; shared-memory peers are left out of the
                          TCP comparison)
-A ratio >= 100 % means auto is at least as fast. Standard library only.
+A ratio >= 100 % means auto is at least as fast.  With a second `auto` peer (run_with_chorus.sh
+--null: chorus-tcp-again, chorus-again) the table adds its column and two null figures:
+  again / auto         : the same program in other launches of the same run
+  again / best schedule: the first ratio as the second copy would have scored it
+so that the spread launch-to-launch noise alone gives the columns is in view.  Standard library
+only.
 """
 import os
 import re
@@ -43,12 +48,14 @@ def parse(path):
 
 
 def roles(peers):
-    """(auto, {schedule: peer}, [other peers]) for the peer names of one scenario"""
+    """(auto, again, {schedule: peer}, [other peers]) for the peer names of one scenario;
+    again is the second `auto` peer or None"""
     auto = "chorus-tcp" if "chorus-tcp" in peers else ("chorus" if "chorus" in peers else None)
     prefix = "chorus-tcp-" if auto == "chorus-tcp" else "chorus-"
     scheds = {s: prefix + s for s in SCHEDULES if prefix + s in peers}
+    again = prefix + "again" if prefix + "again" in peers else None
     others = [p for p in peers if not p.startswith("chorus") and "vader" not in p]
-    return auto, scheds, others
+    return auto, again, scheds, others
 
 
 def table(name, folder):
@@ -57,12 +64,12 @@ def table(name, folder):
         m = REP_RE.match(fn)
         if m:
             reps[m.group("name")].append(parse(os.path.join(folder, fn)))
-    auto, scheds, others = roles(reps)
+    auto, again, scheds, others = roles(reps)
     if auto is None or not scheds:
         return None
     sizes = sorted(set().union(*(r.keys() for r in reps[auto])))
     scale = 1000.0  # the benchmarks print GB/s
-    cols = list(scheds.values()) + [auto] + others
+    cols = list(scheds.values()) + [auto] + ([again] if again else []) + others
 
     def med(peer, s):
         v = [r[s] for r in reps[peer] if s in r]
@@ -77,14 +84,21 @@ def table(name, folder):
             return None
         return b / a if s <= LATENCY_MAX else a / b
 
+    def label(c):
+        if c == auto:
+            return "auto"
+        if c == again:
+            return "auto again"
+        return c.replace("chorus-tcp-", "").replace("chorus-", "")
+
+    null_cols = " | again / auto | again / best schedule" if again else ""
     out = [f"### {name}", "",
            f"time (us) up to {LATENCY_MAX} B, busbw (MB/s) above; median over launches "
            f"({', '.join(f'{c}: {len(reps[c])}' for c in cols)})", "",
-           "| size | " + " | ".join(c.replace("chorus-tcp-", "").replace("chorus-", "")
-                                    if c != auto else "auto" for c in cols)
-           + " | auto / best schedule | auto / best peer (which) |",
-           "|---:|" + "---:|" * (len(cols) + 2)]
-    worst_sched, worst_peer = [], []
+           "| size | " + " | ".join(label(c) for c in cols)
+           + " | auto / best schedule | auto / best peer (which)" + null_cols + " |",
+           "|---:|" + "---:|" * (len(cols) + 2 + (2 if again else 0))]
+    worst_sched, worst_peer, nulls, null_sched = [], [], [], []
     for s in sizes:
         m = {c: med(c, s) for c in cols}
         cells = []
@@ -106,7 +120,16 @@ def table(name, folder):
             worst_peer.append((r2, s))
         c1 = "—" if r1 is None else f"{r1 * 100:.0f} %"
         c2 = "—" if r2 is None else f"{r2 * 100:.0f} % ({bp_name})"
-        out.append(f"| {human(s)} | " + " | ".join(cells) + f" | {c1} | {c2} |")
+        row = f"| {human(s)} | " + " | ".join(cells) + f" | {c1} | {c2} |"
+        if again:
+            n1 = better(m[again], m[auto], s)
+            n2 = better(m[again], bs, s)
+            if n1 is not None:
+                nulls.append((n1, s))
+            if n2 is not None:
+                null_sched.append((n2, s))
+            row += " " + " | ".join("—" if x is None else f"{x * 100:.0f} %" for x in (n1, n2)) + " |"
+        out.append(row)
     out.append("")
     if worst_sched:
         r, s = min(worst_sched)
@@ -116,6 +139,12 @@ def table(name, folder):
         r, s = min(worst_peer)
         out.append(f"- auto / best peer: lowest {r * 100:.0f} % (at {human(s)}); "
                    f"{sum(1 for x, _ in worst_peer if x >= 1.0)} of {len(worst_peer)} sizes >= 100 %")
+    if nulls:
+        dev = sorted(abs(x - 1) for x, _ in nulls)
+        out.append(f"- null, again / auto: {min(x for x, _ in nulls) * 100:.0f}–"
+                   f"{max(x for x, _ in nulls) * 100:.0f} %, median deviation "
+                   f"{statistics.median(dev) * 100:.0f} %; again / best schedule: "
+                   f"{sum(1 for x, _ in null_sched if x >= 0.9)} of {len(null_sched)} sizes >= 90 %")
     out.append("")
     return "\n".join(out)
 

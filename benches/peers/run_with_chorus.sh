@@ -2,7 +2,8 @@
 # run_with_chorus.sh - run the peers harness (shared/peers/run_all.sh) with chorus as one more peer.
 #
 #   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [--algorithms]
-#                      [--np LIST] [--loop-args ARGS] [--netns-args ARGS] [run_all.sh args...]
+#                      [--null] [--np LIST] [--loop-args ARGS] [--netns-args ARGS]
+#                      [run_all.sh args...]
 #   e.g. run_with_chorus.sh --quick --only loopback
 #   the allreduce table of issue #4 (every schedule, auto and the peers, p=4, 8 B .. 64 MiB):
 #     run_with_chorus.sh --workdir W --algorithms --np 4 --only loopback,netns --reps 3 \
@@ -18,7 +19,9 @@
 #             (MASTER_ADDR=10.77.0.1, CHORUS_SOCKET_IFNAME=eth0)
 # --algorithms adds one chorus peer per allreduce schedule (chorus-tcp-ring, ... on loopback,
 # chorus-ring, ... on the testbed; chorus-tcp and chorus, with no schedule forced, are `auto`)
-# and Open MPI's forced ring on loopback (ompi-tcp-ring, as the netns section has).  --np
+# and Open MPI's forced ring on loopback (ompi-tcp-ring, as the netns section has).  --null
+# adds a second `auto` peer (chorus-tcp-again, chorus-again): launches of the same thing, whose
+# spread against the first shows how far launch-to-launch noise moves the columns.  --np
 # replaces the loopback rank counts (default "2 4"); --loop-args / --netns-args replace the
 # benchmark arguments of every peer of that section.
 # Every launch gets a fresh CHORUS_TOKEN.  chorus-perf is built first
@@ -38,6 +41,7 @@ WORK=""
 BUILD=1
 PREPARE_ONLY=0
 ALGORITHMS=0
+NULL=0
 NPS=""
 LOOP_OVERRIDE=""
 NETNS_OVERRIDE=""
@@ -49,10 +53,11 @@ while [[ $# -gt 0 ]]; do
         --no-build) BUILD=0; shift ;;
         --prepare-only) PREPARE_ONLY=1; shift ;;
         --algorithms) ALGORITHMS=1; shift ;;
+        --null) NULL=1; shift ;;
         --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
         --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
         --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -122,6 +127,11 @@ if [[ $ALGORITHMS == 1 ]]; then
         lo_peers+=("\"chorus-tcp-$a=chorus_lo \$np tcp $a\"")
         netns_peers+=("\"chorus-$a=chorus_netns $a\"")
     done
+fi
+
+if [[ $NULL == 1 ]]; then
+    lo_peers+=('"chorus-tcp-again=chorus_lo $np tcp"')
+    netns_peers+=('"chorus-again=chorus_netns"')
 fi
 
 RUN_ALL=$WORK/run_all.sh
