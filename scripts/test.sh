@@ -52,4 +52,7 @@ target=$(cargo metadata --format-version 1 --no-deps | "$PY" -c 'import json,sys
 CHORUS_LIBRARY="$target/debug/libchorus_ffi.so" CHORUS_RUN="$target/debug/chorus-run" \
     "$PY" -m pytest -q -p no:cacheprovider ffi/python/tests
 
+log "benchmark tooling (benches/peers)"
+"$PY" -m pytest -q -p no:cacheprovider benches/peers
+
 log "all tests passed"

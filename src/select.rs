@@ -50,7 +50,8 @@
 //!   for latency-bound buckets, a few hundred for the largest.
 //! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
-//!   one is tried; worst modelled first so that the calls after the trials follow a
+//!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
+//!   ones; worst modelled first so that the calls after the trials follow a
 //!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
@@ -178,6 +179,12 @@ pub const TRIAL_MAX_PASSES: usize = 20;
 /// Most candidates of a bucket tuned on the caller's calls (no cap when some host runs more
 /// ranks than cores: the model's ranking is weakest there).
 pub const ONLINE_CANDIDATES: usize = 3;
+/// Timed calls of each candidate of a bucket tuned on the caller's calls when some host runs
+/// more ranks than cores, after one untimed call (on links: one call, timed). There the first
+/// call of a schedule after another runs slow and by how much varies: on 4 ranks sharing
+/// 2 cores, 8 MiB single-call trials timed the ring at 17.6–28.0 ms against 10.1–13.6 ms in
+/// loops, put it 1.5× behind halving-doubling (12.7–14.9 ms in loops) and out of the rivals.
+pub const ONLINE_CPU_BOUND_RUNS: usize = 2;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
@@ -445,8 +452,13 @@ impl Selector {
             if !self.cpu_bound {
                 costs.truncate(ONLINE_CANDIDATES);
             }
+            let runs = if self.cpu_bound {
+                ONLINE_CPU_BOUND_RUNS
+            } else {
+                1
+            };
             return TrialPlan {
-                candidates: costs.iter().map(|&(a, _)| (a, 1)).collect(),
+                candidates: costs.iter().map(|&(a, _)| (a, runs)).collect(),
                 passes: 1,
                 dedicated,
             };
@@ -602,7 +614,9 @@ pub(crate) fn bucket(bytes: usize) -> usize {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrialPlan {
     /// The candidates, best modelled first, each with its timed repetitions per pass
-    /// (dedicated trials; 1 when tuned on the caller's calls).
+    /// (dedicated trials; when tuned on the caller's calls, its timed calls: 1, or
+    /// [`ONLINE_CPU_BOUND_RUNS`] after an untimed one when some host runs more ranks than
+    /// cores).
     pub candidates: Vec<(Algorithm, usize)>,
     /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
     /// to [`TRIAL_MAX_PASSES`]; else 1).
@@ -687,10 +701,15 @@ pub fn parse_tune(v: &str) -> Result<bool, CommError> {
 enum Bucket {
     /// No call of this size yet.
     Fresh,
-    /// Tuned on the caller's calls: the candidates, and the time of those already tried.
+    /// Tuned on the caller's calls: the candidates, the mean time per timed call of those
+    /// already tried, and the block of calls of the one being tried: `runs` timed calls (after
+    /// an untimed one when more than one), `done` of them made, `sum` of their times.
     Online {
         candidates: Vec<Algorithm>,
         times: Vec<f64>,
+        runs: usize,
+        done: usize,
+        sum: f64,
     },
     /// Decided (by trials, or because there was nothing to try); `watch`: rivals still worth
     /// re-timing.
@@ -888,7 +907,9 @@ impl Tuner {
                     rival,
                 }
             }
-            Bucket::Online { candidates, times } => Next::Online(candidates[times.len()]),
+            Bucket::Online {
+                candidates, times, ..
+            } => Next::Online(candidates[times.len()]),
             Bucket::Fresh => {
                 let plan = selector.trial_plan(bytes);
                 if plan.candidates.len() <= 1 {
@@ -914,25 +935,45 @@ impl Tuner {
                 self.buckets[b] = Bucket::Online {
                     candidates,
                     times: Vec::new(),
+                    runs: plan.candidates[0].1.max(1),
+                    done: 0,
+                    sum: 0.0,
                 };
                 Next::Online(first)
             }
         }
     }
 
-    /// Records the time of an online trial of `bytes` bytes. Returns the candidates and their
-    /// times (this rank's) once the last one is in: the caller agrees on them across ranks and
-    /// calls [`Tuner::decide`].
+    /// Records the time of a call of an online trial of `bytes` bytes (the first of a
+    /// candidate's block is not counted when the block has more than one timed call). Returns
+    /// the candidates and their mean times per timed call (this rank's) once the last block is
+    /// in: the caller agrees on them across ranks and calls [`Tuner::decide`].
     pub(crate) fn record(
         &mut self,
         bytes: usize,
         seconds: f64,
     ) -> Option<(Vec<Algorithm>, Vec<f64>)> {
         let b = bucket(bytes);
-        if let Bucket::Online { candidates, times } = &mut self.buckets[b] {
-            times.push(seconds);
-            if times.len() == candidates.len() {
-                return Some((candidates.clone(), times.clone()));
+        if let Bucket::Online {
+            candidates,
+            times,
+            runs,
+            done,
+            sum,
+        } = &mut self.buckets[b]
+        {
+            // A block of more than one timed call starts with an untimed one.
+            let block = if *runs > 1 { *runs + 1 } else { 1 };
+            *done += 1;
+            if *runs == 1 || *done > 1 {
+                *sum += seconds;
+            }
+            if *done == block {
+                times.push(*sum / *runs as f64);
+                (*done, *sum) = (0, 0.0);
+                if times.len() == candidates.len() {
+                    return Some((candidates.clone(), times.clone()));
+                }
             }
         }
         None
@@ -1090,7 +1131,12 @@ impl Tuner {
     /// has been timed yet (the communicator warms them up first).
     pub(crate) fn online_fresh(&self, bytes: usize) -> Option<Vec<Algorithm>> {
         match &self.buckets[bucket(bytes)] {
-            Bucket::Online { candidates, times } if times.is_empty() => Some(candidates.clone()),
+            Bucket::Online {
+                candidates,
+                times,
+                done: 0,
+                ..
+            } if times.is_empty() => Some(candidates.clone()),
             _ => None,
         }
     }
@@ -1767,6 +1813,36 @@ mod tests {
             s.revisits(big),
         );
         assert_eq!(t.decided(big), Some(cands[1]));
+        // With more ranks than cores, each candidate's block is an untimed call and
+        // ONLINE_CPU_BOUND_RUNS timed ones; a candidate's time is their mean.
+        let crowded = s.clone().with_cpu_bound(true);
+        let mut tc = Tuner::new();
+        let plan = crowded.trial_plan(big);
+        assert!(plan.candidates.iter().all(|c| c.1 == ONLINE_CPU_BOUND_RUNS));
+        let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
+        for (i, &a) in order.iter().enumerate() {
+            for call in 0..=ONLINE_CPU_BOUND_RUNS {
+                assert_eq!(tc.next(&crowded, big), Next::Online(a));
+                assert_eq!(tc.online_fresh(big).is_some(), i == 0 && call == 0);
+                // The untimed first call is slow; the timed ones take i+1 and i+2.
+                let seconds = if call == 0 { 100.0 } else { (i + call) as f64 };
+                let done = tc.record(big, seconds);
+                let last = i + 1 == order.len() && call == ONLINE_CPU_BOUND_RUNS;
+                assert_eq!(done.is_some(), last);
+                if let Some((c, times)) = done {
+                    assert_eq!(c, order);
+                    let want: Vec<f64> = (0..order.len())
+                        .map(|j| {
+                            (1..=ONLINE_CPU_BOUND_RUNS)
+                                .map(|k| (j + k) as f64)
+                                .sum::<f64>()
+                                / ONLINE_CPU_BOUND_RUNS as f64
+                        })
+                        .collect();
+                    assert_eq!(times, want);
+                }
+            }
+        }
         // Large buckets on links are not revisited: the bucket's schedule from now on.
         assert!(!s.revisits(big) && s.revisits(DEDICATED_MAX_BYTES));
         assert!(s.clone().with_cpu_bound(true).revisits(big));

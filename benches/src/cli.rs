@@ -42,8 +42,8 @@ OPTIONS:
     -o, --op NAME|all        sum prod min max avg [sum]
     -a, --average 0|1|2|3    time reported: 0 rank 0's, 1 mean, 2 min, 3 max over ranks
                              [1; 3 with --format peers, like the peers harness]
-        --algo NAME          force an allreduce algorithm (default: the selector decides;
-                             other collectives: CHORUS_ALGO=broadcast:ring and the like)
+        --algo NAME          force an allreduce algorithm (default, or `auto`: the selector
+                             decides; other collectives: CHORUS_ALGO=broadcast:ring and the like)
         --algo A,B,...|all   allreduce: compare schedules in one launch (`auto` is the
                              selector; `all` is every schedule and auto): per size, --rounds
                              rounds each time a block of every entry, in shuffled order, out

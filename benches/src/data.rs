@@ -76,13 +76,16 @@ pub fn resolve_ops(name: &str) -> Result<Vec<ReduceOp>, UsageError> {
         .map_err(|e| UsageError(format!("-o: {e}")))
 }
 
-/// `--algo`.
+/// `--algo` naming one schedule, or `auto` (the selector decides, as without `--algo`).
 pub fn resolve_algo(name: Option<&str>) -> Result<Option<Algorithm>, UsageError> {
-    name.map(|n| {
-        n.parse::<Algorithm>()
-            .map_err(|e| UsageError(format!("--algo: {e}")))
-    })
-    .transpose()
+    match name {
+        Some(n) if n.trim().eq_ignore_ascii_case("auto") => Ok(None),
+        Some(n) => n
+            .parse::<Algorithm>()
+            .map(Some)
+            .map_err(|e| UsageError(format!("--algo: {e} (or auto)"))),
+        None => Ok(None),
+    }
 }
 
 /// Resolve a comparison's `--algo` list: schedule names and `auto` (the selector, `None`),
@@ -155,6 +158,10 @@ mod tests {
         assert!(resolve_dtypes("complex").unwrap_err().0.starts_with("-d: "));
         assert_eq!(resolve_ops("max").unwrap(), vec![ReduceOp::Max]);
         assert_eq!(resolve_ops("all").unwrap().len(), ReduceOp::ALL.len());
+        assert_eq!(resolve_algo(Some("Auto")).unwrap(), None);
+        assert_eq!(resolve_algo(None).unwrap(), None);
+        assert_eq!(resolve_algo(Some("ring")).unwrap(), Some(Algorithm::Ring));
+        assert!(resolve_algo(Some("rign")).is_err());
         assert!(resolve_ops("xor").unwrap_err().0.starts_with("-o: "));
         assert_eq!(resolve_algo(None).unwrap(), None);
         assert!(resolve_algo(Some("no-such-algorithm")).is_err());

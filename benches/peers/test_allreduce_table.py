@@ -1,0 +1,78 @@
+"""Tests of allreduce_table.py on made-up raw files (run by scripts/test.sh with pytest)."""
+import importlib.util
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location("allreduce_table", os.path.join(HERE, "allreduce_table.py"))
+table_mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(table_mod)
+
+HEADER = "#       size(B)        count   type  redop  iters     time(us)  algbw(GB/s)  busbw(GB/s)   #wrong\n"
+
+
+def write(folder, peer, rep, rows):
+    """rows: {size: (time_us, busbw_GBps)}"""
+    with open(os.path.join(folder, f"{peer}.rep{rep}.txt"), "w") as f:
+        f.write(HEADER)
+        for size, (t, bw) in rows.items():
+            f.write(f"{size:>15} {size // 4:>12}  float    sum    200 {t:>12.2f} {bw:>12.4f} {bw:>12.4f}        0\n")
+
+
+def scenario(tmp_path, again):
+    folder = tmp_path / "loopback-np4"
+    folder.mkdir()
+    big = 1 << 20
+    # Per schedule: three launches; the medians are the middle values.
+    launches = {
+        "chorus-tcp-ring": [(80.0, 1.0), (90.0, 1.2), (100.0, 1.1)],       # 90 us, 1.1 GB/s
+        "chorus-tcp-tree": [(40.0, 0.5), (50.0, 0.6), (45.0, 0.7)],        # 45 us, 0.6
+        "chorus-tcp-halving_doubling": [(60.0, 0.9), (60.0, 0.9), (60.0, 0.9)],
+        "chorus-tcp-recursive_doubling": [(42.0, 0.4), (44.0, 0.4), (43.0, 0.4)],  # 43 us
+        "chorus-tcp": [(50.0, 1.0), (47.0, 0.99), (60.0, 0.5)],            # 50 us, 0.99
+        "ompi-tcp": [(55.0, 0.8), (55.0, 0.8), (55.0, 0.8)],
+        "ompi-vader": [(1.0, 9.0), (1.0, 9.0), (1.0, 9.0)],                # left out
+    }
+    if again:
+        launches["chorus-tcp-again"] = [(43.0, 1.21), (43.0, 1.21), (43.0, 1.21)]
+    for peer, rows in launches.items():
+        for k, (t, bw) in enumerate(rows, 1):
+            write(folder, peer, k, {8: (t, 0.0), big: (t * 100, bw)})
+    return folder
+
+
+def cells(text, size):
+    for line in text.splitlines():
+        if line.startswith(f"| {size} |"):
+            return [c.strip() for c in line.strip("|").split("|")]
+    raise AssertionError(f"no row {size} in\n{text}")
+
+
+def test_ratios_against_the_best_schedule_and_peer(tmp_path):
+    text = table_mod.table("loopback-np4", str(scenario(tmp_path, again=False)))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert header[:6] == ["size", "ring", "tree", "halving_doubling", "recursive_doubling", "auto"]
+    assert "ompi-vader" not in header and "auto again" not in header
+    small = dict(zip(header, cells(text, "8 B")))
+    # Time up to 128 B: auto 50 us against recursive doubling's 43 us and Open MPI's 55.
+    assert small["auto"] == "50.0"
+    assert small["auto / best schedule"] == "86 %"
+    assert small["auto / best peer (which)"] == "110 % (ompi-tcp)"
+    large = dict(zip(header, cells(text, "1 MiB")))
+    # busbw above: auto 990 MB/s against the ring's 1100.
+    assert large["auto"] == "990" and large["ring"] == "1100"
+    assert large["auto / best schedule"] == "90 %"
+    assert "1 of 2 sizes >= 90 %" in text
+
+
+def test_null_column(tmp_path):
+    text = table_mod.table("loopback-np4", str(scenario(tmp_path, again=True)))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert header[6] == "auto again"
+    small = dict(zip(header, cells(text, "8 B")))
+    assert small["again / auto"] == "116 %"          # 50 / 43
+    assert small["again / best schedule"] == "100 %"
+    large = dict(zip(header, cells(text, "1 MiB")))
+    assert large["again / auto"] == "122 %"          # 1210 / 990
+    assert large["again / best schedule"] == "110 %"
+    assert "null, again / auto: 116–122 %" in text
+    assert "again / best schedule: 2 of 2 sizes >= 90 %" in text
