@@ -48,7 +48,8 @@
 //!   candidates sample the same spells of a crowded host; passes much shorter than that miss
 //!   how a schedule runs in a loop. Only that first call is slower: a few dozen milliseconds
 //!   for latency-bound buckets, a few hundred for the largest.
-//! - **Large buckets**: the caller's own calls are the trials, one per candidate (at most
+//! - **Large buckets**: the caller's own calls are the trials, one call or one block per
+//!   candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
 //!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
 //!   ones; worst modelled first so that the calls after the trials follow a
@@ -159,11 +160,13 @@ pub const DEDICATED_PLAUSIBLE: f64 = PLAUSIBLE;
 pub const BANDWIDTH_BOUND: f64 = 16.0;
 /// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
-/// Modelled time of the dedicated trials of one bucket.
+/// Time of the dedicated trials of one bucket (the first pass modelled, the rest as measured).
 pub const TRIAL_TIME: Duration = Duration::from_millis(100);
-/// Modelled time the dedicated trials of one bucket may take to run [`TRIAL_MIN_PASSES`].
+/// Time the dedicated trials of one bucket may take to run [`TRIAL_MIN_PASSES`] (as
+/// [`TRIAL_TIME`]).
 pub const TRIAL_MAX_TIME: Duration = Duration::from_millis(300);
-/// Modelled time of one candidate's timed repetitions in one pass of dedicated trials.
+/// Time of one candidate's timed repetitions in one pass of dedicated trials (as
+/// [`TRIAL_TIME`]).
 pub const TRIAL_PASS_TIME: Duration = Duration::from_millis(20);
 /// Most timed repetitions of one candidate in one pass of dedicated trials (after one untimed).
 /// Where ranks share cores, a schedule's speed shifts with how their turns fall, in spells of
@@ -619,7 +622,8 @@ pub struct TrialPlan {
     /// cores).
     pub candidates: Vec<(Algorithm, usize)>,
     /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
-    /// to [`TRIAL_MAX_PASSES`]; else 1).
+    /// to [`TRIAL_MAX_PASSES`], or from [`TrialPlan::after_first_pass`] the passes after the
+    /// first, 0 to one less; else 1).
     pub passes: usize,
     /// Dedicated trials on the first call (else the caller's calls are the trials).
     pub dedicated: bool,
@@ -633,8 +637,9 @@ impl TrialPlan {
     /// within [`TRIAL_MAX_TIME`], at most [`TRIAL_MAX_PASSES`] in all, the first included).
     /// The model's per-byte time comes from a short probe that can be far off (on 4 ranks
     /// sharing 2 cores it read 0.15–0.37 GB/s where the ring moves 1.1–1.7 GB/s), and trials
-    /// sized by it ran 3 passes of 5 runs at 512 KiB where 12 passes of 8 fit their time.
+    /// sized by it ran 3 passes of 5 runs at 512 KiB where 7–12 passes of 8 fit their time.
     pub fn after_first_pass(&self, measured: &[f64]) -> TrialPlan {
+        debug_assert_eq!(measured.len(), self.candidates.len());
         let costs: Vec<(Algorithm, f64)> = self
             .candidates
             .iter()
@@ -1820,6 +1825,7 @@ mod tests {
         let plan = crowded.trial_plan(big);
         assert!(plan.candidates.iter().all(|c| c.1 == ONLINE_CPU_BOUND_RUNS));
         let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
+        assert!(order.len() >= 2, "{order:?}");
         for (i, &a) in order.iter().enumerate() {
             for call in 0..=ONLINE_CPU_BOUND_RUNS {
                 assert_eq!(tc.next(&crowded, big), Next::Online(a));

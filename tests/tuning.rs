@@ -18,7 +18,7 @@ const WATCHDOG: Duration = Duration::from_secs(240);
 const COUNTS: [usize; 5] = [1, 7, 1023, 65_539, (1 << 20) + 5];
 /// Calls per count: enough to go through every online trial (at most one block per schedule:
 /// an untimed call and `ONLINE_CPU_BOUND_RUNS` timed ones where ranks outnumber cores, as
-/// threads here do) and stay in the steady phase.
+/// these threads do on small machines) and stay in the steady phase.
 const CALLS: usize = Algorithm::ALL.len() * (chorus::select::ONLINE_CPU_BOUND_RUNS + 1) + 2;
 
 /// The schedule every bucket settled on, per rank.

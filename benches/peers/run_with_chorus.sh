@@ -57,7 +57,7 @@ while [[ $# -gt 0 ]]; do
         --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
         --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
         --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
-        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done

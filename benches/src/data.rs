@@ -81,6 +81,7 @@ pub fn resolve_algo(name: Option<&str>) -> Result<Option<Algorithm>, UsageError>
     match name {
         Some(n) if n.trim().eq_ignore_ascii_case("auto") => Ok(None),
         Some(n) => n
+            .trim()
             .parse::<Algorithm>()
             .map(Some)
             .map_err(|e| UsageError(format!("--algo: {e} (or auto)"))),
@@ -159,8 +160,7 @@ mod tests {
         assert_eq!(resolve_ops("max").unwrap(), vec![ReduceOp::Max]);
         assert_eq!(resolve_ops("all").unwrap().len(), ReduceOp::ALL.len());
         assert_eq!(resolve_algo(Some("Auto")).unwrap(), None);
-        assert_eq!(resolve_algo(None).unwrap(), None);
-        assert_eq!(resolve_algo(Some("ring")).unwrap(), Some(Algorithm::Ring));
+        assert_eq!(resolve_algo(Some(" ring")).unwrap(), Some(Algorithm::Ring));
         assert!(resolve_algo(Some("rign")).is_err());
         assert!(resolve_ops("xor").unwrap_err().0.starts_with("-o: "));
         assert_eq!(resolve_algo(None).unwrap(), None);
