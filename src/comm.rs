@@ -623,7 +623,8 @@ impl Communicator {
     /// memory traffic differ between the two), once
     /// untimed and then its repetitions back to back, in passes: the first as `plan` sizes
     /// it, the rest as [`TrialPlan::after_first_pass`] sizes them from the first's agreed
-    /// times; this rank's time of a candidate is the median over passes of a pass's mean run.
+    /// times; this rank's time of a candidate is the median over passes of a pass's mean run
+    /// ([`select::trial_time`]: the first pass only where it ran the later passes' runs).
     /// Returns the schedule agreed on.
     fn dedicated_trials(
         &mut self,
@@ -674,8 +675,13 @@ impl Communicator {
                 r.push(t);
             }
         }
-        // The median pass, so that one disturbed pass (slow or lucky) does not decide.
-        let times: Vec<f64> = runs.iter_mut().map(|r| select::median(r)).collect();
+        // The median pass, so that one disturbed pass (slow or lucky) does not decide; the
+        // first only where it was as long as the rest.
+        let times: Vec<f64> = runs
+            .iter_mut()
+            .zip(plan.candidates.iter().zip(&rest.candidates))
+            .map(|(r, (&(_, first), &(_, later)))| select::trial_time(r, first, later))
+            .collect();
         let candidates: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
         self.agree_and_decide(bytes, &candidates, times, opts.timeout)
     }

@@ -44,7 +44,9 @@
 //!   largest of each candidate's) and those size the rest ([`TrialPlan::after_first_pass`]),
 //!   so the trials' time holds whatever the probe measured;
 //!   a candidate's time is the median over passes of the mean run of a pass (a loop of calls
-//!   sees the mean; the median drops disturbed passes either way). Short passes let the
+//!   sees the mean; the median drops disturbed passes either way), leaving out the first pass
+//!   where it ran fewer repetitions than the later ones ([`trial_time`]: the model sized it,
+//!   and its one or two runs are what the probe misjudged). Short passes let the
 //!   candidates sample the same spells of a crowded host; passes much shorter than that miss
 //!   how a schedule runs in a loop. Only that first call is slower: a few dozen milliseconds
 //!   for latency-bound buckets, a few hundred for the largest.
@@ -1217,6 +1219,19 @@ pub(crate) fn describe_revisit(bytes: usize, r: &Revisited) -> String {
     s
 }
 
+/// A candidate's time from its dedicated trials: the median over `passes` (each pass's mean
+/// run, the first pass first) of those that ran the full repetitions. The first pass ran
+/// `first_reps` as the model sized it, the later ones `later_reps` as the first's measured
+/// times sized them; where the model's were fewer, the first pass's mean of one or two runs
+/// is left out, as it would otherwise be one of three values in the median exactly where the
+/// probe misjudged the schedule (alone, it still counts). Sorts `passes`.
+pub(crate) fn trial_time(passes: &mut [f64], first_reps: usize, later_reps: usize) -> f64 {
+    match passes.len() > 1 && first_reps < later_reps {
+        true => median(&mut passes[1..]),
+        false => median(passes),
+    }
+}
+
 /// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
 pub(crate) fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -1732,6 +1747,14 @@ mod tests {
         assert_eq!(median(&mut [3.0]), 3.0);
         assert_eq!(median(&mut [9.0, 1.0]), 5.0);
         assert_eq!(median(&mut [9.0, 1.0, 2.0]), 2.0);
+        // A short first pass (1 run where the later ones ran 8) is left out: its slow lone
+        // run would be the median of three.
+        assert_eq!(trial_time(&mut [5.0, 2.0, 6.0], 1, 8), 4.0);
+        // A first pass as long as the later ones counts.
+        assert_eq!(trial_time(&mut [5.0, 2.0, 6.0], 8, 8), 5.0);
+        // Alone, it is the time.
+        assert_eq!(trial_time(&mut [5.0], 1, 8), 5.0);
+        assert_eq!(trial_time(&mut [], 1, 8), 0.0);
     }
 
     #[test]

@@ -14,8 +14,10 @@ A ratio >= 100 % means auto is at least as fast.  With a second `auto` peer (run
 --null: chorus-tcp-again, chorus-again) the table adds its column and two null figures:
   again / auto         : the same program in other launches of the same run
   again / best schedule: the first ratio as the second copy would have scored it
-so that the spread launch-to-launch noise alone gives the columns is in view.  Standard library
-only.
+so that the spread launch-to-launch noise alone gives the columns is in view.  Where chorus-perf
+printed which schedule `auto` ran at each size (`# schedule SIZE NAME tuned|model` comments),
+a last column counts them over the launches of `auto` (and of its copy), e.g. `ring 3, hd 2`,
+so a miss can be told apart: a poor pick, or noise on the same pick.  Standard library only.
 """
 import os
 import re
@@ -26,6 +28,8 @@ from collections import defaultdict
 REP_RE = re.compile(r"^(?P<name>.+)\.rep(?P<k>\d+)\.txt$")
 ROW_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?(\d+)\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
 SCHEDULES = ["ring", "tree", "halving_doubling", "recursive_doubling"]
+PICK_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?# schedule (\d+) (\S+) (tuned|model)\s*$")
+SHORT = {"halving_doubling": "hd", "recursive_doubling": "rd", "double_tree": "dt"}
 LATENCY_MAX = 128  # bytes: up to here the table shows time, above it busbw
 
 
@@ -47,6 +51,28 @@ def parse(path):
     return rows
 
 
+def picks(path):
+    """{size: schedule} that `auto` ran in one launch (from its `# schedule` comments; a
+    schedule the model chose without tuning gets a trailing `*`)"""
+    out = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = PICK_RE.match(line)
+            if m:
+                name = SHORT.get(m.group(2), m.group(2))
+                out[int(m.group(1))] = name + ("*" if m.group(3) == "model" else "")
+    return out
+
+
+def pick_counts(launches, s):
+    """'ring 3, hd 2': the schedules of size s over launches (most frequent first), or ''"""
+    counts = defaultdict(int)
+    for p in launches:
+        if s in p:
+            counts[p[s]] += 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def roles(peers):
     """(auto, again, {schedule: peer}, [other peers]) for the peer names of one scenario;
     again is the second `auto` peer or None"""
@@ -60,10 +86,12 @@ def roles(peers):
 
 def table(name, folder):
     reps = defaultdict(list)
+    chosen = defaultdict(list)
     for fn in sorted(os.listdir(folder)):
         m = REP_RE.match(fn)
         if m:
             reps[m.group("name")].append(parse(os.path.join(folder, fn)))
+            chosen[m.group("name")].append(picks(os.path.join(folder, fn)))
     auto, again, scheds, others = roles(reps)
     if auto is None or not scheds:
         return None
@@ -92,12 +120,14 @@ def table(name, folder):
         return c.replace("chorus-tcp-", "").replace("chorus-", "")
 
     null_cols = " | again / auto | again / best schedule" if again else ""
+    pickers = [c for c in ([auto] + ([again] if again else [])) if any(chosen[c])]
+    pick_cols = "".join(f" | {label(c)}: schedules" for c in pickers)
     out = [f"### {name}", "",
            f"time (us) up to {LATENCY_MAX} B, busbw (MB/s) above; median over launches "
            f"({', '.join(f'{c}: {len(reps[c])}' for c in cols)})", "",
            "| size | " + " | ".join(label(c) for c in cols)
-           + " | auto / best schedule | auto / best peer (which)" + null_cols + " |",
-           "|---:|" + "---:|" * (len(cols) + 2 + (2 if again else 0))]
+           + " | auto / best schedule | auto / best peer (which)" + null_cols + pick_cols + " |",
+           "|---:|" + "---:|" * (len(cols) + 2 + (2 if again else 0)) + "---|" * len(pickers)]
     worst_sched, worst_peer, nulls, null_sched = [], [], [], []
     for s in sizes:
         m = {c: med(c, s) for c in cols}
@@ -129,6 +159,8 @@ def table(name, folder):
             if n2 is not None:
                 null_sched.append((n2, s))
             row += " " + " | ".join("—" if x is None else f"{x * 100:.0f} %" for x in (n1, n2)) + " |"
+        for c in pickers:
+            row += f" {pick_counts(chosen[c], s) or '—'} |"
         out.append(row)
     out.append("")
     if worst_sched:

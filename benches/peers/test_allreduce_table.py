@@ -76,3 +76,27 @@ def test_null_column(tmp_path):
     assert large["again / best schedule"] == "110 %"
     assert "null, again / auto: 116–124 %" in text
     assert "again / best schedule: 2 of 2 sizes >= 90 %" in text
+
+
+def test_schedule_picks(tmp_path):
+    folder = scenario(tmp_path, again=True)
+    big = 1 << 20
+    # auto's launches name their schedules (as chorus-perf prints them, behind launch.sh's
+    # rank prefix or not); the copy's do not, so it gets no picks column.
+    for k, (small, large) in enumerate([("rd", "ring"), ("tree", "halving_doubling"), ("rd", "ring")], 1):
+        with open(folder / f"chorus-tcp.rep{k}.txt", "a") as f:
+            long = {"rd": "recursive_doubling"}.get(small, small)
+            f.write(f"# schedule 8 {long} tuned\n")
+            f.write(f"[0] # schedule {big} {large} {'model' if k == 2 else 'tuned'}\n")
+    text = table_mod.table("loopback-np4", str(folder))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert header[-1] == "auto: schedules" and "auto again: schedules" not in header
+    assert dict(zip(header, cells(text, "8 B")))["auto: schedules"] == "rd 2, tree 1"
+    assert dict(zip(header, cells(text, "1 MiB")))["auto: schedules"] == "ring 2, hd* 1"
+    # The comments do not change the numbers.
+    assert dict(zip(header, cells(text, "8 B")))["auto"] == "50.0"
+
+
+def test_no_picks_column_without_comments(tmp_path):
+    text = table_mod.table("loopback-np4", str(scenario(tmp_path, again=False)))
+    assert "schedules" not in text.splitlines()[4]

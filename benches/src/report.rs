@@ -372,6 +372,13 @@ pub fn peers_row(key: &RowKey<'_>, m: &Measure) -> String {
     )
 }
 
+/// The comment after a peers row of an allreduce left to the selector: which schedule the
+/// size ran (`how`: `tuned`, or `model` where tuning did not settle it). Lines starting with
+/// `#` are skipped by the harness's parsers; `benches/peers/allreduce_table.py` reads these.
+pub fn schedule_comment(bytes: usize, schedule: &str, how: &str) -> String {
+    format!("# schedule {bytes} {schedule} {how}")
+}
+
 /// Bytes in a human unit for the progress line (`8 B`, `32 KiB`, `1.5 MiB`).
 pub fn human_bytes(bytes: u64) -> String {
     for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
@@ -546,6 +553,13 @@ mod tests {
         assert!(line.contains("\"wrong\":null"));
         assert_eq!(json_string("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
         assert_eq!(json_number(f64::INFINITY, 3), "null");
+    }
+
+    #[test]
+    fn schedule_comment_is_a_comment() {
+        let line = schedule_comment(2 << 20, "ring", "tuned");
+        assert_eq!(line, "# schedule 2097152 ring tuned");
+        assert!(line.starts_with('#'));
     }
 
     #[test]

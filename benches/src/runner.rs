@@ -26,6 +26,7 @@ use chorus::{AllReduceOptions, CommError, Communicator, DType, Element, ReduceOp
 
 use crate::calls;
 use crate::cli::{Average, Options, Output, Placement};
+use crate::collective::Collective;
 use crate::data::{self, with_element};
 use crate::progress::Progress;
 use crate::report::{self, Compared, Groups, JsonContext, Measure, RowKey};
@@ -462,8 +463,30 @@ impl<'a> Runner<'a> {
                 for (_, m) in measures.iter().filter(|(inplace, _)| !inplace) {
                     self.print(&report::peers_row(&key, m));
                 }
+                // What the selector ran, as a comment the harness skips: its launches keep
+                // rank 0's stdout only, and a column of `auto` is read with its choices.
+                if let Some(line) = self.schedule_comment(p.bytes) {
+                    self.print(&line);
+                }
             }
         }
+    }
+
+    /// `# schedule SIZE NAME tuned|model` for an allreduce left to the selector: the
+    /// schedule its size bucket settled on after the size's calls (`tuned`), or where tuning
+    /// has not settled it (tuning off or undecided) the cost model's choice (`model`).
+    fn schedule_comment(&self, bytes: u64) -> Option<String> {
+        if self.opts.collective != Collective::AllReduce
+            || self.variants[0].call.algorithm.is_some()
+        {
+            return None;
+        }
+        let bytes = usize::try_from(bytes).ok()?;
+        let (alg, how) = match self.comm.tuned_algorithm(bytes) {
+            Some(a) => (a, "tuned"),
+            None => (self.comm.selected_algorithm(bytes), "model"),
+        };
+        Some(report::schedule_comment(bytes, alg.name(), how))
     }
 }
 
