@@ -365,6 +365,14 @@ impl Communicator {
             .unwrap_or_else(|| self.selector.select(bytes))
     }
 
+    /// Whether allreduces that force no algorithm take the direct shared-memory allreduce
+    /// instead of a message schedule: every rank is on this host (the transport has shared
+    /// memory to all of them) and `CHORUS_ALGO` is unset. Schedules are then neither
+    /// selected nor tuned. Every rank returns the same.
+    pub fn direct_shared_memory(&mut self) -> bool {
+        self.config.algo.is_none() && self.transport.shared_memory().is_some()
+    }
+
     /// The algorithm tuning settled on for allreduces of `bytes` bytes, if their size bucket
     /// is tuned (see [`crate::select`]).
     pub fn tuned_algorithm(&self, bytes: usize) -> Option<Algorithm> {
@@ -454,10 +462,7 @@ impl Communicator {
                 .at_rank(self.rank));
             }
         }
-        if opts.algorithm.is_none()
-            && self.config.algo.is_none()
-            && self.transport.shared_memory().is_some()
-        {
+        if opts.algorithm.is_none() && self.direct_shared_memory() {
             // Every rank on this host: the direct shared-memory allreduce beats any message
             // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
             return self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
@@ -624,7 +629,7 @@ impl Communicator {
     /// untimed and then its repetitions back to back, in passes: the first as `plan` sizes
     /// it, the rest as [`TrialPlan::after_first_pass`] sizes them from the first's agreed
     /// times; this rank's time of a candidate is the median over passes of a pass's mean run
-    /// ([`select::trial_time`]: the first pass only where it ran the later passes' runs).
+    /// (leaving out the first pass where [`select::drop_first_pass`] says so).
     /// Returns the schedule agreed on.
     fn dedicated_trials(
         &mut self,
@@ -675,12 +680,12 @@ impl Communicator {
                 r.push(t);
             }
         }
-        // The median pass, so that one disturbed pass (slow or lucky) does not decide; the
-        // first only where it was as long as the rest.
+        // The median pass, so that one disturbed pass (slow or lucky) does not decide; over
+        // the later passes alone where the model sized the first short.
+        let skip = usize::from(select::drop_first_pass(plan, &rest));
         let times: Vec<f64> = runs
             .iter_mut()
-            .zip(plan.candidates.iter().zip(&rest.candidates))
-            .map(|(r, (&(_, first), &(_, later)))| select::trial_time(r, first, later))
+            .map(|r| select::median(&mut r[skip..]))
             .collect();
         let candidates: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
         self.agree_and_decide(bytes, &candidates, times, opts.timeout)

@@ -44,9 +44,11 @@
 //!   largest of each candidate's) and those size the rest ([`TrialPlan::after_first_pass`]),
 //!   so the trials' time holds whatever the probe measured;
 //!   a candidate's time is the median over passes of the mean run of a pass (a loop of calls
-//!   sees the mean; the median drops disturbed passes either way), leaving out the first pass
-//!   where it ran fewer repetitions than the later ones ([`trial_time`]: the model sized it,
-//!   and its one or two runs are what the probe misjudged). Short passes let the
+//!   sees the mean; the median drops disturbed passes either way). Where the model sized
+//!   the first pass shorter than the later ones for some candidate and at least two passes
+//!   follow, the first pass is left out for every candidate: its few runs per candidate are
+//!   sized by what the probe misjudged, and the first runs of a schedule at a new size are
+//!   slow. Short passes let the
 //!   candidates sample the same spells of a crowded host; passes much shorter than that miss
 //!   how a schedule runs in a loop. Only that first call is slower: a few dozen milliseconds
 //!   for latency-bound buckets, a few hundred for the largest.
@@ -1219,17 +1221,21 @@ pub(crate) fn describe_revisit(bytes: usize, r: &Revisited) -> String {
     s
 }
 
-/// A candidate's time from its dedicated trials: the median over `passes` (each pass's mean
-/// run, the first pass first) of those that ran the full repetitions. The first pass ran
-/// `first_reps` as the model sized it, the later ones `later_reps` as the first's measured
-/// times sized them; where the model's were fewer, the first pass's mean of one or two runs
-/// is left out, as it would otherwise be one of three values in the median exactly where the
-/// probe misjudged the schedule (alone, it still counts). Sorts `passes`.
-pub(crate) fn trial_time(passes: &mut [f64], first_reps: usize, later_reps: usize) -> f64 {
-    match passes.len() > 1 && first_reps < later_reps {
-        true => median(&mut passes[1..]),
-        false => median(passes),
-    }
+/// Whether dedicated trials leave their first pass out of every candidate's median: where
+/// the model sized it (`first`, repetitions per candidate) shorter than the measured times
+/// sized the `later` passes for some candidate, and at least two passes follow (so that one
+/// disturbed pass still does not decide). The first pass's few runs are then sized by what
+/// the probe misjudged, and it also holds each schedule's first runs at the size, which are
+/// slow; with three passes in all, the minimum, it would be one of three values in the
+/// median. The choice is the same for every candidate, so that all are scored over the same
+/// passes.
+pub fn drop_first_pass(first: &TrialPlan, later: &TrialPlan) -> bool {
+    later.passes >= 2
+        && first
+            .candidates
+            .iter()
+            .zip(&later.candidates)
+            .any(|(&(_, f), &(_, l))| f < l)
 }
 
 /// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
@@ -1747,14 +1753,25 @@ mod tests {
         assert_eq!(median(&mut [3.0]), 3.0);
         assert_eq!(median(&mut [9.0, 1.0]), 5.0);
         assert_eq!(median(&mut [9.0, 1.0, 2.0]), 2.0);
-        // A short first pass (1 run where the later ones ran 8) is left out: its slow lone
-        // run would be the median of three.
-        assert_eq!(trial_time(&mut [5.0, 2.0, 6.0], 1, 8), 4.0);
-        // A first pass as long as the later ones counts.
-        assert_eq!(trial_time(&mut [5.0, 2.0, 6.0], 8, 8), 5.0);
-        // Alone, it is the time.
-        assert_eq!(trial_time(&mut [5.0], 1, 8), 5.0);
-        assert_eq!(trial_time(&mut [], 1, 8), 0.0);
+    }
+
+    #[test]
+    fn first_trial_pass_left_out_only_when_short_and_followed() {
+        use Algorithm::*;
+        let plan = |reps: [usize; 2], passes| TrialPlan {
+            candidates: vec![(Ring, reps[0]), (HalvingDoubling, reps[1])],
+            passes,
+            dedicated: true,
+        };
+        // The model gave the ring 1 run where its measured time fits 8: left out for both.
+        assert!(drop_first_pass(&plan([1, 8], 1), &plan([8, 8], 2)));
+        assert!(drop_first_pass(&plan([8, 1], 1), &plan([8, 8], 5)));
+        // As long as the later passes (or longer): it counts.
+        assert!(!drop_first_pass(&plan([8, 8], 1), &plan([8, 8], 5)));
+        assert!(!drop_first_pass(&plan([8, 8], 1), &plan([3, 8], 5)));
+        // Fewer than two passes after it: it counts, so that one pass does not decide.
+        assert!(!drop_first_pass(&plan([1, 1], 1), &plan([8, 8], 1)));
+        assert!(!drop_first_pass(&plan([1, 1], 1), &plan([8, 8], 0)));
     }
 
     #[test]

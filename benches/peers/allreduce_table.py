@@ -15,9 +15,10 @@ A ratio >= 100 % means auto is at least as fast.  With a second `auto` peer (run
   again / auto         : the same program in other launches of the same run
   again / best schedule: the first ratio as the second copy would have scored it
 so that the spread launch-to-launch noise alone gives the columns is in view.  Where chorus-perf
-printed which schedule `auto` ran at each size (`# schedule SIZE NAME tuned|model` comments),
-a last column counts them over the launches of `auto` (and of its copy), e.g. `ring 3, hd 2`,
-so a miss can be told apart: a poor pick, or noise on the same pick.  Standard library only.
+printed which schedule `auto` ran at each size (`# schedule SIZE NAME tuned|model|direct`
+comments), a column counts them over the launches of `auto` (and one over its copy's), e.g.
+`ring 3, hd 2` (`*` marks a schedule tuning had not settled, the model's choice), so a miss can
+be told apart: a poor pick, or noise on the same pick.  Standard library only.
 """
 import os
 import re
@@ -28,7 +29,7 @@ from collections import defaultdict
 REP_RE = re.compile(r"^(?P<name>.+)\.rep(?P<k>\d+)\.txt$")
 ROW_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?(\d+)\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
 SCHEDULES = ["ring", "tree", "halving_doubling", "recursive_doubling"]
-PICK_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?# schedule (\d+) (\S+) (tuned|model)\s*$")
+PICK_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?# schedule (\d+) (\S+) (tuned|model|direct)\s*$")
 SHORT = {"halving_doubling": "hd", "recursive_doubling": "rd", "double_tree": "dt"}
 LATENCY_MAX = 128  # bytes: up to here the table shows time, above it busbw
 
@@ -53,7 +54,7 @@ def parse(path):
 
 def picks(path):
     """{size: schedule} that `auto` ran in one launch (from its `# schedule` comments; a
-    schedule the model chose without tuning gets a trailing `*`)"""
+    schedule not (yet) settled by tuning, the model's choice, gets a trailing `*`)"""
     out = {}
     with open(path, errors="replace") as f:
         for line in f:

@@ -372,10 +372,11 @@ pub fn peers_row(key: &RowKey<'_>, m: &Measure) -> String {
     )
 }
 
-/// The comment after a peers row of an allreduce left to the selector: which schedule the
-/// size ran (`how`: `tuned`, or `model` where tuning did not settle it). Lines starting with
-/// `#` are skipped by the harness's parsers; `benches/peers/allreduce_table.py` reads these.
-pub fn schedule_comment(bytes: usize, schedule: &str, how: &str) -> String {
+/// The comment after a peers row of an allreduce without `--algo`: which schedule the size
+/// ran (`how`: `tuned`, `model` where tuning did not settle it, `direct` for the direct
+/// shared-memory allreduce). Lines starting with `#` are skipped by the harness's parsers;
+/// `benches/peers/allreduce_table.py` reads these.
+pub fn schedule_comment(bytes: u64, schedule: &str, how: &str) -> String {
     format!("# schedule {bytes} {schedule} {how}")
 }
 
@@ -558,6 +559,10 @@ mod tests {
     #[test]
     fn schedule_comment_is_a_comment() {
         let line = schedule_comment(2 << 20, "ring", "tuned");
+        assert_eq!(
+            schedule_comment(8, "shm", "direct"),
+            "# schedule 8 shm direct"
+        );
         assert_eq!(line, "# schedule 2097152 ring tuned");
         assert!(line.starts_with('#'));
     }

@@ -472,19 +472,25 @@ impl<'a> Runner<'a> {
         }
     }
 
-    /// `# schedule SIZE NAME tuned|model` for an allreduce left to the selector: the
-    /// schedule its size bucket settled on after the size's calls (`tuned`), or where tuning
-    /// has not settled it (tuning off or undecided) the cost model's choice (`model`).
-    fn schedule_comment(&self, bytes: u64) -> Option<String> {
+    /// `# schedule SIZE NAME tuned|model|direct` for an allreduce without `--algo`: the
+    /// schedule its size bucket settled on after the size's calls (`tuned`), where tuning has
+    /// not settled it (tuning off, or trials unfinished) the cost model's choice (`model`),
+    /// and `shm direct` where every rank is on one host and the direct shared-memory
+    /// allreduce runs instead of a schedule. (Under a `CHORUS_ALGO` that allows one schedule,
+    /// that schedule is named.)
+    fn schedule_comment(&mut self, bytes: u64) -> Option<String> {
         if self.opts.collective != Collective::AllReduce
             || self.variants[0].call.algorithm.is_some()
         {
             return None;
         }
-        let bytes = usize::try_from(bytes).ok()?;
-        let (alg, how) = match self.comm.tuned_algorithm(bytes) {
+        if self.comm.direct_shared_memory() {
+            return Some(report::schedule_comment(bytes, "shm", "direct"));
+        }
+        let size = usize::try_from(bytes).ok()?;
+        let (alg, how) = match self.comm.tuned_algorithm(size) {
             Some(a) => (a, "tuned"),
-            None => (self.comm.selected_algorithm(bytes), "model"),
+            None => (self.comm.selected_algorithm(size), "model"),
         };
         Some(report::schedule_comment(bytes, alg.name(), how))
     }
