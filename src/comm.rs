@@ -683,6 +683,16 @@ impl Communicator {
         // The median pass, so that one disturbed pass (slow or lucky) does not decide; over
         // the later passes alone where the model sized the first short.
         let skip = usize::from(select::drop_first_pass(plan, &rest));
+        if log::enabled(Level::Trace) {
+            log::log(
+                Level::Trace,
+                Some(self.rank),
+                format_args!(
+                    "{}",
+                    select::describe_passes(bytes, &plan.candidates, &rest.candidates, &runs, skip)
+                ),
+            );
+        }
         let times: Vec<f64> = runs
             .iter_mut()
             .map(|r| select::median(&mut r[skip..]))

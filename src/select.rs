@@ -1238,6 +1238,31 @@ pub fn drop_first_pass(first: &TrialPlan, later: &TrialPlan) -> bool {
             .any(|(&(_, f), &(_, l))| f < l)
 }
 
+/// The trace line of dedicated trials of `bytes` bytes: every candidate's repetitions in the
+/// first and later passes and this rank's mean run of each pass (µs, `runs[candidate][pass]`),
+/// the passes left out of the median (`skip`) in brackets.
+pub(crate) fn describe_passes(
+    bytes: usize,
+    first: &[(Algorithm, usize)],
+    later: &[(Algorithm, usize)],
+    runs: &[Vec<f64>],
+    skip: usize,
+) -> String {
+    let mut s = format!("all_reduce trial passes for {}:", human(bytes));
+    for ((&(a, f), &(_, l)), r) in first.iter().zip(later).zip(runs) {
+        let _ = write!(s, " {} ({f}/{l} runs)", a.name());
+        for (k, t) in r.iter().enumerate() {
+            let us = t * 1e6;
+            let _ = match k < skip {
+                true => write!(s, " [{us:.1}]"),
+                false => write!(s, " {us:.1}"),
+            };
+        }
+        s.push(';');
+    }
+    s
+}
+
 /// The median of `xs` (the mean of the middle two for an even count; 0 for none). Sorts `xs`.
 pub(crate) fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -1753,6 +1778,23 @@ mod tests {
         assert_eq!(median(&mut [3.0]), 3.0);
         assert_eq!(median(&mut [9.0, 1.0]), 5.0);
         assert_eq!(median(&mut [9.0, 1.0, 2.0]), 2.0);
+    }
+
+    #[test]
+    fn trace_of_trial_passes() {
+        use Algorithm::*;
+        let line = describe_passes(
+            2 << 20,
+            &[(Ring, 1), (HalvingDoubling, 1)],
+            &[(Ring, 8), (HalvingDoubling, 7)],
+            &[vec![4.8e-3, 2.0e-3, 2.2e-3], vec![5.0e-3, 3.0e-3, 3.1e-3]],
+            1,
+        );
+        assert_eq!(
+            line,
+            "all_reduce trial passes for 2 MiB: ring (1/8 runs) [4800.0] 2000.0 2200.0; \
+             halving_doubling (1/7 runs) [5000.0] 3000.0 3100.0;"
+        );
     }
 
     #[test]
