@@ -56,10 +56,8 @@
 //!   candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
 //!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
-//!   ones, and the candidates within [`RACE_WITHIN`]× of the best mean so far race on in
-//!   further rounds, up to [`RACE_ROUNDS`] (`Tuner::race`); worst first so that the calls
-//!   after the trials follow a likely winner), so nothing is run twice; the bucket is decided
-//!   after the last trial, on the means over the rounds.
+//!   ones; worst modelled first so that the calls after the trials follow a
+//!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
 //!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
@@ -237,7 +235,7 @@ pub const REVISIT_MAX_GAP: usize = 1024;
 /// after 4 blocks whatever the rival's cost: on the 4-host testbed a 200-call 8-byte loop
 /// spent ~8 % of its time in 16-call blocks of a rival 1.8× slower.
 pub const REVISIT_BUDGET: f64 = 0.04;
-/// Rounds of caller's-call trials where a host runs more ranks than cores (`Tuner::race`):
+/// Rounds of caller's-call trials where a host runs more ranks than cores ([`Tuner::race`]):
 /// the candidates close to the best race on, so that far-off ones cost one round and close
 /// ones get the calls that separate them. On 4 ranks / 2 cores at 8 MiB the ring read
 /// 0.77–1.07× halving-doubling's time in one round of two timed calls each (a median of 0.88;
@@ -733,7 +731,7 @@ enum Bucket {
         runs: usize,
         done: usize,
         sum: f64,
-        /// The rounds of a race so far (`Tuner::race`): every first-round candidate with
+        /// The rounds of a race so far ([`Tuner::race`]): every first-round candidate with
         /// the sum of its agreed round times and their count (empty in the first round).
         rounds: Vec<(Algorithm, f64, usize)>,
     },
