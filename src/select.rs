@@ -238,13 +238,13 @@ pub const REVISIT_BUDGET: f64 = 0.04;
 /// Rounds of caller's-call trials where a host runs more ranks than cores ([`Tuner::race`]):
 /// the candidates close to the best race on, so that far-off ones cost one round and close
 /// ones get the calls that separate them. On 4 ranks / 2 cores at 8 MiB the ring read
-/// 0.77–1.07× halving-doubling's time in one round of two timed calls each (a median of 0.88;
-/// 9-call revisit blocks put it at 0.79–0.91), and one round picked another schedule than the
-/// ring, the fastest in loops, in 8 of 14 launches (3 of 10 with the race).
+/// 0.77–1.07× halving-doubling's time in one round of two timed calls each (a median of 0.87;
+/// 9-call revisit blocks put it at 0.79–0.91), and one round picked the wrong one in 4 of 14
+/// launches.
 pub const RACE_ROUNDS: usize = 3;
 /// How close to the best mean so far a candidate must be to race on: as close as a rival
-/// must be ([`RIVAL_WITHIN`]), so that one slow round (the ring read 1.36× and 1.75× the
-/// winner's time in single rounds) rarely drops the schedule that wins in loops.
+/// must be ([`RIVAL_WITHIN`]), so that one slow round (a candidate read 1.36× and 1.75× its
+/// loop time in single rounds) rarely drops the schedule that wins in loops.
 pub const RACE_WITHIN: f64 = RIVAL_WITHIN;
 
 /// The expected ratio of a rival not revisited yet: as slow as the trials let a rival be
