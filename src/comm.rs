@@ -534,15 +534,10 @@ impl Communicator {
             Timing::None => {}
             _ if r.is_err() => self.tuner.reset(bytes),
             Timing::Online => {
-                if let Some((candidates, mut times)) = self.tuner.record(bytes, seconds) {
-                    self.agree_max(&mut times, opts.timeout)
+                if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
+                    let chosen = self
+                        .agree_and_decide(bytes, &candidates, times, opts.timeout)
                         .inspect_err(|_| self.tuner.reset(bytes))?;
-                    let Some((candidates, times)) = self.tuner.race(bytes, &candidates, &times)
-                    else {
-                        // Another round of the close candidates follows on the next calls.
-                        return r;
-                    };
-                    let chosen = self.decide_agreed(bytes, &candidates, &times);
                     if chosen != algorithm {
                         // The winner's connections sat idle through the last trial, and TCP
                         // restarts an idle connection's window: warm them again, so that the
@@ -716,17 +711,6 @@ impl Communicator {
         timeout: Option<Duration>,
     ) -> Result<Algorithm, CommError> {
         self.agree_max(&mut times, timeout)?;
-        Ok(self.decide_agreed(bytes, candidates, &times))
-    }
-
-    /// Settles the bucket of `bytes` on the fastest of `candidates` by their agreed `times`
-    /// (the same on every rank) and logs the decision.
-    fn decide_agreed(
-        &mut self,
-        bytes: usize,
-        candidates: &[Algorithm],
-        times: &[f64],
-    ) -> Algorithm {
         let modelled: Vec<f64> = candidates
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
@@ -734,7 +718,7 @@ impl Communicator {
         let revisit = self.selector.revisits(bytes);
         let chosen = self
             .tuner
-            .decide(bytes, candidates, times, &modelled, revisit);
+            .decide(bytes, candidates, &times, &modelled, revisit);
         if self.rank == 0 {
             log::log(
                 Level::Info,
@@ -745,13 +729,13 @@ impl Communicator {
                         bytes,
                         self.selector.select(bytes),
                         candidates,
-                        times,
+                        &times,
                         chosen
                     )
                 ),
             );
         }
-        chosen
+        Ok(chosen)
     }
 
     /// Run one collective: checks the communicator is usable, gives the schedule a context

@@ -235,18 +235,6 @@ pub const REVISIT_MAX_GAP: usize = 1024;
 /// after 4 blocks whatever the rival's cost: on the 4-host testbed a 200-call 8-byte loop
 /// spent ~8 % of its time in 16-call blocks of a rival 1.8× slower.
 pub const REVISIT_BUDGET: f64 = 0.04;
-/// Rounds of caller's-call trials where a host runs more ranks than cores ([`Tuner::race`]):
-/// the candidates close to the best race on, so that far-off ones cost one round and close
-/// ones get the calls that separate them. On 4 ranks / 2 cores at 8 MiB the ring read
-/// 0.77–1.07× halving-doubling's time in one round of two timed calls each (a median of 0.87;
-/// 9-call revisit blocks put it at 0.79–0.91), and one round picked the wrong one in 4 of 14
-/// launches.
-pub const RACE_ROUNDS: usize = 3;
-/// How close to the best mean so far a candidate must be to race on: as close as a rival
-/// must be ([`RIVAL_WITHIN`]), so that one slow round (a candidate read 1.36× and 1.75× its
-/// loop time in single rounds) rarely drops the schedule that wins in loops.
-pub const RACE_WITHIN: f64 = RIVAL_WITHIN;
-
 /// The expected ratio of a rival not revisited yet: as slow as the trials let a rival be
 /// ([`RIVAL_WITHIN`]), not its trial ratio, which short trials under-estimate (on the
 /// testbed, 8 B: halving-doubling 1.09× recursive doubling's time in the trials, 1.83× in its
@@ -731,9 +719,6 @@ enum Bucket {
         runs: usize,
         done: usize,
         sum: f64,
-        /// The rounds of a race so far ([`Tuner::race`]): every first-round candidate with
-        /// the sum of its agreed round times and their count (empty in the first round).
-        rounds: Vec<(Algorithm, f64, usize)>,
     },
     /// Decided (by trials, or because there was nothing to try); `watch`: rivals still worth
     /// re-timing.
@@ -962,7 +947,6 @@ impl Tuner {
                     runs: plan.candidates[0].1.max(1),
                     done: 0,
                     sum: 0.0,
-                    rounds: Vec::new(),
                 };
                 Next::Online(first)
             }
@@ -985,7 +969,6 @@ impl Tuner {
             runs,
             done,
             sum,
-            ..
         } = &mut self.buckets[b]
         {
             // A block of more than one timed call starts with an untimed one.
@@ -1003,65 +986,6 @@ impl Tuner {
             }
         }
         None
-    }
-
-    /// After a round of caller's-call trials of `bytes` bytes (`candidates` and their `agreed`
-    /// times): where a host runs more ranks than cores (blocks of more than one timed call),
-    /// the candidates within [`RACE_WITHIN`]× of the best mean so far race on in another
-    /// round, worst first, up to [`RACE_ROUNDS`] rounds (returns `None`: the next calls are
-    /// that round's). Else returns every first-round candidate with its mean over the rounds
-    /// it ran, to decide on. Every rank passes the same agreed times, so every rank races the
-    /// same rounds.
-    pub(crate) fn race(
-        &mut self,
-        bytes: usize,
-        candidates: &[Algorithm],
-        agreed: &[f64],
-    ) -> Option<(Vec<Algorithm>, Vec<f64>)> {
-        let Bucket::Online {
-            candidates: racing,
-            times,
-            runs,
-            done,
-            sum,
-            rounds,
-        } = &mut self.buckets[bucket(bytes)]
-        else {
-            return Some((candidates.to_vec(), agreed.to_vec()));
-        };
-        if rounds.is_empty() {
-            *rounds = candidates.iter().map(|&a| (a, 0.0, 0)).collect();
-        }
-        for (&a, &t) in candidates.iter().zip(agreed) {
-            if let Some(e) = rounds.iter_mut().find(|e| e.0 == a) {
-                e.1 += t;
-                e.2 += 1;
-            }
-        }
-        let mean = |e: &(Algorithm, f64, usize)| e.1 / e.2.max(1) as f64;
-        let best = rounds
-            .iter()
-            .filter(|e| candidates.contains(&e.0))
-            .map(mean)
-            .fold(f64::INFINITY, f64::min);
-        let mut close: Vec<(Algorithm, f64)> = rounds
-            .iter()
-            .filter(|e| candidates.contains(&e.0) && mean(e) <= best * RACE_WITHIN)
-            .map(|e| (e.0, mean(e)))
-            .collect();
-        // The leaders ran every round so far.
-        let round = rounds.iter().map(|e| e.2).max().unwrap_or(1);
-        if *runs > 1 && round < RACE_ROUNDS && close.len() >= 2 {
-            close.sort_by(|x, y| y.1.total_cmp(&x.1));
-            *racing = close.into_iter().map(|c| c.0).collect();
-            times.clear();
-            (*done, *sum) = (0, 0.0);
-            return None;
-        }
-        Some((
-            rounds.iter().map(|e| e.0).collect(),
-            rounds.iter().map(mean).collect(),
-        ))
     }
 
     /// Settles the bucket of `bytes` on the fastest of `candidates` by the agreed `times` and
@@ -1220,9 +1144,8 @@ impl Tuner {
                 candidates,
                 times,
                 done: 0,
-                rounds,
                 ..
-            } if times.is_empty() && rounds.is_empty() => Some(candidates.clone()),
+            } if times.is_empty() => Some(candidates.clone()),
             _ => None,
         }
     }
@@ -2026,94 +1949,6 @@ mod tests {
         let mut t = Tuner::new();
         assert_eq!(t.next(&s, 100), Next::Use(Algorithm::Ring));
         assert_eq!(t.decided(100), Some(Algorithm::Ring));
-    }
-
-    #[test]
-    fn crowded_hosts_race_the_close_candidates() {
-        use Algorithm::{HalvingDoubling as Hd, RecursiveDoubling as Rd, Ring, Tree};
-        let s = Selector::new(
-            4,
-            Link::TCP_LOOPBACK,
-            LinkSource::Default,
-            AlgoFilter::default(),
-        )
-        .with_cpu_bound(true);
-        let big = 8 << 20;
-        let mut t = Tuner::new();
-        // One round: every candidate's block (an untimed call, then timed ones at `secs`).
-        let round = |t: &mut Tuner, secs: &dyn Fn(Algorithm) -> f64| {
-            let mut out = None;
-            let mut order = Vec::new();
-            while out.is_none() {
-                let Next::Online(a) = t.next(&s, big) else {
-                    panic!("not in trials")
-                };
-                if order.last() != Some(&a) {
-                    order.push(a);
-                }
-                out = t.record(big, secs(a));
-            }
-            let (c, times) = out.unwrap();
-            assert_eq!(c, order);
-            (c, times)
-        };
-        // Round 1: recursive doubling 2x behind is dropped; the others race on, worst first.
-        let r1 = |a| match a {
-            Rd => 2.0,
-            Ring => 1.04,
-            Tree => 1.2,
-            _ => 1.0,
-        };
-        let (c, times) = round(&mut t, &r1);
-        assert_eq!(c.len(), 4, "{c:?}");
-        assert_eq!(t.race(big, &c, &times), None);
-        assert_eq!(t.online_fresh(big), None, "no second warm-up");
-        // Round 2: the ring now ahead.
-        let r2 = |a| match a {
-            Ring => 0.8,
-            Tree => 1.2,
-            _ => 1.0,
-        };
-        let (c2, times) = round(&mut t, &r2);
-        assert_eq!(c2, vec![Tree, Ring, Hd], "worst mean first");
-        assert_eq!(t.race(big, &c2, &times), None);
-        // Round 3 is the last: every first-round candidate with its mean over its rounds.
-        let (c3, times) = round(&mut t, &r2);
-        assert_eq!(c3.len(), 3);
-        let (all, means) = t.race(big, &c3, &times).expect("three rounds at most");
-        assert_eq!(all, c);
-        let mean = |a| means[all.iter().position(|&x| x == a).unwrap()];
-        assert!((mean(Rd) - 2.0).abs() < 1e-12);
-        assert!((mean(Ring) - (1.04 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
-        assert!((mean(Hd) - 1.0).abs() < 1e-12);
-        let m: Vec<f64> = all.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        assert_eq!(t.decide(big, &all, &means, &m, true), Ring);
-        // A round with one close candidate ends the race at once.
-        let mut t = Tuner::new();
-        let (c, times) = round(&mut t, &|a| if a == Hd { 1.0 } else { 3.0 });
-        assert_eq!(t.race(big, &c, &times).map(|x| x.0), Some(c));
-        // On links (one timed call per candidate) there is one round.
-        let links = Selector::new(
-            4,
-            Link::TCP_LOOPBACK,
-            LinkSource::Default,
-            AlgoFilter::default(),
-        );
-        let mut t = Tuner::new();
-        let Next::Online(a) = t.next(&links, big) else {
-            panic!("not in trials")
-        };
-        let mut c = vec![a];
-        let mut out = t.record(big, 1.0);
-        while out.is_none() {
-            let Next::Online(a) = t.next(&links, big) else {
-                panic!("not in trials")
-            };
-            c.push(a);
-            out = t.record(big, 1.0);
-        }
-        let (c, times) = out.unwrap();
-        assert_eq!(t.race(big, &c, &times).map(|x| x.0), Some(c));
     }
 
     #[test]

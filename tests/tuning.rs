@@ -16,14 +16,10 @@ const WATCHDOG: Duration = Duration::from_secs(240);
 /// Element counts (f32/i32) landing in different buckets: tiny, small, mid (dedicated trials)
 /// and above `DEDICATED_MAX_BYTES` (tuned on the caller's calls).
 const COUNTS: [usize; 5] = [1, 7, 1023, 65_539, (1 << 20) + 5];
-/// Calls per count: enough to go through every online trial (at most one block per schedule
-/// and round: an untimed call and `ONLINE_CPU_BOUND_RUNS` timed ones in up to `RACE_ROUNDS`
-/// rounds where ranks outnumber cores, as these threads do on small machines) and stay in the
-/// steady phase.
-const CALLS: usize = Algorithm::ALL.len()
-    * (chorus::select::ONLINE_CPU_BOUND_RUNS + 1)
-    * chorus::select::RACE_ROUNDS
-    + 2;
+/// Calls per count: enough to go through every online trial (at most one block per schedule:
+/// an untimed call and `ONLINE_CPU_BOUND_RUNS` timed ones where ranks outnumber cores, as
+/// these threads do on small machines) and stay in the steady phase.
+const CALLS: usize = Algorithm::ALL.len() * (chorus::select::ONLINE_CPU_BOUND_RUNS + 1) + 2;
 
 /// The schedule every bucket settled on, per rank.
 fn tune_and_check(c: &mut Communicator) -> Vec<Option<Algorithm>> {
