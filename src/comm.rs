@@ -32,8 +32,9 @@ enum Timing {
     None,
     /// It is an online trial: timed and recorded.
     Online,
-    /// It is part of a revisit: recorded, timed when `timed`; `rival`: it runs the rival.
-    Revisit { timed: bool, rival: bool },
+    /// It is part of a revisit: recorded (the tuner leaves each block's untimed first call
+    /// out); `rival`: it runs the rival.
+    Revisit { rival: bool },
 }
 
 /// A group of ranks that run collectives together.
@@ -483,10 +484,8 @@ impl Communicator {
                     Timing::None,
                 ),
                 Next::Revisit {
-                    algorithm,
-                    timed,
-                    rival,
-                } => (algorithm, Timing::Revisit { timed, rival }),
+                    algorithm, rival, ..
+                } => (algorithm, Timing::Revisit { rival }),
             },
         };
         log::log(
@@ -546,8 +545,7 @@ impl Communicator {
                     }
                 }
             }
-            Timing::Revisit { timed, .. } => {
-                let seconds = if timed { seconds } else { 0.0 };
+            Timing::Revisit { .. } => {
                 if let Some((_, _, times)) = self.tuner.record_revisit(bytes, seconds) {
                     self.agree_revisit(bytes, times, opts.timeout)
                         .inspect_err(|_| self.tuner.reset(bytes))?;
