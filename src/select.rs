@@ -30,8 +30,9 @@
 //! table is only the prior: unless `CHORUS_TUNE=0` (or `off`), the first allreduce of every
 //! size bucket (power of two, as the table's rows) times the allowed schedules (for large
 //! buckets only those the model puts within [`PLAUSIBLE`]× of its cheapest, or
-//! [`PLAUSIBLE_CPU_BOUND`]× when some host runs more ranks than it has cores) and the bucket
-//! keeps the fastest one.
+//! [`PLAUSIBLE_CPU_BOUND`]× when some host runs more ranks than it has cores, and within
+//! [`PLAUSIBLE`]× of the least work all ranks then share the cores for) and the bucket keeps
+//! the fastest one.
 //! - **Small buckets** (up to [`DEDICATED_MAX_BYTES`]): the first call runs dedicated trials
 //!   (of every allowed schedule; where the model puts the bucket in the bandwidth-bound range,
 //!   of those within [`DEDICATED_PLAUSIBLE`]× of its cheapest) on a zeroed buffer of its size
@@ -148,7 +149,11 @@ pub const PLAUSIBLE: f64 = 1.25;
 /// [`PLAUSIBLE`] when a host runs more ranks than it has cores: transfers are then bound by
 /// the CPU (kernel copies, reductions and wake-ups of ranks sharing a core), not by the link
 /// the α–β model describes, and a schedule the model puts behind (the pipelined tree, on 4
-/// ranks sharing 2 cores) can win on large messages.
+/// ranks sharing 2 cores) can win on large messages. Those candidates are then also held to
+/// [`PLAUSIBLE`]× the least work all ranks share the cores for ([`Algorithm::host_work`]):
+/// the tree does the ring's, recursive doubling 16/9 of it on 4 ranks (its forced runs took
+/// 1.5–1.8× the ring's time at 8–64 MiB on 4 ranks sharing 2 cores, and its untimed and two
+/// timed trial calls cost a 64 MiB loop of 37 calls about 5 %).
 pub const PLAUSIBLE_CPU_BOUND: f64 = 3.0;
 /// Dedicated trials of a bucket the model puts in the bandwidth-bound range (the best
 /// schedule's modelled time more than [`BANDWIDTH_BOUND`]× its latency part) leave out the schedules it puts
@@ -501,6 +506,15 @@ impl Selector {
                 PLAUSIBLE
             };
             costs.retain(|c| c.1 <= plausible * best);
+            if self.cpu_bound {
+                // The cores bound the transfers: rank by the work all ranks share them for.
+                let work = |a: Algorithm| a.host_work(bytes, self.ranks);
+                let least = costs
+                    .iter()
+                    .map(|c| work(c.0))
+                    .fold(f64::INFINITY, f64::min);
+                costs.retain(|c| work(c.0) <= PLAUSIBLE * least);
+            }
             if !self.cpu_bound {
                 costs.truncate(ONLINE_CANDIDATES);
             }
@@ -1594,7 +1608,8 @@ mod tests {
         assert!(tiny.trial_plan(8).candidates.len() >= 2);
         assert!(tiny.trial_plan(8).candidates[0].1 > 1, "tiny trials repeat");
         // Large buckets on a link: the ring and halving-doubling only (the model's bandwidth
-        // ranking holds); with more ranks than cores, the others within 3x too.
+        // ranking holds); with more ranks than cores, the others within 3x too that do no
+        // more than 1.25x the least work on the shared cores (the tree, not recursive doubling).
         let big = 64 << 20;
         let linked: Vec<Algorithm> = tiny
             .trial_plan(big)
@@ -1607,16 +1622,33 @@ mod tests {
         let crowded = tiny.clone().with_cpu_bound(true);
         assert!(crowded.cpu_bound() && !tiny.cpu_bound());
         let plan = crowded.trial_plan(big);
-        assert!(
-            plan.candidates.len() > ONLINE_CANDIDATES,
-            "every plausible one: {:?}",
-            plan.candidates
+        let names: Vec<Algorithm> = plan.candidates.iter().map(|c| c.0).collect();
+        assert_eq!(
+            names,
+            [Algorithm::HalvingDoubling, Algorithm::Ring, Algorithm::Tree],
+            "every plausible one"
         );
         assert!(plan
             .candidates
             .iter()
             .all(|c| crowded.modelled_cost(c.0, big)
                 <= PLAUSIBLE_CPU_BOUND * crowded.modelled_cost(crowded.select(big), big)));
+        // Without the tree, the work rule leaves recursive doubling out all the same.
+        let no_tree = Selector::new(
+            4,
+            Link::TCP_LOOPBACK,
+            LinkSource::Default,
+            AlgoFilter::parse("^tree,double_tree").unwrap(),
+        )
+        .with_cpu_bound(true);
+        let left: Vec<Algorithm> = no_tree
+            .trial_plan(big)
+            .candidates
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        assert!(!left.contains(&Algorithm::RecursiveDoubling), "{left:?}");
+        assert_eq!(left.len(), 2, "{left:?}");
         // A probe's figures on 4 ranks sharing 2 cores: 32 KiB tries every schedule (recursive
         // doubling and the tree win there in loops), 2 MiB only the ring and halving-doubling.
         let probed = Selector::new(

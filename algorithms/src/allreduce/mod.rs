@@ -80,6 +80,41 @@ impl Algorithm {
         }
     }
 
+    /// The bytes all ranks together send and reduce in an allreduce of `bytes` bytes over
+    /// `ranks` ranks (`p`, and `p'` the largest power of two `≤ p` with `r = p − p'` ranks
+    /// folded onto it): where ranks share cores, every byte any rank copies or reduces takes
+    /// the same cores, so this total ranks the schedules there, not one link's time.
+    /// - ring, tree, double tree: `2(p−1)·n` sent and `(p−1)·n` reduced (every byte crosses
+    ///   each ring step once; every tree edge carries `n` up and `n` down), `3(p−1)·n`;
+    /// - halving-doubling: `3(p'−1)·n`, plus `3r·n` for the folded ranks (each sends its
+    ///   buffer, which its partner reduces, and receives the result);
+    /// - recursive doubling: `2·p'·log₂p'·n` (every rank sends and reduces the whole buffer
+    ///   every round), plus `3r·n`.
+    ///
+    /// ```
+    /// use chorus_algorithms::allreduce::Algorithm;
+    /// let n = 1 << 20;
+    /// assert_eq!(Algorithm::Ring.host_work(n, 4), 9.0 * n as f64);
+    /// assert_eq!(Algorithm::Tree.host_work(n, 4), Algorithm::Ring.host_work(n, 4));
+    /// assert_eq!(Algorithm::HalvingDoubling.host_work(n, 5), 12.0 * n as f64);
+    /// assert_eq!(Algorithm::RecursiveDoubling.host_work(n, 4), 16.0 * n as f64);
+    /// assert_eq!(Algorithm::Ring.host_work(n, 1), 0.0);
+    /// ```
+    pub fn host_work(self, bytes: usize, ranks: usize) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let n = bytes as f64;
+        let p = ranks as f64;
+        let core = (1usize << ranks.ilog2()) as f64;
+        let folded = 3.0 * (p - core) * n;
+        match self {
+            Algorithm::Ring | Algorithm::Tree | Algorithm::DoubleTree => 3.0 * (p - 1.0) * n,
+            Algorithm::HalvingDoubling => 3.0 * (core - 1.0) * n + folded,
+            Algorithm::RecursiveDoubling => 2.0 * core * core.log2() * n + folded,
+        }
+    }
+
     /// The modelled time (seconds) of an allreduce of `bytes` bytes over `ranks` ranks.
     pub fn cost(self, bytes: usize, ranks: usize, link: &Link) -> f64 {
         match self {
