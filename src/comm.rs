@@ -535,9 +535,9 @@ impl Communicator {
             Timing::Online => {
                 if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
                     let chosen = self
-                        .agree_online(bytes, &candidates, times, opts.timeout)
+                        .agree_and_decide(bytes, &candidates, times, opts.timeout)
                         .inspect_err(|_| self.tuner.reset(bytes))?;
-                    if let Some(chosen) = chosen.filter(|&c| c != algorithm) {
+                    if chosen != algorithm {
                         // The winner's connections sat idle through the last trial, and TCP
                         // restarts an idle connection's window: warm them again, so that the
                         // caller's next call runs at the speed the trials measured.
@@ -709,45 +709,6 @@ impl Communicator {
         timeout: Option<Duration>,
     ) -> Result<Algorithm, CommError> {
         self.agree_max(&mut times, timeout)?;
-        Ok(self.decide_agreed(bytes, candidates, &times))
-    }
-
-    /// [`Communicator::agree_and_decide`] for trials on the caller's calls, which may go on
-    /// to a run-off ([`Selector::run_off_runs`]) instead of deciding (`None`; logged).
-    fn agree_online(
-        &mut self,
-        bytes: usize,
-        candidates: &[Algorithm],
-        mut times: Vec<f64>,
-        timeout: Option<Duration>,
-    ) -> Result<Option<Algorithm>, CommError> {
-        self.agree_max(&mut times, timeout)?;
-        if let Some(runs) = self.selector.run_off_runs(bytes) {
-            if let Some(list) = self.tuner.run_off(bytes, candidates, &times, runs) {
-                if self.rank == 0 {
-                    log::log(
-                        Level::Info,
-                        Some(0),
-                        format_args!(
-                            "{}",
-                            select::describe_run_off(bytes, candidates, &times, &list, runs)
-                        ),
-                    );
-                }
-                return Ok(None);
-            }
-        }
-        Ok(Some(self.decide_agreed(bytes, candidates, &times)))
-    }
-
-    /// Settles the bucket of `bytes` on the fastest of `candidates` by their agreed `times`
-    /// and logs the decision.
-    fn decide_agreed(
-        &mut self,
-        bytes: usize,
-        candidates: &[Algorithm],
-        times: &[f64],
-    ) -> Algorithm {
         let modelled: Vec<f64> = candidates
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
@@ -755,7 +716,7 @@ impl Communicator {
         let revisit = self.selector.revisits(bytes);
         let chosen = self
             .tuner
-            .decide(bytes, candidates, times, &modelled, revisit);
+            .decide(bytes, candidates, &times, &modelled, revisit);
         if self.rank == 0 {
             log::log(
                 Level::Info,
@@ -766,13 +727,13 @@ impl Communicator {
                         bytes,
                         self.selector.select(bytes),
                         candidates,
-                        times,
+                        &times,
                         chosen
                     )
                 ),
             );
         }
-        chosen
+        Ok(chosen)
     }
 
     /// Run one collective: checks the communicator is usable, gives the schedule a context

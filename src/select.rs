@@ -56,14 +56,13 @@
 //! - **Large buckets**: the caller's own calls are the trials, one call or one block per
 //!   candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
-//!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
+//!   one is tried, each in a block of an untimed call and [`Selector::online_runs`] timed
 //!   ones; worst modelled first so that the calls after the trials follow a
 //!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
-//!   Where some host runs more ranks than cores and the bucket is under 32 MiB, the candidates
-//!   those blocks put within [`RUNOFF_WITHIN`]× of the fastest then run a **run-off**: a
-//!   second block each, slowest first, of an untimed call and up to [`TRIAL_PASS_REPS`]
-//!   timed ones ([`RUNOFF_BYTES`]), and the run-off's times alone decide (two timed calls
-//!   per schedule misjudge close schedules there; blocks as long as a revisit's do not).
+//!   Where some host runs more ranks than cores, a block spans about [`ONLINE_BLOCK_BYTES`]
+//!   of calls: up to [`TRIAL_PASS_REPS`] timed calls for buckets of 8 MiB and less (two
+//!   timed calls per schedule misjudge close schedules there; blocks as long as a revisit's
+//!   do not), at least [`ONLINE_CPU_BOUND_RUNS`] for the largest.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
 //!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
@@ -96,7 +95,8 @@
 //!   that keeps the schedule; a bucket with no rival left is settled for good. Every gap is
 //!   also long enough for the revisit after it to cost at most [`REVISIT_BUDGET`] of the calls'
 //!   time, by the rival's expected ratio (its evidence so far; [`UNSEEN_RIVAL_RATIO`] before
-//!   its first revisit, or its run-off ratio where a run-off timed it): rivals that may win
+//!   its first revisit, or its trial ratio where its trial block had at least
+//!   [`PRIOR_MIN_RUNS`] timed calls): rivals that may win
 //!   are re-timed soon, rivals far behind rarely, and
 //!   a short loop of calls does not pay for blocks of a slow rival. Every call of a
 //!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
@@ -203,22 +203,20 @@ pub const ONLINE_CANDIDATES: usize = 3;
 /// 2 cores, 8 MiB single-call trials timed the ring at 17.6–28.0 ms against 10.1–13.6 ms in
 /// loops, put it 1.5× behind halving-doubling (12.7–14.9 ms in loops) and out of the rivals.
 pub const ONLINE_CPU_BOUND_RUNS: usize = 2;
-/// Bytes a candidate's block of a run-off spans ([`Selector::run_off_runs`]): where some host
-/// runs more ranks than cores, the candidates the first blocks of the caller's calls put within
-/// [`RUNOFF_WITHIN`] of the fastest run a second block each, of `RUNOFF_BYTES / bucket` timed
-/// calls (at most [`TRIAL_PASS_REPS`]) after an untimed one, and those blocks alone decide.
-/// Two timed calls per schedule misjudge close schedules there: on 4 ranks sharing 2 cores,
-/// 8 MiB blocks of two put halving-doubling ahead of the ring in 3 of 8 launches (by 1–7 %)
-/// and twice put the ring 1.36× and 1.75× behind, where every 9-call revisit block (12 of 12)
-/// put the ring 1.10–1.27× ahead; the revisits that would correct it came after ~113 calls.
-/// Buckets of 32 MiB and more (under three calls) have no run-off: their two timed calls
-/// already span as many bytes, and a loop of them has few calls to spend.
-pub const RUNOFF_BYTES: usize = 64 << 20;
-/// Fewest timed calls per block that make a run-off worth its calls.
-pub const RUNOFF_MIN_RUNS: usize = 3;
-/// Candidates whose first block timed within this factor of the fastest go to the run-off
-/// (as far behind as a rival may be: [`RIVAL_WITHIN`]).
-pub const RUNOFF_WITHIN: f64 = RIVAL_WITHIN;
+/// Bytes a candidate's block of trials on the caller's calls spans where some host runs more
+/// ranks than cores ([`Selector::online_runs`]): `ONLINE_BLOCK_BYTES / bucket` timed calls
+/// after an untimed one, within [`ONLINE_CPU_BOUND_RUNS`]..=[`TRIAL_PASS_REPS`]. Two timed
+/// calls per schedule misjudge close schedules there: on 4 ranks sharing 2 cores, 8 MiB blocks
+/// of two put halving-doubling ahead of the ring in 3 of 8 launches (by 1–7 %) and twice put
+/// the ring 1.36× and 1.75× behind, where every 9-call revisit block (12 of 12) put the ring
+/// 1.10–1.27× ahead; the revisits that would correct it came after ~113 calls. Buckets of
+/// 32 MiB and more keep two timed calls: they span as many bytes, and a loop of them has few
+/// calls to spend (a 64 MiB loop of the benchmarks has 37).
+pub const ONLINE_BLOCK_BYTES: usize = 64 << 20;
+/// Trial blocks on the caller's calls of at least this many timed calls give the rivals
+/// their trial ratio as the expected ratio of their first revisit (shorter ones:
+/// [`UNSEEN_RIVAL_RATIO`]).
+pub const PRIOR_MIN_RUNS: usize = 4;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
@@ -447,27 +445,26 @@ impl Selector {
         bytes <= DEDICATED_MAX_BYTES || self.cpu_bound
     }
 
-    /// Timed calls per block of the run-off of a bucket of `bytes` bytes tuned on the caller's
-    /// calls ([`RUNOFF_BYTES`]): only where some host runs more ranks than cores, and only for
-    /// buckets with at least [`RUNOFF_MIN_RUNS`] (`None`: no run-off).
+    /// Timed calls per block of trials of `bytes` bytes on the caller's calls: 1 on links;
+    /// where some host runs more ranks than cores, as many as span [`ONLINE_BLOCK_BYTES`]
+    /// (for the bucket's size), within [`ONLINE_CPU_BOUND_RUNS`]..=[`TRIAL_PASS_REPS`], after
+    /// an untimed call.
     ///
     /// ```
-    /// use chorus::select::{AlgoFilter, LinkSource, Selector, RUNOFF_BYTES};
+    /// use chorus::select::{AlgoFilter, LinkSource, Selector, ONLINE_CPU_BOUND_RUNS};
     /// use chorus_algorithms::cost::Link;
     /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
-    /// assert_eq!(s.run_off_runs(8 << 20), None);
+    /// assert_eq!(s.online_runs(8 << 20), 1);
     /// let crowded = s.with_cpu_bound(true);
-    /// assert_eq!(crowded.run_off_runs(8 << 20), Some(8));
-    /// assert_eq!(crowded.run_off_runs(16 << 20), Some(4));
-    /// assert_eq!(crowded.run_off_runs(RUNOFF_BYTES / 2), None);
-    /// assert_eq!(crowded.run_off_runs(1 << 20), None); // dedicated trials
+    /// assert_eq!(crowded.online_runs(5 << 20), 8); // the 8 MiB bucket
+    /// assert_eq!(crowded.online_runs(16 << 20), 4);
+    /// assert_eq!(crowded.online_runs(64 << 20), ONLINE_CPU_BOUND_RUNS);
     /// ```
-    pub fn run_off_runs(&self, bytes: usize) -> Option<usize> {
-        if !self.cpu_bound || bytes <= DEDICATED_MAX_BYTES {
-            return None;
+    pub fn online_runs(&self, bytes: usize) -> usize {
+        if !self.cpu_bound {
+            return 1;
         }
-        let runs = (RUNOFF_BYTES >> bucket(bytes)).min(TRIAL_PASS_REPS);
-        (runs >= RUNOFF_MIN_RUNS).then_some(runs)
+        (ONLINE_BLOCK_BYTES >> bucket(bytes)).clamp(ONLINE_CPU_BOUND_RUNS, TRIAL_PASS_REPS)
     }
 
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
@@ -518,11 +515,7 @@ impl Selector {
             if !self.cpu_bound {
                 costs.truncate(ONLINE_CANDIDATES);
             }
-            let runs = if self.cpu_bound {
-                ONLINE_CPU_BOUND_RUNS
-            } else {
-                1
-            };
+            let runs = self.online_runs(bytes);
             return TrialPlan {
                 candidates: costs.iter().map(|&(a, _)| (a, runs)).collect(),
                 passes: 1,
@@ -680,9 +673,8 @@ pub(crate) fn bucket(bytes: usize) -> usize {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrialPlan {
     /// The candidates, best modelled first, each with its timed repetitions per pass
-    /// (dedicated trials; when tuned on the caller's calls, its timed calls: 1, or
-    /// [`ONLINE_CPU_BOUND_RUNS`] after an untimed one when some host runs more ranks than
-    /// cores).
+    /// (dedicated trials; when tuned on the caller's calls, its timed calls:
+    /// [`Selector::online_runs`], after an untimed one when more than one).
     pub candidates: Vec<(Algorithm, usize)>,
     /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
     /// to [`TRIAL_MAX_PASSES`], or from [`TrialPlan::after_first_pass`] the passes after the
@@ -772,14 +764,12 @@ enum Bucket {
     /// Tuned on the caller's calls: the candidates, the mean time per timed call of those
     /// already tried, and the block of calls of the one being tried: `runs` timed calls (after
     /// an untimed one when more than one), `done` of them made, `sum` of their times.
-    /// `run_off`: these are the run-off's blocks ([`Tuner::run_off`]).
     Online {
         candidates: Vec<Algorithm>,
         times: Vec<f64>,
         runs: usize,
         done: usize,
         sum: f64,
-        run_off: bool,
     },
     /// Decided (by trials, or because there was nothing to try); `watch`: rivals still worth
     /// re-timing.
@@ -812,8 +802,9 @@ struct Watch {
 #[derive(Clone, Debug, PartialEq)]
 struct Rival {
     algorithm: Algorithm,
-    /// Its expected time ratio before its first revisit: its run-off time over the winner's
-    /// where a run-off timed it (blocks as long as a revisit's), else [`UNSEEN_RIVAL_RATIO`].
+    /// Its expected time ratio before its first revisit: its trial time over the winner's
+    /// where the trial blocks had at least [`PRIOR_MIN_RUNS`] timed calls, else
+    /// [`UNSEEN_RIVAL_RATIO`].
     prior: f64,
     /// The natural logarithms of its latest revisits' time ratios (rival over the bucket's
     /// schedule; below 0: the rival was faster), oldest first.
@@ -832,13 +823,14 @@ struct Revisit {
 
 impl Watch {
     /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
-    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). `run_off`: the
-    /// times are a run-off's, and each rival's ratio is its prior.
+    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). `long`: the
+    /// times are of blocks of at least [`PRIOR_MIN_RUNS`] timed calls, and each rival's ratio
+    /// is its prior.
     fn after_trials(
         chosen: Algorithm,
         candidates: &[Algorithm],
         times: &[f64],
-        run_off: bool,
+        long: bool,
     ) -> Option<Watch> {
         let own = candidates
             .iter()
@@ -863,11 +855,7 @@ impl Watch {
                 .into_iter()
                 .map(|r| Rival {
                     algorithm: r.0,
-                    prior: if run_off {
-                        r.1 / own
-                    } else {
-                        UNSEEN_RIVAL_RATIO
-                    },
+                    prior: if long { r.1 / own } else { UNSEEN_RIVAL_RATIO },
                     evidence: Vec::new(),
                 })
                 .collect(),
@@ -1022,7 +1010,6 @@ impl Tuner {
                     runs: plan.candidates[0].1.max(1),
                     done: 0,
                     sum: 0.0,
-                    run_off: false,
                 };
                 Next::Online(first)
             }
@@ -1045,7 +1032,6 @@ impl Tuner {
             runs,
             done,
             sum,
-            ..
         } = &mut self.buckets[b]
         {
             // A block of more than one timed call starts with an untimed one.
@@ -1099,59 +1085,14 @@ impl Tuner {
             times[model] <= times[fastest] * margin && modelled[fastest] > modelled[model] * margin;
         let a = candidates[if keep { model } else { fastest }];
         let b = bucket(bytes);
-        let run_off = matches!(self.buckets[b], Bucket::Online { run_off: true, .. });
+        let long = matches!(self.buckets[b], Bucket::Online { runs, .. } if runs >= PRIOR_MIN_RUNS);
         self.buckets[b] = Bucket::Decided {
             chosen: a,
             watch: revisit
-                .then(|| Watch::after_trials(a, candidates, times, run_off))
+                .then(|| Watch::after_trials(a, candidates, times, long))
                 .flatten(),
         };
         a
-    }
-
-    /// After the first blocks of a bucket tuned on the caller's calls (agreed `times` of
-    /// `candidates`), starts its run-off when it has none yet and more than one candidate
-    /// timed within [`RUNOFF_WITHIN`] of the fastest: those run a block of `runs` timed
-    /// calls each (after an untimed one), slowest first, and their run-off times decide the
-    /// bucket ([`Tuner::decide`] once [`Tuner::record`] returns them). Returns the
-    /// candidates of the run-off (`None`: decide now).
-    pub(crate) fn run_off(
-        &mut self,
-        bytes: usize,
-        candidates: &[Algorithm],
-        times: &[f64],
-        runs: usize,
-    ) -> Option<Vec<Algorithm>> {
-        let b = bucket(bytes);
-        if !matches!(self.buckets[b], Bucket::Online { run_off: false, .. }) {
-            return None;
-        }
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        if !(best > 0.0 && best.is_finite()) {
-            return None;
-        }
-        let mut short: Vec<(Algorithm, f64)> = candidates
-            .iter()
-            .zip(times)
-            .filter(|(_, &t)| t <= best * RUNOFF_WITHIN)
-            .map(|(&a, &t)| (a, t))
-            .collect();
-        if short.len() < 2 {
-            return None;
-        }
-        // Slowest first (stable: ties keep the trials' order, worst modelled first), so that
-        // the calls after the run-off follow a likely winner.
-        short.sort_by(|x, y| y.1.total_cmp(&x.1));
-        let list: Vec<Algorithm> = short.into_iter().map(|c| c.0).collect();
-        self.buckets[b] = Bucket::Online {
-            candidates: list.clone(),
-            times: Vec::new(),
-            runs: runs.max(1),
-            done: 0,
-            sum: 0.0,
-            run_off: true,
-        };
-        Some(list)
     }
 
     /// Records a call of a revisit of `bytes` bytes (`seconds`: its time on this rank, counted
@@ -1319,32 +1260,6 @@ pub(crate) fn describe_decision(
         let _ = write!(s, "{a} {:.1} us, ", t * 1e6);
     }
     let _ = write!(s, "-> {chosen} (model: {model})");
-    s
-}
-
-/// One log line for the start of a run-off: the first blocks' agreed times and the candidates
-/// that go on.
-pub(crate) fn describe_run_off(
-    bytes: usize,
-    candidates: &[Algorithm],
-    times: &[f64],
-    run_off: &[Algorithm],
-    runs: usize,
-) -> String {
-    let mut s = format!(
-        "all_reduce trials for {} (bucket up to {}): ",
-        human(bytes),
-        human(1usize << bucket(bytes))
-    );
-    for (a, t) in candidates.iter().zip(times) {
-        let _ = write!(s, "{a} {:.1} us, ", t * 1e6);
-    }
-    let names: Vec<&str> = run_off.iter().map(|a| a.name()).collect();
-    let _ = write!(
-        s,
-        "-> run-off of {} ({runs} timed calls each)",
-        names.join(", ")
-    );
     s
 }
 
@@ -2070,31 +1985,27 @@ mod tests {
         );
         assert_eq!(t.decided(big), Some(cands[1]));
         // With more ranks than cores, each candidate's block is an untimed call and
-        // ONLINE_CPU_BOUND_RUNS timed ones; a candidate's time is their mean.
+        // online_runs timed ones; a candidate's time is their mean.
         let crowded = s.clone().with_cpu_bound(true);
         let mut tc = Tuner::new();
         let plan = crowded.trial_plan(big);
-        assert!(plan.candidates.iter().all(|c| c.1 == ONLINE_CPU_BOUND_RUNS));
+        let runs = crowded.online_runs(big);
+        assert!(plan.candidates.iter().all(|c| c.1 == runs));
         let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(order.len() >= 2, "{order:?}");
         for (i, &a) in order.iter().enumerate() {
-            for call in 0..=ONLINE_CPU_BOUND_RUNS {
+            for call in 0..=runs {
                 assert_eq!(tc.next(&crowded, big), Next::Online(a));
                 assert_eq!(tc.online_fresh(big).is_some(), i == 0 && call == 0);
                 // The untimed first call is slow; the timed ones take i+1 and i+2.
                 let seconds = if call == 0 { 100.0 } else { (i + call) as f64 };
                 let done = tc.record(big, seconds);
-                let last = i + 1 == order.len() && call == ONLINE_CPU_BOUND_RUNS;
+                let last = i + 1 == order.len() && call == runs;
                 assert_eq!(done.is_some(), last);
                 if let Some((c, times)) = done {
                     assert_eq!(c, order);
                     let want: Vec<f64> = (0..order.len())
-                        .map(|j| {
-                            (1..=ONLINE_CPU_BOUND_RUNS)
-                                .map(|k| (j + k) as f64)
-                                .sum::<f64>()
-                                / ONLINE_CPU_BOUND_RUNS as f64
-                        })
+                        .map(|j| (1..=runs).map(|k| (j + k) as f64).sum::<f64>() / runs as f64)
                         .collect();
                     assert_eq!(times, want);
                 }
@@ -2121,7 +2032,7 @@ mod tests {
     }
 
     #[test]
-    fn run_off_of_close_candidates_decides_crowded_buckets() {
+    fn crowded_buckets_try_in_long_blocks_and_keep_their_ratios() {
         let s = Selector::new(
             4,
             Link::GIGABIT_ETHERNET,
@@ -2130,89 +2041,74 @@ mod tests {
         )
         .with_cpu_bound(true);
         let big = 8 << 20;
-        let runs = s
-            .run_off_runs(big)
-            .expect("crowded 8 MiB buckets have a run-off");
-        let order: Vec<Algorithm> = s
-            .trial_plan(big)
-            .candidates
-            .iter()
-            .rev()
-            .map(|c| c.0)
-            .collect();
+        let plan = s.trial_plan(big);
+        let runs = s.online_runs(big);
+        assert!(runs >= PRIOR_MIN_RUNS && plan.candidates.iter().all(|c| c.1 == runs));
+        let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(order.len() >= 3, "{order:?}");
         let mut t = Tuner::new();
-        let mut first = None;
-        for &a in &order {
-            for _ in 0..=ONLINE_CPU_BOUND_RUNS {
-                assert_eq!(t.next(&s, big), Next::Online(a));
-                first = t.record(big, 1.0);
-            }
-        }
-        let (cands, _) = first.expect("the first blocks are in");
-        // The first blocks: the last candidate fastest, the first too slow for the run-off,
-        // the others within RUNOFF_WITHIN, the second-to-last the slowest of those.
-        let n = cands.len();
-        let mut times = vec![1.2; n];
-        times[0] = RUNOFF_WITHIN * 1.01;
-        times[n - 2] = 1.4;
-        times[n - 1] = 1.0;
-        let list = t.run_off(big, &cands, &times, runs).expect("a run-off");
-        assert_eq!(list.len(), n - 1);
-        assert!(!list.contains(&cands[0]), "too slow: {list:?}");
-        assert_eq!(
-            (list[0], *list.last().unwrap()),
-            (cands[n - 2], cands[n - 1])
-        );
-        assert_eq!(t.decided(big), None);
-        // Each runs an untimed call and `runs` timed ones; those decide, not the first blocks.
         let mut done = None;
-        for (i, &a) in list.iter().enumerate() {
+        for (i, &a) in order.iter().enumerate() {
             for call in 0..=runs {
                 assert_eq!(t.next(&s, big), Next::Online(a));
                 let seconds = match (call, i) {
-                    (0, _) => 100.0,
-                    (_, 0) => 1.0,  // the first blocks' runner-up wins the run-off
-                    (_, 1) => 1.05, // a close rival
-                    _ => 2.0,       // beyond RIVAL_WITHIN
+                    (0, _) => 100.0, // untimed
+                    (_, 0) => 1.05,  // a close rival
+                    (_, 1) => 1.0,   // the fastest
+                    _ => 2.0,        // beyond RIVAL_WITHIN
                 };
                 done = t.record(big, seconds);
-                assert_eq!(done.is_some(), i + 1 == list.len() && call == runs);
+                assert_eq!(done.is_some(), i + 1 == order.len() && call == runs);
             }
         }
-        let (c, rt) = done.unwrap();
-        assert_eq!(c, list);
-        assert_eq!(rt[0], 1.0);
-        assert!(
-            t.run_off(big, &c, &rt, runs).is_none(),
-            "one run-off per bucket"
-        );
+        let (c, times) = done.unwrap();
+        assert_eq!(c, order);
+        assert_eq!(&times[..2], &[1.05, 1.0]);
         let modelled: Vec<f64> = c.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        let won = t.decide(big, &c, &rt, &modelled, s.revisits(big));
-        assert_eq!(won, list[0]);
-        // The close rival's run-off ratio (1.05) is its prior: its first revisit comes after
-        // the first gap, not after the budget of an unseen rival (1.5).
+        let won = t.decide(big, &c, &times, &modelled, s.revisits(big));
+        assert_eq!(won, order[1]);
+        // The close rival's trial ratio (1.05) is its prior: its first revisit comes after the
+        // first gap, not after the budget of an unseen rival (1.5).
         let window = REVISIT_MIN_WINDOW;
         let mut uses = 0;
         while t.next(&s, big) == Next::Use(won) {
             uses += 1;
             assert!(uses < 10_000);
         }
-        let unseen = (window as f64 * (UNSEEN_RIVAL_RATIO - 1.0) / REVISIT_BUDGET).ceil();
         assert_eq!(uses, REVISIT_FIRST_GAP * window);
+        let unseen = (window as f64 * (UNSEEN_RIVAL_RATIO - 1.0) / REVISIT_BUDGET).ceil();
         assert!((uses as f64) < unseen);
-        // One candidate within RUNOFF_WITHIN, or no first blocks: decide at once.
+        assert!(
+            matches!(t.next(&s, big), Next::Revisit { algorithm, rival: true, .. }
+            if algorithm == order[0])
+        );
+        // Short blocks (the largest buckets) keep the unseen prior.
+        let huge = 64 << 20;
+        assert!(s.online_runs(huge) < PRIOR_MIN_RUNS);
         let mut t = Tuner::new();
-        for &a in &order {
-            for _ in 0..=ONLINE_CPU_BOUND_RUNS {
-                assert_eq!(t.next(&s, big), Next::Online(a));
-                t.record(big, 1.0);
+        let order: Vec<Algorithm> = s
+            .trial_plan(huge)
+            .candidates
+            .iter()
+            .rev()
+            .map(|c| c.0)
+            .collect();
+        let mut done = None;
+        for (i, &a) in order.iter().enumerate() {
+            for _ in 0..=s.online_runs(huge) {
+                assert_eq!(t.next(&s, huge), Next::Online(a));
+                done = t.record(huge, if i == 1 { 1.0 } else { 1.05 });
             }
         }
-        let mut far = vec![3.0; n];
-        far[1] = 1.0;
-        assert!(t.run_off(big, &cands, &far, runs).is_none());
-        assert!(Tuner::new().run_off(big, &cands, &times, runs).is_none());
+        let (c, times) = done.unwrap();
+        let modelled: Vec<f64> = c.iter().map(|&a| s.modelled_cost(a, huge)).collect();
+        let won = t.decide(huge, &c, &times, &modelled, true);
+        let mut uses = 0;
+        while t.next(&s, huge) == Next::Use(won) {
+            uses += 1;
+            assert!(uses < 10_000);
+        }
+        assert_eq!(uses as f64, unseen);
     }
 
     #[test]
