@@ -56,13 +56,9 @@
 //! - **Large buckets**: the caller's own calls are the trials, one call or one block per
 //!   candidate (at most
 //!   [`ONLINE_CANDIDATES`] unless some host runs more ranks than cores, when every plausible
-//!   one is tried, each in a block of an untimed call and [`Selector::online_runs`] timed
+//!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
 //!   ones; worst modelled first so that the calls after the trials follow a
 //!   likely winner), so nothing is run twice; the bucket is decided after the last trial.
-//!   Where some host runs more ranks than cores, a block spans about [`ONLINE_BLOCK_BYTES`]
-//!   of calls: up to [`TRIAL_PASS_REPS`] timed calls for buckets of 8 MiB and less (two
-//!   timed calls per schedule misjudge close schedules there; blocks as long as a revisit's
-//!   do not), at least [`ONLINE_CPU_BOUND_RUNS`] for the largest.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
 //!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
@@ -95,9 +91,7 @@
 //!   that keeps the schedule; a bucket with no rival left is settled for good. Every gap is
 //!   also long enough for the revisit after it to cost at most [`REVISIT_BUDGET`] of the calls'
 //!   time, by the rival's expected ratio (its evidence so far; [`UNSEEN_RIVAL_RATIO`] before
-//!   its first revisit, or its trial ratio where its trial block had at least
-//!   [`PRIOR_MIN_RUNS`] timed calls): rivals that may win
-//!   are re-timed soon, rivals far behind rarely, and
+//!   its first revisit): rivals that may win are re-timed soon, rivals far behind rarely, and
 //!   a short loop of calls does not pay for blocks of a slow rival. Every call of a
 //!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
 //!   floating-point values may differ in the last bits from call to call when the schedule
@@ -203,20 +197,6 @@ pub const ONLINE_CANDIDATES: usize = 3;
 /// 2 cores, 8 MiB single-call trials timed the ring at 17.6–28.0 ms against 10.1–13.6 ms in
 /// loops, put it 1.5× behind halving-doubling (12.7–14.9 ms in loops) and out of the rivals.
 pub const ONLINE_CPU_BOUND_RUNS: usize = 2;
-/// Bytes a candidate's block of trials on the caller's calls spans where some host runs more
-/// ranks than cores ([`Selector::online_runs`]): `ONLINE_BLOCK_BYTES / bucket` timed calls
-/// after an untimed one, within [`ONLINE_CPU_BOUND_RUNS`]..=[`TRIAL_PASS_REPS`]. Two timed
-/// calls per schedule misjudge close schedules there: on 4 ranks sharing 2 cores, 8 MiB blocks
-/// of two put halving-doubling ahead of the ring in 3 of 8 launches (by 1–7 %) and twice put
-/// the ring 1.36× and 1.75× behind, where every 9-call revisit block (12 of 12) put the ring
-/// 1.10–1.27× ahead; the revisits that would correct it came after ~113 calls. Buckets of
-/// 32 MiB and more keep two timed calls: they span as many bytes, and a loop of them has few
-/// calls to spend (a 64 MiB loop of the benchmarks has 37).
-pub const ONLINE_BLOCK_BYTES: usize = 64 << 20;
-/// Trial blocks on the caller's calls of at least this many timed calls give the rivals
-/// their trial ratio as the expected ratio of their first revisit (shorter ones:
-/// [`UNSEEN_RIVAL_RATIO`]).
-pub const PRIOR_MIN_RUNS: usize = 4;
 /// A schedule that measured faster than the model's choice replaces it only when it is faster
 /// by more than this fraction.
 pub const KEEP_MODEL_MARGIN: f64 = 0.05;
@@ -445,28 +425,6 @@ impl Selector {
         bytes <= DEDICATED_MAX_BYTES || self.cpu_bound
     }
 
-    /// Timed calls per block of trials of `bytes` bytes on the caller's calls: 1 on links;
-    /// where some host runs more ranks than cores, as many as span [`ONLINE_BLOCK_BYTES`]
-    /// (for the bucket's size), within [`ONLINE_CPU_BOUND_RUNS`]..=[`TRIAL_PASS_REPS`], after
-    /// an untimed call.
-    ///
-    /// ```
-    /// use chorus::select::{AlgoFilter, LinkSource, Selector, ONLINE_CPU_BOUND_RUNS};
-    /// use chorus_algorithms::cost::Link;
-    /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
-    /// assert_eq!(s.online_runs(8 << 20), 1);
-    /// let crowded = s.with_cpu_bound(true);
-    /// assert_eq!(crowded.online_runs(5 << 20), 8); // the 8 MiB bucket
-    /// assert_eq!(crowded.online_runs(16 << 20), 4);
-    /// assert_eq!(crowded.online_runs(64 << 20), ONLINE_CPU_BOUND_RUNS);
-    /// ```
-    pub fn online_runs(&self, bytes: usize) -> usize {
-        if !self.cpu_bound {
-            return 1;
-        }
-        (ONLINE_BLOCK_BYTES >> bucket(bytes)).clamp(ONLINE_CPU_BOUND_RUNS, TRIAL_PASS_REPS)
-    }
-
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
     /// for dedicated trials (cheap, and the model is least reliable at mid sizes), else those
     /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`]
@@ -515,7 +473,11 @@ impl Selector {
             if !self.cpu_bound {
                 costs.truncate(ONLINE_CANDIDATES);
             }
-            let runs = self.online_runs(bytes);
+            let runs = if self.cpu_bound {
+                ONLINE_CPU_BOUND_RUNS
+            } else {
+                1
+            };
             return TrialPlan {
                 candidates: costs.iter().map(|&(a, _)| (a, runs)).collect(),
                 passes: 1,
@@ -673,8 +635,9 @@ pub(crate) fn bucket(bytes: usize) -> usize {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrialPlan {
     /// The candidates, best modelled first, each with its timed repetitions per pass
-    /// (dedicated trials; when tuned on the caller's calls, its timed calls:
-    /// [`Selector::online_runs`], after an untimed one when more than one).
+    /// (dedicated trials; when tuned on the caller's calls, its timed calls: 1, or
+    /// [`ONLINE_CPU_BOUND_RUNS`] after an untimed one when some host runs more ranks than
+    /// cores).
     pub candidates: Vec<(Algorithm, usize)>,
     /// Passes over the candidates, each candidate's first run untimed (dedicated trials: 1
     /// to [`TRIAL_MAX_PASSES`], or from [`TrialPlan::after_first_pass`] the passes after the
@@ -802,10 +765,6 @@ struct Watch {
 #[derive(Clone, Debug, PartialEq)]
 struct Rival {
     algorithm: Algorithm,
-    /// Its expected time ratio before its first revisit: its trial time over the winner's
-    /// where the trial blocks had at least [`PRIOR_MIN_RUNS`] timed calls, else
-    /// [`UNSEEN_RIVAL_RATIO`].
-    prior: f64,
     /// The natural logarithms of its latest revisits' time ratios (rival over the bucket's
     /// schedule; below 0: the rival was faster), oldest first.
     evidence: Vec<f64>,
@@ -823,15 +782,8 @@ struct Revisit {
 
 impl Watch {
     /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
-    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). `long`: the
-    /// times are of blocks of at least [`PRIOR_MIN_RUNS`] timed calls, and each rival's ratio
-    /// is its prior.
-    fn after_trials(
-        chosen: Algorithm,
-        candidates: &[Algorithm],
-        times: &[f64],
-        long: bool,
-    ) -> Option<Watch> {
+    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch).
+    fn after_trials(chosen: Algorithm, candidates: &[Algorithm], times: &[f64]) -> Option<Watch> {
         let own = candidates
             .iter()
             .zip(times)
@@ -855,7 +807,6 @@ impl Watch {
                 .into_iter()
                 .map(|r| Rival {
                     algorithm: r.0,
-                    prior: if long { r.1 / own } else { UNSEEN_RIVAL_RATIO },
                     evidence: Vec::new(),
                 })
                 .collect(),
@@ -881,10 +832,10 @@ impl Watch {
 
 impl Rival {
     /// Its time over the bucket's schedule's, as its revisits put it (the median of its
-    /// evidence), or its `prior` before its first.
+    /// evidence), or [`UNSEEN_RIVAL_RATIO`] before its first.
     fn expected_ratio(&self) -> f64 {
         if self.evidence.is_empty() {
-            self.prior
+            UNSEEN_RIVAL_RATIO
         } else {
             median(&mut self.evidence.clone()).exp()
         }
@@ -1084,12 +1035,10 @@ impl Tuner {
         let keep =
             times[model] <= times[fastest] * margin && modelled[fastest] > modelled[model] * margin;
         let a = candidates[if keep { model } else { fastest }];
-        let b = bucket(bytes);
-        let long = matches!(self.buckets[b], Bucket::Online { runs, .. } if runs >= PRIOR_MIN_RUNS);
-        self.buckets[b] = Bucket::Decided {
+        self.buckets[bucket(bytes)] = Bucket::Decided {
             chosen: a,
             watch: revisit
-                .then(|| Watch::after_trials(a, candidates, times, long))
+                .then(|| Watch::after_trials(a, candidates, times))
                 .flatten(),
         };
         a
@@ -1171,7 +1120,6 @@ impl Tuner {
             }
             w.rivals[w.turn] = Rival {
                 algorithm: old,
-                prior: UNSEEN_RIVAL_RATIO,
                 evidence: inverted,
             };
             w.gap = REVISIT_FIRST_GAP * w.window;
@@ -1985,27 +1933,31 @@ mod tests {
         );
         assert_eq!(t.decided(big), Some(cands[1]));
         // With more ranks than cores, each candidate's block is an untimed call and
-        // online_runs timed ones; a candidate's time is their mean.
+        // ONLINE_CPU_BOUND_RUNS timed ones; a candidate's time is their mean.
         let crowded = s.clone().with_cpu_bound(true);
         let mut tc = Tuner::new();
         let plan = crowded.trial_plan(big);
-        let runs = crowded.online_runs(big);
-        assert!(plan.candidates.iter().all(|c| c.1 == runs));
+        assert!(plan.candidates.iter().all(|c| c.1 == ONLINE_CPU_BOUND_RUNS));
         let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(order.len() >= 2, "{order:?}");
         for (i, &a) in order.iter().enumerate() {
-            for call in 0..=runs {
+            for call in 0..=ONLINE_CPU_BOUND_RUNS {
                 assert_eq!(tc.next(&crowded, big), Next::Online(a));
                 assert_eq!(tc.online_fresh(big).is_some(), i == 0 && call == 0);
                 // The untimed first call is slow; the timed ones take i+1 and i+2.
                 let seconds = if call == 0 { 100.0 } else { (i + call) as f64 };
                 let done = tc.record(big, seconds);
-                let last = i + 1 == order.len() && call == runs;
+                let last = i + 1 == order.len() && call == ONLINE_CPU_BOUND_RUNS;
                 assert_eq!(done.is_some(), last);
                 if let Some((c, times)) = done {
                     assert_eq!(c, order);
                     let want: Vec<f64> = (0..order.len())
-                        .map(|j| (1..=runs).map(|k| (j + k) as f64).sum::<f64>() / runs as f64)
+                        .map(|j| {
+                            (1..=ONLINE_CPU_BOUND_RUNS)
+                                .map(|k| (j + k) as f64)
+                                .sum::<f64>()
+                                / ONLINE_CPU_BOUND_RUNS as f64
+                        })
                         .collect();
                     assert_eq!(times, want);
                 }
@@ -2029,86 +1981,6 @@ mod tests {
         let mut t = Tuner::new();
         assert_eq!(t.next(&s, 100), Next::Use(Algorithm::Ring));
         assert_eq!(t.decided(100), Some(Algorithm::Ring));
-    }
-
-    #[test]
-    fn crowded_buckets_try_in_long_blocks_and_keep_their_ratios() {
-        let s = Selector::new(
-            4,
-            Link::GIGABIT_ETHERNET,
-            LinkSource::Default,
-            AlgoFilter::default(),
-        )
-        .with_cpu_bound(true);
-        let big = 8 << 20;
-        let plan = s.trial_plan(big);
-        let runs = s.online_runs(big);
-        assert!(runs >= PRIOR_MIN_RUNS && plan.candidates.iter().all(|c| c.1 == runs));
-        let order: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
-        assert!(order.len() >= 3, "{order:?}");
-        let mut t = Tuner::new();
-        let mut done = None;
-        for (i, &a) in order.iter().enumerate() {
-            for call in 0..=runs {
-                assert_eq!(t.next(&s, big), Next::Online(a));
-                let seconds = match (call, i) {
-                    (0, _) => 100.0, // untimed
-                    (_, 0) => 1.05,  // a close rival
-                    (_, 1) => 1.0,   // the fastest
-                    _ => 2.0,        // beyond RIVAL_WITHIN
-                };
-                done = t.record(big, seconds);
-                assert_eq!(done.is_some(), i + 1 == order.len() && call == runs);
-            }
-        }
-        let (c, times) = done.unwrap();
-        assert_eq!(c, order);
-        assert_eq!(&times[..2], &[1.05, 1.0]);
-        let modelled: Vec<f64> = c.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        let won = t.decide(big, &c, &times, &modelled, s.revisits(big));
-        assert_eq!(won, order[1]);
-        // The close rival's trial ratio (1.05) is its prior: its first revisit comes after the
-        // first gap, not after the budget of an unseen rival (1.5).
-        let window = REVISIT_MIN_WINDOW;
-        let mut uses = 0;
-        while t.next(&s, big) == Next::Use(won) {
-            uses += 1;
-            assert!(uses < 10_000);
-        }
-        assert_eq!(uses, REVISIT_FIRST_GAP * window);
-        let unseen = (window as f64 * (UNSEEN_RIVAL_RATIO - 1.0) / REVISIT_BUDGET).ceil();
-        assert!((uses as f64) < unseen);
-        assert!(
-            matches!(t.next(&s, big), Next::Revisit { algorithm, rival: true, .. }
-            if algorithm == order[0])
-        );
-        // Short blocks (the largest buckets) keep the unseen prior.
-        let huge = 64 << 20;
-        assert!(s.online_runs(huge) < PRIOR_MIN_RUNS);
-        let mut t = Tuner::new();
-        let order: Vec<Algorithm> = s
-            .trial_plan(huge)
-            .candidates
-            .iter()
-            .rev()
-            .map(|c| c.0)
-            .collect();
-        let mut done = None;
-        for (i, &a) in order.iter().enumerate() {
-            for _ in 0..=s.online_runs(huge) {
-                assert_eq!(t.next(&s, huge), Next::Online(a));
-                done = t.record(huge, if i == 1 { 1.0 } else { 1.05 });
-            }
-        }
-        let (c, times) = done.unwrap();
-        let modelled: Vec<f64> = c.iter().map(|&a| s.modelled_cost(a, huge)).collect();
-        let won = t.decide(huge, &c, &times, &modelled, true);
-        let mut uses = 0;
-        while t.next(&s, huge) == Next::Use(won) {
-            uses += 1;
-            assert!(uses < 10_000);
-        }
-        assert_eq!(uses as f64, unseen);
     }
 
     #[test]
