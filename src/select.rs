@@ -1474,12 +1474,10 @@ mod tests {
         // ranking holds); with more ranks than cores, the others within 3x too that do no
         // more than 1.25x the least work on the shared cores (the tree, not recursive doubling).
         let big = 64 << 20;
-        let linked: Vec<Algorithm> = tiny
-            .trial_plan(big)
-            .candidates
-            .iter()
-            .map(|c| c.0)
-            .collect();
+        let tried = |s: &Selector| -> Vec<Algorithm> {
+            s.trial_plan(big).candidates.iter().map(|c| c.0).collect()
+        };
+        let linked = tried(&tiny);
         assert_eq!(linked.len(), 2, "{linked:?}");
         assert!(linked.contains(&Algorithm::Ring) && linked.contains(&Algorithm::HalvingDoubling));
         let crowded = tiny.clone().with_cpu_bound(true);
@@ -1504,12 +1502,7 @@ mod tests {
             AlgoFilter::parse("^tree,double_tree").unwrap(),
         )
         .with_cpu_bound(true);
-        let left: Vec<Algorithm> = no_tree
-            .trial_plan(big)
-            .candidates
-            .iter()
-            .map(|c| c.0)
-            .collect();
+        let left = tried(&no_tree);
         assert!(!left.contains(&Algorithm::RecursiveDoubling), "{left:?}");
         assert_eq!(left.len(), 2, "{left:?}");
         // A probe's figures on 4 ranks sharing 2 cores: 32 KiB tries every schedule (recursive
