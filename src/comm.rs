@@ -483,9 +483,7 @@ impl Communicator {
                     self.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
                     Timing::None,
                 ),
-                Next::Revisit {
-                    algorithm, rival, ..
-                } => (algorithm, Timing::Revisit { rival }),
+                Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
             },
         };
         log::log(

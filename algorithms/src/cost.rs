@@ -68,7 +68,7 @@ pub fn ring_allreduce(bytes: usize, ranks: usize, link: &Link) -> f64 {
 pub const REDUCE_SECONDS_PER_BYTE: f64 = 1.0 / 5.4e9;
 
 /// `(p', r)`: the largest power of two `p' ≤ p` and the `r = p − p'` ranks folded onto it.
-fn fold(ranks: usize) -> (f64, f64) {
+pub(crate) fn fold(ranks: usize) -> (f64, f64) {
     let core = 1usize << ranks.ilog2();
     (core as f64, (ranks - core) as f64)
 }

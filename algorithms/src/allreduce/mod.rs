@@ -106,8 +106,8 @@ impl Algorithm {
         }
         let n = bytes as f64;
         let p = ranks as f64;
-        let core = (1usize << ranks.ilog2()) as f64;
-        let folded = 3.0 * (p - core) * n;
+        let (core, extra) = crate::cost::fold(ranks);
+        let folded = 3.0 * extra * n;
         match self {
             Algorithm::Ring | Algorithm::Tree | Algorithm::DoubleTree => 3.0 * (p - 1.0) * n,
             Algorithm::HalvingDoubling => 3.0 * (core - 1.0) * n + folded,
