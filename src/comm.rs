@@ -484,6 +484,27 @@ impl Communicator {
                     Timing::None,
                 ),
                 Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
+                Next::Inherit {
+                    algorithm,
+                    from,
+                    lead,
+                } => {
+                    if self.rank == 0 {
+                        log::log(
+                            Level::Info,
+                            Some(0),
+                            format_args!(
+                                "all_reduce tuned for {} (bucket up to {}): {algorithm}, as \
+                                 decided for the bucket up to {} (its trials put it {lead:.2}x \
+                                 ahead of the next)",
+                                select::human(bytes),
+                                select::human(1usize << select::bucket(bytes)),
+                                select::human(from),
+                            ),
+                        );
+                    }
+                    (algorithm, Timing::None)
+                }
             },
         };
         log::log(
