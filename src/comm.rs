@@ -494,12 +494,8 @@ impl Communicator {
                             Level::Info,
                             Some(0),
                             format_args!(
-                                "all_reduce tuned for {} (bucket up to {}): {algorithm}, as \
-                                 decided for the bucket up to {} (its trials put it {lead:.2}x \
-                                 ahead of the next)",
-                                select::human(bytes),
-                                select::human(1usize << select::bucket(bytes)),
-                                select::human(from),
+                                "{}",
+                                select::describe_inherited(bytes, algorithm, from, lead)
                             ),
                         );
                     }

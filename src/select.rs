@@ -99,7 +99,7 @@
 //! - **Neighbours**: a large bucket whose trials put the winner ahead of every other candidate
 //!   by at least [`INHERIT_LEAD`]× passes that schedule on: a fresh large bucket within
 //!   [`INHERIT_SPAN`] rows of it (a factor of 4 in size) takes it without trials, as long as
-//!   its own trials would have tried it. Above [`DEDICATED_MAX_BYTES`] the calls are
+//!   its own trials would have tried it, and passes it on in turn. Above [`DEDICATED_MAX_BYTES`] the calls are
 //!   bandwidth-bound and a wide lead does not flip within a few rows, while trials there cost
 //!   most: on 4 ranks sharing 2 cores, a 64 MiB loop of 32 calls spent about a tenth of its
 //!   time on the trial calls of schedules 1.6× slower than the ring that won them. Close
@@ -1260,6 +1260,22 @@ impl Tuner {
     }
 }
 
+/// One log line for a bucket that took a neighbour's schedule ([`Next::Inherit`]).
+pub(crate) fn describe_inherited(
+    bytes: usize,
+    chosen: Algorithm,
+    from: usize,
+    lead: f64,
+) -> String {
+    format!(
+        "all_reduce tuned for {} (bucket up to {}): {chosen}, as decided for the bucket up to {} \
+         (its trials put it {lead:.2}x ahead of the next)",
+        human(bytes),
+        human(1usize << bucket(bytes)),
+        human(from),
+    )
+}
+
 /// One log line for a tuning decision.
 pub(crate) fn describe_decision(
     bytes: usize,
@@ -1356,7 +1372,7 @@ pub(crate) fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
-pub(crate) fn human(bytes: usize) -> String {
+fn human(bytes: usize) -> String {
     match bytes {
         b if b >= 1 << 30 => format!("{} GiB", b >> 30),
         b if b >= 1 << 20 => format!("{} MiB", b >> 20),

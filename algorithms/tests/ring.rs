@@ -121,80 +121,54 @@ fn bad_arguments_leave_the_transport_usable() {
     }
 }
 
-/// One ring allreduce of [`test_value`] inputs in slices of chunks up to `slice_bytes` on
-/// this rank; returns its number of wrong elements.
-fn sliced<T: chorus_algorithms::Element>(
-    t: &mut dyn chorus_transport::Transport,
-    scratch: &mut Vec<u8>,
-    seq: u64,
-    (count, op, in_place, slice_bytes): (usize, ReduceOp, bool, usize),
-) -> Result<usize, TransportError> {
-    use chorus_algorithms::allreduce::ring;
-    use chorus_algorithms::reference::{count_wrong, expected, test_value};
-    let (rank, size) = (t.rank(), t.size());
-    let input: Vec<T> = (0..count).map(|i| test_value(rank, i, op, size)).collect();
-    let want: Vec<T> = (0..count).map(|i| expected(i, op, size)).collect();
-    let mut ctx = CollCtx {
-        transport: t,
-        deadline: Instant::now() + TIMEOUT,
-        tag_base: seq << 16,
-        scratch,
-    };
-    let mut out = vec![T::from_f64(99.0); count];
-    if in_place {
-        out.copy_from_slice(&input);
-        let bytes = bytemuck::cast_slice_mut(&mut out);
-        ring::run_sliced(&mut ctx, None, bytes, T::DTYPE, op, slice_bytes)?;
-    } else {
-        let bytes = bytemuck::cast_slice_mut(&mut out);
-        let send = Some(bytemuck::cast_slice(&input));
-        ring::run_sliced(&mut ctx, send, bytes, T::DTYPE, op, slice_bytes)?;
-    }
-    Ok(count_wrong(&out, &want, op))
-}
-
 /// Many slices on small buffers (chunk limits below an element included), in place and out
 /// of place, and a run whose slices outnumber the tags of a call (they repeat).
 #[test]
 fn slices_of_every_size_match_the_reference() {
-    use chorus_algorithms::allreduce::ring::slices;
-    use half::f16;
-    let mut cases = Vec::new();
-    for count in [1, 7, 1000, 4099] {
-        for slice_bytes in [1, 100, 4096] {
-            for op in [ReduceOp::Sum, ReduceOp::Avg] {
-                for in_place in [true, false] {
-                    // Chunks of one element are slow on the threads of the test: small counts.
-                    if slice_bytes > 1 || count < 1000 {
-                        cases.push((count, op, in_place, slice_bytes));
-                    }
-                }
-            }
+    use chorus_algorithms::allreduce::ring::{run_sliced, slices};
+    use support::sweep::{run_case_with, Case};
+    let sliced = |slice_bytes: usize| {
+        move |ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8], d, op| {
+            run_sliced(ctx, send, recv, d, op, slice_bytes)
         }
-    }
+    };
+    let all = cases(
+        &[DType::Float32, DType::Float16],
+        &[ReduceOp::Sum, ReduceOp::Avg],
+        &[1, 7, 1000, 4099],
+    );
+    // Chunks of one element are slow on the threads of the test: small counts only.
+    let runs: Vec<(usize, Case)> = [1, 100, 4096]
+        .into_iter()
+        .flat_map(|b| all.iter().map(move |&c| (b, c)))
+        .filter(|&(b, c)| b > 1 || c.count < 1000)
+        .collect();
     for p in [2, 3, 4, 5, 7] {
         let results = run_group(mem::group(p, 64 * 1024, 4096), |_rank, t| {
             let mut scratch = Vec::new();
             let mut wrong = Vec::new();
-            for (seq, &case) in cases.iter().enumerate() {
-                let seq = 2 * seq as u64;
-                wrong.push(sliced::<f32>(t, &mut scratch, seq, case).map_err(|e| e.to_string()));
-                let c = sliced::<f16>(t, &mut scratch, seq + 1, case);
-                wrong.push(c.map_err(|e| e.to_string()));
+            for (seq, &(slice_bytes, case)) in runs.iter().enumerate() {
+                let r = run_case_with(&mut sliced(slice_bytes), t, &mut scratch, seq as u64, case);
+                wrong.push((slice_bytes, case, r.map_err(|e| e.to_string())));
             }
             wrong
         });
         for (rank, r) in results.iter().enumerate() {
-            assert!(r.iter().all(|w| w == &Ok(0)), "p={p} rank {rank}: {r:?}");
+            assert!(r.iter().all(|w| w.2 == Ok(0)), "p={p} rank {rank}: {r:?}");
         }
     }
     // Two ranks, one byte per chunk: 35 000 slices, more than the 32 768 that a call's tags
     // number (two steps each).
     let count = 70_000;
     assert!(slices(count, 2, 1, 1).len() > (1 << 16) / 2);
+    let case = Case {
+        dtype: DType::Uint8,
+        op: ReduceOp::Max,
+        count,
+        in_place: false,
+    };
     let results = run_group(mem::group(2, 64 * 1024, 4096), |_rank, t| {
-        let mut scratch = Vec::new();
-        sliced::<u8>(t, &mut scratch, 1, (count, ReduceOp::Max, false, 1))
+        run_case_with(&mut sliced(1), t, &mut Vec::new(), 1, case)
     });
     for r in results {
         assert_eq!(r.unwrap(), 0);

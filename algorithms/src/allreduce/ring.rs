@@ -37,8 +37,9 @@
 //! caches. In slices a step handles at most [`SLICE_BYTES`] per rank. A rank starts its next
 //! slice as soon as its own part of the last one is done, so slices overlap by about a step
 //! across the ring; the cost model leaves their boundaries out (on the 1 gbit testbed, sliced
-//! and unsliced forced rings both moved 119 MB/s busbw from 512 KiB to 64 MiB). [`slices`] cuts them; [`run_sliced`] takes
-//! another chunk limit (tests use tiny ones to run many slices on small buffers).
+//! and unsliced forced rings both moved 119 MB/s busbw from 512 KiB to 64 MiB). [`slices`]
+//! cuts them; [`run_sliced`] takes another chunk limit (tests use tiny ones to run many
+//! slices on small buffers).
 //!
 //! # Volume and cost
 //! Each rank sends `2(p−1)` messages of about `n/p` bytes, `2(p−1)/p·n` bytes in total, and
@@ -225,13 +226,12 @@ pub fn slices(
     elem_size: usize,
     slice_bytes: usize,
 ) -> Vec<Range<usize>> {
-    let per_slice = (slice_bytes / elem_size.max(1))
-        .max(1)
-        .saturating_mul(size.max(1));
-    let n = match slice_bytes {
-        0 => 1,
-        _ if size <= 1 => 1,
-        _ => count.div_ceil(per_slice).max(1),
+    let n = match (slice_bytes, size) {
+        (0, _) | (_, 0..=1) => 1,
+        _ => {
+            let per_slice = (slice_bytes / elem_size.max(1)).max(1).saturating_mul(size);
+            count.div_ceil(per_slice).max(1)
+        }
     };
     (0..n)
         .map(|s| chunk_range(s, n, count, elem_size))

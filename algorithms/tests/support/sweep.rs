@@ -22,10 +22,14 @@ pub struct Case {
     pub in_place: bool,
 }
 
-/// Runs one allreduce of [`test_value`] inputs with schedule `alg` on this rank; returns its
-/// number of wrong elements.
+/// How a test runs one allreduce: `(ctx, input of an out-of-place call, buffer, dtype, op)`.
+pub type Run<'a> = dyn FnMut(&mut CollCtx<'_>, Option<&[u8]>, &mut [u8], DType, ReduceOp) -> Result<(), TransportError>
+    + 'a;
+
+/// Runs one allreduce of [`test_value`] inputs with `run` on this rank; returns its number of
+/// wrong elements.
 fn one<T: Element>(
-    alg: Algorithm,
+    run: &mut Run<'_>,
     t: &mut dyn Transport,
     scratch: &mut Vec<u8>,
     seq: u64,
@@ -47,20 +51,20 @@ fn one<T: Element>(
     let got = if case.in_place {
         let mut buf = input;
         let bytes = bytemuck::cast_slice_mut(&mut buf);
-        allreduce::run(alg, &mut ctx, None, bytes, T::DTYPE, case.op)?;
+        run(&mut ctx, None, bytes, T::DTYPE, case.op)?;
         buf
     } else {
         // Garbage in the output: everything must be overwritten.
         let mut buf = vec![T::from_f64(99.0); case.count];
         let send = Some(bytemuck::cast_slice(&input));
         let bytes = bytemuck::cast_slice_mut(&mut buf);
-        allreduce::run(alg, &mut ctx, send, bytes, T::DTYPE, case.op)?;
+        run(&mut ctx, send, bytes, T::DTYPE, case.op)?;
         buf
     };
     Ok(count_wrong(&got, &want, case.op))
 }
 
-/// [`one`] for the element type of `case.dtype`.
+/// [`run_case_with`] by schedule `alg`.
 pub fn run_case(
     alg: Algorithm,
     t: &mut dyn Transport,
@@ -68,17 +72,31 @@ pub fn run_case(
     seq: u64,
     case: Case,
 ) -> Result<usize, TransportError> {
+    let mut run = |ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8], d, op| {
+        allreduce::run(alg, ctx, send, recv, d, op)
+    };
+    run_case_with(&mut run, t, scratch, seq, case)
+}
+
+/// [`one`] for the element type of `case.dtype`.
+pub fn run_case_with(
+    run: &mut Run<'_>,
+    t: &mut dyn Transport,
+    scratch: &mut Vec<u8>,
+    seq: u64,
+    case: Case,
+) -> Result<usize, TransportError> {
     match case.dtype {
-        DType::Int8 => one::<i8>(alg, t, scratch, seq, case),
-        DType::Uint8 => one::<u8>(alg, t, scratch, seq, case),
-        DType::Int32 => one::<i32>(alg, t, scratch, seq, case),
-        DType::Uint32 => one::<u32>(alg, t, scratch, seq, case),
-        DType::Int64 => one::<i64>(alg, t, scratch, seq, case),
-        DType::Uint64 => one::<u64>(alg, t, scratch, seq, case),
-        DType::Float16 => one::<f16>(alg, t, scratch, seq, case),
-        DType::Float32 => one::<f32>(alg, t, scratch, seq, case),
-        DType::Float64 => one::<f64>(alg, t, scratch, seq, case),
-        DType::Bfloat16 => one::<bf16>(alg, t, scratch, seq, case),
+        DType::Int8 => one::<i8>(run, t, scratch, seq, case),
+        DType::Uint8 => one::<u8>(run, t, scratch, seq, case),
+        DType::Int32 => one::<i32>(run, t, scratch, seq, case),
+        DType::Uint32 => one::<u32>(run, t, scratch, seq, case),
+        DType::Int64 => one::<i64>(run, t, scratch, seq, case),
+        DType::Uint64 => one::<u64>(run, t, scratch, seq, case),
+        DType::Float16 => one::<f16>(run, t, scratch, seq, case),
+        DType::Float32 => one::<f32>(run, t, scratch, seq, case),
+        DType::Float64 => one::<f64>(run, t, scratch, seq, case),
+        DType::Bfloat16 => one::<bf16>(run, t, scratch, seq, case),
     }
 }
 
