@@ -489,16 +489,7 @@ impl Communicator {
                     from,
                     lead,
                 } => {
-                    if self.rank == 0 {
-                        log::log(
-                            Level::Info,
-                            Some(0),
-                            format_args!(
-                                "{}",
-                                select::describe_inherited(bytes, algorithm, from, lead)
-                            ),
-                        );
-                    }
+                    self.log_tuning(|| select::describe_inherited(bytes, algorithm, from, lead));
                     (algorithm, Timing::None)
                 }
             },
@@ -602,15 +593,16 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.agree_max(&mut times, timeout)?;
         if let Some(outcome) = self.tuner.settle_revisit(bytes, times) {
-            if self.rank == 0 {
-                log::log(
-                    Level::Info,
-                    Some(0),
-                    format_args!("{}", select::describe_revisit(bytes, &outcome)),
-                );
-            }
+            self.log_tuning(|| select::describe_revisit(bytes, &outcome));
         }
         Ok(())
+    }
+
+    /// Logs a tuning event at INFO on rank 0 (every rank decides alike; one line suffices).
+    fn log_tuning(&self, line: impl FnOnce() -> String) {
+        if self.rank == 0 {
+            log::log(Level::Info, Some(0), format_args!("{}", line()));
+        }
     }
 
     /// One untimed run of `alg` on a zeroed buffer of `bytes` bytes, at most
@@ -732,22 +724,8 @@ impl Communicator {
         let chosen = self
             .tuner
             .decide(bytes, candidates, &times, &modelled, revisit);
-        if self.rank == 0 {
-            log::log(
-                Level::Info,
-                Some(0),
-                format_args!(
-                    "{}",
-                    select::describe_decision(
-                        bytes,
-                        self.selector.select(bytes),
-                        candidates,
-                        &times,
-                        chosen
-                    )
-                ),
-            );
-        }
+        let model = self.selector.select(bytes);
+        self.log_tuning(|| select::describe_decision(bytes, model, candidates, &times, chosen));
         Ok(chosen)
     }
 
