@@ -720,7 +720,7 @@ impl Communicator {
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
             .collect();
-        let revisit = self.selector.revisits(bytes);
+        let revisit = self.selector.revisit_blocks(bytes);
         let chosen = self
             .tuner
             .decide(bytes, candidates, &times, &modelled, revisit);

@@ -39,7 +39,10 @@
 //!   (and a second one as the source when the call is out of place) before doing the caller's
 //!   work: each candidate once
 //!   untimed, then back-to-back repetitions (up to [`TRIAL_PASS_REPS`], as many as fit in
-//!   [`TRIAL_PASS_TIME`]), in interleaved passes (as many as fit [`TRIAL_TIME`], at
+//!   [`TRIAL_PASS_TIME`]; on links where the bytes matter, enough to carry
+//!   [`TRIAL_BLOCK_BYTES`] as far as that time allows, so that a link's burst allowance does
+//!   not time a schedule faster than its loop: [`Selector::min_block_calls`]), in
+//!   interleaved passes (as many as fit [`TRIAL_TIME`], at
 //!   most [`TRIAL_MAX_PASSES`], and at least [`TRIAL_MIN_PASSES`] where they fit
 //!   [`TRIAL_MAX_TIME`]). The model sizes the first pass; the ranks agree on its times (the
 //!   largest of each candidate's) and those size the rest ([`TrialPlan::after_first_pass`]),
@@ -75,9 +78,9 @@
 //!   bucket re-times them on the
 //!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
-//!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls; the first call of each is not
-//!   timed, as the schedule
-//!   changes there). The ranks agree on the two mean times (one 16-byte allreduce), and the
+//!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls, or as many as a trial block
+//!   where [`Selector::min_block_calls`] asks for more; the first call of each is not
+//!   timed, as the schedule changes there). The ranks agree on the two mean times (one 16-byte allreduce), and the
 //!   rival's time over the schedule's joins that rival's evidence (its last
 //!   [`REVISIT_EVIDENCE`] ratios). One pair of blocks decides nothing where ranks share cores:
 //!   a schedule's blocks there vary up to 2× within one run as the ranks fall in and out of
@@ -194,6 +197,15 @@ pub const TRIAL_PASS_TIME: Duration = Duration::from_millis(20);
 /// put halving-doubling level with the ring or ahead, blocks of 10 or more put the ring
 /// 20-35 % ahead, as in a loop of calls.
 pub const TRIAL_PASS_REPS: usize = 8;
+/// Bytes of the buffer a candidate's block of trial calls, and a block of a revisit, carries
+/// at least on links where the bytes matter ([`Selector::min_block_calls`]), as far as
+/// [`TRIAL_PASS_TIME`] allows. A link that takes bursts faster than its rate (a token-bucket
+/// shaper, a switch's buffers) serves a short block at the burst's speed when the blocks
+/// around it left the link idle: on the 1 gbit testbed (4 hosts, `tc tbf` burst 128 KiB), 8
+/// KiB blocks of 8 calls timed recursive doubling at 69–79 µs and halving-doubling at 114,
+/// blocks of 100 calls 137 and 113 µs, as in a loop of calls; trials of 8-call blocks picked
+/// the tree or recursive doubling and the loop ran 15–20 % behind halving-doubling.
+pub const TRIAL_BLOCK_BYTES: usize = 1 << 20;
 /// Fewest passes of dedicated trials (the median needs a few).
 pub const TRIAL_MIN_PASSES: usize = 3;
 /// Most passes of dedicated trials.
@@ -443,6 +455,38 @@ impl Selector {
         bytes <= DEDICATED_MAX_BYTES || self.cpu_bound
     }
 
+    /// The fewest calls of a block of dedicated trials or of a revisit for a bucket of
+    /// `bytes` bytes: on links (no host runs more ranks than cores) where the model puts at
+    /// least as much of the cheapest schedule's time in the bytes as in the latency, enough
+    /// calls to carry [`TRIAL_BLOCK_BYTES`]; else 1 (the time-based sizes alone). Where ranks
+    /// share cores, short interleaved blocks sample the same spells ([`TRIAL_PASS_REPS`]).
+    ///
+    /// ```
+    /// use chorus::select::{AlgoFilter, LinkSource, Selector, TRIAL_BLOCK_BYTES};
+    /// use chorus_algorithms::cost::Link;
+    /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
+    /// assert_eq!(s.min_block_calls(8), 1);
+    /// assert_eq!(s.min_block_calls(8 << 10), TRIAL_BLOCK_BYTES / (8 << 10));
+    /// assert_eq!(s.clone().with_cpu_bound(true).min_block_calls(8 << 10), 1);
+    /// ```
+    pub fn min_block_calls(&self, bytes: usize) -> usize {
+        if self.cpu_bound || bytes == 0 {
+            return 1;
+        }
+        let best = self.select(bytes);
+        if self.modelled_cost(best, bytes) < 2.0 * self.modelled_cost(best, 0) {
+            return 1;
+        }
+        TRIAL_BLOCK_BYTES.div_ceil(bytes).max(1)
+    }
+
+    /// The revisits of a bucket of `bytes` bytes: `None` where it is not revisited
+    /// ([`Selector::revisits`]), else the fewest calls of a block
+    /// ([`Selector::min_block_calls`]).
+    pub fn revisit_blocks(&self, bytes: usize) -> Option<usize> {
+        self.revisits(bytes).then(|| self.min_block_calls(bytes))
+    }
+
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
     /// for dedicated trials (cheap, and the model is least reliable at mid sizes), else those
     /// the model puts within [`PLAUSIBLE`]× of the cheapest, at most [`ONLINE_CANDIDATES`]
@@ -499,13 +543,16 @@ impl Selector {
                 candidates: costs.iter().map(|&(a, _)| (a, runs)).collect(),
                 passes: 1,
                 dedicated,
+                min_reps: 1,
             };
         }
-        let (candidates, passes) = size_passes(&costs);
+        let min_reps = self.min_block_calls(bytes);
+        let (candidates, passes) = size_passes(&costs, min_reps);
         TrialPlan {
             candidates,
             passes,
             dedicated,
+            min_reps,
         }
     }
 
@@ -662,6 +709,9 @@ pub struct TrialPlan {
     pub passes: usize,
     /// Dedicated trials on the first call (else the caller's calls are the trials).
     pub dedicated: bool,
+    /// Timed repetitions a candidate runs per pass at least, as far as [`TRIAL_PASS_TIME`]
+    /// allows ([`Selector::min_block_calls`]; 1 when tuned on the caller's calls).
+    pub min_reps: usize,
 }
 
 impl TrialPlan {
@@ -681,23 +731,26 @@ impl TrialPlan {
             .zip(measured)
             .map(|(&(a, _), &t)| (a, t))
             .collect();
-        let (candidates, passes) = size_passes(&costs);
+        let (candidates, passes) = size_passes(&costs, self.min_reps);
         TrialPlan {
             candidates,
             passes: passes.saturating_sub(1),
             dedicated: self.dedicated,
+            min_reps: self.min_reps,
         }
     }
 }
 
 /// Timed repetitions per pass of each candidate and the number of passes of dedicated trials,
-/// from each candidate's time per run (`costs`, seconds): up to [`TRIAL_PASS_REPS`] runs, as
-/// many as fit [`TRIAL_PASS_TIME`]; as many passes as fit [`TRIAL_TIME`] (at most
-/// [`TRIAL_MAX_PASSES`]), and at least [`TRIAL_MIN_PASSES`] where they fit [`TRIAL_MAX_TIME`].
-fn size_passes(costs: &[(Algorithm, f64)]) -> (Vec<(Algorithm, usize)>, usize) {
+/// from each candidate's time per run (`costs`, seconds): up to [`TRIAL_PASS_REPS`] runs (or
+/// `min_reps`, when more), as many as fit [`TRIAL_PASS_TIME`]; as many passes as fit
+/// [`TRIAL_TIME`] (at most [`TRIAL_MAX_PASSES`]), and at least [`TRIAL_MIN_PASSES`] where
+/// they fit [`TRIAL_MAX_TIME`].
+fn size_passes(costs: &[(Algorithm, f64)], min_reps: usize) -> (Vec<(Algorithm, usize)>, usize) {
+    let most = TRIAL_PASS_REPS.max(min_reps);
     let reps = |c: f64| match c > 0.0 {
-        true => ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, TRIAL_PASS_REPS),
-        false => TRIAL_PASS_REPS,
+        true => ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, most),
+        false => most,
     };
     let candidates: Vec<(Algorithm, usize)> = costs.iter().map(|&(a, c)| (a, reps(c))).collect();
     // Every candidate's untimed first run counts too.
@@ -802,8 +855,15 @@ struct Revisit {
 
 impl Watch {
     /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
-    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch).
-    fn after_trials(chosen: Algorithm, candidates: &[Algorithm], times: &[f64]) -> Option<Watch> {
+    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). Its blocks last
+    /// about [`REVISIT_BLOCK`], and at least `min_window` calls as far as [`TRIAL_PASS_TIME`]
+    /// allows ([`Selector::min_block_calls`]).
+    fn after_trials(
+        chosen: Algorithm,
+        candidates: &[Algorithm],
+        times: &[f64],
+        min_window: usize,
+    ) -> Option<Watch> {
         let own = candidates
             .iter()
             .zip(times)
@@ -821,6 +881,9 @@ impl Watch {
         rivals.sort_by(|x, y| x.1.total_cmp(&y.1));
         let block = REVISIT_BLOCK.as_secs_f64();
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
+        // `as` saturates.
+        let long = min_window.min((TRIAL_PASS_TIME.as_secs_f64() / own) as usize);
+        let window = window.max(long);
         let gap = REVISIT_FIRST_GAP * window;
         let mut w = Watch {
             rivals: rivals
@@ -1074,14 +1137,15 @@ impl Tuner {
     /// real difference). Schedules the model cannot tell apart are decided by the trials
     /// alone. Equal times go to the better-modelled candidate.
     ///
-    /// With `revisit` ([`Selector::revisits`]), the candidates close behind stay rivals.
+    /// With `revisit` ([`Selector::revisit_blocks`]: the fewest calls of a block), the
+    /// candidates close behind stay rivals.
     pub(crate) fn decide(
         &mut self,
         bytes: usize,
         candidates: &[Algorithm],
         times: &[f64],
         modelled: &[f64],
-        revisit: bool,
+        revisit: Option<usize>,
     ) -> Algorithm {
         let faster = |i: usize, j: usize| {
             times[i] < times[j] || (times[i] == times[j] && modelled[i] < modelled[j])
@@ -1108,9 +1172,7 @@ impl Tuner {
             .fold(f64::INFINITY, f64::min);
         self.buckets[bucket(bytes)] = Bucket::Decided {
             chosen: a,
-            watch: revisit
-                .then(|| Watch::after_trials(a, candidates, times))
-                .flatten(),
+            watch: revisit.and_then(|min| Watch::after_trials(a, candidates, times, min)),
             lead: (lead.is_finite() && lead >= INHERIT_LEAD).then_some(lead),
         };
         a
@@ -1530,7 +1592,7 @@ mod tests {
                     for &(a, reps) in &plan.candidates {
                         assert!(AlgoFilter::default().allows(a));
                         assert!(plan.dedicated || a.cost(b, p, &link) <= PLAUSIBLE * best);
-                        assert!((1..=TRIAL_PASS_REPS).contains(&reps));
+                        assert!((1..=TRIAL_PASS_REPS.max(plan.min_reps)).contains(&reps));
                         // Bandwidth-bound dedicated trials: only schedules the model puts
                         // within DEDICATED_PLAUSIBLE.
                         let bandwidth_bound =
@@ -1661,7 +1723,7 @@ mod tests {
         // 40 us: 16-call blocks. The tree (1.2x) and HD (1.45x) are rivals, the ring is not.
         let own = 40e-6;
         let times = [own, 1.2 * own, 1.45 * own, 1.6 * own];
-        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
+        assert_eq!(t.decide(b, &cands, &times, &m, Some(1)), Rd);
         let window = ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize)
             .clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         assert_eq!(window, REVISIT_MAX_WINDOW);
@@ -1793,7 +1855,7 @@ mod tests {
         // A win then a loss: no switch (the median of the two is within the margin), and the
         // loss doubles the gap as usual.
         let mut t = Tuner::new();
-        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
+        assert_eq!(t.decide(b, &cands, &times, &m, Some(1)), Rd);
         uses(&mut t, b, unseen, Rd);
         let means = revisit(&mut t, Tree, Rd, [0.8 * own, own]);
         assert_eq!(t.settle_revisit(b, means).unwrap().next_in, Some(gap));
@@ -1806,7 +1868,7 @@ mod tests {
         let big = 64 << 20;
         let pair = [Ring, Hd];
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
+        t.decide(big, &pair, &[0.5, 0.6], &mp, Some(1));
         assert_eq!(t.decided(big), Some(Ring));
         uses(&mut t, big, budget(UNSEEN_RIVAL_RATIO, w), Ring);
         assert_eq!(
@@ -1818,7 +1880,7 @@ mod tests {
         );
         // The gap stops doubling at its cap.
         let mut t = Tuner::new();
-        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
+        t.decide(big, &pair, &[0.5, 0.6], &mp, Some(1));
         let mut last = 0;
         for _ in 0..20 {
             while let Next::Use(_) = t.next(&s, big) {}
@@ -1855,7 +1917,7 @@ mod tests {
             };
             let mut t = Tuner::new();
             let trial = [own, 1.1 * own, 1.2 * own, 3.0 * own];
-            assert_eq!(t.decide(bytes, &cands, &trial, &m, true), Rd);
+            assert_eq!(t.decide(bytes, &cands, &trial, &m, Some(1)), Rd);
             let (mut calls, mut spent) = (0usize, 0.0);
             let mut revisits = 0;
             for _ in 0..200_000 {
@@ -1911,12 +1973,70 @@ mod tests {
     }
 
     #[test]
+    fn blocks_on_links_carry_enough_bytes() {
+        use Algorithm::*;
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let b = 8 << 10;
+        let want = TRIAL_BLOCK_BYTES / b;
+        assert!(want > TRIAL_PASS_REPS);
+        assert_eq!(s.min_block_calls(b), want);
+        let plan = s.trial_plan(b);
+        assert!(plan.dedicated && plan.candidates.len() > 1);
+        assert_eq!(plan.min_reps, want);
+        let n = plan.candidates.len();
+        // Later passes: `want` calls of 100 µs each fit TRIAL_PASS_TIME; of 1 ms, only 20.
+        let rest = plan.after_first_pass(&vec![100e-6; n]);
+        assert!(rest.candidates.iter().all(|c| c.1 == want), "{rest:?}");
+        let fit = (TRIAL_PASS_TIME.as_secs_f64() / 1e-3) as usize;
+        let rest = plan.after_first_pass(&vec![1e-3; n]);
+        assert!(rest.candidates.iter().all(|c| c.1 == fit), "{rest:?}");
+        // Latency-bound buckets, and hosts running more ranks than cores: the short blocks.
+        assert_eq!(s.min_block_calls(8), 1);
+        assert_eq!(s.trial_plan(8).min_reps, 1);
+        let crowded = s.clone().with_cpu_bound(true);
+        assert_eq!(crowded.min_block_calls(b), 1);
+        let rest = crowded.trial_plan(b).after_first_pass(&vec![100e-6; n]);
+        assert!(rest.candidates.iter().all(|c| c.1 == TRIAL_PASS_REPS));
+        // Revisits run blocks of as many calls (the rival's, then the schedule's).
+        for (revisit, calls) in [(s.revisit_blocks(b), want), (Some(1), REVISIT_MAX_WINDOW)] {
+            let mut t = Tuner::new();
+            let cands = [HalvingDoubling, RecursiveDoubling];
+            let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, b)).collect();
+            assert_eq!(
+                t.decide(b, &cands, &[100e-6, 110e-6], &m, revisit),
+                HalvingDoubling
+            );
+            let mut seen = Vec::new();
+            for _ in 0..1_000_000 {
+                match t.next(&s, b) {
+                    Next::Use(a) => assert_eq!(a, HalvingDoubling),
+                    Next::Revisit { rival, .. } => {
+                        seen.push(rival);
+                        if t.record_revisit(b, 100e-6).is_some() {
+                            break;
+                        }
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            let rivals = seen.iter().filter(|&&r| r).count();
+            assert_eq!((rivals, seen.len()), (calls, 2 * calls));
+        }
+    }
+
+    #[test]
     fn first_trial_pass_left_out_only_when_short_and_followed() {
         use Algorithm::*;
         let plan = |reps: [usize; 2], passes| TrialPlan {
             candidates: vec![(Ring, reps[0]), (HalvingDoubling, reps[1])],
             passes,
             dedicated: true,
+            min_reps: 1,
         };
         // The model gave the ring 1 run where its measured time fits 8: left out for both.
         assert!(drop_first_pass(&plan([1, 8], 1), &plan([8, 8], 2)));
@@ -1950,40 +2070,40 @@ mod tests {
         let mut times = vec![2.0; cands.len()];
         *times.last_mut().unwrap() = 1.0;
         assert_eq!(
-            t.decide(100, &cands, &times, &model(&cands, 100), true),
+            t.decide(100, &cands, &times, &model(&cands, 100), Some(1)),
             *cands.last().unwrap()
         );
         assert_eq!(t.decided(128), Some(*cands.last().unwrap()), "same bucket");
         assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
         assert_eq!(t.decided(129), None);
         assert_eq!(
-            t.decide(8, &cands, &vec![1.0; cands.len()], &m, true),
+            t.decide(8, &cands, &vec![1.0; cands.len()], &m, Some(1)),
             cands[0]
         );
         // The model's choice stays unless another is faster by more than the margin.
         let mut close = vec![1.0; cands.len()];
         close[0] = 1.0 + KEEP_MODEL_MARGIN / 2.0;
         assert!(m[1] > m[0] * (1.0 + KEEP_MODEL_MARGIN), "{m:?}");
-        assert_eq!(t.decide(8, &cands, &close, &m, true), cands[0]);
+        assert_eq!(t.decide(8, &cands, &close, &m, Some(1)), cands[0]);
         let mut clear = vec![2.0; cands.len()];
         clear[0] = 1.0 + 2.0 * KEEP_MODEL_MARGIN;
         clear[1] = 1.0;
-        assert_eq!(t.decide(8, &cands, &clear, &m, true), cands[1]);
+        assert_eq!(t.decide(8, &cands, &clear, &m, Some(1)), cands[1]);
         // Among the others, ties go to the better-modelled one.
         if cands.len() >= 3 {
             let mut tie = vec![1.0; cands.len()];
             tie[0] = 2.0;
-            assert_eq!(t.decide(8, &cands, &tie, &m, true), cands[1]);
+            assert_eq!(t.decide(8, &cands, &tie, &m, Some(1)), cands[1]);
         }
         // Schedules the model cannot tell apart: the trials decide, however close.
         let pair = [Algorithm::HalvingDoubling, Algorithm::Ring];
         let tied = [1.0, 1.0 + KEEP_MODEL_MARGIN / 10.0];
         assert_eq!(
-            t.decide(8, &pair, &[1.02, 1.0], &tied, true),
+            t.decide(8, &pair, &[1.02, 1.0], &tied, Some(1)),
             Algorithm::Ring
         );
         assert_eq!(
-            t.decide(8, &pair, &[1.0, 1.0], &tied, true),
+            t.decide(8, &pair, &[1.0, 1.0], &tied, Some(1)),
             Algorithm::HalvingDoubling
         );
         // Large: the caller's calls are the trials, decided after the last.
@@ -2010,7 +2130,7 @@ mod tests {
             &cands,
             &[3.0, 1.0, 2.0][..cands.len()],
             &model(&cands, big),
-            s.revisits(big),
+            s.revisit_blocks(big),
         );
         assert_eq!(t.decided(big), Some(cands[1]));
         // With more ranks than cores, each candidate's block is an untimed call and
@@ -2109,7 +2229,7 @@ mod tests {
         // A wide lead at 8 MiB: 32 MiB (two rows up) takes the ring without trials, and 64 MiB
         // then follows 32 MiB; 128 MiB is three rows from 8 MiB but one from 64 MiB.
         let mut t = Tuner::new();
-        t.decide(m8, &cands, &wide, &modelled(&cands, m8), true);
+        t.decide(m8, &cands, &wide, &modelled(&cands, m8), Some(1));
         let from8 = Next::Inherit {
             algorithm: Ring,
             from: m8,
@@ -2126,11 +2246,11 @@ mod tests {
         assert_eq!(t.next(&s, m64), from32);
         // Three rows away with nothing decided between: trials.
         let mut t = Tuner::new();
-        t.decide(m8, &cands, &wide, &modelled(&cands, m8), true);
+        t.decide(m8, &cands, &wide, &modelled(&cands, m8), Some(1));
         assert!(matches!(t.next(&s, m64), Next::Online(_)));
         // From above as from below.
         let mut t = Tuner::new();
-        t.decide(m32, &cands, &wide, &modelled(&cands, m32), true);
+        t.decide(m32, &cands, &wide, &modelled(&cands, m32), Some(1));
         assert!(matches!(t.next(&s, m8), Next::Inherit { from, .. } if from == m32));
         // A lead below INHERIT_LEAD passes nothing on.
         let mut t = Tuner::new();
@@ -2138,7 +2258,7 @@ mod tests {
             .iter()
             .map(|&a| if a == Ring { 1.0 } else { 1.2 })
             .collect();
-        t.decide(m8, &cands, &close, &modelled(&cands, m8), true);
+        t.decide(m8, &cands, &close, &modelled(&cands, m8), Some(1));
         assert!(matches!(t.next(&s, m32), Next::Online(_)));
         // Buckets with dedicated trials pass nothing on: 4 MiB is one row below 8 MiB.
         let mut t = Tuner::new();
@@ -2147,7 +2267,7 @@ mod tests {
             .iter()
             .map(|&a| if a == Ring { 1.0 } else { 2.0 })
             .collect();
-        t.decide(m4, &small, &wide4, &modelled(&small, m4), true);
+        t.decide(m4, &small, &wide4, &modelled(&small, m4), Some(1));
         assert!(matches!(t.next(&s, m8), Next::Online(_)));
         // A schedule the fresh bucket would not try (CHORUS_ALGO) is not taken.
         let no_tree = Selector::new(
@@ -2159,7 +2279,7 @@ mod tests {
         .with_cpu_bound(true);
         let mut t = Tuner::new();
         let pair = [Tree, Ring];
-        t.decide(m8, &pair, &[1.0, 1.5], &modelled(&pair, m8), true);
+        t.decide(m8, &pair, &[1.0, 1.5], &modelled(&pair, m8), Some(1));
         assert_eq!(t.decided(m8), Some(Tree));
         assert!(matches!(t.next(&no_tree, m32), Next::Online(_)));
         assert!(matches!(t.next(&s, m64), Next::Online(_)));
@@ -2167,7 +2287,7 @@ mod tests {
         // RIVAL_WITHIN: the tree stays a rival, then wins every revisit).
         let mut t = Tuner::new();
         let pair = [Tree, Ring];
-        t.decide(m8, &pair, &[1.35, 1.0], &modelled(&pair, m8), true);
+        t.decide(m8, &pair, &[1.35, 1.0], &modelled(&pair, m8), Some(1));
         assert_eq!(t.decided(m8), Some(Ring));
         let mut switched = false;
         for _ in 0..100_000 {
