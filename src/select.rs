@@ -80,8 +80,9 @@
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
 //!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls, or as many as a trial block
 //!   where [`Selector::min_block_calls`] asks for more; the first call of each is not
-//!   timed, as the schedule changes there). The ranks agree on the two mean times (one 16-byte allreduce), and the
-//!   rival's time over the schedule's joins that rival's evidence (its last
+//!   timed, as the schedule changes there). The ranks agree on the two mean times (one
+//!   16-byte allreduce), and the rival's time over the schedule's joins that rival's
+//!   evidence (its last
 //!   [`REVISIT_EVIDENCE`] ratios). One pair of blocks decides nothing where ranks share cores:
 //!   a schedule's blocks there vary up to 2× within one run as the ranks fall in and out of
 //!   step. So a rival takes over only when the median of at least [`REVISIT_CONFIRM`] ratios,
