@@ -748,11 +748,7 @@ impl TrialPlan {
 /// [`TRIAL_TIME`] (at most [`TRIAL_MAX_PASSES`]), and at least [`TRIAL_MIN_PASSES`] where
 /// they fit [`TRIAL_MAX_TIME`].
 fn size_passes(costs: &[(Algorithm, f64)], min_reps: usize) -> (Vec<(Algorithm, usize)>, usize) {
-    let most = TRIAL_PASS_REPS.max(min_reps);
-    let reps = |c: f64| match c > 0.0 {
-        true => ((TRIAL_PASS_TIME.as_secs_f64() / c) as usize).clamp(1, most),
-        false => most,
-    };
+    let reps = |c: f64| calls_within_pass(c, TRIAL_PASS_REPS.max(min_reps));
     let candidates: Vec<(Algorithm, usize)> = costs.iter().map(|&(a, c)| (a, reps(c))).collect();
     // Every candidate's untimed first run counts too.
     let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
@@ -763,6 +759,16 @@ fn size_passes(costs: &[(Algorithm, f64)], min_reps: usize) -> (Vec<(Algorithm, 
         _ => fit(TRIAL_MAX_TIME).clamp(1, TRIAL_MIN_PASSES),
     };
     (candidates, passes)
+}
+
+/// Calls of `seconds` each that fit [`TRIAL_PASS_TIME`], from 1 to `most` (`most` for calls
+/// of no measurable time).
+fn calls_within_pass(seconds: f64, most: usize) -> usize {
+    match seconds > 0.0 {
+        // `as` saturates.
+        true => ((TRIAL_PASS_TIME.as_secs_f64() / seconds) as usize).clamp(1, most),
+        false => most,
+    }
 }
 
 /// `CHORUS_TUNE`: whether allreduce schedules are tuned online (default on). Accepts
@@ -882,9 +888,7 @@ impl Watch {
         rivals.sort_by(|x, y| x.1.total_cmp(&y.1));
         let block = REVISIT_BLOCK.as_secs_f64();
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
-        // `as` saturates.
-        let long = min_window.min((TRIAL_PASS_TIME.as_secs_f64() / own) as usize);
-        let window = window.max(long);
+        let window = window.max(calls_within_pass(own, min_window));
         let gap = REVISIT_FIRST_GAP * window;
         let mut w = Watch {
             rivals: rivals
@@ -2223,10 +2227,14 @@ mod tests {
             |c: &[Algorithm], b| -> Vec<f64> { c.iter().map(|&a| s.modelled_cost(a, b)).collect() };
         let cands: Vec<Algorithm> = s.trial_plan(m8).candidates.iter().map(|c| c.0).collect();
         assert!(cands.contains(&Ring) && cands.contains(&Hd), "{cands:?}");
-        let wide: Vec<f64> = cands
-            .iter()
-            .map(|&a| if a == Ring { 1.0 } else { 1.6 })
-            .collect();
+        // Trial times putting the ring `lead`x ahead of every other candidate.
+        let ring_ahead = |cands: &[Algorithm], lead: f64| -> Vec<f64> {
+            cands
+                .iter()
+                .map(|&a| if a == Ring { 1.0 } else { lead })
+                .collect()
+        };
+        let wide = ring_ahead(&cands, 1.6);
         // A wide lead at 8 MiB: 32 MiB (two rows up) takes the ring without trials, and 64 MiB
         // then follows 32 MiB; 128 MiB is three rows from 8 MiB but one from 64 MiB.
         let mut t = Tuner::new();
@@ -2255,19 +2263,13 @@ mod tests {
         assert!(matches!(t.next(&s, m8), Next::Inherit { from, .. } if from == m32));
         // A lead below INHERIT_LEAD passes nothing on.
         let mut t = Tuner::new();
-        let close: Vec<f64> = cands
-            .iter()
-            .map(|&a| if a == Ring { 1.0 } else { 1.2 })
-            .collect();
+        let close = ring_ahead(&cands, 1.2);
         t.decide(m8, &cands, &close, &modelled(&cands, m8), Some(1));
         assert!(matches!(t.next(&s, m32), Next::Online(_)));
         // Buckets with dedicated trials pass nothing on: 4 MiB is one row below 8 MiB.
         let mut t = Tuner::new();
         let small: Vec<Algorithm> = s.trial_plan(m4).candidates.iter().map(|c| c.0).collect();
-        let wide4: Vec<f64> = small
-            .iter()
-            .map(|&a| if a == Ring { 1.0 } else { 2.0 })
-            .collect();
+        let wide4 = ring_ahead(&small, 2.0);
         t.decide(m4, &small, &wide4, &modelled(&small, m4), Some(1));
         assert!(matches!(t.next(&s, m8), Next::Online(_)));
         // A schedule the fresh bucket would not try (CHORUS_ALGO) is not taken.
