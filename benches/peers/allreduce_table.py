@@ -14,13 +14,18 @@ A ratio >= 100 % means auto is at least as fast.  With a second `auto` peer (run
 --null: chorus-tcp-again, chorus-again) the table adds its column and two null figures:
   again / auto         : the same program in other launches of the same run
   again / best schedule: the first ratio as the second copy would have scored it
-so that the spread launch-to-launch noise alone gives the columns is in view.  Where chorus-perf
+so that the spread launch-to-launch noise alone gives the columns is in view.  The column after
+the first ratio is its 90 % bootstrap interval: every peer's launches resampled with replacement
+(2000 times, a fixed seed), the medians and the best schedule taken again; the summary counts
+the sizes whose interval lies wholly above 90 %, straddles it, or lies wholly below (a miss the
+launches' noise does not explain).  Where chorus-perf
 printed which schedule `auto` ran at each size (`# schedule SIZE NAME tuned|model|direct`
 comments), a column counts them over the launches of `auto` (and one over its copy's), e.g.
 `ring 3, hd 2` (`*` marks a schedule tuning had not settled, the model's choice), so a miss can
 be told apart: a poor pick, or noise on the same pick.  Standard library only.
 """
 import os
+import random
 import re
 import statistics
 import sys
@@ -32,6 +37,8 @@ SCHEDULES = ["ring", "tree", "halving_doubling", "recursive_doubling"]
 PICK_RE = re.compile(r"^\s*(?:\[\d+\]\s*)?# schedule (\d+) (\S+) (tuned|model|direct)\s*$")
 SHORT = {"halving_doubling": "hd", "recursive_doubling": "rd", "double_tree": "dt"}
 LATENCY_MAX = 128  # bytes: up to here the table shows time, above it busbw
+BOOT_SAMPLES = 2000  # bootstrap resamples of the launches
+BOOT_TAIL = 0.05  # each tail left out of the interval: a 90 % interval
 
 
 def human(n):
@@ -74,6 +81,38 @@ def pick_counts(launches, s):
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def ratio(a, b, s):
+    """a's speed over b's at size s (times up to LATENCY_MAX, busbw above), or None"""
+    if a is None or b is None or a == 0 or b == 0:
+        return None
+    return b / a if s <= LATENCY_MAX else a / b
+
+
+def boot_interval(auto_vals, sched_vals, s, seed):
+    """(low, high): the bootstrap interval of auto / best schedule at size s. auto_vals: auto's
+    value (time or busbw) per launch; sched_vals: {schedule: values per launch}. Each list is
+    resampled with replacement and the ratio of the medians taken again, BOOT_SAMPLES times;
+    the interval leaves BOOT_TAIL out at each end. None without launches."""
+    lists = [v for v in sched_vals.values() if v]
+    if not auto_vals or not lists:
+        return None
+    rng = random.Random(seed)
+    pick = min if s <= LATENCY_MAX else max
+    got = []
+    for _ in range(BOOT_SAMPLES):
+        a = statistics.median(rng.choices(auto_vals, k=len(auto_vals)))
+        b = pick(statistics.median(rng.choices(v, k=len(v))) for v in lists)
+        r = ratio(a, b, s)
+        if r is not None:
+            got.append(r)
+    if not got:
+        return None
+    got.sort()
+    lo = got[int(BOOT_TAIL * (len(got) - 1))]
+    hi = got[int(round((1 - BOOT_TAIL) * (len(got) - 1)))]
+    return lo, hi
+
+
 def roles(peers):
     """(auto, again, {schedule: peer}, [other peers]) for the peer names of one scenario;
     again is the second `auto` peer or None"""
@@ -100,18 +139,14 @@ def table(name, folder):
     scale = 1000.0  # the benchmarks print GB/s
     cols = list(scheds.values()) + [auto] + ([again] if again else []) + others
 
-    def med(peer, s):
-        v = [r[s] for r in reps[peer] if s in r]
-        if not v:
-            return None
-        if s <= LATENCY_MAX:
-            return statistics.median(x[0] for x in v)
-        return statistics.median(x[1] for x in v) * scale
+    def values(peer, s):  # per launch: time (us) up to LATENCY_MAX, busbw (MB/s) above
+        col = 0 if s <= LATENCY_MAX else 1
+        unit = 1.0 if s <= LATENCY_MAX else scale
+        return [r[s][col] * unit for r in reps[peer] if s in r]
 
-    def better(a, b, s):  # ratio: a's speed over b's
-        if a is None or b is None or a == 0 or b == 0:
-            return None
-        return b / a if s <= LATENCY_MAX else a / b
+    def med(peer, s):
+        v = values(peer, s)
+        return statistics.median(v) if v else None
 
     def label(c):
         if c == auto:
@@ -127,9 +162,11 @@ def table(name, folder):
            f"time (us) up to {LATENCY_MAX} B, busbw (MB/s) above; median over launches "
            f"({', '.join(f'{c}: {len(reps[c])}' for c in cols)})", "",
            "| size | " + " | ".join(label(c) for c in cols)
-           + " | auto / best schedule | auto / best peer (which)" + null_cols + pick_cols + " |",
-           "|---:|" + "---:|" * (len(cols) + 2 + (2 if again else 0)) + "---|" * len(pickers)]
+           + " | auto / best schedule | 90 % interval | auto / best peer (which)" + null_cols
+           + pick_cols + " |",
+           "|---:|" + "---:|" * (len(cols) + 3 + (2 if again else 0)) + "---|" * len(pickers)]
     worst_sched, worst_peer, nulls, null_sched = [], [], [], []
+    spans = []  # (size, low, high) of the intervals
     for s in sizes:
         m = {c: med(c, s) for c in cols}
         cells = []
@@ -143,18 +180,22 @@ def table(name, folder):
             return (min if s <= LATENCY_MAX else max)(v, key=lambda x: x[1])
         _, bs = best_of(scheds.values())
         bp_name, bp = best_of(others)
-        r1 = better(m[auto], bs, s)
-        r2 = better(m[auto], bp, s)
+        r1 = ratio(m[auto], bs, s)
+        r2 = ratio(m[auto], bp, s)
         if r1 is not None:
             worst_sched.append((r1, s))
         if r2 is not None:
             worst_peer.append((r2, s))
+        iv = boot_interval(values(auto, s), {c: values(c, s) for c in scheds.values()}, s, s)
+        if iv is not None:
+            spans.append((s,) + iv)
         c1 = "—" if r1 is None else f"{r1 * 100:.0f} %"
+        ci = "—" if iv is None else f"{iv[0] * 100:.0f}–{iv[1] * 100:.0f} %"
         c2 = "—" if r2 is None else f"{r2 * 100:.0f} % ({bp_name})"
-        row = f"| {human(s)} | " + " | ".join(cells) + f" | {c1} | {c2} |"
+        row = f"| {human(s)} | " + " | ".join(cells) + f" | {c1} | {ci} | {c2} |"
         if again:
-            n1 = better(m[again], m[auto], s)
-            n2 = better(m[again], bs, s)
+            n1 = ratio(m[again], m[auto], s)
+            n2 = ratio(m[again], bs, s)
             if n1 is not None:
                 nulls.append((n1, s))
             if n2 is not None:
@@ -168,6 +209,12 @@ def table(name, folder):
         r, s = min(worst_sched)
         out.append(f"- auto / best schedule: lowest {r * 100:.0f} % (at {human(s)}); "
                    f"{sum(1 for x, _ in worst_sched if x >= 0.9)} of {len(worst_sched)} sizes >= 90 %")
+    if spans:
+        above = sum(1 for _, lo, _ in spans if lo >= 0.9)
+        below = [human(s) for s, _, hi in spans if hi < 0.9]
+        out.append(f"- its 90 % bootstrap intervals: {above} of {len(spans)} sizes wholly >= 90 %, "
+                   f"{len(spans) - above - len(below)} straddle 90 %, "
+                   f"{len(below)} wholly below" + (f" ({', '.join(below)})" if below else ""))
     if worst_peer:
         r, s = min(worst_peer)
         out.append(f"- auto / best peer: lowest {r * 100:.0f} % (at {human(s)}); "

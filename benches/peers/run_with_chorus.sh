@@ -2,8 +2,8 @@
 # run_with_chorus.sh - run the peers harness (shared/peers/run_all.sh) with chorus as one more peer.
 #
 #   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [--algorithms]
-#                      [--null] [--np LIST] [--loop-args ARGS] [--netns-args ARGS]
-#                      [run_all.sh args...]
+#                      [--null] [--fixed-order] [--np LIST] [--loop-args ARGS]
+#                      [--netns-args ARGS] [run_all.sh args...]
 #   e.g. run_with_chorus.sh --quick --only loopback
 #   the allreduce table of issue #4 (every schedule, auto and the peers, p=4, 8 B .. 64 MiB):
 #     run_with_chorus.sh --workdir W --algorithms --np 4 --only loopback,netns --reps 3 \
@@ -23,7 +23,10 @@
 # adds a second `auto` peer (chorus-tcp-again, chorus-again): launches of the same thing, whose
 # spread against the first shows how far launch-to-launch noise moves the columns.  --np
 # replaces the loopback rank counts (default "2 4"); --loop-args / --netns-args replace the
-# benchmark arguments of every peer of that section.
+# benchmark arguments of every peer of that section.  Each round launches the peers in its own
+# order, drawn from the round's number (run_all.sh launches them in one fixed order, so a peer
+# follows the same neighbour in every round: the two identical `auto` peers of the testbed read
+# 136 and 118 us at 8 KiB, pooled over 26 launches each); --fixed-order keeps run_all.sh's order.
 # Every launch gets a fresh CHORUS_TOKEN.  chorus-perf is built first
 # (cargo build --release -p chorus-benches; a no-op when up to date) unless --no-build or
 # CHORUS_PERF=/path/to/chorus-perf is given.  Everything after the wrapper's own options goes
@@ -42,6 +45,7 @@ BUILD=1
 PREPARE_ONLY=0
 ALGORITHMS=0
 NULL=0
+SHUFFLE=1
 NPS=""
 LOOP_OVERRIDE=""
 NETNS_OVERRIDE=""
@@ -54,10 +58,11 @@ while [[ $# -gt 0 ]]; do
         --prepare-only) PREPARE_ONLY=1; shift ;;
         --algorithms) ALGORITHMS=1; shift ;;
         --null) NULL=1; shift ;;
+        --fixed-order) SHUFFLE=0; shift ;;
         --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
         --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
         --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
-        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -115,6 +120,36 @@ ompi_tcp_ring() { # NP: Open MPI over TCP with its ring allreduce forced
 }
 echo "chorus-perf: \$CHORUS_PERF" >>"\$OUT/machine.txt"
 EOF
+if [[ $SHUFFLE == 1 ]]; then
+    cat >>"$DEFS" <<'EOF'
+# Rounds in shuffled orders (run_with_chorus.sh): each round launches every peer once, in an
+# order drawn from the round's number (Fisher-Yates on bash's RANDOM, seeded: a rerun launches
+# in the same orders), so no peer always follows the same neighbour.
+chorus_shuffled() { # SEED ITEM... : prints the items, one per line, in an order drawn from SEED
+    local -a a=("${@:2}")
+    local i j t
+    RANDOM=$1
+    for ((i = ${#a[@]} - 1; i > 0; i--)); do
+        j=$((RANDOM % (i + 1)))
+        t=${a[i]}; a[i]=${a[j]}; a[j]=$t
+    done
+    printf '%s\n' "${a[@]}"
+}
+run_rounds() {
+    local scen=$1 k spec
+    local -a order
+    shift
+    for ((k = 1; k <= REPS; k++)); do
+        mapfile -t order < <(chorus_shuffled "$k" "$@")
+        for spec in "${order[@]}"; do
+            # shellcheck disable=SC2086
+            run_one "$scen" "${spec%%=*}" "$k" ${spec#*=}
+        done
+    done
+}
+echo "peer order: shuffled per round (run_with_chorus.sh)" >>"$OUT/machine.txt"
+EOF
+fi
 [[ -z $LOOP_OVERRIDE ]] || echo "LOOP_ARGS=($LOOP_OVERRIDE)" >>"$DEFS"
 [[ -z $NETNS_OVERRIDE ]] || echo "NETNS_ARGS=($NETNS_OVERRIDE)" >>"$DEFS"
 
@@ -163,6 +198,7 @@ sys.stdout.write("\n".join(lines))
 sed -i -e '/^MPIRUN=(/r '"$DEFS" "$RUN_ALL"
 add_peers '"ref-tcp-ring=ring_lo $np"' "${lo_peers[@]}"
 add_peers '"ref-tcp-ring=ring_netns"' "${netns_peers[@]}"
+[[ $SHUFFLE == 0 ]] || grep -q '^chorus_shuffled() {' "$RUN_ALL" || die "could not patch the round order of $RUN_ALL"
 for want in '^chorus_lo() {' '^chorus_netns() {' '"chorus-tcp=chorus_lo \$np tcp" \\$' '"chorus-shm=chorus_lo \$np shm"' '"chorus=chorus_netns"'; do
     grep -q "$want" "$RUN_ALL" || die "could not patch $RUN_ALL (no match for $want): has run_all.sh changed?"
 done

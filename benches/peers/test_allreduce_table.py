@@ -100,3 +100,30 @@ def test_schedule_picks(tmp_path):
 def test_no_picks_column_without_comments(tmp_path):
     text = table_mod.table("loopback-np4", str(scenario(tmp_path, again=False)))
     assert "schedules" not in text.splitlines()[4]
+
+
+def test_bootstrap_interval():
+    # Launches that never vary give a point: auto at 80 % of the best schedule (busbw).
+    assert table_mod.boot_interval([8.0] * 5, {"ring": [10.0] * 5, "tree": [2.0] * 5}, 1 << 20, 1) == (0.8, 0.8)
+    # Times up to 128 B: auto 50 us against the fastest schedule's 40 us.
+    assert table_mod.boot_interval([50.0] * 3, {"rd": [40.0] * 3, "ring": [90.0] * 3}, 8, 1) == (0.8, 0.8)
+    # A noisy auto: its launches run either as fast as the schedule or half as fast, so the
+    # resampled medians reach both ends and the interval spans them.
+    lo, hi = table_mod.boot_interval([10.0, 5.0, 10.0, 5.0, 10.0, 5.0], {"ring": [10.0] * 6}, 1 << 20, 1)
+    assert lo == 0.5 and hi == 1.0
+    # The same seed gives the same interval; no launches give none.
+    noisy = ([9.0, 7.0, 10.0, 8.0], {"ring": [10.0, 9.5, 11.0]})
+    assert table_mod.boot_interval(*noisy, 1 << 20, 7) == table_mod.boot_interval(*noisy, 1 << 20, 7)
+    assert table_mod.boot_interval([], {"ring": [1.0]}, 8, 1) is None
+
+
+def test_interval_column_and_summary(tmp_path):
+    text = table_mod.table("loopback-np4", str(scenario(tmp_path, again=False)))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert header[header.index("auto / best schedule") + 1] == "90 % interval"
+    # 1 MiB: halving-doubling's launches are all 900 MB/s and the ring's 1000-1200; auto's
+    # 500-1000, so the interval runs from below half to above 90 %.
+    iv = dict(zip(header, cells(text, "1 MiB")))["90 % interval"]
+    lo, hi = (int(x) for x in iv.rstrip(" %").split("–"))
+    assert lo <= 50 and 90 <= hi <= 100
+    assert "its 90 % bootstrap intervals: 0 of 2 sizes wholly >= 90 %" in text
