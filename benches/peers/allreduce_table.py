@@ -81,6 +81,12 @@ def pick_counts(launches, s):
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def fastest(s):
+    """min or max: how the fastest of several values at size s is found (times up to
+    LATENCY_MAX, busbw above)"""
+    return min if s <= LATENCY_MAX else max
+
+
 def ratio(a, b, s):
     """a's speed over b's at size s (times up to LATENCY_MAX, busbw above), or None"""
     if a is None or b is None or a == 0 or b == 0:
@@ -97,7 +103,7 @@ def boot_interval(auto_vals, sched_vals, s, seed):
     if not auto_vals or not lists:
         return None
     rng = random.Random(seed)
-    pick = min if s <= LATENCY_MAX else max
+    pick = fastest(s)
     got = []
     for _ in range(BOOT_SAMPLES):
         a = statistics.median(rng.choices(auto_vals, k=len(auto_vals)))
@@ -108,9 +114,8 @@ def boot_interval(auto_vals, sched_vals, s, seed):
     if not got:
         return None
     got.sort()
-    lo = got[int(BOOT_TAIL * (len(got) - 1))]
-    hi = got[int(round((1 - BOOT_TAIL) * (len(got) - 1)))]
-    return lo, hi
+    at = lambda q: got[round(q * (len(got) - 1))]  # noqa: E731
+    return at(BOOT_TAIL), at(1 - BOOT_TAIL)
 
 
 def roles(peers):
@@ -177,7 +182,7 @@ def table(name, folder):
             v = [(c, m[c]) for c in names if m[c] is not None]
             if not v:
                 return None, None
-            return (min if s <= LATENCY_MAX else max)(v, key=lambda x: x[1])
+            return fastest(s)(v, key=lambda x: x[1])
         _, bs = best_of(scheds.values())
         bp_name, bp = best_of(others)
         r1 = ratio(m[auto], bs, s)
