@@ -37,7 +37,7 @@ OPTIONS:
     -m, --min_iters N        the minimum of timed iterations with -B [1]
     -B, --budget SIZE        per size run clamp(BUDGET / size, -m, -n) iterations, and end the
                              size list at -e exactly (peers/src/bench_common.h rules)
-    -c, --check 0|1          check every element of the result before timing [1]
+    -c, --check 0|1          check every element of one more call's result after timing [1]
     -d, --datatype NAME|all  int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 [float]
     -o, --op NAME|all        sum prod min max avg [sum]
     -a, --average 0|1|2|3    time reported: 0 rank 0's, 1 mean, 2 min, 3 max over ranks
@@ -138,7 +138,7 @@ pub struct Options {
     pub grid: SizeGrid,
     /// Iterations per size.
     pub iters: IterPolicy,
-    /// Check results before timing.
+    /// Check one call's result after the timed block.
     pub check: bool,
     /// `-d` as given (a type name or `all`).
     pub datatype: String,
