@@ -120,6 +120,17 @@ def boot_interval(auto_vals, sched_vals, s, seed):
     return at(BOOT_TAIL), at(1 - BOOT_TAIL)
 
 
+def interval_summary(spans, goal):
+    """The summary line of bootstrap intervals [(size, low, high)] against goal (0.9 = 90 %):
+    how many lie wholly at or above it, straddle it, or lie wholly below (named)."""
+    above = sum(1 for _, lo, _ in spans if lo >= goal)
+    below = [human(s) for s, _, hi in spans if hi < goal]
+    pct = f"{goal * 100:.0f} %"
+    return (f"- its 90 % bootstrap intervals: {above} of {len(spans)} sizes wholly >= {pct}, "
+            f"{len(spans) - above - len(below)} straddle {pct}, "
+            f"{len(below)} wholly below" + (f" ({', '.join(below)})" if below else ""))
+
+
 def roles(peers):
     """(auto, again, {schedule: peer}, [other peers]) for the peer names of one scenario;
     again is the second `auto` peer or None"""
@@ -224,21 +235,13 @@ def table(name, folder):
         out.append(f"- auto / best schedule: lowest {r * 100:.0f} % (at {human(s)}); "
                    f"{sum(1 for x, _ in worst_sched if x >= 0.9)} of {len(worst_sched)} sizes >= 90 %")
     if spans:
-        above = sum(1 for _, lo, _ in spans if lo >= 0.9)
-        below = [human(s) for s, _, hi in spans if hi < 0.9]
-        out.append(f"- its 90 % bootstrap intervals: {above} of {len(spans)} sizes wholly >= 90 %, "
-                   f"{len(spans) - above - len(below)} straddle 90 %, "
-                   f"{len(below)} wholly below" + (f" ({', '.join(below)})" if below else ""))
+        out.append(interval_summary(spans, 0.9))
     if worst_peer:
         r, s = min(worst_peer)
         out.append(f"- auto / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
                    f"{sum(1 for x, _ in worst_peer if x >= 1.0)} of {len(worst_peer)} sizes >= 100 %")
     if peer_spans:
-        above = sum(1 for _, lo, _ in peer_spans if lo >= 1.0)
-        below = [human(s) for s, _, hi in peer_spans if hi < 1.0]
-        out.append(f"- its 90 % bootstrap intervals: {above} of {len(peer_spans)} sizes wholly "
-                   f">= 100 %, {len(peer_spans) - above - len(below)} straddle 100 %, "
-                   f"{len(below)} wholly below" + (f" ({', '.join(below)})" if below else ""))
+        out.append(interval_summary(peer_spans, 1.0))
     if nulls:
         dev = sorted(abs(x - 1) for x, _ in nulls)
         out.append(f"- null, again / auto: {min(x for x, _ in nulls) * 100:.0f}–"
