@@ -95,13 +95,13 @@ def ratio(a, b, s):
     return b / a if s <= LATENCY_MAX else a / b
 
 
-def boot_interval(auto_vals, sched_vals, s, seed):
-    """(low, high): the bootstrap interval of auto / the best of sched_vals at size s (the best
+def boot_interval(auto_vals, rival_vals, s, seed):
+    """(low, high): the bootstrap interval of auto / the best of rival_vals at size s (the best
     schedule, or the best peer). auto_vals: auto's value (time or busbw) per launch;
-    sched_vals: {schedule or peer: values per launch}. Each list is
+    rival_vals: {schedule or peer: values per launch}. Each list is
     resampled with replacement and the ratio of the medians taken again, BOOT_SAMPLES times;
     the interval leaves BOOT_TAIL out at each end. None without launches."""
-    lists = [v for v in sched_vals.values() if v]
+    lists = [v for v in rival_vals.values() if v]
     if not auto_vals or not lists:
         return None
     rng = random.Random(seed)
@@ -206,10 +206,11 @@ def table(name, folder):
             worst_sched.append((r1, s))
         if r2 is not None:
             worst_peer.append((r2, s))
-        iv = boot_interval(values(auto, s), {c: values(c, s) for c in scheds.values()}, s, s)
+        auto_vals = values(auto, s)
+        iv = boot_interval(auto_vals, {c: values(c, s) for c in scheds.values()}, s, s)
         if iv is not None:
             spans.append((s,) + iv)
-        ivp = boot_interval(values(auto, s), {c: values(c, s) for c in others}, s, s)
+        ivp = boot_interval(auto_vals, {c: values(c, s) for c in others}, s, s)
         if ivp is not None:
             peer_spans.append((s,) + ivp)
         c1 = "—" if r1 is None else f"{r1 * 100:.0f} %"

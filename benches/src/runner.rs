@@ -3,17 +3,18 @@
 //!
 //! Per size and placement:
 //! 1. warm up, barrier, time `iters` back-to-back calls on the same buffers (in place the
-//!    buffer changes every call, as in nccl-tests: timing does not depend on the values);
+//!    buffer changes every call, as in nccl-tests: timing does not depend on the values), and
+//!    reduce the time over ranks as `-a` says;
 //! 2. check (`-c 1`): fill the input with `reference::test_value`s, poison the output, run the
 //!    collective once, count wrong elements against `reference::expected`, sum over ranks;
-//! 3. reduce the time over ranks as `-a` says, derive algbw and busbw, print.
+//! 3. derive algbw and busbw, print.
 //!
 //! The check comes after the timed block, as in nccl-tests and the peers harness
 //! (`peers/src/*.c`), so that the traffic before the clock starts is the same as theirs: the
 //! warm-up calls only. On a rate-capped link (tbf) an extra call before the clock drains the
 //! shaper's token bucket that the peers start with: on the 4-host 1 gbit testbed, 100 timed
-//! calls of 32 KiB took 412.3 us each with the check first and 407.8 with it after, against
-//! the reference C ring's 407.9 (15 alternating launches each).
+//! calls of 32 KiB took 412.3 us each with the check first and 407.8 with no call before the
+//! warm-up (`-c 0`), against the reference C ring's 407.9 (15 alternating launches each).
 //!
 //! A comparison (`--algo ring,tree,auto`, `--algo all`) runs several allreduce entries in one
 //! launch: each is checked, then `--rounds` rounds each time one block of every entry, in an
