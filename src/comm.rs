@@ -484,6 +484,10 @@ impl Communicator {
                     Timing::None,
                 ),
                 Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
+                Next::Tied { algorithm, tied } => {
+                    self.log_tuning(|| select::describe_tied(bytes, algorithm, &tied));
+                    (algorithm, Timing::None)
+                }
                 Next::Inherit {
                     algorithm,
                     from,

@@ -62,7 +62,10 @@
 //!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
 //!   ones, the fastest of which counts; worst modelled first so that the calls after the
 //!   trials follow a likely winner), so nothing is run twice; the bucket is decided after
-//!   the last trial.
+//!   the last trial. On links (no host runs more ranks than cores), where the model puts
+//!   every plausible candidate within [`MODEL_TIE`] of its cheapest (the ring and
+//!   halving-doubling at a power of two: the same bytes, a few α apart), its choice stands
+//!   without trials: one call of each cannot tell them apart, and the switch costs.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
 //!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
@@ -108,14 +111,14 @@
 //!   bandwidth-bound and a wide lead does not flip within a few rows, while trials there cost
 //!   most: on 4 ranks sharing 2 cores, a 64 MiB loop of 32 calls spent about a tenth of its
 //!   time on the trial calls of schedules 1.6× slower than the ring that won them. Close
-//!   decisions (every decision on a link, where the ring and halving-doubling tie) pass
-//!   nothing on.
+//!   decisions, and the model's choices among tied schedules, pass nothing on.
 //!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
 //! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
 //! The model's choice stays unless another beat it by more than [`KEEP_MODEL_MARGIN`] while
 //! the model put it more than that margin behind (schedules the model cannot tell apart, such
-//! as the ring and halving-doubling on large messages, are decided by the trials alone).
+//! as the ring and halving-doubling on large messages where ranks share cores, are decided by
+//! the trials alone).
 //! Trials, a revisit's rival calls and the agreements carry their own collective kinds in the
 //! tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or different counts in
 //! one call) fail with a mismatch instead of mixing messages. Forced schedules (`CHORUS_ALGO`
@@ -211,6 +214,16 @@ pub const TRIAL_BLOCK_BYTES: usize = 1 << 20;
 pub const TRIAL_MIN_PASSES: usize = 3;
 /// Most passes of dedicated trials.
 pub const TRIAL_MAX_PASSES: usize = 20;
+/// A large bucket on links (no host runs more ranks than cores) whose plausible schedules the
+/// model puts within this fraction of each other takes the model's choice without trials on
+/// the caller's calls. There the schedules left (the ring and halving-doubling, at a power of
+/// two) move the same bytes and differ by a few α in seconds of transfer; one timed call of
+/// each cannot tell them apart, and the trial costs a switch of schedule. On the 4-host
+/// 1 gbit testbed, forced, both ran at 119 MB/s at 8, 32 and 64 MiB (medians of 15 launches,
+/// two runs); the one-call trials split between them (8 MiB: ring 9, halving-doubling 6 of
+/// 15); and the trial cost a 64 MiB block of 3 timed calls 3 % (115.9 MB/s against the
+/// forced ring's 119.4).
+pub const MODEL_TIE: f64 = 0.01;
 /// Most candidates of a bucket tuned on the caller's calls (no cap when some host runs more
 /// ranks than cores: the model's ranking is weakest there).
 pub const ONLINE_CANDIDATES: usize = 3;
@@ -555,6 +568,33 @@ impl Selector {
             dedicated,
             min_reps,
         }
+    }
+
+    /// Whether a large bucket of `bytes` bytes with trial plan `plan` takes the model's choice
+    /// without trials ([`MODEL_TIE`]): on links, when every candidate's modelled time is within
+    /// that fraction of the cheapest's.
+    ///
+    /// ```
+    /// use chorus::select::{AlgoFilter, LinkSource, Selector};
+    /// use chorus_algorithms::cost::Link;
+    /// let s = Selector::new(4, Link::GIGABIT_ETHERNET, LinkSource::Default, AlgoFilter::default());
+    /// let big = 64 << 20;
+    /// assert!(s.model_ties(&s.trial_plan(big), big));
+    /// assert!(!s.model_ties(&s.trial_plan(8), 8), "dedicated trials");
+    /// let crowded = s.clone().with_cpu_bound(true);
+    /// assert!(!crowded.model_ties(&crowded.trial_plan(big), big));
+    /// ```
+    pub fn model_ties(&self, plan: &TrialPlan, bytes: usize) -> bool {
+        let Some(first) = plan.candidates.first() else {
+            return false;
+        };
+        let best = self.modelled_cost(first.0, bytes);
+        !self.cpu_bound
+            && !plan.dedicated
+            && plan
+                .candidates
+                .iter()
+                .all(|c| self.modelled_cost(c.0, bytes) <= (1.0 + MODEL_TIE) * best)
     }
 
     /// Whether the model puts `bytes` in the bandwidth-bound range: its cheapest schedule's
@@ -960,6 +1000,12 @@ pub(crate) enum Next {
     /// (which leaves each block's first call, after the switch of schedule, out). `rival`: the
     /// schedule is the rival's.
     Revisit { algorithm: Algorithm, rival: bool },
+    /// Use this schedule from now on: the model's choice, which it puts within [`MODEL_TIE`]
+    /// of the other `tied` candidates (log it).
+    Tied {
+        algorithm: Algorithm,
+        tied: Vec<Algorithm>,
+    },
     /// Use this schedule from now on, taken without trials from the decided bucket of up to
     /// `from` bytes, whose trials put it `lead`× ahead of the next (log it).
     Inherit {
@@ -1053,6 +1099,18 @@ impl Tuner {
                         algorithm,
                         from: 1 << from,
                         lead,
+                    };
+                }
+                if selector.model_ties(&plan, bytes) {
+                    let algorithm = plan.candidates[0].0;
+                    self.buckets[b] = Bucket::Decided {
+                        chosen: algorithm,
+                        watch: None,
+                        lead: None,
+                    };
+                    return Next::Tied {
+                        algorithm,
+                        tied: plan.candidates[1..].iter().map(|c| c.0).collect(),
                     };
                 }
                 // Worst modelled first, best last: the caller's calls after the trials find
@@ -1350,6 +1408,21 @@ pub(crate) fn describe_inherited(
         human(1usize << bucket(bytes)),
         human(from),
     )
+}
+
+/// One log line for a large bucket that takes the model's choice without trials.
+pub(crate) fn describe_tied(bytes: usize, chosen: Algorithm, tied: &[Algorithm]) -> String {
+    let mut s = format!(
+        "all_reduce tuned for {} (bucket up to {}): {chosen}, the model's choice, without trials \
+         (the model puts ",
+        human(bytes),
+        human(1usize << bucket(bytes))
+    );
+    for (i, a) in tied.iter().enumerate() {
+        let _ = write!(s, "{}{a}", if i == 0 { "" } else { ", " });
+    }
+    let _ = write!(s, " within {:.0} % of it on a link)", MODEL_TIE * 100.0);
+    s
 }
 
 /// One log line for a tuning decision.
@@ -2111,9 +2184,31 @@ mod tests {
             t.decide(8, &pair, &[1.0, 1.0], &tied, Some(1)),
             Algorithm::HalvingDoubling
         );
-        // Large: the caller's calls are the trials, decided after the last.
+        // Large on a link: the ring and halving-doubling tie in the model; its choice stands
+        // without trials.
         let big = 5 << 20;
         let plan = s.trial_plan(big);
+        assert!(plan.candidates.len() >= 2 && s.model_ties(&plan, big));
+        let mut tied = Tuner::new();
+        assert_eq!(
+            tied.next(&s, big),
+            Next::Tied {
+                algorithm: s.select(big),
+                tied: plan.candidates[1..].iter().map(|c| c.0).collect(),
+            }
+        );
+        assert_eq!(tied.decided(big), Some(s.select(big)));
+        assert_eq!(tied.next(&s, big), Next::Use(s.select(big)));
+        // A link whose latency sets them apart (1 ms per message): the caller's calls are the
+        // trials, decided after the last.
+        let s = Selector::new(
+            4,
+            Link::new(1e-3, 119.6e6),
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let plan = s.trial_plan(big);
+        assert!(!s.model_ties(&plan, big));
         // Run worst modelled first.
         let cands: Vec<Algorithm> = plan.candidates.iter().rev().map(|c| c.0).collect();
         assert!(cands.len() >= 2, "{cands:?}");
