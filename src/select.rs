@@ -62,16 +62,18 @@
 //!   one is tried, each in a block of an untimed call and [`ONLINE_CPU_BOUND_RUNS`] timed
 //!   ones, the fastest of which counts; worst modelled first so that the calls after the
 //!   trials follow a likely winner), so nothing is run twice; the bucket is decided after
-//!   the last trial. On links (no host runs more ranks than cores), where the model puts
-//!   every plausible candidate within [`MODEL_TIE`] of its cheapest (the ring and
-//!   halving-doubling at a power of two: the same bytes, a few α apart), its choice stands
-//!   without trials: one call of each cannot tell them apart, and the switch costs.
+//!   the last trial.
 //!   Before the first, every candidate runs once untimed on a zeroed buffer of at most
 //!   [`DEDICATED_MAX_BYTES`] (so that no candidate pays for connections that have not
 //!   carried bulk data yet), and the communicator's scratch memory is grown to the buffer's
 //!   size (so that no candidate pays for it); after the decision a winner that did not run
 //!   last runs once more the same way (TCP restarts the window of a connection left idle,
 //!   and the winner's sat idle through the last trial).
+//! - **Tied large buckets**: on links (no host runs more ranks than cores), where the model
+//!   puts every plausible candidate of a large bucket within [`MODEL_TIE`] of its cheapest
+//!   (typically the ring and halving-doubling at a power of two: the same bytes, a few α
+//!   apart), its cheapest at the call's size stands without trials: one call of each cannot
+//!   tell them apart, and the switch costs.
 //!
 //! - **Revisits**: which schedule wins can change after the trials (another job takes the
 //!   cores, ranks sharing a core fall into another rhythm, a link gets busier), and short
@@ -121,7 +123,9 @@
 //! the trials alone).
 //! Trials, a revisit's rival calls and the agreements carry their own collective kinds in the
 //! tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or different counts in
-//! one call) fail with a mismatch instead of mixing messages. Forced schedules (`CHORUS_ALGO`
+//! one call) fail with a mismatch instead of mixing messages; in buckets with no trial calls
+//! (tied large buckets, buckets with one candidate) such ranks may run different schedules,
+//! whose step tags differ, and fail by a tag mismatch or at the timeout. Forced schedules (`CHORUS_ALGO`
 //! naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO` logs every decision and
 //! every revisit with the times measured.
 
@@ -152,7 +156,7 @@ const PROBE_SMALL_BYTES: usize = 8;
 const PROBE_LARGE_BYTES: usize = 256 * 1024;
 
 /// Schedules the model puts within this factor of its cheapest are tried on the caller's calls
-/// (large buckets). Large messages are bandwidth-bound, where the model is reliable: the ring
+/// (large buckets; on links not when the model ties them, [`MODEL_TIE`]). Large messages are bandwidth-bound, where the model is reliable: the ring
 /// and halving-doubling tie, the tree and recursive doubling move a third more bytes. Trying
 /// those on the caller's data would cost a slow call and, on a real link, a congestion
 /// episode that slows the calls after it.
@@ -184,7 +188,8 @@ pub const DEDICATED_PLAUSIBLE: f64 = PLAUSIBLE;
 /// its trials left out recursive doubling and the tree, the two fastest there in loops
 /// (58 and 73 µs against halving-doubling's 92).
 pub const BANDWIDTH_BOUND: f64 = 16.0;
-/// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls.
+/// Largest bucket tuned with dedicated trials; larger ones tune on the caller's calls (unless
+/// the model ties their candidates on links, [`MODEL_TIE`]).
 pub const DEDICATED_MAX_BYTES: usize = 4 << 20;
 /// Time of the dedicated trials of one bucket (the first pass modelled, the rest as measured).
 pub const TRIAL_TIME: Duration = Duration::from_millis(100);
@@ -216,8 +221,8 @@ pub const TRIAL_MIN_PASSES: usize = 3;
 pub const TRIAL_MAX_PASSES: usize = 20;
 /// A large bucket on links (no host runs more ranks than cores) whose plausible schedules the
 /// model puts within this fraction of each other takes the model's choice without trials on
-/// the caller's calls. There the schedules left (the ring and halving-doubling, at a power of
-/// two) move the same bytes and differ by a few α in seconds of transfer; one timed call of
+/// the caller's calls. There the schedules left (typically the ring and halving-doubling, at a
+/// power of two) move the same bytes and differ by a few α in seconds of transfer; one timed call of
 /// each cannot tell them apart, and the trial costs a switch of schedule. On the 4-host
 /// 1 gbit testbed, forced, both ran at 119 MB/s at 8, 32 and 64 MiB (medians of 15 launches,
 /// two runs); the one-call trials split between them (8 MiB: ring 9, halving-doubling 6 of
@@ -748,7 +753,8 @@ pub struct TrialPlan {
     /// to [`TRIAL_MAX_PASSES`], or from [`TrialPlan::after_first_pass`] the passes after the
     /// first, 0 to one less; else 1).
     pub passes: usize,
-    /// Dedicated trials on the first call (else the caller's calls are the trials).
+    /// Dedicated trials on the first call (else the caller's calls are the trials, unless
+    /// [`Selector::model_ties`]).
     pub dedicated: bool,
     /// Timed repetitions a candidate runs per pass at least, as far as [`TRIAL_PASS_TIME`]
     /// allows ([`Selector::min_block_calls`]; 1 when tuned on the caller's calls).
@@ -2193,14 +2199,16 @@ mod tests {
         assert_eq!(
             tied.next(&s, big),
             Next::Tied {
-                algorithm: s.select(big),
+                algorithm: plan.candidates[0].0,
                 tied: plan.candidates[1..].iter().map(|c| c.0).collect(),
             }
         );
+        assert_eq!(plan.candidates[0].0, s.select(big));
         assert_eq!(tied.decided(big), Some(s.select(big)));
         assert_eq!(tied.next(&s, big), Next::Use(s.select(big)));
         // A link whose latency sets them apart (1 ms per message): the caller's calls are the
         // trials, decided after the last.
+        // (`model` keeps the gigabit link's costs: this section passes the 1 ms link's.)
         let s = Selector::new(
             4,
             Link::new(1e-3, 119.6e6),
@@ -2229,7 +2237,10 @@ mod tests {
             big,
             &cands,
             &[3.0, 1.0, 2.0][..cands.len()],
-            &model(&cands, big),
+            &cands
+                .iter()
+                .map(|&a| s.modelled_cost(a, big))
+                .collect::<Vec<_>>(),
             s.revisit_blocks(big),
         );
         assert_eq!(t.decided(big), Some(cands[1]));

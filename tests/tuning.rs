@@ -14,7 +14,8 @@ use common::*;
 const WATCHDOG: Duration = Duration::from_secs(240);
 
 /// Element counts (f32/i32) landing in different buckets: tiny, small, mid (dedicated trials)
-/// and above `DEDICATED_MAX_BYTES` (tuned on the caller's calls).
+/// and above `DEDICATED_MAX_BYTES` (tuned on the caller's calls, or, on ranks that do not
+/// outnumber the cores, decided by the model where it ties the ring and halving-doubling).
 const COUNTS: [usize; 5] = [1, 7, 1023, 65_539, (1 << 20) + 5];
 /// Calls per count: enough to go through every online trial (at most one block per schedule:
 /// an untimed call and `ONLINE_CPU_BOUND_RUNS` timed ones where ranks outnumber cores, as
