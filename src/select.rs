@@ -125,9 +125,9 @@
 //! tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or different counts in
 //! one call) fail with a mismatch instead of mixing messages; in buckets with no trial calls
 //! (tied large buckets, buckets with one candidate) such ranks may run different schedules,
-//! whose step tags differ, and fail by a tag mismatch or at the timeout. Forced schedules (`CHORUS_ALGO`
-//! naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO` logs every decision and
-//! every revisit with the times measured.
+//! whose step tags differ, and fail by a tag mismatch or at the timeout. Forced schedules
+//! (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO` logs every
+//! decision and every revisit with the times measured.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -156,8 +156,9 @@ const PROBE_SMALL_BYTES: usize = 8;
 const PROBE_LARGE_BYTES: usize = 256 * 1024;
 
 /// Schedules the model puts within this factor of its cheapest are tried on the caller's calls
-/// (large buckets; on links not when the model ties them, [`MODEL_TIE`]). Large messages are bandwidth-bound, where the model is reliable: the ring
-/// and halving-doubling tie, the tree and recursive doubling move a third more bytes. Trying
+/// (large buckets; on links not when the model ties them, [`MODEL_TIE`]). Large messages are
+/// bandwidth-bound, where the model is reliable: the ring and halving-doubling tie, the tree
+/// and recursive doubling move a third more bytes. Trying
 /// those on the caller's data would cost a slow call and, on a real link, a congestion
 /// episode that slows the calls after it.
 pub const PLAUSIBLE: f64 = 1.25;
@@ -222,8 +223,8 @@ pub const TRIAL_MAX_PASSES: usize = 20;
 /// A large bucket on links (no host runs more ranks than cores) whose plausible schedules the
 /// model puts within this fraction of each other takes the model's choice without trials on
 /// the caller's calls. There the schedules left (typically the ring and halving-doubling, at a
-/// power of two) move the same bytes and differ by a few α in seconds of transfer; one timed call of
-/// each cannot tell them apart, and the trial costs a switch of schedule. On the 4-host
+/// power of two) move the same bytes and differ by a few α in seconds of transfer; one timed
+/// call of each cannot tell them apart, and the trial costs a switch of schedule. On the 4-host
 /// 1 gbit testbed, forced, both ran at 119 MB/s at 8, 32 and 64 MiB (medians of 15 launches,
 /// two runs); the one-call trials split between them (8 MiB: ring 9, halving-doubling 6 of
 /// 15); and the trial cost a 64 MiB block of 3 timed calls 3 % (115.9 MB/s against the
@@ -1418,17 +1419,15 @@ pub(crate) fn describe_inherited(
 
 /// One log line for a large bucket that takes the model's choice without trials.
 pub(crate) fn describe_tied(bytes: usize, chosen: Algorithm, tied: &[Algorithm]) -> String {
-    let mut s = format!(
+    let names: Vec<&str> = tied.iter().map(|a| a.name()).collect();
+    format!(
         "all_reduce tuned for {} (bucket up to {}): {chosen}, the model's choice, without trials \
-         (the model puts ",
+         (the model puts {} within {:.0} % of it on a link)",
         human(bytes),
-        human(1usize << bucket(bytes))
-    );
-    for (i, a) in tied.iter().enumerate() {
-        let _ = write!(s, "{}{a}", if i == 0 { "" } else { ", " });
-    }
-    let _ = write!(s, " within {:.0} % of it on a link)", MODEL_TIE * 100.0);
-    s
+        human(1usize << bucket(bytes)),
+        names.join(", "),
+        MODEL_TIE * 100.0
+    )
 }
 
 /// One log line for a tuning decision.
