@@ -467,10 +467,22 @@ impl ShmTransport {
     /// One step of a blocked wait on the peers in `self.involved`: fails if one of them is gone
     /// or the deadline passed; otherwise re-polls (first `spin`), then arms and sleeps on the
     /// bell. The caller re-checks its condition after every call.
+    ///
+    /// A peer found gone fails the wait only at the second look: the first returns so that the
+    /// caller re-checks its condition once more. A peer publishes everything it sends before it
+    /// marks itself closed (release; the state is read with acquire), so what it sent between
+    /// the caller's last check and its exit is seen there. Without that second look, a rank
+    /// whose peers finished their last collective and dropped the communicator could fail that
+    /// collective with all its data already in place (seen once in the 7-thread sweep).
     pub(crate) fn stall(&mut self, w: &mut Stall, deadline: Instant) -> Result<()> {
         for i in 0..self.involved.len() {
             if let Some(e) = self.peer_gone(self.involved[i], w.armed.is_some()) {
                 self.disarm();
+                w.armed = None;
+                if !w.gone_seen {
+                    w.gone_seen = true;
+                    return Ok(());
+                }
                 return Err(e);
             }
         }
@@ -724,6 +736,8 @@ pub(crate) struct Stall {
     start: Instant,
     polls: u64,
     armed: Option<u32>,
+    /// A peer was found gone once: the next look that finds it fails the wait.
+    gone_seen: bool,
 }
 
 impl Stall {
@@ -732,6 +746,7 @@ impl Stall {
             start: Instant::now(),
             polls: 0,
             armed: None,
+            gone_seen: false,
         }
     }
 }
