@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 use crate::select::{self, AlgoFilter, LinkSource, Next, Selector, TrialPlan, Tuner};
+use crate::tune_file::{self, Decision, Key, Section, TuneFile};
 
 /// Per-call options of an allreduce.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -58,6 +59,18 @@ pub struct Communicator {
     tuner: Tuner,
     /// Whether the allreduce schedule is tuned (`CHORUS_TUNE`, [`Communicator::set_tuning`]).
     tuning: bool,
+    /// Where tuning decisions are kept across launches (`CHORUS_TUNE_FILE`).
+    tune_file: Option<TuneState>,
+}
+
+/// A communicator's tuning file ([`crate::tune_file`]).
+struct TuneState {
+    path: std::path::PathBuf,
+    /// Its section for this communicator, as this communicator's decisions leave it (rank 0
+    /// writes it after every change).
+    section: Section,
+    /// A write failed and was reported (later failures are not).
+    warned: bool,
 }
 
 /// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
@@ -247,6 +260,8 @@ impl Communicator {
         let tuning = crate::select::tune_from_env().map_err(fail)?;
         // This host runs more ranks than it has cores (the tuner's view of the link, below).
         let mut crowded = false;
+        // Distinct hosts and the most ranks on one (the tuning file's key).
+        let mut layout = (1, 1);
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {
@@ -299,6 +314,15 @@ impl Communicator {
             )
             .map_err(|e| fail(CommError::from_transport("init", e)))?;
             let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
+            let mut distinct = r.hosts.clone();
+            distinct.sort();
+            distinct.dedup();
+            let per_host = distinct
+                .iter()
+                .map(|d| r.hosts.iter().filter(|h| *h == d).count())
+                .max()
+                .unwrap_or(1);
+            layout = (distinct.len(), per_host);
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             crowded = on_my_host > cores;
             log::log(
@@ -325,8 +349,28 @@ impl Communicator {
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
             tuner: Tuner::new(),
             tuning,
+            tune_file: None,
         };
         comm.selector = Selector::for_communicator(&mut comm, filter, env_link, crowded)?;
+        if let Some(path) = comm.config.tune_file.clone() {
+            // Only where schedules are tuned (the same on every rank).
+            if tuning && size > 1 && filter.forced().is_none() && !comm.direct_shared_memory() {
+                let algos: Vec<&str> = Algorithm::ALL
+                    .into_iter()
+                    .filter(|&a| filter.allows(a))
+                    .map(Algorithm::name)
+                    .collect();
+                let key = Key {
+                    ranks: size,
+                    hosts: layout.0,
+                    per_host: layout.1,
+                    transport: comm.transport.name().to_string(),
+                    cpu_bound: comm.selector.cpu_bound(),
+                    algos: algos.join(","),
+                };
+                comm.open_tune_file(path, key)?;
+            }
+        }
         Ok(comm)
     }
 
@@ -598,6 +642,18 @@ impl Communicator {
         self.agree_max(&mut times, timeout)?;
         if let Some(outcome) = self.tuner.settle_revisit(bytes, times) {
             self.log_tuning(|| select::describe_revisit(bytes, &outcome));
+            if outcome.now != outcome.chosen {
+                // The file keeps the schedule the bucket now runs.
+                let size = 1 << select::bucket(bytes);
+                let kept = self
+                    .tune_file
+                    .as_ref()
+                    .and_then(|t| t.section.buckets.iter().find(|b| b.bytes == size).cloned());
+                if let Some(mut d) = kept {
+                    d.chosen = outcome.now;
+                    self.remember(d);
+                }
+            }
         }
         Ok(())
     }
@@ -730,7 +786,104 @@ impl Communicator {
             .decide(bytes, candidates, &times, &modelled, revisit);
         let model = self.selector.select(bytes);
         self.log_tuning(|| select::describe_decision(bytes, model, candidates, &times, chosen));
+        self.remember(Decision {
+            bytes: 1 << select::bucket(bytes),
+            chosen,
+            times: candidates.iter().copied().zip(times).collect(),
+        });
         Ok(chosen)
+    }
+
+    /// Reads the tuning file at `path` on rank 0, agrees on its decisions for this kind of
+    /// communicator (`key`) across ranks and restores them (see [`crate::tune_file`]). A file
+    /// that cannot be used is reported and left to be rewritten; only the agreement can fail.
+    fn open_tune_file(&mut self, path: std::path::PathBuf, key: Key) -> Result<(), CommError> {
+        let link = self.selector.link();
+        let filter = self.selector.filter();
+        let mut found = Vec::new();
+        if self.rank == 0 {
+            let shown = path.display();
+            match TuneFile::read(&path) {
+                Ok(None) => self.log_tuning(|| format!("tuning file {shown}: none yet")),
+                Err(e) => log::log(
+                    Level::Warn,
+                    Some(0),
+                    format_args!("tuning file {shown} not used: {e} (it will be rewritten)"),
+                ),
+                Ok(Some(file)) => match file.section(&key) {
+                    None => self.log_tuning(|| {
+                        format!(
+                            "tuning file {shown}: no decisions for {} ranks like these",
+                            key.ranks
+                        )
+                    }),
+                    Some(s) => match s.link_mismatch(link) {
+                        Some(why) => self.log_tuning(|| {
+                            format!("tuning file {shown}: decisions not used, {why}")
+                        }),
+                        None => found = s.buckets.clone(),
+                    },
+                },
+            }
+        }
+        // Rank 0's decisions reach every rank (the others add zeros).
+        let mut agreed = tune_file::encode(&found, |a| filter.allows(a));
+        self.agree_max(&mut agreed, None)?;
+        let decisions = tune_file::decode(&agreed).map_err(|e| {
+            CommError::new(
+                ErrorKind::Internal,
+                "init (tuning file)",
+                format!("the agreed decisions do not decode: {e}"),
+            )
+            .at_rank(self.rank)
+        })?;
+        for d in &decisions {
+            let (candidates, times): (Vec<Algorithm>, Vec<f64>) = d.times.iter().copied().unzip();
+            let revisit = self.selector.revisit_blocks(d.bytes);
+            self.tuner
+                .restore(d.bytes, d.chosen, &candidates, &times, revisit);
+        }
+        if !decisions.is_empty() {
+            self.log_tuning(|| select::describe_restored(&path, &decisions));
+        }
+        self.tune_file = Some(TuneState {
+            path,
+            section: Section {
+                key,
+                link,
+                buckets: decisions,
+            },
+            warned: false,
+        });
+        Ok(())
+    }
+
+    /// Keeps a bucket's decision in the tuning file, if there is one (rank 0 writes it; a
+    /// failure is reported once and does not fail the call).
+    fn remember(&mut self, d: Decision) {
+        let Some(state) = self.tune_file.as_mut() else {
+            return;
+        };
+        if d.check().is_err() {
+            return;
+        }
+        state.section.set(d);
+        if self.rank != 0 {
+            return;
+        }
+        if let Err(e) = TuneFile::store(&state.path, state.section.clone()) {
+            if !state.warned {
+                state.warned = true;
+                log::log(
+                    Level::Warn,
+                    Some(0),
+                    format_args!(
+                        "tuning file {}: decisions not kept: {e}",
+                        state.path.display()
+                    ),
+                );
+            }
+        }
     }
 
     /// Run one collective: checks the communicator is usable, gives the schedule a context

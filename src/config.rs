@@ -15,11 +15,14 @@
 //!   `CHORUS_DEBUG` (read by [`crate::log`]).
 //! - Read by the selector at init ([`crate::select`]): `CHORUS_ALPHA_US`, `CHORUS_BETA_GBPS`
 //!   (link figures instead of the probe), `CHORUS_TUNE=0|off` (no online tuning of `auto`).
+//! - `CHORUS_TUNE_FILE`: where tuning decisions are kept across launches
+//!   ([`crate::tune_file`]).
 //!
 //! A variable set to an empty or blank string counts as unset. Errors name the missing or
 //! malformed variable and what would fix it.
 
 use std::net::Ipv6Addr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::CommError;
@@ -55,6 +58,9 @@ pub struct Config {
     pub transport: Option<String>,
     /// Algorithm override in NCCL's `CHORUS_ALGO` grammar.
     pub algo: Option<String>,
+    /// Where allreduce tuning decisions are kept across launches (`CHORUS_TUNE_FILE`, see
+    /// [`crate::tune_file`]); set it on every rank or on none.
+    pub tune_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -72,6 +78,7 @@ impl Config {
             host_store: None,
             transport: None,
             algo: None,
+            tune_file: None,
         }
     }
 
@@ -170,6 +177,7 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         .value("CHORUS_TRANSPORT")
         .map(|t| t.to_ascii_lowercase());
     config.algo = env.value("CHORUS_ALGO");
+    config.tune_file = env.value(crate::tune_file::ENV).map(PathBuf::from);
     Ok(config)
 }
 
@@ -393,6 +401,7 @@ mod tests {
             ("CHORUS_SOCKET_IFNAME", "^docker,lo"),
             ("CHORUS_TRANSPORT", "TCP"),
             ("CHORUS_ALGO", "allreduce:ring"),
+            ("CHORUS_TUNE_FILE", "/var/tmp/chorus.tune"),
         ])
         .unwrap();
         assert_eq!((c.rank, c.size, c.local_rank), (2, 4, Some(0)));
@@ -403,6 +412,7 @@ mod tests {
         assert_eq!(c.socket_ifname.as_deref(), Some("^docker,lo"));
         assert_eq!(c.transport.as_deref(), Some("tcp"));
         assert_eq!(c.algo.as_deref(), Some("allreduce:ring"));
+        assert_eq!(c.tune_file, Some(PathBuf::from("/var/tmp/chorus.tune")));
         assert_eq!(c.host_store, None);
         assert!(!c.hosts_store());
     }

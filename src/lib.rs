@@ -23,6 +23,7 @@ pub mod config;
 pub mod error;
 pub mod log;
 pub mod select;
+pub mod tune_file;
 
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::{DType, Element, ReduceOp};

@@ -140,9 +140,10 @@ use chorus_transport::{Result as TResult, TransportError};
 use crate::comm::{CollKind, Communicator};
 use crate::error::CommError;
 use crate::log::{self, Level};
+use crate::tune_file::Decision;
 
 /// Rows of the cost table: message sizes `2^0 … 2^(ROWS−1)` bytes.
-const ROWS: usize = 49;
+pub const ROWS: usize = 49;
 
 /// Small messages exchanged by the probe (the first [`PROBE_WARMUP`] are not timed).
 const PROBE_SMALL: usize = 12;
@@ -1234,18 +1235,58 @@ impl Tuner {
             times[model] <= times[fastest] * margin && modelled[fastest] > modelled[model] * margin;
         let chosen = if keep { model } else { fastest };
         let a = candidates[chosen];
+        self.settle(bytes, a, candidates, times, revisit);
+        a
+    }
+
+    /// Marks the bucket of `bytes` decided on `chosen` by trials that took `times` (the
+    /// candidates close behind stay rivals with `revisit`, as in [`Tuner::decide`]).
+    fn settle(
+        &mut self,
+        bytes: usize,
+        chosen: Algorithm,
+        candidates: &[Algorithm],
+        times: &[f64],
+        revisit: Option<usize>,
+    ) {
         // The next fastest candidate's time over the winner's (a kept model's choice that
         // did not time fastest leads by less than 1).
-        let lead = (0..candidates.len())
-            .filter(|&i| i != chosen)
-            .map(|i| times[i] / times[chosen])
+        let own = candidates
+            .iter()
+            .zip(times)
+            .find(|(&a, _)| a == chosen)
+            .map_or(f64::NAN, |(_, &t)| t);
+        let lead = candidates
+            .iter()
+            .zip(times)
+            .filter(|(&a, _)| a != chosen)
+            .map(|(_, &t)| t / own)
             .fold(f64::INFINITY, f64::min);
         self.buckets[bucket(bytes)] = Bucket::Decided {
-            chosen: a,
-            watch: revisit.and_then(|min| Watch::after_trials(a, candidates, times, min)),
+            chosen,
+            watch: revisit.and_then(|min| Watch::after_trials(chosen, candidates, times, min)),
             lead: (lead.is_finite() && lead >= INHERIT_LEAD).then_some(lead),
         };
-        a
+    }
+
+    /// Restores the bucket of `bytes` as an earlier launch's trials left it (a tuning file,
+    /// [`crate::tune_file`]): decided on `chosen` (the trials' pick, or the rival a revisit put
+    /// in its place) with the rivals their `times` leave (re-timed by revisits with
+    /// `revisit`, as after trials). A bucket this communicator has already used is left as it
+    /// is. Returns whether the bucket was restored.
+    pub(crate) fn restore(
+        &mut self,
+        bytes: usize,
+        chosen: Algorithm,
+        candidates: &[Algorithm],
+        times: &[f64],
+        revisit: Option<usize>,
+    ) -> bool {
+        if self.buckets[bucket(bytes)] != Bucket::Fresh || !candidates.contains(&chosen) {
+            return false;
+        }
+        self.settle(bytes, chosen, candidates, times, revisit);
+        true
     }
 
     /// Records a call of a revisit of `bytes` bytes (`seconds`: its time on this rank, left out
@@ -1524,6 +1565,19 @@ pub(crate) fn median(xs: &mut [f64]) -> f64 {
         n if n % 2 == 1 => xs[n / 2],
         n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
     }
+}
+
+/// One log line for the buckets restored from a tuning file.
+pub(crate) fn describe_restored(path: &std::path::Path, decisions: &[Decision]) -> String {
+    let list: Vec<String> = decisions
+        .iter()
+        .map(|d| format!("{} {}", human(d.bytes), d.chosen))
+        .collect();
+    format!(
+        "all_reduce decisions of an earlier launch from {} (buckets up to): {}",
+        path.display(),
+        list.join(", ")
+    )
 }
 
 fn human(bytes: usize) -> String {
@@ -2415,5 +2469,50 @@ mod tests {
         }
         assert!(switched);
         assert!(matches!(t.next(&s, m32), Next::Online(_)));
+    }
+
+    #[test]
+    fn restored_buckets_are_decided_with_their_rivals_and_lead() {
+        use Algorithm::{HalvingDoubling, Ring, Tree};
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let mut t = Tuner::new();
+        // A small bucket as an earlier launch's trials left it: decided, rivals revisited.
+        let cands = [Ring, HalvingDoubling, Tree];
+        assert!(t.restore(4096, HalvingDoubling, &cands, &[1.1, 1.0, 3.0], Some(1)));
+        assert_eq!(t.decided(3000), Some(HalvingDoubling));
+        let Bucket::Decided {
+            watch: Some(w),
+            lead,
+            ..
+        } = &t.buckets[bucket(4096)]
+        else {
+            panic!(
+                "a restored bucket keeps its close rivals: {:?}",
+                t.buckets[bucket(4096)]
+            )
+        };
+        let rivals: Vec<Algorithm> = w.rivals.iter().map(|r| r.algorithm).collect();
+        assert_eq!(rivals, [Ring], "the tree is far behind");
+        assert_eq!(*lead, None, "a close decision passes nothing on");
+        // A chosen schedule that was not a candidate, or a bucket in use, is not restored.
+        assert!(!t.restore(8, Tree, &[Ring], &[1.0], Some(1)));
+        assert_eq!(t.decided(8), None);
+        assert!(matches!(t.next(&s, 8), Next::Trials(_)));
+        t.decide(8, &[Tree, Ring], &[1.0, 2.0], &[1.0, 1.0], Some(1));
+        assert!(!t.restore(8, Ring, &[Ring], &[1.0], Some(1)));
+        assert_eq!(t.decided(8), Some(Tree));
+        // A large bucket with a wide lead passes it on to its neighbours, as after trials.
+        let big = 64 << 20;
+        assert!(t.restore(big, Ring, &[Ring, Tree], &[1.0, 2.0], None));
+        let next = t.next(&s, big / 4);
+        assert!(
+            matches!(next, Next::Inherit { algorithm: Ring, from, .. } if from == big),
+            "{next:?}"
+        );
     }
 }

@@ -1,0 +1,632 @@
+//! The tuning file (`CHORUS_TUNE_FILE`): allreduce decisions kept across launches, as FFTW keeps
+//! its wisdom and Open MPI reads a rules file.
+//!
+//! Online tuning ([`crate::select`]) times the schedules on the first call of every size bucket:
+//! a few dozen to a few hundred milliseconds per bucket, spent again by every launch, with the
+//! link saturated meanwhile. A job that is relaunched often (restarts from checkpoints, sweeps,
+//! elastic training) can keep what those trials found instead: with `CHORUS_TUNE_FILE=PATH` set
+//! on every rank (and tuning on), rank 0 reads the file at init and the ranks agree on its
+//! decisions (one allreduce), so the buckets it holds start decided, with the rivals the trials
+//! left (revisits still re-time them, so a decision that no longer holds is replaced); rank 0
+//! writes every new decision back. Only decisions made by trials are kept: buckets decided by
+//! the model alone (one candidate, tied or inherited schedules) cost nothing to decide again.
+//!
+//! # What must match
+//! A file holds sections, one per kind of communicator ([`Key`]: ranks, hosts, ranks per host,
+//! transport, whether a host runs more ranks than cores, the schedules `CHORUS_ALGO` allows). A
+//! section is used only when its key equals the communicator's and its link figures are close
+//! to the ones this communicator measured or was given (β within [`LINK_MATCH_BETA`]×, α within
+//! [`LINK_MATCH_ALPHA`]×: the same network, not a 10× faster one); otherwise the communicator tunes as without a file and its decisions replace
+//! the section.
+//!
+//! # Format
+//! Text, one record per line:
+//! ```text
+//! chorus-tune 1
+//! section ranks=4 hosts=4 per_host=1 transport=tcp cpu_bound=0 algos=ring,tree,halving_doubling,recursive_doubling alpha_us=21.5 beta_gbps=0.1195
+//! bucket 32768 halving_doubling ring=0.000416 tree=0.000551 halving_doubling=0.000409 recursive_doubling=0.000553
+//! ```
+//! A `bucket` line gives the bucket's largest size (a power of two), the schedule chosen and
+//! the agreed trial time (seconds per call) of every candidate. A file that does not parse, is
+//! larger than [`MAX_FILE_BYTES`] or names an unknown schedule is ignored with a warning (and
+//! rewritten by the next decision); it never fails a collective.
+//!
+//! # Caveats
+//! Rank 0 replaces the file atomically (a temporary file, then a rename); jobs writing the same
+//! file at the same time may lose each other's latest decisions, never corrupt it. The variable
+//! must be set (to any path) on every rank or on none: ranks that disagree fail their first
+//! collective with a mismatch, as ranks that disagree about `CHORUS_TUNE` do.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use chorus_algorithms::allreduce::Algorithm;
+use chorus_algorithms::cost::Link;
+
+use crate::select::ROWS;
+
+/// The environment variable naming the file.
+pub const ENV: &str = "CHORUS_TUNE_FILE";
+/// The first line of a file of this version.
+const HEADER: &str = "chorus-tune 1";
+/// Files larger than this are not read (a few kilobytes per section is typical).
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+/// Sections kept in one file (the oldest are dropped).
+pub const MAX_SECTIONS: usize = 64;
+/// A section's β (seconds per byte) must be within this factor of the communicator's: the
+/// same class of network (1 against 10 gbit is 10×), allowing for the probe's spread (TCP
+/// loopback streams measure 2.4–4.7 GB/s on the same machine).
+pub const LINK_MATCH_BETA: f64 = 4.0;
+/// A section's α must be within this factor of the communicator's (the probe's α varies up
+/// to 4× from launch to launch where ranks share cores).
+pub const LINK_MATCH_ALPHA: f64 = 8.0;
+
+/// The kind of communicator a section is for: decisions carry over only between communicators
+/// of the same kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Key {
+    /// Ranks.
+    pub ranks: usize,
+    /// Distinct hosts.
+    pub hosts: usize,
+    /// The most ranks on one host.
+    pub per_host: usize,
+    /// The transport's name (`tcp`, or the hybrid's name when some peers share memory).
+    pub transport: String,
+    /// Some host runs more ranks than it has cores.
+    pub cpu_bound: bool,
+    /// The schedules `CHORUS_ALGO` allows, comma-separated.
+    pub algos: String,
+}
+
+impl Key {
+    fn fields(&self) -> String {
+        format!(
+            "ranks={} hosts={} per_host={} transport={} cpu_bound={} algos={}",
+            self.ranks,
+            self.hosts,
+            self.per_host,
+            self.transport,
+            u8::from(self.cpu_bound),
+            self.algos
+        )
+    }
+}
+
+/// One bucket's decision as its trials left it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The bucket's largest size in bytes (a power of two).
+    pub bytes: usize,
+    /// The schedule the bucket runs.
+    pub chosen: Algorithm,
+    /// The candidates tried and their agreed times per call (seconds), in trial order.
+    pub times: Vec<(Algorithm, f64)>,
+}
+
+impl Decision {
+    /// Checks what a file or a peer may have got wrong: a power-of-two size, positive finite
+    /// times, distinct candidates, the chosen one among them.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.bytes.is_power_of_two() {
+            return Err(format!("bucket size {} is not a power of two", self.bytes));
+        }
+        if let Some((a, t)) = self
+            .times
+            .iter()
+            .find(|(_, t)| !(t.is_finite() && *t > 0.0))
+        {
+            return Err(format!("time {t} of {a} is not a positive number"));
+        }
+        for (i, (a, _)) in self.times.iter().enumerate() {
+            if self.times[..i].iter().any(|(b, _)| b == a) {
+                return Err(format!("{a} is listed twice"));
+            }
+        }
+        if !self.times.iter().any(|(a, _)| *a == self.chosen) {
+            return Err(format!("the chosen {} was not tried", self.chosen));
+        }
+        Ok(())
+    }
+}
+
+/// The decisions of one kind of communicator, and the link they were made on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Section {
+    /// Which communicators it is for.
+    pub key: Key,
+    /// The link (α, β) of the communicator that made the decisions.
+    pub link: Link,
+    /// One per bucket, by size.
+    pub buckets: Vec<Decision>,
+}
+
+impl Section {
+    /// Why the section's decisions do not apply on `link`, if they do not: β more than
+    /// [`LINK_MATCH_BETA`]× apart, or α more than [`LINK_MATCH_ALPHA`]×.
+    pub fn link_mismatch(&self, link: Link) -> Option<String> {
+        let apart = |a: f64, b: f64, f: f64| a.max(b) > f * a.min(b);
+        let (us, gbps) = (|l: Link| l.alpha * 1e6, |l: Link| 1e-9 / l.beta);
+        let alpha = apart(self.link.alpha, link.alpha, LINK_MATCH_ALPHA);
+        (alpha || apart(self.link.beta, link.beta, LINK_MATCH_BETA)).then(|| {
+            format!(
+                "made on a link of {:.1} us and {:.4} GB/s, this one has {:.1} us and {:.4} GB/s",
+                us(self.link),
+                gbps(self.link),
+                us(link),
+                gbps(link)
+            )
+        })
+    }
+
+    /// Sets the decision of `d`'s bucket (replacing one of the same size).
+    pub fn set(&mut self, d: Decision) {
+        match self.buckets.iter_mut().find(|b| b.bytes == d.bytes) {
+            Some(b) => *b = d,
+            None => {
+                self.buckets.push(d);
+                self.buckets.sort_by_key(|b| b.bytes);
+            }
+        }
+    }
+}
+
+/// A parsed tuning file.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TuneFile {
+    /// Oldest first.
+    pub sections: Vec<Section>,
+}
+
+impl TuneFile {
+    /// Parses a file's text. Errors name the line.
+    ///
+    /// ```
+    /// use chorus::tune_file::TuneFile;
+    /// let f = TuneFile::parse(
+    ///     "chorus-tune 1\n\
+    ///      section ranks=2 hosts=2 per_host=1 transport=tcp cpu_bound=0 algos=ring,tree \
+    ///      alpha_us=20 beta_gbps=0.12\n\
+    ///      bucket 1024 tree ring=0.0002 tree=0.0001\n",
+    /// ).unwrap();
+    /// assert_eq!(f.sections[0].buckets[0].chosen, chorus::Algorithm::Tree);
+    /// assert!(TuneFile::parse("chorus-tune 1\nbucket 1024 tree tree=1\n").is_err());
+    /// ```
+    pub fn parse(text: &str) -> Result<TuneFile, String> {
+        let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim()));
+        match lines.next() {
+            Some((_, HEADER)) => {}
+            _ => return Err(format!("the first line is not {HEADER:?}")),
+        }
+        let mut file = TuneFile::default();
+        for (n, line) in lines {
+            let at = |msg: String| format!("line {n}: {msg}");
+            let mut words = line.split_whitespace();
+            match words.next() {
+                None => {}
+                Some(w) if w.starts_with('#') => {}
+                Some("section") => {
+                    let section = parse_section(words).map_err(at)?;
+                    file.sections.push(section);
+                }
+                Some("bucket") => {
+                    let d = parse_bucket(words).map_err(at)?;
+                    let s = file
+                        .sections
+                        .last_mut()
+                        .ok_or_else(|| at("a bucket before any section".into()))?;
+                    if s.buckets.iter().any(|b| b.bytes == d.bytes) {
+                        return Err(at(format!("bucket {} appears twice", d.bytes)));
+                    }
+                    s.set(d);
+                }
+                Some(w) => return Err(at(format!("unknown record {w:?}"))),
+            }
+        }
+        Ok(file)
+    }
+
+    /// The file's text ([`TuneFile::parse`] reads it back).
+    pub fn format(&self) -> String {
+        let mut s = format!(
+            "{HEADER}\n# allreduce schedules decided by chorus's tuning trials ({ENV}); \
+             seconds per call\n"
+        );
+        for sec in &self.sections {
+            let _ = writeln!(
+                s,
+                "section {} alpha_us={} beta_gbps={}",
+                sec.key.fields(),
+                sec.link.alpha * 1e6,
+                1e-9 / sec.link.beta
+            );
+            for b in &sec.buckets {
+                let _ = write!(s, "bucket {} {}", b.bytes, b.chosen);
+                for (a, t) in &b.times {
+                    let _ = write!(s, " {a}={t:e}");
+                }
+                s.push('\n');
+            }
+        }
+        s
+    }
+
+    /// The section for `key`, if any.
+    pub fn section(&self, key: &Key) -> Option<&Section> {
+        self.sections.iter().find(|s| s.key == *key)
+    }
+
+    /// Replaces the section of `section.key` (or adds it, dropping the oldest beyond
+    /// [`MAX_SECTIONS`]).
+    pub fn put(&mut self, section: Section) {
+        self.sections.retain(|s| s.key != section.key);
+        self.sections.push(section);
+        if self.sections.len() > MAX_SECTIONS {
+            self.sections.remove(0);
+        }
+    }
+
+    /// Reads and parses the file at `path`: `Ok(None)` when there is none.
+    pub fn read(path: &Path) -> Result<Option<TuneFile>, String> {
+        use std::io::Read as _;
+        let f = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot open it: {e}")),
+        };
+        let mut text = String::new();
+        f.take(MAX_FILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(format!("it is larger than {MAX_FILE_BYTES} bytes"));
+        }
+        TuneFile::parse(&text).map(Some)
+    }
+
+    /// Writes `section` into the file at `path`: the file's other sections are kept (unless it
+    /// does not parse), and the new text replaces the old atomically.
+    pub fn store(path: &Path, section: Section) -> Result<(), String> {
+        let mut file = TuneFile::read(path).ok().flatten().unwrap_or_default();
+        file.put(section);
+        let name = path
+            .file_name()
+            .ok_or_else(|| "the path names no file".to_string())?;
+        let mut tmp_name = name.to_os_string();
+        tmp_name.push(format!(".tmp.{}", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        std::fs::write(&tmp, file.format()).map_err(|e| format!("cannot write {tmp:?}: {e}"))?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("cannot replace it: {e}")
+        })
+    }
+}
+
+fn parse_section<'a>(words: impl Iterator<Item = &'a str>) -> Result<Section, String> {
+    let mut f: [Option<&str>; 8] = [None; 8];
+    const NAMES: [&str; 8] = [
+        "ranks",
+        "hosts",
+        "per_host",
+        "transport",
+        "cpu_bound",
+        "algos",
+        "alpha_us",
+        "beta_gbps",
+    ];
+    for w in words {
+        let (k, v) = w
+            .split_once('=')
+            .ok_or_else(|| format!("{w:?} is not key=value"))?;
+        let i = NAMES
+            .iter()
+            .position(|n| *n == k)
+            .ok_or_else(|| format!("unknown section field {k:?}"))?;
+        if f[i].replace(v).is_some() {
+            return Err(format!("field {k} appears twice"));
+        }
+    }
+    let get = |i: usize| f[i].ok_or_else(|| format!("the section has no {}", NAMES[i]));
+    let count = |i: usize| -> Result<usize, String> {
+        get(i)?
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("{} is not a positive count", NAMES[i]))
+    };
+    let positive = |i: usize| -> Result<f64, String> {
+        get(i)?
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| format!("{} is not a positive number", NAMES[i]))
+    };
+    let cpu_bound = match get(4)? {
+        "0" => false,
+        "1" => true,
+        v => return Err(format!("cpu_bound={v:?}: expected 0 or 1")),
+    };
+    let key = Key {
+        ranks: count(0)?,
+        hosts: count(1)?,
+        per_host: count(2)?,
+        transport: get(3)?.to_string(),
+        cpu_bound,
+        algos: get(5)?.to_string(),
+    };
+    let link = Link {
+        alpha: positive(6)? * 1e-6,
+        beta: 1e-9 / positive(7)?,
+    };
+    Ok(Section {
+        key,
+        link,
+        buckets: Vec::new(),
+    })
+}
+
+fn parse_bucket<'a>(mut words: impl Iterator<Item = &'a str>) -> Result<Decision, String> {
+    let bytes = words
+        .next()
+        .and_then(|w| w.parse::<usize>().ok())
+        .ok_or("a bucket needs its size in bytes")?;
+    let chosen: Algorithm = words
+        .next()
+        .ok_or("a bucket needs its schedule")?
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let mut times = Vec::new();
+    for w in words {
+        let (a, t) = w
+            .split_once('=')
+            .ok_or_else(|| format!("{w:?} is not schedule=seconds"))?;
+        let a: Algorithm = a.parse().map_err(|e| format!("{e}"))?;
+        let t: f64 = t
+            .parse()
+            .map_err(|_| format!("{t:?} is not a number of seconds"))?;
+        times.push((a, t));
+    }
+    let d = Decision {
+        bytes,
+        chosen,
+        times,
+    };
+    d.check()?;
+    Ok(d)
+}
+
+/// Numbers per bucket row in [`encode`]'s vector: the chosen schedule's index + 1, then one
+/// time per schedule (0: not a candidate).
+const SLOTS: usize = 1 + Algorithm::ALL.len();
+
+fn slot(a: Algorithm) -> usize {
+    Algorithm::ALL
+        .iter()
+        .position(|&b| b == a)
+        .expect("every algorithm is in ALL")
+}
+
+/// The decisions as a vector of non-negative numbers, one row per bucket ([`ROWS`] rows), so
+/// that an allreduce with `max` over it, with zeros from every other rank, hands rank 0's
+/// decisions to all. Decisions whose chosen schedule `allowed` refuses are left out, and so are
+/// the candidates it refuses.
+///
+/// ```
+/// use chorus::tune_file::{decode, encode, Decision};
+/// use chorus::Algorithm;
+/// let d = Decision {
+///     bytes: 4096,
+///     chosen: Algorithm::Tree,
+///     times: vec![(Algorithm::Ring, 2e-4), (Algorithm::Tree, 1e-4)],
+/// };
+/// let v = encode(&[d.clone()], |_| true);
+/// assert_eq!(decode(&v).unwrap(), vec![d]);
+/// assert!(decode(&encode(&[], |_| true)).unwrap().is_empty());
+/// ```
+pub fn encode(decisions: &[Decision], allowed: impl Fn(Algorithm) -> bool) -> Vec<f64> {
+    let mut v = vec![0.0; ROWS * SLOTS];
+    for d in decisions {
+        let row = d.bytes.trailing_zeros() as usize;
+        if d.check().is_err() || row >= ROWS || !allowed(d.chosen) {
+            continue;
+        }
+        let at = row * SLOTS;
+        v[at] = (slot(d.chosen) + 1) as f64;
+        for &(a, t) in d.times.iter().filter(|(a, _)| allowed(*a)) {
+            v[at + 1 + slot(a)] = t;
+        }
+    }
+    v
+}
+
+/// The decisions of [`encode`]'s vector, by size. Errors: a vector of another length, or a row
+/// that is not a valid decision (the vector came from a peer).
+pub fn decode(v: &[f64]) -> Result<Vec<Decision>, String> {
+    if v.len() != ROWS * SLOTS {
+        return Err(format!("{} numbers, expected {}", v.len(), ROWS * SLOTS));
+    }
+    let mut out = Vec::new();
+    for (row, r) in v.chunks_exact(SLOTS).enumerate() {
+        if r[0] == 0.0 {
+            continue;
+        }
+        let chosen = Some(r[0])
+            .filter(|c| c.fract() == 0.0 && *c >= 1.0 && *c <= Algorithm::ALL.len() as f64)
+            .map(|c| Algorithm::ALL[c as usize - 1])
+            .ok_or_else(|| format!("row {row}: {} names no schedule", r[0]))?;
+        let times = Algorithm::ALL
+            .into_iter()
+            .zip(&r[1..])
+            .filter(|(_, &t)| t != 0.0)
+            .map(|(a, &t)| (a, t))
+            .collect();
+        let d = Decision {
+            bytes: 1 << row,
+            chosen,
+            times,
+        };
+        d.check().map_err(|e| format!("row {row}: {e}"))?;
+        out.push(d);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> Key {
+        Key {
+            ranks: 4,
+            hosts: 4,
+            per_host: 1,
+            transport: "tcp".into(),
+            cpu_bound: false,
+            algos: "ring,tree,halving_doubling,recursive_doubling".into(),
+        }
+    }
+
+    fn section() -> Section {
+        Section {
+            key: key(),
+            link: Link {
+                alpha: 21.5e-6,
+                beta: 1.0 / 119.5e6,
+            },
+            buckets: vec![
+                Decision {
+                    bytes: 8,
+                    chosen: Algorithm::RecursiveDoubling,
+                    times: vec![
+                        (Algorithm::Tree, 5.1e-5),
+                        (Algorithm::RecursiveDoubling, 4.3e-5),
+                    ],
+                },
+                Decision {
+                    bytes: 32768,
+                    chosen: Algorithm::HalvingDoubling,
+                    times: vec![
+                        (Algorithm::Ring, 4.16e-4),
+                        (Algorithm::HalvingDoubling, 4.09e-4),
+                    ],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn format_parses_back() {
+        let mut f = TuneFile::default();
+        f.put(section());
+        let mut other = section();
+        other.key.ranks = 8;
+        other.buckets.truncate(1);
+        f.put(other);
+        let back = TuneFile::parse(&f.format()).unwrap();
+        assert_eq!(back.sections.len(), 2);
+        assert_eq!(back.section(&key()).unwrap().buckets, section().buckets);
+        let l = back.section(&key()).unwrap().link;
+        assert!((l.alpha - 21.5e-6).abs() < 1e-12 && (l.beta * 119.5e6 - 1.0).abs() < 1e-9);
+        // Putting a section of the same key replaces it.
+        f.put(section());
+        assert_eq!(f.sections.len(), 2);
+        assert_eq!(f.sections[1].key, key());
+    }
+
+    #[test]
+    fn bad_files_name_the_line() {
+        let good = section();
+        let mut f = TuneFile::default();
+        f.put(good);
+        let text = f.format();
+        let cases = [
+            ("", "first line"),
+            ("chorus-tune 2\n", "first line"),
+            (
+                "chorus-tune 1\nbucket 8 ring ring=1\n",
+                "line 2: a bucket before any section",
+            ),
+            ("chorus-tune 1\nfoo\n", "line 2: unknown record"),
+        ];
+        for (t, want) in cases {
+            let e = TuneFile::parse(t).unwrap_err();
+            assert!(e.contains(want), "{t:?}: {e}");
+        }
+        let edits = [
+            ("bucket 32768 ", "bucket 32767 ", "not a power of two"),
+            ("ring=4.16e-4", "ring=-1", "not a positive number"),
+            ("ring=4.16e-4", "ring=nan", "not a positive number"),
+            ("ring=4.16e-4", "warp=4.16e-4", "unknown"),
+            ("ring=4.16e-4", "halving_doubling=1e-4", "listed twice"),
+            (
+                "bucket 32768 halving_doubling",
+                "bucket 32768 tree",
+                "was not tried",
+            ),
+            ("ranks=4", "ranks=0", "not a positive count"),
+            ("cpu_bound=0", "cpu_bound=2", "expected 0 or 1"),
+            ("beta_gbps=", "beta_gbps=-", "not a positive number"),
+            ("hosts=4 ", "", "has no hosts"),
+            ("hosts=4 ", "hosts=4 hosts=4 ", "appears twice"),
+        ];
+        for (from, to, want) in edits {
+            assert!(text.contains(from), "{from:?} not in {text}");
+            let t = text.replacen(from, to, 1);
+            let e = TuneFile::parse(&t).unwrap_err();
+            assert!(e.contains(want) && e.starts_with("line "), "{to:?}: {e}");
+        }
+        let twice = text.clone() + "bucket 8 tree tree=1e-4\n";
+        assert!(TuneFile::parse(&twice)
+            .unwrap_err()
+            .contains("appears twice"));
+    }
+
+    #[test]
+    fn links_match_within_a_factor() {
+        let s = section();
+        assert!(s.link_mismatch(s.link).is_none());
+        let near = Link {
+            alpha: s.link.alpha * 7.9,
+            beta: s.link.beta / 3.9,
+        };
+        assert!(s.link_mismatch(near).is_none());
+        let faster = Link {
+            alpha: s.link.alpha,
+            beta: s.link.beta / 10.0,
+        };
+        let why = s.link_mismatch(faster).unwrap();
+        assert!(
+            why.contains("0.1195 GB/s") && why.contains("1.1950 GB/s"),
+            "{why}"
+        );
+        let slower = Link {
+            alpha: s.link.alpha * 9.0,
+            beta: s.link.beta,
+        };
+        assert!(s.link_mismatch(slower).is_some());
+    }
+
+    #[test]
+    fn store_keeps_other_sections_and_replaces_bad_files() {
+        let dir = std::env::temp_dir().join(format!("chorus-tune-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tune.txt");
+        assert_eq!(TuneFile::read(&path).unwrap(), None);
+        std::fs::write(&path, "garbage").unwrap();
+        assert!(TuneFile::read(&path).unwrap_err().contains("first line"));
+        TuneFile::store(&path, section()).unwrap();
+        let mut other = section();
+        other.key.transport = "hybrid".into();
+        TuneFile::store(&path, other).unwrap();
+        let back = TuneFile::read(&path).unwrap().unwrap();
+        assert_eq!(back.sections.len(), 2);
+        assert_eq!(back.sections[0].key, key());
+        assert_eq!(back.sections[0].buckets, section().buckets);
+        assert_eq!(back.sections[1].key.transport, "hybrid");
+        // Oversized files are refused before they are parsed.
+        std::fs::write(&path, vec![b'#'; MAX_FILE_BYTES as usize + 1]).unwrap();
+        assert!(TuneFile::read(&path).unwrap_err().contains("larger than"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
