@@ -15,7 +15,10 @@ A ratio >= 100 % means auto is at least as fast.  With a second `auto` peer (run
 --null: chorus-tcp-again, chorus-again) the table adds its column and two null figures:
   again / auto         : the same program in other launches of the same run
   again / best schedule: the first ratio as the second copy would have scored it
-so that the spread launch-to-launch noise alone gives the columns is in view.  The column after
+so that the spread launch-to-launch noise alone gives the columns is in view.  With an `auto`
+peer that keeps its tuning decisions in a file (run_with_chorus.sh --tune-file:
+chorus-tcp-cached, chorus-cached) the table adds its column ("auto cached") and its ratio to the
+best peer with that ratio's interval ("cached / best peer").  The column after
 the first ratio is its 90 % bootstrap interval: every peer's launches resampled with replacement
 (2000 times, a fixed seed), the medians and the best schedule taken again; the summary counts
 the sizes whose interval lies wholly above 90 %, straddles it, or lies wholly below (a miss the
@@ -132,14 +135,16 @@ def interval_summary(spans, goal):
 
 
 def roles(peers):
-    """(auto, again, {schedule: peer}, [other peers]) for the peer names of one scenario;
-    again is the second `auto` peer or None"""
+    """(auto, again, cached, {schedule: peer}, [other peers]) for the peer names of one
+    scenario; again is the second `auto` peer or None, cached the `auto` peer with a tuning
+    file or None"""
     auto = "chorus-tcp" if "chorus-tcp" in peers else ("chorus" if "chorus" in peers else None)
     prefix = "chorus-tcp-" if auto == "chorus-tcp" else "chorus-"
     scheds = {s: prefix + s for s in SCHEDULES if prefix + s in peers}
     again = prefix + "again" if prefix + "again" in peers else None
+    cached = prefix + "cached" if prefix + "cached" in peers else None
     others = [p for p in peers if not p.startswith("chorus") and "vader" not in p]
-    return auto, again, scheds, others
+    return auto, again, cached, scheds, others
 
 
 def table(name, folder):
@@ -150,12 +155,12 @@ def table(name, folder):
         if m:
             reps[m.group("name")].append(parse(os.path.join(folder, fn)))
             chosen[m.group("name")].append(picks(os.path.join(folder, fn)))
-    auto, again, scheds, others = roles(reps)
+    auto, again, cached, scheds, others = roles(reps)
     if auto is None or not scheds:
         return None
     sizes = sorted(set().union(*(r.keys() for r in reps[auto])))
     scale = 1000.0  # the benchmarks print GB/s
-    cols = list(scheds.values()) + [auto] + ([again] if again else []) + others
+    cols = list(scheds.values()) + [auto] + ([again] if again else []) + ([cached] if cached else []) + others
 
     def values(peer, s):  # per launch: time (us) up to LATENCY_MAX, busbw (MB/s) above
         col = 0 if s <= LATENCY_MAX else 1
@@ -171,22 +176,28 @@ def table(name, folder):
             return "auto"
         if c == again:
             return "auto again"
+        if c == cached:
+            return "auto cached"
         return c.replace("chorus-tcp-", "").replace("chorus-", "")
 
     null_cols = " | again / auto | again / best schedule" if again else ""
-    pickers = [c for c in ([auto] + ([again] if again else [])) if any(chosen[c])]
+    cached_cols = " | cached / best peer (which) | 90 % interval (cached)" if cached else ""
+    pickers = [c for c in ([auto] + ([again] if again else []) + ([cached] if cached else []))
+               if any(chosen[c])]
     pick_cols = "".join(f" | {label(c)}: schedules" for c in pickers)
     out = [f"### {name}", "",
            f"time (us) up to {LATENCY_MAX} B, busbw (MB/s) above; median over launches "
            f"({', '.join(f'{c}: {len(reps[c])}' for c in cols)})", "",
            "| size | " + " | ".join(label(c) for c in cols)
            + " | auto / best schedule | 90 % interval | auto / best peer (which) | 90 % interval (peer)"
-           + null_cols
+           + null_cols + cached_cols
            + pick_cols + " |",
-           "|---:|" + "---:|" * (len(cols) + 4 + (2 if again else 0)) + "---|" * len(pickers)]
+           "|---:|" + "---:|" * (len(cols) + 4 + (2 if again else 0) + (2 if cached else 0))
+           + "---|" * len(pickers)]
     worst_sched, worst_peer, nulls, null_sched = [], [], [], []
     spans = []  # (size, low, high) of the intervals
     peer_spans = []  # (size, low, high) of auto / best peer's intervals
+    worst_cached, cached_spans = [], []  # the same for the cached auto
     for s in sizes:
         m = {c: med(c, s) for c in cols}
         cells = []
@@ -227,6 +238,15 @@ def table(name, folder):
             if n2 is not None:
                 null_sched.append((n2, s))
             row += " " + " | ".join("—" if x is None else f"{x * 100:.0f} %" for x in (n1, n2)) + " |"
+        if cached:
+            r3 = ratio(m[cached], bp, s)
+            if r3 is not None:
+                worst_cached.append((r3, s))
+            iv3 = boot_interval(values(cached, s), {c: values(c, s) for c in others}, s, s)
+            if iv3 is not None:
+                cached_spans.append((s,) + iv3)
+            row += (" " + ("—" if r3 is None else f"{r3 * 100:.1f} % ({bp_name})") + " | "
+                    + ("—" if iv3 is None else f"{iv3[0] * 100:.1f}–{iv3[1] * 100:.1f} %") + " |")
         for c in pickers:
             row += f" {pick_counts(chosen[c], s) or '—'} |"
         out.append(row)
@@ -243,6 +263,12 @@ def table(name, folder):
                    f"{sum(1 for x, _ in worst_peer if x >= 1.0)} of {len(worst_peer)} sizes >= 100 %")
     if peer_spans:
         out.append(interval_summary(peer_spans, 1.0))
+    if worst_cached:
+        r, s = min(worst_cached)
+        out.append(f"- auto cached / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
+                   f"{sum(1 for x, _ in worst_cached if x >= 1.0)} of {len(worst_cached)} sizes >= 100 %")
+    if cached_spans:
+        out.append(interval_summary(cached_spans, 1.0))
     if nulls:
         dev = sorted(abs(x - 1) for x, _ in nulls)
         out.append(f"- null, again / auto: {min(x for x, _ in nulls) * 100:.0f}–"

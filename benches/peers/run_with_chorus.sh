@@ -2,7 +2,7 @@
 # run_with_chorus.sh - run the peers harness (shared/peers/run_all.sh) with chorus as one more peer.
 #
 #   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [--algorithms]
-#                      [--null] [--fixed-order] [--np LIST] [--loop-args ARGS]
+#                      [--null] [--tune-file] [--fixed-order] [--np LIST] [--loop-args ARGS]
 #                      [--netns-args ARGS] [run_all.sh args...]
 #   e.g. run_with_chorus.sh --quick --only loopback
 #   the allreduce table of issue #4 (every schedule, auto and the peers, p=4, 8 B .. 64 MiB):
@@ -21,7 +21,11 @@
 # chorus-ring, ... on the testbed; chorus-tcp and chorus, with no schedule forced, are `auto`)
 # and Open MPI's forced ring on loopback (ompi-tcp-ring, as the netns section has).  --null
 # adds a second `auto` peer (chorus-tcp-again, chorus-again): launches of the same thing, whose
-# spread against the first shows how far launch-to-launch noise moves the columns.  --np
+# spread against the first shows how far launch-to-launch noise moves the columns.  --tune-file
+# adds an `auto` peer that keeps its tuning decisions in a file across launches
+# (CHORUS_TUNE_FILE; chorus-tcp-cached, chorus-cached): the first time a file is used, one
+# unrecorded launch writes it, so every recorded launch starts with the decisions of earlier
+# ones, as a job relaunched with a tuning file does.  --np
 # replaces the loopback rank counts (default "2 4"); --loop-args / --netns-args replace the
 # benchmark arguments of every peer of that section.  Each round launches the peers in its own
 # order, drawn from the round's number (run_all.sh launches them in one fixed order, so a peer
@@ -45,6 +49,7 @@ BUILD=1
 PREPARE_ONLY=0
 ALGORITHMS=0
 NULL=0
+TUNE_FILE=0
 SHUFFLE=1
 NPS=""
 LOOP_OVERRIDE=""
@@ -58,11 +63,12 @@ while [[ $# -gt 0 ]]; do
         --prepare-only) PREPARE_ONLY=1; shift ;;
         --algorithms) ALGORITHMS=1; shift ;;
         --null) NULL=1; shift ;;
+        --tune-file) TUNE_FILE=1; shift ;;
         --fixed-order) SHUFFLE=0; shift ;;
         --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
         --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
         --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
-        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -112,6 +118,17 @@ chorus_netns() { # [SCHEDULE]
     local algo=(); [[ -n \${1:-} ]] && algo=(--algo "\$1")
     MASTER_ADDR=10.77.0.1 MASTER_PORT=\$PORT CHORUS_SOCKET_IFNAME=eth0 CHORUS_TOKEN=\$(chorus_token) \\
         ./launch.sh -N allr-h \$NN "\$CHORUS_PERF" allreduce --format peers "\${algo[@]}" "\${NETNS_ARGS[@]}"
+}
+CHORUS_TUNE_DIR=$(printf '%q' "$WORK/tune")
+chorus_cached() { # NAME COMMAND... : COMMAND with CHORUS_TUNE_FILE=\$CHORUS_TUNE_DIR/NAME.txt, after
+    # one unrecorded launch (on ports of its own) that writes the file when it does not exist
+    local f=\$CHORUS_TUNE_DIR/\$1.txt; shift
+    mkdir -p "\$CHORUS_TUNE_DIR"
+    if [[ ! -s \$f ]]; then
+        (export CHORUS_TUNE_FILE=\$f PORT=\$((PORT + 8)); "\$@" >/dev/null 2>&1) || true
+        [[ -s \$f ]] || echo "chorus_cached: the priming launch wrote no \$f" >&2
+    fi
+    (export CHORUS_TUNE_FILE=\$f; "\$@")
 }
 ompi_tcp_ring() { # NP: Open MPI over TCP with its ring allreduce forced
     "\${MPIRUN[@]}" -np "\$1" --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo \\
@@ -167,6 +184,10 @@ fi
 if [[ $NULL == 1 ]]; then
     lo_peers+=('"chorus-tcp-again=chorus_lo $np tcp"')
     netns_peers+=('"chorus-again=chorus_netns"')
+fi
+if [[ $TUNE_FILE == 1 ]]; then
+    lo_peers+=('"chorus-tcp-cached=chorus_cached lo-np$np chorus_lo $np tcp"')
+    netns_peers+=('"chorus-cached=chorus_cached netns chorus_netns"')
 fi
 
 RUN_ALL=$WORK/run_all.sh

@@ -157,3 +157,30 @@ def test_peer_interval_column_and_summary(tmp_path):
     assert "- auto / best peer: lowest 99.0 % (at 32 KiB); 1 of 2 sizes >= 100 %" in text
     assert ("- its 90 % bootstrap intervals: 1 of 2 sizes wholly >= 100 %, 0 straddle 100 %, "
             "1 wholly below (32 KiB)") in text
+
+
+def test_cached_auto_column_and_ratio(tmp_path):
+    # An auto peer with a tuning file gets its own column and its own ratio to the best peer.
+    folder = tmp_path / "netns4-1gbit"
+    folder.mkdir()
+    big = 32 << 10
+    launches = {
+        "chorus-halving_doubling": [(400.0, 0.119), (400.0, 0.119), (400.0, 0.119)],
+        "chorus": [(44.0, 0.1180), (44.0, 0.1180), (44.0, 0.1180)],
+        "chorus-cached": [(42.0, 0.1200), (42.0, 0.1200), (42.0, 0.1200)],
+        "ompi-tcp": [(56.0, 0.120), (55.0, 0.120), (57.0, 0.120)],
+    }
+    for peer, rows in launches.items():
+        for k, (t, bw) in enumerate(rows, 1):
+            write(folder, peer, k, {8: (t, 0.0), big: (t * 10, bw)})
+    text = table_mod.table("netns4-1gbit", str(folder))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert header[header.index("auto") + 1] == "auto cached"
+    assert len(text.splitlines()[5].split("|")) == len(header) + 2
+    large = dict(zip(header, cells(text, "32 KiB")))
+    assert large["auto cached"] == "120"
+    assert large["auto / best peer (which)"] == "98.3 % (ompi-tcp)"
+    assert large["cached / best peer (which)"] == "100.0 % (ompi-tcp)"
+    assert large["90 % interval (cached)"] == "100.0–100.0 %"
+    # The cached peer is not a peer of auto's ratio, and not a schedule.
+    assert "- auto cached / best peer: lowest 100.0 % (at 32 KiB); 2 of 2 sizes >= 100 %" in text
