@@ -257,18 +257,13 @@ def table(name, folder):
                    f"{sum(1 for x, _ in worst_sched if x >= 0.9)} of {len(worst_sched)} sizes >= 90 %")
     if spans:
         out.append(interval_summary(spans, 0.9))
-    if worst_peer:
-        r, s = min(worst_peer)
-        out.append(f"- auto / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
-                   f"{sum(1 for x, _ in worst_peer if x >= 1.0)} of {len(worst_peer)} sizes >= 100 %")
-    if peer_spans:
-        out.append(interval_summary(peer_spans, 1.0))
-    if worst_cached:
-        r, s = min(worst_cached)
-        out.append(f"- auto cached / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
-                   f"{sum(1 for x, _ in worst_cached if x >= 1.0)} of {len(worst_cached)} sizes >= 100 %")
-    if cached_spans:
-        out.append(interval_summary(cached_spans, 1.0))
+    for who, worst, spans_of in (("auto", worst_peer, peer_spans), ("auto cached", worst_cached, cached_spans)):
+        if worst:
+            r, s = min(worst)
+            out.append(f"- {who} / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
+                       f"{sum(1 for x, _ in worst if x >= 1.0)} of {len(worst)} sizes >= 100 %")
+        if spans_of:
+            out.append(interval_summary(spans_of, 1.0))
     if nulls:
         dev = sorted(abs(x - 1) for x, _ in nulls)
         out.append(f"- null, again / auto: {min(x for x, _ in nulls) * 100:.0f}–"
