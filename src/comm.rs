@@ -839,15 +839,7 @@ impl Communicator {
         })?;
         for d in &decisions {
             let (candidates, times): (Vec<Algorithm>, Vec<f64>) = d.times.iter().copied().unzip();
-            // Rivals are re-timed only where ranks share cores, whose rhythm changes from
-            // launch to launch. On links a restored bucket is settled: its rivals' blocks
-            // would run on connections this launch has not warmed (on the 4-host 1 gbit
-            // testbed they cost 200-call loops of 128 and 512 KiB 2.5 %).
-            let revisit = if self.selector.cpu_bound() {
-                self.selector.revisit_blocks(d.bytes)
-            } else {
-                None
-            };
+            let revisit = self.selector.restored_revisit_blocks(d.bytes);
             self.tuner
                 .restore(d.bytes, d.chosen, &candidates, &times, revisit);
         }

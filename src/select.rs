@@ -314,7 +314,8 @@ impl Default for AlgoFilter {
     }
 }
 
-fn index(a: Algorithm) -> usize {
+/// The position of `a` in [`Algorithm::ALL`].
+pub(crate) fn index(a: Algorithm) -> usize {
     Algorithm::ALL
         .iter()
         .position(|&b| b == a)
@@ -499,6 +500,15 @@ impl Selector {
             return 1;
         }
         TRIAL_BLOCK_BYTES.div_ceil(bytes).max(1)
+    }
+
+    /// [`Selector::revisit_blocks`] for a bucket restored from a tuning file
+    /// ([`crate::tune_file`]): rivals are re-timed only where some host runs more ranks than
+    /// cores (the ranks' rhythm there changes from launch to launch). On links a restored
+    /// bucket is settled: its rivals' blocks would run on connections the launch has not
+    /// warmed (on the 4-host 1 gbit testbed they cost 200-call loops of 128 and 512 KiB 2.5 %).
+    pub fn restored_revisit_blocks(&self, bytes: usize) -> Option<usize> {
+        self.cpu_bound.then(|| self.revisit_blocks(bytes)).flatten()
     }
 
     /// The revisits of a bucket of `bytes` bytes: `None` where it is not revisited
@@ -2483,6 +2493,14 @@ mod tests {
         let mut t = Tuner::new();
         // A small bucket as an earlier launch's trials left it: decided, rivals revisited.
         let cands = [Ring, HalvingDoubling, Tree];
+        // Restored buckets are re-timed only where ranks outnumber cores.
+        assert_eq!(s.restored_revisit_blocks(4096), None);
+        let crowded = s.clone().with_cpu_bound(true);
+        assert!(crowded.revisit_blocks(4096).is_some());
+        assert_eq!(
+            crowded.restored_revisit_blocks(4096),
+            crowded.revisit_blocks(4096)
+        );
         assert!(t.restore(4096, HalvingDoubling, &cands, &[1.1, 1.0, 3.0], Some(1)));
         assert_eq!(t.decided(3000), Some(HalvingDoubling));
         let Bucket::Decided {

@@ -46,7 +46,7 @@ use std::path::Path;
 use chorus_algorithms::allreduce::Algorithm;
 use chorus_algorithms::cost::Link;
 
-use crate::select::ROWS;
+use crate::select::{index, ROWS};
 
 /// The environment variable naming the file.
 pub const ENV: &str = "CHORUS_TUNE_FILE";
@@ -403,13 +403,6 @@ fn parse_bucket<'a>(mut words: impl Iterator<Item = &'a str>) -> Result<Decision
 /// time per schedule (0: not a candidate).
 const SLOTS: usize = 1 + Algorithm::ALL.len();
 
-fn slot(a: Algorithm) -> usize {
-    Algorithm::ALL
-        .iter()
-        .position(|&b| b == a)
-        .expect("every algorithm is in ALL")
-}
-
 /// The decisions as a vector of non-negative numbers, one row per bucket ([`ROWS`] rows), so
 /// that an allreduce with `max` over it, with zeros from every other rank, hands rank 0's
 /// decisions to all. Decisions whose chosen schedule `allowed` refuses are left out, and so are
@@ -435,9 +428,9 @@ pub fn encode(decisions: &[Decision], allowed: impl Fn(Algorithm) -> bool) -> Ve
             continue;
         }
         let at = row * SLOTS;
-        v[at] = (slot(d.chosen) + 1) as f64;
+        v[at] = (index(d.chosen) + 1) as f64;
         for &(a, t) in d.times.iter().filter(|(a, _)| allowed(*a)) {
-            v[at + 1 + slot(a)] = t;
+            v[at + 1 + index(a)] = t;
         }
     }
     v

@@ -251,19 +251,16 @@ def table(name, folder):
             row += f" {pick_counts(chosen[c], s) or '—'} |"
         out.append(row)
     out.append("")
-    if worst_sched:
-        r, s = min(worst_sched)
-        out.append(f"- auto / best schedule: lowest {r * 100:.0f} % (at {human(s)}); "
-                   f"{sum(1 for x, _ in worst_sched if x >= 0.9)} of {len(worst_sched)} sizes >= 90 %")
-    if spans:
-        out.append(interval_summary(spans, 0.9))
-    for who, worst, spans_of in (("auto", worst_peer, peer_spans), ("auto cached", worst_cached, cached_spans)):
+    for what, worst, spans_of, goal, digits in (
+            ("auto / best schedule", worst_sched, spans, 0.9, 0),
+            ("auto / best peer", worst_peer, peer_spans, 1.0, 1),
+            ("auto cached / best peer", worst_cached, cached_spans, 1.0, 1)):
         if worst:
             r, s = min(worst)
-            out.append(f"- {who} / best peer: lowest {r * 100:.1f} % (at {human(s)}); "
-                       f"{sum(1 for x, _ in worst if x >= 1.0)} of {len(worst)} sizes >= 100 %")
+            out.append(f"- {what}: lowest {r * 100:.{digits}f} % (at {human(s)}); "
+                       f"{sum(1 for x, _ in worst if x >= goal)} of {len(worst)} sizes >= {goal * 100:.0f} %")
         if spans_of:
-            out.append(interval_summary(spans_of, 1.0))
+            out.append(interval_summary(spans_of, goal))
     if nulls:
         dev = sorted(abs(x - 1) for x, _ in nulls)
         out.append(f"- null, again / auto: {min(x for x, _ in nulls) * 100:.0f}–"
