@@ -23,7 +23,9 @@ use crate::rendezvous::{accept_handshake, connect_handshake, StoreClient, StoreS
 use crate::{Result, TransportError};
 
 const HELLO_MAGIC: [u8; 4] = *b"CHRH";
-const HELLO_VERSION: u32 = 1;
+/// The hello carries the wire version of the frames that follow, so ranks of releases with
+/// different frames fail at connection time, not at their first message.
+const HELLO_VERSION: u32 = crate::frame::VERSION as u32;
 const HELLO_LEN: usize = 24;
 /// How long an accepted connection may take to say hello and authenticate.
 const HANDSHAKE_BUDGET: Duration = Duration::from_secs(10);
@@ -354,7 +356,9 @@ fn check_incoming(
     }
     let version = u32::from_le_bytes(h[4..8].try_into().expect("4"));
     if version != HELLO_VERSION {
-        return Err(rdv(format!("hello version {version}")));
+        return Err(rdv(format!(
+            "hello version {version} (another chorus release, with other data frames), this is {HELLO_VERSION}"
+        )));
     }
     let id = u64::from_le_bytes(h[8..16].try_into().expect("8"));
     let from = u32::from_le_bytes(h[16..20].try_into().expect("4")) as usize;

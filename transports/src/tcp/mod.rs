@@ -4,11 +4,12 @@
 //!
 //! # Wire format
 //!
-//! Each message is one frame: the 40-byte [`crate::frame::Header`], the payload, and an 8-byte
-//! trailer `CHRS-END`. A receive completes only when the trailer arrived, so a sender that gives
-//! up halfway through a frame can pad the rest with zeros, write the trailer `CHRS-ABT` and then
-//! an abort frame: the receiver fails with the sender's reason instead of completing with
-//! padding. `read() == 0` is a closed peer, reported at once.
+//! Each message is one frame ([`crate::frame`]): the 16-byte header, the payload, and a
+//! one-byte trailer ([`frame::TRAILER_END`]). A receive completes only when the trailer arrived,
+//! so a sender that gives up halfway through a frame can pad the rest with zeros, write the
+//! trailer [`frame::TRAILER_ABORT`] and then an abort frame: the receiver fails with the
+//! sender's reason instead of completing with padding. `read() == 0` is a closed peer, reported
+//! at once. A message longer than [`frame::MAX_PAYLOAD`] (1 TiB) is refused when it is posted.
 //!
 //! # Progress
 //!
@@ -27,16 +28,15 @@ use mio::{Events, Interest, Poll, Token};
 
 pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOptions, Rendezvous};
 
-use crate::frame::{self, Header, Kind, HEADER_LEN};
+use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
 use crate::{
     check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
 };
 
 /// Trailer closing a complete frame.
-const TRAILER_END: [u8; 8] = *b"CHRS-END";
+const TRAILER_END: [u8; TRAILER_LEN] = [frame::TRAILER_END];
 /// Trailer closing a frame whose payload was padded because the sender aborted.
-const TRAILER_ABORT: [u8; 8] = *b"CHRS-ABT";
-const TRAILER_LEN: usize = 8;
+const TRAILER_ABORT: [u8; TRAILER_LEN] = [frame::TRAILER_ABORT];
 /// Flags of every data-plane send.
 const NO_SIGPIPE: libc::c_int = libc::MSG_NOSIGNAL;
 /// Per-peer receive staging buffer; payloads at least this large bypass it.
@@ -252,7 +252,7 @@ impl TcpTransport {
     }
 
     /// Try to move bytes for one op until it completes or the socket would block.
-    fn drive(&mut self, comm_id: u64, op: &mut Op<'_, '_>) -> Result<Moved> {
+    fn drive(&mut self, op: &mut Op<'_, '_>) -> Result<Moved> {
         let peer_idx = op.req.peer();
         let peer = self.peer_mut(peer_idx)?;
         match op.req.direction() {
@@ -261,7 +261,7 @@ impl TcpTransport {
                     Buf::Send(b) => b,
                     Buf::Recv(b) => b,
                 };
-                drive_send(peer, peer_idx, comm_id, op.req, buf)
+                drive_send(peer, peer_idx, op.req, buf)
             }
             Direction::Recv => {
                 let Buf::Recv(buf) = &mut op.buf else {
@@ -269,7 +269,7 @@ impl TcpTransport {
                         "a receive request needs a Buf::Recv buffer".into(),
                     ));
                 };
-                drive_recv(peer, peer_idx, comm_id, op.req, buf)
+                drive_recv(peer, peer_idx, op.req, buf)
             }
         }
     }
@@ -294,7 +294,6 @@ impl TcpTransport {
     /// between frames). Data frames are left staged for their receive. With `force`, read even
     /// from sockets not flagged readable.
     fn pending_notice(&mut self, force: bool) -> Option<TransportError> {
-        let comm_id = self.comm_id;
         let mut found: Option<TransportError> = None;
         for (j, p) in self.peers.iter_mut().enumerate() {
             let Some(p) = p else { continue };
@@ -311,7 +310,7 @@ impl TcpTransport {
                 .try_into()
                 .expect("header length");
             match Header::decode(raw) {
-                Ok(h) if h.kind == Kind::Abort && h.comm_id == comm_id && h.seq == p.rx_seq => {
+                Ok(h) if h.kind == Kind::Abort && h.seq == p.rx_seq as u8 => {
                     p.rx_start += HEADER_LEN;
                     p.rx_seq += 1;
                     let e = read_abort(p, j, h);
@@ -421,12 +420,11 @@ impl TcpTransport {
     }
 }
 
-fn header_bytes(comm_id: u64, seq: u64, tag: u64, len: usize, kind: Kind) -> [u8; HEADER_LEN] {
+fn header_bytes(seq: u64, tag: u64, len: usize, kind: Kind) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     Header {
         kind,
-        comm_id,
-        seq,
+        seq: seq as u8,
         tag,
         len: len as u64,
     }
@@ -444,13 +442,7 @@ fn io_err(peer: usize, during: &'static str, e: io::Error) -> TransportError {
     }
 }
 
-fn drive_send(
-    p: &mut Peer,
-    peer: usize,
-    comm_id: u64,
-    req: &mut Request,
-    buf: &[u8],
-) -> Result<Moved> {
+fn drive_send(p: &mut Peer, peer: usize, req: &mut Request, buf: &[u8]) -> Result<Moved> {
     if req.ticket() != Some(p.tx_head) {
         return Ok(Moved::NotHead);
     }
@@ -459,7 +451,7 @@ fn drive_send(
     if p.tx_frame.is_none() {
         p.tx_frame = Some(total);
         p.tx_off = 0;
-        p.tx_header = header_bytes(comm_id, p.tx_seq, req.tag(), len, Kind::Data);
+        p.tx_header = header_bytes(p.tx_seq, req.tag(), len, Kind::Data);
     }
     let header = p.tx_header;
     let mut moved = false;
@@ -585,7 +577,7 @@ fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
     }
 }
 
-fn next_header(p: &mut Peer, peer: usize, comm_id: u64) -> Result<Option<Header>> {
+fn next_header(p: &mut Peer, peer: usize) -> Result<Option<Header>> {
     if !fill_staging(p, peer, HEADER_LEN)? {
         return Ok(None);
     }
@@ -597,32 +589,20 @@ fn next_header(p: &mut Peer, peer: usize, comm_id: u64) -> Result<Option<Header>
         what: e.to_string(),
     })?;
     p.rx_start += HEADER_LEN;
-    if h.comm_id != comm_id {
+    if h.seq != p.rx_seq as u8 {
         return Err(TransportError::Protocol {
             peer,
             what: format!(
-                "frame for communicator {:#x}, this is {comm_id:#x}",
-                h.comm_id
+                "frame sequence number {} (mod 256) where {} was expected",
+                h.seq, p.rx_seq as u8
             ),
-        });
-    }
-    if h.seq != p.rx_seq {
-        return Err(TransportError::Protocol {
-            peer,
-            what: format!("sequence number {} where {} was expected", h.seq, p.rx_seq),
         });
     }
     p.rx_seq += 1;
     Ok(Some(h))
 }
 
-fn drive_recv(
-    p: &mut Peer,
-    peer: usize,
-    comm_id: u64,
-    req: &mut Request,
-    buf: &mut [u8],
-) -> Result<Moved> {
+fn drive_recv(p: &mut Peer, peer: usize, req: &mut Request, buf: &mut [u8]) -> Result<Moved> {
     if req.ticket() != Some(p.rx_head) {
         return Ok(Moved::NotHead);
     }
@@ -630,7 +610,7 @@ fn drive_recv(
     loop {
         match p.rx_phase {
             RxPhase::Header => {
-                let Some(h) = next_header(p, peer, comm_id)? else {
+                let Some(h) = next_header(p, peer)? else {
                     return Ok(if moved { Moved::Yes } else { Moved::Blocked });
                 };
                 if h.kind == Kind::Abort {
@@ -709,7 +689,7 @@ fn drive_recv(
                     // The payload was padding; the abort notice follows.
                     let until = Instant::now() + Duration::from_millis(500);
                     loop {
-                        match next_header(p, peer, comm_id) {
+                        match next_header(p, peer) {
                             Ok(Some(h)) if h.kind == Kind::Abort => {
                                 return Err(read_abort(p, peer, h))
                             }
@@ -756,6 +736,13 @@ impl Transport for TcpTransport {
                 "request was already posted".into(),
             ));
         }
+        if req.len() as u64 > frame::MAX_PAYLOAD {
+            return Err(TransportError::InvalidArgument(format!(
+                "a message of {} bytes is longer than a TCP frame carries ({} bytes)",
+                req.len(),
+                frame::MAX_PAYLOAD
+            )));
+        }
         let peer = self.peer_mut(req.peer())?;
         let ticket = match req.direction() {
             Direction::Send => {
@@ -774,7 +761,6 @@ impl Transport for TcpTransport {
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
         self.check_usable()?;
         check_ops(ops)?;
-        let comm_id = self.comm_id;
         let started = Instant::now();
         let mut refreshed = false;
         let mut notice_check = false;
@@ -794,7 +780,7 @@ impl Transport for TcpTransport {
                     if op.req.is_complete() {
                         continue;
                     }
-                    match self.drive(comm_id, op) {
+                    match self.drive(op) {
                         Ok(Moved::Yes) => {
                             moved = true;
                             again = true;
@@ -880,7 +866,6 @@ impl Transport for TcpTransport {
         }
         let deadline = Instant::now() + ABORT_BUDGET;
         let payload = frame::encode_abort(notice.culprit, &notice.reason);
-        let comm_id = self.comm_id;
         for j in 0..self.size {
             let Some(Some(p)) = self.peers.get_mut(j) else {
                 continue;
@@ -911,7 +896,7 @@ impl Transport for TcpTransport {
                 p.tx_seq += 1;
             }
             let seq = p.tx_seq;
-            pre.extend_from_slice(&header_bytes(comm_id, seq, 0, payload.len(), Kind::Abort));
+            pre.extend_from_slice(&header_bytes(seq, 0, payload.len(), Kind::Abort));
             pre.extend_from_slice(&payload);
             if !self.write_bounded(j, &pre, deadline) {
                 if let Some(Some(p)) = self.peers.get_mut(j) {
@@ -936,6 +921,94 @@ impl std::fmt::Debug for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rank 0 of a group of two whose rank 1 is a raw socket: the test writes the bytes.
+    fn raw_peer() -> (TcpTransport, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let raw = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (ours, _) = l.accept().unwrap();
+        let t = TcpTransport::from_streams(0, 7, vec![None, Some(ours)], &TcpOptions::default())
+            .unwrap();
+        (t, raw)
+    }
+
+    /// A data frame as the wire carries it.
+    fn frame_bytes(seq: u64, tag: u64, payload: &[u8], trailer: u8) -> Vec<u8> {
+        let mut v = header_bytes(seq, tag, payload.len(), Kind::Data).to_vec();
+        v.extend_from_slice(payload);
+        v.push(trailer);
+        v
+    }
+
+    /// Receive one message of tag 9 (capacity 8) after the raw peer wrote `bytes`.
+    fn recv_after(bytes: &[u8]) -> (Result<usize>, Vec<u8>) {
+        let (mut t, mut raw) = raw_peer();
+        std::io::Write::write_all(&mut raw, bytes).unwrap();
+        let mut b = vec![0u8; 8];
+        let r = t.recv(1, 9, &mut b, Duration::from_secs(5));
+        (r, b)
+    }
+
+    #[test]
+    fn frames_are_checked_field_by_field() {
+        // The frame is 16 + payload + 1 bytes, and two in a row arrive in order.
+        let mut two = frame_bytes(0, 9, b"abc", frame::TRAILER_END);
+        assert_eq!(two.len(), 16 + 3 + 1);
+        two.extend(frame_bytes(1, 9, b"defg", frame::TRAILER_END));
+        let (mut t, mut raw) = raw_peer();
+        std::io::Write::write_all(&mut raw, &two).unwrap();
+        let mut b = vec![0u8; 8];
+        assert_eq!(t.recv(1, 9, &mut b, Duration::from_secs(5)).unwrap(), 3);
+        assert_eq!(&b[..3], b"abc");
+        assert_eq!(t.recv(1, 9, &mut b, Duration::from_secs(5)).unwrap(), 4);
+        assert_eq!(&b[..4], b"defg");
+
+        let protocol = |bytes: &[u8], says: &str| match recv_after(bytes).0 {
+            Err(TransportError::Protocol { peer: 1, what }) => {
+                assert!(what.contains(says), "{what:?} does not say {says:?}")
+            }
+            other => panic!("expected a protocol error saying {says:?}, got {other:?}"),
+        };
+        protocol(
+            &frame_bytes(1, 9, b"abc", frame::TRAILER_END),
+            "sequence number 1",
+        );
+        // A trailer that is neither value: the receive never completes with those bytes.
+        protocol(&frame_bytes(0, 9, b"abc", b'X'), "bad frame trailer");
+        // A peer of the release with 40-byte headers is named as such.
+        let mut v1 = b"CHRS\x01\x00\x00\x00".to_vec();
+        v1.resize(48, 0);
+        protocol(&v1, "older chorus");
+        protocol(&[0u8; 16], "bad magic");
+
+        match recv_after(&frame_bytes(0, 10, b"abc", frame::TRAILER_END)).0 {
+            Err(TransportError::Mismatch {
+                got_tag: 10,
+                expected_tag: 9,
+                ..
+            }) => {}
+            other => panic!("expected a tag mismatch, got {other:?}"),
+        }
+        match recv_after(&frame_bytes(0, 9, &[1; 9], frame::TRAILER_END)).0 {
+            Err(TransportError::Mismatch {
+                got_len: 9,
+                expected_len: 8,
+                ..
+            }) => {}
+            other => panic!("expected a length mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn messages_beyond_the_length_field_are_refused_at_post() {
+        let (mut t, _raw) = raw_peer();
+        let len = usize::try_from(frame::MAX_PAYLOAD + 1).unwrap();
+        let mut req = Request::send(1, 9, len);
+        match t.post(&mut req) {
+            Err(TransportError::InvalidArgument(s)) => assert!(s.contains("longer"), "{s}"),
+            other => panic!("expected an invalid argument, got {other:?}"),
+        }
+    }
 
     #[test]
     fn conformance_tcp() {
