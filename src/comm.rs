@@ -257,6 +257,7 @@ impl Communicator {
         };
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
         let env_link = crate::select::link_from_env().map_err(fail)?;
+        let env_link = crate::select::link_from_config(&config, env_link).map_err(fail)?;
         let tuning = crate::select::tune_from_env().map_err(fail)?;
         // This host runs more ranks than it has cores (the tuner's view of the link, below).
         let mut crowded = false;

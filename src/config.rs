@@ -61,6 +61,12 @@ pub struct Config {
     /// Where allreduce tuning decisions are kept across launches (`CHORUS_TUNE_FILE`, see
     /// [`crate::tune_file`]); set it on every rank or on none.
     pub tune_file: Option<PathBuf>,
+    /// The link's latency in microseconds per message, instead of the probe's figure (wins
+    /// over `CHORUS_ALPHA_US`; see [`crate::select`]).
+    pub alpha_us: Option<f64>,
+    /// The link's bandwidth in GB/s, instead of the probe's figure (wins over
+    /// `CHORUS_BETA_GBPS`).
+    pub beta_gbps: Option<f64>,
 }
 
 impl Config {
@@ -79,6 +85,8 @@ impl Config {
             transport: None,
             algo: None,
             tune_file: None,
+            alpha_us: None,
+            beta_gbps: None,
         }
     }
 

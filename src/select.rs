@@ -14,7 +14,8 @@
 //!   figures, so every rank fills the same table and picks the same schedule. Bounded: a few
 //!   dozen messages, well under 50 ms on loopback or a gigabit link;
 //! - or **configured** with `CHORUS_ALPHA_US` (microseconds per message) and `CHORUS_BETA_GBPS`
-//!   (GB/s, 1 GB = 1e9 bytes); a variable that is set replaces the measured figure, and with
+//!   (GB/s, 1 GB = 1e9 bytes), or in code with `Config::alpha_us` and `Config::beta_gbps`
+//!   (which win over the variables); a figure that is set replaces the measured one, and with
 //!   both set no probe runs.
 //!
 //! # Overrides
@@ -1619,6 +1620,25 @@ pub fn link_from_env() -> Result<(Option<f64>, Option<f64>), CommError> {
     Ok((alpha, beta))
 }
 
+/// [`Config::alpha_us`](crate::Config::alpha_us) and
+/// [`Config::beta_gbps`](crate::Config::beta_gbps), validated, in place of the environment's
+/// figures (`env`, from [`link_from_env`]) where they are set.
+pub fn link_from_config(
+    config: &crate::Config,
+    env: (Option<f64>, Option<f64>),
+) -> Result<(Option<f64>, Option<f64>), CommError> {
+    let check = |name: &str, v: Option<f64>| match v {
+        Some(x) if !(x.is_finite() && x > 0.0) => Err(CommError::invalid(
+            "init",
+            format!("Config::{name} = {x}: expected a positive number"),
+        )),
+        _ => Ok(v),
+    };
+    let alpha = check("alpha_us", config.alpha_us)?.map(|us| us * 1e-6);
+    let beta = check("beta_gbps", config.beta_gbps)?.map(|gbps| 1.0 / (gbps * 1e9));
+    Ok((alpha.or(env.0), beta.or(env.1)))
+}
+
 /// Measures the link between ring neighbours: every rank sends to `rank + 1` and receives from
 /// `rank − 1`, first [`PROBE_SMALL`] messages of 8 bytes (α: the time of one exchange), then
 /// [`PROBE_LARGE`] of 256 KiB (β: the extra time per byte), then an allreduce-max so that every
@@ -1691,6 +1711,24 @@ pub fn probe(ctx: &mut CollCtx<'_>) -> TResult<Link> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configured_link_figures_win_over_the_environment() {
+        let mut c = crate::Config::new(0, 2, "127.0.0.1:1");
+        let env = (Some(5e-6), Some(1e-9));
+        assert_eq!(link_from_config(&c, env).unwrap(), env);
+        c.alpha_us = Some(20.0);
+        let (a, b) = link_from_config(&c, env).unwrap();
+        assert!((a.unwrap() - 20e-6).abs() < 1e-12 && b == env.1);
+        c.beta_gbps = Some(0.5);
+        let (_, b) = link_from_config(&c, (None, None)).unwrap();
+        assert!((b.unwrap() - 2e-9).abs() < 1e-18);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            c.beta_gbps = Some(bad);
+            let e = link_from_config(&c, env).unwrap_err();
+            assert!(e.to_string().contains("beta_gbps"), "{e}");
+        }
+    }
 
     #[test]
     fn grammar() {
