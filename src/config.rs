@@ -62,10 +62,11 @@ pub struct Config {
     /// [`crate::tune_file`]); set it on every rank or on none.
     pub tune_file: Option<PathBuf>,
     /// The link's latency in microseconds per message, instead of the probe's figure (wins
-    /// over `CHORUS_ALPHA_US`; see [`crate::select`]).
+    /// over `CHORUS_ALPHA_US`; see [`crate::select`]). Set it the same on every rank, or on
+    /// none: ranks with both figures configured skip the probe the others run.
     pub alpha_us: Option<f64>,
     /// The link's bandwidth in GB/s, instead of the probe's figure (wins over
-    /// `CHORUS_BETA_GBPS`).
+    /// `CHORUS_BETA_GBPS`). Set it the same on every rank, or on none.
     pub beta_gbps: Option<f64>,
 }
 

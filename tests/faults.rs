@@ -180,7 +180,8 @@ fn strangers_do_not_disturb_the_job() {
         if let Ok(mut s) = TcpStream::connect(a) {
             let mut h = Vec::new();
             h.extend_from_slice(b"CHRH");
-            h.extend_from_slice(&1u32.to_le_bytes());
+            // The hello's version is the frame version of this release.
+            h.extend_from_slice(&u32::from(chorus_transport::frame::VERSION).to_le_bytes());
             h.extend_from_slice(&id);
             h.extend_from_slice(&2u32.to_le_bytes());
             h.extend_from_slice(&(j as u32).to_le_bytes());

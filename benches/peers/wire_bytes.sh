@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
         --calls) CALLS=${2:?}; shift 2 ;;
         --rate) RATE=${2:?}; shift 2 ;;
         --peers) PEERS=${2:?}; shift 2 ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "wire_bytes.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -52,7 +52,18 @@ N2=${CALLS#*,}
     echo "wire_bytes.sh: --calls N1,N2 needs N2 > N1" >&2
     exit 2
 }
+[[ $RATE =~ ^[0-9.]+(kbit|mbit|gbit)$ ]] || {
+    echo "wire_bytes.sh: --rate $RATE: expected a number and kbit, mbit or gbit" >&2
+    exit 2
+}
 [[ $(id -u) == 0 ]] || { echo "wire_bytes.sh: needs root (network namespaces)" >&2; exit 1; }
+# netns_cluster.sh tears down any cluster of its namespaces before it builds one: refuse to
+# pull one from under another benchmark.
+if ip netns list | grep -q '^allr-'; then
+    echo "wire_bytes.sh: allr-* namespaces exist (another benchmark's testbed?); take them" \
+        "down first: $PEERS_DIR/netns_cluster.sh down" >&2
+    exit 1
+fi
 [[ -f $PEERS_DIR/netns_cluster.sh ]] || { echo "no peers harness at $PEERS_DIR" >&2; exit 1; }
 
 PERF=${CHORUS_PERF:-$ROOT/target/release/chorus-perf}
@@ -62,8 +73,9 @@ fi
 PERF=$(readlink -f "$PERF")
 
 [[ -n $WORK ]] || WORK=$(mktemp -d /tmp/wire-bytes.XXXXXX)
-mkdir -p "$WORK/build" "$WORK/raw"
+mkdir -p "$WORK/build"
 WORK=$(readlink -f "$WORK")
+rm -rf "$WORK/raw" && mkdir "$WORK/raw"     # rows of an earlier run must not mix in
 (cd "$PEERS_DIR" && find . -mindepth 1 -maxdepth 1 ! -name results ! -name build -print0 |
     xargs -0 cp -r --no-preserve=mode -t "$WORK")
 chmod +x "$WORK"/*.sh

@@ -31,7 +31,7 @@ def rate_bytes_per_s(rate):
 
 
 def size_bytes(size):
-    m = re.fullmatch(r"([0-9]+)([KMG]?)", size)
+    m = re.fullmatch(r"([0-9]+)([KMG]?)", size.upper())
     if not m:
         raise ValueError(f"size {size!r}")
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
@@ -46,6 +46,8 @@ def read_counters(path):
 
 def per_call(c0, c1, c2, n1, n2):
     """Per host: (egress bytes, egress packets, ingress bytes, ingress packets) per call."""
+    if not len(c0) == len(c1) == len(c2):
+        raise ValueError(f"counters of {len(c0)}, {len(c1)} and {len(c2)} hosts")
     out = []
     for h0, h1, h2 in zip(c0, c1, c2):
         first = [b - a for a, b in zip(h0, h1)]
@@ -69,7 +71,7 @@ def data_line(path):
 def collect(raw, n1, n2):
     table = {}
     for name in os.listdir(raw):
-        m = re.fullmatch(r"(.+)-([0-9]+[KMG]?)\.c2", name)
+        m = re.fullmatch(r"(.+)-([0-9]+[KMGkmg]?)\.c2", name)
         if not m:
             continue
         peer, size = m.groups()

@@ -10,16 +10,17 @@
 //! ```
 //! then `len` payload bytes and a one-byte trailer: [`TRAILER_END`], or [`TRAILER_ABORT`]
 //! when the sender gave up in the middle of the frame and padded the rest. Integers are
-//! little-endian. The receiver validates every field before it reads a payload byte: a wrong
-//! magic, version or kind, a sequence number other than the next one or a trailer that is
-//! neither value is a protocol error; a tag other than the posted receive's, or a length
-//! larger than its buffer, is a mismatch — never an allocation.
+//! little-endian. The receiver validates every header field before it reads a payload byte,
+//! and completes a receive only on the end trailer: a wrong magic, version or kind, a sequence
+//! number other than the next one or a trailer that is neither value is a protocol error; a
+//! tag other than the posted receive's, or a length larger than its buffer, is a mismatch —
+//! never an allocation.
 //!
 //! The frame is small because on a rate-limited link every byte costs time: a 32 KiB
 //! allreduce of 4 ranks over halving-doubling sends 4 messages per rank per call, and at
-//! 1 gbit the 48-byte frame of version 1 (4-byte magic, 8-byte communicator id and sequence
-//! number, 8-byte trailer) cost 0.8 µs of its 415 µs (`benches/results/`
-//! `2026-11-25-wire-bytes.md`). What version 1 checked per frame is still checked: the
+//! 1 gbit the 48-byte frames of version 1 (4-byte magic, 8-byte communicator id and sequence
+//! number, 8-byte trailer) were 192 bytes, 1.5 µs of link time, of its 415 µs per call
+//! (`benches/results/2026-11-25-wire-bytes.md`). What version 1 checked per frame is still checked: the
 //! communicator id once per connection (in the hello and the authentication context of
 //! `tcp::mesh`, a connection belongs to one communicator), and the sequence number modulo
 //! 256 (TCP delivers in order; the check catches a receiver that lost its place, which the
@@ -69,8 +70,10 @@ pub struct Header {
 pub enum HeaderError {
     /// Not our magic.
     Magic(u8),
-    /// Unknown version (1: the 40-byte header of earlier releases, recognised by its magic).
+    /// Unknown version.
     Version(u8),
+    /// The 40-byte header of version 1 (earlier releases), recognised by its magic.
+    VersionOne,
     /// Unknown kind.
     Kind(u8),
 }
@@ -79,7 +82,7 @@ impl std::fmt::Display for HeaderError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             HeaderError::Magic(m) => write!(f, "bad magic {m:#04x}"),
-            HeaderError::Version(1) => {
+            HeaderError::VersionOne => {
                 write!(
                     f,
                     "wire version 1 (the peer runs an older chorus), this is {VERSION}"
@@ -114,7 +117,7 @@ impl Header {
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, HeaderError> {
         if b[0] != MAGIC {
             if b[0..4] == MAGIC_V1 {
-                return Err(HeaderError::Version(1));
+                return Err(HeaderError::VersionOne);
             }
             return Err(HeaderError::Magic(b[0]));
         }
@@ -224,7 +227,7 @@ mod tests {
         let mut old = [0u8; HEADER_LEN];
         old[..5].copy_from_slice(b"CHRS\x01");
         let e = Header::decode(&old).unwrap_err();
-        assert_eq!(e, HeaderError::Version(1));
+        assert_eq!(e, HeaderError::VersionOne);
         assert!(e.to_string().contains("older chorus"), "{e}");
     }
 

@@ -9,7 +9,8 @@
 //! so a sender that gives up halfway through a frame can pad the rest with zeros, write the
 //! trailer [`frame::TRAILER_ABORT`] and then an abort frame: the receiver fails with the
 //! sender's reason instead of completing with padding. `read() == 0` is a closed peer, reported
-//! at once. A message longer than [`frame::MAX_PAYLOAD`] (1 TiB) is refused when it is posted.
+//! at once. A message longer than [`frame::MAX_PAYLOAD`] (2^40 − 1 bytes) is refused when it is
+//! posted.
 //!
 //! # Progress
 //!
@@ -50,6 +51,9 @@ enum RxPhase {
     Header,
     Payload,
     Trailer,
+    /// A header was consumed and rejected: the stream is no longer at a frame boundary, so
+    /// nothing more is read from it (what follows is payload, not a header).
+    Lost,
 }
 
 struct Peer {
@@ -229,7 +233,8 @@ impl TcpTransport {
         self.spin = spin;
     }
 
-    /// The communicator id agreed at rendezvous (carried in every frame header).
+    /// The communicator id agreed at rendezvous (named in every connection's hello and
+    /// authentication context).
     pub fn comm_id(&self) -> u64 {
         self.comm_id
     }
@@ -313,6 +318,7 @@ impl TcpTransport {
                 Ok(h) if h.kind == Kind::Abort && h.seq == p.rx_seq as u8 => {
                     p.rx_start += HEADER_LEN;
                     p.rx_seq += 1;
+                    p.rx_phase = RxPhase::Lost;
                     let e = read_abort(p, j, h);
                     let names_culprit = matches!(
                         e,
@@ -540,8 +546,8 @@ fn fill_staging(p: &mut Peer, peer: usize, need: usize) -> Result<bool> {
     Ok(true)
 }
 
-/// Read and decode the abort frame that follows a `CHRS-ABT` trailer or arrives in place of a
-/// header, and turn it into the error the receiver reports.
+/// Read and decode the abort frame that follows an abort trailer ([`frame::TRAILER_ABORT`]) or
+/// arrives in place of a header, and turn it into the error the receiver reports.
 fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
     let len = h.len as usize;
     if h.len > frame::MAX_ABORT_PAYLOAD as u64 {
@@ -590,6 +596,7 @@ fn next_header(p: &mut Peer, peer: usize) -> Result<Option<Header>> {
     })?;
     p.rx_start += HEADER_LEN;
     if h.seq != p.rx_seq as u8 {
+        p.rx_phase = RxPhase::Lost;
         return Err(TransportError::Protocol {
             peer,
             what: format!(
@@ -614,9 +621,11 @@ fn drive_recv(p: &mut Peer, peer: usize, req: &mut Request, buf: &mut [u8]) -> R
                     return Ok(if moved { Moved::Yes } else { Moved::Blocked });
                 };
                 if h.kind == Kind::Abort {
+                    p.rx_phase = RxPhase::Lost;
                     return Err(read_abort(p, peer, h));
                 }
                 if h.tag != req.tag() || h.len > req.len() as u64 {
+                    p.rx_phase = RxPhase::Lost;
                     return Err(TransportError::Mismatch {
                         peer,
                         expected_tag: req.tag(),
@@ -679,12 +688,13 @@ fn drive_recv(p: &mut Peer, peer: usize, req: &mut Request, buf: &mut [u8]) -> R
                     .try_into()
                     .expect("trailer length");
                 p.rx_start += TRAILER_LEN;
-                p.rx_phase = RxPhase::Header;
                 if t == TRAILER_END {
+                    p.rx_phase = RxPhase::Header;
                     req.set_complete();
                     p.rx_head += 1;
                     return Ok(Moved::Yes);
                 }
+                p.rx_phase = RxPhase::Lost;
                 if t == TRAILER_ABORT {
                     // The payload was padding; the abort notice follows.
                     let until = Instant::now() + Duration::from_millis(500);
@@ -711,6 +721,12 @@ fn drive_recv(p: &mut Peer, peer: usize, req: &mut Request, buf: &mut [u8]) -> R
                     peer,
                     what: format!("bad frame trailer {t:02x?}"),
                 });
+            }
+            RxPhase::Lost => {
+                return Err(TransportError::Protocol {
+                    peer,
+                    what: "an earlier frame from this rank was rejected".into(),
+                })
             }
         }
     }
@@ -997,9 +1013,43 @@ mod tests {
             }) => {}
             other => panic!("expected a length mismatch, got {other:?}"),
         }
+        // After a rejected header the stream is not at a frame boundary: a payload that looks
+        // like the next frame's abort notice is not read as one (the mismatch is reported).
+        let mut fake = header_bytes(1, 0, 16, Kind::Abort).to_vec();
+        fake.extend(frame::encode_abort(Some(3), "made up"));
+        match recv_after(&frame_bytes(0, 10, &fake, frame::TRAILER_END)).0 {
+            Err(TransportError::Mismatch { got_tag: 10, .. }) => {}
+            other => panic!("expected a tag mismatch, got {other:?}"),
+        }
     }
 
     #[test]
+    fn sequence_numbers_wrap_at_256() {
+        let (mut t, mut raw) = raw_peer();
+        let mut b = vec![0u8; 8];
+        for seq in 0..300u64 {
+            let payload = seq.to_le_bytes();
+            let f = frame_bytes(seq, 9, &payload, frame::TRAILER_END);
+            std::io::Write::write_all(&mut raw, &f).unwrap();
+            assert_eq!(t.recv(1, 9, &mut b, Duration::from_secs(5)).unwrap(), 8);
+            assert_eq!(b, payload);
+        }
+        // 300 mod 256 = 44 is next; 45 is not.
+        let f = frame_bytes(301, 9, &[0; 8], frame::TRAILER_END);
+        std::io::Write::write_all(&mut raw, &f).unwrap();
+        match t.recv(1, 9, &mut b, Duration::from_secs(5)) {
+            Err(TransportError::Protocol { what, .. }) => {
+                assert!(
+                    what.contains("sequence number 45 (mod 256) where 44"),
+                    "{what}"
+                )
+            }
+            other => panic!("expected a sequence error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
     fn messages_beyond_the_length_field_are_refused_at_post() {
         let (mut t, _raw) = raw_peer();
         let len = usize::try_from(frame::MAX_PAYLOAD + 1).unwrap();
@@ -1008,6 +1058,9 @@ mod tests {
             Err(TransportError::InvalidArgument(s)) => assert!(s.contains("longer"), "{s}"),
             other => panic!("expected an invalid argument, got {other:?}"),
         }
+        // The largest length the field holds is accepted (posting takes no buffer).
+        let mut req = Request::send(1, 9, len - 1);
+        t.post(&mut req).unwrap();
     }
 
     #[test]
