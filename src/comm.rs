@@ -529,8 +529,12 @@ impl Communicator {
                     Timing::None,
                 ),
                 Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
-                Next::Tied { algorithm, tied } => {
-                    self.log_tuning(|| select::describe_tied(bytes, algorithm, &tied));
+                Next::Tied {
+                    algorithm,
+                    tied,
+                    after,
+                } => {
+                    self.log_tuning(|| select::describe_tied(bytes, algorithm, &tied, after));
                     (algorithm, Timing::None)
                 }
                 Next::Inherit {

@@ -73,8 +73,12 @@
 //! - **Tied large buckets**: on links (no host runs more ranks than cores), where the model
 //!   puts every plausible candidate of a large bucket within [`MODEL_TIE`] of its cheapest
 //!   (typically the ring and halving-doubling at a power of two: the same bytes, a few α
-//!   apart), its cheapest at the call's size stands without trials: one call of each cannot
-//!   tell them apart, and the switch costs.
+//!   apart), no trials run: one call of each cannot tell them apart, and the switch costs.
+//!   The bucket takes the schedule of the nearest smaller bucket within [`INHERIT_SPAN`] rows
+//!   that is decided on one of the tied (by its trials, or by such a tie in turn): on the
+//!   1 gbit testbed the 2 MiB bucket's trials put halving-doubling 16 % behind the ring, and
+//!   8 MiB, tied, then ran the model's halving-doubling at 113 MB/s against the ring's 119.
+//!   With no such bucket the model's cheapest at the call's size stands.
 //!
 //! - **Revisits**: which schedule wins can change after the trials (another job takes the
 //!   cores, ranks sharing a core fall into another rhythm, a link gets busier), and short
@@ -114,7 +118,7 @@
 //!   bandwidth-bound and a wide lead does not flip within a few rows, while trials there cost
 //!   most: on 4 ranks sharing 2 cores, a 64 MiB loop of 32 calls spent about a tenth of its
 //!   time on the trial calls of schedules 1.6× slower than the ring that won them. Close
-//!   decisions, and the model's choices among tied schedules, pass nothing on.
+//!   decisions pass nothing on this way (tied buckets take theirs, above).
 //!
 //! Every rank times the same trials; the per-rank figures of every candidate are then
 //! allreduced with `max`, so every rank holds the same vector and picks the same schedule.
@@ -1019,11 +1023,13 @@ pub(crate) enum Next {
     /// (which leaves each block's first call, after the switch of schedule, out). `rival`: the
     /// schedule is the rival's.
     Revisit { algorithm: Algorithm, rival: bool },
-    /// Use this schedule from now on: the model's choice, which it puts within [`MODEL_TIE`]
-    /// of the other `tied` candidates (log it).
+    /// Use this schedule from now on, one of candidates the model puts within [`MODEL_TIE`]
+    /// of each other (`tied`: the others): the one the decided bucket of up to `after` bytes
+    /// (a smaller one nearby) runs, or else the model's choice (log it).
     Tied {
         algorithm: Algorithm,
         tied: Vec<Algorithm>,
+        after: Option<usize>,
     },
     /// Use this schedule from now on, taken without trials from the decided bucket of up to
     /// `from` bytes, whose trials put it `lead`× ahead of the next (log it).
@@ -1121,7 +1127,11 @@ impl Tuner {
                     };
                 }
                 if selector.model_ties(&plan, bytes) {
-                    let algorithm = plan.candidates[0].0;
+                    // What was measured breaks the model's tie: the schedule a smaller bucket
+                    // nearby was decided on (by its trials, or by a tie before it), when it
+                    // is one of the tied.
+                    let nearby = self.smaller_decided(b, &plan);
+                    let algorithm = nearby.map_or(plan.candidates[0].0, |(_, a)| a);
                     self.buckets[b] = Bucket::Decided {
                         chosen: algorithm,
                         watch: None,
@@ -1129,7 +1139,13 @@ impl Tuner {
                     };
                     return Next::Tied {
                         algorithm,
-                        tied: plan.candidates[1..].iter().map(|c| c.0).collect(),
+                        tied: plan
+                            .candidates
+                            .iter()
+                            .map(|c| c.0)
+                            .filter(|&a| a != algorithm)
+                            .collect(),
+                        after: nearby.map(|(n, _)| 1 << n),
                     };
                 }
                 // Worst modelled first, best last: the caller's calls after the trials find
@@ -1148,6 +1164,22 @@ impl Tuner {
                 Next::Online(first)
             }
         }
+    }
+
+    /// The nearest decided bucket below row `b`, within [`INHERIT_SPAN`] rows, whose schedule
+    /// is one of `plan`'s candidates: its row and schedule. On the 1 gbit testbed the 2 MiB
+    /// bucket's trials put halving-doubling 16 % behind the ring and the 8 MiB bucket, tied in
+    /// the model, took halving-doubling, its choice: 113 MB/s against the forced ring's 119
+    /// (`benches/results/2026-11-25-wire-bytes.md`, run L).
+    fn smaller_decided(&self, b: usize, plan: &TrialPlan) -> Option<(usize, Algorithm)> {
+        (1..=INHERIT_SPAN)
+            .filter_map(|d| b.checked_sub(d))
+            .find_map(|n| match self.buckets[n] {
+                Bucket::Decided { chosen, .. } if plan.candidates.iter().any(|c| c.0 == chosen) => {
+                    Some((n, chosen))
+                }
+                _ => None,
+            })
     }
 
     /// The nearest decided large bucket within [`INHERIT_SPAN`] rows of row `b` (below first
@@ -1470,10 +1502,19 @@ pub(crate) fn describe_inherited(
 }
 
 /// One log line for a large bucket that takes the model's choice without trials.
-pub(crate) fn describe_tied(bytes: usize, chosen: Algorithm, tied: &[Algorithm]) -> String {
+pub(crate) fn describe_tied(
+    bytes: usize,
+    chosen: Algorithm,
+    tied: &[Algorithm],
+    after: Option<usize>,
+) -> String {
     let names: Vec<&str> = tied.iter().map(|a| a.name()).collect();
+    let why = match after {
+        Some(from) => format!("as the bucket up to {} runs", human(from)),
+        None => "the model's choice".into(),
+    };
     format!(
-        "all_reduce tuned for {} (bucket up to {}): {chosen}, the model's choice, without trials \
+        "all_reduce tuned for {} (bucket up to {}): {chosen}, {why}, without trials \
          (the model puts {} within {:.0} % of it on a link)",
         human(bytes),
         human(1usize << bucket(bytes)),
@@ -2291,7 +2332,8 @@ mod tests {
             t.decide(8, &pair, &[1.0, 1.0], &tied, Some(1)),
             Algorithm::HalvingDoubling
         );
-        // Large on a link: the ring and halving-doubling tie in the model; its choice stands
+        // Large on a link: the ring and halving-doubling tie in the model; with no smaller
+        // bucket decided nearby its choice stands
         // without trials.
         let big = 5 << 20;
         let plan = s.trial_plan(big);
@@ -2302,11 +2344,47 @@ mod tests {
             Next::Tied {
                 algorithm: plan.candidates[0].0,
                 tied: plan.candidates[1..].iter().map(|c| c.0).collect(),
+                after: None,
             }
         );
         assert_eq!(plan.candidates[0].0, s.select(big));
         assert_eq!(tied.decided(big), Some(s.select(big)));
         assert_eq!(tied.next(&s, big), Next::Use(s.select(big)));
+        // A smaller bucket nearby decided on the other tied schedule: that breaks the tie, and
+        // the tied bucket passes it on to the next tie.
+        let other = plan.candidates[1].0;
+        let mut after = Tuner::new();
+        after.restore(
+            2 << 20,
+            other,
+            &[other, plan.candidates[0].0],
+            &[1.0, 1.16],
+            None,
+        );
+        let (b8, b32) = (8 << 20, 32 << 20);
+        assert!(s.model_ties(&s.trial_plan(b8), b8) && s.model_ties(&s.trial_plan(b32), b32));
+        assert_eq!(
+            after.next(&s, b8),
+            Next::Tied {
+                algorithm: other,
+                tied: vec![plan.candidates[0].0],
+                after: Some(2 << 20),
+            }
+        );
+        assert!(matches!(
+            after.next(&s, b32),
+            Next::Tied { algorithm, after: Some(a), .. } if algorithm == other && a == 8 << 20
+        ));
+        // Too far below (more than INHERIT_SPAN rows): the model's choice.
+        let mut far = Tuner::new();
+        far.restore(
+            512 << 10,
+            other,
+            &[other, plan.candidates[0].0],
+            &[1.0, 1.16],
+            None,
+        );
+        assert!(matches!(far.next(&s, b8), Next::Tied { after: None, .. }));
         // A link whose latency sets them apart (1 ms per message): the caller's calls are the
         // trials, decided after the last.
         // (`model` keeps the gigabit link's costs: this section passes the 1 ms link's.)
