@@ -2353,14 +2353,19 @@ mod tests {
         // A smaller bucket nearby decided on the other tied schedule: that breaks the tie, and
         // the tied bucket passes it on to the next tie.
         let other = plan.candidates[1].0;
-        let mut after = Tuner::new();
-        after.restore(
-            2 << 20,
-            other,
-            &[other, plan.candidates[0].0],
-            &[1.0, 1.16],
-            None,
-        );
+        // A tuner whose bucket of `bytes` trials decided on `other`, 1.16x ahead.
+        let decided_below = |bytes: usize| {
+            let mut t = Tuner::new();
+            t.restore(
+                bytes,
+                other,
+                &[other, plan.candidates[0].0],
+                &[1.0, 1.16],
+                None,
+            );
+            t
+        };
+        let mut after = decided_below(2 << 20);
         let (b8, b32) = (8 << 20, 32 << 20);
         assert!(s.model_ties(&s.trial_plan(b8), b8) && s.model_ties(&s.trial_plan(b32), b32));
         assert_eq!(
@@ -2376,14 +2381,7 @@ mod tests {
             Next::Tied { algorithm, after: Some(a), .. } if algorithm == other && a == 8 << 20
         ));
         // Too far below (more than INHERIT_SPAN rows): the model's choice.
-        let mut far = Tuner::new();
-        far.restore(
-            512 << 10,
-            other,
-            &[other, plan.candidates[0].0],
-            &[1.0, 1.16],
-            None,
-        );
+        let mut far = decided_below(512 << 10);
         assert!(matches!(far.next(&s, b8), Next::Tied { after: None, .. }));
         // A link whose latency sets them apart (1 ms per message): the caller's calls are the
         // trials, decided after the last.

@@ -20,11 +20,11 @@
 //! allreduce of 4 ranks over halving-doubling sends 4 messages per rank per call, and at
 //! 1 gbit the 48-byte frames of version 1 (4-byte magic, 8-byte communicator id and sequence
 //! number, 8-byte trailer) were 192 bytes, 1.5 µs of link time, of its 415 µs per call
-//! (`benches/results/2026-11-25-wire-bytes.md`). What version 1 checked per frame is still checked: the
-//! communicator id once per connection (in the hello and the authentication context of
-//! `tcp::mesh`, a connection belongs to one communicator), and the sequence number modulo
-//! 256 (TCP delivers in order; the check catches a receiver that lost its place, which the
-//! tag check, naming the call and step, catches as well).
+//! (`benches/results/2026-11-25-wire-bytes.md`). What version 1 checked per frame is still
+//! checked: the communicator id once per connection (in the hello and the authentication
+//! context of `tcp::mesh`, a connection belongs to one communicator), and the sequence number
+//! modulo 256 (TCP delivers in order; the check catches a receiver that lost its place, which
+//! the tag check, naming the call and step, catches as well).
 
 /// Size of the header in bytes.
 pub const HEADER_LEN: usize = 16;
