@@ -168,9 +168,18 @@ macro_rules! int_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
+            #[inline]
             fn from_f64(v: f64) -> Self {
-                v as i128 as $t
+                // Through i64 where it holds the value (a hardware conversion); only values
+                // beyond ±2^63 (u64's upper half) take the slower i128 route. Both truncate
+                // toward zero and keep the same low bits.
+                if v.abs() < 9.0e18 {
+                    v as i64 as $t
+                } else {
+                    v as i128 as $t
+                }
             }
+            #[inline]
             fn to_f64(self) -> f64 {
                 self as f64
             }
@@ -187,9 +196,11 @@ int_element!(u64, DType::Uint64);
 
 impl Element for f32 {
     const DTYPE: DType = DType::Float32;
+    #[inline]
     fn from_f64(v: f64) -> Self {
         v as f32
     }
+    #[inline]
     fn to_f64(self) -> f64 {
         self as f64
     }
@@ -197,9 +208,11 @@ impl Element for f32 {
 
 impl Element for f64 {
     const DTYPE: DType = DType::Float64;
+    #[inline]
     fn from_f64(v: f64) -> Self {
         v
     }
+    #[inline]
     fn to_f64(self) -> f64 {
         self
     }
@@ -207,9 +220,11 @@ impl Element for f64 {
 
 impl Element for f16 {
     const DTYPE: DType = DType::Float16;
+    #[inline]
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
+    #[inline]
     fn to_f64(self) -> f64 {
         f16::to_f64(self)
     }
@@ -217,9 +232,11 @@ impl Element for f16 {
 
 impl Element for bf16 {
     const DTYPE: DType = DType::Bfloat16;
+    #[inline]
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
+    #[inline]
     fn to_f64(self) -> f64 {
         bf16::to_f64(self)
     }
@@ -271,5 +288,15 @@ mod tests {
         assert_eq!(<u8 as Element>::from_f64(-1.0), 255);
         assert_eq!(<u64 as Element>::from_f64(-2.0), u64::MAX - 1);
         assert_eq!(<i32 as Element>::from_f64(-7.9), -7);
+        // Both sides of the i64 fast path agree with the wide conversion.
+        for v in [
+            8.9e18, -8.9e18, 9.1e18, -9.1e18, 1.8e19, -1.8e19, 3.0e19, 1e300, -1e300, 0.5,
+        ] {
+            assert_eq!(<u64 as Element>::from_f64(v), v as i128 as u64, "{v}");
+            assert_eq!(<i64 as Element>::from_f64(v), v as i128 as i64, "{v}");
+            assert_eq!(<u8 as Element>::from_f64(v), v as i128 as u8, "{v}");
+        }
+        assert_eq!(<u64 as Element>::from_f64(f64::NAN), 0);
+        assert_eq!(<u64 as Element>::from_f64(f64::INFINITY), u64::MAX);
     }
 }

@@ -73,11 +73,13 @@ fn naive<T: Element>(values: impl Iterator<Item = T>, op: ReduceOp, ranks: usize
     }
 }
 
+#[inline]
 fn is_signed(d: DType) -> bool {
     !matches!(d, DType::Uint8 | DType::Uint32 | DType::Uint64)
 }
 
 /// SplitMix64: a well-mixed hash of the position, so inputs differ between ranks and indices.
+#[inline]
 fn mix(rank: usize, index: usize, op: ReduceOp) -> u64 {
     let mut z = (rank as u64)
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
