@@ -248,10 +248,20 @@ impl Communicator {
         }
         let choice = match config.transport.as_deref() {
             None => Choice::Auto,
+            Some(s) if s.trim().eq_ignore_ascii_case("rdma") => {
+                if size > 1 {
+                    log::log(
+                        Level::Warn,
+                        Some(rank),
+                        format_args!("CHORUS_TRANSPORT=rdma: {}", rdma_fallback_reason()),
+                    );
+                }
+                Choice::Auto
+            }
             Some(s) => Choice::parse(s).ok_or_else(|| {
                 fail(CommError::invalid(
                     "init",
-                    format!("CHORUS_TRANSPORT={s:?}: expected tcp, shm or auto"),
+                    format!("CHORUS_TRANSPORT={s:?}: expected tcp, shm, rdma or auto"),
                 ))
             })?,
         };
@@ -1009,6 +1019,18 @@ impl Communicator {
         log::log(Level::Warn, Some(self.rank), format_args!("{err}"));
         err
     }
+}
+
+/// Why `CHORUS_TRANSPORT=rdma` runs over TCP (and shared memory between the ranks of a host).
+#[cfg(feature = "rdma")]
+pub(crate) fn rdma_fallback_reason() -> String {
+    chorus_transport::rdma::fallback_reason()
+}
+
+/// Why `CHORUS_TRANSPORT=rdma` runs over TCP (and shared memory between the ranks of a host).
+#[cfg(not(feature = "rdma"))]
+pub(crate) fn rdma_fallback_reason() -> String {
+    "this chorus was built without the `rdma` cargo feature; using TCP (shared memory between the ranks of a host)".into()
 }
 
 /// The shared-memory transport's tunables, from `CHORUS_SHM_RING_BYTES` and

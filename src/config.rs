@@ -54,7 +54,8 @@ pub struct Config {
     pub socket_ifname: Option<String>,
     /// Whether this rank hosts the store: `None` = rank 0 does.
     pub host_store: Option<bool>,
-    /// Forced transport (`tcp`, later `shm`).
+    /// Forced transport: `auto` (the default), `tcp`, `shm`, or `rdma` (probes the RDMA devices,
+    /// then falls back to TCP and says why: no verbs data path yet).
     pub transport: Option<String>,
     /// Algorithm override in NCCL's `CHORUS_ALGO` grammar.
     pub algo: Option<String>,

@@ -9,7 +9,9 @@
 //!   [`hybrid::HybridTransport`], which routes each peer to one of the two;
 //! - [`rendezvous`]: the key-value store, authentication and address exchange that build a
 //!   full mesh of connections;
-//! - [`frame`]: the wire header every data message carries.
+//! - [`frame`]: the wire header every data message carries;
+//! - `rdma` (cargo feature `rdma`, on by default): the RDMA device probe and protocol layer
+//!   (no verbs data path yet: a communicator that asks for RDMA falls back to TCP and says why).
 //!
 //! # The request model
 //!
@@ -45,6 +47,8 @@ pub mod error;
 pub mod frame;
 pub mod hybrid;
 pub mod ifaddr;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod rendezvous;
 pub mod shm;
 pub mod tcp;
