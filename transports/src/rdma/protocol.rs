@@ -15,13 +15,20 @@
 //! [`HEADER_BYTES`]-byte header (tag and length, little-endian), so a receive whose tag or
 //! length differs is caught before a byte reaches the caller's buffer, as over TCP. Each chunk
 //! is one RDMA WRITE WITH IMMEDIATE into slot `seq % slots` of the peer's ring; the immediate
-//! carries the chunk's sequence number (low 31 bits) and a bit marking the message's last
-//! chunk. An RC queue pair delivers in order, so the receiver knows which sequence number comes
-//! next, and any other is a protocol error, as is a chunk longer than a slot or a message
-//! whose chunks do not add up to its header's length.
+//! carries the chunk's sequence number (low 30 bits), a bit marking the message's last chunk
+//! and a bit marking an abort notice. An RC queue pair delivers in order, so the receiver knows
+//! which sequence number comes next, and any other is a protocol error, as is a chunk longer
+//! than a slot or a message whose chunks do not add up to its header's length. A message may
+//! be shorter than the receive's buffer (its length is the header's), never longer.
+//!
+//! # Aborts
+//! A rank that gives up writes an abort notice (the rank it blames and its reason) into the
+//! next slot, mid-message or not, and writes nothing after it. The last slot of every ring is
+//! kept for it: it always has room.
 //!
 //! # Credits
-//! The sender never has more than `slots` chunks the receiver has not consumed. The receiver
+//! The sender never has more than `slots - 1` chunks the receiver has not consumed (the last
+//! slot is the abort notice's). The receiver
 //! consumes a chunk once it has copied it out, and, once it has consumed half a ring since its
 //! last report, writes its consumed count into the sender's credit word (an RDMA WRITE, no
 //! completion at the sender). The count only grows and can never pass what was sent; a peer
@@ -45,8 +52,11 @@ pub const MAX_SLOTS: u32 = 1 << 12;
 pub const ENDPOINT_BYTES: usize = 4 + 1 + 1 + 2 + 2 + 16 + 4 + 4 + 8 + 4 + 4 + 4 + 8 + 4;
 
 const MAGIC: [u8; 4] = *b"CRDM";
-const SEQ_MASK: u32 = 0x7fff_ffff;
+const SEQ_MASK: u32 = 0x3fff_ffff;
 const LAST_BIT: u32 = 1 << 31;
+const ABORT_BIT: u32 = 1 << 30;
+/// `culprit` value of an abort notice that blames no rank.
+const NO_CULPRIT: u64 = u64::MAX;
 const MTUS: [u16; 5] = [256, 512, 1024, 2048, 4096];
 
 /// A violation of the protocol by the peer (or a bad record from the store).
@@ -278,7 +288,7 @@ impl Reader<'_> {
     }
 }
 
-/// The immediate value of a chunk's write: low 31 bits of its sequence number, and whether it
+/// The immediate value of a chunk's write: low 30 bits of its sequence number, and whether it
 /// ends its message.
 pub fn immediate(seq: u64, last: bool) -> u32 {
     (seq as u32 & SEQ_MASK) | if last { LAST_BIT } else { 0 }
@@ -312,6 +322,17 @@ impl Chunk {
     }
 }
 
+/// The abort notice's write: `bytes` (culprit, then reason) at `remote_offset`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortWrite {
+    /// Byte offset of the target slot in the peer's ring.
+    pub remote_offset: u64,
+    /// The notice.
+    pub bytes: Vec<u8>,
+    /// The immediate value.
+    pub imm: u32,
+}
+
 fn header(tag: u64, len: usize) -> [u8; HEADER_BYTES] {
     let mut h = [0u8; HEADER_BYTES];
     h[..8].copy_from_slice(&tag.to_le_bytes());
@@ -330,6 +351,8 @@ pub struct Sender {
     /// Chunks the peer has reported consumed.
     consumed: u64,
     current: Option<Outgoing>,
+    /// An abort notice was written: nothing more goes.
+    aborted: bool,
 }
 
 #[derive(Debug)]
@@ -350,6 +373,7 @@ impl Sender {
             sent: 0,
             consumed: 0,
             current: None,
+            aborted: false,
         }
     }
 
@@ -357,6 +381,9 @@ impl Sender {
     pub fn start(&mut self, tag: u64, len: usize) -> Result<(), ProtocolError> {
         if self.current.is_some() {
             return Err(ProtocolError::Usage("a message is still being sent"));
+        }
+        if self.aborted {
+            return Err(ProtocolError::Usage("the connection was aborted"));
         }
         self.current = Some(Outgoing {
             tag,
@@ -367,9 +394,12 @@ impl Sender {
         Ok(())
     }
 
-    /// Free slots in the peer's ring.
+    /// Free slots in the peer's ring for messages (its last slot is kept for an abort notice).
     pub fn credits(&self) -> u32 {
-        (u64::from(self.slots) - (self.sent - self.consumed)) as u32
+        if self.aborted {
+            return 0;
+        }
+        (u64::from(self.slots) - 1 - (self.sent - self.consumed)) as u32
     }
 
     /// Whether no message is in progress.
@@ -411,13 +441,41 @@ impl Sender {
         })
     }
 
+    /// The abort notice to write into the peer's ring (whatever the credits: its slot is
+    /// kept), blaming `culprit`, with `reason` cut to fit the slot. Nothing is sent after it;
+    /// `None` if a notice was written already.
+    pub fn abort(&mut self, culprit: Option<usize>, reason: &str) -> Option<AbortWrite> {
+        if self.aborted {
+            return None;
+        }
+        let room = self.slot_bytes - 8;
+        let mut cut = reason.len().min(room);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut bytes = Vec::with_capacity(8 + cut);
+        bytes.extend_from_slice(&culprit.map_or(NO_CULPRIT, |c| c as u64).to_le_bytes());
+        bytes.extend_from_slice(&reason.as_bytes()[..cut]);
+        let seq = self.sent;
+        self.sent += 1;
+        self.aborted = true;
+        self.current = None;
+        Some(AbortWrite {
+            remote_offset: (seq % u64::from(self.slots)) * self.slot_bytes as u64,
+            bytes,
+            imm: (seq as u32 & SEQ_MASK) | ABORT_BIT,
+        })
+    }
+
     /// The peer's report of chunks consumed (its credit word). Counts only grow and never pass
     /// what was sent.
     pub fn on_credit(&mut self, consumed: u64) -> Result<(), ProtocolError> {
-        if consumed < self.consumed || consumed > self.sent {
+        // The abort notice is never consumed; a report may not count it.
+        let sent = self.sent - u64::from(self.aborted);
+        if consumed < self.consumed || consumed > sent {
             return Err(ProtocolError::Credit(format!(
-                "{consumed} chunks consumed, after {} reported and with {} sent",
-                self.consumed, self.sent
+                "{consumed} chunks consumed, after {} reported and with {sent} sent",
+                self.consumed
             )));
         }
         self.consumed = consumed;
@@ -425,32 +483,33 @@ impl Sender {
     }
 }
 
-/// A receive the caller posted: its tag, its length, and the bytes delivered so far.
+/// A receive the caller posted: its tag, its capacity, and the bytes delivered so far.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Incoming {
     /// Expected tag.
     pub tag: u64,
-    /// Expected length.
-    pub len: usize,
+    /// The buffer's length: the most the message may hold.
+    pub capacity: usize,
+    /// The message's length, once its header arrived.
+    pub len: Option<usize>,
     /// Bytes delivered so far.
     pub got: usize,
-    header_seen: bool,
 }
 
 impl Incoming {
-    /// A receive of `len` bytes with `tag`.
-    pub fn new(tag: u64, len: usize) -> Incoming {
+    /// A receive of at most `capacity` bytes with `tag`.
+    pub fn new(tag: u64, capacity: usize) -> Incoming {
         Incoming {
             tag,
-            len,
+            capacity,
+            len: None,
             got: 0,
-            header_seen: false,
         }
     }
 
     /// Whether the whole message arrived.
     pub fn done(&self) -> bool {
-        self.header_seen && self.got == self.len
+        self.len == Some(self.got)
     }
 }
 
@@ -477,6 +536,22 @@ pub struct Receiver {
     reported: u64,
     /// Lengths and last-flags of arrived, unconsumed chunks, oldest first.
     pending: std::collections::VecDeque<(usize, bool)>,
+    /// The peer's abort notice arrived.
+    aborted: bool,
+}
+
+/// What a completion brought.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// A chunk of a message (deliver it with [`Receiver::deliver`]).
+    Chunk,
+    /// The peer's abort notice: the rank it blames and its reason. Nothing follows it.
+    Abort {
+        /// The rank the peer blames, if any.
+        culprit: Option<usize>,
+        /// The peer's reason.
+        reason: String,
+    },
 }
 
 impl Receiver {
@@ -489,12 +564,22 @@ impl Receiver {
             consumed: 0,
             reported: 0,
             pending: Default::default(),
+            aborted: false,
         }
     }
 
-    /// A completion of the peer's write: its immediate value and byte count.
-    pub fn on_completion(&mut self, imm: u32, byte_len: u32) -> Result<(), ProtocolError> {
+    /// A completion of the peer's write: its immediate value and byte count, and `ring`, this
+    /// connection's ring memory (read for an abort notice).
+    pub fn on_completion(
+        &mut self,
+        imm: u32,
+        byte_len: u32,
+        ring: &[u8],
+    ) -> Result<Arrival, ProtocolError> {
         let bad = |w: String| Err(ProtocolError::Chunk(w));
+        if self.aborted {
+            return bad("a write after the peer's abort notice".into());
+        }
         let want = self.arrived as u32 & SEQ_MASK;
         if imm & SEQ_MASK != want {
             return bad(format!(
@@ -502,19 +587,37 @@ impl Receiver {
                 imm & SEQ_MASK
             ));
         }
-        if self.arrived - self.consumed >= u64::from(self.slots) {
+        let is_abort = imm & ABORT_BIT != 0;
+        // Messages may fill all slots but the last; the abort notice may take that one.
+        let limit = u64::from(self.slots) - u64::from(!is_abort);
+        if self.arrived - self.consumed >= limit {
             return bad(format!(
-                "chunk {} written past the peer's credits ({} slots, all unconsumed)",
-                self.arrived, self.slots
+                "chunk {} written past the peer's credits ({} of {} slots unconsumed)",
+                self.arrived,
+                self.arrived - self.consumed,
+                self.slots
             ));
         }
         let len = byte_len as usize;
         if len > self.slot_bytes {
             return bad(format!("{len} bytes in a {}-byte slot", self.slot_bytes));
         }
-        self.pending.push_back((len, imm & LAST_BIT != 0));
+        let slot = (self.arrived % u64::from(self.slots)) as usize * self.slot_bytes;
         self.arrived += 1;
-        Ok(())
+        if is_abort {
+            if len < 8 || ring.len() < slot + len {
+                return bad(format!("an abort notice of {len} bytes"));
+            }
+            let culprit = u64::from_le_bytes(ring[slot..slot + 8].try_into().unwrap());
+            let reason = String::from_utf8_lossy(&ring[slot + 8..slot + len]).into_owned();
+            self.aborted = true;
+            return Ok(Arrival::Abort {
+                culprit: (culprit != NO_CULPRIT).then_some(culprit as usize),
+                reason,
+            });
+        }
+        self.pending.push_back((len, imm & LAST_BIT != 0));
+        Ok(Arrival::Chunk)
     }
 
     /// Whether a completed chunk waits to be delivered.
@@ -543,7 +646,7 @@ impl Receiver {
             return Err(ProtocolError::Usage("ring shorter than its slots"));
         }
         let mut from = slot..slot + len;
-        if !recv.header_seen {
+        if recv.len.is_none() {
             if len < HEADER_BYTES {
                 return Err(ProtocolError::Chunk(format!(
                     "a first chunk of {len} bytes has no room for its header"
@@ -551,31 +654,32 @@ impl Receiver {
             }
             let tag = u64::from_le_bytes(ring[slot..slot + 8].try_into().unwrap());
             let got_len = u64::from_le_bytes(ring[slot + 8..slot + 16].try_into().unwrap());
-            if tag != recv.tag || got_len != recv.len as u64 {
+            if tag != recv.tag || got_len > recv.capacity as u64 {
                 return Err(ProtocolError::Mismatch {
                     expected_tag: recv.tag,
                     got_tag: tag,
-                    expected_len: recv.len,
+                    expected_len: recv.capacity,
                     got_len: usize::try_from(got_len).unwrap_or(usize::MAX),
                 });
             }
-            recv.header_seen = true;
+            recv.len = Some(got_len as usize);
             from.start += HEADER_BYTES;
         }
+        let msg_len = recv.len.unwrap_or(0);
         let n = from.len();
-        if n > recv.len - recv.got {
+        if n > msg_len - recv.got {
             return Err(ProtocolError::Chunk(format!(
                 "{n} bytes where the message lacks {}",
-                recv.len - recv.got
+                msg_len - recv.got
             )));
         }
         let to = recv.got..recv.got + n;
         recv.got += n;
-        if last != (recv.got == recv.len) {
+        if last != (recv.got == msg_len) {
             return Err(ProtocolError::Chunk(if last {
-                format!("last chunk after {} of {} bytes", recv.got, recv.len)
+                format!("last chunk after {} of {msg_len} bytes", recv.got)
             } else {
-                format!("the message's {} bytes arrived and no last chunk", recv.len)
+                format!("the message's {msg_len} bytes arrived and no last chunk")
             }));
         }
         self.pending.pop_front();
@@ -743,17 +847,22 @@ mod tests {
                 }
                 _ => {
                     while let Some((imm, len)) = wire.completions.pop_front() {
-                        r.on_completion(imm, len).unwrap();
+                        assert_eq!(r.on_completion(imm, len, &wire.ring), Ok(Arrival::Chunk));
                     }
                     let (inc, buf) = recv.get_or_insert_with(|| {
-                        let n = msgs[ri].len();
-                        (Incoming::new(ri as u64 * 7 + 1, n), vec![0xee; n])
+                        // Some receives have room to spare: the message's length is its own.
+                        let capacity = msgs[ri].len() + ri % 3 * 5;
+                        (
+                            Incoming::new(ri as u64 * 7 + 1, capacity),
+                            vec![0xee; capacity],
+                        )
                     });
                     while let Some(d) = r.deliver(inc, &wire.ring).unwrap() {
                         buf[d.to].copy_from_slice(&wire.ring[d.from]);
                     }
                     if inc.done() {
-                        assert_eq!(buf, &msgs[ri], "message {ri}");
+                        assert_eq!(inc.len, Some(msgs[ri].len()));
+                        assert_eq!(buf[..msgs[ri].len()], msgs[ri], "message {ri}");
                         ri += 1;
                         recv = None;
                     }
@@ -762,7 +871,10 @@ mod tests {
                     }
                 }
             }
-            assert!(s.sent - s.consumed <= u64::from(slots));
+            assert!(
+                s.sent - s.consumed < u64::from(slots),
+                "the last slot is kept"
+            );
         }
         panic!("transfer did not finish: sent {si}, received {ri}");
     }
@@ -799,11 +911,16 @@ mod tests {
         let mut s = Sender::new(&e);
         s.start(1, 64 * 10).unwrap();
         let chunks: Vec<Chunk> = std::iter::from_fn(|| s.next_chunk(640)).collect();
-        assert_eq!(chunks.len(), 4);
+        assert_eq!(
+            chunks.len(),
+            3,
+            "4 slots, the last kept for an abort notice"
+        );
         assert_eq!(s.credits(), 0);
         assert!(s.next_chunk(640).is_none());
         s.on_credit(2).unwrap();
         assert_eq!(s.credits(), 2);
+        assert_eq!(s.next_chunk(640).unwrap().remote_offset, 3 * 64);
         assert_eq!(s.next_chunk(640).unwrap().remote_offset, 0, "slot 0 again");
         assert!(s.on_credit(1).is_err(), "credits do not go back");
         assert!(s.on_credit(6).is_err(), "credits do not pass what was sent");
@@ -816,53 +933,105 @@ mod tests {
         let ring = vec![0u8; 128];
         // Out of order.
         let mut r = Receiver::new(&e);
-        assert!(r.on_completion(immediate(1, true), 16).is_err());
-        // Past the credits.
+        assert!(r.on_completion(immediate(1, true), 16, &ring).is_err());
+        // Past the credits: with 2 slots, one message chunk may be unconsumed.
         let mut r = Receiver::new(&e);
-        r.on_completion(immediate(0, false), 64).unwrap();
-        r.on_completion(immediate(1, false), 64).unwrap();
-        let err = r.on_completion(immediate(2, false), 64).unwrap_err();
+        r.on_completion(immediate(0, false), 64, &ring).unwrap();
+        let err = r.on_completion(immediate(1, false), 64, &ring).unwrap_err();
         assert!(err.to_string().contains("credits"), "{err}");
         // Longer than a slot.
         let mut r = Receiver::new(&e);
-        assert!(r.on_completion(immediate(0, true), 65).is_err());
+        assert!(r.on_completion(immediate(0, true), 65, &ring).is_err());
 
         // A first chunk too short for its header.
         let mut r = Receiver::new(&e);
-        r.on_completion(immediate(0, true), 8).unwrap();
+        r.on_completion(immediate(0, true), 8, &ring).unwrap();
         assert!(r.deliver(&mut Incoming::new(1, 0), &ring).is_err());
 
-        // Tag or length mismatch, and the lengths of the chunks against the header's.
+        // A tag mismatch, a message longer than the receive, and chunk lengths against the
+        // header's.
         let mut s = Sender::new(&e);
         let mut wire = Wire::new(&e);
         s.start(9, 10).unwrap();
         let c = s.next_chunk(10).unwrap();
         wire.write(&c, &[1; 10]);
-        for (tag, len) in [(8, 10), (9, 11)] {
+        let (imm, n) = wire.completions[0];
+        for (tag, capacity) in [(8, 10), (9, 9)] {
             let mut r = Receiver::new(&e);
-            let (imm, n) = wire.completions[0];
-            r.on_completion(imm, n).unwrap();
+            r.on_completion(imm, n, &wire.ring).unwrap();
             let err = r
-                .deliver(&mut Incoming::new(tag, len), &wire.ring)
+                .deliver(&mut Incoming::new(tag, capacity), &wire.ring)
                 .unwrap_err();
-            assert!(matches!(
-                err,
-                ProtocolError::Mismatch {
-                    got_tag: 9,
-                    got_len: 10,
-                    ..
-                }
-            ));
+            assert!(
+                matches!(
+                    err,
+                    ProtocolError::Mismatch {
+                        got_tag: 9,
+                        got_len: 10,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
         }
         let mut r = Receiver::new(&e);
-        let (imm, n) = wire.completions[0];
         // The same header but flagged as not the last chunk, with all 10 bytes in it.
-        r.on_completion(imm & !LAST_BIT, n).unwrap();
+        r.on_completion(imm & !LAST_BIT, n, &wire.ring).unwrap();
         assert!(r.deliver(&mut Incoming::new(9, 10), &wire.ring).is_err());
         // The last flag on a chunk that leaves the message short.
         let mut r = Receiver::new(&e);
-        r.on_completion(imm, n - 4).unwrap();
+        r.on_completion(imm, n - 4, &wire.ring).unwrap();
         assert!(r.deliver(&mut Incoming::new(9, 10), &wire.ring).is_err());
+    }
+
+    #[test]
+    fn an_abort_notice_always_has_room_and_ends_the_connection() {
+        let e = endpoint(4, 64);
+        let mut s = Sender::new(&e);
+        let mut r = Receiver::new(&e);
+        let mut wire = Wire::new(&e);
+        let msg = message(1000, 1);
+        s.start(3, msg.len()).unwrap();
+        while let Some(c) = s.next_chunk(msg.len()) {
+            wire.write(&c, &msg);
+        }
+        assert_eq!(s.credits(), 0, "mid-message, out of credits");
+        let reason = "ranks 2 and 3 disagree: é".repeat(5);
+        let a = s.abort(Some(2), &reason).unwrap();
+        assert!(a.bytes.len() <= 64);
+        assert!(s.abort(None, "again").is_none(), "one notice");
+        assert!(s.next_chunk(msg.len()).is_none());
+        assert!(s.start(4, 1).is_err());
+        wire.ring[a.remote_offset as usize..][..a.bytes.len()].copy_from_slice(&a.bytes);
+        wire.completions.push_back((a.imm, a.bytes.len() as u32));
+        let mut got = vec![];
+        while let Some((imm, n)) = wire.completions.pop_front() {
+            got.push(r.on_completion(imm, n, &wire.ring).unwrap());
+        }
+        assert_eq!(got[..3], [Arrival::Chunk, Arrival::Chunk, Arrival::Chunk]);
+        match &got[3] {
+            Arrival::Abort {
+                culprit,
+                reason: why,
+            } => {
+                assert_eq!(*culprit, Some(2));
+                assert!(reason.starts_with(why.as_str()) && why.len() <= 56, "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(r.on_completion(immediate(4, true), 16, &wire.ring).is_err());
+        // A notice that blames no one.
+        let mut s = Sender::new(&e);
+        let mut r = Receiver::new(&e);
+        let a = s.abort(None, "gave up").unwrap();
+        wire.ring[..a.bytes.len()].copy_from_slice(&a.bytes);
+        assert_eq!(
+            r.on_completion(a.imm, a.bytes.len() as u32, &wire.ring),
+            Ok(Arrival::Abort {
+                culprit: None,
+                reason: "gave up".into()
+            })
+        );
     }
 
     #[test]
@@ -871,21 +1040,29 @@ mod tests {
         let mut s = Sender::new(&e);
         let mut r = Receiver::new(&e);
         let mut wire = Wire::new(&e);
-        let msg = message(48 + 64 * 7, 3);
+        let msg = message(48 + 64 * 6, 3);
         s.start(5, msg.len()).unwrap();
         while let Some(c) = s.next_chunk(msg.len()) {
             wire.write(&c, &msg);
         }
         assert!(s.idle());
-        for (imm, n) in wire.completions.drain(..) {
-            r.on_completion(imm, n).unwrap();
+        assert_eq!(s.credits(), 0);
+        for (imm, n) in std::mem::take(&mut wire.completions) {
+            r.on_completion(imm, n, &wire.ring).unwrap();
         }
         let mut inc = Incoming::new(5, msg.len());
         let mut reports = vec![];
         while let Some(_d) = r.deliver(&mut inc, &wire.ring).unwrap() {
             reports.extend(r.credit_report());
         }
-        assert_eq!(reports, vec![4, 8]);
+        assert!(inc.done());
+        assert_eq!(
+            reports,
+            vec![4],
+            "4 of 8 slots; the other 3 wait for the next report"
+        );
+        s.on_credit(4).unwrap();
+        assert_eq!(s.credits(), 4);
     }
 
     proptest! {
@@ -903,7 +1080,7 @@ mod tests {
             let mut r = Receiver::new(&e);
             let mut inc = Incoming::new(1, 100);
             for (imm, n) in events {
-                if r.on_completion(imm, n).is_err() {
+                if r.on_completion(imm, n, &ring).is_err() {
                     break;
                 }
                 match r.deliver(&mut inc, &ring) {
