@@ -12,8 +12,10 @@
 //! `CHORUS_TRANSPORT=rdma` asks [`fallback_reason`] and runs over TCP (shared memory between
 //! the ranks of one host), saying why.
 
+pub mod nic;
 pub mod protocol;
 mod sys;
+pub mod transport;
 
 pub use sys::{probe, Device, Unavailable, LIBRARY};
 

@@ -1,0 +1,501 @@
+//! A [`Transport`] over any [`Nic`]: the [`protocol`](super::protocol) state machines driven
+//! by the caller's requests, with the TCP transport's semantics (per-peer order, tags checked,
+//! shorter messages, partial sends, deadlines, abort notices, closed peers).
+
+use std::time::Instant;
+
+use super::nic::{Completion, Nic, NicError};
+use super::protocol::{Arrival, Incoming, ProtocolError, Receiver, Sender};
+use crate::{
+    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+};
+
+struct Peer {
+    tx: Sender,
+    rx: Receiver,
+    tx_next_ticket: u64,
+    /// Ticket of the send at the head of the queue, and whether its message started.
+    tx_head: u64,
+    tx_started: bool,
+    rx_next_ticket: u64,
+    rx_head: u64,
+    /// The head receive's progress.
+    incoming: Option<Incoming>,
+    /// The peer's abort notice: culprit and reason.
+    notice: Option<(Option<usize>, String)>,
+}
+
+/// Outcome of driving one op.
+enum Moved {
+    Yes,
+    /// Waits for the peer (data, credits).
+    Peer,
+    /// A send whose available bytes all went: waits for the caller.
+    NeedsData,
+    /// Behind an earlier request of the same peer.
+    NotHead,
+}
+
+/// The RDMA transport over the NIC `N`.
+pub struct RdmaTransport<N: Nic> {
+    rank: usize,
+    size: usize,
+    nic: N,
+    peers: Vec<Option<Peer>>,
+    completions: Vec<Completion>,
+    broken: Option<String>,
+    aborted: bool,
+}
+
+impl<N: Nic> RdmaTransport<N> {
+    /// The transport of `rank` in a group of `size` whose queue pairs `nic` holds; checks
+    /// every endpoint it was given.
+    pub fn new(rank: usize, size: usize, nic: N) -> Result<RdmaTransport<N>> {
+        let mut peers = Vec::with_capacity(size);
+        for j in 0..size {
+            if j == rank {
+                peers.push(None);
+                continue;
+            }
+            let (local, remote) = (nic.local(j), nic.remote(j));
+            for e in [local, remote] {
+                e.check().map_err(|e| protocol(j, e))?;
+            }
+            super::protocol::path_mtu(local, remote).map_err(|e| protocol(j, e))?;
+            peers.push(Some(Peer {
+                tx: Sender::new(remote),
+                rx: Receiver::new(local),
+                tx_next_ticket: 0,
+                tx_head: 0,
+                tx_started: false,
+                rx_next_ticket: 0,
+                rx_head: 0,
+                incoming: None,
+                notice: None,
+            }));
+        }
+        Ok(RdmaTransport {
+            rank,
+            size,
+            nic,
+            peers,
+            completions: Vec::new(),
+            broken: None,
+            aborted: false,
+        })
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(TransportError::Aborted(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: TransportError) -> TransportError {
+        if !e.is_recoverable() && self.broken.is_none() {
+            self.broken = Some(e.to_string());
+        }
+        e
+    }
+
+    /// Takes the NIC's completions into the peers' receivers.
+    fn take_completions(&mut self) -> Result<bool> {
+        self.completions.clear();
+        self.nic.poll(&mut self.completions);
+        let any = !self.completions.is_empty();
+        for c in std::mem::take(&mut self.completions) {
+            let Some(Some(p)) = self.peers.get_mut(c.peer) else {
+                continue;
+            };
+            let arrival = self
+                .nic
+                .with_ring(c.peer, |ring| p.rx.on_completion(c.imm, c.byte_len, ring))
+                .map_err(|e| protocol(c.peer, e))?;
+            if let Arrival::Abort { culprit, reason } = arrival {
+                p.notice = Some((culprit, reason));
+            }
+        }
+        for j in 0..self.size {
+            if let Some(Some(p)) = self.peers.get_mut(j) {
+                p.tx.on_credit(self.nic.credit(j))
+                    .map_err(|e| protocol(j, e))?;
+            }
+        }
+        Ok(any)
+    }
+
+    fn drive(&mut self, op: &mut Op<'_, '_>) -> Result<Moved> {
+        let j = op.req.peer();
+        let (size, rank) = (self.size, self.rank);
+        let nic = &mut self.nic;
+        let Some(Some(p)) = self.peers.get_mut(j) else {
+            return Err(bad_peer(j, size, rank));
+        };
+        match op.req.direction() {
+            Direction::Send => {
+                if op.req.ticket() != Some(p.tx_head) {
+                    return Ok(Moved::NotHead);
+                }
+                let buf: &[u8] = match &op.buf {
+                    Buf::Send(b) => b,
+                    Buf::Recv(b) => b,
+                };
+                if !p.tx_started {
+                    p.tx.start(op.req.tag(), op.req.len())
+                        .map_err(|e| protocol(j, e))?;
+                    p.tx_started = true;
+                }
+                let mut moved = false;
+                while let Some(c) = p.tx.next_chunk(op.req.available()) {
+                    let payload = &buf[c.payload.clone()];
+                    let parts: &[&[u8]] = match &c.header {
+                        Some(h) => &[h, payload],
+                        None => &[payload],
+                    };
+                    nic.write_imm(j, c.remote_offset, parts, c.imm)
+                        .map_err(|e| nic_err(j, e))?;
+                    op.req.advance(c.payload.len());
+                    moved = true;
+                    if p.tx.idle() {
+                        op.req.set_complete();
+                        p.tx_head += 1;
+                        p.tx_started = false;
+                        return Ok(Moved::Yes);
+                    }
+                }
+                // With a credit left, only new bytes from the caller can make a chunk.
+                Ok(if moved {
+                    Moved::Yes
+                } else if p.tx.credits() == 0 {
+                    Moved::Peer
+                } else {
+                    Moved::NeedsData
+                })
+            }
+            Direction::Recv => {
+                if op.req.ticket() != Some(p.rx_head) {
+                    return Ok(Moved::NotHead);
+                }
+                let Buf::Recv(buf) = &mut op.buf else {
+                    return Err(TransportError::InvalidArgument(
+                        "a receive request needs a Buf::Recv buffer".into(),
+                    ));
+                };
+                let inc = p
+                    .incoming
+                    .get_or_insert_with(|| Incoming::new(op.req.tag(), op.req.len()));
+                let mut moved = false;
+                loop {
+                    let step = nic.with_ring(j, |ring| {
+                        let d = p.rx.deliver(inc, ring)?;
+                        if let Some(d) = &d {
+                            buf[d.to.clone()].copy_from_slice(&ring[d.from.clone()]);
+                        }
+                        Ok::<_, ProtocolError>(d)
+                    });
+                    match step.map_err(|e| protocol(j, e))? {
+                        Some(d) => {
+                            moved = true;
+                            op.req.advance(d.to.len());
+                        }
+                        None => break,
+                    }
+                }
+                if let Some(len) = inc.len {
+                    if op.req.message_len().is_none() {
+                        op.req.set_message_len(len);
+                        moved = true;
+                    }
+                }
+                if let Some(c) = p.rx.credit_report() {
+                    // A peer that is gone needs no credits (what it sent is still delivered).
+                    match nic.write_credit(j, c) {
+                        Ok(()) | Err(NicError::Closed) => {}
+                        Err(e) => return Err(nic_err(j, e)),
+                    }
+                }
+                if inc.done() {
+                    op.req.set_complete();
+                    p.incoming = None;
+                    p.rx_head += 1;
+                    return Ok(Moved::Yes);
+                }
+                Ok(if moved { Moved::Yes } else { Moved::Peer })
+            }
+        }
+    }
+
+    /// The error for a wait that cannot go on: a peer's abort notice, or a closed peer this
+    /// wait needs.
+    fn stuck(&self, ops: &[Op<'_, '_>]) -> Option<TransportError> {
+        for (j, p) in self.peers.iter().enumerate() {
+            if let Some(Some((culprit, reason))) = p.as_ref().map(|p| &p.notice) {
+                return Some(TransportError::PeerAborted {
+                    peer: j,
+                    culprit: *culprit,
+                    reason: reason.clone(),
+                });
+            }
+        }
+        ops.iter()
+            .filter(|o| !o.req.is_complete())
+            .map(|o| o.req.peer())
+            .find(|&j| self.nic.closed(j))
+            .map(|peer| TransportError::PeerClosed { peer })
+    }
+}
+
+fn protocol(peer: usize, e: ProtocolError) -> TransportError {
+    match e {
+        ProtocolError::Mismatch {
+            expected_tag,
+            got_tag,
+            expected_len,
+            got_len,
+        } => TransportError::Mismatch {
+            peer,
+            expected_tag,
+            got_tag,
+            expected_len,
+            got_len,
+        },
+        ProtocolError::Usage(w) => TransportError::InvalidUsage(w.into()),
+        other => TransportError::Protocol {
+            peer,
+            what: other.to_string(),
+        },
+    }
+}
+
+fn nic_err(peer: usize, e: NicError) -> TransportError {
+    match e {
+        NicError::Closed => TransportError::PeerClosed { peer },
+        NicError::Failed(what) => TransportError::Protocol { peer, what },
+    }
+}
+
+fn bad_peer(peer: usize, size: usize, rank: usize) -> TransportError {
+    TransportError::InvalidArgument(format!(
+        "peer {peer} is not another rank of this group of {size} (this is rank {rank})"
+    ))
+}
+
+impl<N: Nic> Transport for RdmaTransport<N> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn post(&mut self, req: &mut Request) -> Result<()> {
+        self.check_usable()?;
+        if req.is_posted() {
+            return Err(TransportError::InvalidUsage(
+                "request was already posted".into(),
+            ));
+        }
+        let (size, rank) = (self.size, self.rank);
+        let Some(Some(p)) = self.peers.get_mut(req.peer()) else {
+            return Err(bad_peer(req.peer(), size, rank));
+        };
+        let ticket = match req.direction() {
+            Direction::Send => &mut p.tx_next_ticket,
+            Direction::Recv => &mut p.rx_next_ticket,
+        };
+        req.set_ticket(*ticket);
+        *ticket += 1;
+        Ok(())
+    }
+
+    fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
+        self.check_usable()?;
+        check_ops(ops)?;
+        let started = Instant::now();
+        loop {
+            if let Err(e) = self.take_completions() {
+                return Err(self.fail(e));
+            }
+            let (mut moved, mut all_done, mut waits_peer, mut needs_data);
+            // Repeat while something moves: completing one request can unblock the next one
+            // queued behind it on the same peer.
+            loop {
+                let mut again = false;
+                all_done = true;
+                waits_peer = false;
+                needs_data = false;
+                moved = false;
+                for op in ops.iter_mut() {
+                    if op.req.is_complete() {
+                        continue;
+                    }
+                    match self.drive(op) {
+                        Ok(Moved::Yes) => {
+                            moved = true;
+                            again = true;
+                        }
+                        Ok(Moved::Peer) => waits_peer = true,
+                        Ok(Moved::NeedsData) => needs_data = true,
+                        Ok(Moved::NotHead) => {}
+                        Err(e) => return Err(self.fail(e)),
+                    }
+                    if !op.req.is_complete() {
+                        all_done = false;
+                    }
+                }
+                if !again || all_done {
+                    break;
+                }
+            }
+            if all_done {
+                return Ok(true);
+            }
+            // What already arrived was delivered; a notice or a closed peer ends the wait.
+            if let Some(e) = self.stuck(ops) {
+                return Err(self.fail(e));
+            }
+            let deadline = match wait {
+                Wait::No => return Ok(false),
+                Wait::Until(d) => d,
+            };
+            if moved {
+                return Ok(false);
+            }
+            if !waits_peer {
+                if needs_data {
+                    return Ok(false);
+                }
+                return Err(TransportError::InvalidUsage(
+                    "every pending request waits behind an earlier request of the same peer \
+                     that is not part of this wait"
+                        .into(),
+                ));
+            }
+            if Instant::now() >= deadline {
+                let peer = ops
+                    .iter()
+                    .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
+                    .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
+                    .map(|o| o.req.peer());
+                return Err(self.fail(TransportError::Timeout {
+                    peer,
+                    waited: started.elapsed(),
+                }));
+            }
+            self.nic.wait(deadline);
+        }
+    }
+
+    fn abort(&mut self, notice: &AbortNotice) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
+        if self.broken.is_none() {
+            self.broken = Some(format!("aborted by this rank: {}", notice.reason));
+        }
+        for j in 0..self.size {
+            let Some(Some(p)) = self.peers.get_mut(j) else {
+                continue;
+            };
+            if let Some(a) = p.tx.abort(notice.culprit, &notice.reason) {
+                // A peer that is gone cannot be told.
+                let _ = self.nic.write_imm(j, a.remote_offset, &[&a.bytes], a.imm);
+            }
+        }
+    }
+}
+
+impl<N: Nic> std::fmt::Debug for RdmaTransport<N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::nic::{mem_group, MemNic};
+    use super::*;
+    use crate::conformance;
+
+    fn group(slots: u32, slot_bytes: u32) -> impl Fn(usize) -> Vec<Box<dyn Transport>> {
+        move |n| {
+            mem_group(n, slots, slot_bytes)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, nic)| {
+                    Box::new(RdmaTransport::<MemNic>::new(rank, n, nic).unwrap())
+                        as Box<dyn Transport>
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn conformance_over_the_emulated_nic() {
+        conformance::run_all(&group(16, 64 << 10));
+    }
+
+    #[test]
+    fn conformance_with_a_small_ring() {
+        // Two slots of 64 bytes: one message chunk in flight, every credit report needed.
+        conformance::ordered_tags(&group(2, 64));
+        conformance::nonblocking_and_partial(&group(2, 64));
+        conformance::shorter_message(&group(2, 64));
+        conformance::abort_mid_message(&group(4, 4096));
+    }
+
+    #[test]
+    fn bad_endpoints_are_refused() {
+        let mut nics = mem_group(2, 4, 64);
+        let nic = nics.remove(0);
+        // A ring of 3 slots is not a power of two.
+        struct Bad(MemNic, super::super::protocol::Endpoint);
+        impl Nic for Bad {
+            fn local(&self, p: usize) -> &super::super::protocol::Endpoint {
+                self.0.local(p)
+            }
+            fn remote(&self, _: usize) -> &super::super::protocol::Endpoint {
+                &self.1
+            }
+            fn write_imm(&mut self, p: usize, o: u64, b: &[&[u8]], i: u32) -> Result<(), NicError> {
+                self.0.write_imm(p, o, b, i)
+            }
+            fn write_credit(&mut self, p: usize, v: u64) -> Result<(), NicError> {
+                self.0.write_credit(p, v)
+            }
+            fn poll(&mut self, out: &mut Vec<Completion>) {
+                self.0.poll(out)
+            }
+            fn closed(&self, p: usize) -> bool {
+                self.0.closed(p)
+            }
+            fn with_ring<R>(&self, p: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+                self.0.with_ring(p, f)
+            }
+            fn credit(&self, p: usize) -> u64 {
+                self.0.credit(p)
+            }
+            fn wait(&mut self, until: Instant) {
+                self.0.wait(until)
+            }
+        }
+        let mut e = nic.remote(1).clone();
+        e.slots = 3;
+        let err = RdmaTransport::new(0, 2, Bad(nic, e)).unwrap_err();
+        assert!(
+            matches!(&err, TransportError::Protocol { peer: 1, what } if what.contains("3 slots")),
+            "{err}"
+        );
+    }
+}
