@@ -55,7 +55,7 @@ pub struct Config {
     /// Whether this rank hosts the store: `None` = rank 0 does.
     pub host_store: Option<bool>,
     /// Forced transport: `auto` (the default), `tcp`, `shm`, or `rdma` (probes the RDMA devices,
-    /// then falls back to TCP and says why: no verbs data path yet).
+    /// then falls back to TCP and says why: no NIC over real verbs yet).
     pub transport: Option<String>,
     /// Algorithm override in NCCL's `CHORUS_ALGO` grammar.
     pub algo: Option<String>,

@@ -10,8 +10,9 @@
 //! - [`rendezvous`]: the key-value store, authentication and address exchange that build a
 //!   full mesh of connections;
 //! - [`frame`]: the wire header every data message carries;
-//! - `rdma` (cargo feature `rdma`, on by default): the RDMA device probe and protocol layer
-//!   (no verbs data path yet: a communicator that asks for RDMA falls back to TCP and says why).
+//! - `rdma` (cargo feature `rdma`, on by default): the RDMA device probe, protocol layer and a
+//!   transport over a NIC trait, tested on an emulated NIC (no NIC over real verbs yet: a
+//!   communicator that asks for RDMA falls back to TCP and says why).
 //!
 //! # The request model
 //!

@@ -1,16 +1,20 @@
-//! RDMA verbs (cargo feature `rdma`, on by default): the device probe and the protocol layer.
+//! RDMA verbs (cargo feature `rdma`, on by default): the device probe, the protocol layer and
+//! a transport over it.
 //!
 //! - [`probe`] loads libibverbs at run time and lists the host's RDMA devices, so a build with
 //!   the feature needs neither the library nor its headers, and runs where neither exists.
 //! - [`protocol`] is what an RDMA connection speaks: the endpoint record two ranks exchange
 //!   through the rendezvous store, and messages as RDMA WRITE WITH IMMEDIATE chunks into the
-//!   receiver's ring of slots under credits, every peer input checked. It is tested without a
-//!   device.
+//!   receiver's ring of slots under credits, with abort notices, every peer input checked.
+//! - [`transport::RdmaTransport`] drives the protocol for the caller's requests over any
+//!   [`nic::Nic`] (the handful of verbs it needs), with the TCP transport's semantics;
+//!   [`nic::MemNic`] emulates a NIC between threads, and the transport passes the
+//!   conformance suite on it.
 //!
-//! What is not here yet is the verbs data path (protection domain, registered rings, RC
-//! queue pairs, posting and polling), so no [`crate::Transport`] runs over RDMA:
-//! `CHORUS_TRANSPORT=rdma` asks [`fallback_reason`] and runs over TCP (shared memory between
-//! the ranks of one host), saying why.
+//! What is not here yet is the NIC over real verbs (protection domain, registered rings,
+//! RC queue pairs brought to RTS from the exchanged endpoints, posting and polling), so a
+//! communicator never runs over RDMA: `CHORUS_TRANSPORT=rdma` asks [`fallback_reason`] and
+//! runs over TCP (shared memory between the ranks of one host), saying why.
 
 pub mod nic;
 pub mod protocol;
@@ -34,8 +38,8 @@ fn fallback_reason_for(probed: &Result<Vec<Device>, Unavailable>) -> String {
         Ok(devices) => {
             let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
             format!(
-                "RDMA device(s) {} found, but this release has the RDMA protocol layer only, \
-                 not the verbs data path; {FALLBACK}",
+                "RDMA device(s) {} found, but this release has no verbs NIC for its RDMA \
+                 transport yet; {FALLBACK}",
                 names.join(", ")
             )
         }
