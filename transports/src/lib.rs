@@ -52,6 +52,7 @@ pub mod ifaddr;
 pub mod rdma;
 pub mod rendezvous;
 pub mod shm;
+mod sweep;
 pub mod tcp;
 
 use std::time::{Duration, Instant};

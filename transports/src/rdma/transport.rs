@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::nic::{Completion, Nic, NicError};
 use super::protocol::{Arrival, Incoming, ProtocolError, Receiver, Sender};
+use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
     check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
 };
@@ -23,17 +24,6 @@ struct Peer {
     incoming: Option<Incoming>,
     /// The peer's abort notice: culprit and reason.
     notice: Option<(Option<usize>, String)>,
-}
-
-/// Outcome of driving one op.
-enum Moved {
-    Yes,
-    /// Waits for the peer (data, credits).
-    Peer,
-    /// A send whose available bytes all went: waits for the caller.
-    NeedsData,
-    /// Behind an earlier request of the same peer.
-    NotHead,
 }
 
 /// The RDMA transport over the NIC `N`.
@@ -168,7 +158,7 @@ impl<N: Nic> RdmaTransport<N> {
                 Ok(if moved {
                     Moved::Yes
                 } else if p.tx.credits() == 0 {
-                    Moved::Peer
+                    Moved::Blocked
                 } else {
                     Moved::NeedsData
                 })
@@ -221,7 +211,7 @@ impl<N: Nic> RdmaTransport<N> {
                     p.rx_head += 1;
                     return Ok(Moved::Yes);
                 }
-                Ok(if moved { Moved::Yes } else { Moved::Peer })
+                Ok(if moved { Moved::Yes } else { Moved::Blocked })
             }
         }
     }
@@ -322,37 +312,15 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             if let Err(e) = self.take_completions() {
                 return Err(self.fail(e));
             }
-            let (mut moved, mut all_done, mut waits_peer, mut needs_data);
-            // Repeat while something moves: completing one request can unblock the next one
-            // queued behind it on the same peer.
-            loop {
-                let mut again = false;
-                all_done = true;
-                waits_peer = false;
-                needs_data = false;
-                moved = false;
-                for op in ops.iter_mut() {
-                    if op.req.is_complete() {
-                        continue;
-                    }
-                    match self.drive(op) {
-                        Ok(Moved::Yes) => {
-                            moved = true;
-                            again = true;
-                        }
-                        Ok(Moved::Peer) => waits_peer = true,
-                        Ok(Moved::NeedsData) => needs_data = true,
-                        Ok(Moved::NotHead) => {}
-                        Err(e) => return Err(self.fail(e)),
-                    }
-                    if !op.req.is_complete() {
-                        all_done = false;
-                    }
-                }
-                if !again || all_done {
-                    break;
-                }
-            }
+            let Swept {
+                moved,
+                all_done,
+                blocked,
+                needs_data,
+            } = match sweep(ops, |op| self.drive(op)) {
+                Ok(s) => s,
+                Err(e) => return Err(self.fail(e)),
+            };
             if all_done {
                 return Ok(true);
             }
@@ -367,24 +335,15 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             if moved {
                 return Ok(false);
             }
-            if !waits_peer {
+            if !blocked {
                 if needs_data {
                     return Ok(false);
                 }
-                return Err(TransportError::InvalidUsage(
-                    "every pending request waits behind an earlier request of the same peer \
-                     that is not part of this wait"
-                        .into(),
-                ));
+                return Err(stuck_behind_others());
             }
             if Instant::now() >= deadline {
-                let peer = ops
-                    .iter()
-                    .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
-                    .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
-                    .map(|o| o.req.peer());
                 return Err(self.fail(TransportError::Timeout {
-                    peer,
+                    peer: timeout_peer(ops),
                     waited: started.elapsed(),
                 }));
             }

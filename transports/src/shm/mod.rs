@@ -44,6 +44,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::rendezvous::StoreClient;
+use crate::sweep::{stuck_behind_others, sweep, Moved, Swept};
 use crate::{
     check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
 };
@@ -185,14 +186,6 @@ pub struct ShmTransport {
     /// Peers the current wait depends on (reused buffer).
     involved: Vec<usize>,
     pub(crate) coll: allreduce::State,
-}
-
-/// Outcome of trying to move bytes for one op.
-enum Moved {
-    Yes,
-    Blocked,
-    NeedsData,
-    NotHead,
 }
 
 fn rdv(msg: impl Into<String>) -> TransportError {
@@ -790,40 +783,18 @@ impl Transport for ShmTransport {
         }
         let mut stall: Option<Stall> = None;
         loop {
-            let mut moved = false;
-            let mut all_done;
-            let mut blocked;
-            let mut needs_data;
-            loop {
-                let mut again = false;
-                all_done = true;
-                blocked = false;
-                needs_data = false;
-                for op in ops.iter_mut() {
-                    if op.req.is_complete() {
-                        continue;
-                    }
-                    match self.drive(op) {
-                        Ok(Moved::Yes) => {
-                            moved = true;
-                            again = true;
-                        }
-                        Ok(Moved::Blocked) => blocked = true,
-                        Ok(Moved::NeedsData) => needs_data = true,
-                        Ok(Moved::NotHead) => {}
-                        Err(e) => {
-                            self.disarm();
-                            return Err(self.fail(e));
-                        }
-                    }
-                    if !op.req.is_complete() {
-                        all_done = false;
-                    }
+            let Swept {
+                moved,
+                all_done,
+                blocked,
+                needs_data,
+            } = match sweep(ops, |op| self.drive(op)) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.disarm();
+                    return Err(self.fail(e));
                 }
-                if !again || all_done {
-                    break;
-                }
-            }
+            };
             if all_done || moved {
                 self.disarm();
                 return Ok(all_done);
@@ -837,11 +808,7 @@ impl Transport for ShmTransport {
                 if needs_data {
                     return Ok(false);
                 }
-                return Err(TransportError::InvalidUsage(
-                    "every pending request waits behind an earlier request of the same peer \
-                     that is not part of this wait"
-                        .into(),
-                ));
+                return Err(stuck_behind_others());
             }
             let w = stall.get_or_insert_with(|| {
                 self.involved.clear();

@@ -30,6 +30,7 @@ use mio::{Events, Interest, Poll, Token};
 pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOptions, Rendezvous};
 
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
+use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
     check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
 };
@@ -146,18 +147,6 @@ pub struct TcpTransport {
     /// Set once the byte streams are in an unknown state; every later call fails with it.
     broken: Option<String>,
     aborted: bool,
-}
-
-/// Outcome of trying to move bytes for one op.
-enum Moved {
-    /// Some bytes moved (or the op completed).
-    Yes,
-    /// Nothing could move: the socket would block.
-    Blocked,
-    /// A send whose available bytes are all written: waits for the caller.
-    NeedsData,
-    /// The op is not at the head of its peer's queue.
-    NotHead,
 }
 
 impl TcpTransport {
@@ -781,39 +770,15 @@ impl Transport for TcpTransport {
         let mut refreshed = false;
         let mut notice_check = false;
         loop {
-            let mut moved = false;
-            let mut all_done;
-            let mut socket_bound;
-            let mut needs_data;
-            // Repeat while something moves: completing one request can unblock the next one
-            // queued behind it on the same peer.
-            loop {
-                let mut again = false;
-                all_done = true;
-                socket_bound = false;
-                needs_data = false;
-                for op in ops.iter_mut() {
-                    if op.req.is_complete() {
-                        continue;
-                    }
-                    match self.drive(op) {
-                        Ok(Moved::Yes) => {
-                            moved = true;
-                            again = true;
-                        }
-                        Ok(Moved::Blocked) => socket_bound = true,
-                        Ok(Moved::NeedsData) => needs_data = true,
-                        Ok(Moved::NotHead) => {}
-                        Err(e) => return Err(self.fail(e)),
-                    }
-                    if !op.req.is_complete() {
-                        all_done = false;
-                    }
-                }
-                if !again || all_done {
-                    break;
-                }
-            }
+            let Swept {
+                moved,
+                all_done,
+                blocked: socket_bound,
+                needs_data,
+            } = match sweep(ops, |op| self.drive(op)) {
+                Ok(s) => s,
+                Err(e) => return Err(self.fail(e)),
+            };
             if all_done {
                 return Ok(true);
             }
@@ -846,11 +811,7 @@ impl Transport for TcpTransport {
                     // Only the caller can make progress possible (more bytes available).
                     return Ok(false);
                 }
-                return Err(TransportError::InvalidUsage(
-                    "every pending request waits behind an earlier request of the same peer \
-                     that is not part of this wait"
-                        .into(),
-                ));
+                return Err(stuck_behind_others());
             }
             let ready = self.wait_ready(deadline)?;
             if ready {
@@ -860,13 +821,8 @@ impl Transport for TcpTransport {
             if let Some(e) = self.pending_notice(false) {
                 return Err(self.fail(e));
             }
-            let peer = ops
-                .iter()
-                .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
-                .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
-                .map(|o| o.req.peer());
             return Err(self.fail(TransportError::Timeout {
-                peer,
+                peer: timeout_peer(ops),
                 waited: started.elapsed(),
             }));
         }
