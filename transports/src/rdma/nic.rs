@@ -31,6 +31,13 @@ pub enum NicError {
 
 /// The verbs the RDMA transport uses: one reliable-connected queue pair per peer, this rank's
 /// ring and credit word for each peer, and the peer's ring and credit word as remote memory.
+///
+/// For a NIC over real verbs: [`Nic::with_ring`] must not hand out a slice of memory the
+/// device may be writing (other slots are written while one is read): copy the slot's bytes
+/// out through a raw pointer; credit writes complete nowhere at the receiving end, so
+/// [`Nic::wait`] must also look at the credit words, not only at the completion queue; and
+/// every WRITE WITH IMMEDIATE consumes a posted receive, so the receive queue is refilled as
+/// completions are polled.
 pub trait Nic: Send {
     /// The endpoint this rank published for `peer` (its ring and credit word).
     fn local(&self, peer: usize) -> &Endpoint;

@@ -409,7 +409,8 @@ impl Sender {
 
     /// The next chunk of the current message, taking what of its first `available` bytes
     /// is not yet sent (as much as a slot holds); `None` when there is no message, no credit,
-    /// or no new byte available. Whatever is available goes, however little: holding bytes
+    /// or no new byte available. Every chunk carries at least one byte of the message, but
+    /// the header-only chunk of an empty message. Whatever is available goes, however little: holding bytes
     /// back to fill a slot could wait on a peer that waits on them.
     pub fn next_chunk(&mut self, available: usize) -> Option<Chunk> {
         if self.credits() == 0 {
@@ -419,7 +420,9 @@ impl Sender {
         let available = available.min(out.len);
         let room = self.slot_bytes - if out.header_sent { 0 } else { HEADER_BYTES };
         let take = available.saturating_sub(out.next).min(room);
-        if take == 0 && out.header_sent {
+        // The header waits for the first byte (a slot and a write saved), except for an
+        // empty message, which is its header.
+        if take == 0 && (out.header_sent || out.len > 0) {
             return None;
         }
         let head = (!out.header_sent).then(|| header(out.tag, out.len));
@@ -605,14 +608,23 @@ impl Receiver {
         let slot = (self.arrived % u64::from(self.slots)) as usize * self.slot_bytes;
         self.arrived += 1;
         if is_abort {
-            if len < 8 || ring.len() < slot + len {
-                return bad(format!("an abort notice of {len} bytes"));
+            if ring.len() < slot + len {
+                return Err(ProtocolError::Usage("ring shorter than its slots"));
+            }
+            self.aborted = true;
+            // A notice too short for its culprit still ends the connection as a notice.
+            if len < 8 {
+                return Ok(Arrival::Abort {
+                    culprit: None,
+                    reason: "(an abort notice cut short)".into(),
+                });
             }
             let culprit = u64::from_le_bytes(ring[slot..slot + 8].try_into().unwrap());
             let reason = String::from_utf8_lossy(&ring[slot + 8..slot + len]).into_owned();
-            self.aborted = true;
             return Ok(Arrival::Abort {
-                culprit: (culprit != NO_CULPRIT).then_some(culprit as usize),
+                culprit: usize::try_from(culprit)
+                    .ok()
+                    .filter(|_| culprit != NO_CULPRIT),
                 reason,
             });
         }
@@ -646,7 +658,8 @@ impl Receiver {
             return Err(ProtocolError::Usage("ring shorter than its slots"));
         }
         let mut from = slot..slot + len;
-        if recv.len.is_none() {
+        let first = recv.len.is_none();
+        if first {
             if len < HEADER_BYTES {
                 return Err(ProtocolError::Chunk(format!(
                     "a first chunk of {len} bytes has no room for its header"
@@ -667,6 +680,13 @@ impl Receiver {
         }
         let msg_len = recv.len.unwrap_or(0);
         let n = from.len();
+        if n == 0 && !first {
+            // Each would count as progress and hand the peer its credit back: a peer could
+            // keep a receive from ever reaching its deadline.
+            return Err(ProtocolError::Chunk(
+                "an empty chunk in the middle of a message".into(),
+            ));
+        }
         if n > msg_len - recv.got {
             return Err(ProtocolError::Chunk(format!(
                 "{n} bytes where the message lacks {}",
@@ -698,6 +718,16 @@ impl Receiver {
         } else {
             None
         }
+    }
+
+    /// The consumed count, if any consumption is unreported: for the end of a receive, so
+    /// that a sender whose next message this rank does not receive yet is not left short of
+    /// the slots of the last one.
+    pub fn credit_flush(&mut self) -> Option<u64> {
+        (self.consumed > self.reported).then(|| {
+            self.reported = self.consumed;
+            self.consumed
+        })
     }
 }
 
@@ -1063,6 +1093,72 @@ mod tests {
         );
         s.on_credit(4).unwrap();
         assert_eq!(s.credits(), 4);
+    }
+
+    #[test]
+    fn chunks_carry_bytes() {
+        let e = endpoint(4, 64);
+        // The header waits for the first byte; an empty message is its header.
+        let mut s = Sender::new(&e);
+        s.start(1, 10).unwrap();
+        assert!(s.next_chunk(0).is_none());
+        let c = s.next_chunk(3).unwrap();
+        assert_eq!((c.header.is_some(), c.payload), (true, 0..3));
+        assert!(s.next_chunk(3).is_none(), "nothing new");
+        let mut s = Sender::new(&e);
+        s.start(1, 0).unwrap();
+        assert_eq!(s.next_chunk(0).unwrap().len(), HEADER_BYTES);
+        assert!(s.idle());
+
+        // An empty chunk in the middle of a message is refused: each would count as
+        // progress and earn the peer a credit, and a receive would never reach its deadline.
+        let mut wire = Wire::new(&e);
+        let mut s = Sender::new(&e);
+        s.start(1, 10).unwrap();
+        let c = s.next_chunk(3).unwrap();
+        wire.write(&c, &[5; 10]);
+        let mut r = Receiver::new(&e);
+        let (imm, n) = wire.completions[0];
+        r.on_completion(imm, n, &wire.ring).unwrap();
+        r.on_completion(immediate(1, false), 0, &wire.ring).unwrap();
+        let mut inc = Incoming::new(1, 10);
+        assert!(r.deliver(&mut inc, &wire.ring).unwrap().is_some());
+        let err = r.deliver(&mut inc, &wire.ring).unwrap_err();
+        assert!(err.to_string().contains("empty chunk"), "{err}");
+    }
+
+    #[test]
+    fn the_end_of_a_receive_returns_its_credits() {
+        let e = endpoint(8, 64);
+        let mut s = Sender::new(&e);
+        let mut r = Receiver::new(&e);
+        let mut wire = Wire::new(&e);
+        let msg = message(48 + 64 * 2, 9);
+        s.start(2, msg.len()).unwrap();
+        while let Some(c) = s.next_chunk(msg.len()) {
+            wire.write(&c, &msg);
+        }
+        for (imm, n) in std::mem::take(&mut wire.completions) {
+            r.on_completion(imm, n, &wire.ring).unwrap();
+        }
+        let mut inc = Incoming::new(2, msg.len());
+        while r.deliver(&mut inc, &wire.ring).unwrap().is_some() {}
+        assert!(inc.done());
+        assert_eq!(r.credit_report(), None, "3 of 8: not yet half a ring");
+        assert_eq!(r.credit_flush(), Some(3));
+        assert_eq!(r.credit_flush(), None);
+    }
+
+    #[test]
+    fn a_short_abort_notice_is_still_a_notice() {
+        let e = endpoint(4, 64);
+        let mut r = Receiver::new(&e);
+        let ring = vec![0u8; 256];
+        let got = r.on_completion(ABORT_BIT, 3, &ring).unwrap();
+        assert!(
+            matches!(got, Arrival::Abort { culprit: None, .. }),
+            "{got:?}"
+        );
     }
 
     proptest! {

@@ -83,10 +83,37 @@ impl<N: Nic> RdmaTransport<N> {
     }
 
     fn fail(&mut self, e: TransportError) -> TransportError {
-        if !e.is_recoverable() && self.broken.is_none() {
+        if e.is_recoverable() {
+            return e;
+        }
+        // A peer that gave up said why; that notice (which names the rank at fault) is more
+        // useful than our own symptom (a closed peer, a failed write).
+        let e = match e {
+            TransportError::PeerAborted { .. } => e,
+            other => self.notice().unwrap_or(other),
+        };
+        if self.broken.is_none() {
             self.broken = Some(e.to_string());
         }
         e
+    }
+
+    /// A peer's abort notice, if one arrived (one that names a culprit first).
+    fn notice(&self) -> Option<TransportError> {
+        let notices = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(j, p)| Some((j, p.as_ref()?.notice.as_ref()?)));
+        let (peer, (culprit, reason)) = notices
+            .clone()
+            .find(|(_, (c, _))| c.is_some())
+            .or_else(|| notices.clone().next())?;
+        Some(TransportError::PeerAborted {
+            peer,
+            culprit: *culprit,
+            reason: reason.clone(),
+        })
     }
 
     /// Takes the NIC's completions into the peers' receivers.
@@ -103,7 +130,8 @@ impl<N: Nic> RdmaTransport<N> {
                 .with_ring(c.peer, |ring| p.rx.on_completion(c.imm, c.byte_len, ring))
                 .map_err(|e| protocol(c.peer, e))?;
             if let Arrival::Abort { culprit, reason } = arrival {
-                p.notice = Some((culprit, reason));
+                // A culprit outside the group is no one's.
+                p.notice = Some((culprit.filter(|&c| c < self.size), reason));
             }
         }
         for j in 0..self.size {
@@ -154,10 +182,11 @@ impl<N: Nic> RdmaTransport<N> {
                         return Ok(Moved::Yes);
                     }
                 }
-                // With a credit left, only new bytes from the caller can make a chunk.
+                // Nothing went: bytes (or an empty message's header) wait for credits, or every
+                // available byte went and only the caller can make more.
                 Ok(if moved {
                     Moved::Yes
-                } else if p.tx.credits() == 0 {
+                } else if op.req.available() > op.req.bytes_done() || op.req.is_empty() {
                     Moved::Blocked
                 } else {
                     Moved::NeedsData
@@ -206,6 +235,12 @@ impl<N: Nic> RdmaTransport<N> {
                     }
                 }
                 if inc.done() {
+                    if let Some(c) = p.rx.credit_flush() {
+                        match nic.write_credit(j, c) {
+                            Ok(()) | Err(NicError::Closed) => {}
+                            Err(e) => return Err(nic_err(j, e)),
+                        }
+                    }
                     op.req.set_complete();
                     p.incoming = None;
                     p.rx_head += 1;
@@ -219,14 +254,8 @@ impl<N: Nic> RdmaTransport<N> {
     /// The error for a wait that cannot go on: a peer's abort notice, or a closed peer this
     /// wait needs.
     fn stuck(&self, ops: &[Op<'_, '_>]) -> Option<TransportError> {
-        for (j, p) in self.peers.iter().enumerate() {
-            if let Some(Some((culprit, reason))) = p.as_ref().map(|p| &p.notice) {
-                return Some(TransportError::PeerAborted {
-                    peer: j,
-                    culprit: *culprit,
-                    reason: reason.clone(),
-                });
-            }
+        if let Some(e) = self.notice() {
+            return Some(e);
         }
         ops.iter()
             .filter(|o| !o.req.is_complete())
@@ -250,7 +279,7 @@ fn protocol(peer: usize, e: ProtocolError) -> TransportError {
             expected_len,
             got_len,
         },
-        ProtocolError::Usage(w) => TransportError::InvalidUsage(w.into()),
+        // The transport never misuses its state machines; if one says so, the state is lost.
         other => TransportError::Protocol {
             peer,
             what: other.to_string(),
@@ -324,22 +353,19 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             if all_done {
                 return Ok(true);
             }
-            // What already arrived was delivered; a notice or a closed peer ends the wait.
-            if let Some(e) = self.stuck(ops) {
-                return Err(self.fail(e));
-            }
             let deadline = match wait {
-                Wait::No => return Ok(false),
-                Wait::Until(d) => d,
+                Wait::Until(d) if !moved => d,
+                _ => return Ok(false),
             };
-            if moved {
-                return Ok(false);
-            }
             if !blocked {
                 if needs_data {
                     return Ok(false);
                 }
                 return Err(stuck_behind_others());
+            }
+            // What already arrived was delivered; a notice or a closed peer ends the wait.
+            if let Some(e) = self.stuck(ops) {
+                return Err(self.fail(e));
             }
             if Instant::now() >= deadline {
                 return Err(self.fail(TransportError::Timeout {
@@ -412,6 +438,40 @@ mod tests {
         conformance::nonblocking_and_partial(&group(2, 64));
         conformance::shorter_message(&group(2, 64));
         conformance::abort_mid_message(&group(4, 4096));
+    }
+
+    #[test]
+    fn a_sender_gets_its_credits_back_at_the_end_of_each_receive() {
+        // 16 slots of 64 bytes, reported every 8 consumed: after a 7-chunk message, the next
+        // of 9 chunks fits only if the receiver returned the first message's slots, though it
+        // receives nothing more until that send completed.
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let sent = Arc::new(AtomicBool::new(false));
+        let m1 = vec![1u8; 48 + 64 * 6];
+        let m2 = vec![2u8; 48 + 64 * 8];
+        let t = Duration::from_secs(5);
+        conformance::on_group(&group(16, 64), 2, move |rank, tr| {
+            if rank == 0 {
+                tr.send(1, 1, &m1, t).unwrap();
+                tr.send(1, 2, &m2, t).unwrap();
+                sent.store(true, Ordering::SeqCst);
+            } else {
+                let mut b = vec![0u8; m2.len()];
+                assert_eq!(tr.recv(0, 1, &mut b, t).unwrap(), m1.len());
+                let until = std::time::Instant::now() + t;
+                while !sent.load(Ordering::SeqCst) {
+                    assert!(
+                        std::time::Instant::now() < until,
+                        "the second send is stuck"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert_eq!(tr.recv(0, 2, &mut b, t).unwrap(), m2.len());
+                assert_eq!(b, m2);
+            }
+        });
     }
 
     #[test]
