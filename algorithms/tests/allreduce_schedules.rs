@@ -22,13 +22,23 @@ const SCHEDULES: [Algorithm; 4] = [
 
 /// Every schedule × case on one group per size (reused across schedules and cases).
 fn sweep(cases: &[Case], ranks: &[usize], capacity: usize, frame: usize) {
+    sweep_on(cases, ranks, &SCHEDULES, |p| mem::group(p, capacity, frame));
+}
+
+/// [`sweep`] of `schedules` on the groups `make(p)` builds.
+fn sweep_on<T: Transport + 'static>(
+    cases: &[Case],
+    ranks: &[usize],
+    schedules: &[Algorithm],
+    make: impl Fn(usize) -> Vec<T>,
+) {
     let mut failures = Vec::new();
     for &p in ranks {
-        let results = run_group(mem::group(p, capacity, frame), |_rank, t| {
+        let results = run_group(make(p), |_rank, t| {
             let mut scratch = Vec::new();
             let mut out = Vec::new();
             let mut seq = 0;
-            for alg in SCHEDULES {
+            for &alg in schedules {
                 for case in cases {
                     seq += 1;
                     match run_case(alg, t, &mut scratch, seq, *case) {
@@ -53,6 +63,27 @@ fn sweep(cases: &[Case], ranks: &[usize], capacity: usize, frame: usize) {
         failures.len(),
         failures[..failures.len().min(20)].join("\n")
     );
+}
+
+/// Every schedule, the ring too, over the RDMA transport on its emulated NIC, with rings of
+/// 8 slots of 4 KiB: messages span many chunks and wait for credits.
+#[test]
+fn over_the_rdma_transport() {
+    use chorus_transport::rdma::{nic::mem_group, transport::RdmaTransport};
+    let cases = cases(
+        &[DType::Float32, DType::Int8, DType::Float64],
+        &[ReduceOp::Sum, ReduceOp::Max],
+        &[0, 1, 7, 1023, 70_001],
+    );
+    let mut schedules = SCHEDULES.to_vec();
+    schedules.push(Algorithm::Ring);
+    sweep_on(&cases, &[2, 3, 4, 5, 7], &schedules, |p| {
+        mem_group(p, 8, 4096)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, nic)| RdmaTransport::new(rank, p, nic).expect("rdma transport"))
+            .collect()
+    });
 }
 
 #[test]
