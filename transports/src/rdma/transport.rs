@@ -474,6 +474,45 @@ mod tests {
         });
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        /// A peer whose NIC writes whatever it likes (immediates, lengths, bytes, credit
+        /// words): every receive and send ends, within its deadline, with data or an error.
+        #[test]
+        fn a_lying_peer_gets_an_error_not_a_hang(
+            writes in proptest::collection::vec(
+                (proptest::prelude::any::<u32>(), 0usize..=64, proptest::prelude::any::<u64>(),
+                 proptest::collection::vec(proptest::prelude::any::<u8>(), 16)),
+                1..12,
+            ),
+            honest_prefix in 0u32..4,
+        ) {
+            use std::time::Duration;
+            let mut nics = mem_group(2, 4, 64);
+            let mut liar = nics.pop().unwrap();
+            let mut t = RdmaTransport::new(0, 2, nics.pop().unwrap()).unwrap();
+            for (k, (imm, len, credit, bytes)) in writes.iter().enumerate() {
+                // Sometimes start with well-formed sequence numbers, to reach deeper checks.
+                let imm = if (k as u32) < honest_prefix { (k as u32) | (imm & (3 << 30)) } else { *imm };
+                let mut data = bytes.clone();
+                data.resize(*len, 0xab);
+                let slot = (k % 4) as u64 * 64;
+                let _ = liar.write_imm(0, slot, &[&data], imm);
+                let _ = liar.write_credit(0, *credit);
+            }
+            let start = Instant::now();
+            let mut b = vec![0u8; 100];
+            let r = t.recv(1, 7, &mut b, Duration::from_millis(200));
+            let s = t.send(1, 8, &[1u8; 300], Duration::from_millis(200));
+            proptest::prop_assert!(start.elapsed() < Duration::from_secs(2));
+            if let Ok(n) = r {
+                proptest::prop_assert!(n <= 100);
+            }
+            let _ = s;
+            drop(liar);
+        }
+    }
+
     #[test]
     fn bad_endpoints_are_refused() {
         let mut nics = mem_group(2, 4, 64);
