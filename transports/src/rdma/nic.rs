@@ -66,10 +66,13 @@ pub trait Nic: Send {
     fn wait(&mut self, until: Instant);
 }
 
+/// The receiver's ring of one direction and its completions (immediate, bytes) not yet polled.
+type RingAndQueue = (Vec<u8>, VecDeque<(u32, u32)>);
+
 /// One direction between two ranks: the receiver's ring, its completion queue, and the
 /// sender's credit word.
 struct Lane {
-    ring: Mutex<(Vec<u8>, VecDeque<(u32, u32)>)>,
+    ring: Mutex<RingAndQueue>,
     credit: AtomicU64,
 }
 

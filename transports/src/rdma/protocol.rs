@@ -757,24 +757,22 @@ mod tests {
     fn endpoint_round_trips_and_rejects_bad_fields() {
         let e = endpoint(16, 4096);
         assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
-        let bad: Vec<(&str, Box<dyn Fn(&mut Endpoint)>)> = vec![
-            ("port", Box::new(|e| e.port = 0)),
-            ("mtu", Box::new(|e| e.mtu = 1500)),
-            ("address", Box::new(|e| e.gid = [0; 16])),
-            ("qpn", Box::new(|e| e.qpn = 1)),
-            ("qpn", Box::new(|e| e.qpn = 1 << 24)),
-            ("psn", Box::new(|e| e.psn = 1 << 24)),
-            ("slots", Box::new(|e| e.slots = 12)),
-            ("slots", Box::new(|e| e.slots = MAX_SLOTS * 2)),
-            ("slots", Box::new(|e| e.slots = 1)),
-            ("slot bytes", Box::new(|e| e.slot_bytes = 100)),
-            (
-                "slot bytes",
-                Box::new(|e| e.slot_bytes = MAX_SLOT_BYTES * 2),
-            ),
-            ("ring", Box::new(|e| e.ring_addr = 0)),
-            ("ring", Box::new(|e| e.ring_addr = u64::MAX - 10)),
-            ("credit", Box::new(|e| e.credit_addr = 0x7f00_1000_0004)),
+        type Spoil = fn(&mut Endpoint);
+        let bad: Vec<(&str, Spoil)> = vec![
+            ("port", |e| e.port = 0),
+            ("mtu", |e| e.mtu = 1500),
+            ("address", |e| e.gid = [0; 16]),
+            ("qpn", |e| e.qpn = 1),
+            ("qpn", |e| e.qpn = 1 << 24),
+            ("psn", |e| e.psn = 1 << 24),
+            ("slots", |e| e.slots = 12),
+            ("slots", |e| e.slots = MAX_SLOTS * 2),
+            ("slots", |e| e.slots = 1),
+            ("slot bytes", |e| e.slot_bytes = 100),
+            ("slot bytes", |e| e.slot_bytes = MAX_SLOT_BYTES * 2),
+            ("ring", |e| e.ring_addr = 0),
+            ("ring", |e| e.ring_addr = u64::MAX - 10),
+            ("credit", |e| e.credit_addr = 0x7f00_1000_0004),
         ];
         for (what, spoil) in bad {
             let mut b = e.clone();
