@@ -9,18 +9,22 @@
 //! - [`transport::RdmaTransport`] drives the protocol for the caller's requests over any
 //!   [`nic::Nic`] (the handful of verbs it needs), with the TCP transport's semantics;
 //!   [`nic::MemNic`] emulates a NIC between threads, and the transport passes the
-//!   conformance suite on it.
+//!   conformance suite on it;
+//! - [`exchange_endpoints`] publishes and collects the endpoint records through the
+//!   rendezvous store, each checked.
 //!
 //! What is not here yet is the NIC over real verbs (protection domain, registered rings,
 //! RC queue pairs brought to RTS from the exchanged endpoints, posting and polling), so a
 //! communicator never runs over RDMA: `CHORUS_TRANSPORT=rdma` asks [`fallback_reason`] and
 //! runs over TCP (shared memory between the ranks of one host), saying why.
 
+mod exchange;
 pub mod nic;
 pub mod protocol;
 mod sys;
 pub mod transport;
 
+pub use exchange::exchange_endpoints;
 pub use sys::{probe, Device, Unavailable, LIBRARY};
 
 /// How [`fallback_reason`] ends: what a communicator that asked for RDMA runs over instead.
