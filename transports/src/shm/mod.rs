@@ -32,7 +32,7 @@
 //! progress counter, state) issues a sequentially consistent fence and, if the flag is set, bumps
 //! the bell and wakes it. Every wake-up re-checks the state of the peers waited on and whether
 //! their processes still run (pidfd), so a dead peer is reported within ~10 ms and a wait never
-//! outlives its deadline. The handshake is checked exhaustively in [`model`].
+//! outlives its deadline. The handshake is checked exhaustively in `shm/model.rs`.
 
 pub mod allreduce;
 #[cfg(test)]
