@@ -236,6 +236,27 @@ impl<'r, 'b> Op<'r, 'b> {
     }
 }
 
+/// Refuses every call on a transport whose byte streams were lost earlier (`broken` says
+/// why): the error the TCP, shared-memory and RDMA transports give after a fatal one.
+pub(crate) fn check_usable(broken: &Option<String>) -> Result<()> {
+    match broken {
+        Some(why) => Err(TransportError::Aborted(why.clone())),
+        None => Ok(()),
+    }
+}
+
+/// What every transport's [`Transport::post`] checks first: the transport is usable
+/// ([`check_usable`]) and the request was not posted before.
+pub(crate) fn check_post(broken: &Option<String>, req: &Request) -> Result<()> {
+    check_usable(broken)?;
+    if req.is_posted() {
+        return Err(TransportError::InvalidUsage(
+            "request was already posted".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks every transport does at the start of [`Transport::progress`]: each op was posted,
 /// its buffer is at least the request's length, and a receive has a writable buffer.
 pub fn check_ops(ops: &[Op<'_, '_>]) -> Result<()> {

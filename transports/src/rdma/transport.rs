@@ -8,16 +8,16 @@ use super::nic::{Completion, Nic, NicError};
 use super::protocol::{Arrival, Incoming, ProtocolError, Receiver, Sender};
 use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
-    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
+    Transport, TransportError, Wait,
 };
 
 struct Peer {
     tx: Sender,
     rx: Receiver,
     tx_next_ticket: u64,
-    /// Ticket of the send at the head of the queue, and whether its message started.
+    /// Ticket of the send at the head of the queue (its message started while `tx` is busy).
     tx_head: u64,
-    tx_started: bool,
     rx_next_ticket: u64,
     rx_head: u64,
     /// The head receive's progress.
@@ -57,7 +57,6 @@ impl<N: Nic> RdmaTransport<N> {
                 rx: Receiver::new(local),
                 tx_next_ticket: 0,
                 tx_head: 0,
-                tx_started: false,
                 rx_next_ticket: 0,
                 rx_head: 0,
                 incoming: None,
@@ -73,13 +72,6 @@ impl<N: Nic> RdmaTransport<N> {
             broken: None,
             aborted: false,
         })
-    }
-
-    fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            Some(why) => Err(TransportError::Aborted(why.clone())),
-            None => Ok(()),
-        }
     }
 
     fn fail(&mut self, e: TransportError) -> TransportError {
@@ -116,12 +108,27 @@ impl<N: Nic> RdmaTransport<N> {
         })
     }
 
-    /// Takes the NIC's completions into the peers' receivers.
-    fn take_completions(&mut self) -> Result<bool> {
-        self.completions.clear();
-        self.nic.poll(&mut self.completions);
-        let any = !self.completions.is_empty();
-        for c in std::mem::take(&mut self.completions) {
+    /// Takes the NIC's completions into the peers' receivers, and the peers' credit reports.
+    fn take_completions(&mut self) -> Result<()> {
+        // The buffer is kept across polls (this runs at every turn of a wait).
+        let mut completions = std::mem::take(&mut self.completions);
+        completions.clear();
+        self.nic.poll(&mut completions);
+        let delivered = self.deliver_completions(&completions);
+        self.completions = completions;
+        delivered?;
+        for j in 0..self.size {
+            if let Some(Some(p)) = self.peers.get_mut(j) {
+                p.tx.on_credit(self.nic.credit(j))
+                    .map_err(|e| protocol(j, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands polled completions to the peers' receivers.
+    fn deliver_completions(&mut self, completions: &[Completion]) -> Result<()> {
+        for c in completions {
             let Some(Some(p)) = self.peers.get_mut(c.peer) else {
                 continue;
             };
@@ -134,13 +141,7 @@ impl<N: Nic> RdmaTransport<N> {
                 p.notice = Some((culprit.filter(|&c| c < self.size), reason));
             }
         }
-        for j in 0..self.size {
-            if let Some(Some(p)) = self.peers.get_mut(j) {
-                p.tx.on_credit(self.nic.credit(j))
-                    .map_err(|e| protocol(j, e))?;
-            }
-        }
-        Ok(any)
+        Ok(())
     }
 
     fn drive(&mut self, op: &mut Op<'_, '_>) -> Result<Moved> {
@@ -159,10 +160,9 @@ impl<N: Nic> RdmaTransport<N> {
                     Buf::Send(b) => b,
                     Buf::Recv(b) => b,
                 };
-                if !p.tx_started {
+                if p.tx.idle() {
                     p.tx.start(op.req.tag(), op.req.len())
                         .map_err(|e| protocol(j, e))?;
-                    p.tx_started = true;
                 }
                 let mut moved = false;
                 while let Some(c) = p.tx.next_chunk(op.req.available()) {
@@ -178,7 +178,6 @@ impl<N: Nic> RdmaTransport<N> {
                     if p.tx.idle() {
                         op.req.set_complete();
                         p.tx_head += 1;
-                        p.tx_started = false;
                         return Ok(Moved::Yes);
                     }
                 }
@@ -314,12 +313,7 @@ impl<N: Nic> Transport for RdmaTransport<N> {
     }
 
     fn post(&mut self, req: &mut Request) -> Result<()> {
-        self.check_usable()?;
-        if req.is_posted() {
-            return Err(TransportError::InvalidUsage(
-                "request was already posted".into(),
-            ));
-        }
+        check_post(&self.broken, req)?;
         let (size, rank) = (self.size, self.rank);
         let Some(Some(p)) = self.peers.get_mut(req.peer()) else {
             return Err(bad_peer(req.peer(), size, rank));
@@ -334,7 +328,7 @@ impl<N: Nic> Transport for RdmaTransport<N> {
     }
 
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
-        self.check_usable()?;
+        check_usable(&self.broken)?;
         check_ops(ops)?;
         let started = Instant::now();
         loop {

@@ -91,7 +91,7 @@ impl ShmTransport {
         deadline: Instant,
         red: &Reducer<'_>,
     ) -> Result<()> {
-        self.check_usable()?;
+        crate::check_usable(&self.broken)?;
         if !self.covers_group() {
             return Err(TransportError::InvalidUsage(
                 "the shared-memory allreduce needs every rank on this host".into(),

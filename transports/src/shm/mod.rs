@@ -46,7 +46,8 @@ use std::time::{Duration, Instant};
 use crate::rendezvous::StoreClient;
 use crate::sweep::{stuck_behind_others, sweep, Moved, Swept};
 use crate::{
-    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
+    Transport, TransportError, Wait,
 };
 use sys::{Liveness, Mapping};
 
@@ -390,13 +391,6 @@ impl ShmTransport {
     /// Whether every rank of the group is on this host (the direct allreduce needs it).
     pub fn covers_group(&self) -> bool {
         self.layout.members == self.size && self.layout.arena_half > 0
-    }
-
-    fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            Some(why) => Err(TransportError::Aborted(why.clone())),
-            None => Ok(()),
-        }
     }
 
     fn fail(&mut self, e: TransportError) -> TransportError {
@@ -758,12 +752,7 @@ impl Transport for ShmTransport {
     }
 
     fn post(&mut self, req: &mut Request) -> Result<()> {
-        self.check_usable()?;
-        if req.is_posted() {
-            return Err(TransportError::InvalidUsage(
-                "request was already posted".into(),
-            ));
-        }
+        check_post(&self.broken, req)?;
         self.peer_ref(req.peer())?;
         let p = self.peers[req.peer()].as_mut().expect("checked");
         let t = match req.direction() {
@@ -776,7 +765,7 @@ impl Transport for ShmTransport {
     }
 
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
-        self.check_usable()?;
+        check_usable(&self.broken)?;
         check_ops(ops)?;
         for op in ops.iter() {
             self.peer_ref(op.req.peer())?;

@@ -32,7 +32,8 @@ pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOption
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
 use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
-    check_ops, AbortNotice, Buf, Direction, Op, Request, Result, Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
+    Transport, TransportError, Wait,
 };
 
 /// Trailer closing a complete frame.
@@ -226,13 +227,6 @@ impl TcpTransport {
     /// authentication context).
     pub fn comm_id(&self) -> u64 {
         self.comm_id
-    }
-
-    fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            Some(why) => Err(TransportError::Aborted(why.clone())),
-            None => Ok(()),
-        }
     }
 
     fn peer_mut(&mut self, peer: usize) -> Result<&mut Peer> {
@@ -735,12 +729,7 @@ impl Transport for TcpTransport {
     }
 
     fn post(&mut self, req: &mut Request) -> Result<()> {
-        self.check_usable()?;
-        if req.is_posted() {
-            return Err(TransportError::InvalidUsage(
-                "request was already posted".into(),
-            ));
-        }
+        check_post(&self.broken, req)?;
         if req.len() as u64 > frame::MAX_PAYLOAD {
             return Err(TransportError::InvalidArgument(format!(
                 "a message of {} bytes is longer than a TCP frame carries ({} bytes)",
@@ -764,7 +753,7 @@ impl Transport for TcpTransport {
     }
 
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
-        self.check_usable()?;
+        check_usable(&self.broken)?;
         check_ops(ops)?;
         let started = Instant::now();
         let mut refreshed = false;
