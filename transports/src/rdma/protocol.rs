@@ -834,6 +834,20 @@ mod tests {
         }
     }
 
+    /// Writes all of `msg` (tag `tag`) as far as the credits go, and hands the completions to
+    /// a fresh receiver: the sender, the receiver and the wire, for the test to deliver.
+    fn written(e: &Endpoint, tag: u64, msg: &[u8]) -> (Sender, Receiver, Wire) {
+        let (mut s, mut r, mut wire) = (Sender::new(e), Receiver::new(e), Wire::new(e));
+        s.start(tag, msg.len()).unwrap();
+        while let Some(c) = s.next_chunk(msg.len()) {
+            wire.write(&c, msg);
+        }
+        for (imm, n) in std::mem::take(&mut wire.completions) {
+            r.on_completion(imm, n, &wire.ring).unwrap();
+        }
+        (s, r, wire)
+    }
+
     /// Sends `msgs` through one connection, stepping the sender (with availability growing in
     /// `step`-byte increments) and the receiver in an order drawn from `seed`; checks every
     /// byte and that the sender never held more than `slots` chunks unconsumed.
@@ -1065,19 +1079,10 @@ mod tests {
     #[test]
     fn credits_are_reported_every_half_ring() {
         let e = endpoint(8, 64);
-        let mut s = Sender::new(&e);
-        let mut r = Receiver::new(&e);
-        let mut wire = Wire::new(&e);
         let msg = message(48 + 64 * 6, 3);
-        s.start(5, msg.len()).unwrap();
-        while let Some(c) = s.next_chunk(msg.len()) {
-            wire.write(&c, &msg);
-        }
+        let (mut s, mut r, wire) = written(&e, 5, &msg);
         assert!(s.idle());
         assert_eq!(s.credits(), 0);
-        for (imm, n) in std::mem::take(&mut wire.completions) {
-            r.on_completion(imm, n, &wire.ring).unwrap();
-        }
         let mut inc = Incoming::new(5, msg.len());
         let mut reports = vec![];
         while let Some(_d) = r.deliver(&mut inc, &wire.ring).unwrap() {
@@ -1128,17 +1133,9 @@ mod tests {
     #[test]
     fn the_end_of_a_receive_returns_its_credits() {
         let e = endpoint(8, 64);
-        let mut s = Sender::new(&e);
-        let mut r = Receiver::new(&e);
-        let mut wire = Wire::new(&e);
         let msg = message(48 + 64 * 2, 9);
-        s.start(2, msg.len()).unwrap();
-        while let Some(c) = s.next_chunk(msg.len()) {
-            wire.write(&c, &msg);
-        }
-        for (imm, n) in std::mem::take(&mut wire.completions) {
-            r.on_completion(imm, n, &wire.ring).unwrap();
-        }
+        let (s, mut r, wire) = written(&e, 2, &msg);
+        assert!(s.idle());
         let mut inc = Incoming::new(2, msg.len());
         while r.deliver(&mut inc, &wire.ring).unwrap().is_some() {}
         assert!(inc.done());
