@@ -83,9 +83,9 @@
 //! - **Revisits**: which schedule wins can change after the trials (another job takes the
 //!   cores, ranks sharing a core fall into another rhythm, a link gets busier), and short
 //!   trials can pick the loser of two close schedules. So the schedules the trials timed within
-//!   [`RIVAL_WITHIN`]× of the winner ([`RIVAL_WITHIN_BULK`]× where the trials' blocks carry
-//!   [`TRIAL_BLOCK_BYTES`]) stay its rivals (in buckets with dedicated trials, and in
-//!   every bucket when some host runs more ranks than cores: [`Selector::revisits`]), and the
+//!   [`RIVAL_WITHIN`]× of the winner stay its rivals (on links in buckets with dedicated trials
+//!   where the latency weighs more than the bytes, and in every bucket when some host runs
+//!   more ranks than cores: [`Selector::revisits`]), and the
 //!   bucket re-times them on the
 //!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
@@ -106,8 +106,8 @@
 //!   cost is a block of a slower rival now and then, a share that halves with every revisit
 //!   that keeps the schedule; a bucket with no rival left is settled for good. Every gap is
 //!   also long enough for the revisit after it to cost at most [`REVISIT_BUDGET`] of the calls'
-//!   time, by the rival's expected ratio (its evidence so far; before its first revisit, as
-//!   far behind as the band lets it be): rivals that may win are re-timed soon, rivals far behind rarely, and
+//!   time, by the rival's expected ratio (its evidence so far; [`UNSEEN_RIVAL_RATIO`] before
+//!   its first revisit): rivals that may win are re-timed soon, rivals far behind rarely, and
 //!   a short loop of calls does not pay for blocks of a slow rival. Every call of a
 //!   revisit is the caller's own and its result is as exact as any schedule's, but sums of
 //!   floating-point values may differ in the last bits from call to call when the schedule
@@ -252,21 +252,7 @@ pub const KEEP_MODEL_MARGIN: f64 = 0.05;
 /// After a bucket is decided, the schedules its trials timed within this factor of the winner
 /// stay its rivals: they are re-timed now and then on the caller's calls (revisits; see the
 /// module docs).
-///
-/// A rival not revisited yet is expected this slow (as slow as the trials let a rival be), not
-/// by its trial ratio, which short trials under-estimate (on the testbed, 8 B:
-/// halving-doubling 1.09× recursive doubling's time in the trials, 1.83× in its first revisit).
 pub const RIVAL_WITHIN: f64 = 1.5;
-/// [`RIVAL_WITHIN`] for buckets whose trials run in blocks that carry [`TRIAL_BLOCK_BYTES`]
-/// ([`Selector::min_block_calls`] above 1: on links, at sizes where the model puts at least as
-/// much time in the bytes as in the latency). Such blocks time the schedules as a loop runs
-/// them: on the 4-host 1 gbit testbed the trials put recursive doubling and the tree 1.32×
-/// behind halving-doubling at 32 KiB, and 1000-call loops 1.35×. Their revisits (32-call
-/// blocks there) only cost: with both kept as rivals, 1000-call loops of 32 KiB ran 1.4 %
-/// slower than forced halving-doubling, with the ring alone 0.3 % (medians of 4 launches). Where the latency dominates, trials under-estimate
-/// the gaps (8 B: recursive doubling, halving-doubling and the tree within 1 % in the trials,
-/// 1.2–1.4× apart in loops), and a rival may still win: the wider band stays there.
-pub const RIVAL_WITHIN_BULK: f64 = 1.25;
 /// A rival whose revisits put it slower than this factor of the bucket's schedule (the median
 /// of at least [`RIVAL_DROP_AFTER`] ratios) is dropped (not revisited again).
 pub const RIVAL_DROP: f64 = 1.3;
@@ -303,6 +289,11 @@ pub const REVISIT_MAX_GAP: usize = 1024;
 /// after 4 blocks whatever the rival's cost: on the 4-host testbed a 200-call 8-byte loop
 /// spent ~8 % of its time in 16-call blocks of a rival 1.8× slower.
 pub const REVISIT_BUDGET: f64 = 0.04;
+/// The expected ratio of a rival not revisited yet: as slow as the trials let a rival be
+/// ([`RIVAL_WITHIN`]), not its trial ratio, which short trials under-estimate (on the
+/// testbed, 8 B: halving-doubling 1.09× recursive doubling's time in the trials, 1.83× in its
+/// first revisit).
+pub const UNSEEN_RIVAL_RATIO: f64 = RIVAL_WITHIN;
 
 /// The lead (the next fastest candidate's trial time over the winner's) with which a large
 /// bucket's decision passes on to fresh large buckets near it (module docs, *Neighbours*).
@@ -484,12 +475,26 @@ impl Selector {
     }
 
     /// Whether a bucket of `bytes` bytes is revisited after its trials (see the module docs):
-    /// buckets with dedicated trials, and every bucket when some host runs more ranks than
-    /// cores. Not large buckets on links: they are bandwidth-bound, the candidates (the ring
-    /// and halving-doubling) move the same bytes, and a revisit would cost the connections'
-    /// windows a switch of schedule twice for a gain within the noise.
+    /// every bucket when some host runs more ranks than cores; on links, buckets with dedicated
+    /// trials where the model puts more of the time in the latency than in the bytes. Not the
+    /// other buckets on links: their trials time blocks of at least [`TRIAL_BLOCK_BYTES`] as
+    /// a loop runs them ([`Selector::min_block_calls`]), the schedules close enough to win move about the same bytes (the ring
+    /// and halving-doubling), and a revisit costs a switch of schedule twice for a gain within
+    /// the noise. On the 4-host 1 gbit testbed, 1000-call loops with such revisits ran 0.1 %
+    /// (32 KiB), 0.8 % (128 KiB) and 0.5 % (512 KiB) slower than without (medians of 4
+    /// launches each), and without them within 0.1 % of the forced ring.
     pub fn revisits(&self, bytes: usize) -> bool {
-        bytes <= DEDICATED_MAX_BYTES || self.cpu_bound
+        self.cpu_bound || (bytes <= DEDICATED_MAX_BYTES && !self.bytes_weigh_more(bytes))
+    }
+
+    /// Whether, on links (no host runs more ranks than cores), the model puts at least as much
+    /// of the cheapest schedule's time for `bytes` bytes in the bytes as in the latency.
+    fn bytes_weigh_more(&self, bytes: usize) -> bool {
+        if self.cpu_bound || bytes == 0 {
+            return false;
+        }
+        let best = self.select(bytes);
+        self.modelled_cost(best, bytes) >= 2.0 * self.modelled_cost(best, 0)
     }
 
     /// The fewest calls of a block of dedicated trials or of a revisit for a bucket of
@@ -507,11 +512,7 @@ impl Selector {
     /// assert_eq!(s.clone().with_cpu_bound(true).min_block_calls(8 << 10), 1);
     /// ```
     pub fn min_block_calls(&self, bytes: usize) -> usize {
-        if self.cpu_bound || bytes == 0 {
-            return 1;
-        }
-        let best = self.select(bytes);
-        if self.modelled_cost(best, bytes) < 2.0 * self.modelled_cost(best, 0) {
+        if !self.bytes_weigh_more(bytes) {
             return 1;
         }
         TRIAL_BLOCK_BYTES.div_ceil(bytes).max(1)
@@ -904,9 +905,6 @@ struct Watch {
     rivals: Vec<Rival>,
     /// Index in `rivals` of the next to revisit.
     turn: usize,
-    /// How far behind the trials let a rival be ([`RIVAL_WITHIN`] or [`RIVAL_WITHIN_BULK`]):
-    /// a rival's expected ratio before its first revisit.
-    within: f64,
     /// Calls per block.
     window: usize,
     /// Calls between two revisits.
@@ -938,8 +936,7 @@ struct Revisit {
 
 impl Watch {
     /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
-    /// within [`RIVAL_WITHIN`] of its time ([`RIVAL_WITHIN_BULK`] when `min_window` is above
-    /// 1), fastest first (none: no watch). Its blocks last
+    /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). Its blocks last
     /// about [`REVISIT_BLOCK`], and at least `min_window` calls as far as [`TRIAL_PASS_TIME`]
     /// allows ([`Selector::min_block_calls`]).
     fn after_trials(
@@ -953,15 +950,10 @@ impl Watch {
             .zip(times)
             .find(|(&a, _)| a == chosen)
             .map(|(_, &t)| t)?;
-        let within = if min_window > 1 {
-            RIVAL_WITHIN_BULK
-        } else {
-            RIVAL_WITHIN
-        };
         let mut rivals: Vec<(Algorithm, f64)> = candidates
             .iter()
             .zip(times)
-            .filter(|(&a, &t)| a != chosen && t <= own * within)
+            .filter(|(&a, &t)| a != chosen && t <= own * RIVAL_WITHIN)
             .map(|(&a, &t)| (a, t))
             .collect();
         if rivals.is_empty() || own.is_nan() || own <= 0.0 {
@@ -981,7 +973,6 @@ impl Watch {
                 })
                 .collect(),
             turn: 0,
-            within,
             window,
             gap,
             countdown: 0,
@@ -995,7 +986,7 @@ impl Watch {
     /// for the revisit's expected cost to stay within [`REVISIT_BUDGET`] of the calls'
     /// time (capped at [`REVISIT_MAX_GAP`] blocks).
     fn wait(&self, base: usize) -> usize {
-        let excess = (self.rivals[self.turn].expected_ratio(self.within) - 1.0).max(0.0);
+        let excess = (self.rivals[self.turn].expected_ratio() - 1.0).max(0.0);
         let budget = (self.window as f64 * excess / REVISIT_BUDGET).ceil() as usize;
         base.max(budget.min(REVISIT_MAX_GAP * self.window))
     }
@@ -1003,10 +994,10 @@ impl Watch {
 
 impl Rival {
     /// Its time over the bucket's schedule's, as its revisits put it (the median of its
-    /// evidence), or `unseen` (the watch's band) before its first.
-    fn expected_ratio(&self, unseen: f64) -> f64 {
+    /// evidence), or [`UNSEEN_RIVAL_RATIO`] before its first.
+    fn expected_ratio(&self) -> f64 {
         if self.evidence.is_empty() {
-            unseen
+            UNSEEN_RIVAL_RATIO
         } else {
             median(&mut self.evidence.clone()).exp()
         }
@@ -2014,7 +2005,7 @@ mod tests {
         };
         // A rival not revisited yet is expected as slow as the trials admit: the first
         // revisit waits longer than the first gap.
-        let unseen = budget(RIVAL_WITHIN, window);
+        let unseen = budget(UNSEEN_RIVAL_RATIO, window);
         assert!(unseen > 2 * gap, "{unseen} {gap}");
         uses(&mut t, b, unseen, Rd);
         // The tree, close behind: kept as a rival; the gap doubles; HD's turn next (not
@@ -2116,7 +2107,7 @@ mod tests {
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
         t.decide(big, &pair, &[0.5, 0.6], &mp, Some(1));
         assert_eq!(t.decided(big), Some(Ring));
-        uses(&mut t, big, budget(RIVAL_WITHIN, w), Ring);
+        uses(&mut t, big, budget(UNSEEN_RIVAL_RATIO, w), Ring);
         assert_eq!(
             t.next(&s, big),
             Next::Revisit {
@@ -2140,68 +2131,6 @@ mod tests {
             last = out.next_in.unwrap();
         }
         assert_eq!(last, REVISIT_MAX_GAP * w);
-    }
-
-    #[test]
-    fn bulk_buckets_keep_only_close_rivals() {
-        use Algorithm::{HalvingDoubling as Hd, RecursiveDoubling as Rd, Ring, Tree};
-        let s = Selector::new(
-            4,
-            Link::GIGABIT_ETHERNET,
-            LinkSource::Default,
-            AlgoFilter::default(),
-        );
-        let b = 32 << 10;
-        let cands = [Hd, Rd, Ring, Tree];
-        let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, b)).collect();
-        // The trials of 32 KiB on the 1 gbit testbed: the ring 1.03x, RD and the tree 1.32x.
-        let own = 415e-6;
-        let times = [own, 1.32 * own, 1.03 * own, 1.32 * own];
-        // Which rivals 40 revisits re-time (every one a near tie, so the schedule stays), and
-        // the calls before the first.
-        let revisited = |min_window: usize| {
-            let mut t = Tuner::new();
-            assert_eq!(t.decide(b, &cands, &times, &m, Some(min_window)), Hd);
-            let mut seen = std::collections::BTreeSet::new();
-            let (mut first, mut calls, mut window) = (None, 0usize, 0);
-            for _ in 0..40 {
-                let rival = loop {
-                    calls += 1;
-                    match t.next(&s, b) {
-                        Next::Use(a) => assert_eq!(a, Hd),
-                        Next::Revisit {
-                            algorithm,
-                            rival: true,
-                        } => break algorithm,
-                        other => panic!("{other:?}"),
-                    }
-                };
-                first.get_or_insert(calls - 1);
-                seen.insert(format!("{rival:?}"));
-                let mut n = 1;
-                let mut means = t.record_revisit(b, own);
-                while means.is_none() {
-                    assert!(matches!(t.next(&s, b), Next::Revisit { .. }));
-                    means = t.record_revisit(b, own);
-                    n += 1;
-                }
-                window = n / 2;
-                let out = t.settle_revisit(b, means.unwrap().2).unwrap();
-                assert_eq!(out.now, Hd);
-            }
-            (seen.into_iter().collect::<Vec<_>>(), first.unwrap(), window)
-        };
-        // Blocks that carry TRIAL_BLOCK_BYTES (32 calls of 32 KiB): only the ring is close
-        // enough, and its first revisit waits as the narrow band's budget says.
-        let (seen, first, window) = revisited(TRIAL_BLOCK_BYTES / b);
-        assert_eq!(seen, ["Ring"]);
-        assert_eq!(window, TRIAL_BLOCK_BYTES / b);
-        let budget = (window as f64 * (RIVAL_WITHIN_BULK - 1.0) / REVISIT_BUDGET).ceil() as usize;
-        assert_eq!(first, budget.max(REVISIT_FIRST_GAP * window));
-        // Time-based blocks (latency-bound buckets, hosts with more ranks than cores): the
-        // wide band keeps all three.
-        let (seen, _, _) = revisited(1);
-        assert_eq!(seen, ["RecursiveDoubling", "Ring", "Tree"]);
     }
 
     #[test]
@@ -2310,8 +2239,11 @@ mod tests {
         assert_eq!(crowded.min_block_calls(b), 1);
         let rest = crowded.trial_plan(b).after_first_pass(&vec![100e-6; n]);
         assert!(rest.candidates.iter().all(|c| c.1 == TRIAL_PASS_REPS));
-        // Revisits run blocks of as many calls (the rival's, then the schedule's).
-        for (revisit, calls) in [(s.revisit_blocks(b), want), (Some(1), REVISIT_MAX_WINDOW)] {
+        // Such buckets are settled by their trials; where ranks share cores they are
+        // revisited, in time-based blocks (the rival's, then the schedule's).
+        assert_eq!(s.revisit_blocks(b), None);
+        assert_eq!(crowded.revisit_blocks(b), Some(1));
+        for (revisit, calls) in [(crowded.revisit_blocks(b), REVISIT_MAX_WINDOW)] {
             let mut t = Tuner::new();
             let cands = [HalvingDoubling, RecursiveDoubling];
             let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, b)).collect();
@@ -2532,8 +2464,10 @@ mod tests {
                 }
             }
         }
-        // Large buckets on links are not revisited: the bucket's schedule from now on.
-        assert!(!s.revisits(big) && s.revisits(DEDICATED_MAX_BYTES));
+        // Large buckets on links are not revisited: the bucket's schedule from now on. Nor are
+        // buckets with dedicated trials where the bytes weigh more than the latency; the
+        // latency-bound ones are.
+        assert!(!s.revisits(big) && !s.revisits(DEDICATED_MAX_BYTES) && s.revisits(8));
         assert!(s.clone().with_cpu_bound(true).revisits(big));
         for _ in 0..10_000 {
             assert_eq!(t.next(&s, big), Next::Use(cands[1]));
