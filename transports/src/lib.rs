@@ -245,6 +245,23 @@ pub(crate) fn check_usable(broken: &Option<String>) -> Result<()> {
     }
 }
 
+/// The state a transport keeps for `peer` (`peers` has one entry per rank, `None` at this
+/// rank's own), or the error for a peer that is not another rank of the group of `size` that
+/// this rank, `rank`, belongs to: the lookup of the TCP and RDMA transports.
+pub(crate) fn peer_entry<P>(
+    peers: &mut [Option<P>],
+    peer: usize,
+    rank: usize,
+    size: usize,
+) -> Result<&mut P> {
+    match peers.get_mut(peer) {
+        Some(Some(p)) => Ok(p),
+        _ => Err(TransportError::InvalidArgument(format!(
+            "peer {peer} is not another rank of this group of {size} (this is rank {rank})"
+        ))),
+    }
+}
+
 /// What every transport's [`Transport::post`] checks first: the transport is usable
 /// ([`check_usable`]) and the request was not posted before.
 pub(crate) fn check_post(broken: &Option<String>, req: &Request) -> Result<()> {

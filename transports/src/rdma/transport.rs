@@ -146,11 +146,8 @@ impl<N: Nic> RdmaTransport<N> {
 
     fn drive(&mut self, op: &mut Op<'_, '_>) -> Result<Moved> {
         let j = op.req.peer();
-        let (size, rank) = (self.size, self.rank);
         let nic = &mut self.nic;
-        let Some(Some(p)) = self.peers.get_mut(j) else {
-            return Err(bad_peer(j, size, rank));
-        };
+        let p = crate::peer_entry(&mut self.peers, j, self.rank, self.size)?;
         match op.req.direction() {
             Direction::Send => {
                 if op.req.ticket() != Some(p.tx_head) {
@@ -293,12 +290,6 @@ fn nic_err(peer: usize, e: NicError) -> TransportError {
     }
 }
 
-fn bad_peer(peer: usize, size: usize, rank: usize) -> TransportError {
-    TransportError::InvalidArgument(format!(
-        "peer {peer} is not another rank of this group of {size} (this is rank {rank})"
-    ))
-}
-
 impl<N: Nic> Transport for RdmaTransport<N> {
     fn rank(&self) -> usize {
         self.rank
@@ -314,10 +305,7 @@ impl<N: Nic> Transport for RdmaTransport<N> {
 
     fn post(&mut self, req: &mut Request) -> Result<()> {
         check_post(&self.broken, req)?;
-        let (size, rank) = (self.size, self.rank);
-        let Some(Some(p)) = self.peers.get_mut(req.peer()) else {
-            return Err(bad_peer(req.peer(), size, rank));
-        };
+        let p = crate::peer_entry(&mut self.peers, req.peer(), self.rank, self.size)?;
         let ticket = match req.direction() {
             Direction::Send => &mut p.tx_next_ticket,
             Direction::Recv => &mut p.rx_next_ticket,

@@ -230,13 +230,7 @@ impl TcpTransport {
     }
 
     fn peer_mut(&mut self, peer: usize) -> Result<&mut Peer> {
-        match self.peers.get_mut(peer) {
-            Some(Some(p)) => Ok(p),
-            _ => Err(TransportError::InvalidArgument(format!(
-                "peer {peer} is not another rank of this group of {} (this is rank {})",
-                self.size, self.rank
-            ))),
-        }
+        crate::peer_entry(&mut self.peers, peer, self.rank, self.size)
     }
 
     /// Try to move bytes for one op until it completes or the socket would block.
