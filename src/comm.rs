@@ -795,7 +795,7 @@ impl Communicator {
             .iter()
             .map(|&a| self.selector.modelled_cost(a, bytes))
             .collect();
-        let revisit = self.selector.revisit_blocks(bytes);
+        let revisit = self.selector.revisits(bytes);
         let chosen = self
             .tuner
             .decide(bytes, candidates, &times, &modelled, revisit);
@@ -854,7 +854,7 @@ impl Communicator {
         })?;
         for d in &decisions {
             let (candidates, times): (Vec<Algorithm>, Vec<f64>) = d.times.iter().copied().unzip();
-            let revisit = self.selector.restored_revisit_blocks(d.bytes);
+            let revisit = self.selector.restored_revisits(d.bytes);
             self.tuner
                 .restore(d.bytes, d.chosen, &candidates, &times, revisit);
         }

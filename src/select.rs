@@ -89,8 +89,7 @@
 //!   bucket re-times them on the
 //!   caller's calls: after [`REVISIT_FIRST_GAP`] blocks of calls, a block of the next rival's
 //!   calls, then a block of the bucket's schedule (a block lasts about [`REVISIT_BLOCK`],
-//!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls, or as many as a trial block
-//!   where [`Selector::min_block_calls`] asks for more; the first call of each is not
+//!   [`REVISIT_MIN_WINDOW`] to [`REVISIT_MAX_WINDOW`] calls; the first call of each is not
 //!   timed, as the schedule changes there). The ranks agree on the two mean times (one
 //!   16-byte allreduce), and the rival's time over the schedule's joins that rival's
 //!   evidence (its last
@@ -498,7 +497,7 @@ impl Selector {
         self.modelled_cost(best, bytes) >= 2.0 * self.modelled_cost(best, 0)
     }
 
-    /// The fewest calls of a block of dedicated trials or of a revisit for a bucket of
+    /// The fewest calls of a block of dedicated trials for a bucket of
     /// `bytes` bytes: on links (no host runs more ranks than cores) where the model puts at
     /// least as much of the cheapest schedule's time in the bytes as in the latency, enough
     /// calls to carry [`TRIAL_BLOCK_BYTES`]; else 1 (the time-based sizes alone). Where ranks
@@ -519,20 +518,13 @@ impl Selector {
         TRIAL_BLOCK_BYTES.div_ceil(bytes).max(1)
     }
 
-    /// [`Selector::revisit_blocks`] for a bucket restored from a tuning file
-    /// ([`crate::tune_file`]): rivals are re-timed only where some host runs more ranks than
-    /// cores (the ranks' rhythm there changes from launch to launch). On links a restored
-    /// bucket is settled: its rivals' blocks would run on connections the launch has not
-    /// warmed (on the 4-host 1 gbit testbed they cost 200-call loops of 128 and 512 KiB 2.5 %).
-    pub fn restored_revisit_blocks(&self, bytes: usize) -> Option<usize> {
-        self.cpu_bound.then(|| self.revisit_blocks(bytes)).flatten()
-    }
-
-    /// The revisits of a bucket of `bytes` bytes: `None` where it is not revisited
-    /// ([`Selector::revisits`]), else the fewest calls of a block
-    /// ([`Selector::min_block_calls`]).
-    pub fn revisit_blocks(&self, bytes: usize) -> Option<usize> {
-        self.revisits(bytes).then(|| self.min_block_calls(bytes))
+    /// [`Selector::revisits`] for a bucket restored from a tuning file ([`crate::tune_file`]):
+    /// rivals are re-timed only where some host runs more ranks than cores (the ranks' rhythm
+    /// there changes from launch to launch). On links a restored bucket is settled: its
+    /// rivals' blocks would run on connections the launch has not warmed (on the 4-host
+    /// 1 gbit testbed they cost 200-call loops of 128 and 512 KiB 2.5 %).
+    pub fn restored_revisits(&self, bytes: usize) -> bool {
+        self.cpu_bound && self.revisits(bytes)
     }
 
     /// How the tuner tries the schedules for a first call of `bytes` bytes: every allowed one
@@ -938,14 +930,8 @@ struct Revisit {
 impl Watch {
     /// The watch of a bucket decided on `chosen` by trial `times` of `candidates`: the others
     /// within [`RIVAL_WITHIN`] of its time, fastest first (none: no watch). Its blocks last
-    /// about [`REVISIT_BLOCK`], and at least `min_window` calls as far as [`TRIAL_PASS_TIME`]
-    /// allows ([`Selector::min_block_calls`]).
-    fn after_trials(
-        chosen: Algorithm,
-        candidates: &[Algorithm],
-        times: &[f64],
-        min_window: usize,
-    ) -> Option<Watch> {
+    /// about [`REVISIT_BLOCK`].
+    fn after_trials(chosen: Algorithm, candidates: &[Algorithm], times: &[f64]) -> Option<Watch> {
         let own = candidates
             .iter()
             .zip(times)
@@ -963,7 +949,6 @@ impl Watch {
         rivals.sort_by(|x, y| x.1.total_cmp(&y.1));
         let block = REVISIT_BLOCK.as_secs_f64();
         let window = ((block / own).ceil() as usize).clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
-        let window = window.max(calls_within_pass(own, min_window));
         let gap = REVISIT_FIRST_GAP * window;
         let mut w = Watch {
             rivals: rivals
@@ -1263,15 +1248,14 @@ impl Tuner {
     /// real difference). Schedules the model cannot tell apart are decided by the trials
     /// alone. Equal times go to the better-modelled candidate.
     ///
-    /// With `revisit` ([`Selector::revisit_blocks`]: the fewest calls of a block), the
-    /// candidates close behind stay rivals.
+    /// With `revisit` ([`Selector::revisits`]), the candidates close behind stay rivals.
     pub(crate) fn decide(
         &mut self,
         bytes: usize,
         candidates: &[Algorithm],
         times: &[f64],
         modelled: &[f64],
-        revisit: Option<usize>,
+        revisit: bool,
     ) -> Algorithm {
         let faster = |i: usize, j: usize| {
             times[i] < times[j] || (times[i] == times[j] && modelled[i] < modelled[j])
@@ -1302,7 +1286,7 @@ impl Tuner {
         chosen: Algorithm,
         candidates: &[Algorithm],
         times: &[f64],
-        revisit: Option<usize>,
+        revisit: bool,
     ) {
         // The next fastest candidate's time over the winner's (a kept model's choice that
         // did not time fastest leads by less than 1).
@@ -1319,7 +1303,9 @@ impl Tuner {
             .fold(f64::INFINITY, f64::min);
         self.buckets[bucket(bytes)] = Bucket::Decided {
             chosen,
-            watch: revisit.and_then(|min| Watch::after_trials(chosen, candidates, times, min)),
+            watch: revisit
+                .then(|| Watch::after_trials(chosen, candidates, times))
+                .flatten(),
             lead: (lead.is_finite() && lead >= INHERIT_LEAD).then_some(lead),
         };
     }
@@ -1335,7 +1321,7 @@ impl Tuner {
         chosen: Algorithm,
         candidates: &[Algorithm],
         times: &[f64],
-        revisit: Option<usize>,
+        revisit: bool,
     ) -> bool {
         if self.buckets[bucket(bytes)] != Bucket::Fresh || !candidates.contains(&chosen) {
             return false;
@@ -1961,7 +1947,7 @@ mod tests {
         // 40 us: 16-call blocks. The tree (1.2x) and HD (1.45x) are rivals, the ring is not.
         let own = 40e-6;
         let times = [own, 1.2 * own, 1.45 * own, 1.6 * own];
-        assert_eq!(t.decide(b, &cands, &times, &m, Some(1)), Rd);
+        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
         let window = ((REVISIT_BLOCK.as_secs_f64() / own).ceil() as usize)
             .clamp(REVISIT_MIN_WINDOW, REVISIT_MAX_WINDOW);
         assert_eq!(window, REVISIT_MAX_WINDOW);
@@ -2093,7 +2079,7 @@ mod tests {
         // A win then a loss: no switch (the median of the two is within the margin), and the
         // loss doubles the gap as usual.
         let mut t = Tuner::new();
-        assert_eq!(t.decide(b, &cands, &times, &m, Some(1)), Rd);
+        assert_eq!(t.decide(b, &cands, &times, &m, true), Rd);
         uses(&mut t, b, unseen, Rd);
         let means = revisit(&mut t, Tree, Rd, [0.8 * own, own]);
         assert_eq!(t.settle_revisit(b, means).unwrap().next_in, Some(gap));
@@ -2106,7 +2092,7 @@ mod tests {
         let big = 64 << 20;
         let pair = [Ring, Hd];
         let mp: Vec<f64> = pair.iter().map(|&a| s.modelled_cost(a, big)).collect();
-        t.decide(big, &pair, &[0.5, 0.6], &mp, Some(1));
+        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         assert_eq!(t.decided(big), Some(Ring));
         uses(&mut t, big, budget(UNSEEN_RIVAL_RATIO, w), Ring);
         assert_eq!(
@@ -2118,7 +2104,7 @@ mod tests {
         );
         // The gap stops doubling at its cap.
         let mut t = Tuner::new();
-        t.decide(big, &pair, &[0.5, 0.6], &mp, Some(1));
+        t.decide(big, &pair, &[0.5, 0.6], &mp, true);
         let mut last = 0;
         for _ in 0..20 {
             while let Next::Use(_) = t.next(&s, big) {}
@@ -2155,7 +2141,7 @@ mod tests {
             };
             let mut t = Tuner::new();
             let trial = [own, 1.1 * own, 1.2 * own, 3.0 * own];
-            assert_eq!(t.decide(bytes, &cands, &trial, &m, Some(1)), Rd);
+            assert_eq!(t.decide(bytes, &cands, &trial, &m, true), Rd);
             let (mut calls, mut spent) = (0usize, 0.0);
             let mut revisits = 0;
             for _ in 0..200_000 {
@@ -2242,9 +2228,9 @@ mod tests {
         assert!(rest.candidates.iter().all(|c| c.1 == TRIAL_PASS_REPS));
         // Such buckets are settled by their trials; where ranks share cores they are
         // revisited, in time-based blocks (the rival's, then the schedule's).
-        assert_eq!(s.revisit_blocks(b), None);
-        assert_eq!(crowded.revisit_blocks(b), Some(1));
-        let (revisit, calls) = (crowded.revisit_blocks(b), REVISIT_MAX_WINDOW);
+        assert!(!s.revisits(b));
+        assert!(crowded.revisits(b));
+        let (revisit, calls) = (crowded.revisits(b), REVISIT_MAX_WINDOW);
         let mut t = Tuner::new();
         let cands = [HalvingDoubling, RecursiveDoubling];
         let m: Vec<f64> = cands.iter().map(|&a| s.modelled_cost(a, b)).collect();
@@ -2310,40 +2296,40 @@ mod tests {
         let mut times = vec![2.0; cands.len()];
         *times.last_mut().unwrap() = 1.0;
         assert_eq!(
-            t.decide(100, &cands, &times, &model(&cands, 100), Some(1)),
+            t.decide(100, &cands, &times, &model(&cands, 100), true),
             *cands.last().unwrap()
         );
         assert_eq!(t.decided(128), Some(*cands.last().unwrap()), "same bucket");
         assert_eq!(t.next(&s, 65), Next::Use(*cands.last().unwrap()));
         assert_eq!(t.decided(129), None);
         assert_eq!(
-            t.decide(8, &cands, &vec![1.0; cands.len()], &m, Some(1)),
+            t.decide(8, &cands, &vec![1.0; cands.len()], &m, true),
             cands[0]
         );
         // The model's choice stays unless another is faster by more than the margin.
         let mut close = vec![1.0; cands.len()];
         close[0] = 1.0 + KEEP_MODEL_MARGIN / 2.0;
         assert!(m[1] > m[0] * (1.0 + KEEP_MODEL_MARGIN), "{m:?}");
-        assert_eq!(t.decide(8, &cands, &close, &m, Some(1)), cands[0]);
+        assert_eq!(t.decide(8, &cands, &close, &m, true), cands[0]);
         let mut clear = vec![2.0; cands.len()];
         clear[0] = 1.0 + 2.0 * KEEP_MODEL_MARGIN;
         clear[1] = 1.0;
-        assert_eq!(t.decide(8, &cands, &clear, &m, Some(1)), cands[1]);
+        assert_eq!(t.decide(8, &cands, &clear, &m, true), cands[1]);
         // Among the others, ties go to the better-modelled one.
         if cands.len() >= 3 {
             let mut tie = vec![1.0; cands.len()];
             tie[0] = 2.0;
-            assert_eq!(t.decide(8, &cands, &tie, &m, Some(1)), cands[1]);
+            assert_eq!(t.decide(8, &cands, &tie, &m, true), cands[1]);
         }
         // Schedules the model cannot tell apart: the trials decide, however close.
         let pair = [Algorithm::HalvingDoubling, Algorithm::Ring];
         let tied = [1.0, 1.0 + KEEP_MODEL_MARGIN / 10.0];
         assert_eq!(
-            t.decide(8, &pair, &[1.02, 1.0], &tied, Some(1)),
+            t.decide(8, &pair, &[1.02, 1.0], &tied, true),
             Algorithm::Ring
         );
         assert_eq!(
-            t.decide(8, &pair, &[1.0, 1.0], &tied, Some(1)),
+            t.decide(8, &pair, &[1.0, 1.0], &tied, true),
             Algorithm::HalvingDoubling
         );
         // Large on a link: the ring and halving-doubling tie in the model; with no smaller
@@ -2375,7 +2361,7 @@ mod tests {
                 other,
                 &[other, plan.candidates[0].0],
                 &[1.0, 1.16],
-                None,
+                false,
             );
             t
         };
@@ -2432,7 +2418,7 @@ mod tests {
                 .iter()
                 .map(|&a| s.modelled_cost(a, big))
                 .collect::<Vec<_>>(),
-            s.revisit_blocks(big),
+            s.revisits(big),
         );
         assert_eq!(t.decided(big), Some(cands[1]));
         // With more ranks than cores, each candidate's block is an untimed call and
@@ -2537,7 +2523,7 @@ mod tests {
         // A wide lead at 8 MiB: 32 MiB (two rows up) takes the ring without trials, and 64 MiB
         // then follows 32 MiB; 128 MiB is three rows from 8 MiB but one from 64 MiB.
         let mut t = Tuner::new();
-        t.decide(m8, &cands, &wide, &modelled(&cands, m8), Some(1));
+        t.decide(m8, &cands, &wide, &modelled(&cands, m8), true);
         let from8 = Next::Inherit {
             algorithm: Ring,
             from: m8,
@@ -2554,22 +2540,22 @@ mod tests {
         assert_eq!(t.next(&s, m64), from32);
         // Three rows away with nothing decided between: trials.
         let mut t = Tuner::new();
-        t.decide(m8, &cands, &wide, &modelled(&cands, m8), Some(1));
+        t.decide(m8, &cands, &wide, &modelled(&cands, m8), true);
         assert!(matches!(t.next(&s, m64), Next::Online(_)));
         // From above as from below.
         let mut t = Tuner::new();
-        t.decide(m32, &cands, &wide, &modelled(&cands, m32), Some(1));
+        t.decide(m32, &cands, &wide, &modelled(&cands, m32), true);
         assert!(matches!(t.next(&s, m8), Next::Inherit { from, .. } if from == m32));
         // A lead below INHERIT_LEAD passes nothing on.
         let mut t = Tuner::new();
         let close = ring_ahead(&cands, 1.2);
-        t.decide(m8, &cands, &close, &modelled(&cands, m8), Some(1));
+        t.decide(m8, &cands, &close, &modelled(&cands, m8), true);
         assert!(matches!(t.next(&s, m32), Next::Online(_)));
         // Buckets with dedicated trials pass nothing on: 4 MiB is one row below 8 MiB.
         let mut t = Tuner::new();
         let small: Vec<Algorithm> = s.trial_plan(m4).candidates.iter().map(|c| c.0).collect();
         let wide4 = ring_ahead(&small, 2.0);
-        t.decide(m4, &small, &wide4, &modelled(&small, m4), Some(1));
+        t.decide(m4, &small, &wide4, &modelled(&small, m4), true);
         assert!(matches!(t.next(&s, m8), Next::Online(_)));
         // A schedule the fresh bucket would not try (CHORUS_ALGO) is not taken.
         let no_tree = Selector::new(
@@ -2581,7 +2567,7 @@ mod tests {
         .with_cpu_bound(true);
         let mut t = Tuner::new();
         let pair = [Tree, Ring];
-        t.decide(m8, &pair, &[1.0, 1.5], &modelled(&pair, m8), Some(1));
+        t.decide(m8, &pair, &[1.0, 1.5], &modelled(&pair, m8), true);
         assert_eq!(t.decided(m8), Some(Tree));
         assert!(matches!(t.next(&no_tree, m32), Next::Online(_)));
         assert!(matches!(t.next(&s, m64), Next::Online(_)));
@@ -2589,7 +2575,7 @@ mod tests {
         // RIVAL_WITHIN: the tree stays a rival, then wins every revisit).
         let mut t = Tuner::new();
         let pair = [Tree, Ring];
-        t.decide(m8, &pair, &[1.35, 1.0], &modelled(&pair, m8), Some(1));
+        t.decide(m8, &pair, &[1.35, 1.0], &modelled(&pair, m8), true);
         assert_eq!(t.decided(m8), Some(Ring));
         let mut switched = false;
         for _ in 0..100_000 {
@@ -2624,14 +2610,11 @@ mod tests {
         // A small bucket as an earlier launch's trials left it: decided, rivals revisited.
         let cands = [Ring, HalvingDoubling, Tree];
         // Restored buckets are re-timed only where ranks outnumber cores.
-        assert_eq!(s.restored_revisit_blocks(4096), None);
+        assert!(!s.restored_revisits(4096));
         let crowded = s.clone().with_cpu_bound(true);
-        assert!(crowded.revisit_blocks(4096).is_some());
-        assert_eq!(
-            crowded.restored_revisit_blocks(4096),
-            crowded.revisit_blocks(4096)
-        );
-        assert!(t.restore(4096, HalvingDoubling, &cands, &[1.1, 1.0, 3.0], Some(1)));
+        assert!(crowded.revisits(4096));
+        assert_eq!(crowded.restored_revisits(4096), crowded.revisits(4096));
+        assert!(t.restore(4096, HalvingDoubling, &cands, &[1.1, 1.0, 3.0], true));
         assert_eq!(t.decided(3000), Some(HalvingDoubling));
         let Bucket::Decided {
             watch: Some(w),
@@ -2648,15 +2631,15 @@ mod tests {
         assert_eq!(rivals, [Ring], "the tree is far behind");
         assert_eq!(*lead, None, "a close decision passes nothing on");
         // A chosen schedule that was not a candidate, or a bucket in use, is not restored.
-        assert!(!t.restore(8, Tree, &[Ring], &[1.0], Some(1)));
+        assert!(!t.restore(8, Tree, &[Ring], &[1.0], true));
         assert_eq!(t.decided(8), None);
         assert!(matches!(t.next(&s, 8), Next::Trials(_)));
-        t.decide(8, &[Tree, Ring], &[1.0, 2.0], &[1.0, 1.0], Some(1));
-        assert!(!t.restore(8, Ring, &[Ring], &[1.0], Some(1)));
+        t.decide(8, &[Tree, Ring], &[1.0, 2.0], &[1.0, 1.0], true);
+        assert!(!t.restore(8, Ring, &[Ring], &[1.0], true));
         assert_eq!(t.decided(8), Some(Tree));
         // A large bucket with a wide lead passes it on to its neighbours, as after trials.
         let big = 64 << 20;
-        assert!(t.restore(big, Ring, &[Ring, Tree], &[1.0, 2.0], None));
+        assert!(t.restore(big, Ring, &[Ring, Tree], &[1.0, 2.0], false));
         let next = t.next(&s, big / 4);
         assert!(
             matches!(next, Next::Inherit { algorithm: Ring, from, .. } if from == big),
