@@ -285,6 +285,9 @@ impl Communicator {
                 tcp_opts.spin = Duration::from_micros(us);
             }
             tcp_opts.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER").map_err(fail)?;
+            if let Some(q) = env_parse::<u8>("CHORUS_TCP_QUICKACK").map_err(fail)? {
+                tcp_opts.quickack = q != 0;
+            }
             let (congestion, required) = tcp_congestion_from_env().map_err(fail)?;
             tcp_opts.congestion = congestion;
             tcp_opts.congestion_required = required;

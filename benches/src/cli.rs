@@ -57,6 +57,9 @@ OPTIONS:
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
         --ranks N            start N local ranks of this program on 127.0.0.1 and show rank 0
     -t, --timeout SECS       timeout of each collective (default: CHORUS_TIMEOUT or 300)
+        --gap MS             before every timed call sleep MS milliseconds (a training step's
+                             compute between its collectives), then a barrier, and time each
+                             call on its own; warm-up calls stay back to back [no gap]
         --compress SPEC      allreduce: compressed float allreduce (a chorus::Compressor spec:
                              fp16 bf16 int8 int4 sign ternary topk:R, options ef=on|off ...);
                              adds wire bytes per rank, compression ratio, relative error against
@@ -160,6 +163,8 @@ pub struct Options {
     pub ranks: Option<usize>,
     /// `-t`.
     pub timeout: Option<Duration>,
+    /// `--gap`: idle time before every timed call.
+    pub gap: Option<Duration>,
     /// `--compress` / `--topk`: a compressor spec.
     pub compress: Option<String>,
     /// `--sparse`: density of the sparse inputs.
@@ -199,6 +204,7 @@ enum Opt {
     Format,
     Ranks,
     Timeout,
+    Gap,
     Compress,
     Topk,
     Sparse,
@@ -227,6 +233,7 @@ const SPECS: &[(Opt, Option<char>, &str, bool)] = &[
     (Opt::Format, None, "format", true),
     (Opt::Ranks, None, "ranks", true),
     (Opt::Timeout, Some('t'), "timeout", true),
+    (Opt::Gap, None, "gap", true),
     (Opt::Compress, None, "compress", true),
     (Opt::Topk, None, "topk", true),
     (Opt::Sparse, None, "sparse", true),
@@ -366,6 +373,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut format = None;
     let mut ranks = None;
     let mut timeout = None;
+    let mut gap = None;
     let mut compress: Option<String> = None;
     let mut sparse = None;
     let mut sparse_algo = None;
@@ -430,6 +438,16 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                     timeout = Some(Duration::from_secs_f64(s))
                 }
                 _ => return usage_err(format!("-t: '{v}' is not a positive number of seconds")),
+            },
+            Opt::Gap => match v.trim().parse::<f64>() {
+                Ok(ms) if ms > 0.0 && ms <= 60_000.0 => {
+                    gap = Some(Duration::from_secs_f64(ms / 1e3))
+                }
+                _ => {
+                    return usage_err(format!(
+                        "--gap: '{v}' is not a number of milliseconds in (0, 60000]"
+                    ))
+                }
             },
             Opt::Compress => compress = Some(v.to_string()),
             Opt::Topk => match v.trim().parse::<f64>() {
@@ -529,6 +547,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         output,
         ranks,
         timeout,
+        gap,
         compress,
         sparse,
         sparse_algo,
@@ -687,6 +706,21 @@ mod tests {
         assert_eq!(o.average, Average::Rank0);
         assert_eq!(o.timeout, Some(Duration::from_millis(2500)));
         assert_eq!(o.ranks, Some(4));
+        assert_eq!(o.gap, None);
+        assert_eq!(
+            run("allreduce --gap 30").gap,
+            Some(Duration::from_millis(30))
+        );
+        assert_eq!(
+            run("allreduce --gap=0.5").gap,
+            Some(Duration::from_micros(500))
+        );
+        for bad in ["0", "-1", "nan", "60001", "x"] {
+            assert!(
+                err(&format!("allreduce --gap {bad}")).contains("--gap"),
+                "{bad}"
+            );
+        }
         assert_eq!(run("allreduce --format json").output, Output::Json);
         assert_eq!(parse(&args("allreduce -h")), Ok(Command::Help));
         assert_eq!(parse(&args("--help")), Ok(Command::Help));

@@ -10,14 +10,14 @@
 //! difference from the dense sum is counted as wrong). The compressed and the dense calls are
 //! timed one by one on a fresh copy of the input, after a barrier: the copy is not timed.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chorus::compress::{Compressor, CompressorSpec};
 use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
 use chorus::{CommError, Communicator, ReduceOp};
 
 use crate::cli::{Options, Output};
-use crate::report::{format_time_us, json_string};
+use crate::report::{format_time_us, json_gap, json_string};
 
 /// splitmix64's finaliser: a well-mixed hash of `x`.
 fn mix(x: u64) -> u64 {
@@ -49,39 +49,58 @@ fn max_over_ranks(comm: &mut Communicator, v: f64) -> Result<f64, Box<CommError>
     Ok(t[0])
 }
 
-/// The time of `iters` calls of `f` after `warmup` (max over ranks, as the peers harness).
+/// The time of `iters` calls of `f` after `warmup` (max over ranks, as the peers harness);
+/// with a `gap` (`--gap`), each timed call after that sleep and a barrier, timed on its own.
 fn time(
     comm: &mut Communicator,
     warmup: u64,
     iters: u64,
+    gap: Option<Duration>,
     mut f: impl FnMut(&mut Communicator) -> Result<(), Box<CommError>>,
 ) -> Result<f64, Box<CommError>> {
     for _ in 0..warmup {
         f(comm)?;
     }
-    comm.barrier()?;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f(comm)?;
-    }
-    let local = t0.elapsed().as_secs_f64() / iters as f64;
+    let local = if let Some(gap) = gap {
+        let mut total = 0.0;
+        for _ in 0..iters {
+            std::thread::sleep(gap);
+            comm.barrier()?;
+            let t0 = Instant::now();
+            f(comm)?;
+            total += t0.elapsed().as_secs_f64();
+        }
+        total / iters as f64
+    } else {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f(comm)?;
+        }
+        t0.elapsed().as_secs_f64() / iters as f64
+    };
     max_over_ranks(comm, local)
 }
 
 /// The time of `call` on a fresh copy of `input` each time (compression consumes its input,
 /// and top-k leaves it sparse): the copy and a barrier come before each timed call, so only
-/// the collective is timed. Mean per call, max over ranks.
+/// the collective is timed. Mean per call, max over ranks. A `gap` (`--gap`) is slept before
+/// the barrier of every timed call.
 fn time_fresh(
     comm: &mut Communicator,
     input: &[f32],
     warmup: u64,
     iters: u64,
+    gap: Option<Duration>,
     mut call: impl FnMut(&mut Communicator, &mut [f32]) -> Result<(), Box<CommError>>,
 ) -> Result<f64, Box<CommError>> {
     let mut work = input.to_vec();
     let mut total = 0.0;
     for i in 0..warmup + iters {
         work.copy_from_slice(input);
+        if let Some(gap) = gap.filter(|_| i >= warmup) {
+            std::thread::sleep(gap);
+        }
         comm.barrier()?;
         let t0 = Instant::now();
         call(comm, &mut work)?;
@@ -98,8 +117,9 @@ fn time_dense(
     input: &[f32],
     warmup: u64,
     iters: u64,
+    gap: Option<Duration>,
 ) -> Result<f64, Box<CommError>> {
-    time_fresh(comm, input, warmup, iters, |c, w| {
+    time_fresh(comm, input, warmup, iters, gap, |c, w| {
         Ok(c.all_reduce(w, ReduceOp::Sum)?)
     })
 }
@@ -148,8 +168,12 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
     };
     if show && !json {
         println!(
-            "# chorus-perf allreduce {mode}: {p} ranks, transport {}, float32 sum",
-            comm.transport_name()
+            "# chorus-perf allreduce {mode}: {p} ranks, transport {}, float32 sum{}",
+            comm.transport_name(),
+            opts.gap.map_or_else(String::new, |g| format!(
+                ", {} ms gap before every timed call",
+                g.as_secs_f64() * 1e3
+            ))
         );
         let last: [&str; 4] = if spec.is_some() {
             ["ratio", "rel_err", "speedup", " density"]
@@ -195,12 +219,12 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
             let density = out.iter().filter(|v| **v != 0.0).count() as f64 / n.max(1) as f64;
             let rel = max_over_ranks(comm, rel)?;
             let mut wire = 0u64;
-            let seconds = time_fresh(comm, &input, warmup, iters, |c, w| {
+            let seconds = time_fresh(comm, &input, warmup, iters, opts.gap, |c, w| {
                 let r = c.all_reduce_compressed(w, ReduceOp::Sum, &mut comp)?;
                 wire = r.bytes_sent;
                 Ok(())
             })?;
-            let dense_seconds = time_dense(comm, &input, warmup, iters)?;
+            let dense_seconds = time_dense(comm, &input, warmup, iters, opts.gap)?;
             let wire = mean_over_ranks(comm, wire as f64)?;
             let ratio = if wire > 0.0 {
                 bytes as f64 * factor / wire
@@ -234,12 +258,12 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
             let wrong = max_over_ranks(comm, wrong)? as u64;
             wrong_total += wrong;
             let mut sent = 0u64;
-            let seconds = time(comm, warmup, iters, |c| {
+            let seconds = time(comm, warmup, iters, opts.gap, |c| {
                 let (_, s) = c.sparse_all_reduce_stats(&sv, sparse_algo)?;
                 sent = s.bytes_sent;
                 Ok(())
             })?;
-            let dense_seconds = time_dense(comm, &sv.to_dense(), warmup, iters)?;
+            let dense_seconds = time_dense(comm, &sv.to_dense(), warmup, iters, opts.gap)?;
             let wire = mean_over_ranks(comm, sent as f64)?;
             Row {
                 bytes,
@@ -256,7 +280,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
             print_row(
                 &row,
                 spec.is_some(),
-                json,
+                opts,
                 &mode,
                 p,
                 factor,
@@ -276,7 +300,7 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
 fn print_row(
     r: &Row,
     compressed: bool,
-    json: bool,
+    opts: &Options,
     mode: &str,
     p: usize,
     factor: f64,
@@ -292,16 +316,17 @@ fn print_row(
     } else {
         0.0
     };
-    if json {
+    if opts.output == Output::Json {
         let (k3, k4) = if compressed {
             ("ratio", "rel_err")
         } else {
             ("nnz_per_rank", "result_nnz")
         };
         println!(
-            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4},\"result_density\":{:.6}}}",
+            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"gap_ms\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4},\"result_density\":{:.6}}}",
             json_string(mode),
             json_string(transport),
+            json_gap(opts.gap.map(|g| g.as_secs_f64() * 1e3)),
             r.bytes,
             r.count,
             r.seconds * 1e6,

@@ -280,6 +280,13 @@ pub struct JsonContext<'a> {
     pub algorithm: &'a str,
     /// Transport name.
     pub transport: &'a str,
+    /// `--gap` in milliseconds, if any.
+    pub gap_ms: Option<f64>,
+}
+
+/// `--gap` as a JSON value: milliseconds, or `null`.
+pub fn json_gap(gap_ms: Option<f64>) -> String {
+    gap_ms.map_or_else(|| "null".to_string(), |g| json_number(g, 3))
 }
 
 /// Quote a string for JSON.
@@ -320,7 +327,7 @@ pub fn json_line(ctx: &JsonContext<'_>, key: &RowKey<'_>, inplace: bool, m: &Mea
     format!(
         "{{\"collective\":{},\"size\":{},\"count\":{},\"type\":{},\"op\":{},\"root\":{},\
          \"inplace\":{},\"ranks\":{},\"algorithm\":{},\"transport\":{},\"iters\":{},\
-         \"time_us\":{},\"algbw\":{},\"busbw\":{},\"wrong\":{}}}",
+         \"gap_ms\":{},\"time_us\":{},\"algbw\":{},\"busbw\":{},\"wrong\":{}}}",
         json_string(ctx.collective),
         key.size,
         key.count,
@@ -332,6 +339,7 @@ pub fn json_line(ctx: &JsonContext<'_>, key: &RowKey<'_>, inplace: bool, m: &Mea
         json_string(ctx.algorithm),
         json_string(ctx.transport),
         m.iters,
+        json_gap(ctx.gap_ms),
         json_number(m.time_us, 3),
         json_number(m.algbw, 6),
         json_number(m.busbw, 6),
@@ -539,19 +547,26 @@ mod tests {
             ranks: 2,
             algorithm: "ring",
             transport: "tcp",
+            gap_ms: None,
         };
         let m = Measure::new(33_554_432, 20, 0.0125, 1.0, Some(0));
         assert_eq!(
             json_line(&ctx, &key(), false, &m),
             "{\"collective\":\"allreduce\",\"size\":33554432,\"count\":8388608,\
              \"type\":\"float\",\"op\":\"sum\",\"root\":-1,\"inplace\":false,\"ranks\":2,\
-             \"algorithm\":\"ring\",\"transport\":\"tcp\",\"iters\":20,\"time_us\":12500.000,\
+             \"algorithm\":\"ring\",\"transport\":\"tcp\",\"iters\":20,\"gap_ms\":null,\
+             \"time_us\":12500.000,\
              \"algbw\":2.684355,\"busbw\":2.684355,\"wrong\":0}"
         );
         let m = Measure::new(8, 1, 0.0, 1.0, None);
         let line = json_line(&ctx, &key(), true, &m);
         assert!(line.contains("\"inplace\":true"));
         assert!(line.contains("\"wrong\":null"));
+        let ctx = JsonContext {
+            gap_ms: Some(30.0),
+            ..ctx
+        };
+        assert!(json_line(&ctx, &key(), true, &m).contains("\"gap_ms\":30.000,"));
         assert_eq!(json_string("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
         assert_eq!(json_number(f64::INFINITY, 3), "null");
     }

@@ -4,7 +4,9 @@
 //! Per size and placement:
 //! 1. warm up, barrier, time `iters` back-to-back calls on the same buffers (in place the
 //!    buffer changes every call, as in nccl-tests: timing does not depend on the values), and
-//!    reduce the time over ranks as `-a` says;
+//!    reduce the time over ranks as `-a` says; with `--gap`, sleep and barrier before every
+//!    timed call instead, and time each call on its own (a training step's compute between
+//!    its collectives leaves the connections idle, which the back-to-back loop never does);
 //! 2. check (`-c 1`): fill the input with `reference::test_value`s, poison the output, run the
 //!    collective once, count wrong elements against `reference::expected`, sum over ranks;
 //! 3. derive algbw and busbw, print.
@@ -28,7 +30,7 @@
 //! ratio between them means something where separate launches' figures do not.
 
 use std::io::Write;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chorus::{AllReduceOptions, CommError, Communicator, DType, Element, ReduceOp};
 
@@ -180,11 +182,12 @@ impl<'a> Runner<'a> {
                 };
                 self.print(&format!(
                     "#  minBytes {} maxBytes {} step: {step} {iters} validation: {} \
-                     time: {}",
+                     time: {}{}",
                     o.grid.min_bytes,
                     o.grid.max_bytes,
                     u8::from(o.check),
-                    o.average.describe()
+                    o.average.describe(),
+                    gap_note(o.gap, " gap: ", " ms")
                 ));
                 if o.compare {
                     let algo = std::env::var("CHORUS_ALGO").unwrap_or_default();
@@ -225,7 +228,7 @@ impl<'a> Runner<'a> {
                 ));
                 self.print(&format!(
                     "# minbytes={} maxbytes={} factor={} warmup<={} iters=[{},{}] budget={} \
-                     check={}",
+                     check={}{}",
                     o.grid.min_bytes,
                     o.grid.max_bytes,
                     match o.grid.step {
@@ -242,6 +245,7 @@ impl<'a> Runner<'a> {
                     it.budget
                         .map_or_else(|| "none".to_string(), |b| b.to_string()),
                     u8::from(o.check),
+                    gap_note(o.gap, " gap_ms=", ""),
                 ));
                 self.print(&report::peers_header());
             }
@@ -365,7 +369,8 @@ impl<'a> Runner<'a> {
     }
 
     /// `untimed` calls of entry `v`, a barrier, then `iters` timed calls: the seconds per call,
-    /// reduced over ranks as `-a` says.
+    /// reduced over ranks as `-a` says. With `--gap`, every timed call comes after the gap's
+    /// sleep and a barrier, and is timed on its own.
     fn time_block<T: Element>(
         &mut self,
         v: usize,
@@ -380,12 +385,24 @@ impl<'a> Runner<'a> {
         for _ in 0..untimed {
             calls::call(self.comm, coll, send, buf, op, call)?;
         }
-        self.comm.barrier()?;
-        let start = Instant::now();
-        for _ in 0..iters {
-            calls::call(self.comm, coll, send, buf, op, call)?;
-        }
-        let local = start.elapsed().as_secs_f64() / iters as f64;
+        let local = if let Some(gap) = self.opts.gap {
+            let mut total = 0.0;
+            for _ in 0..iters {
+                std::thread::sleep(gap);
+                self.comm.barrier()?;
+                let start = Instant::now();
+                calls::call(self.comm, coll, send, buf, op, call)?;
+                total += start.elapsed().as_secs_f64();
+            }
+            total / iters as f64
+        } else {
+            self.comm.barrier()?;
+            let start = Instant::now();
+            for _ in 0..iters {
+                calls::call(self.comm, coll, send, buf, op, call)?;
+            }
+            start.elapsed().as_secs_f64() / iters as f64
+        };
         self.over_ranks(local)
     }
 
@@ -462,6 +479,7 @@ impl<'a> Runner<'a> {
                     ranks: self.ranks,
                     algorithm: &self.variants[0].label,
                     transport: self.transport,
+                    gap_ms: self.opts.gap.map(|g| g.as_secs_f64() * 1e3),
                 };
                 for (inplace, m) in measures {
                     self.print(&report::json_line(&ctx, &key, *inplace, m));
@@ -533,12 +551,20 @@ impl Runner<'_> {
                         ranks: self.ranks,
                         algorithm: label,
                         transport: self.transport,
+                        gap_ms: self.opts.gap.map(|g| g.as_secs_f64() * 1e3),
                     };
                     self.print(&report::json_line(&ctx, &key, false, &c.measure));
                 }
             }
         }
     }
+}
+
+/// `--gap` for a header: `before` milliseconds `after`, or nothing without a gap.
+fn gap_note(gap: Option<Duration>, before: &str, after: &str) -> String {
+    gap.map_or_else(String::new, |g| {
+        format!("{before}{}{after}", g.as_secs_f64() * 1e3)
+    })
 }
 
 /// The order of the entries in round `round` of a comparison: a shuffle (Fisher–Yates driven

@@ -315,3 +315,33 @@ fn tcp_congestion_control_is_set_or_refused() {
     assert_eq!(r.code, Some(3), "{}", r.stderr);
     assert!(r.stderr.contains("CHORUS_TCP_CONGESTION"), "{}", r.stderr);
 }
+
+/// `--gap` sleeps before every timed call (a lower bound on the run's time, not a
+/// performance assertion), says so in every output format, and still checks the results.
+#[test]
+fn gap_between_timed_calls() {
+    // 2 sizes x 4 timed calls x 40 ms; warm-up calls are not spaced.
+    let start = Instant::now();
+    let r = perf("allreduce --ranks 2 --json --inplace 0 -b 8 -e 64 -f 8 -n 4 -w 1 --gap 40");
+    let took = start.elapsed();
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{}", r.stdout);
+    for l in &lines {
+        assert!(l.contains("\"iters\":4,\"gap_ms\":40.000,"), "{l}");
+        assert!(l.ends_with("\"wrong\":0}"), "{l}");
+    }
+    assert!(took >= Duration::from_millis(2 * 4 * 40), "{took:?}");
+
+    let r = perf("allreduce --ranks 2 --format peers -b 8 -e 8 -n 2 -w 0 --gap 1.5");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains(" gap_ms=1.5\n"), "{}", r.stdout);
+    let r = perf("broadcast --ranks 2 -b 8 -e 8 -n 2 -w 0 --gap 1");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains(" gap: 1 ms\n"), "{}", r.stdout);
+    let r = perf(
+        "allreduce --ranks 2 --json --compress int8,min_bytes=0 -b 4K -e 4K -n 2 -w 0 --gap 1",
+    );
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("\"gap_ms\":1.000,"), "{}", r.stdout);
+}
