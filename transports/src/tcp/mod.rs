@@ -141,9 +141,10 @@ pub struct TcpOptions {
     /// testbed, a 128 KiB halving-doubling allreduce after 30 ms idle took 6.9–8.1 ms without
     /// this and 0.69–0.71 ms with it (`chorus-perf --gap 30`); back-to-back loops read the
     /// same with and without it. Small messages are left alone: an extra ACK each costs them
-    /// up to a fifth of their time, and a run of them carries too little for the RTT to
-    /// matter. The ring is unaffected either way (a rank only sends on one of its connections
-    /// and only receives on the other). `CHORUS_TCP_QUICKACK=0` turns it off.
+    /// up to a quarter of their time, and a run of them carries too little for the RTT to
+    /// matter. A ring alone is unaffected either way (a rank only sends on one of its
+    /// connections and only receives on the other), but not a ring followed by a small
+    /// exchange on the same connections. `CHORUS_TCP_QUICKACK=0` turns it off.
     pub quickack: bool,
 }
 
@@ -552,8 +553,6 @@ fn fill_staging(p: &mut Peer, peer: usize, need: usize) -> Result<bool> {
     Ok(true)
 }
 
-/// Read and decode the abort frame that follows an abort trailer ([`frame::TRAILER_ABORT`]) or
-/// arrives in place of a header, and turn it into the error the receiver reports.
 /// Which received messages are acknowledged at once ([`TcpOptions::quickack`]).
 #[derive(Clone, Copy, Debug)]
 struct QuickAck {
@@ -588,6 +587,8 @@ impl QuickAck {
     }
 }
 
+/// Read and decode the abort frame that follows an abort trailer ([`frame::TRAILER_ABORT`]) or
+/// arrives in place of a header, and turn it into the error the receiver reports.
 fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
     let len = h.len as usize;
     if h.len > frame::MAX_ABORT_PAYLOAD as u64 {
