@@ -10,12 +10,14 @@ from its own seed. Run it with either launcher:
 cannot parse their default.)
 
 ``--hook gloo`` uses DDP's own allreduce over Gloo instead; both print the same final loss
-(up to float rounding), which is what ``ffi/python/tests`` checks. Needs the chorus Python
+(up to float rounding), which is what ``ffi/python/tests`` checks, and rank 0's mean time per
+step. ``--hidden`` widens the model (4096: 295 KB of gradients per step; lower ``--lr`` then). Needs the chorus Python
 package (``pip install ./ffi/python``, or ``CHORUS_LIBRARY`` and ``PYTHONPATH=ffi/python``).
 """
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer")
     p.add_argument(
         "--compress",
         default=None,
@@ -42,8 +45,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # the same teacher and initial student on every rank
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-    student = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    h = args.hidden
+    teacher = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
+    student = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
     model = DDP(student)
 
     comm = None
@@ -62,6 +66,8 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     loss = torch.tensor(0.0)
+    dist.barrier()
+    start = time.perf_counter()
     for _ in range(args.steps):
         x = torch.randn(args.batch, 16, generator=data)
         with torch.no_grad():
@@ -70,6 +76,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    seconds = time.perf_counter() - start
 
     # The mean over ranks of the last step's loss, computed the same way for both hooks.
     final = loss.detach().clone()
@@ -77,6 +84,7 @@ def main() -> None:
     final /= world
     if rank == 0:
         print(f"hook {args.hook} ranks {world} steps {args.steps} final loss {final.item():.8f}")
+        print(f"mean step {seconds / max(args.steps, 1) * 1e3:.3f} ms on rank 0")
     if comm is not None:
         comm.close()
     dist.destroy_process_group()
