@@ -8,11 +8,44 @@
 //! Inputs are `reference::test_value(rank, index)` where `index` is the element's position in
 //! the sending rank's buffer, so every expected element is known without gathering inputs.
 
+use std::time::{Duration, Instant};
+
 use chorus::{AllReduceOptions, CommError, Communicator, Element, ReduceOp};
 use chorus_algorithms::reference::{expected, is_correct, test_value};
 
 use crate::collective::Collective;
 use crate::data;
+
+/// This rank's seconds per call of `iters` timed calls of `f`: back to back after one barrier,
+/// or, with a `gap` (`--gap`), each after a sleep of the gap and a barrier, timed on its own.
+pub fn seconds_per_call<E>(
+    comm: &mut Communicator,
+    iters: u64,
+    gap: Option<Duration>,
+    mut f: impl FnMut(&mut Communicator) -> Result<(), E>,
+) -> Result<f64, E>
+where
+    E: From<CommError>,
+{
+    let iters = iters.max(1);
+    let Some(gap) = gap else {
+        comm.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            f(comm)?;
+        }
+        return Ok(start.elapsed().as_secs_f64() / iters as f64);
+    };
+    let mut total = 0.0;
+    for _ in 0..iters {
+        std::thread::sleep(gap);
+        comm.barrier()?;
+        let start = Instant::now();
+        f(comm)?;
+        total += start.elapsed().as_secs_f64();
+    }
+    Ok(total / iters as f64)
+}
 
 /// The root of the rooted collectives.
 pub const ROOT: usize = 0;

@@ -16,6 +16,7 @@ use chorus::compress::{Compressor, CompressorSpec};
 use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
 use chorus::{CommError, Communicator, ReduceOp};
 
+use crate::calls;
 use crate::cli::{Options, Output};
 use crate::report::{format_time_us, json_gap, json_string};
 
@@ -61,24 +62,7 @@ fn time(
     for _ in 0..warmup {
         f(comm)?;
     }
-    let local = if let Some(gap) = gap {
-        let mut total = 0.0;
-        for _ in 0..iters {
-            std::thread::sleep(gap);
-            comm.barrier()?;
-            let t0 = Instant::now();
-            f(comm)?;
-            total += t0.elapsed().as_secs_f64();
-        }
-        total / iters as f64
-    } else {
-        comm.barrier()?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            f(comm)?;
-        }
-        t0.elapsed().as_secs_f64() / iters as f64
-    };
+    let local = calls::seconds_per_call(comm, iters, gap, f)?;
     max_over_ranks(comm, local)
 }
 
@@ -326,7 +310,7 @@ fn print_row(
             "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"gap_ms\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4},\"result_density\":{:.6}}}",
             json_string(mode),
             json_string(transport),
-            json_gap(opts.gap.map(|g| g.as_secs_f64() * 1e3)),
+            json_gap(opts.gap),
             r.bytes,
             r.count,
             r.seconds * 1e6,

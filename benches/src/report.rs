@@ -3,6 +3,7 @@
 //! Every function here returns text and has no side effect, so the formats are unit-tested.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// The figures of one timed run (one size, one of out-of-place / in-place).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -280,13 +281,16 @@ pub struct JsonContext<'a> {
     pub algorithm: &'a str,
     /// Transport name.
     pub transport: &'a str,
-    /// `--gap` in milliseconds, if any.
-    pub gap_ms: Option<f64>,
+    /// `--gap`, if any.
+    pub gap: Option<Duration>,
 }
 
 /// `--gap` as a JSON value: milliseconds, or `null`.
-pub fn json_gap(gap_ms: Option<f64>) -> String {
-    gap_ms.map_or_else(|| "null".to_string(), |g| json_number(g, 3))
+pub fn json_gap(gap: Option<Duration>) -> String {
+    gap.map_or_else(
+        || "null".to_string(),
+        |g| json_number(g.as_secs_f64() * 1e3, 3),
+    )
 }
 
 /// Quote a string for JSON.
@@ -339,7 +343,7 @@ pub fn json_line(ctx: &JsonContext<'_>, key: &RowKey<'_>, inplace: bool, m: &Mea
         json_string(ctx.algorithm),
         json_string(ctx.transport),
         m.iters,
-        json_gap(ctx.gap_ms),
+        json_gap(ctx.gap),
         json_number(m.time_us, 3),
         json_number(m.algbw, 6),
         json_number(m.busbw, 6),
@@ -547,7 +551,7 @@ mod tests {
             ranks: 2,
             algorithm: "ring",
             transport: "tcp",
-            gap_ms: None,
+            gap: None,
         };
         let m = Measure::new(33_554_432, 20, 0.0125, 1.0, Some(0));
         assert_eq!(
@@ -563,7 +567,7 @@ mod tests {
         assert!(line.contains("\"inplace\":true"));
         assert!(line.contains("\"wrong\":null"));
         let ctx = JsonContext {
-            gap_ms: Some(30.0),
+            gap: Some(Duration::from_millis(30)),
             ..ctx
         };
         assert!(json_line(&ctx, &key(), true, &m).contains("\"gap_ms\":30.000,"));

@@ -30,7 +30,7 @@
 //! ratio between them means something where separate launches' figures do not.
 
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chorus::{AllReduceOptions, CommError, Communicator, DType, Element, ReduceOp};
 
@@ -385,24 +385,9 @@ impl<'a> Runner<'a> {
         for _ in 0..untimed {
             calls::call(self.comm, coll, send, buf, op, call)?;
         }
-        let local = if let Some(gap) = self.opts.gap {
-            let mut total = 0.0;
-            for _ in 0..iters {
-                std::thread::sleep(gap);
-                self.comm.barrier()?;
-                let start = Instant::now();
-                calls::call(self.comm, coll, send, buf, op, call)?;
-                total += start.elapsed().as_secs_f64();
-            }
-            total / iters as f64
-        } else {
-            self.comm.barrier()?;
-            let start = Instant::now();
-            for _ in 0..iters {
-                calls::call(self.comm, coll, send, buf, op, call)?;
-            }
-            start.elapsed().as_secs_f64() / iters as f64
-        };
+        let local = calls::seconds_per_call(self.comm, iters, self.opts.gap, |c| {
+            calls::call(c, coll, send, buf, op, call)
+        })?;
         self.over_ranks(local)
     }
 
@@ -479,7 +464,7 @@ impl<'a> Runner<'a> {
                     ranks: self.ranks,
                     algorithm: &self.variants[0].label,
                     transport: self.transport,
-                    gap_ms: self.opts.gap.map(|g| g.as_secs_f64() * 1e3),
+                    gap: self.opts.gap,
                 };
                 for (inplace, m) in measures {
                     self.print(&report::json_line(&ctx, &key, *inplace, m));
@@ -551,7 +536,7 @@ impl Runner<'_> {
                         ranks: self.ranks,
                         algorithm: label,
                         transport: self.transport,
-                        gap_ms: self.opts.gap.map(|g| g.as_secs_f64() * 1e3),
+                        gap: self.opts.gap,
                     };
                     self.print(&report::json_line(&ctx, &key, false, &c.measure));
                 }
