@@ -210,20 +210,6 @@ fn tcp_congestion_from_env() -> Result<(Option<String>, bool), CommError> {
     parse_tcp_congestion(&v)
 }
 
-/// An on/off variable's value (`name=v`): `None` when empty (the default stands), else on for
-/// `1`/`on`/`true`/`yes` and off for `0`/`off`/`false`/`no`, in any case.
-fn parse_switch(name: &str, v: &str) -> Result<Option<bool>, CommError> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "" => Ok(None),
-        "1" | "on" | "true" | "yes" => Ok(Some(true)),
-        "0" | "off" | "false" | "no" => Ok(Some(false)),
-        _ => Err(CommError::invalid(
-            "init",
-            format!("{name}={v:?}: expected on or off (1 or 0)"),
-        )),
-    }
-}
-
 fn parse_tcp_congestion(v: &str) -> Result<(Option<String>, bool), CommError> {
     let name = v.trim();
     if name.is_empty() {
@@ -300,7 +286,9 @@ impl Communicator {
             }
             tcp_opts.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER").map_err(fail)?;
             let quickack = std::env::var("CHORUS_TCP_QUICKACK").unwrap_or_default();
-            if let Some(on) = parse_switch("CHORUS_TCP_QUICKACK", &quickack).map_err(fail)? {
+            if let Some(on) =
+                crate::config::parse_switch("CHORUS_TCP_QUICKACK", &quickack).map_err(fail)?
+            {
                 tcp_opts.quickack = on;
             }
             let (congestion, required) = tcp_congestion_from_env().map_err(fail)?;
@@ -1127,24 +1115,6 @@ mod tests {
         assert!(parse_tcp_congestion("a_name_that_is_too_long").is_err());
         assert!(parse_tcp_congestion("cu bic").is_err());
         assert!(parse_tcp_congestion("../x").is_err());
-    }
-
-    #[test]
-    fn switches_take_on_and_off_words() {
-        let q = "CHORUS_TCP_QUICKACK";
-        assert_eq!(parse_switch(q, "").unwrap(), None);
-        assert_eq!(parse_switch(q, " ").unwrap(), None);
-        for on in ["1", "on", "TRUE", " yes "] {
-            assert_eq!(parse_switch(q, on).unwrap(), Some(true), "{on}");
-        }
-        for off in ["0", "Off", "false", "no"] {
-            assert_eq!(parse_switch(q, off).unwrap(), Some(false), "{off}");
-        }
-        let e = parse_switch(q, "2").unwrap_err().to_string();
-        assert!(
-            e.contains("CHORUS_TCP_QUICKACK=\"2\"") && e.contains("on or off"),
-            "{e}"
-        );
     }
 
     #[test]

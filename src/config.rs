@@ -237,6 +237,20 @@ impl Lookup<'_> {
     }
 }
 
+/// An on/off variable's value (`name=v`): `None` when empty (the default stands), else on for
+/// `1`/`on`/`true`/`yes` and off for `0`/`off`/`false`/`no`, in any case.
+pub(crate) fn parse_switch(name: &str, v: &str) -> Result<Option<bool>, CommError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "1" | "on" | "true" | "yes" => Ok(Some(true)),
+        "0" | "off" | "false" | "no" => Ok(Some(false)),
+        _ => Err(CommError::invalid(
+            "init",
+            format!("{name}={v:?}: expected on or off (1 or 0)"),
+        )),
+    }
+}
+
 fn parse_count(var: &str, value: &str) -> Result<usize, String> {
     value
         .parse::<usize>()
@@ -375,6 +389,24 @@ mod tests {
     use super::*;
     use crate::ErrorKind;
     use std::collections::HashMap;
+
+    #[test]
+    fn switches_take_on_and_off_words() {
+        let q = "CHORUS_TCP_QUICKACK";
+        assert_eq!(parse_switch(q, "").unwrap(), None);
+        assert_eq!(parse_switch(q, " ").unwrap(), None);
+        for on in ["1", "on", "TRUE", " yes "] {
+            assert_eq!(parse_switch(q, on).unwrap(), Some(true), "{on}");
+        }
+        for off in ["0", "Off", "false", "no"] {
+            assert_eq!(parse_switch(q, off).unwrap(), Some(false), "{off}");
+        }
+        let e = parse_switch(q, "2").unwrap_err().to_string();
+        assert!(
+            e.contains("CHORUS_TCP_QUICKACK=\"2\"") && e.contains("on or off"),
+            "{e}"
+        );
+    }
 
     /// `Config::from_lookup` over `vars` (returns the same large error type it does).
     #[allow(clippy::result_large_err)]

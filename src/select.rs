@@ -853,14 +853,7 @@ pub fn tune_from_env() -> Result<bool, CommError> {
 /// assert!(parse_tune("sometimes").is_err());
 /// ```
 pub fn parse_tune(v: &str) -> Result<bool, CommError> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "" | "1" | "on" | "true" | "yes" => Ok(true),
-        "0" | "off" | "false" | "no" => Ok(false),
-        _ => Err(CommError::invalid(
-            "init",
-            format!("CHORUS_TUNE={v:?}: expected on or off (1 or 0)"),
-        )),
-    }
+    Ok(crate::config::parse_switch("CHORUS_TUNE", v)?.unwrap_or(true))
 }
 
 /// Where the tuning of one bucket stands.
