@@ -2,8 +2,8 @@
 # run_with_chorus.sh - run the peers harness (shared/peers/run_all.sh) with chorus as one more peer.
 #
 #   run_with_chorus.sh [--workdir DIR] [--no-build] [--prepare-only] [--algorithms]
-#                      [--null] [--tune-file] [--fixed-order] [--np LIST] [--loop-args ARGS]
-#                      [--netns-args ARGS] [run_all.sh args...]
+#                      [--null] [--tune-file] [--fixed-order] [--np LIST] [--hosts N]
+#                      [--loop-args ARGS] [--netns-args ARGS] [run_all.sh args...]
 #   e.g. run_with_chorus.sh --quick --only loopback
 #   the allreduce table of issue #4 (every schedule, auto and the peers, p=4, 8 B .. 64 MiB):
 #     run_with_chorus.sh --workdir W --algorithms --np 4 --only loopback,netns --reps 3 \
@@ -26,7 +26,8 @@
 # (CHORUS_TUNE_FILE; chorus-tcp-cached, chorus-cached): the first time a file is used, one
 # unrecorded launch writes it, so every recorded launch starts with the decisions of earlier
 # ones, as a job relaunched with a tuning file does.  --np
-# replaces the loopback rank counts (default "2 4"); --loop-args / --netns-args replace the
+# replaces the loopback rank counts (default "2 4"); --hosts N the testbed's host count (one rank
+# per host; default 4, as the harness; its scenario is then netnsN-RATE); --loop-args / --netns-args replace the
 # benchmark arguments of every peer of that section.  Each round launches the peers in its own
 # order, drawn from the round's number (run_all.sh launches them in one fixed order, so a peer
 # follows the same neighbour in every round: the two identical `auto` peers of the testbed read
@@ -52,6 +53,7 @@ NULL=0
 TUNE_FILE=0
 SHUFFLE=1
 NPS=""
+HOSTS=""
 LOOP_OVERRIDE=""
 NETNS_OVERRIDE=""
 SCHEDULES=(ring tree halving_doubling recursive_doubling)
@@ -66,9 +68,10 @@ while [[ $# -gt 0 ]]; do
         --tune-file) TUNE_FILE=1; shift ;;
         --fixed-order) SHUFFLE=0; shift ;;
         --np) NPS=${2:?--np needs a list such as "4"}; shift 2 ;;
+        --hosts) HOSTS=${2:?--hosts needs a host count such as 3}; shift 2 ;;
         --loop-args) LOOP_OVERRIDE=${2:?--loop-args needs arguments}; shift 2 ;;
         --netns-args) NETNS_OVERRIDE=${2:?--netns-args needs arguments}; shift 2 ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -227,6 +230,11 @@ if [[ -n $NPS ]]; then
     [[ $NPS =~ ^[0-9\ ]+$ ]] || die "--np takes rank counts such as \"2 4\", not $NPS"
     sed -i "s|^\([[:space:]]*\)for np in 2 4; do$|\1for np in $NPS; do|" "$RUN_ALL"
     grep -q "for np in $NPS; do" "$RUN_ALL" || die "could not patch the rank counts of $RUN_ALL"
+fi
+if [[ -n $HOSTS ]]; then
+    [[ $HOSTS =~ ^[0-9]+$ ]] && ((HOSTS >= 1 && HOSTS <= 250)) || die "--hosts takes a count 1..250, not $HOSTS"
+    sed -i "s|^NN=4$|NN=$HOSTS|" "$RUN_ALL"
+    grep -q "^NN=$HOSTS$" "$RUN_ALL" || die "could not patch the host count of $RUN_ALL"
 fi
 bash -n "$RUN_ALL" || die "patched $RUN_ALL does not parse"
 

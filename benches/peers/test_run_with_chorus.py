@@ -3,6 +3,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "run_with_chorus.sh")
 
@@ -36,3 +38,33 @@ def test_orders_differ_between_rounds_and_repeat_across_runs():
 
 def test_one_peer():
     assert shuffled(1, ["only=x"]) == ["only=x"]
+
+
+PEERS_DIR = os.path.join(HERE, "..", "..", "..", "shared", "peers")
+
+
+def prepare(tmp_path, *args):
+    """run_with_chorus.sh --prepare-only on the shared harness; the patched run_all.sh's text"""
+    if not os.path.isfile(os.path.join(PEERS_DIR, "run_all.sh")):
+        pytest.skip("no peers harness next to the workspace")
+    work = tmp_path / "work"
+    env = dict(os.environ, PEERS_DIR=PEERS_DIR, CHORUS_PERF="/bin/true")
+    r = subprocess.run(["bash", SCRIPT, "--workdir", str(work), "--prepare-only", *args],
+                       env=env, capture_output=True, text=True)
+    return r, (work / "run_all.sh").read_text() if r.returncode == 0 else ""
+
+
+def test_hosts_sets_the_testbed_size(tmp_path):
+    r, text = prepare(tmp_path, "--hosts", "3", "--algorithms")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^NN=3$", text, re.M) and not re.search(r"^NN=4$", text, re.M)
+    assert '"chorus-ring=chorus_netns ring"' in text
+
+
+def test_default_keeps_four_hosts_and_bad_counts_fail(tmp_path):
+    r, text = prepare(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^NN=4$", text, re.M)
+    for bad in ["0", "x", "3 4"]:
+        r, _ = prepare(tmp_path, "--hosts", bad)
+        assert r.returncode != 0 and "--hosts" in r.stderr, (bad, r.stderr)
