@@ -11,7 +11,7 @@ use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
-use crate::config::Config;
+use crate::config::{Config, MAX_WORLD_SIZE};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 use crate::select::{self, AlgoFilter, LinkSource, Next, Selector, TrialPlan, Tuner};
@@ -244,6 +244,12 @@ impl Communicator {
             return Err(fail(CommError::invalid(
                 "init",
                 format!("rank {rank} is not in 0..{size}"),
+            )));
+        }
+        if size > MAX_WORLD_SIZE {
+            return Err(fail(CommError::invalid(
+                "init",
+                format!("{size} ranks is above the limit of {MAX_WORLD_SIZE} ranks"),
             )));
         }
         let choice = match config.transport.as_deref() {
@@ -1141,5 +1147,21 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert!(e.is_usable());
+    }
+
+    #[test]
+    fn rank_counts_out_of_range_are_refused_before_rendezvous() {
+        // Nothing listens at port 1: a count that got past the check would wait there.
+        for (rank, size) in [
+            (0, 0),
+            (2, 2),
+            (0, MAX_WORLD_SIZE + 1),
+            (0, i32::MAX as usize),
+        ] {
+            let started = Instant::now();
+            let e = Communicator::new(Config::new(rank, size, "127.0.0.1:1")).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{rank}/{size}: {e}");
+            assert!(started.elapsed() < Duration::from_secs(5), "{rank}/{size}");
+        }
     }
 }

@@ -215,8 +215,10 @@ const LOCAL_RANK_VARS: &[&str] = &[
     "MPI_LOCALRANKID",
     "SLURM_LOCALID",
 ];
-/// The largest world size accepted (a guard against a garbled variable, not a design limit).
-const MAX_WORLD_SIZE: usize = 1 << 20;
+/// The largest world size accepted, from the environment and by [`crate::Communicator::new`]
+/// (a guard against a garbled variable or argument, which would otherwise size per-rank
+/// tables before any peer is heard from; not a design limit).
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// The largest timeout accepted: one year.
 const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 

@@ -216,8 +216,10 @@ typedef struct {
 } chorus_options;
 
 /**
- * What the last `chorus_allreduce_compressed` on a compressor did. Versioned like
- * `chorus_options`: set `size = sizeof(chorus_compression_report)` before the call.
+ * What the last `chorus_allreduce_compressed` on a compressor did. Versioned by its first
+ * field: set `size = sizeof(chorus_compression_report)` before the call. A library older than
+ * the header accepts a larger struct, fills the fields it knows and zeroes the rest (and
+ * leaves `size` as it was).
  */
 typedef struct {
   /**
@@ -335,11 +337,13 @@ int32_t chorus_comm_abort(chorus_comm *comm);
 
 /**
  * Free a communicator and close its connections (peers still in a collective with it see
- * this rank leave). NULL is a no-op. The pointer must not be used afterwards, nor while
- * another thread is inside a call on it.
+ * this rank leave). NULL is a no-op. The pointer must not be used afterwards. While another
+ * thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
+ * (wait for that call, or its timeout, and destroy it then).
  *
  * # Safety
- * `comm` is NULL or a live communicator no other thread is using.
+ * `comm` is NULL or a live communicator; no other thread starts a call on it during or after
+ * this one.
  */
 int32_t chorus_comm_destroy(chorus_comm *comm);
 
@@ -529,11 +533,12 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
 int32_t chorus_compressor_create(chorus_compressor **out, const char *spec);
 
 /**
- * Free a compressor. NULL is a no-op.
+ * Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
+ * not freed: this fails with `CHORUS_INVALID_USAGE`.
  *
  * # Safety
- * `comp` is NULL or was returned by `chorus_compressor_create`, is not used afterwards and
- * no other thread is using it.
+ * `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread
+ * starts a call with it during or after this one.
  */
 int32_t chorus_compressor_destroy(chorus_compressor *comp);
 
@@ -557,11 +562,12 @@ int32_t chorus_allreduce_compressed(chorus_comm *comm,
 
 /**
  * Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
- * `size` field must be set).
+ * `size` field must be set: at least this library's `sizeof(chorus_compression_report)`,
+ * at most 4096).
  *
  * # Safety
- * `comp` is NULL or a live compressor; `report` is NULL or points to a
- * `chorus_compression_report` whose `size` field is right.
+ * `comp` is NULL or a live compressor; `report` is NULL or points to `size` writable bytes
+ * (its `size` field).
  */
 int32_t chorus_compressor_report(const chorus_compressor *comp, chorus_compression_report *report);
 

@@ -18,8 +18,10 @@ pub struct chorus_compressor {
     inner: Mutex<Compressor>,
 }
 
-/// What the last `chorus_allreduce_compressed` on a compressor did. Versioned like
-/// `chorus_options`: set `size = sizeof(chorus_compression_report)` before the call.
+/// What the last `chorus_allreduce_compressed` on a compressor did. Versioned by its first
+/// field: set `size = sizeof(chorus_compression_report)` before the call. A library older than
+/// the header accepts a larger struct, fills the fields it knows and zeroes the rest (and
+/// leaves `size` as it was).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct chorus_compression_report {
@@ -68,19 +70,32 @@ pub unsafe extern "C" fn chorus_compressor_create(
     })
 }
 
-/// Free a compressor. NULL is a no-op.
+/// Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
+/// not freed: this fails with `CHORUS_INVALID_USAGE`.
 ///
 /// # Safety
-/// `comp` is NULL or was returned by `chorus_compressor_create`, is not used afterwards and
-/// no other thread is using it.
+/// `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread
+/// starts a call with it during or after this one.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor) -> i32 {
     guard("chorus_compressor_destroy", || {
-        if !comp.is_null() {
-            // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`; ownership comes
-            // back exactly once by the caller's promise.
-            drop(unsafe { Box::from_raw(comp) });
+        if comp.is_null() {
+            return Ok(());
         }
+        // SAFETY: non-NULL and live by the caller's promise.
+        let busy = matches!(
+            unsafe { &*comp }.inner.try_lock(),
+            Err(TryLockError::WouldBlock)
+        );
+        if busy {
+            return Err(Failure::new(
+                S::CHORUS_INVALID_USAGE,
+                "the compressor is in use by another thread; it was not freed",
+            ));
+        }
+        // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`, not in use (checked
+        // above); ownership comes back exactly once by the caller's promise.
+        drop(unsafe { Box::from_raw(comp) });
         Ok(())
     })
 }
@@ -122,11 +137,12 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
 }
 
 /// Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
-/// `size` field must be set).
+/// `size` field must be set: at least this library's `sizeof(chorus_compression_report)`,
+/// at most 4096).
 ///
 /// # Safety
-/// `comp` is NULL or a live compressor; `report` is NULL or points to a
-/// `chorus_compression_report` whose `size` field is right.
+/// `comp` is NULL or a live compressor; `report` is NULL or points to `size` writable bytes
+/// (its `size` field).
 #[no_mangle]
 pub unsafe extern "C" fn chorus_compressor_report(
     comp: *const chorus_compressor,
@@ -139,14 +155,19 @@ pub unsafe extern "C" fn chorus_compressor_report(
         // SAFETY: non-NULL; the first field, `size`, is always present.
         let size = unsafe { report.cast::<usize>().read_unaligned() };
         let ours = std::mem::size_of::<chorus_compression_report>();
-        if size != ours {
+        if size < ours || size > ptr::MAX_VERSIONED_SIZE {
             return Err(Failure::invalid(format!(
                 "report: size field is {size}, expected sizeof(chorus_compression_report) = {ours}"
             )));
         }
         let r = lock(comp)?.last_report();
+        if size > ours {
+            // SAFETY: the caller says `size` bytes are writable at `report`; a newer header's
+            // fields this library does not know read as zero.
+            unsafe { std::ptr::write_bytes(report.cast::<u8>().add(ours), 0, size - ours) };
+        }
         let out = chorus_compression_report {
-            size: ours,
+            size,
             compressed: r.compressed as i32,
             bytes_sent: r.bytes_sent,
             bytes_received: r.bytes_received,
@@ -154,7 +175,8 @@ pub unsafe extern "C" fn chorus_compressor_report(
             k: r.k.unwrap_or(0) as u64,
             result_nnz: r.result_nnz.unwrap_or(0) as u64,
         };
-        // SAFETY: non-NULL and a whole report is writable there (its size field says so).
+        // SAFETY: non-NULL and a whole report is writable there (its size field, at least
+        // ours, says so).
         unsafe { report.write_unaligned(out) };
         Ok(())
     })

@@ -332,15 +332,34 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 }
 
 /// Free a communicator and close its connections (peers still in a collective with it see
-/// this rank leave). NULL is a no-op. The pointer must not be used afterwards, nor while
-/// another thread is inside a call on it.
+/// this rank leave). NULL is a no-op. The pointer must not be used afterwards. While another
+/// thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
+/// (wait for that call, or its timeout, and destroy it then).
 ///
 /// # Safety
-/// `comm` is NULL or a live communicator no other thread is using.
+/// `comm` is NULL or a live communicator; no other thread starts a call on it during or after
+/// this one.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_destroy", || {
-        // SAFETY: NULL or live and not used again, by the caller's promise.
+        if comm.is_null() {
+            return Ok(());
+        }
+        // SAFETY: non-NULL, and live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        // A call in progress holds the lock: freeing now would free what it is using. (A
+        // poisoned lock, after an internal error, is freed: that is what the error asks for.)
+        if let Err(TryLockError::WouldBlock) = c.inner.try_lock() {
+            return Err(Failure::new(
+                S::CHORUS_INVALID_USAGE,
+                format!(
+                    "rank {}: the communicator is in use by another thread; it was not freed",
+                    c.rank
+                ),
+            ));
+        }
+        // SAFETY: live, not in use (checked just above) and not used again, by the caller's
+        // promise.
         drop(unsafe { ptr::from_raw(comm) });
         Ok(())
     })

@@ -147,8 +147,9 @@ pub(crate) fn check_disjoint(
     }
 }
 
-/// The largest options struct accepted (a guard against a garbage `size` field).
-const MAX_OPTIONS_SIZE: usize = 4096;
+/// The largest versioned struct (options, report) accepted: a guard against a garbage `size`
+/// field.
+pub(crate) const MAX_VERSIONED_SIZE: usize = 4096;
 
 /// The options at `p` (`None` for NULL), checked against their `size` field.
 ///
@@ -166,7 +167,7 @@ pub(crate) unsafe fn options(p: *const chorus_options) -> Result<Option<chorus_o
     // SAFETY: non-NULL; the first field, `size`, is always present.
     let size = unsafe { p.cast::<usize>().read_unaligned() };
     let ours = std::mem::size_of::<chorus_options>();
-    if size < ours || size > MAX_OPTIONS_SIZE {
+    if size < ours || size > MAX_VERSIONED_SIZE {
         return Err(Failure::invalid(format!(
             "options: size field is {size}, expected sizeof(chorus_options) = {ours} \
              (initialise the struct with CHORUS_OPTIONS_INIT)"

@@ -279,6 +279,14 @@ fn a_lost_peer_is_an_error_on_the_others() {
 }
 
 #[test]
+fn freeing_what_a_call_in_progress_uses_is_refused() {
+    let b = built();
+    let r = job(&b.api_test, &["busy"], 2);
+    assert_all_ok(&r, "busy");
+    assert!(r.iter().all(|(_, o)| o.contains("ok busy")));
+}
+
+#[test]
 fn example_links_statically_and_runs() {
     let b = built();
     for size in [1, 3] {

@@ -112,6 +112,9 @@ const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_GET_WAIT: Duration = Duration::from_secs(60);
 /// Default limit a client waits for a SET or ADD response (and the slack added to a GET's wait).
 const DEFAULT_CLIENT_IO_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long after [`StoreClient::set_deadline`]'s instant an answer may still arrive (a
+/// `get` asks the server to wait until that instant, and its answer takes a moment).
+pub const DEADLINE_GRACE: Duration = Duration::from_secs(2);
 /// Longest single TCP connect attempt of a client.
 const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// First and largest pause between a client's connection attempts.
@@ -192,6 +195,29 @@ fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> R
         }
     }
     Ok(())
+}
+
+/// [`read_exact_by`] for the other modules: the whole of `buf` before `deadline`, however
+/// the bytes are spread in time (a per-read timeout would let a peer that sends a byte now and
+/// then hold the reader far longer); a closed connection or the deadline is an error naming
+/// `what`.
+pub(crate) fn read_exact_before(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    let started = Instant::now();
+    read_exact_by(stream, buf, deadline).map_err(|w| match w {
+        Wire::Closed => {
+            TransportError::Rendezvous(format!("the peer closed the connection during the {what}"))
+        }
+        Wire::Timeout => TransportError::Timeout {
+            peer: None,
+            waited: started.elapsed(),
+        },
+        Wire::Io(e) => TransportError::io(None, "handshake", e),
+    })
 }
 
 /// Write all of `buf` to `stream` before `deadline`.
@@ -949,6 +975,8 @@ pub struct StoreClient {
     stream: TcpStream,
     addr: SocketAddr,
     io_timeout: Duration,
+    /// No request waits past this ([`set_deadline`](Self::set_deadline)).
+    bound: Option<Instant>,
     broken: Option<String>,
 }
 
@@ -1005,6 +1033,7 @@ impl StoreClient {
                         stream,
                         addr,
                         io_timeout: DEFAULT_CLIENT_IO_TIMEOUT,
+                        bound: None,
                         broken: None,
                     });
                 }
@@ -1024,6 +1053,14 @@ impl StoreClient {
     /// [`get`](Self::get)'s own deadline.
     pub fn set_io_timeout(&mut self, timeout: Duration) {
         self.io_timeout = timeout.clamp(Duration::from_millis(1), Duration::from_secs(86_400));
+    }
+
+    /// Let no request wait for the server past `deadline` (plus [`DEADLINE_GRACE`] for an
+    /// answer already on its way): a server that stalls then is a
+    /// [`TransportError::Timeout`] near the caller's own deadline (a rendezvous's), not up to
+    /// the I/O timeout later.
+    pub fn set_deadline(&mut self, deadline: Instant) {
+        self.bound = Some(deadline + DEADLINE_GRACE);
     }
 
     /// The server's address.
@@ -1132,6 +1169,7 @@ impl StoreClient {
                 "store connection unusable after an earlier error ({why}); connect again"
             )));
         }
+        let deadline = self.bound.map_or(deadline, |b| deadline.min(b));
         let out = self.exchange(op, key, body, deadline);
         if let Err(e) = &out {
             self.broken = Some(e.to_string());
@@ -1290,6 +1328,32 @@ mod tests {
             assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
             assert!(t0.elapsed() >= Duration::from_millis(200));
             assert_eq!(c.read_timeout().unwrap(), Some(Duration::from_secs(7)));
+        });
+    }
+
+    #[test]
+    fn a_stalled_server_is_a_timeout_at_the_clients_deadline() {
+        watchdog(Duration::from_secs(30), || {
+            // A "server" that completes the handshake, then never answers.
+            let listener = TcpListener::bind(localhost()).unwrap();
+            let addr = listener.local_addr().unwrap();
+            let stall = thread::spawn(move || {
+                let (mut s, _) = listener.accept().unwrap();
+                accept_handshake(&mut s, b"tok", STORE_CONTEXT, secs(10)).unwrap();
+                thread::sleep(Duration::from_secs(6));
+            });
+            let mut c = StoreClient::connect(addr, b"tok", secs(10)).unwrap();
+            let t0 = Instant::now();
+            c.set_deadline(t0 + Duration::from_millis(300));
+            let e = c.set("k", b"v").unwrap_err();
+            assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+            let waited = t0.elapsed();
+            assert!(
+                waited >= Duration::from_millis(300)
+                    && waited < DEADLINE_GRACE + Duration::from_millis(1500),
+                "{waited:?}"
+            );
+            stall.join().unwrap();
         });
     }
 

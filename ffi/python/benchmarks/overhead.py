@@ -38,7 +38,8 @@ def main():
         solo = chorus.init(rank=0, size=1, addr="127.0.0.1:0")
         api = mean_us(lambda: solo.allreduce(x), iters * 5)
         ptr = x.ctypes.data
-        raw = mean_us(lambda: lib.chorus_allreduce_opts(solo._h(), ptr, ptr, 2, 7, 0, None), iters * 5)
+        with solo._handle.use() as h:
+            raw = mean_us(lambda: lib.chorus_allreduce_opts(h, ptr, ptr, 2, 7, 0, None), iters * 5)
         solo.close()
         print(f"allreduce 8 B, {comm.size} ranks, Python API: {group:.2f} us/call ({iters} calls)")
         print(f"group of one (no communication): Python API {api:.2f} us, raw ctypes call {raw:.2f} us")

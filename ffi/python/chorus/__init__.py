@@ -19,9 +19,12 @@ call :meth:`Communicator.abort` and build a new one. The GIL is released while a
 runs. For PyTorch DDP see :mod:`chorus.ddp`.
 """
 
+import contextlib
 import ctypes
+import operator
 import sys
-from typing import Any, Dict, Optional, Tuple
+import threading
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from . import _lib
 from ._lib import lib
@@ -268,6 +271,48 @@ def _same_dtype(a: _Buffer, b: _Buffer, call: str) -> None:
         )
 
 
+class _Handle:
+    """A handle of the C library that :meth:`take` (closing) gives up only while no call uses
+    it: ctypes releases the GIL during a call, so another thread may try to close meanwhile,
+    and freeing then would free what the call is using."""
+
+    def __init__(self, h: ctypes.c_void_p, what: str):
+        self._h: Optional[ctypes.c_void_p] = h
+        self._what = what
+        self._mu = threading.Lock()
+        self._calls = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[ctypes.c_void_p]:
+        """The handle, for one call; :class:`InvalidUsageError` once closed."""
+        with self._mu:
+            if self._h is None:
+                raise InvalidUsageError(f"the {self._what} is closed")
+            self._calls += 1
+            h = self._h
+        try:
+            yield h
+        finally:
+            with self._mu:
+                self._calls -= 1
+
+    def take(self) -> Optional[ctypes.c_void_p]:
+        """The handle, which is closed from now on (None if it already was);
+        :class:`InvalidUsageError` while another thread is inside a call with it."""
+        with self._mu:
+            if self._calls:
+                raise InvalidUsageError(
+                    f"the {self._what} is in use by another thread; close it after that call "
+                    "returns"
+                )
+            h, self._h = self._h, None
+        return h
+
+
 # ---- the communicator ------------------------------------------------------------------
 
 
@@ -280,7 +325,7 @@ class Communicator:
     """
 
     def __init__(self, handle: ctypes.c_void_p):
-        self._handle: Optional[ctypes.c_void_p] = handle
+        self._handle = _Handle(handle, "communicator")
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -296,10 +341,10 @@ class Communicator:
         """The number of ranks."""
         return self._size
 
-    def _h(self) -> ctypes.c_void_p:
-        if self._handle is None:
-            raise InvalidUsageError("the communicator is closed")
-        return self._handle
+    def _call(self, fn: Any, *args: Any) -> None:
+        """``fn(handle, *args)``, its status checked."""
+        with self._handle.use() as h:
+            _check(fn(h, *args))
 
     def allreduce(
         self,
@@ -328,45 +373,37 @@ class Communicator:
                 raise InvalidArgumentError(
                     "algorithm and timeout do not apply to a compressed allreduce"
                 )
-            _check(
-                lib.chorus_allreduce_compressed(
-                    self._h(), b.ptr, b.count, b.dtype, _op_code(op), compressor._h()
-                )
-            )
+            op_code = _op_code(op)
+            with compressor._handle.use() as c:
+                self._call(lib.chorus_allreduce_compressed, b.ptr, b.count, b.dtype, op_code, c)
             return x
         opts = None
         if algorithm is not None or timeout is not None:
             o = _lib.Options()
             o.size = ctypes.sizeof(_lib.Options)
-            o.algorithm = algorithm.encode() if algorithm is not None else None
+            o.algorithm = _c_str(algorithm, "algorithm") if algorithm is not None else None
             o.timeout_seconds = float(timeout) if timeout is not None else 0.0
             opts = ctypes.byref(o)
-        _check(
-            lib.chorus_allreduce_opts(
-                self._h(), b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts
-            )
-        )
+        self._call(lib.chorus_allreduce_opts, b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts)
         return x
 
     def barrier(self) -> None:
         """Block until every rank has called ``barrier``."""
-        _check(lib.chorus_barrier(self._h()))
+        self._call(lib.chorus_barrier)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy ``x`` of rank ``root`` into ``x`` on every rank (same size everywhere).
         Returns ``x``."""
         b = _buffer(x, "x")
-        _check(lib.chorus_broadcast(self._h(), b.ptr, b.count, b.dtype, _int(root, "root")))
+        self._call(lib.chorus_broadcast, b.ptr, b.count, b.dtype, _int(root, "root"))
         return x
 
     def reduce(self, x: Any, root: int = 0, op: str = "sum") -> Any:
         """Reduce everyone's ``x`` into ``x`` of rank ``root`` (in place; ``x`` on the other
         ranks is left unchanged). Returns ``x``."""
         b = _buffer(x, "x")
-        _check(
-            lib.chorus_reduce(
-                self._h(), b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root")
-            )
+        self._call(
+            lib.chorus_reduce, b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root")
         )
         return x
 
@@ -379,7 +416,7 @@ class Communicator:
             raise InvalidArgumentError(
                 f"allgather: out has {r.count} elements, need {self.size} x {s.count}"
             )
-        _check(lib.chorus_allgather(self._h(), s.ptr, r.ptr, s.count, s.dtype))
+        self._call(lib.chorus_allgather, s.ptr, r.ptr, s.count, s.dtype)
         return out
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
@@ -391,9 +428,7 @@ class Communicator:
             raise InvalidArgumentError(
                 f"reduce_scatter: x has {s.count} elements, need {self.size} x {r.count}"
             )
-        _check(
-            lib.chorus_reduce_scatter(self._h(), s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
-        )
+        self._call(lib.chorus_reduce_scatter, s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
         return out
 
     def alltoall(self, x: Any, out: Any) -> Any:
@@ -406,7 +441,7 @@ class Communicator:
                 f"alltoall: x and out need the same number of elements, a multiple of "
                 f"{self.size} (got {s.count} and {r.count})"
             )
-        _check(lib.chorus_alltoall(self._h(), s.ptr, r.ptr, s.count // self.size, s.dtype))
+        self._call(lib.chorus_alltoall, s.ptr, r.ptr, s.count // self.size, s.dtype)
         return out
 
     def gather(self, x: Any, out: Any = None, root: int = 0) -> Any:
@@ -425,7 +460,7 @@ class Communicator:
                     f"gather: out has {r.count} elements, need {self.size} x {s.count}"
                 )
             ptr = r.ptr
-        _check(lib.chorus_gather(self._h(), s.ptr, ptr, s.count, s.dtype, root))
+        self._call(lib.chorus_gather, s.ptr, ptr, s.count, s.dtype, root)
         return out
 
     def scatter(self, x: Any, out: Any, root: int = 0) -> Any:
@@ -444,28 +479,29 @@ class Communicator:
                     f"scatter: x has {s.count} elements, need {self.size} x {r.count}"
                 )
             ptr = s.ptr
-        _check(lib.chorus_scatter(self._h(), ptr, r.ptr, r.count, r.dtype, root))
+        self._call(lib.chorus_scatter, ptr, r.ptr, r.count, r.dtype, root)
         return out
 
     def send(self, x: Any, peer: int) -> None:
         """Send ``x`` to rank ``peer``, which must :meth:`recv` the same size and dtype."""
         b = _buffer(x, "x", writable=False)
-        _check(lib.chorus_send(self._h(), b.ptr, b.count, b.dtype, _int(peer, "peer")))
+        self._call(lib.chorus_send, b.ptr, b.count, b.dtype, _int(peer, "peer"))
 
     def recv(self, x: Any, peer: int) -> Any:
         """Receive into ``x`` exactly what rank ``peer`` sends. Returns ``x``."""
         b = _buffer(x, "x")
-        _check(lib.chorus_recv(self._h(), b.ptr, b.count, b.dtype, _int(peer, "peer")))
+        self._call(lib.chorus_recv, b.ptr, b.count, b.dtype, _int(peer, "peer"))
         return x
 
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this
         communicator unusable. Call :meth:`close` afterwards."""
-        _check(lib.chorus_comm_abort(self._h()))
+        self._call(lib.chorus_comm_abort)
 
     def close(self) -> None:
-        """Free the communicator and close its connections. Idempotent."""
-        h, self._handle = self._handle, None
+        """Free the communicator and close its connections. Idempotent. While another thread
+        is inside a call on it, raises :class:`InvalidUsageError` and leaves it open."""
+        h = self._handle.take()
         if h is not None:
             _check(lib.chorus_comm_destroy(h))
 
@@ -482,7 +518,7 @@ class Communicator:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self._handle is None else "open"
+        state = "closed" if self._handle.closed else "open"
         return f"<chorus.Communicator rank {self._rank} of {self._size}, {state}>"
 
 
@@ -500,31 +536,26 @@ class Compressor:
     """
 
     def __init__(self, spec: str):
-        if not isinstance(spec, str):
-            raise InvalidArgumentError(f"spec must be a str, not {type(spec).__name__}")
         h = ctypes.c_void_p()
-        _check(lib.chorus_compressor_create(ctypes.byref(h), spec.encode()))
-        self._handle: Optional[ctypes.c_void_p] = h
+        _check(lib.chorus_compressor_create(ctypes.byref(h), _c_str(spec, "spec")))
+        self._handle = _Handle(h, "compressor")
         self.spec = spec
-
-    def _h(self) -> ctypes.c_void_p:
-        if self._handle is None:
-            raise InvalidUsageError("the compressor is closed")
-        return self._handle
 
     def last_report(self) -> Dict[str, int]:
         """What the last compressed allreduce did: ``compressed`` (0/1), ``bytes_sent``,
         ``bytes_received``, ``dense_bytes``, ``k`` and ``result_nnz`` (top-k)."""
         r = _lib.CompressionReport()
         r.size = ctypes.sizeof(_lib.CompressionReport)
-        _check(lib.chorus_compressor_report(self._h(), ctypes.byref(r)))
+        with self._handle.use() as h:
+            _check(lib.chorus_compressor_report(h, ctypes.byref(r)))
         return {name: int(getattr(r, name)) for name, _ in _lib.CompressionReport._fields_[1:]}
 
     def close(self) -> None:
-        """Free the compressor (idempotent)."""
-        h, self._handle = self._handle, None
+        """Free the compressor (idempotent). While another thread is inside a call using it,
+        raises :class:`InvalidUsageError` and leaves it open."""
+        h = self._handle.take()
         if h is not None:
-            lib.chorus_compressor_destroy(h)
+            _check(lib.chorus_compressor_destroy(h))
 
     def __del__(self) -> None:
         try:
@@ -537,11 +568,26 @@ class Compressor:
 
 
 def _int(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    """``v`` as a C int: a Python or numpy integer (not a bool), in range."""
+    if isinstance(v, bool):
         raise InvalidArgumentError(f"{what} must be an int, not {v!r}")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, not {v!r}") from None
     if not -(2**31) <= v < 2**31:
         raise InvalidArgumentError(f"{what} {v} is out of range")
     return v
+
+
+def _c_str(v: Any, what: str) -> bytes:
+    """``v`` as a NUL-terminated C string: a str without NUL characters (C would stop at one,
+    so ``token="\\0secret"`` would arrive as no token at all)."""
+    if not isinstance(v, str):
+        raise InvalidArgumentError(f"{what} must be a str, not {type(v).__name__}")
+    if "\0" in v:
+        raise InvalidArgumentError(f"{what} contains a NUL character")
+    return v.encode()
 
 
 def init(
@@ -569,8 +615,8 @@ def init(
                 ctypes.byref(handle),
                 _int(rank, "rank"),
                 _int(size, "size"),
-                addr.encode(),
-                token.encode() if token is not None else None,
+                _c_str(addr, "addr"),
+                _c_str(token, "token") if token is not None else None,
             )
         )
     return Communicator(handle)

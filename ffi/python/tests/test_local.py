@@ -59,6 +59,31 @@ def test_init_errors():
         chorus.init(rank=3, size=2, addr="127.0.0.1:1")
     with pytest.raises(chorus.InvalidArgumentError):
         chorus.init(rank=0, size=2)
+    # C stops at a NUL: a token "\0secret" would arrive as no token at all.
+    with pytest.raises(chorus.InvalidArgumentError, match="token contains a NUL"):
+        chorus.init(rank=0, size=1, addr="127.0.0.1:0", token="\0secret")
+    with pytest.raises(chorus.InvalidArgumentError, match="addr must be a str"):
+        chorus.init(rank=0, size=1, addr=b"127.0.0.1:0")
+    with pytest.raises(chorus.InvalidArgumentError, match="spec contains a NUL"):
+        chorus.Compressor("int8\0,ef=on")
+    # More ranks than the library takes is refused before anything is allocated for them.
+    with pytest.raises(chorus.InvalidArgumentError, match="ranks"):
+        chorus.init(rank=0, size=2**31 - 1, addr="127.0.0.1:0")
+
+
+def test_numpy_integers_and_strings_as_arguments(solo):
+    x = np.ones(3, dtype=np.int64)
+    solo.broadcast(x, root=np.int64(0))
+    solo.reduce(x, root=np.int32(0))
+    with pytest.raises(chorus.InvalidArgumentError, match="root must be an int"):
+        solo.broadcast(x, root=0.0)
+    with pytest.raises(chorus.InvalidArgumentError, match="root must be an int"):
+        solo.broadcast(x, root=True)
+    with pytest.raises(chorus.InvalidArgumentError, match="algorithm must be a str"):
+        solo.allreduce(x, algorithm=1)
+    with pytest.raises(chorus.InvalidArgumentError, match="algorithm contains a NUL"):
+        solo.allreduce(x, algorithm="ring\0")
+    assert (x == 1).all()
 
 
 def test_two_ranks_on_threads_and_the_gil_is_released():
@@ -121,8 +146,32 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     time.sleep(0.2)
     with pytest.raises(chorus.InvalidUsageError, match="another thread"):
         c0.allreduce(np.ones(2))
+    # Nor may it be freed under the call (ctypes released the GIL): close is refused and the
+    # communicator stays open.
+    with pytest.raises(chorus.InvalidUsageError, match="in use by another thread"):
+        c0.close()
+    assert "open" in repr(c0)
     c1.barrier()
     a.join(timeout=30)
     assert not a.is_alive()
+    # The same for a compressor in use by a compressed allreduce.
+    k0, k1 = chorus.Compressor("int8,min_bytes=0"), chorus.Compressor("int8,min_bytes=0")
+    x0, x1 = np.ones(4096, dtype=np.float32), np.ones(4096, dtype=np.float32)
+    a = threading.Thread(target=c0.allreduce, args=(x0,), kwargs={"compressor": k0})
+    a.start()
+    time.sleep(0.2)
+    with pytest.raises(chorus.InvalidUsageError, match="compressor is in use"):
+        k0.close()
+    c1.allreduce(x1, compressor=k1)
+    a.join(timeout=30)
+    assert not a.is_alive()
+    np.testing.assert_allclose(x0, 2.0, rtol=0.02)
+    k0.close()
+    k1.close()
+    with pytest.raises(chorus.InvalidUsageError, match="closed"):
+        k0.last_report()
     c0.close()
     c1.close()
+    c0.close()  # idempotent
+    with pytest.raises(chorus.InvalidUsageError, match="closed"):
+        c0.barrier()

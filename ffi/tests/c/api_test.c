@@ -13,6 +13,9 @@
  *                             further calls
  *   api_test peer_exit        the last rank exits without a word: the others get an error
  *   api_test peer_abort       the last rank aborts: the others get an error naming it
+ *   api_test busy             2 ranks: while a thread of rank 0 waits in a call for rank 1,
+ *                             destroying (or aborting) the communicator or the compressor it
+ *                             uses is refused with CHORUS_INVALID_USAGE, and works after
  *
  * Each rank prints "status <code> <name>" for the error cases and "ok <mode>" at the end;
  * any failed check prints "FAIL ..." and exits 1.
@@ -24,6 +27,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <threads.h>
+#include <time.h>
 
 static int g_rank = -1, g_size = -1;
 
@@ -406,6 +411,18 @@ static void compression(chorus_comm *comm) {
     OK(chorus_allreduce_compressed(comm, h, N, CHORUS_FLOAT16, CHORUS_SUM, c));
     for (int i = 0; i < N; i++)
         CHECK(fabs(half_value(h[i]) - 2.0 * g_size) < 0.05 * g_size, "h[%d] = %g", i, half_value(h[i]));
+    /* A newer header's larger report: the known fields filled, the rest zeroed, size kept. */
+    struct {
+        chorus_compression_report known;
+        uint64_t newer[3];
+    } big;
+    memset(&big, 0xAB, sizeof big);
+    big.known.size = sizeof big;
+    OK(chorus_compressor_report(c, &big.known));
+    CHECK(big.known.size == sizeof big, "size field changed to %zu", big.known.size);
+    CHECK(big.known.compressed == 1 && big.known.dense_bytes == 4 * N, "report %d %llu",
+          (int)big.known.compressed, (unsigned long long)big.known.dense_bytes);
+    for (int i = 0; i < 3; i++) CHECK(big.newer[i] == 0, "unknown field %d not zeroed", i);
     /* Bad input: a clear status, the communicator still usable. */
     chorus_compressor *none = NULL;
     EXPECT(chorus_compressor_create(&none, "int3"), CHORUS_INVALID_ARGUMENT);
@@ -420,6 +437,8 @@ static void compression(chorus_comm *comm) {
     EXPECT(chorus_allreduce_compressed(NULL, a, N, CHORUS_FLOAT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_allreduce_compressed(comm, NULL, N, CHORUS_FLOAT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
     chorus_compression_report bad = {0};
+    EXPECT(chorus_compressor_report(c, &bad), CHORUS_INVALID_ARGUMENT);
+    bad.size = 1 << 20;
     EXPECT(chorus_compressor_report(c, &bad), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_compressor_report(c, NULL), CHORUS_INVALID_ARGUMENT);
     OK(chorus_compressor_destroy(c));
@@ -474,9 +493,67 @@ static void peer_gone(chorus_comm *comm, int abort_it) {
     CHECK(st == CHORUS_REMOTE_ERROR, "a lost peer gave %d, want CHORUS_REMOTE_ERROR", (int)st);
 }
 
+/* Sleep `ms` milliseconds. */
+static void sleep_ms(long ms) {
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    thrd_sleep(&t, NULL);
+}
+
+struct busy_call {
+    chorus_comm *comm;
+    chorus_compressor *comp; /* NULL: a barrier; else a compressed allreduce with it */
+    float *buf;
+    int count;
+    int32_t status;
+};
+
+static int busy_thread(void *arg) {
+    struct busy_call *b = arg;
+    b->status = b->comp == NULL
+                    ? chorus_barrier(b->comm)
+                    : chorus_allreduce_compressed(b->comm, b->buf, b->count, CHORUS_FLOAT32,
+                                                  CHORUS_SUM, b->comp);
+    return 0;
+}
+
+/* Rank 0 starts a call in a thread; rank 1 joins it 1.5 s later. Meanwhile rank 0's main
+ * thread tries to free what the call uses: refused, and nothing is freed. */
+static void busy(chorus_comm *comm) {
+    CHECK(g_size == 2, "busy runs on 2 ranks");
+    enum { N = 4096 };
+    static float a[N];
+    chorus_compressor *c = NULL;
+    OK(chorus_compressor_create(&c, "int8,min_bytes=0"));
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < N; i++) a[i] = 1.0f;
+        struct busy_call b = {comm, round == 0 ? NULL : c, a, N, -1};
+        if (g_rank == 1) {
+            sleep_ms(1500);
+            busy_thread(&b);
+        } else {
+            thrd_t t;
+            CHECK(thrd_create(&t, busy_thread, &b) == thrd_success, "thrd_create");
+            sleep_ms(300);
+            if (round == 0) {
+                EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
+                CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());
+                EXPECT(chorus_comm_abort(comm), CHORUS_INVALID_USAGE);
+            } else {
+                EXPECT(chorus_compressor_destroy(c), CHORUS_INVALID_USAGE);
+                CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());
+            }
+            CHECK(thrd_join(t, NULL) == thrd_success, "thrd_join");
+        }
+        CHECK(b.status == CHORUS_OK, "round %d: the call gave %d: %s", round, (int)b.status,
+              chorus_last_error());
+    }
+    for (int i = 0; i < N; i++) CHECK(fabs(a[i] - 2.0) < 0.05, "a[%d] = %g", i, a[i]);
+    OK(chorus_compressor_destroy(c));
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -495,6 +572,7 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "mismatch") == 0 && argc > 2) mismatch(comm, argv[2]);
     else if (strcmp(mode, "peer_exit") == 0) peer_gone(comm, 0);
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
+    else if (strcmp(mode, "busy") == 0) busy(comm);
     else CHECK(0, "unknown mode %s", mode);
 
     OK(chorus_comm_destroy(comm));

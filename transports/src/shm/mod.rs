@@ -607,22 +607,29 @@ impl ShmTransport {
         })
     }
 
+    /// The producer counter of `j`'s ring at `base` and the bytes it puts after the consumer at
+    /// `pos`, checked to lie within the ring. Every use of the counter reads it through here:
+    /// the peer writes it, and a second, unchecked read could run past the ring.
+    fn produced(&self, j: usize, base: usize, pos: u64) -> Result<(u64, u64)> {
+        let head = self.me.u64_at(base).load(Ordering::Acquire);
+        let avail = head.wrapping_sub(pos);
+        if avail > self.layout.ring as u64 {
+            return Err(TransportError::Protocol {
+                peer: j,
+                what: format!(
+                    "ring producer counter {head} is not within the ring (consumer at {pos})"
+                ),
+            });
+        }
+        Ok((head, avail))
+    }
+
     /// The header of the next record from `j`, if one is there (not consumed).
     fn peek_header(&self, j: usize) -> Result<Option<(u64, u64, u64)>> {
         let ring = self.layout.ring;
         let p = self.peers[j].as_ref().expect("checked peer");
         let base = self.layout.ring_at(self.slot[j].expect("member"));
-        let head = self.me.u64_at(base).load(Ordering::Acquire);
-        let avail = head.wrapping_sub(p.rx.pos);
-        if avail > ring as u64 {
-            return Err(TransportError::Protocol {
-                peer: j,
-                what: format!(
-                    "ring producer counter {head} is not within the ring (consumer at {})",
-                    p.rx.pos
-                ),
-            });
-        }
+        let (head, avail) = self.produced(j, base, p.rx.pos)?;
         if p.rx.in_record || avail < REC_HEADER as u64 {
             return Ok(None);
         }
@@ -673,12 +680,13 @@ impl ShmTransport {
         }
         let base = self.layout.ring_at(self.slot[j].expect("member"));
         let data = base + 2 * LINE;
+        let pos = self.peers[j].as_ref().expect("peer").rx.pos;
+        let (_, avail) = self.produced(j, base, pos)?;
+        let mut avail = avail as usize;
         let p = self.peers[j].as_mut().expect("peer");
         if !p.rx.in_record {
             return Ok(Moved::Blocked);
         }
-        let head = self.me.u64_at(base).load(Ordering::Acquire);
-        let mut avail = head.wrapping_sub(p.rx.pos) as usize;
         let msg_len = req.message_len().expect("header seen");
         while req.bytes_done() < msg_len && avail > 0 {
             let done = req.bytes_done();

@@ -11,7 +11,7 @@
 //!    client that sends garbage or nothing is dropped (and logged) without delaying the job.
 
 use std::collections::HashSet;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{TcpOptions, TcpTransport};
-use crate::rendezvous::{accept_handshake, connect_handshake, StoreClient, StoreServer};
+use crate::rendezvous::{
+    accept_handshake, connect_handshake, read_exact_before, StoreClient, StoreServer,
+};
 use crate::{Result, TransportError};
 
 const HELLO_MAGIC: [u8; 4] = *b"CHRH";
@@ -131,6 +133,7 @@ pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
     };
     let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
+    store.set_deadline(deadline);
 
     let comm_id = if rank == 0 {
         let mut b = [0u8; 8];
@@ -350,7 +353,7 @@ fn check_incoming(
     s.set_read_timeout(Some(left)).map_err(io)?;
     s.set_write_timeout(Some(left)).map_err(io)?;
     let mut h = [0u8; HELLO_LEN];
-    s.read_exact(&mut h).map_err(io)?;
+    read_exact_before(&mut s, &mut h, deadline, "hello")?;
     if h[0..4] != HELLO_MAGIC {
         return Err(rdv("not a chorus connection (bad hello magic)"));
     }
