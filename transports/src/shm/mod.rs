@@ -291,6 +291,13 @@ pub fn connect(
                  (different pid namespace? use CHORUS_TRANSPORT=tcp)"
             ))
         })?;
+        // A segment that can shrink could be cut short under this rank's mapping, and the next
+        // access past its end would be SIGBUS instead of an error.
+        if !sys::cannot_shrink(&pfd) {
+            return Err(rdv(format!(
+                "rank {j}'s shared segment is not sealed at its size (another chorus release, or                  not a chorus segment); use CHORUS_TRANSPORT=tcp"
+            )));
+        }
         let map = Mapping::map(&pfd, layout.total())
             .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
         let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC

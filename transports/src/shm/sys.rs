@@ -1,9 +1,10 @@
 //! The system layer of the shared-memory transport: every `unsafe` block of it lives here, each
 //! wrapping one system call or one access to the mapped segment.
 //!
-//! - [`memfd`]: an anonymous shared-memory file (`memfd_create` + `ftruncate`). It has no name in
-//!   any file system, so nothing is ever left in `/dev/shm`, whatever happens to the process: the
-//!   kernel frees the memory when the last descriptor and mapping are gone.
+//! - [`memfd`]: an anonymous shared-memory file (`memfd_create` + `ftruncate`), sealed at its
+//!   size. It has no name in any file system, so nothing is ever left in `/dev/shm`, whatever
+//!   happens to the process: the kernel frees the memory when the last descriptor and mapping
+//!   are gone. [`cannot_shrink`] checks a peer's segment for that seal before it is mapped.
 //! - [`open_peer_fd`]: another process's memfd, reopened through `/proc/<pid>/fd/<fd>`.
 //! - [`Mapping`]: a `MAP_SHARED | MAP_POPULATE` mapping (pre-faulted: first touch costs ~10×),
 //!   unmapped on drop, with bounds-checked accessors for atomics and byte ranges.
@@ -29,16 +30,33 @@ fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
     }
 }
 
-/// A new anonymous shared-memory file of `len` bytes (close-on-exec).
+/// The seals every segment gets once it has its size: it can neither shrink nor grow, and the
+/// seals cannot be lifted. Peers open a segment read-write; one that shrank it would kill every
+/// process that has it mapped with `SIGBUS` at its next access past the new end.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A new anonymous shared-memory file of `len` bytes (close-on-exec), sealed at that size.
 pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `cname` is a valid NUL-terminated string that outlives the call; the flags are
     // plain constants.
-    let fd = check(unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) } as _)?;
+    let fd = check(unsafe {
+        libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    } as _)?;
     // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
     let owned = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
     File::from(owned.try_clone()?).set_len(len as u64)?;
+    // SAFETY: F_ADD_SEALS on a descriptor we own, with plain constant flags.
+    check(unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } as _)?;
     Ok(owned)
+}
+
+/// Whether the file behind `fd` is sealed against shrinking (as [`memfd`] seals its segments).
+/// A file that takes no seals at all (not a memfd) is not.
+pub fn cannot_shrink(fd: &OwnedFd) -> bool {
+    // SAFETY: F_GET_SEALS on a live descriptor; it only reads the file's seals.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
 }
 
 /// Opens the descriptor `fd` of process `pid` (a memfd it created) read-write.
@@ -290,6 +308,24 @@ mod tests {
         b.read(100, &mut out);
         assert_eq!(&out, b"hello");
         assert!(Mapping::map(&fd, 8192).is_err(), "mapping past the end");
+    }
+
+    #[test]
+    fn segments_are_sealed_at_their_size() {
+        let fd = memfd("chorus-test", 8192).unwrap();
+        assert!(cannot_shrink(&fd));
+        // Neither this process nor a peer that reopened it can change its size.
+        let reopened = open_peer_fd(std::process::id(), fd.as_raw_fd()).unwrap();
+        assert!(cannot_shrink(&reopened));
+        let f = File::from(reopened);
+        assert!(f.set_len(4096).is_err(), "shrunk a sealed segment");
+        assert!(f.set_len(16384).is_err(), "grew a sealed segment");
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+        // A file that takes no seals is not taken for a sealed segment.
+        let path = std::env::temp_dir().join(format!("chorus-seal-test-{}", std::process::id()));
+        let plain = File::create(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(!cannot_shrink(&OwnedFd::from(plain)));
     }
 
     #[test]
