@@ -307,6 +307,7 @@ impl TcpTransport {
     /// from sockets not flagged readable.
     fn pending_notice(&mut self, force: bool) -> Option<TransportError> {
         let mut found: Option<TransportError> = None;
+        let until = Instant::now() + ABORT_NOTICE_WAIT;
         for (j, p) in self.peers.iter_mut().enumerate() {
             let Some(p) = p else { continue };
             if p.rx_phase != RxPhase::Header || !(force || p.readable) {
@@ -326,7 +327,7 @@ impl TcpTransport {
                     p.rx_start += HEADER_LEN;
                     p.rx_seq += 1;
                     p.rx_phase = RxPhase::Lost;
-                    let e = read_abort(p, j, h);
+                    let e = read_abort(p, j, h, until);
                     let names_culprit = matches!(
                         e,
                         TransportError::PeerAborted {
@@ -587,9 +588,15 @@ impl QuickAck {
     }
 }
 
+/// How long a receiver waits for the rest of an abort notice whose header arrived (the sender
+/// wrote it in one go, so it is there at once unless the sender is hostile or died mid-write);
+/// one wait covers every peer a timeout looks at.
+const ABORT_NOTICE_WAIT: Duration = Duration::from_millis(500);
+
 /// Read and decode the abort frame that follows an abort trailer ([`frame::TRAILER_ABORT`]) or
-/// arrives in place of a header, and turn it into the error the receiver reports.
-fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
+/// arrives in place of a header, waiting until `until` at most for its bytes, and turn it into
+/// the error the receiver reports.
+fn read_abort(p: &mut Peer, peer: usize, h: Header, until: Instant) -> TransportError {
     let len = h.len as usize;
     if h.len > frame::MAX_ABORT_PAYLOAD as u64 {
         return TransportError::Protocol {
@@ -597,8 +604,6 @@ fn read_abort(p: &mut Peer, peer: usize, h: Header) -> TransportError {
             what: format!("abort notice of {} bytes", h.len),
         };
     }
-    // The notice is small; wait for it briefly (the sender wrote it in one go).
-    let until = Instant::now() + Duration::from_millis(500);
     loop {
         match fill_staging(p, peer, len) {
             Ok(true) => break,
@@ -669,7 +674,7 @@ fn drive_recv(
                 };
                 if h.kind == Kind::Abort {
                     p.rx_phase = RxPhase::Lost;
-                    return Err(read_abort(p, peer, h));
+                    return Err(read_abort(p, peer, h, Instant::now() + ABORT_NOTICE_WAIT));
                 }
                 if h.tag != req.tag() || h.len > req.len() as u64 {
                     p.rx_phase = RxPhase::Lost;
@@ -749,7 +754,12 @@ fn drive_recv(
                     loop {
                         match next_header(p, peer) {
                             Ok(Some(h)) if h.kind == Kind::Abort => {
-                                return Err(read_abort(p, peer, h))
+                                return Err(read_abort(
+                                    p,
+                                    peer,
+                                    h,
+                                    Instant::now() + ABORT_NOTICE_WAIT,
+                                ))
                             }
                             Ok(None) if Instant::now() < until => {
                                 p.readable = true;
@@ -1058,6 +1068,42 @@ mod tests {
         v.extend_from_slice(payload);
         v.push(trailer);
         v
+    }
+
+    /// Peers that send the header of an abort notice and never its body cost a timeout one
+    /// short wait for them all, not one per peer.
+    #[test]
+    fn incomplete_abort_notices_are_waited_for_once() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut raws = Vec::new();
+        let mut ours = vec![None];
+        for _ in 1..5 {
+            raws.push(std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap());
+            ours.push(Some(l.accept().unwrap().0));
+        }
+        let mut t = TcpTransport::from_streams(0, 5, ours, &TcpOptions::default()).unwrap();
+        // Ranks 2..=4 announce a 16-byte notice and stop; rank 1 stays silent.
+        for raw in &mut raws[1..] {
+            std::io::Write::write_all(raw, &header_bytes(0, 0, 16, Kind::Abort)).unwrap();
+        }
+        let mut b = [0u8; 8];
+        let started = Instant::now();
+        let e = t
+            .recv(1, 9, &mut b, Duration::from_millis(100))
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            matches!(
+                e,
+                TransportError::PeerAborted { .. } | TransportError::Timeout { .. }
+            ),
+            "{e}"
+        );
+        // 100 ms of timeout and one wait of ABORT_NOTICE_WAIT (a wait per peer took 1.5 s).
+        assert!(
+            took < Duration::from_millis(100) + ABORT_NOTICE_WAIT + Duration::from_millis(400),
+            "the timeout came after {took:?}"
+        );
     }
 
     /// Receive one message of tag 9 (capacity 8) after the raw peer wrote `bytes`.
