@@ -92,8 +92,19 @@ impl Config {
         }
     }
 
-    /// Read the process environment.
+    /// Read the process environment. A `CHORUS_*` variable whose value is not UTF-8 is an
+    /// error (read as unset, a `CHORUS_TOKEN` of other bytes would turn authentication off).
     pub fn from_env() -> Result<Config, CommError> {
+        let garbled = std::env::vars_os().find_map(|(k, v)| {
+            let k = k.to_str()?;
+            (k.starts_with("CHORUS_") && v.to_str().is_none()).then(|| k.to_string())
+        });
+        if let Some(k) = garbled {
+            return Err(CommError::invalid(
+                "init",
+                format!("{k} is not valid UTF-8"),
+            ));
+        }
         Config::from_lookup(|k| std::env::var(k).ok())
     }
 
@@ -356,6 +367,13 @@ fn root_addr(env: &Lookup<'_>, size: usize) -> Result<String, String> {
             ("CHORUS_PORT", parse_port("CHORUS_PORT", &p)?)
         } else if let Some(p) = env.value("MASTER_PORT") {
             let master = parse_port("MASTER_PORT", &p)?;
+            if master == 0 {
+                return Err(
+                    "MASTER_PORT=0 is not a port ranks can meet at (chorus uses MASTER_PORT + \
+                     1); set a port, or CHORUS_PORT"
+                        .to_string(),
+                );
+            }
             let port = master.checked_add(1).ok_or_else(|| {
                 "MASTER_PORT=65535 leaves no port for chorus (it uses MASTER_PORT + 1); \
                  set CHORUS_PORT"
@@ -704,6 +722,10 @@ mod tests {
         err(
             &[("MASTER_ADDR", "node0"), ("MASTER_PORT", "x")],
             "MASTER_PORT",
+        );
+        err(
+            &[("MASTER_ADDR", "node0"), ("MASTER_PORT", "0")],
+            "MASTER_PORT=0",
         );
         err(
             &[("MASTER_ADDR", "node0"), ("CHORUS_PORT", "x")],

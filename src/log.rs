@@ -1,6 +1,7 @@
 //! Leveled logging to stderr, controlled by `CHORUS_DEBUG` (`WARN`, `INFO`, `TRACE`; default
 //! `WARN`). Lines look like `chorus[rank 3] INFO: ...`.
 
+use std::io::Write as _;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// A log level.
@@ -32,10 +33,14 @@ impl Level {
 pub fn level() -> Level {
     match LEVEL.load(Ordering::Relaxed) {
         0 => {
-            let l = std::env::var("CHORUS_DEBUG")
-                .ok()
-                .and_then(|v| Level::parse(&v))
-                .unwrap_or(Level::Warn);
+            let set = std::env::var("CHORUS_DEBUG").ok();
+            let l = set.as_deref().and_then(Level::parse).unwrap_or(Level::Warn);
+            if let Some(v) = set.filter(|v| !v.trim().is_empty() && Level::parse(v).is_none()) {
+                let _ = writeln!(
+                    std::io::stderr().lock(),
+                    "chorus WARN: CHORUS_DEBUG={v:?} is not WARN, INFO or TRACE; using WARN"
+                );
+            }
             LEVEL.store(l as u8, Ordering::Relaxed);
             l
         }
@@ -63,9 +68,12 @@ pub fn log(l: Level, rank: Option<usize>, msg: std::fmt::Arguments<'_>) {
             Level::Info => "INFO",
             Level::Trace => "TRACE",
         };
-        match rank {
-            Some(r) => eprintln!("chorus[rank {r}] {lv}: {msg}"),
-            None => eprintln!("chorus {lv}: {msg}"),
-        }
+        // Not `eprintln!`: a closed stderr (a daemon, `2>&-`) must not turn a log line into a
+        // panic inside a collective.
+        let mut err = std::io::stderr().lock();
+        let _ = match rank {
+            Some(r) => writeln!(err, "chorus[rank {r}] {lv}: {msg}"),
+            None => writeln!(err, "chorus {lv}: {msg}"),
+        };
     }
 }

@@ -35,8 +35,9 @@
 //! rewritten by the next decision); it never fails a collective.
 //!
 //! # Caveats
-//! Rank 0 replaces the file atomically (a temporary file, then a rename); jobs writing the same
-//! file at the same time may lose each other's latest decisions, never corrupt it. The variable
+//! Rank 0 replaces the file atomically (a temporary file of a name unique to the writer, synced,
+//! then a rename); jobs writing the same file at the same time may lose each other's latest
+//! decisions, never corrupt it. A path to anything but a regular file is refused. The variable
 //! must be set (to any path) on every rank or on none: ranks that disagree fail their first
 //! collective with a mismatch, as ranks that disagree about `CHORUS_TUNE` do.
 
@@ -269,9 +270,16 @@ impl TuneFile {
         }
     }
 
-    /// Reads and parses the file at `path`: `Ok(None)` when there is none.
+    /// Reads and parses the file at `path`: `Ok(None)` when there is none. Anything but a
+    /// regular file (a FIFO, a device, a directory) is an error, never read: opening a FIFO
+    /// would block until a writer came.
     pub fn read(path: &Path) -> Result<Option<TuneFile>, String> {
         use std::io::Read as _;
+        match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() => return Err("it is not a regular file".to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            _ => {}
+        }
         let f = match std::fs::File::open(path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -288,18 +296,47 @@ impl TuneFile {
     }
 
     /// Writes `section` into the file at `path`: the file's other sections are kept (unless it
-    /// does not parse), and the new text replaces the old atomically.
+    /// does not parse), and the new text replaces the old atomically (written to a temporary
+    /// file of a name no other process picks, synced, then renamed over it). A path that names
+    /// something other than a regular file (`/dev/null`, a FIFO, a directory) is refused, not
+    /// replaced; a symbolic link to a file has its target replaced.
     pub fn store(path: &Path, section: Section) -> Result<(), String> {
-        let mut file = TuneFile::read(path).ok().flatten().unwrap_or_default();
+        use std::io::Write as _;
+        let path = match std::fs::metadata(path) {
+            Ok(m) if m.is_file() => {
+                std::fs::canonicalize(path).map_err(|e| format!("cannot resolve it: {e}"))?
+            }
+            Ok(_) => return Err("it is not a regular file; not replacing it".to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => path.to_path_buf(),
+            Err(e) => return Err(format!("cannot look at it: {e}")),
+        };
+        let mut file = TuneFile::read(&path).ok().flatten().unwrap_or_default();
         file.put(section);
         let name = path
             .file_name()
             .ok_or_else(|| "the path names no file".to_string())?;
+        let mut nonce = [0u8; 8];
+        getrandom::getrandom(&mut nonce).map_err(|e| format!("getrandom: {e}"))?;
         let mut tmp_name = name.to_os_string();
-        tmp_name.push(format!(".tmp.{}", std::process::id()));
+        tmp_name.push(format!(
+            ".tmp.{}.{:016x}",
+            std::process::id(),
+            u64::from_le_bytes(nonce)
+        ));
         let tmp = path.with_file_name(tmp_name);
-        std::fs::write(&tmp, file.format()).map_err(|e| format!("cannot write {tmp:?}: {e}"))?;
-        std::fs::rename(&tmp, path).map_err(|e| {
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .and_then(|mut f| {
+                f.write_all(file.format().as_bytes())?;
+                f.sync_all()
+            });
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!("cannot write {tmp:?}: {e}"));
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             format!("cannot replace it: {e}")
         })
@@ -623,6 +660,53 @@ mod tests {
         // Oversized files are refused before they are parsed.
         std::fs::write(&path, vec![b'#'; MAX_FILE_BYTES as usize + 1]).unwrap();
         assert!(TuneFile::read(&path).unwrap_err().contains("larger than"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_regular_files_are_read_or_replaced() {
+        let dir = std::env::temp_dir().join(format!("chorus-tune-kinds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A FIFO: opening it to read would block until a writer came.
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            assert!(TuneFile::read(&fifo)
+                .unwrap_err()
+                .contains("not a regular file"));
+            assert!(TuneFile::store(&fifo, section())
+                .unwrap_err()
+                .contains("not a regular"));
+            assert!(
+                !std::fs::metadata(&fifo).unwrap().is_file(),
+                "the FIFO was replaced"
+            );
+        }
+        // A directory.
+        assert!(TuneFile::read(&dir)
+            .unwrap_err()
+            .contains("not a regular file"));
+        assert!(TuneFile::store(&dir, section()).is_err());
+        // A symbolic link to a file: the file is replaced, the link kept.
+        let target = dir.join("target.txt");
+        let link = dir.join("link.txt");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        TuneFile::store(&target, section()).unwrap();
+        let mut other = section();
+        other.key.transport = "hybrid".into();
+        TuneFile::store(&link, other).unwrap();
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(TuneFile::read(&target).unwrap().unwrap().sections.len(), 2);
+        // No temporary file is left behind.
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.contains(".tmp.")), "{names:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

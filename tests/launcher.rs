@@ -206,6 +206,67 @@ fn a_background_process_holding_the_output_does_not_hang_the_launcher() {
     assert_eq!(run.status.code(), Some(5), "{}", run.stderr);
 }
 
+/// The pids of running processes whose command line contains `marker`.
+fn processes_with(marker: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(marker) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+fn a_closed_stderr_does_not_leave_ranks_running() {
+    // `chorus-run ... 2>&1 | true`: its stderr is a pipe nobody reads. Reporting the failed
+    // rank there must not kill the launcher before it stops the others.
+    let marker = "29.4171";
+    let script =
+        format!("if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.3; exit 3; fi; exec sleep {marker}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        .args(["-n", "3", "--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus-run");
+    drop(child.stderr.take());
+    let deadline = Instant::now() + WATCHDOG;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for chorus-run") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("watchdog: chorus-run still running after {WATCHDOG:?}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    // The killed ranks may take a moment to disappear from /proc.
+    let mut left = processes_with(marker);
+    for _ in 0..100 {
+        if left.is_empty() {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+        left = processes_with(marker);
+    }
+    for pid in &left {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+    assert!(
+        left.is_empty(),
+        "ranks left running: {left:?} (launcher {status})"
+    );
+    assert_eq!(status.code(), Some(3), "{status}");
+}
+
 #[test]
 fn timeout_kills_the_job_with_124() {
     let run = chorus_run(&["--timeout", "1", "-n", "2", "--", "sleep", "30"]);

@@ -345,3 +345,25 @@ fn gap_between_timed_calls() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("\"gap_ms\":1.000,"), "{}", r.stdout);
 }
+
+/// A `CHORUS_*` value that is not UTF-8 is refused at init, naming the variable: read as
+/// unset, a `CHORUS_TOKEN` of other bytes would turn authentication off.
+#[test]
+fn garbled_chorus_variables_are_refused() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = Command::new(env!("CARGO_BIN_EXE_chorus-perf"))
+        .args(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0"])
+        .env_remove("CHORUS_PERF_PROGRESS")
+        .env("CHORUS_RANK", "0")
+        .env("CHORUS_WORLD_SIZE", "1")
+        .env("CHORUS_TOKEN", std::ffi::OsStr::from_bytes(b"s\xffcret"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-perf");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("CHORUS_TOKEN is not valid UTF-8"),
+        "{stderr}"
+    );
+}

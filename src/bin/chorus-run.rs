@@ -347,6 +347,14 @@ fn to_stderr(line: &[u8]) {
     let _ = io::stderr().lock().write_all(line);
 }
 
+/// `chorus-run: ...` on stderr, as one line. Unlike `eprintln!`, a stderr that is a closed
+/// pipe is ignored, not a panic: a panic here would leave the ranks running.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        to_stderr(format!("chorus-run: {}\n", format_args!($($arg)*)).as_bytes())
+    };
+}
+
 /// One started rank.
 struct Rank {
     child: Child,
@@ -376,11 +384,11 @@ fn main() {
     let opts = match parse_args(std::env::args_os().skip(1).collect()) {
         Ok(Parsed::Run(opts)) => opts,
         Ok(Parsed::Print(text)) => {
-            print!("{text}");
+            to_stdout(text.as_bytes());
             return;
         }
         Err(msg) => {
-            eprintln!("chorus-run: {msg} (see chorus-run --help)");
+            say!("{msg} (see chorus-run --help)");
             std::process::exit(EXIT_USAGE);
         }
     };
@@ -392,7 +400,7 @@ fn run(opts: &Options) -> i32 {
     let (chorus_port, master_port) = match free_ports() {
         Ok(ports) => ports,
         Err(e) => {
-            eprintln!("chorus-run: cannot find a free TCP port on 127.0.0.1: {e}");
+            say!("cannot find a free TCP port on 127.0.0.1: {e}");
             return 1;
         }
     };
@@ -406,7 +414,7 @@ fn run(opts: &Options) -> i32 {
         None => match random_token() {
             Ok(t) => t,
             Err(e) => {
-                eprintln!("chorus-run: cannot read /dev/urandom for a token: {e}");
+                say!("cannot read /dev/urandom for a token: {e}");
                 return 1;
             }
         },
@@ -445,7 +453,7 @@ fn run(opts: &Options) -> i32 {
             Ok(child) => child,
             Err(e) => {
                 let program = cmd.get_program().to_string_lossy().into_owned();
-                eprintln!("chorus-run: cannot start rank {rank} ({program}): {e}");
+                say!("cannot start rank {rank} ({program}): {e}");
                 for r in &mut started {
                     let _ = r.child.kill();
                     let _ = r.child.wait();
@@ -457,26 +465,36 @@ fn run(opts: &Options) -> i32 {
             }
         };
         let prefix = format!("[{rank}] ").into_bytes();
+        let mut spawned = Ok(());
         if let Some(out) = child.stdout.take() {
             let (tx, prefix) = (drained_tx.clone(), prefix.clone());
             readers += 1;
-            thread::spawn(move || {
+            spawned = spawned.and(spawn_reader(rank, move || {
                 prefix_lines(out, &prefix, &to_stdout);
                 let _ = tx.send(());
-            });
+            }));
         }
         if let Some(err) = child.stderr.take() {
             let tx = drained_tx.clone();
             readers += 1;
-            thread::spawn(move || {
+            spawned = spawned.and(spawn_reader(rank, move || {
                 prefix_lines(err, &prefix, &to_stderr);
                 let _ = tx.send(());
-            });
+            }));
         }
         started.push(Rank {
             child,
             status: None,
         });
+        if let Err(e) = spawned {
+            // Its output could not be passed on: stop the job rather than leave it blocked.
+            say!("cannot start a thread for the output of rank {rank}: {e}; stopping the job");
+            for r in &mut started {
+                let _ = r.child.kill();
+                let _ = r.child.wait();
+            }
+            return 1;
+        }
     }
     drop(drained_tx);
 
@@ -488,8 +506,8 @@ fn run(opts: &Options) -> i32 {
     for _ in 0..readers {
         let left = drain_deadline.saturating_duration_since(Instant::now());
         if drained.recv_timeout(left).is_err() {
-            eprintln!(
-                "chorus-run: output of some rank is still open after all ranks exited \
+            say!(
+                "output of some rank is still open after all ranks exited \
                  (a background process of a rank survives it); not waiting for it"
             );
             break;
@@ -515,7 +533,7 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
                 Ok(Some(status)) => status,
                 Ok(None) => continue,
                 Err(e) => {
-                    eprintln!("chorus-run: cannot wait for rank {rank}: {e}; killing it");
+                    say!("cannot wait for rank {rank}: {e}; killing it");
                     let _ = r.child.kill();
                     match r.child.wait() {
                         Ok(status) => status,
@@ -530,18 +548,18 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
             let (code, what) = describe(status);
             if failed {
                 // Another rank failed on its own during the grace period.
-                eprintln!("chorus-run: rank {rank} {what}");
+                say!("rank {rank} {what}");
                 continue;
             }
             failed = true;
             exit_code = code;
             let running = ranks_running(ranks_);
             if running == 0 {
-                eprintln!("chorus-run: rank {rank} {what}");
+                say!("rank {rank} {what}");
             } else if running == 1 {
-                eprintln!("chorus-run: rank {rank} {what} (killing the other rank)");
+                say!("rank {rank} {what} (killing the other rank)");
             } else {
-                eprintln!("chorus-run: rank {rank} {what} (killing the other {running} ranks)");
+                say!("rank {rank} {what} (killing the other {running} ranks)");
             }
             kill_at = Some(Instant::now() + KILL_GRACE);
             // `ranks_` is borrowed by the loop; re-enter it to reap the rest.
@@ -554,8 +572,8 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
         let now = Instant::now();
         if let Some(limit) = timeout {
             if !failed && now.duration_since(start) >= limit {
-                eprintln!(
-                    "chorus-run: timeout: the job ran longer than {} s (--timeout); \
+                say!(
+                    "timeout: the job ran longer than {} s (--timeout); \
                      killing the {} still running",
                     limit.as_secs_f64(),
                     ranks(running)
@@ -572,6 +590,15 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
         }
         thread::sleep(POLL_INTERVAL);
     }
+}
+
+/// Starts a thread that passes on rank `rank`'s output (an error, not a panic, when the system
+/// refuses one: a panic would leave the ranks running).
+fn spawn_reader(rank: usize, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    thread::Builder::new()
+        .name(format!("rank {rank} output"))
+        .spawn(f)
+        .map(drop)
 }
 
 /// Number of ranks not yet reaped.

@@ -59,6 +59,16 @@ use std::time::{Duration, Instant};
 
 pub use error::TransportError;
 
+/// Writes `chorus: MSG` as one line to stderr, ignoring a stderr that is closed or broken
+/// (`eprintln!` would panic, here inside a transport's acceptor and store threads).
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), "chorus: {}", format_args!($($arg)*));
+    }};
+}
+pub(crate) use note;
+
 /// Result type of this crate.
 pub type Result<T, E = TransportError> = std::result::Result<T, E>;
 

@@ -519,7 +519,7 @@ impl LogLimiter {
         let (start, lines, suppressed) = &mut *st;
         if start.elapsed() >= Self::WINDOW {
             if *suppressed > 0 {
-                eprintln!("chorus: store: {suppressed} similar messages suppressed");
+                crate::note!("store: {suppressed} similar messages suppressed");
             }
             *start = Instant::now();
             *lines = 0;
@@ -527,7 +527,7 @@ impl LogLimiter {
         }
         if *lines < Self::LINES_PER_WINDOW {
             *lines += 1;
-            eprintln!("chorus: store: {msg}");
+            crate::note!("store: {msg}");
         } else {
             *suppressed += 1;
         }

@@ -204,7 +204,7 @@ pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
             match rx.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok((j, s)) if missing.remove(&j) => streams[j] = Some(s),
                 Ok((j, _)) => {
-                    eprintln!("chorus: rank {rank}: duplicate connection from rank {j} dropped")
+                    crate::note!("rank {rank}: duplicate connection from rank {j} dropped")
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -298,9 +298,7 @@ fn accept_loop(
         match listener.accept() {
             Ok((stream, from_addr)) => {
                 if live.load(Ordering::Relaxed) > 4 * size + 64 {
-                    eprintln!(
-                        "chorus: rank {rank}: too many pending connections, dropping {from_addr}"
-                    );
+                    crate::note!("rank {rank}: too many pending connections, dropping {from_addr}");
                     continue;
                 }
                 live.fetch_add(1, Ordering::Relaxed);
@@ -315,22 +313,22 @@ fn accept_loop(
                             Ok((j, s)) => {
                                 let _ = tx.send((j, s));
                             }
-                            Err(e) => eprintln!(
-                                "chorus: rank {rank}: dropped data connection from {from_addr}: {e}"
+                            Err(e) => crate::note!(
+                                "rank {rank}: dropped data connection from {from_addr}: {e}"
                             ),
                         }
                         live_c.fetch_sub(1, Ordering::Relaxed);
                     });
                 if spawned.is_err() {
                     live.fetch_sub(1, Ordering::Relaxed);
-                    eprintln!("chorus: rank {rank}: cannot spawn handshake thread");
+                    crate::note!("rank {rank}: cannot spawn handshake thread");
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => {
-                eprintln!("chorus: rank {rank}: accept: {e}");
+                crate::note!("rank {rank}: accept: {e}");
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
