@@ -162,9 +162,15 @@ impl Communicator {
             buf.len(),
             alg.name()
         ));
-        self.run_collective(OP, CollKind::Broadcast, dtype, NO_OP, None, |ctx| {
-            broadcast::run(alg, ctx, buf, root)
-        })
+        self.run_call(
+            OP,
+            CollKind::Broadcast,
+            dtype,
+            NO_OP,
+            &[buf.len() as u64, root as u64],
+            None,
+            |ctx| broadcast::run(alg, ctx, buf, root),
+        )
     }
 
     /// Reduce: `recv` of `root` gets the element-wise reduction of every rank's input, which
@@ -211,9 +217,15 @@ impl Communicator {
             op.name(),
             alg.name()
         ));
-        self.run_collective(OP, CollKind::Reduce, dtype, op, None, |ctx| {
-            reduce::run(alg, ctx, send, recv, dtype, op, root)
-        })
+        self.run_call(
+            OP,
+            CollKind::Reduce,
+            dtype,
+            op,
+            &[n as u64, root as u64],
+            None,
+            |ctx| reduce::run(alg, ctx, send, recv, dtype, op, root),
+        )
     }
 
     /// Allgather: `recv` (p × `send.len()` elements) gets every rank's `send`, rank `j`'s at
@@ -243,9 +255,15 @@ impl Communicator {
             recv.len(),
             alg.name()
         ));
-        self.run_collective(OP, CollKind::AllGather, dtype, NO_OP, None, |ctx| {
-            allgather::run(alg, ctx, send, recv)
-        })
+        self.run_call(
+            OP,
+            CollKind::AllGather,
+            dtype,
+            NO_OP,
+            &[recv.len() as u64],
+            None,
+            |ctx| allgather::run(alg, ctx, send, recv),
+        )
     }
 
     /// Checks `p` blocks against one: `gathers` — `send` is one block and `full` p blocks
@@ -337,9 +355,15 @@ impl Communicator {
             op.name(),
             alg.name()
         ));
-        self.run_collective(OP, CollKind::ReduceScatter, dtype, op, None, |ctx| {
-            reduce_scatter::run(alg, ctx, send, recv, dtype, op)
-        })
+        self.run_call(
+            OP,
+            CollKind::ReduceScatter,
+            dtype,
+            op,
+            &[total as u64],
+            None,
+            |ctx| reduce_scatter::run(alg, ctx, send, recv, dtype, op),
+        )
     }
 
     /// All-to-all: block `j` of this rank's `send` becomes block `rank` of rank `j`'s `recv`
@@ -375,9 +399,15 @@ impl Communicator {
         }
         self.check_blocks(OP, None, recv.len(), dtype, true)?;
         self.trace(format_args!("all_to_all {} B pairwise", recv.len()));
-        self.run_collective(OP, CollKind::AllToAll, dtype, NO_OP, None, |ctx| {
-            alltoall::run(ctx, send, recv)
-        })
+        self.run_call(
+            OP,
+            CollKind::AllToAll,
+            dtype,
+            NO_OP,
+            &[recv.len() as u64],
+            None,
+            |ctx| alltoall::run(ctx, send, recv),
+        )
     }
 
     /// Gather: `recv` of `root` (p × `send.len()` elements) gets every rank's `send`, rank
@@ -423,9 +453,15 @@ impl Communicator {
             None
         };
         self.trace(format_args!("gather {} B to {root}", send.len()));
-        self.run_collective(OP, CollKind::Gather, dtype, NO_OP, None, |ctx| {
-            gather::run(ctx, send, recv, root)
-        })
+        self.run_call(
+            OP,
+            CollKind::Gather,
+            dtype,
+            NO_OP,
+            &[send.len() as u64, root as u64],
+            None,
+            |ctx| gather::run(ctx, send, recv, root),
+        )
     }
 
     /// Scatter: block `j` of `root`'s `send` (p × `recv.len()` elements) goes to rank `j`'s
@@ -471,9 +507,15 @@ impl Communicator {
             None
         };
         self.trace(format_args!("scatter {} B from {root}", recv.len()));
-        self.run_collective(OP, CollKind::Scatter, dtype, NO_OP, None, |ctx| {
-            scatter::run(ctx, send, recv, root)
-        })
+        self.run_call(
+            OP,
+            CollKind::Scatter,
+            dtype,
+            NO_OP,
+            &[recv.len() as u64, root as u64],
+            None,
+            |ctx| scatter::run(ctx, send, recv, root),
+        )
     }
 
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {

@@ -119,22 +119,55 @@ impl CollKind {
     }
 }
 
-/// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32),
-/// per-communicator collective sequence number (32..64).
+/// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32), call
+/// fingerprint (32..40, [`call_bits`]), per-communicator collective sequence number (40..64,
+/// modulo 2^24: it only has to tell a call from its neighbours).
 pub(crate) fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> u64 {
-    ((seq as u64) << 32)
+    (((seq & SEQ_MASK) as u64) << 40)
         | ((kind as u64) << 24)
         | (((op as i32 as u64) & 0xf) << 20)
         | (((dtype as i32 as u64) & 0xf) << 16)
+}
+
+/// The bits of a tag that hold [`call_bits`].
+const ARGUMENT_BITS: u64 = 0xff << 32;
+
+/// Whether two tags name the same call (collective, dtype, op, sequence number) with other
+/// arguments ([`call_bits`]); their step bits may differ too.
+fn only_arguments_differ(a: u64, b: u64) -> bool {
+    let d = a ^ b;
+    d & ARGUMENT_BITS != 0 && d & !0xffff & !ARGUMENT_BITS == 0
+}
+
+/// The bits of the sequence number a tag keeps.
+const SEQ_MASK: u32 = 0xff_ffff;
+
+/// The call fingerprint of a tag: 8 bits mixed from the arguments every rank must pass alike
+/// beyond dtype and op (byte counts, the root), in bits 32..40. Ranks that pass different
+/// counts usually fail on message lengths already; the fingerprint also catches the calls
+/// whose messages happen to have equal lengths (halving-doubling on 2 ranks with 1 and 2
+/// elements, say), or roots that differ by a multiple of 256 (the step bits keep 8 bits of
+/// the root), which would otherwise return wrong results, with 255 chances in 256.
+pub(crate) fn call_bits(args: &[u64]) -> u64 {
+    // splitmix64's finaliser over the arguments in order.
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
+    for &a in args {
+        h = (h ^ a).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        h ^= h >> 31;
+    }
+    (h & 0xff) << 32
 }
 
 fn describe_tag(tag: u64) -> String {
     let dtype = DType::from_i32(((tag >> 16) & 0xf) as i32).map_or("?", |d| d.name());
     let op = ReduceOp::from_i32(((tag >> 20) & 0xf) as i32).map_or("?", |o| o.name());
     format!(
-        "{} #{} ({dtype}, {op}, step {})",
+        "{} #{} ({dtype}, {op}, arguments {:02x}, step {})",
         CollKind::name((tag >> 24) & 0xff),
-        tag >> 32,
+        tag >> 40,
+        (tag >> 32) & 0xff,
         tag & 0xffff
     )
 }
@@ -533,9 +566,16 @@ impl Communicator {
         if opts.algorithm.is_none() && self.direct_shared_memory() {
             // Every rank on this host: the direct shared-memory allreduce beats any message
             // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
-            return self.run_collective(OP, CollKind::AllReduce, dtype, op, opts.timeout, |ctx| {
-                shm_all_reduce(ctx, send, recv, dtype, op)
-            });
+            let args = [recv.len() as u64];
+            return self.run_call(
+                OP,
+                CollKind::AllReduce,
+                dtype,
+                op,
+                &args,
+                opts.timeout,
+                |ctx| shm_all_reduce(ctx, send, recv, dtype, op),
+            );
         }
         let bytes = recv.len();
         let (algorithm, timing) = match opts.algorithm {
@@ -606,7 +646,7 @@ impl Communicator {
             _ => CollKind::AllReduce,
         };
         let started = Instant::now();
-        let r = self.run_collective(OP, kind, dtype, op, opts.timeout, |ctx| {
+        let r = self.run_call(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
             allreduce::run(algorithm, ctx, send, recv, dtype, op)
         });
         let seconds = started.elapsed().as_secs_f64();
@@ -745,11 +785,12 @@ impl Communicator {
                     if rep == 1 {
                         started = Instant::now();
                     }
-                    comm.run_collective(
+                    comm.run_call(
                         TRIAL,
                         CollKind::AllReduceTrial,
                         dtype,
                         op,
+                        &[bytes as u64],
                         opts.timeout,
                         |ctx| allreduce::run(alg, ctx, src.as_deref(), &mut buf, dtype, op),
                     )?;
@@ -927,8 +968,24 @@ impl Communicator {
         timeout: Option<Duration>,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
+        self.run_call(name, kind, dtype, op, &[], timeout, schedule)
+    }
+
+    /// [`Communicator::run_collective`] with the call's other arguments that every rank must
+    /// pass alike (`args`: byte counts, the root) in the tag's fingerprint ([`call_bits`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_call(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        args: &[u64],
+        timeout: Option<Duration>,
+        schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
+    ) -> Result<(), CommError> {
         self.check_usable(name)?;
-        let tag = tag_base(self.next_seq(), kind, dtype, op);
+        let tag = tag_base(self.next_seq(), kind, dtype, op) | call_bits(args);
         self.run_tagged(name, tag, timeout, schedule)
     }
 
@@ -1007,10 +1064,16 @@ impl Communicator {
                 got_tag,
                 ..
             } if expected_tag != got_tag => Some(format!(
-                "; this rank is in {}, rank {} sent a message of {}",
+                "; this rank is in {}, rank {} sent a message of {}{}",
                 describe_tag(*expected_tag),
                 e.culprit().unwrap_or(usize::MAX),
-                describe_tag(*got_tag)
+                describe_tag(*got_tag),
+                if only_arguments_differ(*expected_tag, *got_tag) {
+                    " (the same call with other arguments: ranks passed different counts or \
+                     roots)"
+                } else {
+                    ""
+                }
             )),
             _ => None,
         };
@@ -1128,9 +1191,38 @@ mod tests {
         let t = tag_base(7, CollKind::AllReduce, DType::Float32, ReduceOp::Max) | 3;
         let d = describe_tag(t);
         assert!(d.contains("all_reduce #7"), "{d}");
+        let late = tag_base(
+            SEQ_MASK + 8,
+            CollKind::AllReduce,
+            DType::Float32,
+            ReduceOp::Max,
+        );
+        assert!(
+            describe_tag(late).contains("all_reduce #7"),
+            "the sequence number wraps"
+        );
+        assert_eq!(late >> 40, 7);
         assert!(d.contains("float"), "{d}");
         assert!(d.contains("max"), "{d}");
         assert!(d.contains("step 3"), "{d}");
+    }
+
+    #[test]
+    fn call_bits_tell_arguments_apart() {
+        assert_eq!(call_bits(&[]) & !0xff_0000_0000, 0);
+        assert_eq!(call_bits(&[4, 0]), call_bits(&[4, 0]));
+        assert_ne!(call_bits(&[4]), call_bits(&[8]));
+        // Counts and roots ranks plausibly confuse: distinct fingerprints.
+        let mut seen = std::collections::HashSet::new();
+        for bytes in [4u64, 8, 12, 16] {
+            for root in [0u64, 256] {
+                assert!(seen.insert(call_bits(&[bytes, root])), "{bytes} {root}");
+            }
+        }
+        // Spread: 4096 byte counts fill most of the 256 values.
+        let values: std::collections::HashSet<u64> =
+            (0..4096u64).map(|n| call_bits(&[n * 4])).collect();
+        assert!(values.len() > 240, "{}", values.len());
     }
 
     #[test]

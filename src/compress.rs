@@ -41,7 +41,7 @@ use chorus_algorithms::sparse::{
 };
 use chorus_algorithms::{DType, ReduceOp};
 
-use crate::comm::{tag_base, CollKind, Communicator};
+use crate::comm::{call_bits, tag_base, CollKind, Communicator};
 use crate::error::CommError;
 use crate::AllReduceOptions;
 
@@ -380,7 +380,8 @@ impl Communicator {
             CollKind::CompressedAllReduce,
             DType::Float32,
             op,
-        ) | (comp.method_id() << 12);
+        ) | call_bits(&[dense_bytes])
+            | (comp.method_id() << 12);
         let spec = comp.spec.clone();
         let mut report = CompressionReport {
             compressed: true,
@@ -538,7 +539,7 @@ impl Communicator {
             CollKind::SparseAllReduce,
             DType::Float32,
             ReduceOp::Sum,
-        );
+        ) | call_bits(&[input.n as u64]);
         let mut out = None;
         self.run_tagged(OP, tag, None, |ctx| {
             out = Some(sparse::sparse_all_reduce(ctx, input, algo)?);

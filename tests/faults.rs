@@ -76,6 +76,35 @@ fn mismatched_calls_fail_everywhere() {
     );
 }
 
+/// Counts that differ while the schedule's messages happen to have equal lengths: on 2 ranks
+/// halving-doubling with 1 and 2 elements exchanges 4-byte messages only, so lengths and tags
+/// agreed and the rank with 1 element returned a wrong sum as if all was well. The call's
+/// fingerprint in the tag makes it a mismatch on every rank.
+#[test]
+fn counts_that_differ_behind_equal_message_lengths_fail_everywhere() {
+    use chorus::Algorithm;
+    let res = on_threads(2, Duration::from_secs(60), |c| {
+        let n = if c.rank() == 0 { 1 } else { 2 };
+        let mut v = vec![1.0f32; n];
+        let opts = AllReduceOptions {
+            algorithm: Some(Algorithm::HalvingDoubling),
+            timeout: Some(Duration::from_secs(10)),
+        };
+        c.all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+            .map(|()| v)
+            .map_err(|e| (e.kind(), e.to_string()))
+    });
+    assert!(
+        res.iter().all(Result::is_err),
+        "a rank returned Ok: {res:?}"
+    );
+    assert!(
+        res.iter()
+            .any(|r| matches!(r, Err((ErrorKind::Mismatch, m)) if m.contains("different counts"))),
+        "{res:?}"
+    );
+}
+
 /// A rank that never calls the collective: the others time out naming a rank, and the
 /// bad-argument errors before that leave the communicator usable.
 #[test]
