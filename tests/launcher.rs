@@ -267,6 +267,69 @@ fn a_closed_stderr_does_not_leave_ranks_running() {
     assert_eq!(status.code(), Some(3), "{status}");
 }
 
+/// A `SIGTERM` (or `SIGKILL`) sent to the launcher alone must not leave its ranks running:
+/// they get the parent-death signal (`setpriv --pdeathsig`, where the system has it).
+#[test]
+fn ranks_do_not_outlive_a_killed_launcher() {
+    let has_setpriv = Command::new("setpriv")
+        .args(["--pdeathsig", "TERM", "--", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_setpriv {
+        eprintln!("note: no setpriv with --pdeathsig here; the launcher cannot promise this");
+        return;
+    }
+    for (signal, marker) in [("TERM", "28.6123"), ("KILL", "28.6124")] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+            .args(["-n", "3", "--", "sleep", marker])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start chorus-run");
+        // The ranks, not the launcher (whose command line names them too).
+        let launcher = child.id();
+        let ranks = || {
+            let mut pids = processes_with(marker);
+            pids.retain(|&p| p != launcher);
+            pids
+        };
+        let started = Instant::now();
+        while ranks().len() < 3 && started.elapsed() < WATCHDOG {
+            thread::sleep(Duration::from_millis(20));
+        }
+        let up = ranks();
+        if up.len() != 3 {
+            let _ = child.kill();
+            let _ = child.wait();
+            for pid in &up {
+                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            }
+            panic!("the ranks did not start: {up:?}");
+        }
+        let _ = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status();
+        let status = child.wait().expect("wait for chorus-run");
+        let mut left = ranks();
+        for _ in 0..100 {
+            if left.is_empty() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(20));
+            left = ranks();
+        }
+        for pid in &left {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+        assert!(
+            left.is_empty(),
+            "SIG{signal} to the launcher ({status}) left ranks running: {left:?}"
+        );
+    }
+}
+
 #[test]
 fn timeout_kills_the_job_with_124() {
     let run = chorus_run(&["--timeout", "1", "-n", "2", "--", "sleep", "30"]);

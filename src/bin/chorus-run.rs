@@ -22,8 +22,11 @@
 //!   wrapper scripts. Such a survivor can also keep a rank's output pipe open: once all ranks
 //!   have exited, `chorus-run` waits only [`DRAIN_GRACE`] for their output to end.
 //! - Signals are not forwarded. The ranks stay in `chorus-run`'s process group, so Ctrl-C in
-//!   a terminal reaches all of them directly; a `SIGTERM` sent to `chorus-run` alone ends it
-//!   without stopping the ranks.
+//!   a terminal reaches all of them directly. Each rank is started through util-linux's
+//!   `setpriv --pdeathsig TERM` where the system has it (Debian always does): when
+//!   `chorus-run` ends for any reason (a `SIGTERM` or `SIGKILL` sent to it alone, a crash), the
+//!   kernel sends every rank `SIGTERM`, so no rank outlives its launcher. Without `setpriv`,
+//!   ranks of a launcher killed that way keep running.
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
@@ -420,23 +423,25 @@ fn run(opts: &Options) -> i32 {
         },
     };
 
+    let pdeath = parent_death_prefix();
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
     let mut readers = 0usize;
     let mut started: Vec<Rank> = Vec::with_capacity(opts.nproc);
     for rank in 0..opts.nproc {
+        let argv: Vec<OsString> = pdeath.iter().chain(&opts.command).cloned().collect();
         let mut cmd = match &opts.netns_prefix {
             Some(prefix) => {
                 let mut c = Command::new("ip");
                 c.arg("netns")
                     .arg("exec")
                     .arg(format!("{prefix}{}", rank + 1));
-                c.args(&opts.command);
+                c.args(&argv);
                 c
             }
             None => {
-                let mut c = Command::new(&opts.command[0]);
-                c.args(&opts.command[1..]);
+                let mut c = Command::new(&argv[0]);
+                c.args(&argv[1..]);
                 c
             }
         };
@@ -589,6 +594,30 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
             }
         }
         thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// `setpriv --pdeathsig TERM --` when this system's `setpriv` takes it (tried once on
+/// `true`), else nothing: the prefix of every rank's command that has the kernel send the rank
+/// `SIGTERM` when `chorus-run` ends, however it ends. (`setpriv` sets it and then executes the
+/// command in the same process; a missing command still exits with 127.)
+fn parent_death_prefix() -> Vec<OsString> {
+    let prefix: Vec<OsString> = ["setpriv", "--pdeathsig", "TERM", "--"]
+        .iter()
+        .map(OsString::from)
+        .collect();
+    let works = Command::new(&prefix[0])
+        .args(&prefix[1..])
+        .arg("true")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if works {
+        prefix
+    } else {
+        Vec::new()
     }
 }
 
