@@ -1632,23 +1632,37 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// The configured latency accepted, in microseconds: a nanosecond to ten seconds.
+pub const ALPHA_US_RANGE: (f64, f64) = (1e-3, 1e7);
+/// The configured bandwidth accepted, in GB/s: a kilobyte per second to a petabyte per second
+/// (outside, the model's figures overflow or vanish, and a tuning file could not keep them).
+pub const BETA_GBPS_RANGE: (f64, f64) = (1e-6, 1e6);
+
+/// Whether `x` lies in `range` (which rules out NaN and infinities).
+fn in_range(x: f64, range: (f64, f64)) -> bool {
+    x >= range.0 && x <= range.1
+}
+
 /// `CHORUS_ALPHA_US` and `CHORUS_BETA_GBPS`, validated: `(alpha seconds, beta seconds per
 /// byte)`, each `None` when unset.
 pub fn link_from_env() -> Result<(Option<f64>, Option<f64>), CommError> {
-    let read = |name: &str| -> Result<Option<f64>, CommError> {
+    let read = |name: &str, range: (f64, f64)| -> Result<Option<f64>, CommError> {
         match std::env::var(name) {
             Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
-                Ok(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+                Ok(x) if in_range(x, range) => Ok(Some(x)),
                 _ => Err(CommError::invalid(
                     "init",
-                    format!("{name}={v:?}: expected a positive number"),
+                    format!(
+                        "{name}={v:?}: expected a number from {:e} to {:e}",
+                        range.0, range.1
+                    ),
                 )),
             },
             _ => Ok(None),
         }
     };
-    let alpha = read("CHORUS_ALPHA_US")?.map(|us| us * 1e-6);
-    let beta = read("CHORUS_BETA_GBPS")?.map(|gbps| 1.0 / (gbps * 1e9));
+    let alpha = read("CHORUS_ALPHA_US", ALPHA_US_RANGE)?.map(|us| us * 1e-6);
+    let beta = read("CHORUS_BETA_GBPS", BETA_GBPS_RANGE)?.map(|gbps| 1.0 / (gbps * 1e9));
     Ok((alpha, beta))
 }
 
@@ -1659,15 +1673,19 @@ pub fn link_from_config(
     config: &crate::Config,
     env: (Option<f64>, Option<f64>),
 ) -> Result<(Option<f64>, Option<f64>), CommError> {
-    let check = |name: &str, v: Option<f64>| match v {
-        Some(x) if !(x.is_finite() && x > 0.0) => Err(CommError::invalid(
+    let check = |name: &str, v: Option<f64>, range: (f64, f64)| match v {
+        Some(x) if !in_range(x, range) => Err(CommError::invalid(
             "init",
-            format!("Config::{name} = {x}: expected a positive number"),
+            format!(
+                "Config::{name} = {x}: expected a number from {:e} to {:e}",
+                range.0, range.1
+            ),
         )),
         _ => Ok(v),
     };
-    let alpha = check("alpha_us", config.alpha_us)?.map(|us| us * 1e-6);
-    let beta = check("beta_gbps", config.beta_gbps)?.map(|gbps| 1.0 / (gbps * 1e9));
+    let alpha = check("alpha_us", config.alpha_us, ALPHA_US_RANGE)?.map(|us| us * 1e-6);
+    let beta =
+        check("beta_gbps", config.beta_gbps, BETA_GBPS_RANGE)?.map(|gbps| 1.0 / (gbps * 1e9));
     Ok((alpha.or(env.0), beta.or(env.1)))
 }
 
@@ -1755,10 +1773,17 @@ mod tests {
         c.beta_gbps = Some(0.5);
         let (_, b) = link_from_config(&c, (None, None)).unwrap();
         assert!((b.unwrap() - 2e-9).abs() < 1e-18);
-        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        // Out of range too: 1e300 GB/s would make β 0, 1e-320 infinite.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300, 1e-320] {
             c.beta_gbps = Some(bad);
             let e = link_from_config(&c, env).unwrap_err();
             assert!(e.to_string().contains("beta_gbps"), "{e}");
+        }
+        c.beta_gbps = None;
+        for bad in [0.0, 1e-9, 1e12, f64::NAN] {
+            c.alpha_us = Some(bad);
+            let e = link_from_config(&c, env).unwrap_err();
+            assert!(e.to_string().contains("alpha_us"), "{e}");
         }
     }
 
