@@ -568,6 +568,12 @@ mod tests {
             Codec::Int8.decode(&bytes, 4, &mut out),
             Err(CodecError::Invalid { chunk: 0, .. })
         ));
+        // A finite step whose largest code would decode to infinity: no encoder sends it.
+        bytes[..4].copy_from_slice(&(f32::MAX / 64.0).to_le_bytes());
+        assert_eq!(
+            Codec::Int8.decode(&bytes, 4, &mut out),
+            Err(CodecError::NonFinite { chunk: 0 })
+        );
         bytes[..4].copy_from_slice(&1.0f32.to_le_bytes());
         bytes[4] = 0x80; // −128 is reserved
         assert!(Codec::Int8.decode(&bytes, 4, &mut out).is_err());

@@ -137,7 +137,7 @@ pub(crate) fn decode(
         let (head, bits) = bytes[pos..pos + len].split_at(4);
         pos += len;
         let scale = f32::from_le_bytes([head[0], head[1], head[2], head[3]]);
-        check_step(scale, c)?;
+        check_step(scale, 1, c)?;
         if m % 8 != 0 && bits[m / 8] >> (m % 8) != 0 {
             return Err(CodecError::Invalid {
                 chunk: c,

@@ -279,7 +279,7 @@ pub(crate) fn decode(
         let (head, codes) = bytes[pos..pos + len].split_at(4);
         pos += len;
         let step = f32::from_le_bytes([head[0], head[1], head[2], head[3]]);
-        check_step(step, c)?;
+        check_step(step, lv.max, c)?;
         let code_block = packed_len(BLOCK, lv.bits);
         for (ob, cb) in os.chunks_mut(BLOCK).zip(codes.chunks(code_block)) {
             let qb = &mut q[..ob.len()];
@@ -305,9 +305,12 @@ pub(crate) fn apply_scaled(mode: Mode, out: &mut [f32], q: &[i8], step: f32) {
     }
 }
 
-/// A step read from the wire must be finite and not negative.
-pub(crate) fn check_step(step: f32, chunk: usize) -> Result<(), CodecError> {
-    if !step.is_finite() {
+/// A step read from the wire must be finite, not negative, and small enough that its largest
+/// code (`max`: `L`, or 1 for a sign scale) times it is finite: an encoder makes the step of a
+/// finite range over `L`, so only a broken or hostile peer sends more, and its codes would
+/// decode to infinities.
+pub(crate) fn check_step(step: f32, max: i32, chunk: usize) -> Result<(), CodecError> {
+    if !step.is_finite() || !(step * max as f32).is_finite() {
         return Err(CodecError::NonFinite { chunk });
     }
     if step.is_sign_negative() {
