@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::io::Read;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -38,23 +38,45 @@ fn chorus_run(args: &[&str]) -> Run {
     };
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let deadline = Instant::now() + WATCHDOG;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for chorus-run") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("watchdog: chorus-run {args:?} still running after {WATCHDOG:?}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    };
+    let status = wait_watched(&mut child, &format!("{args:?}"));
     Run {
         status,
         stdout: stdout.join().unwrap(),
         stderr: String::from_utf8_lossy(&stderr.join().unwrap()).into_owned(),
     }
+}
+
+/// Waits for `child` (chorus-run `what`), killing it and failing the test after [`WATCHDOG`].
+fn wait_watched(child: &mut Child, what: &str) -> ExitStatus {
+    let deadline = Instant::now() + WATCHDOG;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for chorus-run") {
+            return status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("watchdog: chorus-run {what} still running after {WATCHDOG:?}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The processes `pids()` still lists after up to 2 s (killed ranks take a moment to leave
+/// /proc); those are then killed, so that a failing test leaves nothing behind.
+fn still_running(pids: impl Fn() -> Vec<u32>) -> Vec<u32> {
+    let mut left = pids();
+    for _ in 0..100 {
+        if left.is_empty() {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+        left = pids();
+    }
+    for pid in &left {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+    left
 }
 
 /// Splits `[r] text` lines into (r, text).
@@ -236,30 +258,8 @@ fn a_closed_stderr_does_not_leave_ranks_running() {
         .spawn()
         .expect("start chorus-run");
     drop(child.stderr.take());
-    let deadline = Instant::now() + WATCHDOG;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for chorus-run") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("watchdog: chorus-run still running after {WATCHDOG:?}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    };
-    // The killed ranks may take a moment to disappear from /proc.
-    let mut left = processes_with(marker);
-    for _ in 0..100 {
-        if left.is_empty() {
-            break;
-        }
-        thread::sleep(Duration::from_millis(20));
-        left = processes_with(marker);
-    }
-    for pid in &left {
-        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-    }
+    let status = wait_watched(&mut child, "with a closed stderr");
+    let left = still_running(|| processes_with(marker));
     assert!(
         left.is_empty(),
         "ranks left running: {left:?} (launcher {status})"
@@ -312,17 +312,7 @@ fn ranks_do_not_outlive_a_killed_launcher() {
             .arg(child.id().to_string())
             .status();
         let status = child.wait().expect("wait for chorus-run");
-        let mut left = ranks();
-        for _ in 0..100 {
-            if left.is_empty() {
-                break;
-            }
-            thread::sleep(Duration::from_millis(20));
-            left = ranks();
-        }
-        for pid in &left {
-            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-        }
+        let left = still_running(ranks);
         assert!(
             left.is_empty(),
             "SIG{signal} to the launcher ({status}) left ranks running: {left:?}"
