@@ -343,6 +343,19 @@ pub fn parse_size(s: &str) -> Result<u64, UsageError> {
     Ok(bytes)
 }
 
+/// The largest `-n`, `-w` and `-m` (their sums stay far from overflowing).
+const MAX_ITERS: u64 = 1_000_000_000;
+/// The most sizes one run may have (`-i` steps).
+const MAX_SIZES: u64 = 100_000;
+
+/// This host's memory (`MemTotal` of `/proc/meminfo`), if it can be read.
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 fn parse_int(what: &str, v: &str, min: u64, max: u64) -> Result<u64, UsageError> {
     match v.trim().parse::<u64>() {
         Ok(n) if (min..=max).contains(&n) => Ok(n),
@@ -405,9 +418,9 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 }
                 step_bytes = Some(b);
             }
-            Opt::Iters => iters = parse_int("-n", v, 1, u64::MAX)?,
-            Opt::Warmup => warmup = parse_int("-w", v, 0, u64::MAX)?,
-            Opt::MinIters => min_iters = parse_int("-m", v, 1, u64::MAX)?,
+            Opt::Iters => iters = parse_int("-n", v, 1, MAX_ITERS)?,
+            Opt::Warmup => warmup = parse_int("-w", v, 0, MAX_ITERS)?,
+            Opt::MinIters => min_iters = parse_int("-m", v, 1, MAX_ITERS)?,
             Opt::Budget => budget = Some(parse_size(v)?),
             Opt::Check => check = parse_int("-c", v, 0, 1)? == 1,
             Opt::Datatype => datatype = v.to_string(),
@@ -490,6 +503,21 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         return usage_err(format!(
             "-b {min_bytes} is larger than -e {max_bytes}: no size to run"
         ));
+    }
+    if let Step::Bytes(b) = step {
+        if (max_bytes - min_bytes) / b >= MAX_SIZES {
+            return usage_err(format!(
+                "-b {min_bytes} -e {max_bytes} -i {b} makes more than {MAX_SIZES} sizes"
+            ));
+        }
+    }
+    if let Some(total) = host_memory_bytes() {
+        if max_bytes > total / 2 {
+            return usage_err(format!(
+                "-e {max_bytes}: a send and a receive buffer of that size do not fit in this \
+                 host's {total} bytes of memory"
+            ));
+        }
     }
     let peers = output == Output::Peers;
     let compare = algo
@@ -761,6 +789,10 @@ mod tests {
         assert!(err("allreduce -f 2 -i 8").contains("not both"));
         assert!(err("allreduce -i 0").contains("-i"));
         assert!(err("allreduce -n 0").contains("-n"));
+        assert!(err("allreduce -n 18446744073709551615").contains("-n"));
+        assert!(err("allreduce -w 2000000000").contains("-w"));
+        assert!(err("allreduce -b 0 -e 1T -i 1").contains("sizes"));
+        assert!(err("allreduce -e 16777215T").contains("memory"));
         assert!(err("allreduce -c 2").contains("-c"));
         assert!(err("allreduce -a 4").contains("-a"));
         assert!(err("allreduce -b 1M -e 1K").contains("larger"));

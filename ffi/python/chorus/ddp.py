@@ -13,11 +13,12 @@ rebuilding), e.g. Gloo; the hook moves the gradients themselves through chorus::
     model = DDP(net)
     model.register_comm_hook(comm, allreduce_hook)
 
-The hook sums the bucket over the ranks with chorus and divides by the number of ranks
-itself, as DDP's default hook does, so training gives the same result as with Gloo.
+The hook divides the bucket by the number of ranks and then sums it over the ranks with
+chorus, in that order as DDP's default hook does (summing first could overflow float16
+gradients), so training gives the same result as with Gloo. The hooks run on CPU tensors.
 """
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,8 +41,10 @@ def allreduce_hook(
             f"allreduce_hook needs a chorus.Communicator as its state, not {type(state).__name__}"
         )
     grads = bucket.buffer()
-    state.allreduce(grads, op="sum")
+    # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
+    # overflow where the average does not.
     grads.div_(state.size)
+    state.allreduce(grads, op="sum")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)
     return fut
@@ -50,7 +53,9 @@ def allreduce_hook(
 class CompressedHookState:
     """State of :func:`compressed_allreduce_hook`: the communicator, the compressor spec, and
     one :class:`chorus.Compressor` per bucket (created on first use, so each bucket keeps its
-    own error-feedback residual across steps)::
+    own error-feedback residual across steps). A bucket is its index and the parameters in
+    it: when DDP rebuilds its buckets after the first step, a bucket whose parameters changed
+    gets a fresh compressor rather than another bucket's residual::
 
         model.register_comm_hook(CompressedHookState(comm, "int8"), compressed_allreduce_hook)
     """
@@ -61,7 +66,20 @@ class CompressedHookState:
         self.comm = comm
         self.spec = spec
         Compressor(spec).close()  # validate the spec now, not in the backward pass
-        self.compressors: Dict[int, Compressor] = {}
+        self.compressors: Dict[int, Tuple[Tuple[int, ...], Compressor]] = {}
+
+    def compressor(self, bucket: dist.GradBucket) -> Compressor:
+        """The compressor of ``bucket`` (a new one if its parameters are not those the index
+        had before)."""
+        params = tuple(id(p) for p in bucket.parameters())
+        kept = self.compressors.get(bucket.index())
+        if kept is not None and kept[0] == params:
+            return kept[1]
+        if kept is not None:
+            kept[1].close()
+        comp = Compressor(self.spec)
+        self.compressors[bucket.index()] = (params, comp)
+        return comp
 
 
 def compressed_allreduce_hook(
@@ -75,10 +93,7 @@ def compressed_allreduce_hook(
             f"not {type(state).__name__}"
         )
     grads = bucket.buffer()
-    comp = state.compressors.get(bucket.index())
-    if comp is None:
-        comp = state.compressors[bucket.index()] = Compressor(state.spec)
-    state.comm.allreduce(grads, op="avg", compressor=comp)
+    state.comm.allreduce(grads, op="avg", compressor=state.compressor(bucket))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)
     return fut

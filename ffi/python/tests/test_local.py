@@ -175,3 +175,77 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     c0.close()  # idempotent
     with pytest.raises(chorus.InvalidUsageError, match="closed"):
         c0.barrier()
+
+
+class _Bucket:
+    """What the DDP hooks use of a ``torch.distributed.GradBucket``."""
+
+    def __init__(self, index, buf, params):
+        self._index, self._buf, self._params = index, buf, params
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buf
+
+    def parameters(self):
+        return self._params
+
+
+def _on_two_ranks(fn):
+    """``fn(comm)`` on two ranks, each a thread with its own communicator; the results."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    out, errors = {}, []
+
+    def rank_main(r):
+        try:
+            with chorus.init(rank=r, size=2, addr=addr) as c:
+                out[r] = fn(c)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    [t.join(timeout=60) for t in ts]
+    assert not any(t.is_alive() for t in ts), "watchdog: ranks still running"
+    assert not errors, errors
+    return out
+
+
+def test_ddp_hook_divides_before_it_sums():
+    """float16 gradients of 40000 on two ranks: their sum (80000) overflows float16, their
+    average does not; DDP's default hook divides first, and so must ours."""
+    from chorus.ddp import allreduce_hook
+
+    def run(c):
+        g = torch.full((64,), 40000.0, dtype=torch.float16)
+        fut = allreduce_hook(c, _Bucket(0, g, [torch.zeros(1)]))
+        return fut.wait()
+
+    for r, g in _on_two_ranks(run).items():
+        assert torch.isfinite(g).all(), f"rank {r}: {g[:4]}"
+        assert torch.equal(g, torch.full((64,), 40000.0, dtype=torch.float16)), g[:4]
+
+
+def test_compressed_hook_keeps_a_compressor_per_bucket_and_its_parameters():
+    from chorus.ddp import CompressedHookState, compressed_allreduce_hook
+
+    def run(c):
+        state = CompressedHookState(c, "int8,min_bytes=0")
+        p1, p2 = torch.zeros(1), torch.zeros(1)
+        seen = []
+        for params in ([p1], [p1], [p2]):  # the last: DDP rebuilt bucket 0 with other params
+            g = torch.ones(4096)
+            compressed_allreduce_hook(state, _Bucket(0, g, params)).wait()
+            assert torch.allclose(g, torch.ones(4096), rtol=0.02), g[:4]
+            seen.append(state.compressors[0][1])
+        return seen
+
+    for seen in _on_two_ranks(run).values():
+        assert seen[0] is seen[1], "the same bucket got a new compressor"
+        assert seen[2] is not seen[1], "a rebuilt bucket kept another bucket's compressor"
