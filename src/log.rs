@@ -34,13 +34,14 @@ pub fn level() -> Level {
     match LEVEL.load(Ordering::Relaxed) {
         0 => {
             let set = std::env::var("CHORUS_DEBUG").ok();
-            let l = set.as_deref().and_then(Level::parse).unwrap_or(Level::Warn);
-            if let Some(v) = set.filter(|v| !v.trim().is_empty() && Level::parse(v).is_none()) {
+            let parsed = set.as_deref().and_then(Level::parse);
+            if let (None, Some(v)) = (parsed, set.filter(|v| !v.trim().is_empty())) {
                 let _ = writeln!(
                     std::io::stderr().lock(),
                     "chorus WARN: CHORUS_DEBUG={v:?} is not WARN, INFO or TRACE; using WARN"
                 );
             }
+            let l = parsed.unwrap_or(Level::Warn);
             LEVEL.store(l as u8, Ordering::Relaxed);
             l
         }

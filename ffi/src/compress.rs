@@ -83,15 +83,9 @@ pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor)
             return Ok(());
         }
         // SAFETY: non-NULL and live by the caller's promise.
-        let busy = matches!(
-            unsafe { &*comp }.inner.try_lock(),
-            Err(TryLockError::WouldBlock)
-        );
-        if busy {
-            return Err(Failure::new(
-                S::CHORUS_INVALID_USAGE,
-                "the compressor is in use by another thread; it was not freed",
-            ));
+        match lock(unsafe { &*comp }) {
+            Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
+            _ => {}
         }
         // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`, not in use (checked
         // above); ownership comes back exactly once by the caller's promise.

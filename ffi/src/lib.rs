@@ -347,16 +347,12 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         }
         // SAFETY: non-NULL, and live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        // A call in progress holds the lock: freeing now would free what it is using. (A
-        // poisoned lock, after an internal error, is freed: that is what the error asks for.)
-        if let Err(TryLockError::WouldBlock) = c.inner.try_lock() {
-            return Err(Failure::new(
-                S::CHORUS_INVALID_USAGE,
-                format!(
-                    "rank {}: the communicator is in use by another thread; it was not freed",
-                    c.rank
-                ),
-            ));
+        // A call in progress holds the lock (`with` refuses then): freeing now would free what
+        // it is using. A poisoned lock, after an internal error, is freed: that is what the
+        // error asks for.
+        match c.with(|_| Ok(())) {
+            Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
+            _ => {}
         }
         // SAFETY: live, not in use (checked just above) and not used again, by the caller's
         // promise.

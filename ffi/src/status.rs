@@ -97,6 +97,12 @@ pub(crate) struct Failure {
 }
 
 impl Failure {
+    /// This failure of a destroy call: the object was left as it was.
+    pub(crate) fn not_freed(mut self) -> Failure {
+        self.message.push_str("; it was not freed");
+        self
+    }
+
     /// An invalid-argument failure.
     pub(crate) fn invalid(message: impl Into<String>) -> Failure {
         Failure {

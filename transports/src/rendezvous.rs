@@ -208,15 +208,12 @@ pub(crate) fn read_exact_before(
     what: &str,
 ) -> Result<()> {
     let started = Instant::now();
+    // Timeouts and I/O errors as in the handshake this read belongs to.
     read_exact_by(stream, buf, deadline).map_err(|w| match w {
         Wire::Closed => {
             TransportError::Rendezvous(format!("the peer closed the connection during the {what}"))
         }
-        Wire::Timeout => TransportError::Timeout {
-            peer: None,
-            waited: started.elapsed(),
-        },
-        Wire::Io(e) => TransportError::io(None, "handshake", e),
+        w => handshake_error(w, started, true),
     })
 }
 
