@@ -864,7 +864,7 @@ impl Communicator {
 
     /// Reads the tuning file at `path` on rank 0, agrees on its decisions for this kind of
     /// communicator (`key`) across ranks and restores them (see [`crate::tune_file`]). A file
-    /// that cannot be used is reported and left to be rewritten; only the agreement can fail.
+    /// that cannot be read is reported and left as it is; only the agreement can fail.
     fn open_tune_file(&mut self, path: std::path::PathBuf, key: Key) -> Result<(), CommError> {
         let link = self.selector.link();
         let filter = self.selector.filter();
@@ -876,7 +876,10 @@ impl Communicator {
                 Err(e) => log::log(
                     Level::Warn,
                     Some(0),
-                    format_args!("tuning file {shown} not used: {e} (it will be rewritten)"),
+                    format_args!(
+                        "tuning file {shown} not used: {e} (left as it is: remove it, or name \
+                         another file, to keep decisions)"
+                    ),
                 ),
                 Ok(Some(file)) => match file.section(&key) {
                     None => self.log_tuning(|| {

@@ -346,6 +346,19 @@ impl Communicator {
         op: ReduceOp,
         comp: &mut Compressor,
     ) -> Result<CompressionReport, CommError> {
+        self.compressed_as(buf, op, comp, DType::Float32)
+    }
+
+    /// [`Communicator::all_reduce_compressed`] of values the caller holds as `dtype` (widened
+    /// to f32 here): the dtype goes into the call's tag, so ranks that pass float16 and float32
+    /// tensors of one length fail instead of returning results rounded differently.
+    fn compressed_as(
+        &mut self,
+        buf: &mut [f32],
+        op: ReduceOp,
+        comp: &mut Compressor,
+        dtype: DType,
+    ) -> Result<CompressionReport, CommError> {
         const OP: &str = "all_reduce_compressed";
         self.check_usable(OP)?;
         if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
@@ -378,7 +391,7 @@ impl Communicator {
         let tag = tag_base(
             self.next_seq(),
             CollKind::CompressedAllReduce,
-            DType::Float32,
+            dtype,
             op,
         ) | call_bits(&[dense_bytes])
             | (comp.method_id() << 12);
@@ -491,7 +504,7 @@ impl Communicator {
             ),
         }
         debug_assert_eq!(staging.len(), n);
-        let r = self.all_reduce_compressed(&mut staging, op, comp);
+        let r = self.compressed_as(&mut staging, op, comp, dtype);
         if r.is_ok() {
             for (b, v) in buf.chunks_exact_mut(elem).zip(&staging) {
                 match dtype {

@@ -30,14 +30,19 @@
 //! bucket 32768 halving_doubling ring=0.000416 tree=0.000551 halving_doubling=0.000409 recursive_doubling=0.000553
 //! ```
 //! A `bucket` line gives the bucket's largest size (a power of two), the schedule chosen and
-//! the agreed trial time (seconds per call) of every candidate. A file that does not parse, is
-//! larger than [`MAX_FILE_BYTES`] or names an unknown schedule is ignored with a warning (and
-//! rewritten by the next decision); it never fails a collective.
+//! the agreed trial time (seconds per call) of every candidate. A file that cannot be read, does
+//! not parse, is larger than [`MAX_FILE_BYTES`] or names an unknown schedule is not used (a
+//! warning says why) and is not rewritten either: it may come from a newer release (another
+//! header version, a schedule this one does not know) or be another program's file, and
+//! replacing it would drop every section this release cannot read. Remove it, or name another
+//! file, for decisions to be kept. It never fails a collective.
 //!
 //! # Caveats
 //! Rank 0 replaces the file atomically (a temporary file of a name unique to the writer, synced,
 //! then a rename); jobs writing the same file at the same time may lose each other's latest
-//! decisions, never corrupt it. A path to anything but a regular file is refused. The variable
+//! decisions, never corrupt it. A path to anything but a regular file is refused, and so is a
+//! symbolic link, even to a regular file: a link in a shared directory could otherwise make a
+//! run read, or replace, the file it points to; name the file itself. The variable
 //! must be set (to any path) on every rank or on none: ranks that disagree fail their first
 //! collective with a mismatch, as ranks that disagree about `CHORUS_TUNE` do.
 
@@ -200,6 +205,13 @@ impl TuneFile {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim()));
         match lines.next() {
             Some((_, HEADER)) => {}
+            // Another version's header (kept short: the line may be long).
+            Some((_, l)) if l.starts_with("chorus-tune ") && l.len() <= 40 => {
+                return Err(format!(
+                    "the first line is {l:?}, not {HEADER:?}: a file of another version \
+                     (from a newer release?)"
+                ))
+            }
             _ => return Err(format!("the first line is not {HEADER:?}")),
         }
         let mut file = TuneFile::default();
@@ -261,29 +273,31 @@ impl TuneFile {
     }
 
     /// Replaces the section of `section.key` (or adds it, dropping the oldest beyond
-    /// [`MAX_SECTIONS`]).
+    /// [`MAX_SECTIONS`]: all of them, since a file read from disk may hold more than that).
     pub fn put(&mut self, section: Section) {
         self.sections.retain(|s| s.key != section.key);
         self.sections.push(section);
-        if self.sections.len() > MAX_SECTIONS {
-            self.sections.remove(0);
-        }
+        let excess = self.sections.len().saturating_sub(MAX_SECTIONS);
+        self.sections.drain(..excess);
     }
 
     /// Reads and parses the file at `path`: `Ok(None)` when there is none. Anything but a
     /// regular file (a FIFO, a device, a directory) is an error, never read: opening a FIFO
-    /// would block until a writer came.
+    /// would block until a writer came. So is a symbolic link, even to a regular file (see
+    /// [`TuneFile::store`]). The path is checked before it is opened, for a clear message and so
+    /// that a device is not even opened; what was opened is checked again (`open_regular`),
+    /// since the path may name something else by then.
     pub fn read(path: &Path) -> Result<Option<TuneFile>, String> {
         use std::io::Read as _;
-        match std::fs::metadata(path) {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => return Err(symlink_refusal()),
             Ok(m) if !m.is_file() => return Err("it is not a regular file".to_string()),
+            Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            _ => {}
+            Err(e) => return Err(format!("cannot look at it: {e}")),
         }
-        let f = match std::fs::File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(format!("cannot open it: {e}")),
+        let Some(f) = open_regular(path)? else {
+            return Ok(None);
         };
         let mut text = String::new();
         f.take(MAX_FILE_BYTES + 1)
@@ -295,22 +309,41 @@ impl TuneFile {
         TuneFile::parse(&text).map(Some)
     }
 
-    /// Writes `section` into the file at `path`: the file's other sections are kept (unless it
-    /// does not parse), and the new text replaces the old atomically (written to a temporary
-    /// file of a name no other process picks, synced, then renamed over it). A path that names
-    /// something other than a regular file (`/dev/null`, a FIFO, a directory) is refused, not
-    /// replaced; a symbolic link to a file has its target replaced.
+    /// Writes `section` into the file at `path`: the file's other sections are kept, and the
+    /// new text replaces the old atomically (written to a temporary file of a name no other
+    /// process picks, synced, then renamed over it).
+    ///
+    /// Nothing is written unless the file is absent or read and parsed in full: a file that
+    /// cannot be read (an I/O or permission error, larger than [`MAX_FILE_BYTES`]) or does not
+    /// parse (a newer release's version or schedules, another program's file) is left as it
+    /// is and the error says why, since replacing it would drop every section it holds. A path
+    /// that names something other than a regular file (`/dev/null`, a FIFO, a directory) is
+    /// refused, not replaced; so is a symbolic link, even to a regular file: replacing the
+    /// link's target would let a link in a shared directory make a run clobber another file.
     pub fn store(path: &Path, section: Section) -> Result<(), String> {
         use std::io::Write as _;
-        let path = match std::fs::metadata(path) {
-            Ok(m) if m.is_file() => {
-                std::fs::canonicalize(path).map_err(|e| format!("cannot resolve it: {e}"))?
+        // The kinds of path refused whatever they hold, with messages of their own (`read`
+        // checks them again, and its handle, to read nothing else).
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => return Err(symlink_refusal()),
+            Ok(m) if !m.is_file() => {
+                return Err("it is not a regular file; not replacing it".to_string())
             }
-            Ok(_) => return Err("it is not a regular file; not replacing it".to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => path.to_path_buf(),
-            Err(e) => return Err(format!("cannot look at it: {e}")),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot look at it: {e}; not replacing it")),
+        }
+        // Only a file that is not there counts as empty.
+        let mut file = match TuneFile::read(path) {
+            Ok(Some(file)) => file,
+            Ok(None) => TuneFile::default(),
+            Err(e) => {
+                return Err(format!(
+                    "{e}; not replacing it, so as not to lose the sections it may hold \
+                     (remove it, or name another file, to keep new decisions)"
+                ))
+            }
         };
-        let mut file = TuneFile::read(&path).ok().flatten().unwrap_or_default();
         file.put(section);
         let name = path
             .file_name()
@@ -336,11 +369,51 @@ impl TuneFile {
             let _ = std::fs::remove_file(&tmp);
             return Err(format!("cannot write {tmp:?}: {e}"));
         }
-        std::fs::rename(&tmp, &path).map_err(|e| {
+        // A symbolic link swapped in since the read is replaced itself, not its target: rename
+        // does not follow a link at the destination.
+        std::fs::rename(&tmp, path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             format!("cannot replace it: {e}")
         })
     }
+}
+
+/// Why a symbolic link is neither read nor written through.
+fn symlink_refusal() -> String {
+    format!(
+        "{ENV} names a symbolic link, which is neither read nor replaced (a link in a shared \
+         directory could make a run replace the file it points to); name the file itself"
+    )
+}
+
+/// Opens `path` to read it, without following a symbolic link or blocking on a FIFO
+/// (`O_NOFOLLOW`, `O_NONBLOCK`: a FIFO opens at once instead of blocking until a writer
+/// comes), and checks that what was opened is a regular file:
+/// `Ok(None)` when nothing is there. The handle is checked, not the path, so that a FIFO, a
+/// device or a directory swapped in after a check of the path is not read.
+fn open_regular(path: &Path) -> Result<Option<std::fs::File>, String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            // A link fails the open with ELOOP, whose message ("too many levels of symbolic
+            // links") would not say what to do.
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(symlink_refusal());
+            }
+            return Err(format!("cannot open it: {e}"));
+        }
+    };
+    let m = f.metadata().map_err(|e| format!("cannot look at it: {e}"))?;
+    if !m.is_file() {
+        return Err("it is not a regular file".to_string());
+    }
+    Ok(Some(f))
 }
 
 fn parse_section<'a>(words: impl Iterator<Item = &'a str>) -> Result<Section, String> {
@@ -641,13 +714,39 @@ mod tests {
     }
 
     #[test]
-    fn store_keeps_other_sections_and_replaces_bad_files() {
+    fn put_drops_the_oldest_beyond_the_cap() {
+        // A file read from disk may hold more sections than the cap: one put trims them all.
+        let mut f = TuneFile::default();
+        for ranks in 1..=MAX_SECTIONS + 5 {
+            let mut s = section();
+            s.key.ranks = ranks;
+            f.sections.push(s);
+        }
+        let mut f = TuneFile::parse(&f.format()).unwrap();
+        assert_eq!(f.sections.len(), MAX_SECTIONS + 5);
+        let mut newest = section();
+        newest.key.ranks = MAX_SECTIONS + 100;
+        f.put(newest);
+        assert_eq!(f.sections.len(), MAX_SECTIONS);
+        // MAX_SECTIONS + 6 sections, the 6 oldest dropped.
+        assert_eq!(f.sections[0].key.ranks, 7);
+        assert_eq!(f.sections[MAX_SECTIONS - 1].key.ranks, MAX_SECTIONS + 100);
+        // Replacing a section at the cap drops nothing else.
+        let mut again = section();
+        again.key.ranks = 7;
+        f.put(again);
+        assert_eq!(f.sections.len(), MAX_SECTIONS);
+        assert_eq!(f.sections[0].key.ranks, 8);
+        assert_eq!(f.sections[MAX_SECTIONS - 1].key.ranks, 7);
+    }
+
+    #[test]
+    fn store_keeps_other_sections() {
         let dir = std::env::temp_dir().join(format!("chorus-tune-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tune.txt");
         assert_eq!(TuneFile::read(&path).unwrap(), None);
-        std::fs::write(&path, "garbage").unwrap();
-        assert!(TuneFile::read(&path).unwrap_err().contains("first line"));
         TuneFile::store(&path, section()).unwrap();
         let mut other = section();
         other.key.transport = "hybrid".into();
@@ -657,9 +756,57 @@ mod tests {
         assert_eq!(back.sections[0].key, key());
         assert_eq!(back.sections[0].buckets, section().buckets);
         assert_eq!(back.sections[1].key.transport, "hybrid");
-        // Oversized files are refused before they are parsed.
-        std::fs::write(&path, vec![b'#'; MAX_FILE_BYTES as usize + 1]).unwrap();
-        assert!(TuneFile::read(&path).unwrap_err().contains("larger than"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn files_that_cannot_be_read_are_left_untouched() {
+        let dir =
+            std::env::temp_dir().join(format!("chorus-tune-unread-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tune.txt");
+        let mut current = TuneFile::default();
+        current.put(section());
+        let text = current.format();
+        // What a newer release might write: another header version, then records this one
+        // may or may not know.
+        let newer = text.replacen(HEADER, "chorus-tune 2", 1) + "flags ranks=4 zero_copy=1\n";
+        let unknown_schedule = text.replacen("ring=4.16e-4", "warp=4.16e-4", 1);
+        assert_ne!(unknown_schedule, text);
+        let cases: [(&str, Vec<u8>, &str); 5] = [
+            ("a newer version", newer.into_bytes(), "first line"),
+            ("an unknown schedule", unknown_schedule.into_bytes(), "unknown"),
+            (
+                "oversized",
+                vec![b'#'; MAX_FILE_BYTES as usize + 1],
+                "larger than",
+            ),
+            ("not text", b"\x00\xffnot a tuning file\n".to_vec(), "cannot read"),
+            ("another file", b"garbage".to_vec(), "first line"),
+        ];
+        for (what, bytes, why) in cases {
+            std::fs::write(&path, &bytes).unwrap();
+            assert!(
+                TuneFile::read(&path).unwrap_err().contains(why),
+                "{what}: not refused"
+            );
+            let e = TuneFile::store(&path, section()).unwrap_err();
+            assert!(e.contains(why) && e.contains("not replacing it"), "{what}: {e}");
+            assert!(
+                std::fs::read(&path).unwrap() == bytes,
+                "{what}: the file was replaced"
+            );
+        }
+        let e = TuneFile::parse("chorus-tune 2\n").unwrap_err();
+        assert!(e.contains("another version"), "{e}");
+        // Once the file is removed, decisions are kept again; no temporary file is left.
+        std::fs::remove_file(&path).unwrap();
+        TuneFile::store(&path, section()).unwrap();
+        let back = TuneFile::read(&path).unwrap().unwrap();
+        assert_eq!(back.sections.len(), 1);
+        assert_eq!(back.sections[0].buckets, section().buckets);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -682,25 +829,48 @@ mod tests {
                 !std::fs::metadata(&fifo).unwrap().is_file(),
                 "the FIFO was replaced"
             );
+            // A FIFO swapped in after the path was checked: the open neither blocks (no
+            // writer comes) nor lets it be read.
+            assert!(open_regular(&fifo)
+                .unwrap_err()
+                .contains("not a regular file"));
         }
         // A directory.
         assert!(TuneFile::read(&dir)
             .unwrap_err()
             .contains("not a regular file"));
         assert!(TuneFile::store(&dir, section()).is_err());
-        // A symbolic link to a file: the file is replaced, the link kept.
+        // A symbolic link, dangling or to a file: refused, to read or to write, and nothing
+        // is written through it.
         let target = dir.join("target.txt");
         let link = dir.join("link.txt");
         std::os::unix::fs::symlink(&target, &link).unwrap();
+        let refused = |e: &str| e.contains("symbolic link") && e.contains(ENV);
+        let e = TuneFile::store(&link, section()).unwrap_err();
+        assert!(refused(e.as_str()), "{e}");
+        assert!(!target.exists(), "written through a dangling link");
+        let e = TuneFile::read(&link).unwrap_err();
+        assert!(refused(e.as_str()), "{e}");
         TuneFile::store(&target, section()).unwrap();
+        let before = std::fs::read(&target).unwrap();
         let mut other = section();
         other.key.transport = "hybrid".into();
-        TuneFile::store(&link, other).unwrap();
+        let e = TuneFile::store(&link, other).unwrap_err();
+        assert!(refused(e.as_str()), "{e}");
+        let e = TuneFile::read(&link).unwrap_err();
+        assert!(refused(e.as_str()), "{e}");
         assert!(std::fs::symlink_metadata(&link)
             .unwrap()
             .file_type()
             .is_symlink());
-        assert_eq!(TuneFile::read(&target).unwrap().unwrap().sections.len(), 2);
+        assert!(
+            std::fs::read(&target).unwrap() == before,
+            "the link's target was replaced"
+        );
+        assert_eq!(TuneFile::read(&target).unwrap().unwrap().sections.len(), 1);
+        // A link swapped in after the path was checked: the open does not follow it.
+        let e = open_regular(&link).unwrap_err();
+        assert!(refused(e.as_str()), "{e}");
         // No temporary file is left behind.
         let names: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()

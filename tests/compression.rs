@@ -48,6 +48,21 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     }
 }
 
+/// The cosine of the angle between `got` and `want`: 1 for the same direction, 0 for an
+/// all-zero result, negative for one pointing away. A relative-error bound above 1 (the
+/// stochastic codecs' noise is larger than the signal per element) would pass a result of
+/// zeros; this would not.
+fn cosine(got: &[f32], want: &[f32]) -> f64 {
+    let dot: f64 = got.iter().zip(want).map(|(a, b)| *a as f64 * *b as f64).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let d = norm(got) * norm(want);
+    if d == 0.0 {
+        0.0
+    } else {
+        dot / d
+    }
+}
+
 /// Rank 0's result broadcast to everyone: a rank whose result differs says so.
 fn same_everywhere(c: &mut Communicator, v: &[f32]) -> bool {
     let mut r0 = v.to_vec();
@@ -94,6 +109,10 @@ fn methods_on(transport: &'static str, p: usize) {
                         bad.push(format!(
                             "{spec} n={n} {op:?}: relative error {e:.3} > {tol}"
                         ));
+                    }
+                    let cos = cosine(&g, &want);
+                    if n >= 1000 && cos < 0.5 {
+                        bad.push(format!("{spec} n={n} {op:?}: cosine {cos:.3} < 0.5"));
                     }
                     if !same_everywhere(c, &g) {
                         bad.push(format!("{spec} n={n}: ranks differ"));
@@ -205,6 +224,23 @@ fn ranks_disagreeing_fail_everywhere() {
             .map_err(|e| e.kind())
     });
     assert!(res.iter().all(|r| r.is_err()), "{res:?}");
+    // Different dtypes of one length: float16 on rank 0, float32 elsewhere.
+    for spec in ["int8,min_bytes=0", "topk:0.1,min_bytes=0"] {
+        let res = on_threads(3, WATCHDOG, move |c| {
+            let mut comp = Compressor::new(spec).unwrap();
+            let g = gradient(c.rank(), 4096, 11);
+            let (mut bytes, dtype): (Vec<u8>, _) = if c.rank() == 0 {
+                let b = g.iter().flat_map(|v| half::f16::from_f32(*v).to_ne_bytes());
+                (b.collect(), DType::Float16)
+            } else {
+                (g.iter().flat_map(|v| v.to_ne_bytes()).collect(), DType::Float32)
+            };
+            c.all_reduce_compressed_raw(&mut bytes, dtype, ReduceOp::Sum, &mut comp)
+                .map(|_| ())
+                .map_err(|e| e.kind())
+        });
+        assert!(res.iter().all(|r| r.is_err()), "{spec}: {res:?}");
+    }
 }
 
 #[test]

@@ -131,14 +131,19 @@ fn absent_rank_times_out() {
             .unwrap_err();
         Some((e.kind(), e.to_string(), start.elapsed()))
     });
-    for r in res.into_iter().flatten() {
+    let errors: Vec<_> = res.into_iter().flatten().collect();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for r in &errors {
         assert!(
             matches!(r.0, ErrorKind::Timeout | ErrorKind::Remote),
             "{r:?}"
         );
         assert!(r.2 < Duration::from_secs(5), "{r:?}");
-        assert!(r.1.contains("rank 2") || r.1.contains("rank "), "{r:?}");
+        // Each names a rank: the absent one, or a survivor that gave up waiting (which one
+        // waits on whom depends on the schedule and on which deadline fires first).
+        assert!((0..3).any(|k| r.1.contains(&format!("rank {k}"))), "{r:?}");
     }
+
 }
 
 fn garbage(addr: SocketAddr, bytes: &[u8]) {

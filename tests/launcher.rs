@@ -221,10 +221,13 @@ fn a_rank_killed_by_a_signal_gives_128_plus_signal() {
 
 #[test]
 fn a_background_process_holding_the_output_does_not_hang_the_launcher() {
-    // `sleep` is a child of the shell, so killing the rank leaves it (briefly) holding the
+    // `sleep` is a child of the shell, so killing the rank leaves it holding the output
     // pipe; the launcher must still return.
-    let script = "if [ \"$CHORUS_RANK\" = 1 ]; then exit 5; fi; sleep 4; true";
+    // It sleeps far longer than the watchdog, so a launcher that waited for the pipe to close
+    // fails the test; the odd duration marks it for the sweep below.
+    let script = "if [ \"$CHORUS_RANK\" = 1 ]; then exit 5; fi; sleep 61.7183; true";
     let run = chorus_run(&["-n", "2", "--", "sh", "-c", script]);
+    still_running(|| processes_with("61.7183"));
     assert_eq!(run.status.code(), Some(5), "{}", run.stderr);
 }
 

@@ -1,8 +1,9 @@
 //! The tuning file (`CHORUS_TUNE_FILE`, `chorus::tune_file`), ranks as threads over TCP:
 //! decisions made by one launch's trials are written by rank 0 and start the next launch of the
-//! same kind decided (the same on every rank, results exact); a file that does not parse, or
-//! whose link differs, is not used and is rewritten; ranks that disagree about the file fail
-//! instead of hanging. No timing is asserted.
+//! same kind decided (the same on every rank, results exact); a file whose link differs is not
+//! used and its section is replaced; a file that does not parse is not used and left as it is
+//! (it may be a newer release's); ranks that disagree about the file fail instead of hanging.
+//! No timing is asserted.
 
 mod common;
 
@@ -137,26 +138,21 @@ fn decisions_carry_over_to_the_next_launch() {
 }
 
 #[test]
-fn a_file_that_does_not_parse_is_ignored_and_rewritten() {
+fn a_file_that_does_not_parse_is_ignored_and_left_as_it_is() {
     let dir = scratch("garbage");
     let path = dir.join("tune.txt");
-    std::fs::write(&path, b"\x00\xffnot a tuning file\nbucket 7 warp\n").unwrap();
+    let garbage = b"\x00\xffnot a tuning file\nbucket 7 warp\n";
+    std::fs::write(&path, garbage).unwrap();
     let out = launch(&path);
     for (rank, (before, after)) in out.iter().enumerate() {
         assert!(
             before.iter().all(Option::is_none),
             "rank {rank}: {before:?}"
         );
+        // The trials still decide every bucket; only the file is not touched.
         assert!(after.iter().all(Option::is_some), "rank {rank}: {after:?}");
     }
-    let file = TuneFile::read(&path).unwrap().expect("rewritten");
-    for n in COUNTS {
-        let b = bucket_bytes(n);
-        assert!(
-            file.sections[0].buckets.iter().any(|d| d.bytes == b),
-            "no bucket of {b} bytes in {file:?}"
-        );
-    }
+    assert_eq!(std::fs::read(&path).unwrap(), garbage);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -337,11 +337,15 @@ struct Got {
     mean: Vec<f32>,
     last: Vec<f32>,
     stats: WireStats,
+    /// Payload bytes the transport carried from this rank during the case's last call.
+    counted: u64,
     residual: Residual,
 }
 
 fn run_cases(p: usize, cases: &[Case]) -> Vec<Vec<Result<Got, TransportError>>> {
-    run_group(mem::group(p, 256 * 1024, 8192), |rank, t| {
+    let group = mem::group(p, 256 * 1024, 8192);
+    let counters: Vec<_> = group.iter().map(|t| t.sent_counter()).collect();
+    run_group(group, |rank, t| {
         let mut scratch = Vec::new();
         let mut seq = 1u64;
         cases
@@ -360,7 +364,9 @@ fn run_cases(p: usize, cases: &[Case]) -> Vec<Vec<Result<Got, TransportError>>> 
                 let mut mean = vec![0f32; case.n];
                 let mut last = Vec::new();
                 let mut stats = WireStats::default();
+                let mut counted = 0;
                 for _ in 0..case.calls {
+                    let before = counters[rank].get();
                     let mut data = x.clone();
                     let mut ctx = CollCtx {
                         transport: &mut *t,
@@ -377,6 +383,7 @@ fn run_cases(p: usize, cases: &[Case]) -> Vec<Vec<Result<Got, TransportError>>> 
                         &mut rng,
                         Some(&mut residual),
                     )?;
+                    counted = counters[rank].get() - before;
                     for (m, v) in mean.iter_mut().zip(&data) {
                         *m += v / case.calls as f32;
                     }
@@ -386,6 +393,7 @@ fn run_cases(p: usize, cases: &[Case]) -> Vec<Vec<Result<Got, TransportError>>> 
                     mean,
                     last,
                     stats,
+                    counted,
                     residual,
                 })
             })
@@ -679,11 +687,20 @@ fn bytes_on_the_wire_match_the_formulas() {
     let chunks = n / chunk;
     let dense = 2.0 * (p - 1) as f64 / p as f64 * (4 * n) as f64;
     for (k, case) in cases.iter().enumerate() {
-        let s = results[0][k].as_ref().unwrap().stats;
+        let got = results[0][k].as_ref().unwrap();
+        let s = got.stats;
+        // Bits per value of each codec, written out here rather than taken from the codec.
+        let bits = match case.codec {
+            Codec::Int8 => 8.0,
+            Codec::Ternary { .. } => 2.0,
+            Codec::Sign => 1.0,
+            Codec::F16 => 16.0,
+            other => panic!("no formula for {other:?}"),
+        };
         let share = (p - 1) as f64 / p as f64;
         let want = match case.schedule {
             Schedule::ScatterGather => {
-                2.0 * share * (n as f64 * case.codec.bits_per_value() / 8.0)
+                2.0 * share * (n as f64 * bits / 8.0)
                     + if case.codec == Codec::F16 {
                         0.0
                     } else {
@@ -695,12 +712,14 @@ fn bytes_on_the_wire_match_the_formulas() {
                 let lv = if case.codec == Codec::Int8 { 127 } else { 1 };
                 let width = 32 - (2 * p as u32 * lv).leading_zeros();
                 // Codes and sums, then every chunk's range (and a header) to every peer.
-                share * n as f64 * (case.codec.bits_per_value() + f64::from(width)) / 8.0
+                share * n as f64 * (bits + f64::from(width)) / 8.0
                     + (p - 1) as f64 * 4.0 * chunks as f64
                     + 16.0 * (p - 1) as f64
             }
         };
         assert_eq!(s.bytes_sent as f64, want, "{case:?}");
+        // What the transport carried, counted by the transport.
+        assert_eq!(got.counted, s.bytes_sent, "{case:?}");
         assert_eq!(s.bytes_received, s.bytes_sent, "{case:?}");
         assert!(s.bytes_sent as f64 <= 0.56 * dense);
     }
@@ -1005,5 +1024,87 @@ fn invalid_codes_from_a_peer_fail_every_rank() {
                 .any(|r| matches!(r, Err(TransportError::Protocol { peer: 1, .. }))),
             "{schedule:?}: {results:?}"
         );
+    }
+}
+
+/// fp16 carries values up to 65504: an average of values within that range comes back exact
+/// even when their sum lies beyond it (the owner divides before it re-encodes).
+#[test]
+fn fp16_average_of_values_whose_sum_overflows_fp16() {
+    for p in [2usize, 3, 8] {
+        let out = run_group(mem::group(p, 1 << 18, 8192), |rank, t| {
+            let mut scratch = Vec::new();
+            let mut data = vec![40000.0f32; 4096];
+            let mut ctx = CollCtx {
+                transport: t,
+                deadline: Instant::now() + TIMEOUT,
+                tag_base: 1 << 16,
+                scratch: &mut scratch,
+            };
+            all_reduce_compressed(
+                &mut ctx,
+                &mut data,
+                ReduceOp::Avg,
+                &opts(Codec::F16, Schedule::ScatterGather),
+                &mut Rng::new(1, rank as u64),
+                None,
+            )
+            .map(|_| data)
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let d = r.unwrap_or_else(|e| panic!("p={p} rank {rank}: {e}"));
+            assert!(d.iter().all(|&v| v == 40000.0), "p={p} rank {rank}: {:?}", &d[..4]);
+        }
+    }
+}
+
+/// The owner residual belongs to the slice it was made for: marked for another place (as
+/// after a renumbering that keeps the length), the next call starts it from zero, exactly as
+/// a residual without one.
+#[test]
+fn the_owner_residual_follows_its_slice() {
+    let n = 4096;
+    let results = run_group(mem::group(2, 1 << 18, 8192), |rank, t| {
+        let mut scratch = Vec::new();
+        let mut call = |seq: u64, residual: &mut Residual, rng: &mut Rng| {
+            let mut data = input(9 + seq.min(2), rank, n); // calls 2 and 3: the same input
+            let mut ctx = CollCtx {
+                transport: &mut *t,
+                deadline: Instant::now() + TIMEOUT,
+                tag_base: seq << 16,
+                scratch: &mut scratch,
+            };
+            all_reduce_compressed(
+                &mut ctx,
+                &mut data,
+                ReduceOp::Sum,
+                &opts(Codec::Sign, Schedule::ScatterGather),
+                rng,
+                Some(residual),
+            )
+            .map(|_| data)
+        };
+        let mut rng = Rng::new(3, rank as u64);
+        let mut moved = Residual::default();
+        call(1, &mut moved, &mut rng)?;
+        assert!(moved.owner.iter().any(|&v| v != 0.0));
+        moved.owner_slice = if moved.owner_slice.start == 0 {
+            n / 2..n
+        } else {
+            0..n / 2
+        };
+        let mut fresh = Residual {
+            local: moved.local.clone(),
+            ..Residual::default()
+        };
+        let mut rng2 = rng.clone();
+        let a = call(2, &mut moved, &mut rng)?;
+        let b = call(3, &mut fresh, &mut rng2)?;
+        Ok::<_, TransportError>((a, b, moved.owner, fresh.owner))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (a, b, moved, fresh) = r.unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "rank {rank}");
+        assert!(moved.iter().zip(&fresh).all(|(x, y)| x.to_bits() == y.to_bits()), "rank {rank}");
     }
 }

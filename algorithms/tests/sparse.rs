@@ -8,7 +8,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use chorus_algorithms::sparse::{
-    self, topk_all_reduce, topk_exact, SparseAlgo, SparseResult, SparseVec, TopkOptions, TopkState,
+    self, topk_all_reduce, SparseAlgo, SparseResult, SparseVec, TopkOptions, TopkState,
     TopkStats,
 };
 use chorus_algorithms::{CollCtx, ReduceOp};
@@ -449,6 +449,16 @@ fn two_phase_topk_moves_at_most_6k_words() {
     }
 }
 
+/// The indices of the `k` largest magnitudes (lower index first among equals), ascending:
+/// sorted here, independently of the library's selection.
+fn naive_topk(x: &[f32], k: usize) -> Vec<u64> {
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].abs().total_cmp(&x[a].abs()).then(a.cmp(&b)));
+    let mut idx: Vec<u64> = order[..k.min(x.len())].iter().map(|&i| i as u64).collect();
+    idx.sort_unstable();
+    idx
+}
+
 /// Replays the top-k steps on one thread: each rank's selection from `g + residual`, their
 /// sum, what is kept, and the residuals.
 fn reference_topk(
@@ -471,8 +481,7 @@ fn reference_topk(
             } else {
                 g
             };
-            let mut idx = Vec::new();
-            topk_exact(&x, k, &mut idx);
+            let idx = naive_topk(&x, k);
             for &i in &idx {
                 sum[i as usize] += x[i as usize];
             }
@@ -708,4 +717,43 @@ fn bad_arguments_are_refused_before_sending() {
         Ok(())
     });
     assert_eq!(out, ["ok"]);
+}
+
+/// More infinities than k in one call: that call's result carries infinities (as a dense sum
+/// would), and none is left in the residual to reach the finite calls after it.
+#[test]
+fn infinities_do_not_outlive_their_call() {
+    let (n, p) = (10_000, 2);
+    for algo in SparseAlgo::ALL {
+        let opts = TopkOptions {
+            algo,
+            ..TopkOptions::default() // ratio 1 %: k = 100
+        };
+        let out = run_group(mem::group(p, 1 << 18, 16384), |rank, t| {
+            let mut scratch = Vec::new();
+            let mut state = TopkState::default();
+            (0..4u64)
+                .map(|step| {
+                    let mut data = vec![1.0f32; n];
+                    if step == 0 && rank == 0 {
+                        data[..500].fill(f32::INFINITY);
+                    }
+                    let mut c = ctx(t, &mut scratch, step + 1);
+                    let r = topk_all_reduce(&mut c, &mut data, ReduceOp::Sum, &opts, &mut state);
+                    abort_on_error(t, r).unwrap_or_else(|e| panic!("{algo:?} step {step}: {e}"));
+                    assert!(state.residual.iter().all(|r| r.is_finite()), "{algo:?}");
+                    data
+                })
+                .collect::<Vec<_>>()
+        });
+        for (rank, steps) in out.iter().enumerate() {
+            assert!(steps[0].iter().any(|v| v.is_infinite()), "{algo:?} rank {rank}");
+            for (step, d) in steps.iter().enumerate().skip(1) {
+                assert!(
+                    d.iter().all(|v| v.is_finite()),
+                    "{algo:?} rank {rank} step {step}"
+                );
+            }
+        }
+    }
 }

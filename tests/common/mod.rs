@@ -270,14 +270,32 @@ pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> 
     Job { children, server }
 }
 
+/// Reads a child's pipe to its end on a thread, so that a child writing more than a pipe holds
+/// never blocks on it.
+pub fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
 /// Wait for every child with a watchdog; returns (exit code, stdout+stderr) per rank.
 pub fn wait_job(mut job: Job, watchdog: Duration) -> Vec<(Option<i32>, String)> {
+    let outputs: Vec<_> = job
+        .children
+        .iter_mut()
+        .map(|c| (drain(c.stdout.take()), drain(c.stderr.take())))
+        .collect();
     let deadline = Instant::now() + watchdog;
     let mut done: Vec<Option<std::process::ExitStatus>> = vec![None; job.children.len()];
     while done.iter().any(Option::is_none) {
         if Instant::now() > deadline {
             for c in job.children.iter_mut() {
                 let _ = c.kill();
+                let _ = c.wait();
             }
             panic!("watchdog: job still running after {watchdog:?}");
         }
@@ -288,13 +306,12 @@ pub fn wait_job(mut job: Job, watchdog: Duration) -> Vec<(Option<i32>, String)> 
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    job.children
+    outputs
         .into_iter()
         .zip(done)
-        .map(|(c, st)| {
-            let out = c.wait_with_output().expect("output");
-            let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
-            s.push_str(&String::from_utf8_lossy(&out.stderr));
+        .map(|((out, err), st)| {
+            let mut s = String::from_utf8_lossy(&out.join().unwrap()).into_owned();
+            s.push_str(&String::from_utf8_lossy(&err.join().unwrap()));
             (st.and_then(|s| s.code()), s)
         })
         .collect()

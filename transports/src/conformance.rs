@@ -214,13 +214,12 @@ pub fn nonblocking_and_partial(make: MakeGroup<'_>) {
                 .progress(&mut [Op::recv(&mut req, &mut b)], Wait::No)
                 .unwrap();
             let mut last = 0;
+            let deadline = Instant::now() + T;
             while !t
-                .progress(
-                    &mut [Op::recv(&mut req, &mut b)],
-                    Wait::Until(Instant::now() + T),
-                )
+                .progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(deadline))
                 .unwrap()
             {
+                assert!(Instant::now() < deadline, "the receive did not complete");
                 assert!(req.bytes_done() >= last);
                 last = req.bytes_done();
                 // The received prefix is valid while the rest is in flight.
@@ -385,7 +384,9 @@ pub fn abort_mid_message(make: MakeGroup<'_>) {
             let data = pattern(0, 1, len, 5);
             let mut req = Request::send_partial(1, 4, len, len / 2);
             t.post(&mut req).unwrap();
+            let deadline = Instant::now() + T;
             while req.bytes_done() < len / 2 {
+                assert!(Instant::now() < deadline, "half the message was not sent");
                 t.progress(&mut [Op::send(&mut req, &data)], Wait::No)
                     .unwrap();
                 std::thread::sleep(Duration::from_millis(1));

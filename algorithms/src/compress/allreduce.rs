@@ -393,6 +393,10 @@ fn scatter_gather(
     let enc_len = |j: usize| codec.encoded_len(slices[j].len(), chunk);
     if let Some(r) = residual.as_deref_mut() {
         resize_zeroed(&mut r.local, run.n);
+        if r.owner_slice != own {
+            r.owner.clear();
+            r.owner_slice = own.clone();
+        }
         resize_zeroed(&mut r.owner, own.len());
     }
     // Round 1 needs the outgoing pieces and p incoming ones; round 2 the p encoded slices.
@@ -411,6 +415,7 @@ fn scatter_gather(
     let (t, scratch) = ctx.transport_and_scratch(need);
 
     // Round 1: pieces out, own slice's pieces in and summed.
+    let mut poisoned = false;
     {
         let (out_buf, rest) = split_aligned(scratch, out1);
         let mut outs = cut(out_buf, (0..p).map(piece));
@@ -470,7 +475,6 @@ fn scatter_gather(
                 run.check_header(i, tags[0], &inbox[i][..HEADER_BYTES])?;
             }
         }
-        let mut poisoned = false;
         'groups: for g in groups(own.clone(), chunk, n) {
             let from = codec.encoded_len(g.start - own.start, chunk);
             let to = from + codec.encoded_len(g.len(), chunk);
@@ -504,6 +508,12 @@ fn scatter_gather(
         round.finish_sends(t, |j| &*outs[j], &mut inbox)?;
     }
 
+    // An average is divided before the owner re-quantizes it, not after: the sum of p values
+    // a codec carries (fp16's ±65504) can lie beyond its range where their mean does not.
+    if run.avg {
+        divide(&mut data[own.clone()], p);
+    }
+
     // Round 2: the owner's one re-quantization, then the codes go round unchanged.
     let mut slots = cut(&mut scratch[..all2], (0..p).map(enc_len));
     let mine = std::mem::take(&mut slots[me]);
@@ -516,7 +526,16 @@ fn scatter_gather(
         let len = codec.encoded_len(g.len(), chunk);
         let out = &mut mine[pos..pos + len];
         let o = g.start - own.start..g.end - own.start;
-        match residual.as_deref_mut() {
+        // A poisoned sum fails every rank: the owner residual stays as it was.
+        match residual.as_deref_mut().filter(|_| !poisoned) {
+            // The owner residual is kept in units of the sum, whatever the op, so that a
+            // compressor used for sums and averages in turn stays consistent: an average
+            // takes its p-th part and gives back p times what its encoding lost.
+            Some(r) if run.avg => {
+                divide(&mut r.owner[o.clone()], p);
+                codec.encode_with_feedback(&data[g], &mut r.owner[o.clone()], chunk, out, rng);
+                r.owner[o].iter_mut().for_each(|e| *e *= p as f32);
+            }
             Some(r) => codec.encode_with_feedback(&data[g], &mut r.owner[o], chunk, out, rng),
             None => codec.encode(&data[g], chunk, out, rng),
         }
@@ -545,9 +564,6 @@ fn scatter_gather(
                 run.record(e);
             }
             pos += len;
-            if run.avg {
-                divide(&mut data[g], p);
-            }
         }
         if i != me {
             round.wait_recv(t, i, |_| mine, &mut slots, &mut run.stats)?;

@@ -258,7 +258,9 @@ impl Codec {
             Family::Stochastic(lv) => stochastic::chunk_bytes(lv, m),
             Family::Sign => sign::chunk_bytes(m),
         };
-        full * bytes(chunk) + if rest > 0 { bytes(rest) } else { 0 }
+        // (A chunk longer than `n` is never sized: it may be any value up to `usize::MAX`.)
+        let whole = if full > 0 { full * bytes(chunk) } else { 0 };
+        whole + if rest > 0 { bytes(rest) } else { 0 }
     }
 
     /// Encodes `x` into `out` (exactly [`Codec::encoded_len`] bytes), drawing the stochastic
@@ -489,15 +491,24 @@ impl CompressedOptions {
 
 /// Error-feedback state the caller keeps per tensor: the residual of this rank's sends
 /// (`local`, one value per element) and of the re-quantization of the slice it owns
-/// (`owner`, scatter-gather only). The schedule sizes and zeroes each one whose length no
-/// longer fits: a new tensor length, or a group size that changes the owned slice. (Start from
-/// `Residual::default()` for a new tensor or group.)
+/// (`owner`, scatter-gather only). The schedule zeroes `local` when the tensor's length
+/// changes, and `owner` when the owned slice does (another length, group size or rank).
+/// (Start from `Residual::default()` for a new tensor or group.)
+///
+/// A call that fails (an input with NaN or ±∞ fails on every rank) may leave both updated for
+/// the pieces this rank had already encoded, as if they had been applied (they then carry that
+/// call's quantization error in place of what they held). The owner
+/// residual of a slice whose sum held NaN or ±∞ is left as it was, and no residual ever takes
+/// a non-finite value. A caller that skips the step (a loss scaler after an overflow) can go
+/// on, or start over with `Residual::default()`.
 #[derive(Clone, Debug, Default)]
 pub struct Residual {
     /// What this rank's encodings lost, per element of the tensor.
     pub local: Vec<f32>,
     /// What the owner's re-quantization lost, per element of the owned slice.
     pub owner: Vec<f32>,
+    /// The elements of the tensor `owner` belongs to.
+    pub owner_slice: std::ops::Range<usize>,
 }
 
 /// Payload bytes one rank moved in one call (message headers of the transport not counted).
@@ -534,6 +545,10 @@ mod tests {
     #[test]
     fn lengths() {
         assert_eq!(Codec::F16.encoded_len(5, 2), 10);
+        // A chunk longer than the values is sized by the values alone, however long.
+        for c in [Codec::Int8, Codec::Int4, Codec::Sign, Codec::F16] {
+            assert_eq!(c.encoded_len(3, usize::MAX), c.encoded_len(3, 3));
+        }
         assert_eq!(Codec::Int8.encoded_len(0, 1024), 0);
         assert_eq!(Codec::Int8.encoded_len(1025, 1024), 4 + 1024 + 4 + 1);
         assert_eq!(Codec::Int4.encoded_len(3, 1024), 4 + 2);

@@ -152,9 +152,15 @@ impl Stats {
     }
 }
 
-/// The step of a range.
+/// The step of a range: `range / L`, rounded down where rounding to nearest would make
+/// `L·step` overflow (a range at `f32::MAX`), so that the largest code decodes finite.
 pub(crate) fn step_of(range: f32, lv: Levels) -> f32 {
-    range / lv.max as f32
+    let step = range / lv.max as f32;
+    if step.is_finite() && !(step * lv.max as f32).is_finite() {
+        step.next_down()
+    } else {
+        step
+    }
 }
 
 /// Stochastically rounds `x / (range/L)`, clamped to `±L`, into `q` (same length), drawing
@@ -325,6 +331,18 @@ pub(crate) fn check_step(step: f32, max: i32, chunk: usize) -> Result<(), CodecE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_largest_code_of_any_finite_range_decodes_finite() {
+        for lv in [INT8, INT4, ternary(false)] {
+            for range in [f32::MAX, f32::MAX.next_down(), 1e38, 1.0, f32::MIN_POSITIVE] {
+                let step = step_of(range, lv);
+                let top = step * lv.max as f32;
+                assert!(top.is_finite(), "{} {range}: {top}", lv.max);
+                assert!(check_step(step, lv.max, 0).is_ok(), "{} {range}", lv.max);
+            }
+        }
+    }
 
     #[test]
     fn ranges() {

@@ -831,6 +831,15 @@ pub fn topk_all_reduce(
             }
         }
     }
+    // NaN and ±∞ rank above every finite magnitude, so the selection holds one whenever the
+    // accumulated values do. They went into this call's result (as in a dense allreduce);
+    // those it could not carry (more than k) must not reach the next calls.
+    if opts.error_feedback && sel_val.iter().any(|v| !v.is_finite()) {
+        residual
+            .iter_mut()
+            .filter(|r| !r.is_finite())
+            .for_each(|r| *r = 0.0);
+    }
     state.step += 1;
     Ok(TopkStats {
         wire,

@@ -32,6 +32,8 @@ struct State {
     queues: Vec<Vec<VecDeque<Frame>>>,
     /// Payload bytes queued from `from` to `to`.
     queued: Vec<Vec<usize>>,
+    /// Payload bytes each rank has handed to the group, over its life.
+    sent: Vec<u64>,
     gone: Vec<Option<Gone>>,
 }
 
@@ -66,6 +68,7 @@ pub fn group(size: usize, capacity: usize, frame: usize) -> Vec<MemTransport> {
                 .map(|_| (0..size).map(|_| VecDeque::new()).collect())
                 .collect(),
             queued: vec![vec![0; size]; size],
+            sent: vec![0; size],
             gone: vec![None; size],
         }),
         changed: Condvar::new(),
@@ -107,7 +110,29 @@ fn dir_index(d: Direction) -> usize {
     }
 }
 
+/// Reads how many payload bytes one rank of a group has sent, from any thread: the bytes the
+/// transport itself moved, not what the schedule reports about itself.
+#[derive(Clone)]
+pub struct SentCounter {
+    shared: Arc<Shared>,
+    rank: usize,
+}
+
+impl SentCounter {
+    pub fn get(&self) -> u64 {
+        lock(&self.shared).sent[self.rank]
+    }
+}
+
 impl MemTransport {
+    /// A reader of this rank's payload bytes sent (message headers are not counted).
+    pub fn sent_counter(&self) -> SentCounter {
+        SentCounter {
+            shared: self.shared.clone(),
+            rank: self.rank,
+        }
+    }
+
     /// Moves what can be moved for one op; returns whether anything moved.
     fn step_op(&mut self, st: &mut State, op: &mut Op<'_, '_>) -> Result<bool> {
         let req = &mut *op.req;
@@ -147,6 +172,7 @@ impl MemTransport {
                     let from = req.bytes_done();
                     st.queues[self.rank][peer].push_back(Frame::Data(buf[from..from + n].to_vec()));
                     st.queued[self.rank][peer] += n;
+                    st.sent[self.rank] += n as u64;
                     req.advance(n);
                     moved = true;
                 }

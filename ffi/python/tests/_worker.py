@@ -214,6 +214,9 @@ def compression(comm):
             got = np.asarray(x, dtype=np.float64)
             rel = np.linalg.norm(got - dense) / np.linalg.norm(dense)
             assert rel < tol, f"{spec} {kind}: relative error {rel}"
+            # A bound above 1 passes a result of zeros; the direction must be right too.
+            cos = float(got @ dense) / (np.linalg.norm(got) * np.linalg.norm(dense) or 1.0)
+            assert cos > 0.3, f"{spec} {kind}: cosine {cos}"
             # identical on every rank
             digest = np.array([float(np.sum(got * np.arange(n)))], dtype=np.float64)
             ref = digest.copy()
