@@ -22,6 +22,7 @@ use chorus_algorithms::collectives::{
 use chorus_algorithms::cost::Link;
 use chorus_algorithms::{DType, Element, ReduceOp};
 
+use crate::algo_spec::AlgoSpec;
 use crate::comm::{tag_base, CollKind, Communicator};
 use crate::error::CommError;
 use crate::log::{self, Level};
@@ -37,54 +38,27 @@ fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(s)
 }
 
-/// The algorithm `CHORUS_ALGO` forces for collective `coll` (NCCL's grammar:
-/// `coll:name,name;…`; a part without `coll:` applies to every collective; `^` excludes).
-/// Returns the first listed name that `parse` accepts.
-fn forced<A>(spec: Option<&str>, coll: &str, parse: impl Fn(&str) -> Option<A>) -> Option<A> {
-    let squash = |s: &str| -> String {
-        s.chars()
-            .filter(|c| *c != '_' && *c != '-')
-            .collect::<String>()
-            .to_ascii_lowercase()
-    };
-    let mut chosen = None;
-    for part in spec?.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-        let (c, list) = match part.split_once(':') {
-            Some((c, l)) => (Some(c), l.trim()),
-            None => (None, part),
-        };
-        if c.is_some_and(|c| squash(c) != squash(coll)) || list.starts_with('^') {
-            continue;
-        }
-        if let Some(a) = list.split(',').find_map(|n| parse(n.trim())) {
-            chosen = Some(a);
+/// The schedule of collective `coll` for a call: the cheapest (by `cost`) of `all` that
+/// `CHORUS_ALGO` allows (all of them when it says nothing about `coll`). The value was checked
+/// at init to leave every collective a schedule.
+fn choose<A: Copy>(
+    spec: &AlgoSpec,
+    coll: &str,
+    all: &[A],
+    name: impl Fn(A) -> &'static str,
+    cost: impl Fn(A) -> f64,
+) -> A {
+    let names: Vec<&str> = all.iter().map(|&a| name(a)).collect();
+    let allowed = spec
+        .allowed(coll, &names)
+        .unwrap_or_else(|| vec![true; all.len()]);
+    let mut best: Option<A> = None;
+    for (&a, ok) in all.iter().zip(allowed) {
+        if ok && !best.is_some_and(|b| cost(a) >= cost(b)) {
+            best = Some(a);
         }
     }
-    chosen
-}
-
-fn parse_broadcast(n: &str) -> Option<broadcast::Algorithm> {
-    broadcast::Algorithm::ALL
-        .into_iter()
-        .find(|a| a.name().eq_ignore_ascii_case(n))
-}
-
-fn parse_reduce(n: &str) -> Option<reduce::Algorithm> {
-    reduce::Algorithm::ALL
-        .into_iter()
-        .find(|a| a.name().eq_ignore_ascii_case(n))
-}
-
-fn parse_allgather(n: &str) -> Option<allgather::Algorithm> {
-    allgather::Algorithm::ALL
-        .into_iter()
-        .find(|a| a.name().eq_ignore_ascii_case(n))
-}
-
-fn parse_reduce_scatter(n: &str) -> Option<reduce_scatter::Algorithm> {
-    reduce_scatter::Algorithm::ALL
-        .into_iter()
-        .find(|a| a.name().eq_ignore_ascii_case(n))
+    best.unwrap_or(all[0])
 }
 
 impl Communicator {
@@ -155,8 +129,14 @@ impl Communicator {
         const OP: &str = "broadcast";
         self.check_whole(OP, "buffer", buf.len(), dtype)?;
         self.check_root(OP, root)?;
-        let alg = forced(self.config().algo.as_deref(), OP, parse_broadcast)
-            .unwrap_or_else(|| broadcast::Algorithm::select(buf.len(), self.size(), &self.link()));
+        let (size, link) = (self.size(), self.link());
+        let alg = choose(
+            self.algos(),
+            OP,
+            &broadcast::Algorithm::ALL,
+            |a| a.name(),
+            |a| a.cost(buf.len(), size, &link),
+        );
         self.trace(format_args!(
             "broadcast {} B from {root} with {}",
             buf.len(),
@@ -209,8 +189,14 @@ impl Communicator {
                 ),
             ));
         }
-        let alg = forced(self.config().algo.as_deref(), OP, parse_reduce)
-            .unwrap_or_else(|| reduce::Algorithm::select(n, self.size(), &self.link()));
+        let (size, link) = (self.size(), self.link());
+        let alg = choose(
+            self.algos(),
+            OP,
+            &reduce::Algorithm::ALL,
+            |a| a.name(),
+            |a| a.cost(n, size, &link),
+        );
         self.trace(format_args!(
             "reduce {n} B {} {} to {root} with {}",
             dtype.name(),
@@ -248,8 +234,14 @@ impl Communicator {
     ) -> Result<(), CommError> {
         const OP: &str = "all_gather";
         self.check_blocks(OP, send, recv.len(), dtype, true)?;
-        let alg = forced(self.config().algo.as_deref(), OP, parse_allgather)
-            .unwrap_or_else(|| allgather::Algorithm::select(recv.len(), self.size(), &self.link()));
+        let (size, link) = (self.size(), self.link());
+        let alg = choose(
+            self.algos(),
+            OP,
+            &allgather::Algorithm::ALL,
+            |a| a.name(),
+            |a| a.cost(recv.len(), size, &link),
+        );
         self.trace(format_args!(
             "all_gather {} B with {}",
             recv.len(),
@@ -347,8 +339,14 @@ impl Communicator {
         const OP: &str = "reduce_scatter";
         self.check_blocks(OP, send, recv.len(), dtype, false)?;
         let total = send.map_or(recv.len(), <[u8]>::len);
-        let alg = forced(self.config().algo.as_deref(), OP, parse_reduce_scatter)
-            .unwrap_or_else(|| reduce_scatter::Algorithm::select(total, self.size(), &self.link()));
+        let (size, link) = (self.size(), self.link());
+        let alg = choose(
+            self.algos(),
+            OP,
+            &reduce_scatter::Algorithm::ALL,
+            |a| a.name(),
+            |a| a.cost(total, size, &link),
+        );
         self.trace(format_args!(
             "reduce_scatter {total} B {} {} with {}",
             dtype.name(),
@@ -613,22 +611,39 @@ mod tests {
 
     #[test]
     fn algo_override_grammar() {
-        let spec = Some("allreduce:ring;broadcast:ring;allgather:nonsense,recursive_doubling");
-        assert_eq!(
-            forced(spec, "broadcast", parse_broadcast),
-            Some(broadcast::Algorithm::Ring)
-        );
-        assert_eq!(forced(spec, "reduce", parse_reduce), None);
-        assert_eq!(
-            forced(spec, "all_gather", parse_allgather),
-            Some(allgather::Algorithm::RecursiveDoubling)
-        );
-        assert_eq!(
-            forced(Some("tree"), "reduce", parse_reduce),
-            Some(reduce::Algorithm::Tree)
-        );
-        assert_eq!(forced(Some("reduce:^tree"), "reduce", parse_reduce), None);
-        assert_eq!(forced(None, "reduce", parse_reduce), None);
+        let spec =
+            AlgoSpec::parse("allreduce:ring;broadcast:ring;allgather:recursive_doubling").unwrap();
+        let pick = |spec: &AlgoSpec, coll: &str, costs: [f64; 2]| {
+            choose(
+                spec,
+                coll,
+                &[0usize, 1],
+                |a| ["tree", "ring"][a],
+                |a| costs[a],
+            )
+        };
+        let gather = |spec: &AlgoSpec, costs: [f64; 2]| {
+            choose(
+                spec,
+                "all_gather",
+                &[0usize, 1],
+                |a| ["ring", "recursive_doubling"][a],
+                |a| costs[a],
+            )
+        };
+        assert_eq!(pick(&spec, "broadcast", [1.0, 2.0]), 1);
+        assert_eq!(pick(&spec, "reduce", [1.0, 2.0]), 0); // nothing said: the cheaper
+        assert_eq!(pick(&spec, "reduce", [3.0, 2.0]), 1);
+        assert_eq!(gather(&spec, [1.0, 2.0]), 1);
+        let tree = AlgoSpec::parse("tree").unwrap();
+        assert_eq!(pick(&tree, "reduce", [3.0, 2.0]), 0);
+        // An exclusion is honoured, and a list of several leaves the choice to the costs.
+        let no_tree = AlgoSpec::parse("reduce:^tree").unwrap();
+        assert_eq!(pick(&no_tree, "reduce", [1.0, 2.0]), 1);
+        let both = AlgoSpec::parse("reduce:ring,tree").unwrap();
+        assert_eq!(pick(&both, "reduce", [3.0, 2.0]), 1);
+        assert_eq!(pick(&both, "reduce", [1.0, 2.0]), 0);
+        assert_eq!(pick(&AlgoSpec::default(), "reduce", [3.0, 2.0]), 1);
     }
 
     /// A group of one: every collective is a local copy, and bad arguments are reported

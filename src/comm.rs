@@ -11,6 +11,7 @@ use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
+use crate::algo_spec::AlgoSpec;
 use crate::config::{Config, MAX_WORLD_SIZE};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
@@ -61,6 +62,9 @@ pub struct Communicator {
     tuning: bool,
     /// Where tuning decisions are kept across launches (`CHORUS_TUNE_FILE`).
     tune_file: Option<TuneState>,
+    /// `CHORUS_ALGO`, checked: the schedules of the collectives other than the allreduce
+    /// (whose choices live in the selector).
+    algos: AlgoSpec,
 }
 
 /// A communicator's tuning file ([`crate::tune_file`]).
@@ -71,6 +75,64 @@ struct TuneState {
     section: Section,
     /// A write failed and was reported (later failures are not).
     warned: bool,
+}
+
+/// Checks that every rank has the same `settings` (name, value) at init, through the
+/// rendezvous store: each rank publishes its values, rank 0 compares them all and publishes a
+/// verdict that every rank reads (O(p) store traffic). A difference fails init on every rank
+/// with an error naming the setting, the two ranks and their values.
+fn agree_on_settings(
+    store: &mut chorus_transport::rendezvous::StoreClient,
+    rank: usize,
+    size: usize,
+    settings: &[(&str, String)],
+    deadline: Instant,
+) -> Result<(), CommError> {
+    let io = |e| CommError::from_transport("init", e);
+    let encode =
+        |s: &[(&str, String)]| -> String { s.iter().map(|(n, v)| format!("{n}={v}\n")).collect() };
+    let mine = encode(settings);
+    store
+        .set(&format!("settings/{rank}"), mine.as_bytes())
+        .map_err(io)?;
+    if rank == 0 {
+        let mut verdict = String::from("ok");
+        for j in 1..size {
+            let theirs = store.get(&format!("settings/{j}"), deadline).map_err(io)?;
+            let theirs = String::from_utf8_lossy(&theirs);
+            if theirs == mine {
+                continue;
+            }
+            let line = |text: &str, name: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
+                    .unwrap_or("(missing)")
+                    .to_string()
+            };
+            let (name, value) = settings
+                .iter()
+                .find(|(n, v)| line(&theirs, n) != *v)
+                .map_or(("settings", "?".to_string()), |(n, v)| (*n, v.clone()));
+            verdict = format!(
+                "ranks disagree about {name}: rank 0 has {value}, rank {j} has {}; set the same \
+                 value on every rank",
+                line(&theirs, name)
+            );
+            break;
+        }
+        store
+            .set("settings/verdict", verdict.as_bytes())
+            .map_err(io)?;
+    }
+    let verdict = store.get("settings/verdict", deadline).map_err(io)?;
+    if verdict == b"ok" {
+        return Ok(());
+    }
+    Err(CommError::new(
+        ErrorKind::Mismatch,
+        "init",
+        String::from_utf8_lossy(&verdict).into_owned(),
+    ))
 }
 
 /// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
@@ -304,6 +366,8 @@ impl Communicator {
                 ))
             })?,
         };
+        let algos = AlgoSpec::parse(config.algo.as_deref().unwrap_or(""))
+            .map_err(|e| fail(CommError::invalid("init", e)))?;
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
         let env_link = crate::select::link_from_env().map_err(fail)?;
         let env_link = crate::select::link_from_config(&config, env_link).map_err(fail)?;
@@ -358,6 +422,36 @@ impl Communicator {
             // against ~70 µs sleeping, on loopback and across namespaces alike).
             let (t, mut r) =
                 tcp::connect(&opts).map_err(|e| fail(CommError::from_transport("init", e)))?;
+            // Settings every rank must share to pick the same schedules (each rank reads its
+            // own environment): told apart here, naming the setting, rather than as a
+            // mismatch or a timeout at some later call.
+            let settings = [
+                (
+                    "CHORUS_ALGO",
+                    format!("{:?}", config.algo.as_deref().map(str::trim)),
+                ),
+                (
+                    "CHORUS_ALPHA_US (or Config::alpha_us)",
+                    format!("{:?}", env_link.0),
+                ),
+                (
+                    "CHORUS_BETA_GBPS (or Config::beta_gbps)",
+                    format!("{:?}", env_link.1),
+                ),
+                ("CHORUS_TUNE", format!("{tuning}")),
+                (
+                    "CHORUS_TUNE_FILE (set or not)",
+                    format!("{}", config.tune_file.is_some()),
+                ),
+            ];
+            agree_on_settings(
+                &mut r.store,
+                rank,
+                size,
+                &settings,
+                Instant::now() + config.init_timeout,
+            )
+            .map_err(fail)?;
             // Peers on this host through shared memory, the others through TCP.
             let shm_opts = shm_options().map_err(fail)?;
             let t = hybrid::connect(
@@ -406,6 +500,7 @@ impl Communicator {
             tuner: Tuner::new(),
             tuning,
             tune_file: None,
+            algos,
         };
         comm.selector = Selector::for_communicator(&mut comm, filter, env_link, crowded)?;
         if let Some(path) = comm.config.tune_file.clone() {
@@ -468,10 +563,16 @@ impl Communicator {
 
     /// Whether allreduces that force no algorithm take the direct shared-memory allreduce
     /// instead of a message schedule: every rank is on this host (the transport has shared
-    /// memory to all of them) and `CHORUS_ALGO` is unset. Schedules are then neither
-    /// selected nor tuned. Every rank returns the same.
+    /// memory to all of them) and `CHORUS_ALGO` says nothing about the allreduce (sections
+    /// for other collectives leave it alone). Schedules are then neither selected nor tuned.
+    /// Every rank returns the same.
     pub fn direct_shared_memory(&mut self) -> bool {
-        self.config.algo.is_none() && self.transport.shared_memory().is_some()
+        !self.algos.restricts("allreduce") && self.transport.shared_memory().is_some()
+    }
+
+    /// `CHORUS_ALGO` as checked at init.
+    pub(crate) fn algos(&self) -> &AlgoSpec {
+        &self.algos
     }
 
     /// The algorithm tuning settled on for allreduces of `bytes` bytes, if their size bucket

@@ -388,12 +388,8 @@ impl Communicator {
             return Ok(comp.last);
         }
         let rank = self.rank() as u64;
-        let tag = tag_base(
-            self.next_seq(),
-            CollKind::CompressedAllReduce,
-            dtype,
-            op,
-        ) | call_bits(&[dense_bytes])
+        let tag = tag_base(self.next_seq(), CollKind::CompressedAllReduce, dtype, op)
+            | call_bits(&[dense_bytes])
             | (comp.method_id() << 12);
         let spec = comp.spec.clone();
         let mut report = CompressionReport {

@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod algo_spec;
 mod collectives;
 pub mod comm;
 pub mod compress;

@@ -142,6 +142,7 @@ use chorus_algorithms::cost::Link;
 use chorus_algorithms::{CollCtx, DType, ReduceOp};
 use chorus_transport::{Result as TResult, TransportError};
 
+use crate::algo_spec::AlgoSpec;
 use crate::comm::{CollKind, Communicator};
 use crate::error::CommError;
 use crate::log::{self, Level};
@@ -333,49 +334,40 @@ pub(crate) fn index(a: Algorithm) -> usize {
 }
 
 impl AlgoFilter {
-    /// Parses a `CHORUS_ALGO` value (NCCL's grammar): `;`-separated sections, each an
-    /// optional `collective:` and a `,`-separated list of names, `^` in front of the list
-    /// excluding them instead. Sections for other collectives are ignored; a later section
-    /// for the allreduce replaces an earlier one.
+    /// Parses a `CHORUS_ALGO` value (NCCL's grammar, checked in full: [`AlgoSpec`]) for the
+    /// allreduce: `;`-separated sections, each an optional `collective:` and a `,`-separated
+    /// list of names, `^` in front of the list excluding them instead. A later section for the
+    /// allreduce replaces an earlier one. The double binary tree stays out unless a list
+    /// allows it by name (an exclusion list does not bring it in).
     ///
     /// ```
     /// use chorus::select::AlgoFilter;
     /// use chorus::Algorithm;
     /// let f = AlgoFilter::parse("allreduce:^ring;broadcast:ring").unwrap();
     /// assert!(!f.allows(Algorithm::Ring) && f.allows(Algorithm::Tree));
+    /// assert!(!f.allows(Algorithm::DoubleTree));
     /// assert_eq!(AlgoFilter::parse("ring").unwrap().forced(), Some(Algorithm::Ring));
     /// assert!(AlgoFilter::parse("allreduce:warp").is_err());
     /// ```
     ///
-    /// Errors (kind `InvalidArgument`): an unknown allreduce schedule name, or a value that
-    /// allows none.
+    /// Errors (kind `InvalidArgument`): anything [`AlgoSpec::parse`] refuses (an unknown
+    /// collective or schedule name, a later section without a collective), or a value that
+    /// allows no allreduce schedule.
     pub fn parse(spec: &str) -> Result<AlgoFilter, CommError> {
-        let bad = |msg: String| CommError::invalid("init", format!("CHORUS_ALGO={spec:?}: {msg}"));
+        let parsed = AlgoSpec::parse(spec).map_err(|e| CommError::invalid("init", e))?;
+        let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
         let mut filter = AlgoFilter::default();
-        for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-            let list = match part.split_once(':') {
-                Some((coll, list)) => {
-                    let coll = coll.trim().to_ascii_lowercase().replace('_', "");
-                    if coll != "allreduce" {
-                        continue;
-                    }
-                    list.trim()
-                }
-                None => part,
-            };
-            let (exclude, list) = match list.strip_prefix('^') {
-                Some(l) => (true, l),
-                None => (false, list),
-            };
-            let mut named = [false; Algorithm::ALL.len()];
-            for n in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-                let a: Algorithm = n.parse().map_err(|e| bad(format!("{e}")))?;
-                named[index(a)] = true;
+        if let Some(allowed) = parsed.allowed("allreduce", &names) {
+            for (i, a) in Algorithm::ALL.into_iter().enumerate() {
+                filter.allowed[i] = allowed[i]
+                    && (a != Algorithm::DoubleTree || parsed.names("allreduce", &names, a.name()));
             }
-            filter.allowed = named.map(|x| x != exclude);
         }
         if !filter.allowed.iter().any(|&a| a) {
-            return Err(bad("no allreduce algorithm is left".into()));
+            return Err(CommError::invalid(
+                "init",
+                format!("CHORUS_ALGO={spec:?}: no allreduce algorithm is left"),
+            ));
         }
         Ok(filter)
     }

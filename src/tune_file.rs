@@ -409,7 +409,9 @@ fn open_regular(path: &Path) -> Result<Option<std::fs::File>, String> {
             return Err(format!("cannot open it: {e}"));
         }
     };
-    let m = f.metadata().map_err(|e| format!("cannot look at it: {e}"))?;
+    let m = f
+        .metadata()
+        .map_err(|e| format!("cannot look at it: {e}"))?;
     if !m.is_file() {
         return Err("it is not a regular file".to_string());
     }
@@ -761,8 +763,7 @@ mod tests {
 
     #[test]
     fn files_that_cannot_be_read_are_left_untouched() {
-        let dir =
-            std::env::temp_dir().join(format!("chorus-tune-unread-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("chorus-tune-unread-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tune.txt");
@@ -776,13 +777,21 @@ mod tests {
         assert_ne!(unknown_schedule, text);
         let cases: [(&str, Vec<u8>, &str); 5] = [
             ("a newer version", newer.into_bytes(), "first line"),
-            ("an unknown schedule", unknown_schedule.into_bytes(), "unknown"),
+            (
+                "an unknown schedule",
+                unknown_schedule.into_bytes(),
+                "unknown",
+            ),
             (
                 "oversized",
                 vec![b'#'; MAX_FILE_BYTES as usize + 1],
                 "larger than",
             ),
-            ("not text", b"\x00\xffnot a tuning file\n".to_vec(), "cannot read"),
+            (
+                "not text",
+                b"\x00\xffnot a tuning file\n".to_vec(),
+                "cannot read",
+            ),
             ("another file", b"garbage".to_vec(), "first line"),
         ];
         for (what, bytes, why) in cases {
@@ -792,7 +801,10 @@ mod tests {
                 "{what}: not refused"
             );
             let e = TuneFile::store(&path, section()).unwrap_err();
-            assert!(e.contains(why) && e.contains("not replacing it"), "{what}: {e}");
+            assert!(
+                e.contains(why) && e.contains("not replacing it"),
+                "{what}: {e}"
+            );
             assert!(
                 std::fs::read(&path).unwrap() == bytes,
                 "{what}: the file was replaced"

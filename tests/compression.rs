@@ -53,7 +53,11 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 /// stochastic codecs' noise is larger than the signal per element) would pass a result of
 /// zeros; this would not.
 fn cosine(got: &[f32], want: &[f32]) -> f64 {
-    let dot: f64 = got.iter().zip(want).map(|(a, b)| *a as f64 * *b as f64).sum();
+    let dot: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum();
     let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
     let d = norm(got) * norm(want);
     if d == 0.0 {
@@ -233,7 +237,10 @@ fn ranks_disagreeing_fail_everywhere() {
                 let b = g.iter().flat_map(|v| half::f16::from_f32(*v).to_ne_bytes());
                 (b.collect(), DType::Float16)
             } else {
-                (g.iter().flat_map(|v| v.to_ne_bytes()).collect(), DType::Float32)
+                (
+                    g.iter().flat_map(|v| v.to_ne_bytes()).collect(),
+                    DType::Float32,
+                )
             };
             c.all_reduce_compressed_raw(&mut bytes, dtype, ReduceOp::Sum, &mut comp)
                 .map(|_| ())

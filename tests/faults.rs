@@ -143,7 +143,6 @@ fn absent_rank_times_out() {
         // waits on whom depends on the schedule and on which deadline fires first).
         assert!((0..3).any(|k| r.1.contains(&format!("rank {k}"))), "{r:?}");
     }
-
 }
 
 fn garbage(addr: SocketAddr, bytes: &[u8]) {
@@ -235,5 +234,49 @@ fn strangers_do_not_disturb_the_job() {
     }
     for r in ranks {
         assert!(r.join().expect("rank thread"), "wrong allreduce result");
+    }
+}
+
+/// Ranks whose settings would make them pick different schedules (a configured link, the
+/// allowed algorithms) fail init on every rank, naming the setting, instead of a mismatch or a
+/// timeout at some later call.
+#[test]
+fn ranks_with_different_schedule_settings_fail_init_everywhere() {
+    type Tweak = fn(usize, &mut chorus::Config);
+    let cases: [(Tweak, &str); 3] = [
+        (
+            |r, c| c.alpha_us = Some(if r == 1 { 1.0 } else { 1000.0 }),
+            "CHORUS_ALPHA_US",
+        ),
+        (
+            |r, c| c.algo = (r == 2).then(|| "ring".to_string()),
+            "CHORUS_ALGO",
+        ),
+        (
+            |r, c| c.algo = Some(if r == 0 { "^tree" } else { "^ring" }.to_string()),
+            "CHORUS_ALGO",
+        ),
+    ];
+    for (tweak, name) in cases {
+        let server = store();
+        let addr = server.local_addr();
+        let out: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let mut cfg = config(rank, 3, addr);
+                        cfg.init_timeout = Duration::from_secs(20);
+                        tweak(rank, &mut cfg);
+                        Communicator::new(cfg).map(|_| ())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let e = r.expect_err("init must fail");
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "rank {rank}: {e}");
+            assert!(e.to_string().contains(name), "rank {rank}: {e}");
+        }
     }
 }

@@ -1053,7 +1053,11 @@ fn fp16_average_of_values_whose_sum_overflows_fp16() {
         });
         for (rank, r) in out.into_iter().enumerate() {
             let d = r.unwrap_or_else(|e| panic!("p={p} rank {rank}: {e}"));
-            assert!(d.iter().all(|&v| v == 40000.0), "p={p} rank {rank}: {:?}", &d[..4]);
+            assert!(
+                d.iter().all(|&v| v == 40000.0),
+                "p={p} rank {rank}: {:?}",
+                &d[..4]
+            );
         }
     }
 }
@@ -1104,7 +1108,16 @@ fn the_owner_residual_follows_its_slice() {
     });
     for (rank, r) in results.into_iter().enumerate() {
         let (a, b, moved, fresh) = r.unwrap();
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "rank {rank}");
-        assert!(moved.iter().zip(&fresh).all(|(x, y)| x.to_bits() == y.to_bits()), "rank {rank}");
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "rank {rank}"
+        );
+        assert!(
+            moved
+                .iter()
+                .zip(&fresh)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "rank {rank}"
+        );
     }
 }

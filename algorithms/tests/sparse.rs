@@ -8,8 +8,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use chorus_algorithms::sparse::{
-    self, topk_all_reduce, SparseAlgo, SparseResult, SparseVec, TopkOptions, TopkState,
-    TopkStats,
+    self, topk_all_reduce, SparseAlgo, SparseResult, SparseVec, TopkOptions, TopkState, TopkStats,
 };
 use chorus_algorithms::{CollCtx, ReduceOp};
 use chorus_transport::{AbortNotice, Transport, TransportError};
@@ -747,7 +746,10 @@ fn infinities_do_not_outlive_their_call() {
                 .collect::<Vec<_>>()
         });
         for (rank, steps) in out.iter().enumerate() {
-            assert!(steps[0].iter().any(|v| v.is_infinite()), "{algo:?} rank {rank}");
+            assert!(
+                steps[0].iter().any(|v| v.is_infinite()),
+                "{algo:?} rank {rank}"
+            );
             for (step, d) in steps.iter().enumerate().skip(1) {
                 assert!(
                     d.iter().all(|v| v.is_finite()),

@@ -314,9 +314,7 @@ fn example_links_statically_and_runs() {
         assert!(r.iter().all(|(_, o)| o.contains(" 0 wrong")), "{r:#?}");
     }
     // readelf comes with binutils, which the C toolchain these tests build with needs.
-    let needed = run(Command::new("readelf")
-        .arg("-d")
-        .arg(&b.example_static));
+    let needed = run(Command::new("readelf").arg("-d").arg(&b.example_static));
     assert!(
         needed.contains("Dynamic section") || needed.contains("no dynamic section"),
         "readelf -d gave no dynamic-section listing:\n{needed}"

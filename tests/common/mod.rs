@@ -272,7 +272,9 @@ pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> 
 
 /// Reads a child's pipe to its end on a thread, so that a child writing more than a pipe holds
 /// never blocks on it.
-pub fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+pub fn drain(
+    pipe: Option<impl std::io::Read + Send + 'static>,
+) -> std::thread::JoinHandle<Vec<u8>> {
     std::thread::spawn(move || {
         let mut bytes = Vec::new();
         if let Some(mut p) = pipe {

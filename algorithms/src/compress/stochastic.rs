@@ -157,7 +157,9 @@ impl Stats {
 pub(crate) fn step_of(range: f32, lv: Levels) -> f32 {
     let step = range / lv.max as f32;
     if step.is_finite() && !(step * lv.max as f32).is_finite() {
-        step.next_down()
+        // The next f32 toward zero (`f32::next_down`, newer than this crate's MSRV): `step`
+        // is positive and finite here.
+        f32::from_bits(step.to_bits() - 1)
     } else {
         step
     }
@@ -335,7 +337,13 @@ mod tests {
     #[test]
     fn the_largest_code_of_any_finite_range_decodes_finite() {
         for lv in [INT8, INT4, ternary(false)] {
-            for range in [f32::MAX, f32::MAX.next_down(), 1e38, 1.0, f32::MIN_POSITIVE] {
+            for range in [
+                f32::MAX,
+                f32::from_bits(f32::MAX.to_bits() - 1),
+                1e38,
+                1.0,
+                1e-38,
+            ] {
                 let step = step_of(range, lv);
                 let top = step * lv.max as f32;
                 assert!(top.is_finite(), "{} {range}: {top}", lv.max);

@@ -1,0 +1,271 @@
+//! The grammar of `CHORUS_ALGO` (NCCL's `NCCL_ALGO`), checked in full at init.
+//!
+//! A value is `;`-separated sections. Each is an optional `collective:` and a `,`-separated
+//! list of schedule names; `^` in front of the list excludes the names instead of allowing
+//! only them. The first section may go without a collective and then applies to the allreduce
+//! and to every other collective it leaves a schedule (each takes the names it knows; one
+//! that knows none of the names allowed, or all of those excluded, is left alone: `^ring,tree`
+//! is about the allreduce, and leaves the broadcast its two); every later section must name
+//! its collective. A later section for a collective replaces
+//! what an earlier one said for it. Names and collectives are case-insensitive, and `-` or `_`
+//! in them are optional (`all-reduce`, `AllReduce`, `halving-doubling`).
+//!
+//! Everything is checked at init, so that a typo fails there, naming itself, rather than being
+//! ignored: an unknown collective, a later section without one, a name no collective (or not
+//! the named one) knows, a name given to a collective that has a single schedule, and a value
+//! that leaves a collective no schedule.
+
+use chorus_algorithms::allreduce::Algorithm;
+use chorus_algorithms::collectives::{allgather, broadcast, reduce, reduce_scatter};
+
+/// The collectives whose schedule `CHORUS_ALGO` chooses, as written in messages.
+pub(crate) const CHOOSABLE: [&str; 5] = [
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+];
+
+/// The collectives that run one schedule: a section may name them only to say nothing.
+const SINGLE: [&str; 6] = ["alltoall", "gather", "scatter", "barrier", "send", "recv"];
+
+/// `s` without case, `-` or `_`: how collectives are compared.
+fn squash(s: &str) -> String {
+    s.chars()
+        .filter(|c| *c != '_' && *c != '-')
+        .collect::<String>()
+        .to_ascii_lowercase()
+}
+
+/// The schedule names of collective `coll` (any spelling), or `None` for one without a choice.
+pub(crate) fn schedule_names(coll: &str) -> Option<Vec<&'static str>> {
+    Some(match squash(coll).as_str() {
+        "allreduce" => Algorithm::ALL.iter().map(|a| a.name()).collect(),
+        "broadcast" => broadcast::Algorithm::ALL.iter().map(|a| a.name()).collect(),
+        "reduce" => reduce::Algorithm::ALL.iter().map(|a| a.name()).collect(),
+        "allgather" => allgather::Algorithm::ALL.iter().map(|a| a.name()).collect(),
+        "reducescatter" => reduce_scatter::Algorithm::ALL
+            .iter()
+            .map(|a| a.name())
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// One section of a value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Section {
+    /// The collective (squashed), or `None` for every collective.
+    coll: Option<String>,
+    exclude: bool,
+    /// The names, squashed.
+    names: Vec<String>,
+}
+
+/// A checked `CHORUS_ALGO` value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AlgoSpec {
+    sections: Vec<Section>,
+}
+
+impl AlgoSpec {
+    /// Parses and checks `spec` (see the module documentation); an empty value says nothing.
+    /// The error names the value and what is wrong with it.
+    ///
+    /// ```
+    /// use chorus::algo_spec::AlgoSpec;
+    /// let s = AlgoSpec::parse("ring;broadcast:^ring").unwrap();
+    /// assert_eq!(s.allowed("broadcast", &["tree", "ring"]), Some(vec![true, false]));
+    /// assert_eq!(s.allowed("reduce", &["tree", "ring"]), Some(vec![false, true]));
+    /// assert!(AlgoSpec::parse("allreduc:ring").is_err());
+    /// assert!(AlgoSpec::parse("allreduce:tree;ring").is_err());
+    /// assert!(AlgoSpec::parse("broadcast:rnig").is_err());
+    /// ```
+    pub fn parse(spec: &str) -> Result<AlgoSpec, String> {
+        let bad = |msg: String| format!("CHORUS_ALGO={spec:?}: {msg}");
+        let mut sections = Vec::new();
+        for (k, part) in spec
+            .split(';')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .enumerate()
+        {
+            let (coll, list) = match part.split_once(':') {
+                Some((c, l)) => (Some(squash(c.trim())), l.trim()),
+                None if k == 0 => (None, part),
+                None => {
+                    return Err(bad(format!(
+                        "section {part:?} names no collective (only the first section may \
+                         leave it out, to apply to every collective)"
+                    )))
+                }
+            };
+            let (exclude, list) = match list.strip_prefix('^') {
+                Some(l) => (true, l),
+                None => (false, list),
+            };
+            let names: Vec<String> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(squash)
+                .collect();
+            match &coll {
+                Some(c) => {
+                    if let Some(known) = schedule_names(c) {
+                        for n in &names {
+                            if !known.iter().any(|k| squash(k) == *n) {
+                                return Err(bad(format!(
+                                    "{n:?} is not a schedule of {c} (expected {})",
+                                    known.join(", ")
+                                )));
+                            }
+                        }
+                    } else if SINGLE.iter().any(|s| squash(s) == *c) {
+                        if !names.is_empty() {
+                            return Err(bad(format!(
+                                "{c} has a single schedule: there is nothing to choose"
+                            )));
+                        }
+                    } else {
+                        return Err(bad(format!(
+                            "unknown collective {c:?} (expected {}, or no collective for all)",
+                            CHOOSABLE.join(", ")
+                        )));
+                    }
+                }
+                None => {
+                    for n in &names {
+                        let known = CHOOSABLE.iter().any(|c| {
+                            schedule_names(c).is_some_and(|v| v.iter().any(|k| squash(k) == *n))
+                        });
+                        if !known {
+                            return Err(bad(format!("{n:?} is not a schedule of any collective")));
+                        }
+                    }
+                }
+            }
+            sections.push(Section {
+                coll,
+                exclude,
+                names,
+            });
+        }
+        let parsed = AlgoSpec { sections };
+        for c in CHOOSABLE {
+            let names = schedule_names(c).expect("choosable");
+            if let Some(a) = parsed.allowed(c, &names) {
+                if !a.iter().any(|&x| x) {
+                    return Err(bad(format!("no {c} schedule is left")));
+                }
+            }
+        }
+        Ok(parsed)
+    }
+
+    /// Which of `names` (collective `coll`'s schedules, in its order) the value allows, or
+    /// `None` where it says nothing about `coll`.
+    pub fn allowed(&self, coll: &str, names: &[&str]) -> Option<Vec<bool>> {
+        let s = self.effective(coll, names)?;
+        Some(
+            names
+                .iter()
+                .map(|n| s.names.contains(&squash(n)) != s.exclude)
+                .collect(),
+        )
+    }
+
+    /// Whether the section in effect for `coll` (of schedules `names`) names schedule `name`,
+    /// to allow or to exclude it.
+    pub fn names(&self, coll: &str, names: &[&str], name: &str) -> bool {
+        self.effective(coll, names)
+            .is_some_and(|s| s.names.contains(&squash(name)))
+    }
+
+    /// The last section that says something about `coll`, whose schedules are `names`.
+    fn effective(&self, coll: &str, names: &[&str]) -> Option<&Section> {
+        let coll = squash(coll);
+        self.sections.iter().rev().find(|s| match &s.coll {
+            Some(c) => *c == coll,
+            // A section for every collective applies to the allreduce, and to each other
+            // collective it leaves a schedule: one that knows none of the names it allows, or
+            // all of those it excludes, is left alone.
+            None => {
+                let named = names
+                    .iter()
+                    .filter(|n| s.names.contains(&squash(n)))
+                    .count();
+                coll == "allreduce"
+                    || if s.exclude {
+                        named < names.len()
+                    } else {
+                        named > 0
+                    }
+            }
+        })
+    }
+
+    /// Whether the value says anything about collective `coll`.
+    pub fn restricts(&self, coll: &str) -> bool {
+        schedule_names(coll).is_some_and(|names| self.allowed(coll, &names).is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BCAST: [&str; 2] = ["tree", "ring"];
+
+    #[test]
+    fn sections_apply_in_order() {
+        let s = AlgoSpec::parse("tree;broadcast:ring").unwrap();
+        assert_eq!(s.allowed("broadcast", &BCAST), Some(vec![false, true]));
+        assert_eq!(s.allowed("reduce", &BCAST), Some(vec![true, false]));
+        // A section for every collective leaves alone one that knows none of its names.
+        assert_eq!(
+            s.allowed("all_gather", &["ring", "recursive_doubling"]),
+            None
+        );
+        let s = AlgoSpec::parse("halving-doubling").unwrap();
+        assert_eq!(s.allowed("broadcast", &BCAST), None);
+        assert!(s.restricts("allreduce") && !s.restricts("broadcast"));
+        // Exclusions, in any spelling.
+        let s = AlgoSpec::parse(" Broad_Cast : ^ TREE ").unwrap();
+        assert_eq!(s.allowed("broadcast", &BCAST), Some(vec![false, true]));
+        assert_eq!(s.allowed("all-reduce", &BCAST), None);
+        let s = AlgoSpec::parse("^ring").unwrap();
+        assert_eq!(
+            s.allowed("reduce_scatter", &["ring", "recursive_halving"]),
+            Some(vec![false, true])
+        );
+        // An exclusion for every collective that would leave one none leaves it alone.
+        let s = AlgoSpec::parse("^ring,tree").unwrap();
+        assert_eq!(s.allowed("broadcast", &BCAST), None);
+        assert_eq!(
+            s.allowed("allgather", &["ring", "recursive_doubling"]),
+            Some(vec![false, true])
+        );
+        assert_eq!(AlgoSpec::parse("").unwrap(), AlgoSpec::default());
+        assert_eq!(AlgoSpec::parse(" ; ").unwrap(), AlgoSpec::default());
+        assert!(AlgoSpec::parse("alltoall:").is_ok());
+    }
+
+    #[test]
+    fn mistakes_are_refused_naming_themselves() {
+        for (spec, says) in [
+            ("allreduc:ring", "unknown collective"),
+            ("allreduce:tree;ring", "names no collective"),
+            ("broadcast:rnig", "not a schedule of broadcast"),
+            ("broadcast:halving_doubling", "not a schedule of broadcast"),
+            ("warp", "not a schedule of any collective"),
+            ("alltoall:pairwise", "single schedule"),
+            ("broadcast:^tree,ring", "no broadcast schedule is left"),
+            ("broadcast:", "no broadcast schedule is left"),
+        ] {
+            let e = AlgoSpec::parse(spec).unwrap_err();
+            assert!(e.contains(says) && e.contains(spec), "{spec}: {e}");
+        }
+    }
+}
