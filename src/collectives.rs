@@ -24,7 +24,7 @@ use chorus_algorithms::{DType, Element, ReduceOp};
 
 use crate::algo_spec::AlgoSpec;
 use crate::comm::{tag_base, CollKind, Communicator};
-use crate::error::CommError;
+use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 
 /// The op field of the tags of collectives that do not reduce.
@@ -277,7 +277,7 @@ impl Communicator {
                     return Err(self.invalid(
                         op,
                         format!(
-                            "in place, the buffer of {other} bytes is not {p} blocks of {} \
+                            "the buffer of {other} bytes is not {p} blocks of whole {} \
                              elements",
                             dtype.name()
                         ),
@@ -286,6 +286,7 @@ impl Communicator {
             }
             Some(s) => {
                 self.check_whole(op, "send buffer", s.len(), dtype)?;
+                self.check_whole(op, "receive buffer", other, dtype)?;
                 let (block, full, what) = if gathers {
                     (s.len(), other, "receive")
                 } else {
@@ -557,7 +558,9 @@ impl Communicator {
 
     /// Send `send` to `to` while receiving exactly `recv.len()` elements from `from`, both at
     /// once (a ring of these cannot deadlock, unlike blocking [`Communicator::send`]s). The
-    /// peers may use `send`/`recv` or `send_recv` on their side.
+    /// peers may use `send`/`recv` or `send_recv` on their side. With `to` and `from` both
+    /// this rank (a ring of one, as `MPI_Sendrecv` allows) it copies `send` into `recv`, which
+    /// must then be as long.
     pub fn send_recv<T: Element>(
         &mut self,
         send: &[T],
@@ -580,6 +583,24 @@ impl Communicator {
         const OP: &str = "send_recv";
         self.check_whole(OP, "send buffer", send.len(), dtype)?;
         self.check_whole(OP, "receive buffer", recv.len(), dtype)?;
+        if to == self.rank() && from == self.rank() {
+            self.check_usable(OP)?;
+            if send.len() != recv.len() {
+                return Err(CommError::new(
+                    ErrorKind::Mismatch,
+                    OP,
+                    format!(
+                        "to itself: {} bytes sent where {} are received",
+                        send.len(),
+                        recv.len()
+                    ),
+                )
+                .at_rank(self.rank())
+                .with_usable(true));
+            }
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
         self.check_peer(OP, to)?;
         self.check_peer(OP, from)?;
         self.trace(format_args!(

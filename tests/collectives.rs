@@ -467,3 +467,29 @@ fn bad_arguments_leave_the_communicator_usable() {
     );
     assert!(res.iter().all(|&n| n == 10));
 }
+
+/// A reduce-scatter whose receive block is not a whole number of elements is refused on the
+/// calling rank before anything is sent (with an even p, the send buffer can be whole while
+/// its blocks are not), and the communicator stays usable.
+#[test]
+fn reduce_scatter_blocks_of_partial_elements_are_refused() {
+    let res = group(
+        2,
+        "auto",
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+        |c| {
+            let e = c
+                .reduce_scatter_raw(Some(&[0u8; 4]), &mut [0u8; 2], DType::Float32, ReduceOp::Sum)
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains("receive buffer"), "{e}");
+            let mut out = [0.0f32; 1];
+            c.reduce_scatter(&[1.0f32, 2.0], &mut out, ReduceOp::Sum)
+                .unwrap();
+            out[0]
+        },
+    );
+    assert_eq!(res, [2.0, 4.0]);
+}

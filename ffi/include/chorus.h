@@ -519,6 +519,28 @@ int32_t chorus_send(chorus_comm *comm, const void *buf, size_t count, chorus_dty
 int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dtype, int peer);
 
 /**
+ * Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly
+ * `recvcount` elements of `dtype` from rank `source` into `recvbuf`, both at once (as
+ * `MPI_Sendrecv`): a ring of these cannot deadlock, unlike blocking `chorus_send` calls that
+ * exceed what the transport buffers. The peers may use `chorus_send`/`chorus_recv` or
+ * `chorus_sendrecv`. With `dest` and `source` both this rank it copies (the counts must then
+ * be equal). The buffers must not overlap.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements and
+ * `recvbuf` for `recvcount` writable elements of `dtype`, not accessed elsewhere during the
+ * call.
+ */
+int32_t chorus_sendrecv(chorus_comm *comm,
+                        const void *sendbuf,
+                        size_t sendcount,
+                        int dest,
+                        void *recvbuf,
+                        size_t recvcount,
+                        int source,
+                        chorus_dtype dtype);
+
+/**
  * Create a compressor from a spec: `method[:argument][,key=value]...`, methods `fp16`,
  * `bf16`, `int8`, `int4`, `sign`, `ternary`, `topk:R` (0 < R <= 1); keys `ef=on|off`
  * (error feedback; default on for sign and topk), `min_bytes=N` (smaller tensors go

@@ -796,6 +796,53 @@ pub unsafe extern "C" fn chorus_recv(
     })
 }
 
+/// Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly
+/// `recvcount` elements of `dtype` from rank `source` into `recvbuf`, both at once (as
+/// `MPI_Sendrecv`): a ring of these cannot deadlock, unlike blocking `chorus_send` calls that
+/// exceed what the transport buffers. The peers may use `chorus_send`/`chorus_recv` or
+/// `chorus_sendrecv`. With `dest` and `source` both this rank it copies (the counts must then
+/// be equal). The buffers must not overlap.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements and
+/// `recvbuf` for `recvcount` writable elements of `dtype`, not accessed elsewhere during the
+/// call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn chorus_sendrecv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcount: usize,
+    dest: c_int,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    source: c_int,
+    dtype: DtypeArg,
+) -> i32 {
+    guard("chorus_sendrecv", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let dtype = dtype.get()?;
+        let dest = rank_arg(dest, "dest")?;
+        let source = rank_arg(source, "source")?;
+        let send_bytes = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
+        let recv_bytes = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
+        let (a, b) = (sendbuf as usize, recvbuf as usize);
+        if send_bytes > 0
+            && recv_bytes > 0
+            && a < b.saturating_add(recv_bytes)
+            && b < a.saturating_add(send_bytes)
+        {
+            return Err(Failure::invalid("sendbuf and recvbuf overlap"));
+        }
+        // SAFETY: valid for `send_bytes` bytes by the caller's promise, disjoint from `recv`.
+        let send = unsafe { ptr::buf(sendbuf, send_bytes, "sendbuf")? };
+        // SAFETY: valid for `recv_bytes` writable bytes by the caller's promise.
+        let recv = unsafe { ptr::buf_mut(recvbuf, recv_bytes, "recvbuf")? };
+        c.with(|c| Ok(c.send_recv_raw(send, dest, recv, source, dtype)?))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

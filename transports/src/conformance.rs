@@ -307,8 +307,17 @@ pub fn invalid_arguments(make: MakeGroup<'_>) {
 }
 
 pub fn timeout(make: MakeGroup<'_>) {
-    let res = on_group(make, 2, |rank, t| {
+    // Set by rank 1 when it is done (or has failed): until then rank 0 keeps its transport.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let res = on_group(make, 2, move |rank, t| {
+        struct SetOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for SetOnDrop {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
         if rank == 1 {
+            let _done = SetOnDrop(done.clone());
             let mut b = [0u8; 4];
             let start = Instant::now();
             let e = t
@@ -326,8 +335,14 @@ pub fn timeout(make: MakeGroup<'_>) {
             // A timed-out transport refuses further use.
             assert!(t.send(0, 1, b"x", T).is_err());
         }
-        // Rank 0 says nothing, and keeps its transport open until rank 1 is done.
-        std::thread::sleep(Duration::from_millis(if rank == 0 { 600 } else { 0 }));
+        // Rank 0 says nothing, and keeps its transport open until rank 1 is done (bounded:
+        // rank 1's own waits are).
+        if rank == 0 {
+            let deadline = Instant::now() + T;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     });
     assert_eq!(res.len(), 2);
 }

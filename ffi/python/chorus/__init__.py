@@ -493,6 +493,26 @@ class Communicator:
         self._call(lib.chorus_recv, b.ptr, b.count, b.dtype, _int(peer, "peer"))
         return x
 
+    def sendrecv(self, x: Any, dest: int, out: Any, source: int) -> Any:
+        """Send ``x`` to rank ``dest`` while receiving into ``out`` exactly what rank
+        ``source`` sends, both at once (as ``MPI_Sendrecv``): a ring of these cannot
+        deadlock, unlike blocking :meth:`send` calls larger than the transport buffers. With
+        ``dest`` and ``source`` both this rank it copies. Returns ``out``."""
+        s = _buffer(x, "x", writable=False)
+        r = _buffer(out, "out")
+        _same_dtype(s, r, "sendrecv")
+        self._call(
+            lib.chorus_sendrecv,
+            s.ptr,
+            s.count,
+            _int(dest, "dest"),
+            r.ptr,
+            r.count,
+            _int(source, "source"),
+            s.dtype,
+        )
+        return out
+
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this
         communicator unusable. Call :meth:`close` afterwards."""

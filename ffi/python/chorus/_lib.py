@@ -100,6 +100,10 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_sendrecv": (
+        c_int32,
+        [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
+    ),
     "chorus_compressor_create": (c_int32, [_comm_pp, c_char_p]),
     "chorus_compressor_destroy": (c_int32, [c_void_p]),
     "chorus_compressor_report": (c_int32, [c_void_p, ctypes.POINTER(CompressionReport)]),

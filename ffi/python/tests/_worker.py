@@ -120,6 +120,17 @@ def collectives(comm):
                 comm.recv(got, left)
                 comm.send(x, right)
             check(f"{tag} send/recv", b.read(got), np.full(N, left))
+        # sendrecv around the ring, everyone sending first (a copy on one rank).
+        right, left = (me + 1) % p, (me - 1) % p
+        x, got = b.make(np.full(N, me + 3)), b.make(np.zeros(N))
+        assert comm.sendrecv(x, right, got, left) is got
+        check(f"{tag} sendrecv", b.read(got), np.full(N, left + 3))
+    # Messages far beyond the transport buffers (4 MiB), which blocking sends around a ring
+    # could not carry.
+    big = np.arange(1 << 20, dtype=np.int32) + me
+    got = np.zeros_like(big)
+    comm.sendrecv(big, (me + 1) % p, got, (me - 1) % p)
+    assert np.array_equal(got, np.arange(1 << 20, dtype=np.int32) + (me - 1) % p), "big sendrecv"
     comm.barrier()
 
     # Options: a forced algorithm and a per-call timeout.
@@ -184,6 +195,8 @@ def errors(comm):
     expect(E, lambda: comm.broadcast(x, root=p), "root out of range")
     expect(E, lambda: comm.broadcast(x, root=-1), "negative root")
     expect(E, lambda: comm.send(x, me), "send to self")
+    expect(E, lambda: comm.sendrecv(x, me, np.zeros(8, np.float64), me), "sendrecv dtypes")
+    expect(E, lambda: comm.sendrecv(x, p, np.zeros(8, np.float32), me), "sendrecv dest")
     # Still usable after all of that.
     comm.allreduce(x)
     assert (x == p).all(), x

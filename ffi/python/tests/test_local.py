@@ -143,9 +143,11 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     # c0 meanwhile must be refused, not interleaved.
     a = threading.Thread(target=c0.barrier)
     a.start()
-    time.sleep(0.2)
+    # No hook says when thread A is inside its call: give it time, and bound the main
+    # thread's call, so that a late start fails the test in seconds instead of hanging it.
+    time.sleep(0.5)
     with pytest.raises(chorus.InvalidUsageError, match="another thread"):
-        c0.allreduce(np.ones(2))
+        c0.allreduce(np.ones(2), timeout=10)
     # Nor may it be freed under the call (ctypes released the GIL): close is refused and the
     # communicator stays open.
     with pytest.raises(chorus.InvalidUsageError, match="in use by another thread"):
@@ -159,7 +161,7 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     x0, x1 = np.ones(4096, dtype=np.float32), np.ones(4096, dtype=np.float32)
     a = threading.Thread(target=c0.allreduce, args=(x0,), kwargs={"compressor": k0})
     a.start()
-    time.sleep(0.2)
+    time.sleep(0.5)
     with pytest.raises(chorus.InvalidUsageError, match="compressor is in use"):
         k0.close()
     c1.allreduce(x1, compressor=k1)

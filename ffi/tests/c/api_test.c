@@ -4,7 +4,8 @@
  *
  *   api_test sweep            every dtype x op x count, in place and out of place, checked
  *   api_test collectives      broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
- *                             scatter, send/recv on every dtype, in place and out of place
+ *                             scatter, send/recv on every dtype, in place and out of place;
+ *                             sendrecv around a ring of 4 MiB messages (a copy on one rank)
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
@@ -275,9 +276,28 @@ static void collectives(chorus_comm *comm) {
     EXPECT(chorus_send(comm, a, n, CHORUS_FLOAT32, me), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_recv(comm, b, n, CHORUS_FLOAT32, -3), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_gather(comm, a, b, n, CHORUS_FLOAT32, p + 5), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_sendrecv(comm, a, n, me, a + 4, n, me, CHORUS_FLOAT32), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_sendrecv(comm, NULL, n, me, b, n, me, CHORUS_FLOAT32), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_sendrecv(comm, a, n, -1, b, n, me, CHORUS_FLOAT32), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_sendrecv(comm, a, n, me, b, n + 1, me, CHORUS_FLOAT32), CHORUS_MISMATCH);
     OK(chorus_barrier(comm));
     free(a);
     free(b);
+
+    /* sendrecv around a ring with messages far larger than any transport buffers (4 MiB):
+     * every rank sends first, which blocking sends could not do; with one rank, a copy. */
+    {
+        const size_t m = (size_t)1 << 20;
+        int32_t *s = malloc(m * 4), *r = malloc(m * 4);
+        CHECK(s && r, "out of memory");
+        int right = (me + 1) % p, left = (me + p - 1) % p;
+        for (size_t i = 0; i < m; i++) s[i] = (int32_t)(me * 7 + (int)(i % 1000));
+        OK(chorus_sendrecv(comm, s, m, right, r, m, left, CHORUS_INT32));
+        for (size_t i = 0; i < m; i++)
+            CHECK(r[i] == (int32_t)(left * 7 + (int)(i % 1000)), "sendrecv [%zu] = %d", i, r[i]);
+        free(s);
+        free(r);
+    }
 }
 
 static void badargs(chorus_comm *comm) {
@@ -533,7 +553,9 @@ static void busy(chorus_comm *comm) {
         } else {
             thrd_t t;
             CHECK(thrd_create(&t, busy_thread, &b) == thrd_success, "thrd_create");
-            sleep_ms(300);
+            /* No hook says when the thread is inside its call: give it most of the time rank
+             * 1 stays away (a busy machine can be slow to start a thread). */
+            sleep_ms(800);
             if (round == 0) {
                 EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
                 CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());

@@ -203,6 +203,11 @@ impl Endpoint {
         if self.lid == 0 && self.gid == [0; 16] {
             return bad("neither a LID nor a GID".into());
         }
+        // Unicast LIDs are 0x0001..=0xbfff; 0xc000 and up are multicast (and 0xffff the
+        // permissive LID), never a queue pair's address.
+        if self.lid >= 0xc000 {
+            return bad(format!("LID {:#x} is not a unicast LID", self.lid));
+        }
         if self.qpn < 2 || self.qpn > 0x00ff_ffff {
             return bad(format!("queue pair number {:#x}", self.qpn));
         }
@@ -230,7 +235,10 @@ impl Endpoint {
                 self.ring_addr
             ));
         }
-        if self.credit_addr == 0 || self.credit_addr % 8 != 0 {
+        if self.credit_addr == 0
+            || self.credit_addr % 8 != 0
+            || self.credit_addr.checked_add(8).is_none()
+        {
             return bad(format!("credit word at {:#x}", self.credit_addr));
         }
         Ok(())
@@ -773,6 +781,9 @@ mod tests {
             ("ring", |e| e.ring_addr = 0),
             ("ring", |e| e.ring_addr = u64::MAX - 10),
             ("credit", |e| e.credit_addr = 0x7f00_1000_0004),
+            ("credit", |e| e.credit_addr = u64::MAX - 7),
+            ("lid", |e| e.lid = 0xc000),
+            ("lid", |e| e.lid = 0xffff),
         ];
         for (what, spoil) in bad {
             let mut b = e.clone();

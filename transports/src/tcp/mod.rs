@@ -1046,8 +1046,10 @@ mod tests {
     fn quickack_acknowledges_the_last_message_at_once() {
         let limit = Duration::from_millis(300);
         let prompt = last_ack_after(true, limit);
+        // (25 ms: well below the 40 ms minimum of Linux's delayed-ACK timer, with room for a
+        // busy machine's scheduling.)
         assert!(
-            prompt < Duration::from_millis(15),
+            prompt < Duration::from_millis(25),
             "ACK after {prompt:?} with quickack"
         );
         // The premise: without quickack the ACK waits for the timer (about 40 ms on the
