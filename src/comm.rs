@@ -157,6 +157,8 @@ pub(crate) enum CollKind {
     AllReduceTrial = 13,
     /// The agreement on the times of the tuning trials.
     Tuning = 14,
+    /// The comparison of the ranks' calls (`CHORUS_CHECK_CALLS`).
+    CallCheck = 15,
 }
 
 impl CollKind {
@@ -176,6 +178,7 @@ impl CollKind {
             12 => "compressed_all_reduce",
             13 => "all_reduce tuning trial",
             14 => "all_reduce tuning agreement",
+            15 => "call check",
             _ => "unknown collective",
         }
     }
@@ -193,6 +196,31 @@ pub(crate) fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> 
 
 /// The bits of a tag that hold [`call_bits`].
 const ARGUMENT_BITS: u64 = 0xff << 32;
+
+/// A [`Communicator::check_call`] record, for people: collective, dtype, op and arguments.
+fn describe_record(rec: &[u8]) -> String {
+    let dtype = DType::ALL
+        .into_iter()
+        .find(|d| *d as i32 == i32::from(rec[1]))
+        .map_or("?", DType::name);
+    let op = ReduceOp::ALL
+        .into_iter()
+        .find(|o| *o as i32 == i32::from(rec[2]))
+        .map_or("?", ReduceOp::name);
+    let args: Vec<u64> = (0..usize::from(rec[3]).min(3))
+        .map(|k| u64::from_le_bytes(rec[8 + 8 * k..16 + 8 * k].try_into().expect("8 bytes")))
+        .collect();
+    let args = match args.as_slice() {
+        [] => String::new(),
+        [b] => format!(", {b} bytes"),
+        [b, root] => format!(", {b} bytes, root {root}"),
+        more => format!(", arguments {more:?}"),
+    };
+    format!(
+        "{} ({dtype}, {op}{args})",
+        CollKind::name(u64::from(rec[0]))
+    )
+}
 
 /// Whether two tags name the same call (collective, dtype, op, sequence number) with other
 /// arguments ([`call_bits`]); their step bits may differ too.
@@ -439,6 +467,7 @@ impl Communicator {
                     format!("{:?}", env_link.1),
                 ),
                 ("CHORUS_TUNE", format!("{tuning}")),
+                ("CHORUS_CHECK_CALLS", format!("{}", config.check_calls)),
                 (
                     "CHORUS_TUNE_FILE (set or not)",
                     format!("{}", config.tune_file.is_some()),
@@ -1089,8 +1118,82 @@ impl Communicator {
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
         self.check_usable(name)?;
+        self.check_call(name, kind, dtype, op, args, timeout)?;
         let tag = tag_base(self.next_seq(), kind, dtype, op) | call_bits(args);
         self.run_tagged(name, tag, timeout, schedule)
+    }
+
+    /// With [`Config::check_calls`]: the ranks compare what this call was made with (one
+    /// allgather of a 32-byte record each) and fail alike, naming each rank's call, where
+    /// they differ. The communicator stays usable then: no rank sent any of the call's data.
+    pub(crate) fn check_call(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        args: &[u64],
+        timeout: Option<Duration>,
+    ) -> Result<(), CommError> {
+        const RECORD: usize = 32;
+        if !self.config.check_calls || self.size == 1 {
+            return Ok(());
+        }
+        let mut mine = [0u8; RECORD];
+        mine[0] = kind as u8;
+        mine[1] = dtype as i32 as u8;
+        mine[2] = op as i32 as u8;
+        mine[3] = args.len().min(3) as u8;
+        for (k, a) in args.iter().take(3).enumerate() {
+            mine[8 + 8 * k..16 + 8 * k].copy_from_slice(&a.to_le_bytes());
+        }
+        let mut all = vec![0u8; RECORD * self.size];
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::CallCheck,
+            DType::Uint8,
+            ReduceOp::Max,
+        );
+        self.run_tagged(name, tag, timeout, |ctx| {
+            chorus_algorithms::collectives::allgather::run(
+                chorus_algorithms::collectives::allgather::Algorithm::Ring,
+                ctx,
+                Some(&mine),
+                &mut all,
+            )
+        })?;
+        let records: Vec<&[u8]> = all.chunks_exact(RECORD).collect();
+        if records.iter().all(|r| *r == &records[0][..]) {
+            return Ok(());
+        }
+        // Each distinct call with the ranks that made it, in rank order.
+        let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
+        for (r, rec) in records.iter().enumerate() {
+            match groups.iter_mut().find(|g| g.0 == *rec) {
+                Some(g) => g.1.push(r),
+                None => groups.push((rec, vec![r])),
+            }
+        }
+        let calls: Vec<String> = groups
+            .iter()
+            .take(4)
+            .map(|(rec, ranks)| {
+                let shown: Vec<String> = ranks.iter().take(8).map(|r| r.to_string()).collect();
+                let more = if ranks.len() > 8 { ", …" } else { "" };
+                format!("rank {}{more}: {}", shown.join(", "), describe_record(rec))
+            })
+            .collect();
+        Err(CommError::new(
+            ErrorKind::Mismatch,
+            name,
+            format!(
+                "ranks called different collectives or with different arguments \
+                 (CHORUS_CHECK_CALLS): {}",
+                calls.join("; ")
+            ),
+        )
+        .at_rank(self.rank)
+        .with_usable(true))
     }
 
     /// [`Communicator::run_collective`] with an explicit tag base and without advancing the

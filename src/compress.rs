@@ -388,6 +388,14 @@ impl Communicator {
             return Ok(comp.last);
         }
         let rank = self.rank() as u64;
+        self.check_call(
+            OP,
+            CollKind::CompressedAllReduce,
+            dtype,
+            op,
+            &[dense_bytes],
+            None,
+        )?;
         let tag = tag_base(self.next_seq(), CollKind::CompressedAllReduce, dtype, op)
             | call_bits(&[dense_bytes])
             | (comp.method_id() << 12);
@@ -543,6 +551,14 @@ impl Communicator {
                 self.select_sparse(input.n, nnz[0] as usize)
             }
         };
+        self.check_call(
+            OP,
+            CollKind::SparseAllReduce,
+            DType::Float32,
+            ReduceOp::Sum,
+            &[input.n as u64],
+            None,
+        )?;
         let tag = tag_base(
             self.next_seq(),
             CollKind::SparseAllReduce,

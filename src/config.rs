@@ -69,6 +69,12 @@ pub struct Config {
     /// The link's bandwidth in GB/s, instead of the probe's figure (wins over
     /// `CHORUS_BETA_GBPS`). Set it the same on every rank, or on none.
     pub beta_gbps: Option<f64>,
+    /// `CHORUS_CHECK_CALLS`: before every collective the ranks compare what they were called
+    /// with (collective, dtype, op, sizes, root), one small allgather per call, and fail alike
+    /// on any difference, naming each rank's call. Off by default: most mismatches are caught
+    /// without it, as messages arrive; this also catches those in which no rank receives a
+    /// message (every rank a root), for debugging. Set it the same on every rank.
+    pub check_calls: bool,
 }
 
 impl Config {
@@ -89,6 +95,7 @@ impl Config {
             tune_file: None,
             alpha_us: None,
             beta_gbps: None,
+            check_calls: false,
         }
     }
 
@@ -199,6 +206,11 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         .map(|t| t.to_ascii_lowercase());
     config.algo = env.value("CHORUS_ALGO");
     config.tune_file = env.value(crate::tune_file::ENV).map(PathBuf::from);
+    if let Some(v) = env.value("CHORUS_CHECK_CALLS") {
+        config.check_calls = parse_switch("CHORUS_CHECK_CALLS", &v)
+            .map_err(|e| e.message().to_string())?
+            .unwrap_or(false);
+    }
     Ok(config)
 }
 

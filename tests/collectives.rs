@@ -481,7 +481,12 @@ fn reduce_scatter_blocks_of_partial_elements_are_refused() {
         Duration::from_secs(60),
         |c| {
             let e = c
-                .reduce_scatter_raw(Some(&[0u8; 4]), &mut [0u8; 2], DType::Float32, ReduceOp::Sum)
+                .reduce_scatter_raw(
+                    Some(&[0u8; 4]),
+                    &mut [0u8; 2],
+                    DType::Float32,
+                    ReduceOp::Sum,
+                )
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
             assert!(e.to_string().contains("receive buffer"), "{e}");

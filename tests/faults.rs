@@ -280,3 +280,65 @@ fn ranks_with_different_schedule_settings_fail_init_everywhere() {
         }
     }
 }
+
+/// With `check_calls`, calls that differ in a way no message shows (every rank a root, so no
+/// rank receives) fail on every rank, naming each rank's call, and leave the communicator
+/// usable; calls that agree run as usual.
+#[test]
+fn checked_calls_catch_what_no_message_shows() {
+    let server = store();
+    let addr = server.local_addr();
+    let out: Vec<Vec<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                s.spawn(move || {
+                    let mut cfg = config(rank, 3, addr);
+                    cfg.check_calls = true;
+                    cfg.timeout = Duration::from_secs(20);
+                    let mut c = Communicator::new(cfg).expect("communicator");
+                    let mut errors = Vec::new();
+                    // Every rank its own root: each would only send, and keep its own block.
+                    let send = [rank as i32; 6];
+                    let mut block = [0i32; 2];
+                    let e = c.scatter(Some(&send[..]), &mut block, rank).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+                    assert!(e.is_usable(), "{e}");
+                    errors.push(e.to_string());
+                    // One rank reduces where the others broadcast the same bytes.
+                    let mut v = [1.0f32; 4];
+                    let e = if rank == 1 {
+                        let mut out = [0.0f32; 4];
+                        c.reduce(Some(&v), &mut out, ReduceOp::Sum, 0)
+                    } else {
+                        c.broadcast(&mut v, 0)
+                    }
+                    .unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+                    errors.push(e.to_string());
+                    // Calls that agree still work, checked.
+                    let mut x = [rank as f32 + 1.0; 5];
+                    c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
+                    assert_eq!(x, [6.0; 5]);
+                    c.barrier().expect("barrier");
+                    let mut comp = chorus::Compressor::new("int8,min_bytes=0").unwrap();
+                    let mut g = vec![1.0f32; 4096];
+                    c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut comp)
+                        .expect("compressed allreduce");
+                    assert!(g.iter().all(|v| (v - 3.0).abs() < 0.1), "{:?}", &g[..4]);
+                    errors
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, errors) in out.iter().enumerate() {
+        assert!(
+            errors[0].contains("root 0") && errors[0].contains("root 2"),
+            "{rank}: {errors:?}"
+        );
+        assert!(
+            errors[1].contains("broadcast") && errors[1].contains("reduce"),
+            "{rank}: {errors:?}"
+        );
+    }
+}
