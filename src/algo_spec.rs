@@ -212,6 +212,37 @@ impl AlgoSpec {
     }
 }
 
+/// What a checked value allows, resolved once per communicator so that calls do no work for
+/// it: for each collective with a choice, which of its schedules (in the order of its `ALL`)
+/// may run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Allowed {
+    /// The value says something about the allreduce (its choices live in the selector).
+    pub allreduce_restricted: bool,
+    pub broadcast: Vec<bool>,
+    pub reduce: Vec<bool>,
+    pub allgather: Vec<bool>,
+    pub reduce_scatter: Vec<bool>,
+}
+
+impl AlgoSpec {
+    /// The schedules this value allows each collective.
+    pub(crate) fn resolve(&self) -> Allowed {
+        let of = |coll: &str| {
+            let names = schedule_names(coll).expect("a collective with a choice");
+            self.allowed(coll, &names)
+                .unwrap_or_else(|| vec![true; names.len()])
+        };
+        Allowed {
+            allreduce_restricted: self.restricts("allreduce"),
+            broadcast: of("broadcast"),
+            reduce: of("reduce"),
+            allgather: of("allgather"),
+            reduce_scatter: of("reduce_scatter"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

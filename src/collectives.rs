@@ -22,7 +22,6 @@ use chorus_algorithms::collectives::{
 use chorus_algorithms::cost::Link;
 use chorus_algorithms::{DType, Element, ReduceOp};
 
-use crate::algo_spec::AlgoSpec;
 use crate::comm::{tag_base, CollKind, Communicator};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
@@ -38,22 +37,12 @@ fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(s)
 }
 
-/// The schedule of collective `coll` for a call: the cheapest (by `cost`) of `all` that
-/// `CHORUS_ALGO` allows (all of them when it says nothing about `coll`). The value was checked
-/// at init to leave every collective a schedule.
-fn choose<A: Copy>(
-    spec: &AlgoSpec,
-    coll: &str,
-    all: &[A],
-    name: impl Fn(A) -> &'static str,
-    cost: impl Fn(A) -> f64,
-) -> A {
-    let names: Vec<&str> = all.iter().map(|&a| name(a)).collect();
-    let allowed = spec
-        .allowed(coll, &names)
-        .unwrap_or_else(|| vec![true; all.len()]);
+/// The schedule of a call: the cheapest (by `cost`) of `all` whose entry in `allowed` (what
+/// `CHORUS_ALGO` allows, resolved at init, in the order of `all`) is set. The value was
+/// checked at init to leave every collective a schedule.
+fn choose<A: Copy>(allowed: &[bool], all: &[A], cost: impl Fn(A) -> f64) -> A {
     let mut best: Option<A> = None;
-    for (&a, ok) in all.iter().zip(allowed) {
+    for (&a, &ok) in all.iter().zip(allowed) {
         if ok && !best.is_some_and(|b| cost(a) >= cost(b)) {
             best = Some(a);
         }
@@ -130,13 +119,9 @@ impl Communicator {
         self.check_whole(OP, "buffer", buf.len(), dtype)?;
         self.check_root(OP, root)?;
         let (size, link) = (self.size(), self.link());
-        let alg = choose(
-            self.algos(),
-            OP,
-            &broadcast::Algorithm::ALL,
-            |a| a.name(),
-            |a| a.cost(buf.len(), size, &link),
-        );
+        let alg = choose(&self.algos().broadcast, &broadcast::Algorithm::ALL, |a| {
+            a.cost(buf.len(), size, &link)
+        });
         self.trace(format_args!(
             "broadcast {} B from {root} with {}",
             buf.len(),
@@ -190,13 +175,9 @@ impl Communicator {
             ));
         }
         let (size, link) = (self.size(), self.link());
-        let alg = choose(
-            self.algos(),
-            OP,
-            &reduce::Algorithm::ALL,
-            |a| a.name(),
-            |a| a.cost(n, size, &link),
-        );
+        let alg = choose(&self.algos().reduce, &reduce::Algorithm::ALL, |a| {
+            a.cost(n, size, &link)
+        });
         self.trace(format_args!(
             "reduce {n} B {} {} to {root} with {}",
             dtype.name(),
@@ -235,13 +216,9 @@ impl Communicator {
         const OP: &str = "all_gather";
         self.check_blocks(OP, send, recv.len(), dtype, true)?;
         let (size, link) = (self.size(), self.link());
-        let alg = choose(
-            self.algos(),
-            OP,
-            &allgather::Algorithm::ALL,
-            |a| a.name(),
-            |a| a.cost(recv.len(), size, &link),
-        );
+        let alg = choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
+            a.cost(recv.len(), size, &link)
+        });
         self.trace(format_args!(
             "all_gather {} B with {}",
             recv.len(),
@@ -342,10 +319,8 @@ impl Communicator {
         let total = send.map_or(recv.len(), <[u8]>::len);
         let (size, link) = (self.size(), self.link());
         let alg = choose(
-            self.algos(),
-            OP,
+            &self.algos().reduce_scatter,
             &reduce_scatter::Algorithm::ALL,
-            |a| a.name(),
             |a| a.cost(total, size, &link),
         );
         self.trace(format_args!(
@@ -628,43 +603,30 @@ impl Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algo_spec::AlgoSpec;
     use crate::{Config, ErrorKind};
 
     #[test]
     fn algo_override_grammar() {
-        let spec =
-            AlgoSpec::parse("allreduce:ring;broadcast:ring;allgather:recursive_doubling").unwrap();
-        let pick = |spec: &AlgoSpec, coll: &str, costs: [f64; 2]| {
-            choose(
-                spec,
-                coll,
-                &[0usize, 1],
-                |a| ["tree", "ring"][a],
-                |a| costs[a],
-            )
-        };
-        let gather = |spec: &AlgoSpec, costs: [f64; 2]| {
-            choose(
-                spec,
-                "all_gather",
-                &[0usize, 1],
-                |a| ["ring", "recursive_doubling"][a],
-                |a| costs[a],
-            )
-        };
-        assert_eq!(pick(&spec, "broadcast", [1.0, 2.0]), 1);
-        assert_eq!(pick(&spec, "reduce", [1.0, 2.0]), 0); // nothing said: the cheaper
-        assert_eq!(pick(&spec, "reduce", [3.0, 2.0]), 1);
-        assert_eq!(gather(&spec, [1.0, 2.0]), 1);
-        let tree = AlgoSpec::parse("tree").unwrap();
-        assert_eq!(pick(&tree, "reduce", [3.0, 2.0]), 0);
-        // An exclusion is honoured, and a list of several leaves the choice to the costs.
-        let no_tree = AlgoSpec::parse("reduce:^tree").unwrap();
-        assert_eq!(pick(&no_tree, "reduce", [1.0, 2.0]), 1);
-        let both = AlgoSpec::parse("reduce:ring,tree").unwrap();
-        assert_eq!(pick(&both, "reduce", [3.0, 2.0]), 1);
-        assert_eq!(pick(&both, "reduce", [1.0, 2.0]), 0);
-        assert_eq!(pick(&AlgoSpec::default(), "reduce", [3.0, 2.0]), 1);
+        let a = AlgoSpec::parse("allreduce:ring;broadcast:ring;allgather:recursive_doubling")
+            .unwrap()
+            .resolve();
+        assert!(a.allreduce_restricted);
+        let bcast = |allowed: &[bool], costs: [f64; 2]| choose(allowed, &[0usize, 1], |i| costs[i]);
+        assert_eq!(bcast(&a.broadcast, [1.0, 2.0]), 1); // tree, ring: ring forced
+        assert_eq!(bcast(&a.reduce, [1.0, 2.0]), 0); // nothing said: the cheaper
+        assert_eq!(bcast(&a.reduce, [3.0, 2.0]), 1);
+        assert_eq!(bcast(&a.allgather, [1.0, 2.0]), 1); // ring, recursive doubling
+        let tree = AlgoSpec::parse("tree").unwrap().resolve();
+        assert_eq!(bcast(&tree.reduce, [3.0, 2.0]), 0);
+        assert_eq!(tree.allgather, [true, true]); // knows no tree: left alone
+                                                  // An exclusion is honoured, and a list of several leaves the choice to the costs.
+        let no_tree = AlgoSpec::parse("reduce:^tree").unwrap().resolve();
+        assert_eq!(bcast(&no_tree.reduce, [1.0, 2.0]), 1);
+        assert!(!no_tree.allreduce_restricted);
+        let both = AlgoSpec::parse("reduce:ring,tree").unwrap().resolve();
+        assert_eq!(bcast(&both.reduce, [3.0, 2.0]), 1);
+        assert_eq!(bcast(&both.reduce, [1.0, 2.0]), 0);
     }
 
     /// A group of one: every collective is a local copy, and bad arguments are reported

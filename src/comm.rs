@@ -11,7 +11,7 @@ use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
-use crate::algo_spec::AlgoSpec;
+use crate::algo_spec::{AlgoSpec, Allowed};
 use crate::config::{Config, MAX_WORLD_SIZE};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
@@ -62,9 +62,9 @@ pub struct Communicator {
     tuning: bool,
     /// Where tuning decisions are kept across launches (`CHORUS_TUNE_FILE`).
     tune_file: Option<TuneState>,
-    /// `CHORUS_ALGO`, checked: the schedules of the collectives other than the allreduce
-    /// (whose choices live in the selector).
-    algos: AlgoSpec,
+    /// What `CHORUS_ALGO` allows the collectives other than the allreduce (whose choices
+    /// live in the selector), resolved at init.
+    algos: Allowed,
 }
 
 /// A communicator's tuning file ([`crate::tune_file`]).
@@ -395,7 +395,8 @@ impl Communicator {
             })?,
         };
         let algos = AlgoSpec::parse(config.algo.as_deref().unwrap_or(""))
-            .map_err(|e| fail(CommError::invalid("init", e)))?;
+            .map_err(|e| fail(CommError::invalid("init", e)))?
+            .resolve();
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
         let env_link = crate::select::link_from_env().map_err(fail)?;
         let env_link = crate::select::link_from_config(&config, env_link).map_err(fail)?;
@@ -596,11 +597,11 @@ impl Communicator {
     /// for other collectives leave it alone). Schedules are then neither selected nor tuned.
     /// Every rank returns the same.
     pub fn direct_shared_memory(&mut self) -> bool {
-        !self.algos.restricts("allreduce") && self.transport.shared_memory().is_some()
+        !self.algos.allreduce_restricted && self.transport.shared_memory().is_some()
     }
 
-    /// `CHORUS_ALGO` as checked at init.
-    pub(crate) fn algos(&self) -> &AlgoSpec {
+    /// What `CHORUS_ALGO` allows the other collectives.
+    pub(crate) fn algos(&self) -> &Allowed {
         &self.algos
     }
 
@@ -1163,7 +1164,7 @@ impl Communicator {
             )
         })?;
         let records: Vec<&[u8]> = all.chunks_exact(RECORD).collect();
-        if records.iter().all(|r| *r == &records[0][..]) {
+        if records.iter().all(|r| *r == records[0]) {
             return Ok(());
         }
         // Each distinct call with the ranks that made it, in rank order.

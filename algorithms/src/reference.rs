@@ -17,7 +17,10 @@
 //!     .collect();
 //! let want = reference::all_reduce(&inputs, ReduceOp::Sum);
 //! assert_eq!(want[4], reference::expected::<f32>(4, ReduceOp::Sum, p));
-//! assert_eq!(reference::count_wrong(&want, &want, ReduceOp::Sum), 0);
+//! let mut got = want.clone();
+//! assert_eq!(reference::count_wrong(&got, &want, ReduceOp::Sum), 0);
+//! got[7] += 1.0;
+//! assert_eq!(reference::count_wrong(&got, &want, ReduceOp::Sum), 1);
 //! ```
 
 use crate::{DType, Element, ReduceOp};
