@@ -2,11 +2,13 @@
 //!
 //! A value is `;`-separated sections. Each is an optional `collective:` and a `,`-separated
 //! list of schedule names; `^` in front of the list excludes the names instead of allowing
-//! only them. The first section may go without a collective and then applies to the allreduce
-//! and to every other collective it leaves a schedule (each takes the names it knows; one
-//! that knows none of the names allowed, or all of those excluded, is left alone: `^ring,tree`
-//! is about the allreduce, and leaves the broadcast its two); every later section must name
-//! its collective. A later section for a collective replaces
+//! only them. The first section may go without a collective and then applies to every
+//! collective it leaves a schedule (each takes the names it knows; one that knows none of the
+//! names allowed, or all of those excluded, is left alone: `^ring,tree` leaves the broadcast
+//! its two, `recursive_halving` is about the reduce-scatter alone), except that an exclusion
+//! always applies to the allreduce; every later section must name its collective. (The
+//! allgather's recursive doubling and the reduce-scatter's recursive halving run the ring
+//! where the ranks are not a power of two, whatever the value allows.) A later section for a collective replaces
 //! what an earlier one said for it. Names and collectives are case-insensitive, and `-` or `_`
 //! in them are optional (`all-reduce`, `AllReduce`, `halving-doubling`).
 //!
@@ -188,20 +190,20 @@ impl AlgoSpec {
         let coll = squash(coll);
         self.sections.iter().rev().find(|s| match &s.coll {
             Some(c) => *c == coll,
-            // A section for every collective applies to the allreduce, and to each other
-            // collective it leaves a schedule: one that knows none of the names it allows, or
-            // all of those it excludes, is left alone.
+            // A section for every collective applies to each collective it leaves a schedule:
+            // one that knows none of the names it allows, or all of those it excludes, is left
+            // alone; except that an exclusion always applies to the allreduce (excluding
+            // every allreduce schedule is an error, not a value that says nothing).
             None => {
                 let named = names
                     .iter()
                     .filter(|n| s.names.contains(&squash(n)))
                     .count();
-                coll == "allreduce"
-                    || if s.exclude {
-                        named < names.len()
-                    } else {
-                        named > 0
-                    }
+                if s.exclude {
+                    coll == "allreduce" || named < names.len()
+                } else {
+                    named > 0
+                }
             }
         })
     }
@@ -259,6 +261,8 @@ mod tests {
             s.allowed("all_gather", &["ring", "recursive_doubling"]),
             None
         );
+        let s = AlgoSpec::parse("recursive_halving").unwrap();
+        assert!(!s.restricts("allreduce") && s.restricts("reduce_scatter"));
         let s = AlgoSpec::parse("halving-doubling").unwrap();
         assert_eq!(s.allowed("broadcast", &BCAST), None);
         assert!(s.restricts("allreduce") && !s.restricts("broadcast"));

@@ -77,54 +77,68 @@ struct TuneState {
     warned: bool,
 }
 
-/// Checks that every rank has the same `settings` (name, value) at init, through the
-/// rendezvous store: each rank publishes its values, rank 0 compares them all and publishes a
-/// verdict that every rank reads (O(p) store traffic). A difference fails init on every rank
-/// with an error naming the setting, the two ranks and their values.
+/// Checks that every rank has the same `settings` at init, through the rendezvous store (keys
+/// of this communicator, `comm_id`): each rank publishes its values, rank 0 compares them all
+/// and publishes a verdict that every rank reads (O(p) store traffic). A setting is (name,
+/// (compared, shown)): ranks must agree on the compared text, and a message quotes the shown
+/// one. A difference fails init on every rank with an error naming the setting, the two ranks
+/// and their values.
 fn agree_on_settings(
     store: &mut chorus_transport::rendezvous::StoreClient,
+    comm_id: u64,
     rank: usize,
     size: usize,
-    settings: &[(&str, String)],
+    settings: &[(&str, (String, String))],
     deadline: Instant,
 ) -> Result<(), CommError> {
+    const SEP: char = '\u{1f}';
     let io = |e| CommError::from_transport("init", e);
-    let encode =
-        |s: &[(&str, String)]| -> String { s.iter().map(|(n, v)| format!("{n}={v}\n")).collect() };
-    let mine = encode(settings);
+    let mine: String = settings
+        .iter()
+        .map(|(n, (c, v))| format!("{n}={c}{SEP}{v}\n"))
+        .collect();
     store
-        .set(&format!("settings/{rank}"), mine.as_bytes())
+        .set(&format!("settings/{comm_id:x}/{rank}"), mine.as_bytes())
         .map_err(io)?;
     if rank == 0 {
         let mut verdict = String::from("ok");
         for j in 1..size {
-            let theirs = store.get(&format!("settings/{j}"), deadline).map_err(io)?;
+            let theirs = store
+                .get(&format!("settings/{comm_id:x}/{j}"), deadline)
+                .map_err(io)?;
             let theirs = String::from_utf8_lossy(&theirs);
             if theirs == mine {
                 continue;
             }
-            let line = |text: &str, name: &str| {
-                text.lines()
+            // (compared, shown) of setting `name` in a rank's text.
+            let value = |text: &str, name: &str| -> (String, String) {
+                let v = text
+                    .lines()
                     .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
-                    .unwrap_or("(missing)")
-                    .to_string()
+                    .unwrap_or("(missing)");
+                let (c, s) = v.split_once(SEP).unwrap_or((v, v));
+                (c.to_string(), s.to_string())
             };
-            let (name, value) = settings
+            let Some((name, (_, shown))) = settings
                 .iter()
-                .find(|(n, v)| line(&theirs, n) != *v)
-                .map_or(("settings", "?".to_string()), |(n, v)| (*n, v.clone()));
+                .find(|(n, (c, _))| value(&theirs, n).0 != *c)
+            else {
+                continue; // the same values, written alike
+            };
             verdict = format!(
-                "ranks disagree about {name}: rank 0 has {value}, rank {j} has {}; set the same \
+                "ranks disagree about {name}: rank 0 has {shown}, rank {j} has {}; set the same \
                  value on every rank",
-                line(&theirs, name)
+                value(&theirs, name).1
             );
             break;
         }
         store
-            .set("settings/verdict", verdict.as_bytes())
+            .set(&format!("settings/{comm_id:x}/verdict"), verdict.as_bytes())
             .map_err(io)?;
     }
-    let verdict = store.get("settings/verdict", deadline).map_err(io)?;
+    let verdict = store
+        .get(&format!("settings/{comm_id:x}/verdict"), deadline)
+        .map_err(io)?;
     if verdict == b"ok" {
         return Ok(());
     }
@@ -210,16 +224,35 @@ fn describe_record(rec: &[u8]) -> String {
     let args: Vec<u64> = (0..usize::from(rec[3]).min(3))
         .map(|k| u64::from_le_bytes(rec[8 + 8 * k..16 + 8 * k].try_into().expect("8 bytes")))
         .collect();
+    let kind = u64::from(rec[0]);
+    // What the first argument counts: the sparse allreduce passes its dense length; the
+    // compressed one the bytes of its values widened to float32.
+    let unit = match kind {
+        k if k == CollKind::SparseAllReduce as u64 => " elements",
+        k if k == CollKind::CompressedAllReduce as u64 => " bytes as float32",
+        _ => " bytes",
+    };
     let args = match args.as_slice() {
         [] => String::new(),
-        [b] => format!(", {b} bytes"),
-        [b, root] => format!(", {b} bytes, root {root}"),
+        [b] => format!(", {b}{unit}"),
+        [b, root] => format!(", {b}{unit}, root {root}"),
         more => format!(", arguments {more:?}"),
     };
-    format!(
-        "{} ({dtype}, {op}{args})",
-        CollKind::name(u64::from(rec[0]))
-    )
+    // Only the reducing collectives have an op.
+    let reduces = [
+        CollKind::AllReduce,
+        CollKind::Reduce,
+        CollKind::ReduceScatter,
+        CollKind::CompressedAllReduce,
+    ]
+    .iter()
+    .any(|&k| k as u64 == kind);
+    let op = if reduces {
+        format!(", {op}")
+    } else {
+        String::new()
+    };
+    format!("{} ({dtype}{op}{args})", CollKind::name(kind))
 }
 
 /// Whether two tags name the same call (collective, dtype, op, sequence number) with other
@@ -454,28 +487,38 @@ impl Communicator {
             // Settings every rank must share to pick the same schedules (each rank reads its
             // own environment): told apart here, naming the setting, rather than as a
             // mismatch or a timeout at some later call.
+            // (name, what is compared, what a message shows): CHORUS_ALGO by its effect, so
+            // that `Ring` and `ring;` agree.
+            let shown = |v: String| (v.clone(), v);
             let settings = [
                 (
                     "CHORUS_ALGO",
-                    format!("{:?}", config.algo.as_deref().map(str::trim)),
+                    (
+                        format!("{filter:?} {algos:?}"),
+                        format!("{:?}", config.algo.as_deref().map(str::trim)),
+                    ),
                 ),
                 (
                     "CHORUS_ALPHA_US (or Config::alpha_us)",
-                    format!("{:?}", env_link.0),
+                    shown(format!("{:?}", env_link.0)),
                 ),
                 (
                     "CHORUS_BETA_GBPS (or Config::beta_gbps)",
-                    format!("{:?}", env_link.1),
+                    shown(format!("{:?}", env_link.1)),
                 ),
-                ("CHORUS_TUNE", format!("{tuning}")),
-                ("CHORUS_CHECK_CALLS", format!("{}", config.check_calls)),
+                ("CHORUS_TUNE", shown(format!("{tuning}"))),
+                (
+                    "CHORUS_CHECK_CALLS",
+                    shown(format!("{}", config.check_calls)),
+                ),
                 (
                     "CHORUS_TUNE_FILE (set or not)",
-                    format!("{}", config.tune_file.is_some()),
+                    shown(format!("{}", config.tune_file.is_some())),
                 ),
             ];
             agree_on_settings(
                 &mut r.store,
+                r.comm_id,
                 rank,
                 size,
                 &settings,
@@ -694,11 +737,14 @@ impl Communicator {
                 .at_rank(self.rank));
             }
         }
+        // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
+        // call's clock starts.
+        let args = [recv.len() as u64];
+        self.check_call(OP, CollKind::AllReduce, dtype, op, &args, opts.timeout)?;
         if opts.algorithm.is_none() && self.direct_shared_memory() {
             // Every rank on this host: the direct shared-memory allreduce beats any message
             // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
-            let args = [recv.len() as u64];
-            return self.run_call(
+            return self.run_unchecked(
                 OP,
                 CollKind::AllReduce,
                 dtype,
@@ -777,7 +823,7 @@ impl Communicator {
             _ => CollKind::AllReduce,
         };
         let started = Instant::now();
-        let r = self.run_call(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
+        let r = self.run_unchecked(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
             allreduce::run(algorithm, ctx, send, recv, dtype, op)
         });
         let seconds = started.elapsed().as_secs_f64();
@@ -916,7 +962,7 @@ impl Communicator {
                     if rep == 1 {
                         started = Instant::now();
                     }
-                    comm.run_call(
+                    comm.run_unchecked(
                         TRIAL,
                         CollKind::AllReduceTrial,
                         dtype,
@@ -1088,11 +1134,10 @@ impl Communicator {
         }
     }
 
-    /// Run one collective: checks the communicator is usable, gives the schedule a context
-    /// (transport, deadline from `timeout` or the communicator's default, a fresh tag base
-    /// carrying the sequence number, `kind`, `dtype` and `op`, reusable scratch), and turns a
-    /// transport error into a [`CommError`] (aborting the communicator when it is not
-    /// recoverable). Every collective goes through here.
+    /// Run one of the library's own collectives (tuning trials and agreements, the link
+    /// probe): [`Communicator::run_unchecked`] without arguments. Every rank makes these alike
+    /// by construction, so [`Config::check_calls`] does not compare them (nor add its latency
+    /// to the trials' times).
     pub(crate) fn run_collective(
         &mut self,
         name: &'static str,
@@ -1102,11 +1147,12 @@ impl Communicator {
         timeout: Option<Duration>,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
-        self.run_call(name, kind, dtype, op, &[], timeout, schedule)
+        self.run_unchecked(name, kind, dtype, op, &[], timeout, schedule)
     }
 
-    /// [`Communicator::run_collective`] with the call's other arguments that every rank must
-    /// pass alike (`args`: byte counts, the root) in the tag's fingerprint ([`call_bits`]).
+    /// Run one of the caller's collectives: with [`Config::check_calls`], the ranks first
+    /// compare their calls ([`Communicator::check_call`]); then
+    /// [`Communicator::run_unchecked`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_call(
         &mut self,
@@ -1120,6 +1166,27 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.check_usable(name)?;
         self.check_call(name, kind, dtype, op, args, timeout)?;
+        self.run_unchecked(name, kind, dtype, op, args, timeout, schedule)
+    }
+
+    /// Run one collective: checks the communicator is usable, gives the schedule a context
+    /// (transport, deadline from `timeout` or the communicator's default, a fresh tag base
+    /// carrying the sequence number, `kind`, `dtype`, `op` and the fingerprint of `args`, the
+    /// call's arguments every rank must pass alike: byte counts, the root, [`call_bits`]), and
+    /// turns a transport error into a [`CommError`] (aborting the communicator when it is not
+    /// recoverable). Every collective goes through here.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_unchecked(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        args: &[u64],
+        timeout: Option<Duration>,
+        schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
+    ) -> Result<(), CommError> {
+        self.check_usable(name)?;
         let tag = tag_base(self.next_seq(), kind, dtype, op) | call_bits(args);
         self.run_tagged(name, tag, timeout, schedule)
     }
@@ -1220,11 +1287,12 @@ impl Communicator {
 
     /// Block until every rank reached the barrier.
     pub fn barrier(&mut self) -> Result<(), CommError> {
-        self.run_collective(
+        self.run_call(
             "barrier",
             CollKind::Barrier,
             DType::Uint8,
             ReduceOp::Max,
+            &[],
             None,
             chorus_algorithms::collectives::barrier::run,
         )

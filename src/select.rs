@@ -20,7 +20,8 @@
 //!
 //! # Overrides
 //! `CHORUS_ALGO` edits the table in NCCL's grammar ([`AlgoFilter::parse`]): `ring,tree` allows
-//! only those, `^ring` everything but the ring, `allreduce:^ring;broadcast:tree` scopes a list
+//! only those, `^ring` everything but the ring (and the double tree, which only a list naming
+//! it allows), `allreduce:^ring;broadcast:tree` scopes a list
 //! to one collective (lists for other collectives are left to them). `AllReduceOptions::
 //! algorithm` forces a schedule for one call. With `CHORUS_DEBUG=INFO` rank 0 logs the link and
 //! which schedule covers which sizes.
@@ -126,9 +127,10 @@
 //! the model put it more than that margin behind (schedules the model cannot tell apart, such
 //! as the ring and halving-doubling on large messages where ranks share cores, are decided by
 //! the trials, unless those put them within [`TRIAL_TIE`] of each other).
-//! Trials, a revisit's rival calls and the agreements carry their own collective kinds in the
-//! tag, so ranks that disagree about tuning (different `CHORUS_TUNE`, or different counts in
-//! one call) fail with a mismatch instead of mixing messages; in buckets with no trial calls
+//! Ranks that disagree about `CHORUS_TUNE` fail init. Trials, a revisit's rival calls and the
+//! agreements carry their own collective kinds in the tag, so ranks that disagree about tuning
+//! (`Communicator::set_tuning` on some ranks, or different counts in one call) fail with a
+//! mismatch instead of mixing messages; in buckets with no trial calls
 //! (tied large buckets, buckets with one candidate) such ranks may run different schedules,
 //! whose step tags differ, and fail by a tag mismatch or at the timeout. Forced schedules
 //! (`CHORUS_ALGO` naming one, or the option) are never tuned. `CHORUS_DEBUG=INFO` logs every

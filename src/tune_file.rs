@@ -43,8 +43,8 @@
 //! decisions, never corrupt it. A path to anything but a regular file is refused, and so is a
 //! symbolic link, even to a regular file: a link in a shared directory could otherwise make a
 //! run read, or replace, the file it points to; name the file itself. The variable
-//! must be set (to any path) on every rank or on none: ranks that disagree fail their first
-//! collective with a mismatch, as ranks that disagree about `CHORUS_TUNE` do.
+//! must be set (to any path) on every rank or on none: ranks that disagree fail init, naming
+//! it, as ranks that disagree about `CHORUS_TUNE` do.
 
 use std::fmt::Write as _;
 use std::path::Path;

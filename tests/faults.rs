@@ -342,3 +342,30 @@ fn checked_calls_catch_what_no_message_shows() {
         );
     }
 }
+
+/// Values of `CHORUS_ALGO` written differently with the same effect agree.
+#[test]
+fn schedule_settings_that_mean_the_same_agree() {
+    let server = store();
+    let addr = server.local_addr();
+    let specs = ["ring", " Ring ;", "RING"];
+    let out: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                s.spawn(move || {
+                    let mut cfg = config(rank, 3, addr);
+                    cfg.init_timeout = Duration::from_secs(20);
+                    cfg.algo = Some(specs[rank].to_string());
+                    let mut c = Communicator::new(cfg)?;
+                    let mut v = [1.0f32; 3];
+                    c.all_reduce(&mut v, ReduceOp::Sum)?;
+                    Ok::<_, chorus::CommError>(v)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        assert_eq!(r.unwrap_or_else(|e| panic!("rank {rank}: {e}")), [3.0; 3]);
+    }
+}

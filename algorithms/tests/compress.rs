@@ -1121,3 +1121,40 @@ fn the_owner_residual_follows_its_slice() {
         );
     }
 }
+
+/// The integer ring's average scales the step, not the decoded sum: values whose sum lies
+/// beyond f32's range average to a finite mean.
+#[test]
+fn integer_ring_average_of_values_whose_sum_overflows_f32() {
+    let v = 2.5e38f32;
+    for codec in [Codec::Int8, Codec::Int4] {
+        let out = run_group(mem::group(2, 1 << 18, 8192), |rank, t| {
+            let mut scratch = Vec::new();
+            let mut data = vec![v; 4096];
+            let mut ctx = CollCtx {
+                transport: t,
+                deadline: Instant::now() + TIMEOUT,
+                tag_base: 1 << 16,
+                scratch: &mut scratch,
+            };
+            all_reduce_compressed(
+                &mut ctx,
+                &mut data,
+                ReduceOp::Avg,
+                &opts(codec, Schedule::IntegerRing),
+                &mut Rng::new(1, rank as u64),
+                None,
+            )
+            .map(|_| data)
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let d = r.unwrap_or_else(|e| panic!("{codec:?} rank {rank}: {e}"));
+            assert!(
+                d.iter()
+                    .all(|&x| x.is_finite() && ((x - v) / v).abs() < 1e-5),
+                "{codec:?} rank {rank}: {:?}",
+                &d[..4]
+            );
+        }
+    }
+}

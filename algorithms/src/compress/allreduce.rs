@@ -534,7 +534,14 @@ fn scatter_gather(
             Some(r) if run.avg => {
                 divide(&mut r.owner[o.clone()], p);
                 codec.encode_with_feedback(&data[g], &mut r.owner[o.clone()], chunk, out, rng);
-                r.owner[o].iter_mut().for_each(|e| *e *= p as f32);
+                // (Back in units of the sum; one beyond f32's range is dropped, as a
+                // non-finite residual is.)
+                for e in &mut r.owner[o] {
+                    *e *= p as f32;
+                    if !e.is_finite() {
+                        *e = 0.0;
+                    }
+                }
             }
             Some(r) => codec.encode_with_feedback(&data[g], &mut r.owner[o], chunk, out, rng),
             None => codec.encode(&data[g], chunk, out, rng),
@@ -887,7 +894,10 @@ fn integer(
                 }
             }
             let bytes: &[u8] = if i == me { mine } else { &*inbox[p + i] };
+            // An average scales the step, not the decoded sum: p·L steps can lie beyond f32's
+            // range where their p-th part does not.
             let step = stochastic::step_of(range(c), lv);
+            let step = if run.avg { step / p as f32 } else { step };
             for b in (cv.start..cv.end).step_by(BLOCK) {
                 let b = b..(b + BLOCK).min(cv.end);
                 let len = block_len(b.len(), sum_lanes.width);
@@ -896,9 +906,6 @@ fn integer(
                 pos += len;
                 let out = &mut data[b];
                 let ok = sum_lanes.decode(lb, step, out);
-                if run.avg {
-                    divide(out, p);
-                }
                 if !(ok && padding_ok) && bad.is_none() {
                     bad = Some(c);
                 }
