@@ -235,6 +235,170 @@ impl Communicator {
         )
     }
 
+    /// Allgatherv (`MPI_Allgatherv` with the blocks back to back; torch's `all_gather` of
+    /// tensors of different sizes): rank `j` contributes `send` of `counts[j]` elements (any,
+    /// zero included), and every rank ends with every rank's block in rank order in `recv`
+    /// (`Σ counts` elements). Every rank passes the same `counts`.
+    pub fn all_gather_v<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_gather_v_raw(Some(bytes(send)), bytes_mut(recv), counts, T::DTYPE)
+    }
+
+    /// [`Communicator::all_gather_v`] in place: this rank's block is already at its place in
+    /// `buf` (after the blocks of the ranks before it).
+    pub fn all_gather_v_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_gather_v_raw(None, bytes_mut(buf), counts, T::DTYPE)
+    }
+
+    /// [`Communicator::all_gather_v`] on raw bytes (`counts` still in elements); `send` `None`
+    /// is in place: this rank's block is already at its place in `recv`.
+    pub fn all_gather_v_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_gather_v";
+        let byte_counts = self.byte_counts(OP, counts, dtype)?;
+        let total: usize = byte_counts.iter().sum();
+        if recv.len() != total {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "the receive buffer has {} bytes where the counts add up to {total}",
+                    recv.len()
+                ),
+            ));
+        }
+        if let Some(s) = send {
+            if s.len() != byte_counts[self.rank()] {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "the send buffer has {} bytes where this rank's count is {} elements",
+                        s.len(),
+                        counts[self.rank()]
+                    ),
+                ));
+            }
+        }
+        let (size, link) = (self.size(), self.link());
+        let alg = choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
+            a.cost(total, size, &link)
+        });
+        self.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
+        // Every rank passes the same counts: their digest goes into the tag.
+        let digest = counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| {
+            (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        self.run_call(
+            OP,
+            CollKind::AllGatherV,
+            dtype,
+            NO_OP,
+            &[total as u64, digest],
+            None,
+            |ctx| allgather::run_v(alg, ctx, send, recv, &byte_counts),
+        )
+    }
+
+    /// Alltoallv (`MPI_Alltoallv` with the blocks back to back; torch's
+    /// `all_to_all_single` with split sizes): this rank sends `send_counts[j]` elements to rank
+    /// `j` (its blocks in rank order in `send`) and receives `recv_counts[j]` elements from
+    /// rank `j` (in rank order in `recv`), any of them zero. This rank's `send_counts[j]`
+    /// must be rank `j`'s `recv_counts[r]`: a rank that gets a block of another length fails
+    /// with a mismatch.
+    pub fn all_to_all_v<T: Element>(
+        &mut self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_to_all_v_raw(
+            bytes(send),
+            send_counts,
+            bytes_mut(recv),
+            recv_counts,
+            T::DTYPE,
+        )
+    }
+
+    /// [`Communicator::all_to_all_v`] on raw bytes (counts still in elements).
+    pub fn all_to_all_v_raw(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_v";
+        let sc = self.byte_counts(OP, send_counts, dtype)?;
+        let rc = self.byte_counts(OP, recv_counts, dtype)?;
+        let (st, rt): (usize, usize) = (sc.iter().sum(), rc.iter().sum());
+        if send.len() != st || recv.len() != rt {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let me = self.rank();
+        if sc[me] != rc[me] {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "this rank sends itself {} elements but receives {}",
+                    send_counts[me], recv_counts[me]
+                ),
+            ));
+        }
+        self.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
+        // The counts differ from rank to rank by design: only the lengths of the messages
+        // check them, pair by pair.
+        self.run_call(OP, CollKind::AllToAllV, dtype, NO_OP, &[], None, |ctx| {
+            alltoall::run_v(ctx, send, &sc, recv, &rc)
+        })
+    }
+
+    /// `counts` (elements, one per rank) in bytes of `dtype`, checked: one per rank, and no
+    /// total beyond what memory can hold.
+    fn byte_counts(
+        &self,
+        op: &'static str,
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<Vec<usize>, CommError> {
+        if counts.len() != self.size() {
+            return Err(self.invalid(
+                op,
+                format!("{} counts for {} ranks", counts.len(), self.size()),
+            ));
+        }
+        let bytes: Option<Vec<usize>> =
+            counts.iter().map(|c| c.checked_mul(dtype.size())).collect();
+        match bytes {
+            Some(b) if chorus_algorithms::collectives::offsets(&b).is_some() => Ok(b),
+            _ => Err(self.invalid(
+                op,
+                "the counts add up to more bytes than memory holds".into(),
+            )),
+        }
+    }
+
     /// Checks `p` blocks against one: `gathers` — `send` is one block and `full` p blocks
     /// (allgather); otherwise `send` is p blocks and `full` one block (reduce-scatter). With
     /// `send` `None`, `full` is p blocks of whole elements.

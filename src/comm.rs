@@ -173,6 +173,8 @@ pub(crate) enum CollKind {
     Tuning = 14,
     /// The comparison of the ranks' calls (`CHORUS_CHECK_CALLS`).
     CallCheck = 15,
+    AllGatherV = 16,
+    AllToAllV = 17,
 }
 
 impl CollKind {
@@ -193,6 +195,8 @@ impl CollKind {
             13 => "all_reduce tuning trial",
             14 => "all_reduce tuning agreement",
             15 => "call check",
+            16 => "all_gather_v",
+            17 => "all_to_all_v",
             _ => "unknown collective",
         }
     }
@@ -233,6 +237,9 @@ fn describe_record(rec: &[u8]) -> String {
         _ => " bytes",
     };
     let args = match args.as_slice() {
+        [total, digest] if kind == CollKind::AllGatherV as u64 => {
+            format!(", {total} bytes in all, counts digest {digest:#x}")
+        }
         [] => String::new(),
         [b] => format!(", {b}{unit}"),
         [b, root] => format!(", {b}{unit}, root {root}"),

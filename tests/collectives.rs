@@ -498,3 +498,124 @@ fn reduce_scatter_blocks_of_partial_elements_are_refused() {
     );
     assert_eq!(res, [2.0, 4.0]);
 }
+
+/// Rank `r`'s count for rank `j` in the v-collectives' sweep (zeros included).
+fn v_count(r: usize, j: usize, salt: usize) -> usize {
+    (r + 2 * j + salt) % 4
+}
+
+/// Allgatherv and alltoallv, out of place and (allgatherv) in place, over every transport and
+/// p ∈ {1, 2, 3, 4, 5, 7, 8}, with blocks of different sizes (zero included): exact.
+#[test]
+fn v_collectives_match_the_reference() {
+    for transport in ["tcp", "shm"] {
+        for p in [1usize, 2, 3, 4, 5, 7, 8] {
+            let bad = group(
+                p,
+                transport,
+                None,
+                Duration::from_secs(30),
+                Duration::from_secs(120),
+                move |c| {
+                    let (r, p) = (c.rank(), c.size());
+                    let mut bad = Vec::new();
+                    for salt in 0..3 {
+                        // allgatherv: rank j contributes v_count(j, 0, salt) + j values.
+                        let counts: Vec<usize> = (0..p).map(|j| v_count(j, 0, salt) + j).collect();
+                        let mine: Vec<i32> = (0..counts[r]).map(|i| (r * 100 + i) as i32).collect();
+                        let want: Vec<i32> = (0..p)
+                            .flat_map(|j| (0..counts[j]).map(move |i| (j * 100 + i) as i32))
+                            .collect();
+                        let mut got = vec![-1i32; want.len()];
+                        c.all_gather_v(&mine, &mut got, &counts).unwrap();
+                        if got != want {
+                            bad.push(format!("all_gather_v salt {salt}: {got:?}"));
+                        }
+                        // In place: this rank's block already in the output.
+                        let at: usize = counts[..r].iter().sum();
+                        let mut inplace = vec![-1i32; want.len()];
+                        inplace[at..at + counts[r]].copy_from_slice(&mine);
+                        c.all_gather_v_raw(
+                            None,
+                            bytemuck::cast_slice_mut(&mut inplace),
+                            &counts,
+                            DType::Int32,
+                        )
+                        .unwrap();
+                        if inplace != want {
+                            bad.push(format!("all_gather_v in place salt {salt}"));
+                        }
+                        // alltoallv: rank r sends v_count(r, j) values to rank j.
+                        let sc: Vec<usize> = (0..p).map(|j| v_count(r, j, salt)).collect();
+                        let rc: Vec<usize> = (0..p).map(|j| v_count(j, r, salt)).collect();
+                        let send: Vec<f32> = (0..p)
+                            .flat_map(|j| (0..sc[j]).map(move |i| (r * 1000 + j * 10 + i) as f32))
+                            .collect();
+                        let want: Vec<f32> = (0..p)
+                            .flat_map(|j| (0..rc[j]).map(move |i| (j * 1000 + r * 10 + i) as f32))
+                            .collect();
+                        let mut got = vec![-1.0f32; want.len()];
+                        c.all_to_all_v(&send, &sc, &mut got, &rc).unwrap();
+                        if got != want {
+                            bad.push(format!("all_to_all_v salt {salt}: {got:?} want {want:?}"));
+                        }
+                    }
+                    bad
+                },
+            );
+            let bad: Vec<String> = bad.into_iter().flatten().collect();
+            assert!(bad.is_empty(), "{transport} p={p}: {bad:#?}");
+        }
+    }
+}
+
+#[test]
+fn v_collectives_that_disagree_fail_everywhere() {
+    expect_mismatch(3, "all_gather_v counts", |c| {
+        // Rank 2 thinks rank 0 contributes 3 values, the others 2.
+        let counts = [if c.rank() == 2 { 3 } else { 2 }, 2, 2];
+        let mine = vec![1i32; counts[c.rank()]];
+        let mut out = vec![0i32; counts.iter().sum()];
+        c.all_gather_v(&mine, &mut out, &counts)
+    });
+    expect_mismatch(3, "all_to_all_v counts", |c| {
+        // Rank 1 expects 2 values from rank 0, which sends it 1.
+        let r = c.rank();
+        let sc = [1usize, 1, 1];
+        let rc = if r == 1 { [2usize, 1, 1] } else { [1, 1, 1] };
+        let send = vec![1u32; sc.iter().sum()];
+        let mut out = vec![0u32; rc.iter().sum()];
+        c.all_to_all_v(&send, &sc, &mut out, &rc)
+    });
+    // Local mistakes: refused on the calling rank, the communicator usable.
+    let res = group(
+        2,
+        "auto",
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+        |c| {
+            let mut out = [0i32; 4];
+            let errors = [
+                c.all_gather_v(&[1i32; 2], &mut out, &[2, 2, 0])
+                    .unwrap_err(),
+                c.all_gather_v(&[1i32; 2], &mut out, &[2, 1]).unwrap_err(),
+                c.all_gather_v(&[1i32; 3], &mut out, &[2, 2]).unwrap_err(),
+                c.all_to_all_v(&[1i32; 2], &[1, 1], &mut out, &[2, 2])
+                    .unwrap_err(),
+                c.all_to_all_v(&[1i32; 2], &[2, 0], &mut out[..2], &[0, 2])
+                    .unwrap_err(),
+                c.all_to_all_v(&[1i32; 2], &[usize::MAX, 1], &mut out, &[2, 2])
+                    .unwrap_err(),
+            ];
+            for e in &errors {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+                assert!(e.is_usable(), "{e}");
+            }
+            c.all_gather_v(&[c.rank() as i32; 2], &mut out, &[2, 2])
+                .unwrap();
+            out
+        },
+    );
+    assert_eq!(res, [[0, 0, 1, 1], [0, 0, 1, 1]]);
+}

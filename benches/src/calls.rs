@@ -55,7 +55,9 @@ pub const ROOT: usize = 0;
 pub fn placements(c: Collective) -> (bool, bool) {
     match c {
         Collective::Broadcast => (false, true),
-        Collective::Gather | Collective::Scatter | Collective::SendRecv => (true, false),
+        Collective::Gather | Collective::Scatter | Collective::SendRecv | Collective::AllToAllV => {
+            (true, false)
+        }
         _ => (true, true),
     }
 }
@@ -67,6 +69,8 @@ pub fn blocked(c: Collective) -> bool {
         Collective::AllGather
             | Collective::ReduceScatter
             | Collective::AllToAll
+            | Collective::AllGatherV
+            | Collective::AllToAllV
             | Collective::Gather
             | Collective::Scatter
     )
@@ -106,6 +110,12 @@ pub fn call<T: Element>(
         (Collective::ReduceScatter, None) => comm.reduce_scatter_in_place(buf, op),
         (Collective::AllToAll, Some(s)) => comm.all_to_all(s, buf),
         (Collective::AllToAll, None) => comm.all_to_all_in_place(buf),
+        (Collective::AllGatherV, Some(s)) => comm.all_gather_v(&s[..b], buf, &vec![b; p]),
+        (Collective::AllGatherV, None) => comm.all_gather_v_in_place(buf, &vec![b; p]),
+        (Collective::AllToAllV, s) => {
+            let s = s.expect("alltoallv runs out of place");
+            comm.all_to_all_v(s, &vec![b; p], buf, &vec![b; p])
+        }
         (Collective::Gather, s) => {
             let s = s.expect("gather runs out of place");
             comm.gather(&s[..b], root.map(|_| buf), ROOT)
@@ -136,7 +146,7 @@ pub fn fill_in_place<T: Element>(
     let b = buf.len() / ranks;
     match coll {
         Collective::Broadcast if rank != ROOT => data::poison(buf),
-        Collective::AllGather => {
+        Collective::AllGather | Collective::AllGatherV => {
             data::poison(buf);
             data::fill(&mut buf[rank * b..(rank + 1) * b], rank, op, ranks);
         }
@@ -168,7 +178,7 @@ pub fn count_wrong<T: Element>(
         Collective::Reduce if rank == ROOT => wrong(buf, &|i| expected(i, op, ranks)),
         Collective::Gather if rank == ROOT => wrong(buf, &|i| input(i / b, i % b)),
         Collective::Reduce | Collective::Gather => 0,
-        Collective::AllGather => wrong(buf, &|i| input(i / b, i % b)),
+        Collective::AllGather | Collective::AllGatherV => wrong(buf, &|i| input(i / b, i % b)),
         Collective::ReduceScatter => {
             let out = if in_place {
                 &buf[rank * b..(rank + 1) * b]
@@ -177,7 +187,9 @@ pub fn count_wrong<T: Element>(
             };
             wrong(out, &|i| expected(rank * b + i, op, ranks))
         }
-        Collective::AllToAll => wrong(buf, &|i| input(i / b, rank * b + i % b)),
+        Collective::AllToAll | Collective::AllToAllV => {
+            wrong(buf, &|i| input(i / b, rank * b + i % b))
+        }
         Collective::Scatter => wrong(&buf[..b], &|i| input(ROOT, rank * b + i)),
         Collective::SendRecv => wrong(buf, &|i| input((rank + ranks - 1) % ranks, i)),
     }

@@ -20,6 +20,10 @@ pub enum Collective {
     ReduceScatter,
     /// Rank r sends block j of its buffer to rank j.
     AllToAll,
+    /// Allgather through the v-variant (`all_gather_v`), with equal blocks.
+    AllGatherV,
+    /// Alltoall through the v-variant (`all_to_all_v`), with equal blocks.
+    AllToAllV,
     /// The root ends with the concatenation of every rank's buffer.
     Gather,
     /// The root sends block r of its buffer to rank r.
@@ -30,13 +34,15 @@ pub enum Collective {
 
 impl Collective {
     /// Every collective, in the order the usage text lists them.
-    pub const ALL: [Collective; 9] = [
+    pub const ALL: [Collective; 11] = [
         Collective::AllReduce,
         Collective::Broadcast,
         Collective::Reduce,
         Collective::AllGather,
         Collective::ReduceScatter,
         Collective::AllToAll,
+        Collective::AllGatherV,
+        Collective::AllToAllV,
         Collective::Gather,
         Collective::Scatter,
         Collective::SendRecv,
@@ -51,6 +57,8 @@ impl Collective {
             Collective::AllGather => "allgather",
             Collective::ReduceScatter => "reduce_scatter",
             Collective::AllToAll => "alltoall",
+            Collective::AllGatherV => "allgatherv",
+            Collective::AllToAllV => "alltoallv",
             Collective::Gather => "gather",
             Collective::Scatter => "scatter",
             Collective::SendRecv => "sendrecv",
@@ -94,6 +102,8 @@ impl Collective {
             Collective::ReduceScatter
             | Collective::AllGather
             | Collective::AllToAll
+            | Collective::AllGatherV
+            | Collective::AllToAllV
             | Collective::Gather
             | Collective::Scatter => (p - 1.0) / p,
             Collective::Broadcast | Collective::Reduce | Collective::SendRecv => 1.0,

@@ -146,6 +146,8 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
         ("allgather", (p - 1.0) / p, false, false),
         ("reduce_scatter", (p - 1.0) / p, false, true),
         ("alltoall", (p - 1.0) / p, false, false),
+        ("allgatherv", (p - 1.0) / p, false, false),
+        ("alltoallv", (p - 1.0) / p, false, false),
         ("gather", (p - 1.0) / p, true, false),
         ("scatter", (p - 1.0) / p, true, false),
         ("sendrecv", 1.0, false, false),

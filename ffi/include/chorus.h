@@ -432,6 +432,42 @@ int32_t chorus_allgather(chorus_comm *comm,
                          chorus_dtype dtype);
 
 /**
+ * Allgatherv: rank `j` contributes `recvcounts[j]` elements (any, zero included) from
+ * `sendbuf`, and every rank's `recvbuf` gets every rank's block back to back in rank order
+ * (the sum of `recvcounts` elements). Every rank passes the same `recvcounts` (`size`
+ * entries). In place when `sendbuf` is this rank's block inside `recvbuf`.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
+ * is valid for `recvcounts[rank]` elements and `recvbuf` for the sum of `recvcounts`
+ * writable elements of `dtype`, not accessed elsewhere during the call.
+ */
+int32_t chorus_allgatherv(chorus_comm *comm,
+                          const void *sendbuf,
+                          void *recvbuf,
+                          const size_t *recvcounts,
+                          chorus_dtype dtype);
+
+/**
+ * Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
+ * in rank order in `sendbuf`) and receives `recvcounts[j]` elements from rank `j` (back to
+ * back in `recvbuf`), any of them zero. Rank `r`'s `sendcounts[j]` must be rank `j`'s
+ * `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). The buffers must not
+ * overlap.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `sendcounts` and `recvcounts` are valid for `size`
+ * values; `sendbuf` is valid for the sum of `sendcounts` elements and `recvbuf` for the sum
+ * of `recvcounts` writable elements of `dtype`, not accessed elsewhere during the call.
+ */
+int32_t chorus_alltoallv(chorus_comm *comm,
+                         const void *sendbuf,
+                         const size_t *sendcounts,
+                         void *recvbuf,
+                         const size_t *recvcounts,
+                         chorus_dtype dtype);
+
+/**
  * Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
  * the reduction (`op`) over ranks of block `j`. In place when
  * `recvbuf == sendbuf + rank × recvcount` (NCCL's convention).

@@ -579,6 +579,102 @@ pub unsafe extern "C" fn chorus_allgather(
     })
 }
 
+/// Bytes of `counts` elements of `elem` bytes each, and where each block starts when they lie
+/// back to back (`counts.len() + 1` offsets, the last the total).
+fn blocks(counts: &[usize], elem: usize, what: &str) -> Result<Vec<usize>, Failure> {
+    let mut off = Vec::with_capacity(counts.len() + 1);
+    let mut at = 0usize;
+    off.push(0);
+    for &n in counts {
+        at = at
+            .checked_add(ptr::byte_len(n, elem, what)?)
+            .filter(|&t| t <= isize::MAX as usize)
+            .ok_or_else(|| Failure::invalid(format!("{what} add up to more than memory holds")))?;
+        off.push(at);
+    }
+    Ok(off)
+}
+
+/// Allgatherv: rank `j` contributes `recvcounts[j]` elements (any, zero included) from
+/// `sendbuf`, and every rank's `recvbuf` gets every rank's block back to back in rank order
+/// (the sum of `recvcounts` elements). Every rank passes the same `recvcounts` (`size`
+/// entries). In place when `sendbuf` is this rank's block inside `recvbuf`.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
+/// is valid for `recvcounts[rank]` elements and `recvbuf` for the sum of `recvcounts`
+/// writable elements of `dtype`, not accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_allgatherv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+) -> i32 {
+    guard("chorus_allgatherv", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let dtype = dtype.get()?;
+        // SAFETY: valid for `size` values by the caller's promise.
+        let counts = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+        let off = blocks(&counts, dtype.size(), "recvcounts")?;
+        let (all, mine) = (off[c.size], off[c.rank]..off[c.rank + 1]);
+        if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
+            // SAFETY: valid for `all` bytes by the caller's promise; `sendbuf` lies inside.
+            let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
+            return c.with(|c| Ok(c.all_gather_v_raw(None, recv, &counts, dtype)?));
+        }
+        ptr::check_disjoint(sendbuf, mine.len(), recvbuf, all, "sendbuf and recvbuf")?;
+        // SAFETY: valid for this rank's block, disjoint from `recv`.
+        let send = unsafe { ptr::buf(sendbuf, mine.len(), "sendbuf")? };
+        // SAFETY: valid for `all` writable bytes by the caller's promise.
+        let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
+        c.with(|c| Ok(c.all_gather_v_raw(Some(send), recv, &counts, dtype)?))
+    })
+}
+
+/// Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
+/// in rank order in `sendbuf`) and receives `recvcounts[j]` elements from rank `j` (back to
+/// back in `recvbuf`), any of them zero. Rank `r`'s `sendcounts[j]` must be rank `j`'s
+/// `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). The buffers must not
+/// overlap.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `sendcounts` and `recvcounts` are valid for `size`
+/// values; `sendbuf` is valid for the sum of `sendcounts` elements and `recvbuf` for the sum
+/// of `recvcounts` writable elements of `dtype`, not accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_alltoallv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+) -> i32 {
+    guard("chorus_alltoallv", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let dtype = dtype.get()?;
+        // SAFETY: each valid for `size` values by the caller's promise.
+        let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
+        // SAFETY: as above.
+        let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+        let s_all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
+        let r_all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
+        let (a, b) = (sendbuf as usize, recvbuf as usize);
+        if s_all > 0 && r_all > 0 && a < b.saturating_add(r_all) && b < a.saturating_add(s_all) {
+            return Err(Failure::invalid("sendbuf and recvbuf overlap"));
+        }
+        // SAFETY: valid for `s_all` bytes, disjoint from `recv`.
+        let send = unsafe { ptr::buf(sendbuf, s_all, "sendbuf")? };
+        // SAFETY: valid for `r_all` writable bytes by the caller's promise.
+        let recv = unsafe { ptr::buf_mut(recvbuf, r_all, "recvbuf")? };
+        c.with(|c| Ok(c.all_to_all_v_raw(send, &sc, recv, &rc, dtype)?))
+    })
+}
+
 /// Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
 /// the reduction (`op`) over ranks of block `j`. In place when
 /// `recvbuf == sendbuf + rank × recvcount` (NCCL's convention).

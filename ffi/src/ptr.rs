@@ -126,6 +126,28 @@ pub(crate) unsafe fn buf_mut<'a>(
     Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
 }
 
+/// The `n` counts (`size_t`) at `p`, copied; NULL (with `n` > 0) or a misaligned pointer is
+/// an error.
+///
+/// # Safety
+/// Unless NULL or misaligned, `p` is valid for reading `n` `size_t` values during the call.
+pub(crate) unsafe fn counts(p: *const usize, n: usize, what: &str) -> Result<Vec<usize>, Failure> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    if p as usize % std::mem::align_of::<usize>() != 0 {
+        return Err(Failure::invalid(format!(
+            "{what} is not aligned for size_t"
+        )));
+    }
+    // SAFETY: non-NULL and aligned, valid for `n` values by the caller's promise (`n` is the
+    // communicator's size, at most 2^20, so the byte length fits isize).
+    Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+}
+
 /// Fail unless the byte ranges `[a, a + a_len)` and `[b, b + b_len)` are disjoint (empty
 /// ranges never overlap). Called before making a shared and a mutable slice of two buffers.
 pub(crate) fn check_disjoint(

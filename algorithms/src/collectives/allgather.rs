@@ -168,8 +168,59 @@ pub fn run(
     if let Some(s) = send {
         recv[block(rank, b)].copy_from_slice(s);
     }
+    gather_blocks(alg, ctx, recv, |blocks| blocks.start * b..blocks.end * b)
+}
+
+/// Allgatherv: rank `j` contributes `counts[j]` bytes (any, zero included), and every rank
+/// ends with the blocks back to back in rank order in `recv` (`Σ counts` bytes). `send` is
+/// this rank's block, or `None` when it is already in place in `recv`. The schedules are
+/// those of [`run`], on blocks of their own sizes. Every rank must pass the same `counts`; a
+/// rank that gets a block of another length fails with a mismatch.
+pub fn run_v(
+    alg: Algorithm,
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    counts: &[usize],
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let bad = |m: String| Err(super::invalid("all_gather_v", m));
+    if counts.len() != size {
+        return bad(format!("{} counts for {size} ranks", counts.len()));
+    }
+    let Some(off) = super::offsets(counts) else {
+        return bad("the counts overflow".into());
+    };
+    if off[size] != recv.len() {
+        return bad(format!(
+            "output of {} bytes where the counts add up to {}",
+            recv.len(),
+            off[size]
+        ));
+    }
+    let own = off[rank]..off[rank + 1];
+    if let Some(s) = send {
+        if s.len() != own.len() {
+            return bad(format!(
+                "input of {} bytes where this rank's count is {}",
+                s.len(),
+                own.len()
+            ));
+        }
+        recv[own].copy_from_slice(s);
+    }
+    gather_blocks(alg, ctx, recv, |blocks| off[blocks.start]..off[blocks.end])
+}
+
+/// The steps of `alg` over `recv`, whose block range `r` lies at bytes `bytes(r)`.
+fn gather_blocks(
+    alg: Algorithm,
+    ctx: &mut CollCtx<'_>,
+    recv: &mut [u8],
+    bytes: impl Fn(&Range<usize>) -> Range<usize>,
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let alg = alg.effective(size);
-    let bytes = |blocks: &Range<usize>| blocks.start * b..blocks.end * b;
     for (k, step) in plan(alg, rank, size).iter().enumerate() {
         let t = tag(ctx, 0, alg.id(), k);
         let (out, inb) = disjoint(recv, bytes(&step.send_blocks), bytes(&step.recv_blocks));

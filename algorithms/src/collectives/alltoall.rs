@@ -91,6 +91,63 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Resul
     Ok(())
 }
 
+/// Alltoallv: rank `r` sends `send_counts[j]` bytes to rank `j` (its blocks back to back in
+/// rank order in `send`) and receives `recv_counts[j]` bytes from rank `j` (back to back in
+/// `recv`), any of them zero, by the pairwise exchange of [`run`]. Rank `r`'s
+/// `send_counts[j]` must be rank `j`'s `recv_counts[r]`: a rank that gets a block of another
+/// length fails with a mismatch. Out of place only (`send` and `recv` are distinct buffers).
+pub fn run_v(
+    ctx: &mut CollCtx<'_>,
+    send: &[u8],
+    send_counts: &[usize],
+    recv: &mut [u8],
+    recv_counts: &[usize],
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let bad = |m: String| Err(super::invalid("all_to_all_v", m));
+    if send_counts.len() != size || recv_counts.len() != size {
+        return bad(format!(
+            "{} send and {} receive counts for {size} ranks",
+            send_counts.len(),
+            recv_counts.len()
+        ));
+    }
+    let (Some(so), Some(ro)) = (super::offsets(send_counts), super::offsets(recv_counts)) else {
+        return bad("the counts overflow".into());
+    };
+    if so[size] != send.len() || ro[size] != recv.len() {
+        return bad(format!(
+            "buffers of {} and {} bytes where the counts add up to {} and {}",
+            send.len(),
+            recv.len(),
+            so[size],
+            ro[size]
+        ));
+    }
+    if send_counts[rank] != recv_counts[rank] {
+        return bad(format!(
+            "this rank sends itself {} bytes but receives {}",
+            send_counts[rank], recv_counts[rank]
+        ));
+    }
+    recv[ro[rank]..ro[rank + 1]].copy_from_slice(&send[so[rank]..so[rank + 1]]);
+    let deadline = ctx.deadline;
+    for (k, s) in plan(rank, size).iter().enumerate() {
+        let t = tag(ctx, 0, 0, k);
+        exchange(
+            &mut *ctx.transport,
+            deadline,
+            s.to,
+            t,
+            &send[so[s.to]..so[s.to + 1]],
+            s.from,
+            t,
+            &mut recv[ro[s.from]..ro[s.from + 1]],
+        )?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -61,6 +61,25 @@ pub fn tag(ctx: &CollCtx<'_>, root: usize, schedule: u8, step: usize) -> Tag {
     ctx.tag(step_bits(root, schedule, step))
 }
 
+/// Where each block of `counts` bytes starts when the blocks lie back to back, and (last
+/// entry) where they end: `counts.len() + 1` offsets, or `None` when the sum overflows.
+///
+/// ```
+/// use chorus_algorithms::collectives::offsets;
+/// assert_eq!(offsets(&[3, 0, 2]), Some(vec![0, 3, 3, 5]));
+/// assert_eq!(offsets(&[usize::MAX, 1]), None);
+/// ```
+pub fn offsets(counts: &[usize]) -> Option<Vec<usize>> {
+    let mut out = Vec::with_capacity(counts.len() + 1);
+    let mut at = 0usize;
+    out.push(0);
+    for &c in counts {
+        at = at.checked_add(c)?;
+        out.push(at);
+    }
+    Some(out)
+}
+
 /// The 16 step bits of [`tag`].
 pub fn step_bits(root: usize, schedule: u8, step: usize) -> u64 {
     (((root & 0xff) as u64) << 8) | (((schedule & 0x3) as u64) << 6) | (step & 0x3f) as u64

@@ -24,7 +24,7 @@ import ctypes
 import operator
 import sys
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _lib
 from ._lib import lib
@@ -418,6 +418,60 @@ class Communicator:
             )
         self._call(lib.chorus_allgather, s.ptr, r.ptr, s.count, s.dtype)
         return out
+
+    def allgatherv(self, x: Any, out: Any, counts: Sequence[int]) -> Any:
+        """Gather every rank's ``x`` into ``out`` back to back in rank order, rank ``j``'s
+        ``x`` holding ``counts[j]`` elements (any, zero included; as ``MPI_Allgatherv``, or
+        torch's ``all_gather`` of tensors of different sizes). Every rank passes the same
+        ``counts``. Returns ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "allgatherv")
+        c = self._counts(counts, "counts")
+        if s.count != c[self.rank] or r.count != sum(c):
+            raise InvalidArgumentError(
+                f"allgatherv: x has {s.count} elements and out {r.count}, need "
+                f"counts[{self.rank}] = {c[self.rank]} and their sum {sum(c)}"
+            )
+        arr = (ctypes.c_size_t * len(c))(*c)
+        self._call(lib.chorus_allgatherv, s.ptr, r.ptr, arr, s.dtype)
+        return out
+
+    def alltoallv(
+        self, x: Any, send_counts: Sequence[int], out: Any, recv_counts: Sequence[int]
+    ) -> Any:
+        """Send ``send_counts[j]`` elements of ``x`` to rank ``j`` (its blocks back to back in
+        rank order) and receive ``recv_counts[j]`` elements from rank ``j`` into ``out`` (as
+        ``MPI_Alltoallv``, or torch's ``all_to_all_single`` with split sizes). This rank's
+        ``send_counts[j]`` must be rank ``j``'s ``recv_counts[rank]``. Returns ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "alltoallv")
+        sc = self._counts(send_counts, "send_counts")
+        rc = self._counts(recv_counts, "recv_counts")
+        if s.count != sum(sc) or r.count != sum(rc):
+            raise InvalidArgumentError(
+                f"alltoallv: x has {s.count} elements and out {r.count}, the counts add up "
+                f"to {sum(sc)} and {sum(rc)}"
+            )
+        sa = (ctypes.c_size_t * len(sc))(*sc)
+        ra = (ctypes.c_size_t * len(rc))(*rc)
+        self._call(lib.chorus_alltoallv, s.ptr, sa, r.ptr, ra, s.dtype)
+        return out
+
+    def _counts(self, counts: Sequence[int], what: str) -> List[int]:
+        """``counts`` as ``size`` non-negative ints."""
+        c = []
+        try:
+            for v in counts:
+                if isinstance(v, bool):
+                    raise TypeError
+                c.append(operator.index(v))
+        except TypeError:
+            raise InvalidArgumentError(f"{what} must be a sequence of ints") from None
+        if len(c) != self.size:
+            raise InvalidArgumentError(f"{what} has {len(c)} entries for {self.size} ranks")
+        if any(not 0 <= v < 2**62 for v in c):
+            raise InvalidArgumentError(f"{what} holds a negative or huge count")
+        return c
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
         """Reduce everyone's ``x`` (``size`` blocks) and leave block ``rank`` of the result in

@@ -100,6 +100,8 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_allgatherv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
+    "chorus_alltoallv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
     "chorus_sendrecv": (
         c_int32,
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],

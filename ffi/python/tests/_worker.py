@@ -120,6 +120,19 @@ def collectives(comm):
                 comm.recv(got, left)
                 comm.send(x, right)
             check(f"{tag} send/recv", b.read(got), np.full(N, left))
+        # allgatherv and alltoallv, blocks of different sizes (zeros included).
+        counts = [(j * 3 + 1) % 4 for j in range(p)]
+        x, out = b.make(np.arange(counts[me]) + 10 * me), b.make(np.zeros(sum(counts)))
+        assert comm.allgatherv(x, out, counts) is out
+        want = np.concatenate([np.arange(c) + 10 * j for j, c in enumerate(counts)])
+        check(f"{tag} allgatherv", b.read(out), want)
+        sc = [(me + 2 * j) % 4 for j in range(p)]
+        rc = [(j + 2 * me) % 4 for j in range(p)]
+        x = b.make(np.concatenate([np.arange(c) + 30 * me + 3 * j for j, c in enumerate(sc)]))
+        out = b.make(np.zeros(sum(rc)))
+        assert comm.alltoallv(x, sc, out, rc) is out
+        want = np.concatenate([np.arange(c) + 30 * j + 3 * me for j, c in enumerate(rc)])
+        check(f"{tag} alltoallv", b.read(out), want)
         # sendrecv around the ring, everyone sending first (a copy on one rank).
         right, left = (me + 1) % p, (me - 1) % p
         x, got = b.make(np.full(N, me + 3)), b.make(np.zeros(N))
@@ -197,6 +210,9 @@ def errors(comm):
     expect(E, lambda: comm.send(x, me), "send to self")
     expect(E, lambda: comm.sendrecv(x, me, np.zeros(8, np.float64), me), "sendrecv dtypes")
     expect(E, lambda: comm.sendrecv(x, p, np.zeros(8, np.float32), me), "sendrecv dest")
+    expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")
+    expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [-1] + [8] * (p - 1)), "negative count")
+    expect(E, lambda: comm.alltoallv(x, [True] * p, np.zeros(8, np.float32), [8] * p), "bool counts")
     # Still usable after all of that.
     comm.allreduce(x)
     assert (x == p).all(), x

@@ -5,7 +5,8 @@
  *   api_test sweep            every dtype x op x count, in place and out of place, checked
  *   api_test collectives      broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
  *                             scatter, send/recv on every dtype, in place and out of place;
- *                             sendrecv around a ring of 4 MiB messages (a copy on one rank)
+ *                             sendrecv around a ring of 4 MiB messages (a copy on one rank);
+ *                             allgatherv and alltoallv with blocks of different sizes
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
@@ -283,6 +284,59 @@ static void collectives(chorus_comm *comm) {
     OK(chorus_barrier(comm));
     free(a);
     free(b);
+
+    /* allgatherv and alltoallv with blocks of different sizes (zeros included). */
+    {
+        size_t *rc = malloc((size_t)p * sizeof(size_t)), *sc = malloc((size_t)p * sizeof(size_t));
+        int32_t *in = malloc(64 * 4), *out = malloc(64 * (size_t)p * 4);
+        CHECK(rc && sc && in && out, "out of memory");
+        size_t total = 0, at = 0;
+        for (int j = 0; j < p; j++) {
+            rc[j] = (size_t)((j * 3 + 1) % 4);
+            if (j < me) at += rc[j];
+            total += rc[j];
+        }
+        for (size_t i = 0; i < rc[me]; i++) in[i] = me * 100 + (int32_t)i;
+        OK(chorus_allgatherv(comm, in, out, rc, CHORUS_INT32));
+        for (int j = 0, k = 0; j < p; j++)
+            for (size_t i = 0; i < rc[j]; i++, k++)
+                CHECK(out[k] == j * 100 + (int32_t)i, "allgatherv [%d] = %d", k, out[k]);
+        /* in place: this rank's block already at its place */
+        for (size_t i = 0; i < total; i++) out[i] = -1;
+        for (size_t i = 0; i < rc[me]; i++) out[at + i] = me * 100 + (int32_t)i;
+        if (rc[me] > 0) OK(chorus_allgatherv(comm, out + at, out, rc, CHORUS_INT32));
+        else OK(chorus_allgatherv(comm, in, out, rc, CHORUS_INT32));
+        for (int j = 0, k = 0; j < p; j++)
+            for (size_t i = 0; i < rc[j]; i++, k++)
+                CHECK(out[k] == j * 100 + (int32_t)i, "allgatherv in place [%d] = %d", k, out[k]);
+        /* alltoallv: rank r sends (r + 2j) % 4 values to rank j */
+        size_t sn = 0, rn = 0;
+        for (int j = 0; j < p; j++) {
+            sc[j] = (size_t)((me + 2 * j) % 4);
+            rc[j] = (size_t)((j + 2 * me) % 4);
+            sn += sc[j];
+            rn += rc[j];
+        }
+        for (int j = 0, k = 0; j < p; j++)
+            for (size_t i = 0; i < sc[j]; i++, k++) in[k] = me * 1000 + j * 10 + (int32_t)i;
+        OK(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32));
+        for (int j = 0, k = 0; j < p; j++)
+            for (size_t i = 0; i < rc[j]; i++, k++)
+                CHECK(out[k] == j * 1000 + me * 10 + (int32_t)i, "alltoallv [%d] = %d", k, out[k]);
+        CHECK(sn <= 64 && rn <= 64 * (size_t)p, "buffer sizes");
+        /* bad arguments: NULL counts, overlapping buffers, a self count that differs */
+        EXPECT(chorus_allgatherv(comm, in, out, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_alltoallv(comm, in, sc, out, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        if (sn > 0 && rn > 0)
+            EXPECT(chorus_alltoallv(comm, in, sc, in, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        sc[me] += 1;
+        EXPECT(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_barrier(comm));
+        free(rc);
+        free(sc);
+        free(in);
+        free(out);
+    }
 
     /* sendrecv around a ring with messages far larger than any transport buffers (4 MiB):
      * every rank sends first, which blocking sends could not do; with one rank, a copy. */
