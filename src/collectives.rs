@@ -37,6 +37,14 @@ fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(s)
 }
 
+/// A digest of an allgatherv's counts, which every rank must pass alike (FNV-1a over the
+/// counts as words).
+fn counts_digest(counts: &[usize]) -> u64 {
+    counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| {
+        (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// The schedule of a call: the cheapest (by `cost`) of `all` whose entry in `allowed` (what
 /// `CHORUS_ALGO` allows, resolved at init, in the order of `all`) is set. The value was
 /// checked at init to leave every collective a schedule.
@@ -238,7 +246,9 @@ impl Communicator {
     /// Allgatherv (`MPI_Allgatherv` with the blocks back to back; torch's `all_gather` of
     /// tensors of different sizes): rank `j` contributes `send` of `counts[j]` elements (any,
     /// zero included), and every rank ends with every rank's block in rank order in `recv`
-    /// (`Σ counts` elements). Every rank passes the same `counts`.
+    /// (`Σ counts` elements). Every rank passes the same `counts`; ranks that do not fail.
+    /// Blocks of different sizes run the ring (`CHORUS_ALGO`'s `allgather:` choice applies to
+    /// equal blocks).
     pub fn all_gather_v<T: Element>(
         &mut self,
         send: &[T],
@@ -291,15 +301,23 @@ impl Communicator {
                 ));
             }
         }
-        let (size, link) = (self.size(), self.link());
-        let alg = choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
-            a.cost(total, size, &link)
-        });
+        // Blocks of different sizes go round the ring, where every block reaches every rank
+        // by itself and each hop checks its length, so ranks that disagree about any count
+        // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
+        // counts do not (ranks that disagree about whether the blocks are equal run different
+        // schedules, whose tags differ).
+        let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+        let alg = if uniform {
+            let (size, link) = (self.size(), self.link());
+            choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
+                a.cost(total, size, &link)
+            })
+        } else {
+            allgather::Algorithm::Ring
+        };
         self.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
         // Every rank passes the same counts: their digest goes into the tag.
-        let digest = counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| {
-            (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        });
+        let digest = counts_digest(counts);
         self.run_call(
             OP,
             CollKind::AllGatherV,
@@ -783,14 +801,63 @@ mod tests {
         assert_eq!(bcast(&a.allgather, [1.0, 2.0]), 1); // ring, recursive doubling
         let tree = AlgoSpec::parse("tree").unwrap().resolve();
         assert_eq!(bcast(&tree.reduce, [3.0, 2.0]), 0);
-        assert_eq!(tree.allgather, [true, true]); // knows no tree: left alone
-                                                  // An exclusion is honoured, and a list of several leaves the choice to the costs.
+        // The allgather knows no tree: left alone.
+        assert_eq!(tree.allgather, [true, true]);
+        // An exclusion is honoured, and a list of several leaves the choice to the costs.
         let no_tree = AlgoSpec::parse("reduce:^tree").unwrap().resolve();
         assert_eq!(bcast(&no_tree.reduce, [1.0, 2.0]), 1);
         assert!(!no_tree.allreduce_restricted);
         let both = AlgoSpec::parse("reduce:ring,tree").unwrap().resolve();
         assert_eq!(bcast(&both.reduce, [3.0, 2.0]), 1);
         assert_eq!(bcast(&both.reduce, [1.0, 2.0]), 0);
+    }
+
+    /// Counts that differ only in how a group of blocks is split, and whose digests fall on the
+    /// same 8 bits of the tag: recursive doubling would carry them in messages of equal
+    /// lengths and tags, and return Ok with wrong blocks. Unequal blocks go round the ring,
+    /// where every hop checks every block: every rank fails.
+    #[test]
+    fn allgatherv_counts_that_collide_in_the_tag_still_fail() {
+        // The arguments `all_gather_v_raw` puts in the tag: total bytes (of i32) and digest.
+        let bits = |c: &[usize; 4]| {
+            let total = 4 * c.iter().sum::<usize>() as u64;
+            crate::comm::call_bits(&[total, counts_digest(c)])
+        };
+        let (a, b) = (1..64usize)
+            .flat_map(|x| (1..64usize).map(move |y| ([x, y, 1, 1], [y, x, 1, 1])))
+            .find(|(a, b)| a != b && bits(a) == bits(b))
+            .expect("a collision of 8 bits among 3906 pairs");
+        let server =
+            chorus_transport::rendezvous::StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"t")
+                .unwrap();
+        let addr = server.local_addr();
+        let handles: Vec<_> = (0..4)
+            .map(|r| {
+                let counts = if r < 2 { a } else { b };
+                std::thread::spawn(move || {
+                    let mut cfg = Config::new(r, 4, addr.to_string());
+                    cfg.token = Some("t".into());
+                    cfg.host_store = Some(false);
+                    cfg.transport = Some("tcp".into());
+                    cfg.algo = Some("allgather:recursive_doubling".into());
+                    cfg.timeout = std::time::Duration::from_secs(5);
+                    cfg.init_timeout = std::time::Duration::from_secs(30);
+                    let mut c = Communicator::new(cfg).unwrap();
+                    let mine = vec![r as i32; counts[r]];
+                    let mut out = vec![0i32; counts.iter().sum()];
+                    match c.all_gather_v(&mine, &mut out, &counts) {
+                        Err(e) => Some(e.kind()),
+                        Ok(()) => c.barrier().err().map(|e| e.kind()),
+                    }
+                })
+            })
+            .collect();
+        let res: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(
+            res.iter().all(Option::is_some),
+            "a rank returned Ok: {res:?}"
+        );
+        assert!(res.contains(&Some(ErrorKind::Mismatch)), "{res:?}");
     }
 
     /// A group of one: every collective is a local copy, and bad arguments are reported

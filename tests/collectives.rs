@@ -578,6 +578,31 @@ fn v_collectives_that_disagree_fail_everywhere() {
         let mut out = vec![0i32; counts.iter().sum()];
         c.all_gather_v(&mine, &mut out, &counts)
     });
+    // Counts that differ only in how a group of blocks is split, under a schedule allowed to
+    // send groups (recursive doubling, p = 4): still refused on every rank.
+    let res = group(
+        4,
+        "tcp",
+        Some("allgather:recursive_doubling"),
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+        |c| {
+            let counts = if c.rank() < 2 {
+                [2, 3, 1, 1]
+            } else {
+                [3, 2, 1, 1]
+            };
+            let mine = vec![c.rank() as i32; counts[c.rank()]];
+            let mut out = vec![0i32; 7];
+            let r = c.all_gather_v(&mine, &mut out, &counts);
+            error_then_barrier(c, r)
+        },
+    );
+    assert!(
+        res.iter().all(Option::is_some),
+        "a rank returned Ok: {res:?}"
+    );
+    assert!(res.contains(&Some(ErrorKind::Mismatch)), "{res:?}");
     expect_mismatch(3, "all_to_all_v counts", |c| {
         // Rank 1 expects 2 values from rank 0, which sends it 1.
         let r = c.rank();

@@ -1,9 +1,10 @@
 //! How each collective is called, fed and checked by the runner.
 //!
 //! Buffers follow nccl-tests: for allreduce, broadcast, reduce and sendrecv the size is one
-//! rank's buffer (`count` elements); for allgather, reduce-scatter, alltoall, gather and
-//! scatter it is the whole p-rank buffer, `count` rounded down to a multiple of p, of which
-//! each rank contributes or receives a block of `count/p`. Rooted collectives use root 0.
+//! rank's buffer (`count` elements); for allgather, reduce-scatter, alltoall, their v-variants
+//! (equal blocks), gather and scatter it is the whole p-rank buffer, `count` rounded down to a
+//! multiple of p, of which each rank contributes or receives a block of `count/p`. Rooted
+//! collectives use root 0.
 //!
 //! Inputs are `reference::test_value(rank, index)` where `index` is the element's position in
 //! the sending rank's buffer, so every expected element is known without gathering inputs.
@@ -51,7 +52,7 @@ where
 pub const ROOT: usize = 0;
 
 /// Which placements a collective has: (out of place, in place). Broadcast is in place only;
-/// gather, scatter and sendrecv have separate buffers only.
+/// alltoallv, gather, scatter and sendrecv have separate buffers only.
 pub fn placements(c: Collective) -> (bool, bool) {
     match c {
         Collective::Broadcast => (false, true),
@@ -86,8 +87,14 @@ pub fn round_count(c: Collective, count: u64, ranks: usize) -> u64 {
     }
 }
 
+/// The counts the v-variants pass: `ranks` equal blocks of `buf_len / ranks` elements (made
+/// once per size, outside the timed loop).
+pub fn v_counts(buf_len: usize, ranks: usize) -> Vec<usize> {
+    vec![buf_len / ranks.max(1); ranks]
+}
+
 /// One call of `coll` on `buf` (`count` elements as [`round_count`] gives) with input `send`
-/// (`None`: in place).
+/// (`None`: in place); `counts` are the v-variants' ([`v_counts`]).
 pub fn call<T: Element>(
     comm: &mut Communicator,
     coll: Collective,
@@ -95,6 +102,7 @@ pub fn call<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
     opts: &AllReduceOptions,
+    counts: &[usize],
 ) -> Result<(), CommError> {
     let (rank, p) = (comm.rank(), comm.size());
     let n = buf.len();
@@ -110,11 +118,11 @@ pub fn call<T: Element>(
         (Collective::ReduceScatter, None) => comm.reduce_scatter_in_place(buf, op),
         (Collective::AllToAll, Some(s)) => comm.all_to_all(s, buf),
         (Collective::AllToAll, None) => comm.all_to_all_in_place(buf),
-        (Collective::AllGatherV, Some(s)) => comm.all_gather_v(&s[..b], buf, &vec![b; p]),
-        (Collective::AllGatherV, None) => comm.all_gather_v_in_place(buf, &vec![b; p]),
+        (Collective::AllGatherV, Some(s)) => comm.all_gather_v(&s[..b], buf, counts),
+        (Collective::AllGatherV, None) => comm.all_gather_v_in_place(buf, counts),
         (Collective::AllToAllV, s) => {
             let s = s.expect("alltoallv runs out of place");
-            comm.all_to_all_v(s, &vec![b; p], buf, &vec![b; p])
+            comm.all_to_all_v(s, counts, buf, counts)
         }
         (Collective::Gather, s) => {
             let s = s.expect("gather runs out of place");

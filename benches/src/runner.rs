@@ -360,7 +360,16 @@ impl<'a> Runner<'a> {
         } else {
             calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
         }
-        calls::call(self.comm, coll, send, buf, op, &self.variants[v].call)?;
+        let counts = calls::v_counts(buf.len(), self.ranks);
+        calls::call(
+            self.comm,
+            coll,
+            send,
+            buf,
+            op,
+            &self.variants[v].call,
+            &counts,
+        )?;
         let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
         let mut total = [local];
         self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
@@ -382,11 +391,12 @@ impl<'a> Runner<'a> {
     ) -> Result<f64, Box<CommError>> {
         let coll = self.opts.collective;
         let call = &self.variants[v].call;
+        let counts = calls::v_counts(buf.len(), self.ranks);
         for _ in 0..untimed {
-            calls::call(self.comm, coll, send, buf, op, call)?;
+            calls::call(self.comm, coll, send, buf, op, call, &counts)?;
         }
         let local = calls::seconds_per_call(self.comm, iters, self.opts.gap, |c| {
-            calls::call(c, coll, send, buf, op, call)
+            calls::call(c, coll, send, buf, op, call, &counts)
         })?;
         self.over_ranks(local)
     }

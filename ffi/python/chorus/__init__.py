@@ -462,7 +462,7 @@ class Communicator:
         c = []
         try:
             for v in counts:
-                if isinstance(v, bool):
+                if _is_bool(v):
                     raise TypeError
                 c.append(operator.index(v))
         except TypeError:
@@ -641,9 +641,18 @@ class Compressor:
         return f"chorus.Compressor({self.spec!r})"
 
 
+def _is_bool(v: Any) -> bool:
+    """Whether ``v`` is a boolean: Python's, or numpy's and torch's (whose ``dtype`` is of
+    kind ``b``, or is ``torch.bool``), which some releases let ``operator.index`` take."""
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        return True
+    dt = getattr(v, "dtype", None)
+    return getattr(dt, "kind", None) == "b" or str(dt) == "torch.bool"
+
+
 def _int(v: Any, what: str) -> int:
     """``v`` as a C int: a Python or numpy integer (not a bool), in range."""
-    if isinstance(v, bool):
+    if _is_bool(v):
         raise InvalidArgumentError(f"{what} must be an int, not {v!r}")
     try:
         v = operator.index(v)

@@ -213,6 +213,7 @@ def errors(comm):
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [-1] + [8] * (p - 1)), "negative count")
     expect(E, lambda: comm.alltoallv(x, [True] * p, np.zeros(8, np.float32), [8] * p), "bool counts")
+    expect(E, lambda: comm.alltoallv(x, [np.True_] * p, np.zeros(8, np.float32), [8] * p), "numpy bool counts")
     # Still usable after all of that.
     comm.allreduce(x)
     assert (x == p).all(), x
