@@ -813,7 +813,7 @@ mod tests {
     }
 
     /// Counts that differ only in how a group of blocks is split, and whose digests fall on the
-    /// same 8 bits of the tag: recursive doubling would carry them in messages of equal
+    /// same 16 bits of the tag: recursive doubling would carry them in messages of equal
     /// lengths and tags, and return Ok with wrong blocks. Unequal blocks go round the ring,
     /// where every hop checks every block: every rank fails.
     #[test]
@@ -823,10 +823,10 @@ mod tests {
             let total = 4 * c.iter().sum::<usize>() as u64;
             crate::comm::call_bits(&[total, counts_digest(c)])
         };
-        let (a, b) = (1..64usize)
-            .flat_map(|x| (1..64usize).map(move |y| ([x, y, 1, 1], [y, x, 1, 1])))
-            .find(|(a, b)| a != b && bits(a) == bits(b))
-            .expect("a collision of 8 bits among 3906 pairs");
+        let (a, b) = (1..1024usize)
+            .flat_map(|x| (x + 1..1024usize).map(move |y| ([x, y, 1, 1], [y, x, 1, 1])))
+            .find(|(a, b)| bits(a) == bits(b))
+            .expect("a collision of 16 bits among 522 753 pairs");
         let server =
             chorus_transport::rendezvous::StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"t")
                 .unwrap();

@@ -203,17 +203,17 @@ impl CollKind {
 }
 
 /// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32), call
-/// fingerprint (32..40, [`call_bits`]), per-communicator collective sequence number (40..64,
-/// modulo 2^24: it only has to tell a call from its neighbours).
+/// fingerprint (32..48, [`call_bits`]), per-communicator collective sequence number (48..64,
+/// modulo 2^16: it only has to tell a call from its neighbours).
 pub(crate) fn tag_base(seq: u32, kind: CollKind, dtype: DType, op: ReduceOp) -> u64 {
-    (((seq & SEQ_MASK) as u64) << 40)
+    (((seq & SEQ_MASK) as u64) << 48)
         | ((kind as u64) << 24)
         | (((op as i32 as u64) & 0xf) << 20)
         | (((dtype as i32 as u64) & 0xf) << 16)
 }
 
 /// The bits of a tag that hold [`call_bits`].
-const ARGUMENT_BITS: u64 = 0xff << 32;
+const ARGUMENT_BITS: u64 = 0xffff << 32;
 
 /// A [`Communicator::check_call`] record, for people: collective, dtype, op and arguments.
 fn describe_record(rec: &[u8]) -> String {
@@ -270,14 +270,15 @@ fn only_arguments_differ(a: u64, b: u64) -> bool {
 }
 
 /// The bits of the sequence number a tag keeps.
-const SEQ_MASK: u32 = 0xff_ffff;
+const SEQ_MASK: u32 = 0xffff;
 
-/// The call fingerprint of a tag: 8 bits mixed from the arguments every rank must pass alike
-/// beyond dtype and op (byte counts, the root), in bits 32..40. Ranks that pass different
+/// The call fingerprint of a tag: 16 bits mixed from the arguments every rank must pass alike
+/// beyond dtype and op (byte counts, the root), in bits 32..48. Ranks that pass different
 /// counts usually fail on message lengths already; the fingerprint also catches the calls
 /// whose messages happen to have equal lengths (halving-doubling on 2 ranks with 1 and 2
 /// elements, say), or roots that differ by a multiple of 256 (the step bits keep 8 bits of
-/// the root), which would otherwise return wrong results, with 255 chances in 256.
+/// the root), which would otherwise return wrong results, with 65535 chances in 65536
+/// (`CHORUS_CHECK_CALLS` compares the arguments themselves).
 pub(crate) fn call_bits(args: &[u64]) -> u64 {
     // splitmix64's finaliser over the arguments in order.
     let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -287,17 +288,17 @@ pub(crate) fn call_bits(args: &[u64]) -> u64 {
         h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         h ^= h >> 31;
     }
-    (h & 0xff) << 32
+    (h & 0xffff) << 32
 }
 
 fn describe_tag(tag: u64) -> String {
     let dtype = DType::from_i32(((tag >> 16) & 0xf) as i32).map_or("?", |d| d.name());
     let op = ReduceOp::from_i32(((tag >> 20) & 0xf) as i32).map_or("?", |o| o.name());
     format!(
-        "{} #{} ({dtype}, {op}, arguments {:02x}, step {})",
+        "{} #{} ({dtype}, {op}, arguments {:04x}, step {})",
         CollKind::name((tag >> 24) & 0xff),
-        tag >> 40,
-        (tag >> 32) & 0xff,
+        tag >> 48,
+        (tag >> 32) & 0xffff,
         tag & 0xffff
     )
 }
@@ -1484,7 +1485,7 @@ mod tests {
             describe_tag(late).contains("all_reduce #7"),
             "the sequence number wraps"
         );
-        assert_eq!(late >> 40, 7);
+        assert_eq!(late >> 48, 7);
         assert!(d.contains("float"), "{d}");
         assert!(d.contains("max"), "{d}");
         assert!(d.contains("step 3"), "{d}");
@@ -1492,7 +1493,7 @@ mod tests {
 
     #[test]
     fn call_bits_tell_arguments_apart() {
-        assert_eq!(call_bits(&[]) & !0xff_0000_0000, 0);
+        assert_eq!(call_bits(&[]) & !0xffff_0000_0000, 0);
         assert_eq!(call_bits(&[4, 0]), call_bits(&[4, 0]));
         assert_ne!(call_bits(&[4]), call_bits(&[8]));
         // Counts and roots ranks plausibly confuse: distinct fingerprints.
@@ -1502,10 +1503,10 @@ mod tests {
                 assert!(seen.insert(call_bits(&[bytes, root])), "{bytes} {root}");
             }
         }
-        // Spread: 4096 byte counts fill most of the 256 values.
+        // Spread: 65536 byte counts fill most of the 65536 values (1 − 1/e of them at random).
         let values: std::collections::HashSet<u64> =
-            (0..4096u64).map(|n| call_bits(&[n * 4])).collect();
-        assert!(values.len() > 240, "{}", values.len());
+            (0..65536u64).map(|n| call_bits(&[n * 4])).collect();
+        assert!(values.len() > 40_000, "{}", values.len());
     }
 
     #[test]
