@@ -258,21 +258,7 @@ fn ranks_with_different_schedule_settings_fail_init_everywhere() {
         ),
     ];
     for (tweak, name) in cases {
-        let server = store();
-        let addr = server.local_addr();
-        let out: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..3)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let mut cfg = config(rank, 3, addr);
-                        cfg.init_timeout = Duration::from_secs(20);
-                        tweak(rank, &mut cfg);
-                        Communicator::new(cfg).map(|_| ())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let out = three_ranks(tweak, |_, c| c.map(|_| ()));
         for (rank, r) in out.into_iter().enumerate() {
             let e = r.expect_err("init must fail");
             assert_eq!(e.kind(), ErrorKind::Mismatch, "rank {rank}: {e}");
@@ -286,51 +272,45 @@ fn ranks_with_different_schedule_settings_fail_init_everywhere() {
 /// usable; calls that agree run as usual.
 #[test]
 fn checked_calls_catch_what_no_message_shows() {
-    let server = store();
-    let addr = server.local_addr();
-    let out: Vec<Vec<String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..3)
-            .map(|rank| {
-                s.spawn(move || {
-                    let mut cfg = config(rank, 3, addr);
-                    cfg.check_calls = true;
-                    cfg.timeout = Duration::from_secs(20);
-                    let mut c = Communicator::new(cfg).expect("communicator");
-                    let mut errors = Vec::new();
-                    // Every rank its own root: each would only send, and keep its own block.
-                    let send = [rank as i32; 6];
-                    let mut block = [0i32; 2];
-                    let e = c.scatter(Some(&send[..]), &mut block, rank).unwrap_err();
-                    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
-                    assert!(e.is_usable(), "{e}");
-                    errors.push(e.to_string());
-                    // One rank reduces where the others broadcast the same bytes.
-                    let mut v = [1.0f32; 4];
-                    let e = if rank == 1 {
-                        let mut out = [0.0f32; 4];
-                        c.reduce(Some(&v), &mut out, ReduceOp::Sum, 0)
-                    } else {
-                        c.broadcast(&mut v, 0)
-                    }
-                    .unwrap_err();
-                    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
-                    errors.push(e.to_string());
-                    // Calls that agree still work, checked.
-                    let mut x = [rank as f32 + 1.0; 5];
-                    c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
-                    assert_eq!(x, [6.0; 5]);
-                    c.barrier().expect("barrier");
-                    let mut comp = chorus::Compressor::new("int8,min_bytes=0").unwrap();
-                    let mut g = vec![1.0f32; 4096];
-                    c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut comp)
-                        .expect("compressed allreduce");
-                    assert!(g.iter().all(|v| (v - 3.0).abs() < 0.1), "{:?}", &g[..4]);
-                    errors
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let out: Vec<Vec<String>> = three_ranks(
+        |_, cfg| {
+            cfg.check_calls = true;
+            cfg.timeout = Duration::from_secs(20);
+        },
+        |rank, c| {
+            let mut c = c.expect("communicator");
+            let mut errors = Vec::new();
+            // Every rank its own root: each would only send, and keep its own block.
+            let send = [rank as i32; 6];
+            let mut block = [0i32; 2];
+            let e = c.scatter(Some(&send[..]), &mut block, rank).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            assert!(e.is_usable(), "{e}");
+            errors.push(e.to_string());
+            // One rank reduces where the others broadcast the same bytes.
+            let mut v = [1.0f32; 4];
+            let e = if rank == 1 {
+                let mut out = [0.0f32; 4];
+                c.reduce(Some(&v), &mut out, ReduceOp::Sum, 0)
+            } else {
+                c.broadcast(&mut v, 0)
+            }
+            .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            errors.push(e.to_string());
+            // Calls that agree still work, checked.
+            let mut x = [rank as f32 + 1.0; 5];
+            c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
+            assert_eq!(x, [6.0; 5]);
+            c.barrier().expect("barrier");
+            let mut comp = chorus::Compressor::new("int8,min_bytes=0").unwrap();
+            let mut g = vec![1.0f32; 4096];
+            c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut comp)
+                .expect("compressed allreduce");
+            assert!(g.iter().all(|v| (v - 3.0).abs() < 0.1), "{:?}", &g[..4]);
+            errors
+        },
+    );
     for (rank, errors) in out.iter().enumerate() {
         assert!(
             errors[0].contains("root 0") && errors[0].contains("root 2"),
@@ -346,26 +326,42 @@ fn checked_calls_catch_what_no_message_shows() {
 /// Values of `CHORUS_ALGO` written differently with the same effect agree.
 #[test]
 fn schedule_settings_that_mean_the_same_agree() {
+    let specs = ["ring", " Ring ;", "RING"];
+    let out = three_ranks(
+        |rank, cfg| cfg.algo = Some(specs[rank].to_string()),
+        |_, c| {
+            let mut c = c?;
+            let mut v = [1.0f32; 3];
+            c.all_reduce(&mut v, ReduceOp::Sum)?;
+            Ok::<_, chorus::CommError>(v)
+        },
+    );
+    for (rank, r) in out.into_iter().enumerate() {
+        assert_eq!(r.unwrap_or_else(|e| panic!("rank {rank}: {e}")), [3.0; 3]);
+    }
+}
+
+/// Three ranks as threads of a fresh store, each configured by `tweak(rank, config)` (20 s
+/// init timeout) and then given the outcome of `Communicator::new` in `f`: every rank's
+/// result, in rank order.
+fn three_ranks<R: Send>(
+    tweak: impl Fn(usize, &mut chorus::Config) + Sync,
+    f: impl Fn(usize, Result<Communicator, chorus::CommError>) -> R + Sync,
+) -> Vec<R> {
     let server = store();
     let addr = server.local_addr();
-    let specs = ["ring", " Ring ;", "RING"];
-    let out: Vec<_> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let handles: Vec<_> = (0..3)
             .map(|rank| {
+                let (tweak, f) = (&tweak, &f);
                 s.spawn(move || {
                     let mut cfg = config(rank, 3, addr);
                     cfg.init_timeout = Duration::from_secs(20);
-                    cfg.algo = Some(specs[rank].to_string());
-                    let mut c = Communicator::new(cfg)?;
-                    let mut v = [1.0f32; 3];
-                    c.all_reduce(&mut v, ReduceOp::Sum)?;
-                    Ok::<_, chorus::CommError>(v)
+                    tweak(rank, &mut cfg);
+                    f(rank, Communicator::new(cfg))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (rank, r) in out.into_iter().enumerate() {
-        assert_eq!(r.unwrap_or_else(|e| panic!("rank {rank}: {e}")), [3.0; 3]);
-    }
+    })
 }

@@ -1027,30 +1027,41 @@ fn invalid_codes_from_a_peer_fail_every_rank() {
     }
 }
 
+/// The average over `p` ranks of `v` everywhere (4096 values) through `codec` and `schedule`:
+/// every rank's result.
+fn average_of(
+    p: usize,
+    v: f32,
+    codec: Codec,
+    schedule: Schedule,
+) -> Vec<Result<Vec<f32>, TransportError>> {
+    run_group(mem::group(p, 1 << 18, 8192), |rank, t| {
+        let mut scratch = Vec::new();
+        let mut data = vec![v; 4096];
+        let mut ctx = CollCtx {
+            transport: t,
+            deadline: Instant::now() + TIMEOUT,
+            tag_base: 1 << 16,
+            scratch: &mut scratch,
+        };
+        all_reduce_compressed(
+            &mut ctx,
+            &mut data,
+            ReduceOp::Avg,
+            &opts(codec, schedule),
+            &mut Rng::new(1, rank as u64),
+            None,
+        )
+        .map(|_| data)
+    })
+}
+
 /// fp16 carries values up to 65504: an average of values within that range comes back exact
 /// even when their sum lies beyond it (the owner divides before it re-encodes).
 #[test]
 fn fp16_average_of_values_whose_sum_overflows_fp16() {
     for p in [2usize, 3, 8] {
-        let out = run_group(mem::group(p, 1 << 18, 8192), |rank, t| {
-            let mut scratch = Vec::new();
-            let mut data = vec![40000.0f32; 4096];
-            let mut ctx = CollCtx {
-                transport: t,
-                deadline: Instant::now() + TIMEOUT,
-                tag_base: 1 << 16,
-                scratch: &mut scratch,
-            };
-            all_reduce_compressed(
-                &mut ctx,
-                &mut data,
-                ReduceOp::Avg,
-                &opts(Codec::F16, Schedule::ScatterGather),
-                &mut Rng::new(1, rank as u64),
-                None,
-            )
-            .map(|_| data)
-        });
+        let out = average_of(p, 40000.0, Codec::F16, Schedule::ScatterGather);
         for (rank, r) in out.into_iter().enumerate() {
             let d = r.unwrap_or_else(|e| panic!("p={p} rank {rank}: {e}"));
             assert!(
@@ -1128,25 +1139,7 @@ fn the_owner_residual_follows_its_slice() {
 fn integer_ring_average_of_values_whose_sum_overflows_f32() {
     let v = 2.5e38f32;
     for codec in [Codec::Int8, Codec::Int4] {
-        let out = run_group(mem::group(2, 1 << 18, 8192), |rank, t| {
-            let mut scratch = Vec::new();
-            let mut data = vec![v; 4096];
-            let mut ctx = CollCtx {
-                transport: t,
-                deadline: Instant::now() + TIMEOUT,
-                tag_base: 1 << 16,
-                scratch: &mut scratch,
-            };
-            all_reduce_compressed(
-                &mut ctx,
-                &mut data,
-                ReduceOp::Avg,
-                &opts(codec, Schedule::IntegerRing),
-                &mut Rng::new(1, rank as u64),
-                None,
-            )
-            .map(|_| data)
-        });
+        let out = average_of(2, v, codec, Schedule::IntegerRing);
         for (rank, r) in out.into_iter().enumerate() {
             let d = r.unwrap_or_else(|e| panic!("{codec:?} rank {rank}: {e}"));
             assert!(
