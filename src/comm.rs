@@ -1486,6 +1486,21 @@ mod tests {
             "the sequence number wraps"
         );
         assert_eq!(late >> 48, 7);
+        // The fingerprint's bits, and only those (with the step's), count as other arguments.
+        let base = tag_base(9, CollKind::Broadcast, DType::Int32, ReduceOp::Sum);
+        let args = base | 0x1234 << 32;
+        assert!(
+            describe_tag(args).contains("arguments 1234"),
+            "{}",
+            describe_tag(args)
+        );
+        assert!(only_arguments_differ(base | 5, args | 6));
+        assert!(!only_arguments_differ(base, base | 1 << 48), "another call");
+        assert!(
+            !only_arguments_differ(base, base | 1 << 24),
+            "another collective"
+        );
+        assert!(!only_arguments_differ(base, base | 7), "only the step");
         assert!(d.contains("float"), "{d}");
         assert!(d.contains("max"), "{d}");
         assert!(d.contains("step 3"), "{d}");

@@ -578,8 +578,10 @@ fn v_collectives_that_disagree_fail_everywhere() {
         let mut out = vec![0i32; counts.iter().sum()];
         c.all_gather_v(&mine, &mut out, &counts)
     });
-    // Counts that differ only in how a group of blocks is split, under a schedule allowed to
-    // send groups (recursive doubling, p = 4): still refused on every rank.
+    // Counts that differ only in how a group of blocks is split, with recursive doubling
+    // allowed (p = 4), end to end: every rank fails. (Here the tag's fingerprint tells the
+    // counts apart; the unit test `allgatherv_counts_that_collide_in_the_tag_still_fail`
+    // takes a pair whose fingerprints collide.)
     let res = group(
         4,
         "tcp",
