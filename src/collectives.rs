@@ -123,6 +123,18 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
+        self.refusable("broadcast", CollKind::Broadcast, dtype, NO_OP, |c| {
+            c.broadcast_raw_refusing(buf, dtype, root)
+        })
+    }
+
+    /// [`Communicator::broadcast_raw`] itself (see [`Communicator::refusable`]).
+    fn broadcast_raw_refusing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
         const OP: &str = "broadcast";
         self.check_whole(OP, "buffer", buf.len(), dtype)?;
         self.check_root(OP, root)?;
@@ -162,6 +174,20 @@ impl Communicator {
 
     /// [`Communicator::reduce`] on raw bytes holding `dtype` elements.
     pub fn reduce_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.refusable("reduce", CollKind::Reduce, dtype, op, |c| {
+            c.reduce_raw_refusing(send, recv, dtype, op, root)
+        })
+    }
+
+    /// [`Communicator::reduce_raw`] itself (see [`Communicator::refusable`]).
+    fn reduce_raw_refusing(
         &mut self,
         send: Option<&[u8]>,
         recv: &mut [u8],
@@ -221,6 +247,18 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
+        self.refusable("all_gather", CollKind::AllGather, dtype, NO_OP, |c| {
+            c.all_gather_raw_refusing(send, recv, dtype)
+        })
+    }
+
+    /// [`Communicator::all_gather_raw`] itself (see [`Communicator::refusable`]).
+    fn all_gather_raw_refusing(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError> {
         const OP: &str = "all_gather";
         self.check_blocks(OP, send, recv.len(), dtype, true)?;
         let (size, link) = (self.size(), self.link());
@@ -271,6 +309,19 @@ impl Communicator {
     /// [`Communicator::all_gather_v`] on raw bytes (`counts` still in elements); `send` `None`
     /// is in place: this rank's block is already at its place in `recv`.
     pub fn all_gather_v_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        self.refusable("all_gather_v", CollKind::AllGatherV, dtype, NO_OP, |c| {
+            c.all_gather_v_raw_refusing(send, recv, counts, dtype)
+        })
+    }
+
+    /// [`Communicator::all_gather_v_raw`] itself (see [`Communicator::refusable`]).
+    fn all_gather_v_raw_refusing(
         &mut self,
         send: Option<&[u8]>,
         recv: &mut [u8],
@@ -353,6 +404,20 @@ impl Communicator {
 
     /// [`Communicator::all_to_all_v`] on raw bytes (counts still in elements).
     pub fn all_to_all_v_raw(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        self.refusable("all_to_all_v", CollKind::AllToAllV, dtype, NO_OP, |c| {
+            c.all_to_all_v_raw_refusing(send, send_counts, recv, recv_counts, dtype)
+        })
+    }
+
+    /// [`Communicator::all_to_all_v_raw`] itself (see [`Communicator::refusable`]).
+    fn all_to_all_v_raw_refusing(
         &mut self,
         send: &[u8],
         send_counts: &[usize],
@@ -496,6 +561,19 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        self.refusable("reduce_scatter", CollKind::ReduceScatter, dtype, op, |c| {
+            c.reduce_scatter_raw_refusing(send, recv, dtype, op)
+        })
+    }
+
+    /// [`Communicator::reduce_scatter_raw`] itself (see [`Communicator::refusable`]).
+    fn reduce_scatter_raw_refusing(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         const OP: &str = "reduce_scatter";
         self.check_blocks(OP, send, recv.len(), dtype, false)?;
         let total = send.map_or(recv.len(), <[u8]>::len);
@@ -540,6 +618,18 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
+        self.refusable("all_to_all", CollKind::AllToAll, dtype, NO_OP, |c| {
+            c.all_to_all_raw_refusing(send, recv, dtype)
+        })
+    }
+
+    /// [`Communicator::all_to_all_raw`] itself (see [`Communicator::refusable`]).
+    fn all_to_all_raw_refusing(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError> {
         const OP: &str = "all_to_all";
         if let Some(s) = send {
             if s.len() != recv.len() {
@@ -579,6 +669,19 @@ impl Communicator {
 
     /// [`Communicator::gather`] on raw bytes.
     pub fn gather_raw(
+        &mut self,
+        send: &[u8],
+        recv: Option<&mut [u8]>,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.refusable("gather", CollKind::Gather, dtype, NO_OP, |c| {
+            c.gather_raw_refusing(send, recv, dtype, root)
+        })
+    }
+
+    /// [`Communicator::gather_raw`] itself (see [`Communicator::refusable`]).
+    fn gather_raw_refusing(
         &mut self,
         send: &[u8],
         recv: Option<&mut [u8]>,
@@ -633,6 +736,19 @@ impl Communicator {
 
     /// [`Communicator::scatter`] on raw bytes.
     pub fn scatter_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.refusable("scatter", CollKind::Scatter, dtype, NO_OP, |c| {
+            c.scatter_raw_refusing(send, recv, dtype, root)
+        })
+    }
+
+    /// [`Communicator::scatter_raw`] itself (see [`Communicator::refusable`]).
+    fn scatter_raw_refusing(
         &mut self,
         send: Option<&[u8]>,
         recv: &mut [u8],

@@ -259,6 +259,12 @@ fn describe_record(rec: &[u8]) -> String {
     } else {
         String::new()
     };
+    if rec[4] != 0 {
+        return format!(
+            "{} ({dtype}{op}), refused its arguments (see that rank's error)",
+            CollKind::name(kind)
+        );
+    }
     format!("{} ({dtype}{op}{args})", CollKind::name(kind))
 }
 
@@ -712,6 +718,20 @@ impl Communicator {
 
     /// Allreduce on raw bytes holding elements of `dtype` (the C ABI's entry point).
     pub fn all_reduce_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        opts: &AllReduceOptions,
+    ) -> Result<(), CommError> {
+        self.refusable("all_reduce", CollKind::AllReduce, dtype, op, |c| {
+            c.all_reduce_refusing(send, recv, dtype, op, opts)
+        })
+    }
+
+    /// [`Communicator::all_reduce_raw`] itself (see [`Communicator::refusable`]).
+    fn all_reduce_refusing(
         &mut self,
         send: Option<&[u8]>,
         recv: &mut [u8],
@@ -1211,6 +1231,50 @@ impl Communicator {
         args: &[u64],
         timeout: Option<Duration>,
     ) -> Result<(), CommError> {
+        self.compare_calls(name, kind, dtype, op, args, false, timeout)
+    }
+
+    /// With [`Config::check_calls`], runs `call` (one of the caller's collectives, `kind`),
+    /// and when it refuses its arguments on this rank before any of it ran (an invalid
+    /// argument, no sequence number taken), still takes part in the comparison of calls with
+    /// a record saying so: the other ranks, in the comparison of the same call, fail at once
+    /// naming this rank instead of waiting out their timeout. This rank returns its own
+    /// error, after the comparison (which waits for the others, as every checked call's
+    /// does). Ranks that all refuse compare equal and each returns its own error.
+    pub(crate) fn refusable<R>(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        call: impl FnOnce(&mut Self) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        let seq = self.seq;
+        let r = call(self);
+        if let Err(e) = &r {
+            let refused = e.kind() == ErrorKind::InvalidArgument && e.is_usable();
+            if refused && self.seq == seq && self.broken.is_none() {
+                // The comparison's own failure (a peer gone, the mismatch it reports) is
+                // not this call's error: the caller learns of its own argument.
+                let _ = self.compare_calls(name, kind, dtype, op, &[], true, None);
+            }
+        }
+        r
+    }
+
+    /// The comparison of [`Communicator::check_call`]: one allgather of a 32-byte record per
+    /// rank (`refused`: this rank refused its arguments and runs nothing after it).
+    #[allow(clippy::too_many_arguments)]
+    fn compare_calls(
+        &mut self,
+        name: &'static str,
+        kind: CollKind,
+        dtype: DType,
+        op: ReduceOp,
+        args: &[u64],
+        refused: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(), CommError> {
         const RECORD: usize = 32;
         if !self.config.check_calls || self.size == 1 {
             return Ok(());
@@ -1220,6 +1284,7 @@ impl Communicator {
         mine[1] = dtype as i32 as u8;
         mine[2] = op as i32 as u8;
         mine[3] = args.len().min(3) as u8;
+        mine[4] = u8::from(refused);
         for (k, a) in args.iter().take(3).enumerate() {
             mine[8 + 8 * k..16 + 8 * k].copy_from_slice(&a.to_le_bytes());
         }

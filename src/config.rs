@@ -73,9 +73,10 @@ pub struct Config {
     /// with (collective, dtype, op, sizes, root), one small allgather per call, and fail alike
     /// on any difference, naming each rank's call. Off by default: most mismatches are caught
     /// without it, as messages arrive; this also catches those in which no rank receives a
-    /// message (every rank a root), for debugging. Set it the same on every rank. (An argument
-    /// a rank refuses on its own first, such as a root's buffer of the wrong size, is an error
-    /// on that rank alone, and the others wait out their timeout.)
+    /// message (every rank a root), for debugging. Set it the same on every rank. A rank that
+    /// refuses its own arguments (a root's buffer of the wrong size) still takes part in the
+    /// comparison, so the others fail at once, naming it, instead of waiting out their
+    /// timeout.
     pub check_calls: bool,
 }
 

@@ -298,6 +298,24 @@ fn checked_calls_catch_what_no_message_shows() {
             .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
             errors.push(e.to_string());
+            // The root refuses its own arguments (a send buffer of the wrong size): the
+            // others, in the comparison of the same call, fail at once naming it, instead of
+            // waiting out their timeout for a root that sends nothing.
+            let send = [1i32; 5];
+            let mut block = [0i32; 2];
+            let e = c
+                .scatter((rank == 0).then_some(&send[..]), &mut block, 0)
+                .unwrap_err();
+            if rank == 0 {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            } else {
+                assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+                assert!(e.to_string().contains("refused its arguments"), "{e}");
+            }
+            assert!(e.is_usable(), "{e}");
+            // Every rank refuses (a root out of range): each reports its own error.
+            let e = c.broadcast(&mut [0u8; 4], 7).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
             // Calls that agree still work, checked.
             let mut x = [rank as f32 + 1.0; 5];
             c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
