@@ -123,7 +123,7 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("broadcast", CollKind::Broadcast, dtype, NO_OP, |c| {
+        self.refusable("broadcast", CollKind::Broadcast, dtype, NO_OP, None, |c| {
             c.broadcast_raw_refusing(buf, dtype, root)
         })
     }
@@ -181,7 +181,7 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("reduce", CollKind::Reduce, dtype, op, |c| {
+        self.refusable("reduce", CollKind::Reduce, dtype, op, None, |c| {
             c.reduce_raw_refusing(send, recv, dtype, op, root)
         })
     }
@@ -247,7 +247,7 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_gather", CollKind::AllGather, dtype, NO_OP, |c| {
+        self.refusable("all_gather", CollKind::AllGather, dtype, NO_OP, None, |c| {
             c.all_gather_raw_refusing(send, recv, dtype)
         })
     }
@@ -315,9 +315,14 @@ impl Communicator {
         counts: &[usize],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_gather_v", CollKind::AllGatherV, dtype, NO_OP, |c| {
-            c.all_gather_v_raw_refusing(send, recv, counts, dtype)
-        })
+        self.refusable(
+            "all_gather_v",
+            CollKind::AllGatherV,
+            dtype,
+            NO_OP,
+            None,
+            |c| c.all_gather_v_raw_refusing(send, recv, counts, dtype),
+        )
     }
 
     /// [`Communicator::all_gather_v_raw`] itself (see [`Communicator::refusable`]).
@@ -411,9 +416,14 @@ impl Communicator {
         recv_counts: &[usize],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_to_all_v", CollKind::AllToAllV, dtype, NO_OP, |c| {
-            c.all_to_all_v_raw_refusing(send, send_counts, recv, recv_counts, dtype)
-        })
+        self.refusable(
+            "all_to_all_v",
+            CollKind::AllToAllV,
+            dtype,
+            NO_OP,
+            None,
+            |c| c.all_to_all_v_raw_refusing(send, send_counts, recv, recv_counts, dtype),
+        )
     }
 
     /// [`Communicator::all_to_all_v_raw`] itself (see [`Communicator::refusable`]).
@@ -561,9 +571,14 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.refusable("reduce_scatter", CollKind::ReduceScatter, dtype, op, |c| {
-            c.reduce_scatter_raw_refusing(send, recv, dtype, op)
-        })
+        self.refusable(
+            "reduce_scatter",
+            CollKind::ReduceScatter,
+            dtype,
+            op,
+            None,
+            |c| c.reduce_scatter_raw_refusing(send, recv, dtype, op),
+        )
     }
 
     /// [`Communicator::reduce_scatter_raw`] itself (see [`Communicator::refusable`]).
@@ -618,7 +633,7 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_to_all", CollKind::AllToAll, dtype, NO_OP, |c| {
+        self.refusable("all_to_all", CollKind::AllToAll, dtype, NO_OP, None, |c| {
             c.all_to_all_raw_refusing(send, recv, dtype)
         })
     }
@@ -675,7 +690,7 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("gather", CollKind::Gather, dtype, NO_OP, |c| {
+        self.refusable("gather", CollKind::Gather, dtype, NO_OP, None, |c| {
             c.gather_raw_refusing(send, recv, dtype, root)
         })
     }
@@ -742,7 +757,7 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("scatter", CollKind::Scatter, dtype, NO_OP, |c| {
+        self.refusable("scatter", CollKind::Scatter, dtype, NO_OP, None, |c| {
             c.scatter_raw_refusing(send, recv, dtype, root)
         })
     }

@@ -725,9 +725,14 @@ impl Communicator {
         op: ReduceOp,
         opts: &AllReduceOptions,
     ) -> Result<(), CommError> {
-        self.refusable("all_reduce", CollKind::AllReduce, dtype, op, |c| {
-            c.all_reduce_refusing(send, recv, dtype, op, opts)
-        })
+        self.refusable(
+            "all_reduce",
+            CollKind::AllReduce,
+            dtype,
+            op,
+            opts.timeout,
+            |c| c.all_reduce_refusing(send, recv, dtype, op, opts),
+        )
     }
 
     /// [`Communicator::all_reduce_raw`] itself (see [`Communicator::refusable`]).
@@ -1241,25 +1246,37 @@ impl Communicator {
     /// naming this rank instead of waiting out their timeout. This rank returns its own
     /// error, after the comparison (which waits for the others, as every checked call's
     /// does). Ranks that all refuse compare equal and each returns its own error.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn refusable<R>(
         &mut self,
         name: &'static str,
         kind: CollKind,
         dtype: DType,
         op: ReduceOp,
+        timeout: Option<Duration>,
         call: impl FnOnce(&mut Self) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         let seq = self.seq;
         let r = call(self);
-        if let Err(e) = &r {
-            let refused = e.kind() == ErrorKind::InvalidArgument && e.is_usable();
-            if refused && self.seq == seq && self.broken.is_none() {
-                // The comparison's own failure (a peer gone, the mismatch it reports) is
-                // not this call's error: the caller learns of its own argument.
-                let _ = self.compare_calls(name, kind, dtype, op, &[], true, None);
-            }
+        let Err(e) = r else {
+            return r;
+        };
+        let refused = e.kind() == ErrorKind::InvalidArgument && e.is_usable();
+        if !(refused && self.seq == seq && self.broken.is_none()) {
+            return Err(e);
         }
-        r
+        // The comparison's mismatch (the others made their call) is expected. If it fails
+        // otherwise (no other rank came within the timeout, a peer is gone), the
+        // communicator is broken: the caller still learns of its own argument, and that the
+        // communicator did not survive.
+        match self.compare_calls(name, kind, dtype, op, &[], true, timeout) {
+            Err(c) if !c.is_usable() => Err(e
+                .with_detail(&format!(
+                    "; then the comparison of calls (CHORUS_CHECK_CALLS) failed: {c}"
+                ))
+                .with_usable(false)),
+            _ => Err(e),
+        }
     }
 
     /// The comparison of [`Communicator::check_call`]: one allgather of a 32-byte record per

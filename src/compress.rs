@@ -328,6 +328,9 @@ impl Compressor {
     }
 }
 
+/// The name of the compressed allreduce in errors.
+const OP_COMPRESSED: &str = "all_reduce_compressed";
+
 impl Communicator {
     /// Allreduce of an f32 tensor through `comp` (sum or avg), in place. Every rank must
     /// pass a compressor of the same spec. Tensors below the spec's `min_bytes` go through the
@@ -346,7 +349,10 @@ impl Communicator {
         op: ReduceOp,
         comp: &mut Compressor,
     ) -> Result<CompressionReport, CommError> {
-        self.compressed_as(buf, op, comp, DType::Float32)
+        let kind = CollKind::CompressedAllReduce;
+        self.refusable(OP_COMPRESSED, kind, DType::Float32, op, None, |c| {
+            c.compressed_as(buf, op, comp, DType::Float32)
+        })
     }
 
     /// [`Communicator::all_reduce_compressed`] of values the caller holds as `dtype` (widened
@@ -461,7 +467,21 @@ impl Communicator {
         op: ReduceOp,
         comp: &mut Compressor,
     ) -> Result<CompressionReport, CommError> {
-        const OP: &str = "all_reduce_compressed";
+        let kind = CollKind::CompressedAllReduce;
+        self.refusable(OP_COMPRESSED, kind, dtype, op, None, |c| {
+            c.compressed_raw_refusing(buf, dtype, op, comp)
+        })
+    }
+
+    /// [`Communicator::all_reduce_compressed_raw`] itself (see `Communicator::refusable`).
+    fn compressed_raw_refusing(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        comp: &mut Compressor,
+    ) -> Result<CompressionReport, CommError> {
+        const OP: &str = OP_COMPRESSED;
         let elem = dtype.size();
         if !matches!(dtype, DType::Float32 | DType::Float16 | DType::Bfloat16) {
             return Err(CommError::invalid(

@@ -76,7 +76,8 @@ pub struct Config {
     /// message (every rank a root), for debugging. Set it the same on every rank. A rank that
     /// refuses its own arguments (a root's buffer of the wrong size) still takes part in the
     /// comparison, so the others fail at once, naming it, instead of waiting out their
-    /// timeout.
+    /// timeout (refusals the C and Python layers make before calling in, such as a NULL
+    /// pointer, stay local).
     pub check_calls: bool,
 }
 

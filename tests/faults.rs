@@ -310,9 +310,28 @@ fn checked_calls_catch_what_no_message_shows() {
                 assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
             } else {
                 assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
-                assert!(e.to_string().contains("refused its arguments"), "{e}");
+                let m = e.to_string();
+                assert!(
+                    m.contains("rank 0: scatter") && m.contains("refused its arguments"),
+                    "{m}"
+                );
             }
             assert!(e.is_usable(), "{e}");
+            // The same through the allreduce, rank 2 passing buffers of different lengths.
+            let mut out = [0.0f32; 4];
+            let input = vec![1.0f32; if rank == 2 { 3 } else { 4 }];
+            let e = c
+                .all_reduce_into(&input, &mut out, ReduceOp::Sum)
+                .unwrap_err();
+            if rank == 2 {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            } else {
+                let m = e.to_string();
+                assert!(
+                    m.contains("rank 2: all_reduce") && m.contains("refused"),
+                    "{m}"
+                );
+            }
             // Every rank refuses (a root out of range): each reports its own error.
             let e = c.broadcast(&mut [0u8; 4], 7).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
