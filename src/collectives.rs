@@ -124,38 +124,28 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         self.refusable("broadcast", CollKind::Broadcast, dtype, NO_OP, None, |c| {
-            c.broadcast_raw_refusing(buf, dtype, root)
+            const OP: &str = "broadcast";
+            c.check_whole(OP, "buffer", buf.len(), dtype)?;
+            c.check_root(OP, root)?;
+            let (size, link) = (c.size(), c.link());
+            let alg = choose(&c.algos().broadcast, &broadcast::Algorithm::ALL, |a| {
+                a.cost(buf.len(), size, &link)
+            });
+            c.trace(format_args!(
+                "broadcast {} B from {root} with {}",
+                buf.len(),
+                alg.name()
+            ));
+            c.run_call(
+                OP,
+                CollKind::Broadcast,
+                dtype,
+                NO_OP,
+                &[buf.len() as u64, root as u64],
+                None,
+                |ctx| broadcast::run(alg, ctx, buf, root),
+            )
         })
-    }
-
-    /// [`Communicator::broadcast_raw`] itself (see [`Communicator::refusable`]).
-    fn broadcast_raw_refusing(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        root: usize,
-    ) -> Result<(), CommError> {
-        const OP: &str = "broadcast";
-        self.check_whole(OP, "buffer", buf.len(), dtype)?;
-        self.check_root(OP, root)?;
-        let (size, link) = (self.size(), self.link());
-        let alg = choose(&self.algos().broadcast, &broadcast::Algorithm::ALL, |a| {
-            a.cost(buf.len(), size, &link)
-        });
-        self.trace(format_args!(
-            "broadcast {} B from {root} with {}",
-            buf.len(),
-            alg.name()
-        ));
-        self.run_call(
-            OP,
-            CollKind::Broadcast,
-            dtype,
-            NO_OP,
-            &[buf.len() as u64, root as u64],
-            None,
-            |ctx| broadcast::run(alg, ctx, buf, root),
-        )
     }
 
     /// Reduce: `recv` of `root` gets the element-wise reduction of every rank's input, which
@@ -182,51 +172,39 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         self.refusable("reduce", CollKind::Reduce, dtype, op, None, |c| {
-            c.reduce_raw_refusing(send, recv, dtype, op, root)
-        })
-    }
-
-    /// [`Communicator::reduce_raw`] itself (see [`Communicator::refusable`]).
-    fn reduce_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<(), CommError> {
-        const OP: &str = "reduce";
-        self.check_root(OP, root)?;
-        let n = send.map_or(recv.len(), <[u8]>::len);
-        self.check_whole(OP, "input", n, dtype)?;
-        if self.rank() == root && recv.len() != n {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "the root's send buffer has {n} bytes, its receive buffer {}",
-                    recv.len()
-                ),
+            const OP: &str = "reduce";
+            c.check_root(OP, root)?;
+            let n = send.map_or(recv.len(), <[u8]>::len);
+            c.check_whole(OP, "input", n, dtype)?;
+            if c.rank() == root && recv.len() != n {
+                return Err(c.invalid(
+                    OP,
+                    format!(
+                        "the root's send buffer has {n} bytes, its receive buffer {}",
+                        recv.len()
+                    ),
+                ));
+            }
+            let (size, link) = (c.size(), c.link());
+            let alg = choose(&c.algos().reduce, &reduce::Algorithm::ALL, |a| {
+                a.cost(n, size, &link)
+            });
+            c.trace(format_args!(
+                "reduce {n} B {} {} to {root} with {}",
+                dtype.name(),
+                op.name(),
+                alg.name()
             ));
-        }
-        let (size, link) = (self.size(), self.link());
-        let alg = choose(&self.algos().reduce, &reduce::Algorithm::ALL, |a| {
-            a.cost(n, size, &link)
-        });
-        self.trace(format_args!(
-            "reduce {n} B {} {} to {root} with {}",
-            dtype.name(),
-            op.name(),
-            alg.name()
-        ));
-        self.run_call(
-            OP,
-            CollKind::Reduce,
-            dtype,
-            op,
-            &[n as u64, root as u64],
-            None,
-            |ctx| reduce::run(alg, ctx, send, recv, dtype, op, root),
-        )
+            c.run_call(
+                OP,
+                CollKind::Reduce,
+                dtype,
+                op,
+                &[n as u64, root as u64],
+                None,
+                |ctx| reduce::run(alg, ctx, send, recv, dtype, op, root),
+            )
+        })
     }
 
     /// Allgather: `recv` (p × `send.len()` elements) gets every rank's `send`, rank `j`'s at
@@ -248,37 +226,27 @@ impl Communicator {
         dtype: DType,
     ) -> Result<(), CommError> {
         self.refusable("all_gather", CollKind::AllGather, dtype, NO_OP, None, |c| {
-            c.all_gather_raw_refusing(send, recv, dtype)
+            const OP: &str = "all_gather";
+            c.check_blocks(OP, send, recv.len(), dtype, true)?;
+            let (size, link) = (c.size(), c.link());
+            let alg = choose(&c.algos().allgather, &allgather::Algorithm::ALL, |a| {
+                a.cost(recv.len(), size, &link)
+            });
+            c.trace(format_args!(
+                "all_gather {} B with {}",
+                recv.len(),
+                alg.name()
+            ));
+            c.run_call(
+                OP,
+                CollKind::AllGather,
+                dtype,
+                NO_OP,
+                &[recv.len() as u64],
+                None,
+                |ctx| allgather::run(alg, ctx, send, recv),
+            )
         })
-    }
-
-    /// [`Communicator::all_gather_raw`] itself (see [`Communicator::refusable`]).
-    fn all_gather_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-    ) -> Result<(), CommError> {
-        const OP: &str = "all_gather";
-        self.check_blocks(OP, send, recv.len(), dtype, true)?;
-        let (size, link) = (self.size(), self.link());
-        let alg = choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
-            a.cost(recv.len(), size, &link)
-        });
-        self.trace(format_args!(
-            "all_gather {} B with {}",
-            recv.len(),
-            alg.name()
-        ));
-        self.run_call(
-            OP,
-            CollKind::AllGather,
-            dtype,
-            NO_OP,
-            &[recv.len() as u64],
-            None,
-            |ctx| allgather::run(alg, ctx, send, recv),
-        )
     }
 
     /// Allgatherv (`MPI_Allgatherv` with the blocks back to back; torch's `all_gather` of
@@ -321,67 +289,58 @@ impl Communicator {
             dtype,
             NO_OP,
             None,
-            |c| c.all_gather_v_raw_refusing(send, recv, counts, dtype),
-        )
-    }
-
-    /// [`Communicator::all_gather_v_raw`] itself (see [`Communicator::refusable`]).
-    fn all_gather_v_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        counts: &[usize],
-        dtype: DType,
-    ) -> Result<(), CommError> {
-        const OP: &str = "all_gather_v";
-        let byte_counts = self.byte_counts(OP, counts, dtype)?;
-        let total: usize = byte_counts.iter().sum();
-        if recv.len() != total {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "the receive buffer has {} bytes where the counts add up to {total}",
-                    recv.len()
-                ),
-            ));
-        }
-        if let Some(s) = send {
-            if s.len() != byte_counts[self.rank()] {
-                return Err(self.invalid(
-                    OP,
-                    format!(
+            |c| {
+                const OP: &str = "all_gather_v";
+                let byte_counts = c.byte_counts(OP, counts, dtype)?;
+                let total: usize = byte_counts.iter().sum();
+                if recv.len() != total {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "the receive buffer has {} bytes where the counts add up to {total}",
+                            recv.len()
+                        ),
+                    ));
+                }
+                if let Some(s) = send {
+                    if s.len() != byte_counts[c.rank()] {
+                        return Err(c.invalid(
+                            OP,
+                            format!(
                         "the send buffer has {} bytes where this rank's count is {} elements",
                         s.len(),
-                        counts[self.rank()]
+                        counts[c.rank()]
                     ),
-                ));
-            }
-        }
-        // Blocks of different sizes go round the ring, where every block reaches every rank
-        // by itself and each hop checks its length, so ranks that disagree about any count
-        // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
-        // counts do not (ranks that disagree about whether the blocks are equal run different
-        // schedules, whose tags differ).
-        let uniform = counts.windows(2).all(|w| w[0] == w[1]);
-        let alg = if uniform {
-            let (size, link) = (self.size(), self.link());
-            choose(&self.algos().allgather, &allgather::Algorithm::ALL, |a| {
-                a.cost(total, size, &link)
-            })
-        } else {
-            allgather::Algorithm::Ring
-        };
-        self.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
-        // Every rank passes the same counts: their digest goes into the tag.
-        let digest = counts_digest(counts);
-        self.run_call(
-            OP,
-            CollKind::AllGatherV,
-            dtype,
-            NO_OP,
-            &[total as u64, digest],
-            None,
-            |ctx| allgather::run_v(alg, ctx, send, recv, &byte_counts),
+                        ));
+                    }
+                }
+                // Blocks of different sizes go round the ring, where every block reaches every rank
+                // by itself and each hop checks its length, so ranks that disagree about any count
+                // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
+                // counts do not (ranks that disagree about whether the blocks are equal run different
+                // schedules, whose tags differ).
+                let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+                let alg = if uniform {
+                    let (size, link) = (c.size(), c.link());
+                    choose(&c.algos().allgather, &allgather::Algorithm::ALL, |a| {
+                        a.cost(total, size, &link)
+                    })
+                } else {
+                    allgather::Algorithm::Ring
+                };
+                c.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
+                // Every rank passes the same counts: their digest goes into the tag.
+                let digest = counts_digest(counts);
+                c.run_call(
+                    OP,
+                    CollKind::AllGatherV,
+                    dtype,
+                    NO_OP,
+                    &[total as u64, digest],
+                    None,
+                    |ctx| allgather::run_v(alg, ctx, send, recv, &byte_counts),
+                )
+            },
         )
     }
 
@@ -422,49 +381,39 @@ impl Communicator {
             dtype,
             NO_OP,
             None,
-            |c| c.all_to_all_v_raw_refusing(send, send_counts, recv, recv_counts, dtype),
+            |c| {
+                const OP: &str = "all_to_all_v";
+                let sc = c.byte_counts(OP, send_counts, dtype)?;
+                let rc = c.byte_counts(OP, recv_counts, dtype)?;
+                let (st, rt): (usize, usize) = (sc.iter().sum(), rc.iter().sum());
+                if send.len() != st || recv.len() != rt {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
+                            send.len(),
+                            recv.len()
+                        ),
+                    ));
+                }
+                let me = c.rank();
+                if sc[me] != rc[me] {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "this rank sends itself {} elements but receives {}",
+                            send_counts[me], recv_counts[me]
+                        ),
+                    ));
+                }
+                c.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
+                // The counts differ from rank to rank by design: only the lengths of the messages
+                // check them, pair by pair.
+                c.run_call(OP, CollKind::AllToAllV, dtype, NO_OP, &[], None, |ctx| {
+                    alltoall::run_v(ctx, send, &sc, recv, &rc)
+                })
+            },
         )
-    }
-
-    /// [`Communicator::all_to_all_v_raw`] itself (see [`Communicator::refusable`]).
-    fn all_to_all_v_raw_refusing(
-        &mut self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-        dtype: DType,
-    ) -> Result<(), CommError> {
-        const OP: &str = "all_to_all_v";
-        let sc = self.byte_counts(OP, send_counts, dtype)?;
-        let rc = self.byte_counts(OP, recv_counts, dtype)?;
-        let (st, rt): (usize, usize) = (sc.iter().sum(), rc.iter().sum());
-        if send.len() != st || recv.len() != rt {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
-        let me = self.rank();
-        if sc[me] != rc[me] {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "this rank sends itself {} elements but receives {}",
-                    send_counts[me], recv_counts[me]
-                ),
-            ));
-        }
-        self.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
-        // The counts differ from rank to rank by design: only the lengths of the messages
-        // check them, pair by pair.
-        self.run_call(OP, CollKind::AllToAllV, dtype, NO_OP, &[], None, |ctx| {
-            alltoall::run_v(ctx, send, &sc, recv, &rc)
-        })
     }
 
     /// `counts` (elements, one per rank) in bytes of `dtype`, checked: one per rank, and no
@@ -577,41 +526,32 @@ impl Communicator {
             dtype,
             op,
             None,
-            |c| c.reduce_scatter_raw_refusing(send, recv, dtype, op),
-        )
-    }
-
-    /// [`Communicator::reduce_scatter_raw`] itself (see [`Communicator::refusable`]).
-    fn reduce_scatter_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        const OP: &str = "reduce_scatter";
-        self.check_blocks(OP, send, recv.len(), dtype, false)?;
-        let total = send.map_or(recv.len(), <[u8]>::len);
-        let (size, link) = (self.size(), self.link());
-        let alg = choose(
-            &self.algos().reduce_scatter,
-            &reduce_scatter::Algorithm::ALL,
-            |a| a.cost(total, size, &link),
-        );
-        self.trace(format_args!(
-            "reduce_scatter {total} B {} {} with {}",
-            dtype.name(),
-            op.name(),
-            alg.name()
-        ));
-        self.run_call(
-            OP,
-            CollKind::ReduceScatter,
-            dtype,
-            op,
-            &[total as u64],
-            None,
-            |ctx| reduce_scatter::run(alg, ctx, send, recv, dtype, op),
+            |c| {
+                const OP: &str = "reduce_scatter";
+                c.check_blocks(OP, send, recv.len(), dtype, false)?;
+                let total = send.map_or(recv.len(), <[u8]>::len);
+                let (size, link) = (c.size(), c.link());
+                let alg = choose(
+                    &c.algos().reduce_scatter,
+                    &reduce_scatter::Algorithm::ALL,
+                    |a| a.cost(total, size, &link),
+                );
+                c.trace(format_args!(
+                    "reduce_scatter {total} B {} {} with {}",
+                    dtype.name(),
+                    op.name(),
+                    alg.name()
+                ));
+                c.run_call(
+                    OP,
+                    CollKind::ReduceScatter,
+                    dtype,
+                    op,
+                    &[total as u64],
+                    None,
+                    |ctx| reduce_scatter::run(alg, ctx, send, recv, dtype, op),
+                )
+            },
         )
     }
 
@@ -634,41 +574,31 @@ impl Communicator {
         dtype: DType,
     ) -> Result<(), CommError> {
         self.refusable("all_to_all", CollKind::AllToAll, dtype, NO_OP, None, |c| {
-            c.all_to_all_raw_refusing(send, recv, dtype)
-        })
-    }
-
-    /// [`Communicator::all_to_all_raw`] itself (see [`Communicator::refusable`]).
-    fn all_to_all_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-    ) -> Result<(), CommError> {
-        const OP: &str = "all_to_all";
-        if let Some(s) = send {
-            if s.len() != recv.len() {
-                return Err(self.invalid(
-                    OP,
-                    format!(
-                        "send buffer has {} bytes, receive buffer {}",
-                        s.len(),
-                        recv.len()
-                    ),
-                ));
+            const OP: &str = "all_to_all";
+            if let Some(s) = send {
+                if s.len() != recv.len() {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "send buffer has {} bytes, receive buffer {}",
+                            s.len(),
+                            recv.len()
+                        ),
+                    ));
+                }
             }
-        }
-        self.check_blocks(OP, None, recv.len(), dtype, true)?;
-        self.trace(format_args!("all_to_all {} B pairwise", recv.len()));
-        self.run_call(
-            OP,
-            CollKind::AllToAll,
-            dtype,
-            NO_OP,
-            &[recv.len() as u64],
-            None,
-            |ctx| alltoall::run(ctx, send, recv),
-        )
+            c.check_blocks(OP, None, recv.len(), dtype, true)?;
+            c.trace(format_args!("all_to_all {} B pairwise", recv.len()));
+            c.run_call(
+                OP,
+                CollKind::AllToAll,
+                dtype,
+                NO_OP,
+                &[recv.len() as u64],
+                None,
+                |ctx| alltoall::run(ctx, send, recv),
+            )
+        })
     }
 
     /// Gather: `recv` of `root` (p × `send.len()` elements) gets every rank's `send`, rank
@@ -691,51 +621,40 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         self.refusable("gather", CollKind::Gather, dtype, NO_OP, None, |c| {
-            c.gather_raw_refusing(send, recv, dtype, root)
-        })
-    }
-
-    /// [`Communicator::gather_raw`] itself (see [`Communicator::refusable`]).
-    fn gather_raw_refusing(
-        &mut self,
-        send: &[u8],
-        recv: Option<&mut [u8]>,
-        dtype: DType,
-        root: usize,
-    ) -> Result<(), CommError> {
-        const OP: &str = "gather";
-        self.check_root(OP, root)?;
-        self.check_whole(OP, "send buffer", send.len(), dtype)?;
-        let recv = if self.rank() == root {
-            let want = self.times_p(OP, send.len())?;
-            match recv {
-                Some(r) if r.len() == want => Some(r),
-                r => {
-                    return Err(self.invalid(
-                        OP,
-                        format!(
+            const OP: &str = "gather";
+            c.check_root(OP, root)?;
+            c.check_whole(OP, "send buffer", send.len(), dtype)?;
+            let recv = if c.rank() == root {
+                let want = c.times_p(OP, send.len())?;
+                match recv {
+                    Some(r) if r.len() == want => Some(r),
+                    r => {
+                        return Err(c.invalid(
+                            OP,
+                            format!(
                             "the root's receive buffer must hold {} blocks of {} bytes ({want} \
                              bytes), not {}",
-                            self.size(),
+                            c.size(),
                             send.len(),
                             r.map_or("none".to_string(), |r| r.len().to_string())
                         ),
-                    ))
+                        ))
+                    }
                 }
-            }
-        } else {
-            None
-        };
-        self.trace(format_args!("gather {} B to {root}", send.len()));
-        self.run_call(
-            OP,
-            CollKind::Gather,
-            dtype,
-            NO_OP,
-            &[send.len() as u64, root as u64],
-            None,
-            |ctx| gather::run(ctx, send, recv, root),
-        )
+            } else {
+                None
+            };
+            c.trace(format_args!("gather {} B to {root}", send.len()));
+            c.run_call(
+                OP,
+                CollKind::Gather,
+                dtype,
+                NO_OP,
+                &[send.len() as u64, root as u64],
+                None,
+                |ctx| gather::run(ctx, send, recv, root),
+            )
+        })
     }
 
     /// Scatter: block `j` of `root`'s `send` (p × `recv.len()` elements) goes to rank `j`'s
@@ -758,51 +677,40 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         self.refusable("scatter", CollKind::Scatter, dtype, NO_OP, None, |c| {
-            c.scatter_raw_refusing(send, recv, dtype, root)
-        })
-    }
-
-    /// [`Communicator::scatter_raw`] itself (see [`Communicator::refusable`]).
-    fn scatter_raw_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-        root: usize,
-    ) -> Result<(), CommError> {
-        const OP: &str = "scatter";
-        self.check_root(OP, root)?;
-        self.check_whole(OP, "receive buffer", recv.len(), dtype)?;
-        let send = if self.rank() == root {
-            let want = self.times_p(OP, recv.len())?;
-            match send {
-                Some(s) if s.len() == want => Some(s),
-                s => {
-                    return Err(self.invalid(
-                        OP,
-                        format!(
-                            "the root's send buffer must hold {} blocks of {} bytes ({want} \
+            const OP: &str = "scatter";
+            c.check_root(OP, root)?;
+            c.check_whole(OP, "receive buffer", recv.len(), dtype)?;
+            let send = if c.rank() == root {
+                let want = c.times_p(OP, recv.len())?;
+                match send {
+                    Some(s) if s.len() == want => Some(s),
+                    s => {
+                        return Err(c.invalid(
+                            OP,
+                            format!(
+                                "the root's send buffer must hold {} blocks of {} bytes ({want} \
                              bytes), not {}",
-                            self.size(),
-                            recv.len(),
-                            s.map_or("none".to_string(), |s| s.len().to_string())
-                        ),
-                    ))
+                                c.size(),
+                                recv.len(),
+                                s.map_or("none".to_string(), |s| s.len().to_string())
+                            ),
+                        ))
+                    }
                 }
-            }
-        } else {
-            None
-        };
-        self.trace(format_args!("scatter {} B from {root}", recv.len()));
-        self.run_call(
-            OP,
-            CollKind::Scatter,
-            dtype,
-            NO_OP,
-            &[recv.len() as u64, root as u64],
-            None,
-            |ctx| scatter::run(ctx, send, recv, root),
-        )
+            } else {
+                None
+            };
+            c.trace(format_args!("scatter {} B from {root}", recv.len()));
+            c.run_call(
+                OP,
+                CollKind::Scatter,
+                dtype,
+                NO_OP,
+                &[recv.len() as u64, root as u64],
+                None,
+                |ctx| scatter::run(ctx, send, recv, root),
+            )
+        })
     }
 
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {

@@ -731,159 +731,154 @@ impl Communicator {
             dtype,
             op,
             opts.timeout,
-            |c| c.all_reduce_refusing(send, recv, dtype, op, opts),
-        )
-    }
-
-    /// [`Communicator::all_reduce_raw`] itself (see [`Communicator::refusable`]).
-    fn all_reduce_refusing(
-        &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        opts: &AllReduceOptions,
-    ) -> Result<(), CommError> {
-        const OP: &str = "all_reduce";
-        self.check_usable(OP)?;
-        if recv.len() % dtype.size() != 0 {
-            return Err(CommError::invalid(
-                OP,
-                format!(
-                    "buffer of {} bytes is not a whole number of {} elements",
-                    recv.len(),
-                    dtype.name()
-                ),
-            )
-            .at_rank(self.rank));
-        }
-        if let Some(s) = send {
-            if s.len() != recv.len() {
-                return Err(CommError::invalid(
-                    OP,
-                    format!(
-                        "send buffer has {} bytes, receive buffer {}",
-                        s.len(),
-                        recv.len()
+            |c| {
+                const OP: &str = "all_reduce";
+                c.check_usable(OP)?;
+                if recv.len() % dtype.size() != 0 {
+                    return Err(CommError::invalid(
+                        OP,
+                        format!(
+                            "buffer of {} bytes is not a whole number of {} elements",
+                            recv.len(),
+                            dtype.name()
+                        ),
+                    )
+                    .at_rank(c.rank));
+                }
+                if let Some(s) = send {
+                    if s.len() != recv.len() {
+                        return Err(CommError::invalid(
+                            OP,
+                            format!(
+                                "send buffer has {} bytes, receive buffer {}",
+                                s.len(),
+                                recv.len()
+                            ),
+                        )
+                        .at_rank(c.rank));
+                    }
+                }
+                // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
+                // call's clock starts.
+                let args = [recv.len() as u64];
+                c.check_call(OP, CollKind::AllReduce, dtype, op, &args, opts.timeout)?;
+                if opts.algorithm.is_none() && c.direct_shared_memory() {
+                    // Every rank on this host: the direct shared-memory allreduce beats any message
+                    // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
+                    return c.run_unchecked(
+                        OP,
+                        CollKind::AllReduce,
+                        dtype,
+                        op,
+                        &args,
+                        opts.timeout,
+                        |ctx| shm_all_reduce(ctx, send, recv, dtype, op),
+                    );
+                }
+                let bytes = recv.len();
+                let (algorithm, timing) = match opts.algorithm {
+                    Some(a) => (a, Timing::None),
+                    None if !c.tuning || c.size == 1 || bytes == 0 => {
+                        (c.selected_algorithm(bytes), Timing::None)
+                    }
+                    None => match c.tuner.next(&c.selector, bytes) {
+                        Next::Use(a) => (a, Timing::None),
+                        Next::Online(a) => (a, Timing::Online),
+                        Next::Trials(plan) => (
+                            c.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
+                            Timing::None,
+                        ),
+                        Next::Revisit { algorithm, rival } => {
+                            (algorithm, Timing::Revisit { rival })
+                        }
+                        Next::Tied {
+                            algorithm,
+                            tied,
+                            after,
+                        } => {
+                            c.log_tuning(|| select::describe_tied(bytes, algorithm, &tied, after));
+                            (algorithm, Timing::None)
+                        }
+                        Next::Inherit {
+                            algorithm,
+                            from,
+                            lead,
+                        } => {
+                            c.log_tuning(|| {
+                                select::describe_inherited(bytes, algorithm, from, lead)
+                            });
+                            (algorithm, Timing::None)
+                        }
+                    },
+                };
+                log::log(
+                    Level::Trace,
+                    Some(c.rank),
+                    format_args!(
+                        "all_reduce {} x {} {} with {}",
+                        recv.len() / dtype.size(),
+                        dtype.name(),
+                        op.name(),
+                        algorithm.name()
                     ),
-                )
-                .at_rank(self.rank));
-            }
-        }
-        // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
-        // call's clock starts.
-        let args = [recv.len() as u64];
-        self.check_call(OP, CollKind::AllReduce, dtype, op, &args, opts.timeout)?;
-        if opts.algorithm.is_none() && self.direct_shared_memory() {
-            // Every rank on this host: the direct shared-memory allreduce beats any message
-            // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
-            return self.run_unchecked(
-                OP,
-                CollKind::AllReduce,
-                dtype,
-                op,
-                &args,
-                opts.timeout,
-                |ctx| shm_all_reduce(ctx, send, recv, dtype, op),
-            );
-        }
-        let bytes = recv.len();
-        let (algorithm, timing) = match opts.algorithm {
-            Some(a) => (a, Timing::None),
-            None if !self.tuning || self.size == 1 || bytes == 0 => {
-                (self.selected_algorithm(bytes), Timing::None)
-            }
-            None => match self.tuner.next(&self.selector, bytes) {
-                Next::Use(a) => (a, Timing::None),
-                Next::Online(a) => (a, Timing::Online),
-                Next::Trials(plan) => (
-                    self.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
-                    Timing::None,
-                ),
-                Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
-                Next::Tied {
-                    algorithm,
-                    tied,
-                    after,
-                } => {
-                    self.log_tuning(|| select::describe_tied(bytes, algorithm, &tied, after));
-                    (algorithm, Timing::None)
+                );
+                if timing == Timing::Online {
+                    if let Some(candidates) = c.tuner.online_fresh(bytes) {
+                        // Before the first trial: run every candidate once, untimed, so that none pays
+                        // for TCP connections still in slow start; grow the scratch memory, so that
+                        // the first does not pay for it (a schedule needs at most the buffer's size).
+                        for alg in candidates {
+                            let r = c.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
+                            if r.is_err() {
+                                c.tuner.reset(bytes);
+                                return r;
+                            }
+                        }
+                        let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
+                        if c.scratch.len() < need {
+                            c.scratch.resize(need, 0);
+                        }
+                    }
                 }
-                Next::Inherit {
-                    algorithm,
-                    from,
-                    lead,
-                } => {
-                    self.log_tuning(|| select::describe_inherited(bytes, algorithm, from, lead));
-                    (algorithm, Timing::None)
+                // A rival's calls in a revisit carry the trial kind, so that a rank that does not
+                // tune (and runs the bucket's schedule) fails with a mismatch instead of mixing
+                // messages of two schedules.
+                let kind = match timing {
+                    Timing::Revisit { rival: true, .. } => CollKind::AllReduceTrial,
+                    _ => CollKind::AllReduce,
+                };
+                let started = Instant::now();
+                let r =
+                    c.run_unchecked(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
+                        allreduce::run(algorithm, ctx, send, recv, dtype, op)
+                    });
+                let seconds = started.elapsed().as_secs_f64();
+                match timing {
+                    Timing::None => {}
+                    _ if r.is_err() => c.tuner.reset(bytes),
+                    Timing::Online => {
+                        if let Some((candidates, times)) = c.tuner.record(bytes, seconds) {
+                            let chosen = c
+                                .agree_and_decide(bytes, &candidates, times, opts.timeout)
+                                .inspect_err(|_| c.tuner.reset(bytes))?;
+                            if chosen != algorithm {
+                                // The winner's connections sat idle through the last trial, and TCP
+                                // restarts an idle connection's window: warm them again, so that the
+                                // caller's next call runs at the speed the trials measured.
+                                c.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
+                            }
+                        }
+                    }
+                    Timing::Revisit { .. } => {
+                        if let Some((_, _, times)) = c.tuner.record_revisit(bytes, seconds) {
+                            c.agree_revisit(bytes, times, opts.timeout)
+                                .inspect_err(|_| c.tuner.reset(bytes))?;
+                        }
+                    }
                 }
+                r
             },
-        };
-        log::log(
-            Level::Trace,
-            Some(self.rank),
-            format_args!(
-                "all_reduce {} x {} {} with {}",
-                recv.len() / dtype.size(),
-                dtype.name(),
-                op.name(),
-                algorithm.name()
-            ),
-        );
-        if timing == Timing::Online {
-            if let Some(candidates) = self.tuner.online_fresh(bytes) {
-                // Before the first trial: run every candidate once, untimed, so that none pays
-                // for TCP connections still in slow start; grow the scratch memory, so that
-                // the first does not pay for it (a schedule needs at most the buffer's size).
-                for alg in candidates {
-                    let r = self.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
-                    if r.is_err() {
-                        self.tuner.reset(bytes);
-                        return r;
-                    }
-                }
-                let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
-                if self.scratch.len() < need {
-                    self.scratch.resize(need, 0);
-                }
-            }
-        }
-        // A rival's calls in a revisit carry the trial kind, so that a rank that does not
-        // tune (and runs the bucket's schedule) fails with a mismatch instead of mixing
-        // messages of two schedules.
-        let kind = match timing {
-            Timing::Revisit { rival: true, .. } => CollKind::AllReduceTrial,
-            _ => CollKind::AllReduce,
-        };
-        let started = Instant::now();
-        let r = self.run_unchecked(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
-            allreduce::run(algorithm, ctx, send, recv, dtype, op)
-        });
-        let seconds = started.elapsed().as_secs_f64();
-        match timing {
-            Timing::None => {}
-            _ if r.is_err() => self.tuner.reset(bytes),
-            Timing::Online => {
-                if let Some((candidates, times)) = self.tuner.record(bytes, seconds) {
-                    let chosen = self
-                        .agree_and_decide(bytes, &candidates, times, opts.timeout)
-                        .inspect_err(|_| self.tuner.reset(bytes))?;
-                    if chosen != algorithm {
-                        // The winner's connections sat idle through the last trial, and TCP
-                        // restarts an idle connection's window: warm them again, so that the
-                        // caller's next call runs at the speed the trials measured.
-                        self.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
-                    }
-                }
-            }
-            Timing::Revisit { .. } => {
-                if let Some((_, _, times)) = self.tuner.record_revisit(bytes, seconds) {
-                    self.agree_revisit(bytes, times, opts.timeout)
-                        .inspect_err(|_| self.tuner.reset(bytes))?;
-                }
-            }
-        }
-        r
+        )
     }
 
     /// Replaces every rank's tuning `times` by their largest over the ranks (the agreement

@@ -469,77 +469,66 @@ impl Communicator {
     ) -> Result<CompressionReport, CommError> {
         let kind = CollKind::CompressedAllReduce;
         self.refusable(OP_COMPRESSED, kind, dtype, op, None, |c| {
-            c.compressed_raw_refusing(buf, dtype, op, comp)
-        })
-    }
-
-    /// [`Communicator::all_reduce_compressed_raw`] itself (see `Communicator::refusable`).
-    fn compressed_raw_refusing(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        comp: &mut Compressor,
-    ) -> Result<CompressionReport, CommError> {
-        const OP: &str = OP_COMPRESSED;
-        let elem = dtype.size();
-        if !matches!(dtype, DType::Float32 | DType::Float16 | DType::Bfloat16) {
-            return Err(CommError::invalid(
-                OP,
-                format!(
-                    "compressed allreduce takes float32, float16 or bfloat16, not {}",
-                    dtype.name()
-                ),
-            )
-            .at_rank(self.rank()));
-        }
-        if buf.len() % elem != 0 {
-            return Err(CommError::invalid(
-                OP,
-                format!(
-                    "buffer of {} bytes is not a whole number of {} elements",
-                    buf.len(),
-                    dtype.name()
-                ),
-            )
-            .at_rank(self.rank()));
-        }
-        let n = buf.len() / elem;
-        if dtype == DType::Float32 {
-            // Aligned f32 (what C, numpy and torch hand over): in place, no staging copy.
-            if let Ok(floats) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
-                return self.all_reduce_compressed(floats, op, comp);
+            const OP: &str = OP_COMPRESSED;
+            let elem = dtype.size();
+            if !matches!(dtype, DType::Float32 | DType::Float16 | DType::Bfloat16) {
+                return Err(CommError::invalid(
+                    OP,
+                    format!(
+                        "compressed allreduce takes float32, float16 or bfloat16, not {}",
+                        dtype.name()
+                    ),
+                )
+                .at_rank(c.rank()));
             }
-        }
-        let mut staging = std::mem::take(&mut comp.staging);
-        staging.clear();
-        match dtype {
-            DType::Float32 => staging.extend(
-                buf.chunks_exact(4)
-                    .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
-            ),
-            DType::Float16 => staging.extend(
-                buf.chunks_exact(2)
-                    .map(|b| half::f16::from_ne_bytes([b[0], b[1]]).to_f32()),
-            ),
-            _ => staging.extend(
-                buf.chunks_exact(2)
-                    .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32()),
-            ),
-        }
-        debug_assert_eq!(staging.len(), n);
-        let r = self.compressed_as(&mut staging, op, comp, dtype);
-        if r.is_ok() {
-            for (b, v) in buf.chunks_exact_mut(elem).zip(&staging) {
-                match dtype {
-                    DType::Float32 => b.copy_from_slice(&v.to_ne_bytes()),
-                    DType::Float16 => b.copy_from_slice(&half::f16::from_f32(*v).to_ne_bytes()),
-                    _ => b.copy_from_slice(&half::bf16::from_f32(*v).to_ne_bytes()),
+            if buf.len() % elem != 0 {
+                return Err(CommError::invalid(
+                    OP,
+                    format!(
+                        "buffer of {} bytes is not a whole number of {} elements",
+                        buf.len(),
+                        dtype.name()
+                    ),
+                )
+                .at_rank(c.rank()));
+            }
+            let n = buf.len() / elem;
+            if dtype == DType::Float32 {
+                // Aligned f32 (what C, numpy and torch hand over): in place, no staging copy.
+                if let Ok(floats) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
+                    return c.all_reduce_compressed(floats, op, comp);
                 }
             }
-        }
-        comp.staging = staging;
-        r
+            let mut staging = std::mem::take(&mut comp.staging);
+            staging.clear();
+            match dtype {
+                DType::Float32 => staging.extend(
+                    buf.chunks_exact(4)
+                        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                DType::Float16 => staging.extend(
+                    buf.chunks_exact(2)
+                        .map(|b| half::f16::from_ne_bytes([b[0], b[1]]).to_f32()),
+                ),
+                _ => staging.extend(
+                    buf.chunks_exact(2)
+                        .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32()),
+                ),
+            }
+            debug_assert_eq!(staging.len(), n);
+            let r = c.compressed_as(&mut staging, op, comp, dtype);
+            if r.is_ok() {
+                for (b, v) in buf.chunks_exact_mut(elem).zip(&staging) {
+                    match dtype {
+                        DType::Float32 => b.copy_from_slice(&v.to_ne_bytes()),
+                        DType::Float16 => b.copy_from_slice(&half::f16::from_f32(*v).to_ne_bytes()),
+                        _ => b.copy_from_slice(&half::bf16::from_f32(*v).to_ne_bytes()),
+                    }
+                }
+            }
+            comp.staging = staging;
+            r
+        })
     }
 
     /// The exact sum of every rank's sparse vector (all of the same dense length); the result,
