@@ -291,8 +291,7 @@ impl Communicator {
             None,
             |c| {
                 const OP: &str = "all_gather_v";
-                let byte_counts = c.byte_counts(OP, counts, dtype)?;
-                let total: usize = byte_counts.iter().sum();
+                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
                 if recv.len() != total {
                     return Err(c.invalid(
                         OP,
@@ -383,9 +382,8 @@ impl Communicator {
             None,
             |c| {
                 const OP: &str = "all_to_all_v";
-                let sc = c.byte_counts(OP, send_counts, dtype)?;
-                let rc = c.byte_counts(OP, recv_counts, dtype)?;
-                let (st, rt): (usize, usize) = (sc.iter().sum(), rc.iter().sum());
+                let (sc, st) = c.byte_counts(OP, send_counts, dtype)?;
+                let (rc, rt) = c.byte_counts(OP, recv_counts, dtype)?;
                 if send.len() != st || recv.len() != rt {
                     return Err(c.invalid(
                         OP,
@@ -416,14 +414,14 @@ impl Communicator {
         )
     }
 
-    /// `counts` (elements, one per rank) in bytes of `dtype`, checked: one per rank, and no
-    /// total beyond what memory can hold.
+    /// `counts` (elements, one per rank) in bytes of `dtype`, and their total, checked: one per
+    /// rank, and no total beyond what memory can hold.
     fn byte_counts(
         &self,
         op: &'static str,
         counts: &[usize],
         dtype: DType,
-    ) -> Result<Vec<usize>, CommError> {
+    ) -> Result<(Vec<usize>, usize), CommError> {
         if counts.len() != self.size() {
             return Err(self.invalid(
                 op,
@@ -432,8 +430,12 @@ impl Communicator {
         }
         let bytes: Option<Vec<usize>> =
             counts.iter().map(|c| c.checked_mul(dtype.size())).collect();
-        match bytes {
-            Some(b) if chorus_algorithms::collectives::offsets(&b).is_some() => Ok(b),
+        let total = bytes
+            .as_deref()
+            .and_then(chorus_algorithms::collectives::offsets)
+            .map(|off| off[counts.len()]);
+        match (bytes, total) {
+            (Some(b), Some(total)) => Ok((b, total)),
             _ => Err(self.invalid(
                 op,
                 "the counts add up to more bytes than memory holds".into(),

@@ -441,10 +441,10 @@ impl Communicator {
                 ))
             })?,
         };
-        let algos = AlgoSpec::parse(config.algo.as_deref().unwrap_or(""))
-            .map_err(|e| fail(CommError::invalid("init", e)))?
-            .resolve();
-        let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or("")).map_err(fail)?;
+        let spec = config.algo.as_deref().unwrap_or("");
+        let parsed = AlgoSpec::parse(spec).map_err(|e| fail(CommError::invalid("init", e)))?;
+        let filter = AlgoFilter::from_spec(&parsed, spec).map_err(fail)?;
+        let algos = parsed.resolve();
         let env_link = crate::select::link_from_env().map_err(fail)?;
         let env_link = crate::select::link_from_config(&config, env_link).map_err(fail)?;
         let tuning = crate::select::tune_from_env().map_err(fail)?;
@@ -1192,7 +1192,8 @@ impl Communicator {
         timeout: Option<Duration>,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
-        self.check_usable(name)?;
+        // (Both refuse an unusable communicator: the comparison's allgather, and then
+        // `run_unchecked`.)
         self.check_call(name, kind, dtype, op, args, timeout)?;
         self.run_unchecked(name, kind, dtype, op, args, timeout, schedule)
     }

@@ -357,6 +357,12 @@ impl AlgoFilter {
     /// allows no allreduce schedule.
     pub fn parse(spec: &str) -> Result<AlgoFilter, CommError> {
         let parsed = AlgoSpec::parse(spec).map_err(|e| CommError::invalid("init", e))?;
+        AlgoFilter::from_spec(&parsed, spec)
+    }
+
+    /// The allreduce's part of `parsed` (the value `spec`, checked already), as
+    /// [`AlgoFilter::parse`] describes.
+    pub fn from_spec(parsed: &AlgoSpec, spec: &str) -> Result<AlgoFilter, CommError> {
         let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
         let mut filter = AlgoFilter::default();
         if let Some(allowed) = parsed.allowed("allreduce", &names) {

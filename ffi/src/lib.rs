@@ -663,10 +663,7 @@ pub unsafe extern "C" fn chorus_alltoallv(
         let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
         let s_all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
         let r_all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
-        let (a, b) = (sendbuf as usize, recvbuf as usize);
-        if s_all > 0 && r_all > 0 && a < b.saturating_add(r_all) && b < a.saturating_add(s_all) {
-            return Err(Failure::invalid("sendbuf and recvbuf overlap"));
-        }
+        ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
         // SAFETY: valid for `s_all` bytes, disjoint from `recv`.
         let send = unsafe { ptr::buf(sendbuf, s_all, "sendbuf")? };
         // SAFETY: valid for `r_all` writable bytes by the caller's promise.
@@ -923,14 +920,13 @@ pub unsafe extern "C" fn chorus_sendrecv(
         let source = rank_arg(source, "source")?;
         let send_bytes = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
         let recv_bytes = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
-        let (a, b) = (sendbuf as usize, recvbuf as usize);
-        if send_bytes > 0
-            && recv_bytes > 0
-            && a < b.saturating_add(recv_bytes)
-            && b < a.saturating_add(send_bytes)
-        {
-            return Err(Failure::invalid("sendbuf and recvbuf overlap"));
-        }
+        ptr::check_apart(
+            sendbuf,
+            send_bytes,
+            recvbuf,
+            recv_bytes,
+            "sendbuf and recvbuf",
+        )?;
         // SAFETY: valid for `send_bytes` bytes by the caller's promise, disjoint from `recv`.
         let send = unsafe { ptr::buf(sendbuf, send_bytes, "sendbuf")? };
         // SAFETY: valid for `recv_bytes` writable bytes by the caller's promise.

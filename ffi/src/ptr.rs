@@ -148,8 +148,16 @@ pub(crate) unsafe fn counts(p: *const usize, n: usize, what: &str) -> Result<Vec
     Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
 }
 
+/// Whether the byte ranges `[a, a + a_len)` and `[b, b + b_len)` overlap (empty ranges never
+/// do).
+fn overlap(a: *const c_void, a_len: usize, b: *const c_void, b_len: usize) -> bool {
+    let (a, b) = (a as usize, b as usize);
+    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
+}
+
 /// Fail unless the byte ranges `[a, a + a_len)` and `[b, b + b_len)` are disjoint (empty
-/// ranges never overlap). Called before making a shared and a mutable slice of two buffers.
+/// ranges never overlap). Called before making a shared and a mutable slice of two buffers,
+/// for calls that take equal pointers as in place.
 pub(crate) fn check_disjoint(
     a: *const c_void,
     a_len: usize,
@@ -157,13 +165,25 @@ pub(crate) fn check_disjoint(
     b_len: usize,
     what: &str,
 ) -> Result<(), Failure> {
-    let (a, b) = (a as usize, b as usize);
-    let overlap =
-        a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len);
-    if overlap {
+    if overlap(a, a_len, b, b_len) {
         Err(Failure::invalid(format!(
             "{what} overlap without being the same buffer (pass equal pointers for in place)"
         )))
+    } else {
+        Ok(())
+    }
+}
+
+/// [`check_disjoint`] for calls that have no in-place form.
+pub(crate) fn check_apart(
+    a: *const c_void,
+    a_len: usize,
+    b: *const c_void,
+    b_len: usize,
+    what: &str,
+) -> Result<(), Failure> {
+    if overlap(a, a_len, b, b_len) {
+        Err(Failure::invalid(format!("{what} overlap")))
     } else {
         Ok(())
     }
