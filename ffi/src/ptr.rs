@@ -148,33 +148,9 @@ pub(crate) unsafe fn counts(p: *const usize, n: usize, what: &str) -> Result<Vec
     Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
 }
 
-/// Whether the byte ranges `[a, a + a_len)` and `[b, b + b_len)` overlap (empty ranges never
-/// do).
-fn overlap(a: *const c_void, a_len: usize, b: *const c_void, b_len: usize) -> bool {
-    let (a, b) = (a as usize, b as usize);
-    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
-}
-
 /// Fail unless the byte ranges `[a, a + a_len)` and `[b, b + b_len)` are disjoint (empty
-/// ranges never overlap). Called before making a shared and a mutable slice of two buffers,
-/// for calls that take equal pointers as in place.
-pub(crate) fn check_disjoint(
-    a: *const c_void,
-    a_len: usize,
-    b: *const c_void,
-    b_len: usize,
-    what: &str,
-) -> Result<(), Failure> {
-    if overlap(a, a_len, b, b_len) {
-        Err(Failure::invalid(format!(
-            "{what} overlap without being the same buffer (pass equal pointers for in place)"
-        )))
-    } else {
-        Ok(())
-    }
-}
-
-/// [`check_disjoint`] for calls that have no in-place form.
+/// ranges never overlap), for calls that have no in-place form. Called before making a shared
+/// and a mutable slice of two buffers.
 pub(crate) fn check_apart(
     a: *const c_void,
     a_len: usize,
@@ -182,11 +158,26 @@ pub(crate) fn check_apart(
     b_len: usize,
     what: &str,
 ) -> Result<(), Failure> {
-    if overlap(a, a_len, b, b_len) {
-        Err(Failure::invalid(format!("{what} overlap")))
-    } else {
-        Ok(())
+    let (a, b) = (a as usize, b as usize);
+    if a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len) {
+        return Err(Failure::invalid(format!("{what} overlap")));
     }
+    Ok(())
+}
+
+/// [`check_apart`] for calls that take equal pointers as in place: the error says so.
+pub(crate) fn check_disjoint(
+    a: *const c_void,
+    a_len: usize,
+    b: *const c_void,
+    b_len: usize,
+    what: &str,
+) -> Result<(), Failure> {
+    check_apart(a, a_len, b, b_len, what).map_err(|_| {
+        Failure::invalid(format!(
+            "{what} overlap without being the same buffer (pass equal pointers for in place)"
+        ))
+    })
 }
 
 /// The largest versioned struct (options, report) accepted: a guard against a garbage `size`
