@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use chorus_algorithms::allreduce::{self, Algorithm};
 use chorus_algorithms::{CollCtx, DType, Element, ReduceOp};
 use chorus_transport::hybrid::{self, Choice};
+use chorus_transport::rendezvous::StoreServer;
 use chorus_transport::shm::allreduce::Reducer;
 use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
@@ -175,6 +176,8 @@ pub(crate) enum CollKind {
     CallCheck = 15,
     AllGatherV = 16,
     AllToAllV = 17,
+    /// The exchanges of [`Communicator::split`].
+    Split = 18,
 }
 
 impl CollKind {
@@ -197,6 +200,7 @@ impl CollKind {
             15 => "call check",
             16 => "all_gather_v",
             17 => "all_to_all_v",
+            18 => "split",
             _ => "unknown collective",
         }
     }
@@ -408,6 +412,15 @@ impl Communicator {
 
     /// Build from an explicit configuration: rendezvous, then a full mesh of connections.
     pub fn new(config: Config) -> Result<Communicator, CommError> {
+        Communicator::build(config, None)
+    }
+
+    /// [`Communicator::new`], where this rank may already host the rendezvous store (`server`,
+    /// bound at `config.root_addr`: the first rank of a split's new group).
+    pub(crate) fn build(
+        config: Config,
+        server: Option<StoreServer>,
+    ) -> Result<Communicator, CommError> {
         let (rank, size) = (config.rank, config.size);
         let fail = |e: CommError| e.at_rank(rank);
         if size == 0 || rank >= size {
@@ -496,8 +509,8 @@ impl Communicator {
             // with more ranks than cores: a yielding spinner hands its core to the peer that
             // must send, and skips a wake-up (8 B allreduce, 4 ranks on 2 cores: ~45 µs spinning
             // against ~70 µs sleeping, on loopback and across namespaces alike).
-            let (t, mut r) =
-                tcp::connect(&opts).map_err(|e| fail(CommError::from_transport("init", e)))?;
+            let (t, mut r) = tcp::connect_with(&opts, server)
+                .map_err(|e| fail(CommError::from_transport("init", e)))?;
             // Settings every rank must share to pick the same schedules (each rank reads its
             // own environment): told apart here, naming the setting, rather than as a
             // mismatch or a timeout at some later call.
@@ -620,6 +633,11 @@ impl Communicator {
     /// Number of ranks.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The IP address this rank's data connections listen on (`None` in a group of one).
+    pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
+        self._rendezvous.as_ref().map(|r| r.addrs[self.rank].ip())
     }
 
     /// The configuration it was built from.

@@ -24,6 +24,7 @@ pub mod config;
 pub mod error;
 pub mod log;
 pub mod select;
+mod split;
 pub mod tune_file;
 
 pub use chorus_algorithms::allreduce::Algorithm;

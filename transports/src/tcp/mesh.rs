@@ -119,6 +119,17 @@ fn context(comm_id: u64, from: usize, to: usize) -> String {
 /// Rendezvous through the store and connect a full mesh; returns the transport and the
 /// rendezvous state.
 pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
+    connect_with(opts, None)
+}
+
+/// [`connect`] where this rank may already host the store: `server` (bound by the caller
+/// before the others learned its address, as a communicator split does) is used and kept in
+/// the returned [`Rendezvous`]; `opts.host_store` then does not apply. Without `server` this is
+/// [`connect`].
+pub fn connect_with(
+    opts: &MeshOptions,
+    server: Option<StoreServer>,
+) -> Result<(TcpTransport, Rendezvous)> {
     let deadline = Instant::now() + opts.timeout;
     let (rank, size) = (opts.rank, opts.size);
     if size == 0 || rank >= size {
@@ -126,10 +137,10 @@ pub fn connect(opts: &MeshOptions) -> Result<(TcpTransport, Rendezvous)> {
             "rank {rank} of size {size}"
         )));
     }
-    let server = if opts.host_store {
-        Some(StoreServer::bind(opts.store_addr, &opts.token)?)
-    } else {
-        None
+    let server = match server {
+        Some(s) => Some(s),
+        None if opts.host_store => Some(StoreServer::bind(opts.store_addr, &opts.token)?),
+        None => None,
     };
     let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;

@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
 
-pub use mesh::{connect, host_identity, local_group, machine_identity, MeshOptions, Rendezvous};
+pub use mesh::{
+    connect, connect_with, host_identity, local_group, machine_identity, MeshOptions, Rendezvous,
+};
 
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
 use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};

@@ -1,0 +1,283 @@
+//! Splitting a communicator into groups: [`Communicator::split`] (MPI's `MPI_Comm_split`,
+//! NCCL's `ncclCommSplit`, what `torch.distributed.new_group` builds) and
+//! [`Communicator::dup`].
+//!
+//! Every rank of the parent says which group it joins (a color, or none) and where it ranks
+//! in it (a key). Two small allgathers over the parent settle the groups: the first shares
+//! the (color, key) pairs, from which every rank computes its group and rank in it; then the
+//! first rank of each group of two or more binds a fresh rendezvous store on its own data
+//! address, and the second allgather tells the group where it is. The group then builds a
+//! communicator as [`Communicator::new`] does (its own connections, shared-memory segments,
+//! link probe and settings check), through that store.
+//!
+//! The new communicators are independent of the parent: each has its own connections, so
+//! calls on one never meet the other's messages, and either may be dropped first.
+
+use std::net::SocketAddr;
+
+use chorus_algorithms::collectives::allgather;
+use chorus_algorithms::{DType, ReduceOp};
+use chorus_transport::rendezvous::StoreServer;
+
+use crate::comm::CollKind;
+use crate::error::{CommError, ErrorKind};
+use crate::log::{self, Level};
+use crate::Communicator;
+
+/// One rank's (color, key): a flag byte (1: has a color), 3 zero bytes, the color (u32 LE)
+/// and the key (i64 LE).
+const CHOICE: usize = 16;
+/// The second round: a state byte ([`NOT_FIRST`], [`STORE_AT`], [`NO_STORE`]), the length of
+/// the address and the address (`ip:port`, at most 62 bytes).
+const WHERE: usize = 64;
+const NOT_FIRST: u8 = 0;
+const STORE_AT: u8 = 1;
+const NO_STORE: u8 = 2;
+
+/// Which group a rank joins: its members (parent ranks, in their order in the group).
+pub(crate) fn group_of(choices: &[(Option<u32>, i64)], rank: usize) -> Vec<usize> {
+    let Some(color) = choices[rank].0 else {
+        return Vec::new();
+    };
+    let mut members: Vec<usize> = (0..choices.len())
+        .filter(|&r| choices[r].0 == Some(color))
+        .collect();
+    members.sort_by_key(|&r| (choices[r].1, r));
+    members
+}
+
+fn encode_choice(color: Option<u32>, key: i64) -> [u8; CHOICE] {
+    let mut rec = [0u8; CHOICE];
+    rec[0] = u8::from(color.is_some());
+    rec[4..8].copy_from_slice(&color.unwrap_or(0).to_le_bytes());
+    rec[8..16].copy_from_slice(&key.to_le_bytes());
+    rec
+}
+
+fn decode_choice(rec: &[u8]) -> Result<(Option<u32>, i64), String> {
+    let color = u32::from_le_bytes(rec[4..8].try_into().expect("4 bytes"));
+    let key = i64::from_le_bytes(rec[8..16].try_into().expect("8 bytes"));
+    match rec[0] {
+        0 => Ok((None, key)),
+        1 => Ok((Some(color), key)),
+        b => Err(format!("malformed split record (flag {b})")),
+    }
+}
+
+fn encode_where(state: u8, addr: Option<SocketAddr>) -> [u8; WHERE] {
+    let mut rec = [0u8; WHERE];
+    rec[0] = state;
+    if let Some(a) = addr {
+        let s = a.to_string();
+        // An IPv6 address with its scope and port is at most 55 characters.
+        let n = s.len().min(WHERE - 2);
+        rec[1] = n as u8;
+        rec[2..2 + n].copy_from_slice(&s.as_bytes()[..n]);
+    }
+    rec
+}
+
+impl Communicator {
+    /// Split this communicator into disjoint groups, as `MPI_Comm_split` and `ncclCommSplit`
+    /// do: the ranks that pass the same `color` form a new communicator, in which they are
+    /// ranked by `key` (ties by their rank here). A rank that passes `None` joins no group and
+    /// gets `Ok(None)` (`MPI_UNDEFINED`, `NCCL_SPLIT_NOCOLOR`).
+    ///
+    /// A collective: every rank of this communicator calls it, in the same place among its
+    /// other calls. The new communicator has its own connections (and shared-memory segments,
+    /// and link measurement), made through a rendezvous store that the group's first rank
+    /// hosts on its data address; it takes this communicator's configuration (timeouts,
+    /// token, `CHORUS_*` settings) with the group's rank and size. It is independent of this
+    /// one: both stay usable, and either may be dropped first. As with any two communicators,
+    /// ranks that use both must call them in the same order.
+    ///
+    /// Errors: this communicator's errors for the exchanges (a rank that calls something
+    /// else is a mismatch), and the new communicator's init errors (within the init timeout)
+    /// on the ranks of a group that could not connect; the ranks of the other groups are not
+    /// affected.
+    pub fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Communicator>, CommError> {
+        const OP: &str = "split";
+        let (rank, size) = (self.rank(), self.size());
+        let mine = encode_choice(color, key);
+        let mut all = vec![0u8; CHOICE * size];
+        self.run_call(
+            OP,
+            CollKind::Split,
+            DType::Uint8,
+            ReduceOp::Max,
+            &[],
+            None,
+            |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
+        )?;
+        let mut choices = Vec::with_capacity(size);
+        for (r, rec) in all.chunks_exact(CHOICE).enumerate() {
+            choices.push(decode_choice(rec).map_err(|m| {
+                CommError::new(ErrorKind::Internal, OP, format!("rank {r}: {m}")).at_rank(rank)
+            })?);
+        }
+        let members = group_of(&choices, rank);
+        let first = members.first().copied();
+
+        // The group's first rank hosts its store (not needed for a group of one).
+        let mut server = None;
+        let mut bind_error = None;
+        let state = if first == Some(rank) && members.len() > 1 {
+            match self.store_for_split() {
+                Ok(s) => {
+                    let st = (STORE_AT, Some(s.local_addr()));
+                    server = Some(s);
+                    st
+                }
+                Err(e) => {
+                    bind_error = Some(e);
+                    (NO_STORE, None)
+                }
+            }
+        } else {
+            (NOT_FIRST, None)
+        };
+        let mine = encode_where(state.0, state.1);
+        let mut all = vec![0u8; WHERE * size];
+        self.run_collective(
+            OP,
+            CollKind::Split,
+            DType::Uint8,
+            ReduceOp::Min,
+            None,
+            |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
+        )?;
+        if let Some(e) = bind_error {
+            return Err(e);
+        }
+        let (Some(color), Some(first)) = (color, first) else {
+            return Ok(None);
+        };
+        let my_rank = members
+            .iter()
+            .position(|&r| r == rank)
+            .expect("a rank is in its own group");
+        let mut config = self.config().clone();
+        config.rank = my_rank;
+        config.size = members.len();
+        config.host_store = Some(false);
+        config.local_rank = None;
+        if members.len() > 1 {
+            let rec = &all[WHERE * first..WHERE * (first + 1)];
+            let addr = match rec[0] {
+                STORE_AT => {
+                    let n = usize::from(rec[1]).min(WHERE - 2);
+                    std::str::from_utf8(&rec[2..2 + n])
+                        .ok()
+                        .and_then(|s| s.parse::<SocketAddr>().ok())
+                }
+                _ => None,
+            };
+            let Some(addr) = addr else {
+                let why = if rec[0] == NO_STORE {
+                    "could not start the rendezvous store of the new communicator (its own \
+                     error says why)"
+                } else {
+                    "sent no address for the new communicator's rendezvous store"
+                };
+                return Err(CommError::new(
+                    ErrorKind::Remote,
+                    OP,
+                    format!("rank {first}, the first of color {color}, {why}"),
+                )
+                .at_rank(rank)
+                .with_peer(first)
+                .with_usable(true));
+            };
+            config.root_addr = addr.to_string();
+        }
+        log::log(
+            Level::Info,
+            Some(rank),
+            format_args!(
+                "split: color {color}, rank {my_rank} of {} (ranks {:?} here)",
+                members.len(),
+                &members[..members.len().min(16)]
+            ),
+        );
+        let child = Communicator::build(config, server).map_err(|e| {
+            e.with_detail(&format!(
+                " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
+                 rank {rank} of the one split)",
+                members.len()
+            ))
+        })?;
+        Ok(Some(child))
+    }
+
+    /// A new communicator of the same ranks in the same order, with its own connections
+    /// (`MPI_Comm_dup`): [`Communicator::split`] with one color. Calls on the copy never meet
+    /// this one's messages, so a library can run its collectives apart from its caller's.
+    pub fn dup(&mut self) -> Result<Communicator, CommError> {
+        let key = self.rank() as i64;
+        Ok(self
+            .split(Some(0), key)?
+            .expect("every rank passes a color"))
+    }
+
+    /// Bind a store for a split's new group on this rank's data address (any free port),
+    /// authenticated with this communicator's token.
+    fn store_for_split(&self) -> Result<StoreServer, CommError> {
+        let ip = self.data_ip().ok_or_else(|| {
+            CommError::new(
+                ErrorKind::Internal,
+                "split",
+                "no data address to host a store on",
+            )
+        })?;
+        let token = self.config().token.clone().unwrap_or_default();
+        StoreServer::bind(SocketAddr::new(ip, 0), token.as_bytes()).map_err(|e| {
+            CommError::from_transport("split", e)
+                .at_rank(self.rank())
+                .with_usable(true)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_by_color_then_key_then_rank() {
+        let c = [
+            (Some(1), 5),
+            (Some(0), 0),
+            (None, 0),
+            (Some(1), -3),
+            (Some(0), 0),
+            (Some(1), 5),
+        ];
+        assert_eq!(group_of(&c, 0), vec![3, 0, 5]);
+        assert_eq!(group_of(&c, 5), vec![3, 0, 5]);
+        assert_eq!(group_of(&c, 1), vec![1, 4]);
+        assert_eq!(group_of(&c, 2), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn records_round_trip() {
+        for (color, key) in [(None, 0), (Some(0), -1), (Some(u32::MAX), i64::MIN)] {
+            assert_eq!(
+                decode_choice(&encode_choice(color, key)).unwrap(),
+                (color, key)
+            );
+        }
+        let mut bad = encode_choice(Some(3), 1);
+        bad[0] = 7;
+        assert!(decode_choice(&bad).is_err());
+        let a: SocketAddr = "[fe80::1234:5678:9abc:def0%4294967295]:65535"
+            .parse()
+            .unwrap();
+        let rec = encode_where(STORE_AT, Some(a));
+        let n = usize::from(rec[1]);
+        assert_eq!(std::str::from_utf8(&rec[2..2 + n]).unwrap(), a.to_string());
+    }
+}

@@ -1,0 +1,214 @@
+//! `Communicator::split` and `dup`, ranks as threads over TCP and shared memory: the groups'
+//! membership and order (by key, ties by rank), collectives on the new communicators
+//! interleaved with the parent's, nested splits, a rank with no color, independence (the
+//! parent dropped first, a copy dropped first), no leaked descriptors over repeated copies,
+//! and a split that other ranks do not make.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::{Communicator, ErrorKind, ReduceOp};
+
+use common::*;
+
+const WATCHDOG: Duration = Duration::from_secs(120);
+
+/// What the ranks of a new communicator learn about it: (its rank, its size, the parent
+/// ranks of its members in its rank order, gathered through the new communicator itself).
+fn members_through(child: &mut Communicator, parent_rank: usize) -> (usize, usize, Vec<u64>) {
+    let mut all = vec![u64::MAX; child.size()];
+    child
+        .all_gather(&[parent_rank as u64], &mut all)
+        .unwrap_or_else(|e| panic!("{e}"));
+    (child.rank(), child.size(), all)
+}
+
+/// The parent ranks of color `rank % 2` among `p`, ordered by key `-rank`.
+fn want_members(p: usize, rank: usize) -> Vec<u64> {
+    (0..p as u64)
+        .rev()
+        .filter(|r| r % 2 == (rank % 2) as u64)
+        .collect()
+}
+
+#[test]
+fn split_by_parity_in_reverse_order() {
+    for transport in ["tcp", "shm"] {
+        for p in [1, 2, 3, 4, 5, 7] {
+            let out = on_threads_on(transport, p, WATCHDOG, move |c| {
+                let rank = c.rank();
+                let mut child = c
+                    .split(Some((rank % 2) as u32), -(rank as i64))
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .expect("a color gives a communicator");
+                let seen = members_through(&mut child, rank);
+                // Collectives on the child, checked against the naive reference for its size,
+                // with the parent's in between.
+                let mut wrong = check_one::<f32>(&mut child, 1023, ReduceOp::Sum, false);
+                wrong += check_one::<i32>(c, 7, ReduceOp::Max, true);
+                wrong += check_one::<f64>(&mut child, 100_003, ReduceOp::Avg, true);
+                let mut b = [rank as u32; 3];
+                child.broadcast(&mut b, 0).unwrap_or_else(|e| panic!("{e}"));
+                // Split the child again: every second of its ranks, in its own order.
+                let cr = child.rank();
+                let grand = child
+                    .split((cr % 2 == 0).then_some(0), 0)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let grand_seen = grand.map(|mut g| {
+                    wrong += check_one::<i64>(&mut g, 1, ReduceOp::Sum, false);
+                    (g.rank(), g.size())
+                });
+                wrong += check_one::<f32>(c, 1 << 16, ReduceOp::Sum, false);
+                (rank, seen, b[0], grand_seen, wrong)
+            });
+            for (rank, (cr, cs, members), root_value, grand, wrong) in out {
+                let want = want_members(p, rank);
+                let at = want.iter().position(|&r| r == rank as u64).unwrap();
+                assert_eq!((cr, cs), (at, want.len()), "{transport} p={p} rank {rank}");
+                assert_eq!(members, want, "{transport} p={p} rank {rank}");
+                assert_eq!(root_value as u64, want[0], "{transport} p={p} rank {rank}");
+                let want_grand = (at % 2 == 0).then_some((at / 2, want.len().div_ceil(2)));
+                assert_eq!(grand, want_grand, "{transport} p={p} rank {rank}");
+                assert_eq!(wrong, 0, "{transport} p={p} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn equal_keys_keep_the_parent_order_and_no_color_gives_none() {
+    let out = on_threads(5, WATCHDOG, |c| {
+        let rank = c.rank();
+        // Rank 2 joins nothing; the others one group, keys 1 1 - 0 0.
+        let color = (rank != 2).then_some(7);
+        let key = i64::from(rank < 2);
+        let child = c.split(color, key).unwrap_or_else(|e| panic!("{e}"));
+        let seen = child.map(|mut g| {
+            let s = members_through(&mut g, rank);
+            assert_eq!(check_one::<u8>(&mut g, 7, ReduceOp::Max, true), 0);
+            s
+        });
+        // The parent is still whole.
+        assert_eq!(check_one::<f32>(c, 1023, ReduceOp::Sum, true), 0);
+        (rank, seen)
+    });
+    for (rank, seen) in out {
+        if rank == 2 {
+            assert!(seen.is_none());
+            continue;
+        }
+        let (cr, cs, members) = seen.expect("a group");
+        assert_eq!(members, vec![3, 4, 0, 1]);
+        assert_eq!(cs, 4);
+        assert_eq!(members[cr], rank as u64);
+    }
+}
+
+#[test]
+fn dup_is_independent_of_its_parent() {
+    // The copy dropped first: the parent goes on. Copies made and dropped in a loop hold on
+    // to no descriptors.
+    let out = on_threads(3, WATCHDOG, |c| {
+        let fds = || std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+        let mut wrong = 0;
+        let mut d = c.dup().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((d.rank(), d.size()), (c.rank(), c.size()));
+        wrong += check_one::<f32>(&mut d, 4099, ReduceOp::Sum, false);
+        wrong += check_one::<f32>(c, 4099, ReduceOp::Min, false);
+        drop(d);
+        wrong += check_one::<f32>(c, 17, ReduceOp::Sum, true);
+        // All three threads share one process: count at quiet points, between barriers.
+        c.barrier().unwrap();
+        let before = fds();
+        c.barrier().unwrap();
+        for _ in 0..8 {
+            let mut d = c.dup().unwrap_or_else(|e| panic!("{e}"));
+            wrong += check_one::<i32>(&mut d, 3, ReduceOp::Sum, true);
+            drop(d);
+            c.barrier().unwrap();
+        }
+        let after = fds();
+        c.barrier().unwrap();
+        (wrong, before, after)
+    });
+    for (rank, (wrong, before, after)) in out.into_iter().enumerate() {
+        assert_eq!(wrong, 0, "rank {rank}");
+        // Eight copies of 3 ranks hold a few descriptors each while they live; none may
+        // stay (a little slack for the test harness's own threads).
+        assert!(
+            after <= before + 4,
+            "rank {rank}: {before} -> {after} descriptors"
+        );
+    }
+}
+
+#[test]
+fn the_new_communicator_outlives_its_parent() {
+    let p = 4;
+    let server = store();
+    let addr = server.local_addr();
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..p {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(move || {
+                let mut parent = Communicator::new(config(rank, p, addr)).expect("communicator");
+                let mut child = parent
+                    .split(Some((rank / 2) as u32), rank as i64)
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .expect("a color");
+                // Everyone drops the parent (the children's stores are their own, hosted by
+                // parent ranks 0 and 2), then the children run.
+                parent.barrier().unwrap();
+                drop(parent);
+                let mut v = vec![(rank + 1) as f32; 1000];
+                child.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                let want = if rank < 2 { 3.0 } else { 7.0 };
+                v.iter().all(|&x| x == want)
+            });
+            let _ = tx.send((rank, r.is_ok_and(|ok| ok)));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + WATCHDOG;
+    for _ in 0..p {
+        let (rank, ok) = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("every rank within the watchdog");
+        assert!(ok, "rank {rank}");
+    }
+    drop(server);
+}
+
+#[test]
+fn a_split_the_others_do_not_make_fails_everywhere() {
+    // Rank 0 calls a barrier while the others split: with and without CHORUS_CHECK_CALLS,
+    // every rank gets an error (a mismatch, or the error its peers' abort brings) in time.
+    for check in [true, false] {
+        let make = move |rank, addr| {
+            let mut cfg = config(rank, 3, addr);
+            cfg.check_calls = check;
+            cfg.timeout = Duration::from_secs(20);
+            cfg
+        };
+        let out = on_threads_cfg(3, WATCHDOG, make, |c| {
+            let t = Instant::now();
+            let r = if c.rank() == 0 {
+                c.barrier().err()
+            } else {
+                c.split(Some(0), 0).err()
+            };
+            (r, t.elapsed())
+        });
+        for (rank, (err, took)) in out.into_iter().enumerate() {
+            let e = err.unwrap_or_else(|| panic!("check={check} rank {rank}: no error"));
+            if check {
+                assert_eq!(e.kind(), ErrorKind::Mismatch, "rank {rank}: {e}");
+                assert!(e.to_string().contains("split"), "rank {rank}: {e}");
+            }
+            assert!(took < Duration::from_secs(15), "rank {rank}: {took:?}");
+        }
+    }
+}
