@@ -88,8 +88,9 @@ impl Communicator {
     /// and link measurement), made through a rendezvous store that the group's first rank
     /// hosts on its data address; it takes this communicator's configuration (timeouts,
     /// token, `CHORUS_*` settings) with the group's rank and size. It is independent of this
-    /// one: both stay usable, and either may be dropped first. As with any two communicators,
-    /// ranks that use both must call them in the same order.
+    /// one: both stay usable, either may be dropped first, and the two may be used from two
+    /// threads at once. As with any two communicators, ranks that use both from one thread
+    /// must call them in the same order.
     ///
     /// Errors: this communicator's errors for the exchanges (a rank that calls something
     /// else is a mismatch), and the new communicator's init errors (within the init timeout)

@@ -17,6 +17,12 @@
 
 
 /**
+ * The `color` of `chorus_comm_split` for a rank that joins no new communicator (as
+ * `MPI_UNDEFINED`, `NCCL_SPLIT_NOCOLOR`).
+ */
+#define CHORUS_SPLIT_NOCOLOR -1
+
+/**
  * The result of every chorus call that can fail, returned as an `int32_t`.
  *
  * The numbers are part of the ABI: they are explicit, never change meaning and are never
@@ -346,6 +352,36 @@ int32_t chorus_comm_abort(chorus_comm *comm);
  * this one.
  */
 int32_t chorus_comm_destroy(chorus_comm *comm);
+
+/**
+ * Split `comm` into disjoint communicators, as `MPI_Comm_split` and `ncclCommSplit` do: the
+ * ranks that pass the same `color` (0 or more) form a new communicator, in which they are
+ * ranked by `key` (ties by their rank in `comm`). A rank that passes `CHORUS_SPLIT_NOCOLOR`
+ * joins none and gets `*newcomm = NULL`.
+ *
+ * Every rank of `comm` must call it (a collective). Each new communicator has its own
+ * connections, set up through a rendezvous store that its first rank hosts on its data
+ * address, and takes `comm`'s configuration (timeouts, token, `CHORUS_*` settings). It is
+ * independent of `comm`: free either first with `chorus_comm_destroy`. Calls on the two must
+ * not overlap in time on one rank, and ranks that use both must call them in the same order.
+ *
+ * On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
+ * NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT`, refused before any exchange.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_comm_split(chorus_comm *comm, int color, int key, chorus_comm **newcomm);
+
+/**
+ * A new communicator of the same ranks in the same order with its own connections
+ * (`MPI_Comm_dup`): `chorus_comm_split` with one color and the rank as key. A library can run
+ * its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
 
 /**
  * Allreduce: every rank's `recvbuf` gets the element-wise reduction (`op`) of the `count`

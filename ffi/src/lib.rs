@@ -361,6 +361,79 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
     })
 }
 
+/// The `color` of `chorus_comm_split` for a rank that joins no new communicator (as
+/// `MPI_UNDEFINED`, `NCCL_SPLIT_NOCOLOR`).
+pub const CHORUS_SPLIT_NOCOLOR: c_int = -1;
+
+/// Split `comm` into disjoint communicators, as `MPI_Comm_split` and `ncclCommSplit` do: the
+/// ranks that pass the same `color` (0 or more) form a new communicator, in which they are
+/// ranked by `key` (ties by their rank in `comm`). A rank that passes `CHORUS_SPLIT_NOCOLOR`
+/// joins none and gets `*newcomm = NULL`.
+///
+/// Every rank of `comm` must call it (a collective). Each new communicator has its own
+/// connections, set up through a rendezvous store that its first rank hosts on its data
+/// address, and takes `comm`'s configuration (timeouts, token, `CHORUS_*` settings). It is
+/// independent of `comm`: free either first with `chorus_comm_destroy`, and use them from two
+/// threads at once if you like. Ranks that use both from one thread must call them in the
+/// same order, as with any two communicators.
+///
+/// On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
+/// NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT`, refused before any exchange.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_split(
+    comm: *mut chorus_comm,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut *mut chorus_comm,
+) -> i32 {
+    guard("chorus_comm_split", || {
+        ptr::check_out(newcomm, "newcomm")?;
+        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let color = match color {
+            CHORUS_SPLIT_NOCOLOR => None,
+            c if c >= 0 => Some(c as u32),
+            c => {
+                return Err(Failure::invalid(format!(
+                    "color {c}: need 0 or more, or CHORUS_SPLIT_NOCOLOR (-1)"
+                )))
+            }
+        };
+        let child = c.with(|c| Ok(c.split(color, i64::from(key))?))?;
+        let out = child.map_or(std::ptr::null_mut(), |n| ptr::into_raw(chorus_comm::new(n)));
+        // SAFETY: as above.
+        unsafe { ptr::write_out(newcomm, out, "newcomm") }
+    })
+}
+
+/// A new communicator of the same ranks in the same order with its own connections
+/// (`MPI_Comm_dup`): `chorus_comm_split` with one color and the rank as key. A library can run
+/// its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_dup(
+    comm: *mut chorus_comm,
+    newcomm: *mut *mut chorus_comm,
+) -> i32 {
+    guard("chorus_comm_dup", || {
+        ptr::check_out(newcomm, "newcomm")?;
+        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let child = c.with(|c| Ok(c.dup()?))?;
+        // SAFETY: as above.
+        unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
+    })
+}
+
 /// Options after validation.
 struct CallOptions {
     allreduce: AllReduceOptions,

@@ -247,6 +247,16 @@ fn every_other_collective_on_1_to_4_ranks() {
 }
 
 #[test]
+fn split_and_dup_on_1_to_4_ranks() {
+    let b = built();
+    for size in [1, 2, 3, 4] {
+        let r = job(&b.api_test, &["split"], size);
+        assert_all_ok(&r, &format!("split p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains("ok split")));
+    }
+}
+
+#[test]
 fn bad_arguments_are_refused_and_the_communicator_stays_usable() {
     let b = built();
     let r = job(&b.api_test, &["badargs"], 2);

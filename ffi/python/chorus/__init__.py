@@ -24,6 +24,7 @@ import ctypes
 import operator
 import sys
 import threading
+import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _lib
@@ -566,6 +567,58 @@ class Communicator:
             s.dtype,
         )
         return out
+
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """Split into disjoint communicators, as ``MPI_Comm_split`` and ``ncclCommSplit``:
+        the ranks passing the same ``color`` (an int, 0 or more) form a new communicator,
+        ranked by ``key`` (ties by their rank here). ``color=None`` joins none and returns
+        None. Every rank must call it. The new communicator has its own connections and is
+        independent of this one: close either first, or use both from two threads."""
+        c = -1 if color is None else _int(color, "color")
+        if c < 0 and color is not None:
+            raise InvalidArgumentError(f"split: color {color} must be 0 or more, or None")
+        handle = ctypes.c_void_p()
+        self._call(lib.chorus_comm_split, c, _int(key, "key"), ctypes.byref(handle))
+        return Communicator(handle) if handle.value else None
+
+    def dup(self) -> "Communicator":
+        """A new communicator of the same ranks in the same order with its own connections
+        (``MPI_Comm_dup``): collectives on it never meet this one's."""
+        handle = ctypes.c_void_p()
+        self._call(lib.chorus_comm_dup, ctypes.byref(handle))
+        return Communicator(handle)
+
+    def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
+        """A communicator of ``ranks`` (ranks of this one), ranked in the order listed, as
+        ``torch.distributed.new_group(ranks)``; None on the ranks not listed. Every rank must
+        call it with the same list. The members check that they got exactly the listed ranks
+        in that order (a rank that passed another list gives :class:`MismatchError` on every
+        member of the group it landed in)."""
+        try:
+            listed = [_int(r, "ranks[i]") for r in ranks]
+        except TypeError:
+            raise InvalidArgumentError("new_group: ranks must be a sequence of ints") from None
+        if len(set(listed)) != len(listed) or not all(0 <= r < self.size for r in listed):
+            raise InvalidArgumentError(
+                f"new_group: ranks {listed} must be distinct ranks of 0..{self.size - 1}"
+            )
+        # Ranks that pass different lists get different colors (a digest of the list), so
+        # they never join one group by accident; a collision is caught by the check below.
+        color = zlib.crc32(repr(listed).encode()) & 0x7FFFFFFF
+        mine = listed.index(self.rank) if self.rank in listed else None
+        group = self.split(color if mine is not None else None, mine or 0)
+        if group is None:
+            return None
+        seen = (ctypes.c_int64 * group.size)()
+        me = ctypes.c_int64(self.rank)
+        group._call(lib.chorus_allgather, ctypes.byref(me), seen, 1, DTYPES["int64"])
+        if list(seen) != listed:
+            group.close()
+            raise MismatchError(
+                f"new_group: rank {self.rank} listed ranks {listed}, but the group formed of "
+                f"ranks {list(seen)} (every rank must pass the same list)"
+            )
+        return group
 
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this

@@ -83,6 +83,8 @@ _PROTOTYPES = {
     "chorus_comm_size": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
     "chorus_comm_abort": (c_int32, [c_void_p]),
     "chorus_comm_destroy": (c_int32, [c_void_p]),
+    "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),
+    "chorus_comm_dup": (c_int32, [c_void_p, _comm_pp]),
     "chorus_allreduce_opts": (
         c_int32,
         [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32, ctypes.POINTER(Options)],

@@ -1,5 +1,5 @@
 """One rank of the multi-process Python tests (started by test_multiprocess.py through
-chorus-run). ``python _worker.py collectives|errors``; prints ``ok <mode>`` on success,
+chorus-run). ``python _worker.py collectives|errors|compression|groups``; prints ``ok <mode>`` on success,
 raises (non-zero exit) on the first wrong result."""
 
 import sys
@@ -278,10 +278,80 @@ def compression(comm):
     comm.barrier()
 
 
+def groups(comm):
+    p, me = comm.size, comm.rank
+    E = chorus.InvalidArgumentError
+    # By parity, ranked in reverse.
+    half = comm.split(me % 2, key=-me)
+    want = [r for r in range(p - 1, -1, -1) if r % 2 == me % 2]
+    assert (half.rank, half.size) == (want.index(me), len(want)), (half, want)
+    seen = np.zeros(half.size, dtype=np.int64)
+    half.allgather(np.array([me], dtype=np.int64), seen)
+    assert list(seen) == want, (seen, want)
+    t = torch.full((1000,), float(me))
+    half.allreduce(t, op="sum")
+    assert (t == float(sum(want))).all(), t[:4]
+    # torch.distributed.new_group's shape: [3, 1] ranked in that order, None elsewhere.
+    g = comm.new_group([3, 1])
+    if me in (3, 1):
+        assert (g.rank, g.size) == ([3, 1].index(me), 2), g
+        x = np.array([me], dtype=np.int32)
+        g.broadcast(x, root=0)
+        assert x[0] == 3, x
+        g.close()
+    else:
+        assert g is None, g
+    # A rank listing other ranks: each group it lands in fails on every member.
+    listed = [0, 1] if me == 0 else [0, 1, 2]
+    if me in listed:
+        e = expect(chorus.MismatchError, lambda: comm.new_group(listed), "different lists")
+        assert "same list" in e.message, e.message
+    else:
+        assert comm.new_group(listed) is None
+    # A copy used from another thread while this one uses the parent.
+    d = comm.dup()
+    assert (d.rank, d.size) == (me, p), d
+    box = {}
+
+    def on_copy():
+        try:
+            for i in range(20):
+                y = np.full(4096, float(i + me), dtype=np.float32)
+                d.allreduce(y, op="max")
+                assert (y == float(i + p - 1)).all(), (i, y[:4])
+            box["ok"] = True
+        except BaseException as err:  # noqa: BLE001 - reported below
+            box["err"] = err
+
+    th = threading.Thread(target=on_copy)
+    th.start()
+    for i in range(20):
+        z = np.full(1000, 1.0, dtype=np.float64)
+        comm.allreduce(z, op="sum")
+        assert (z == p).all(), z[:4]
+    th.join(60)
+    assert not th.is_alive(), "the copy's thread did not finish"
+    assert box.get("ok"), box.get("err")
+    d.close()
+    # Bad arguments, alike on every rank, refused before any exchange.
+    expect(E, lambda: comm.split(-2), "negative color")
+    expect(E, lambda: comm.split(True), "bool color")
+    expect(E, lambda: comm.split(2**31), "color out of range")
+    expect(E, lambda: comm.new_group([0, 0]), "repeated rank")
+    expect(E, lambda: comm.new_group([p]), "rank out of range")
+    expect(E, lambda: comm.new_group(5), "not a list")
+    # The half outlives the parent's use and is closed last.
+    half.barrier()
+    half.close()
+    comm.barrier()
+
+
 def main():
     mode = sys.argv[1]
     comm = chorus.init()
-    {"collectives": collectives, "errors": errors, "compression": compression}[mode](comm)
+    modes = {"collectives": collectives, "errors": errors, "compression": compression,
+             "groups": groups}
+    modes[mode](comm)
     comm.close()
     print(f"ok {mode} rank {comm.rank}", flush=True)
 

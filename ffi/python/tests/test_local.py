@@ -38,6 +38,21 @@ def test_group_of_one_keeps_values(solo):
     assert torch.equal(t, torch.arange(5, dtype=torch.bfloat16))
 
 
+def test_groups_of_a_group_of_one(solo):
+    assert solo.split(None) is None
+    assert solo.new_group([]) is None
+    for g in (solo.split(3, key=-5), solo.dup(), solo.new_group([0])):
+        assert (g.rank, g.size) == (0, 1), g
+        x = np.arange(4, dtype=np.float32)
+        g.allreduce(x)
+        np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
+        g.close()
+    with pytest.raises(chorus.InvalidArgumentError):
+        solo.split(-1)
+    with pytest.raises(chorus.InvalidArgumentError):
+        solo.new_group([1])
+
+
 def test_argument_errors_leave_it_usable(solo):
     with pytest.raises(chorus.InvalidArgumentError, match="contiguous"):
         solo.allreduce(np.ones(10)[::2])

@@ -36,6 +36,13 @@ def test_errors_on_4_ranks():
     assert "MismatchError" in out, out
 
 
+def test_groups_on_4_ranks():
+    """split, new_group (and a rank passing another list), dup used from a second thread."""
+    code, out = launch(4, [PYTHON, str(HERE / "_worker.py"), "groups"])
+    assert code == 0, out
+    assert out.count("ok groups") == 4, out
+
+
 def test_compression_on_4_ranks():
     code, out = launch(4, [PYTHON, str(HERE / "_worker.py"), "compression"])
     assert code == 0, out

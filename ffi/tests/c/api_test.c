@@ -15,6 +15,9 @@
  *                             further calls
  *   api_test peer_exit        the last rank exits without a word: the others get an error
  *   api_test peer_abort       the last rank aborts: the others get an error naming it
+ *   api_test split            split by parity ranked in reverse, one rank without a color, dup:
+ *                             membership, order and collectives on each new communicator, the
+ *                             parent still usable, freed in either order; bad arguments
  *   api_test busy             2 ranks: while a thread of rank 0 waits in a call for rank 1,
  *                             destroying (or aborting) the communicator or the compressor it
  *                             uses is refused with CHORUS_INVALID_USAGE, and works after
@@ -627,9 +630,79 @@ static void busy(chorus_comm *comm) {
     OK(chorus_compressor_destroy(c));
 }
 
+/* The parent ranks of `c`'s members in its rank order (an allgather on `c` itself). */
+static void members_of(chorus_comm *c, int parent_rank, int *rank, int *size, int32_t *out) {
+    OK(chorus_comm_rank(c, rank));
+    OK(chorus_comm_size(c, size));
+    int32_t mine = parent_rank;
+    OK(chorus_allgather(c, &mine, out, 1, CHORUS_INT32));
+}
+
+/* Returns the half, which main uses again after freeing the parent. */
+static chorus_comm *split(chorus_comm *comm) {
+    const int me = g_rank, p = g_size;
+    int r = -1, n = -1;
+    int32_t got[4], want[4];
+
+    /* By parity, ranked in reverse (key -rank). */
+    chorus_comm *half = NULL;
+    OK(chorus_comm_split(comm, me % 2, -me, &half));
+    CHECK(half != NULL, "no communicator for color %d", me % 2);
+    int wn = 0;
+    for (int j = p - 1; j >= 0; j--)
+        if (j % 2 == me % 2) want[wn++] = j;
+    members_of(half, me, &r, &n, got);
+    CHECK(n == wn, "size %d, want %d", n, wn);
+    CHECK(want[r] == me, "rank %d in the half holds parent rank %d", r, want[r]);
+    for (int j = 0; j < n; j++) CHECK(got[j] == want[j], "member %d is %d, want %d", j, got[j], want[j]);
+    double sum = me, want_sum = 0;
+    for (int j = 0; j < wn; j++) want_sum += want[j];
+    OK(chorus_allreduce(half, &sum, &sum, 1, CHORUS_FLOAT64, CHORUS_SUM));
+    CHECK(sum == want_sum, "sum over the half %g, want %g", sum, want_sum);
+
+    /* Rank 0 joins nothing; the others one group in their order. */
+    chorus_comm *rest = (chorus_comm *)&r; /* must be overwritten */
+    OK(chorus_comm_split(comm, me == 0 ? CHORUS_SPLIT_NOCOLOR : 5, 0, &rest));
+    if (me == 0) {
+        CHECK(rest == NULL, "no color gave a communicator");
+    } else {
+        CHECK(rest != NULL, "color 5 gave no communicator");
+        members_of(rest, me, &r, &n, got);
+        CHECK(n == p - 1 && r == me - 1, "rank %d of %d", r, n);
+        for (int j = 0; j < n; j++) CHECK(got[j] == j + 1, "member %d is %d", j, got[j]);
+    }
+
+    /* A copy, freed first; the parent still works between and after. */
+    chorus_comm *copy = NULL;
+    OK(chorus_comm_dup(comm, &copy));
+    CHECK(copy != NULL, "dup gave NULL");
+    members_of(copy, me, &r, &n, got);
+    CHECK(r == me && n == p, "the copy has rank %d of %d", r, n);
+    for (int j = 0; j < n; j++) CHECK(got[j] == j, "copy member %d is %d", j, got[j]);
+    int64_t v = me + 1;
+    OK(chorus_allreduce(comm, &v, &v, 1, CHORUS_INT64, CHORUS_SUM));
+    CHECK(v == (int64_t)p * (p + 1) / 2, "parent sum %lld", (long long)v);
+    OK(chorus_comm_destroy(copy));
+    OK(chorus_barrier(comm));
+
+    /* Bad arguments, refused on every rank alike before any exchange. */
+    chorus_comm *out = half;
+    EXPECT(chorus_comm_split(comm, -2, 0, &out), CHORUS_INVALID_ARGUMENT);
+    CHECK(out == NULL, "a refused split left *newcomm set");
+    CHECK(strstr(chorus_last_error(), "color") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_comm_split(comm, 0, 0, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_split(NULL, 0, 0, &out), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_dup(NULL, &out), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_dup(comm, NULL), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_barrier(comm));
+
+    if (rest) OK(chorus_comm_destroy(rest));
+    return half;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -649,6 +722,16 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "peer_exit") == 0) peer_gone(comm, 0);
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
     else if (strcmp(mode, "busy") == 0) busy(comm);
+    else if (strcmp(mode, "split") == 0) {
+        /* The half needs nothing of the parent: free the parent first, then use the half. */
+        chorus_comm *half = split(comm);
+        OK(chorus_comm_destroy(comm));
+        comm = NULL;
+        int64_t v = 1;
+        OK(chorus_allreduce(half, &v, &v, 1, CHORUS_INT64, CHORUS_SUM));
+        CHECK(v == (g_size + 1 - g_rank % 2) / 2, "sum of ones over the half: %lld", (long long)v);
+        OK(chorus_comm_destroy(half));
+    }
     else CHECK(0, "unknown mode %s", mode);
 
     OK(chorus_comm_destroy(comm));
