@@ -518,8 +518,27 @@ fn check_rank(full: bool) {
         lo_sent <= eth0_sent / 10,
         "rank {rank}: lo sent {lo_sent} bytes (eth0 {eth0_sent})"
     );
-    // Sockets again, now that data has flowed: still only on eth0.
+    // A split across hosts: hosts {1, 3} and {2, 4} pair up, each pair through a store that
+    // its first rank hosts on its eth0 address.
+    let mut pair = c
+        .split(Some((rank % 2) as u32), rank as i64)
+        .unwrap_or_else(|e| panic!("rank {rank}: split: {e}"))
+        .expect("every rank passes a color");
+    assert_eq!(
+        (pair.rank(), pair.size()),
+        (rank / 2, HOSTS / 2),
+        "rank {rank}"
+    );
+    assert_eq!(
+        pair.transport_name(),
+        "tcp",
+        "rank {rank}: the pair's transport"
+    );
+    let n = check_one::<f32>(&mut pair, (1 << 16) + 1, ReduceOp::Sum, false);
+    assert_eq!(n, 0, "rank {rank}: {n} wrong in the pair's allreduce");
+    // Sockets again, now that data has flowed and the pair has its own: still only on eth0.
     check_sockets(rank, eth0);
+    drop(pair);
     c.barrier().unwrap_or_else(|e| panic!("final barrier: {e}"));
     println!("RANK-OK {rank} eth0={eth0}");
 }
