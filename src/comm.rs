@@ -421,6 +421,8 @@ impl Communicator {
         config: Config,
         server: Option<StoreServer>,
     ) -> Result<Communicator, CommError> {
+        // A store this process made for a unique id is kept by its first communicator.
+        let server = server.or_else(|| crate::unique_id::take_store(&config.root_addr));
         let (rank, size) = (config.rank, config.size);
         let fail = |e: CommError| e.at_rank(rank);
         if size == 0 || rank >= size {

@@ -144,6 +144,24 @@ impl Config {
         read_config(&get).map_err(|message| CommError::invalid("init", message))
     }
 
+    /// Rank `rank` of `size` joining through `id` (see [`crate::UniqueId`]): the store and
+    /// secret come from the id, the other settings (timeouts, interface, transport,
+    /// algorithms, ...) from the process environment as [`Config::from_env`] reads them;
+    /// no variable giving a rank, size or address is needed. A `CHORUS_TOKEN` is not used:
+    /// the id's secret authenticates the connections.
+    pub fn from_unique_id(
+        id: &crate::UniqueId,
+        rank: usize,
+        size: usize,
+    ) -> Result<Config, CommError> {
+        let mut config = Config::new(rank, size, id.root_addr());
+        read_settings(&|k| std::env::var(k).ok(), &mut config)
+            .map_err(|message| CommError::invalid("init", message))?;
+        config.token = Some(id.token());
+        config.host_store = Some(false);
+        Ok(config)
+    }
+
     /// Whether this rank hosts the store.
     pub fn hosts_store(&self) -> bool {
         self.host_store.unwrap_or(self.rank == 0)
@@ -196,6 +214,14 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
 
     let mut config = Config::new(rank, size, root_addr);
     config.local_rank = local_rank;
+    read_settings(get, &mut config)?;
+    Ok(config)
+}
+
+/// The settings of `config` that do not place it in a job: token, timeouts, interface,
+/// transport, algorithms, tuning file, call checks.
+fn read_settings(get: &dyn Fn(&str) -> Option<String>, config: &mut Config) -> Result<(), String> {
+    let env = Lookup(get);
     // The token is a secret: used exactly as given (not trimmed); empty means none.
     config.token = get("CHORUS_TOKEN").filter(|t| !t.is_empty());
     if let Some(v) = env.value("CHORUS_TIMEOUT") {
@@ -215,7 +241,7 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             .map_err(|e| e.message().to_string())?
             .unwrap_or(false);
     }
-    Ok(config)
+    Ok(())
 }
 
 /// Variables giving the rank, in order of precedence.

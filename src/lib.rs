@@ -26,6 +26,7 @@ pub mod log;
 pub mod select;
 mod split;
 pub mod tune_file;
+pub mod unique_id;
 
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::{DType, Element, ReduceOp};
@@ -39,6 +40,7 @@ pub mod sparse {
 }
 pub use config::Config;
 pub use error::{CommError, ErrorKind};
+pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
 
 /// The library version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -17,6 +17,11 @@
 
 
 /**
+ * Bytes in a `chorus_unique_id`.
+ */
+#define CHORUS_UNIQUE_ID_BYTES 128
+
+/**
  * The `color` of `chorus_comm_split` for a rank that joins no new communicator (as
  * `MPI_UNDEFINED`, `NCCL_SPLIT_NOCOLOR`).
  */
@@ -199,6 +204,19 @@ typedef struct chorus_comm chorus_comm;
 typedef struct chorus_compressor chorus_compressor;
 
 /**
+ * What every rank needs to join a communicator with `chorus_comm_init_rank` (as NCCL's
+ * `ncclUniqueId`): the address of a rendezvous store and a secret that authenticates every
+ * connection. Made by `chorus_get_unique_id`; copy its bytes to the other ranks as you like
+ * (`MPI_Bcast`, a file, a key-value store). Treat it as a password.
+ */
+typedef struct {
+  /**
+   * Opaque.
+   */
+  char internal[CHORUS_UNIQUE_ID_BYTES];
+} chorus_unique_id;
+
+/**
  * Per-call options, versioned by their first field.
  *
  * Initialise with `CHORUS_OPTIONS_INIT` (or set `size = sizeof(chorus_options)` and zero the
@@ -315,6 +333,34 @@ int32_t chorus_comm_init(chorus_comm **out,
                          const char *token);
 
 /**
+ * Make a unique id (as `ncclGetUniqueId`): starts a rendezvous store in this process, on a
+ * free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the first interface that
+ * is neither loopback nor docker (loopback when there is none), with a fresh random secret.
+ * Call it in one process, typically rank 0's, which must stay alive until every rank's
+ * `chorus_comm_init_rank` has returned; the first communicator made with it in this process
+ * keeps the store.
+ *
+ * # Safety
+ * `id` is NULL or valid for writing a `chorus_unique_id`.
+ */
+int32_t chorus_get_unique_id(chorus_unique_id *id);
+
+/**
+ * Join rank `rank` of a communicator of `nranks` ranks through `id` (as `ncclCommInitRank`):
+ * every rank passes the same id, made once by `chorus_get_unique_id`. The other settings
+ * (timeouts, interface, transport, algorithms) come from the `CHORUS_*` variables, as for
+ * `chorus_comm_init_env`; no rank, size or address variable is needed, and the id's secret
+ * replaces `CHORUS_TOKEN`. Blocks until every rank has joined or the init timeout passes.
+ *
+ * On success `*out` is the new communicator; on failure it is set to NULL. An id that is not
+ * one (wrong magic, version or address) is `CHORUS_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `out` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_comm_init_rank(chorus_comm **out, int nranks, chorus_unique_id id, int rank);
+
+/**
  * This rank, through `*rank`.
  *
  * # Safety
@@ -362,8 +408,9 @@ int32_t chorus_comm_destroy(chorus_comm *comm);
  * Every rank of `comm` must call it (a collective). Each new communicator has its own
  * connections, set up through a rendezvous store that its first rank hosts on its data
  * address, and takes `comm`'s configuration (timeouts, token, `CHORUS_*` settings). It is
- * independent of `comm`: free either first with `chorus_comm_destroy`. Calls on the two must
- * not overlap in time on one rank, and ranks that use both must call them in the same order.
+ * independent of `comm`: free either first with `chorus_comm_destroy`, and use them from two
+ * threads at once if you like. Ranks that use both from one thread must call them in the
+ * same order, as with any two communicators.
  *
  * On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
  * NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT`, refused before any exchange.

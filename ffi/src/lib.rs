@@ -284,6 +284,81 @@ pub unsafe extern "C" fn chorus_comm_init(
     })
 }
 
+/// Bytes in a `chorus_unique_id`.
+pub const CHORUS_UNIQUE_ID_BYTES: usize = 128;
+
+/// What every rank needs to join a communicator with `chorus_comm_init_rank` (as NCCL's
+/// `ncclUniqueId`): the address of a rendezvous store and a secret that authenticates every
+/// connection. Made by `chorus_get_unique_id`; copy its bytes to the other ranks as you like
+/// (`MPI_Bcast`, a file, a key-value store). Treat it as a password.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct chorus_unique_id {
+    /// Opaque.
+    pub internal: [c_char; CHORUS_UNIQUE_ID_BYTES],
+}
+
+/// Make a unique id (as `ncclGetUniqueId`): starts a rendezvous store in this process, on a
+/// free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the first interface that
+/// is neither loopback nor docker (loopback when there is none), with a fresh random secret.
+/// Call it in one process, typically rank 0's, which must stay alive until every rank's
+/// `chorus_comm_init_rank` has returned; the first communicator made with it in this process
+/// keeps the store.
+///
+/// # Safety
+/// `id` is NULL or valid for writing a `chorus_unique_id`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_get_unique_id(id: *mut chorus_unique_id) -> i32 {
+    guard("chorus_get_unique_id", || {
+        ptr::check_out(id, "id")?;
+        let made = chorus_core::UniqueId::new()?;
+        let mut out = chorus_unique_id {
+            internal: [0; CHORUS_UNIQUE_ID_BYTES],
+        };
+        for (o, b) in out.internal.iter_mut().zip(made.as_bytes()) {
+            *o = *b as c_char;
+        }
+        // SAFETY: `id` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(id, out, "id") }
+    })
+}
+
+/// Join rank `rank` of a communicator of `nranks` ranks through `id` (as `ncclCommInitRank`):
+/// every rank passes the same id, made once by `chorus_get_unique_id`. The other settings
+/// (timeouts, interface, transport, algorithms) come from the `CHORUS_*` variables, as for
+/// `chorus_comm_init_env`; no rank, size or address variable is needed, and the id's secret
+/// replaces `CHORUS_TOKEN`. Blocks until every rank has joined or the init timeout passes.
+///
+/// On success `*out` is the new communicator; on failure it is set to NULL. An id that is not
+/// one (wrong magic, version or address) is `CHORUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `out` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_init_rank(
+    out: *mut *mut chorus_comm,
+    nranks: c_int,
+    id: chorus_unique_id,
+    rank: c_int,
+) -> i32 {
+    guard("chorus_comm_init_rank", || {
+        ptr::check_out(out, "out")?;
+        // SAFETY: `out` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(out, std::ptr::null_mut(), "out")? };
+        if nranks <= 0 || rank < 0 || rank >= nranks {
+            return Err(Failure::invalid(format!(
+                "rank {rank} of {nranks} ranks: need 0 <= rank < nranks"
+            )));
+        }
+        let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+        let id = chorus_core::UniqueId::from_bytes(&bytes)?;
+        let config = Config::from_unique_id(&id, rank as usize, nranks as usize)?;
+        let c = Communicator::new(config)?;
+        // SAFETY: as above.
+        unsafe { ptr::write_out(out, ptr::into_raw(chorus_comm::new(c)), "out") }
+    })
+}
+
 /// This rank, through `*rank`.
 ///
 /// # Safety

@@ -247,6 +247,16 @@ fn every_other_collective_on_1_to_4_ranks() {
 }
 
 #[test]
+fn unique_id_init_on_1_to_4_ranks() {
+    let b = built();
+    for size in [1, 2, 3, 4] {
+        let r = job(&b.api_test, &["uniqueid"], size);
+        assert_all_ok(&r, &format!("uniqueid p={size}"));
+        assert!(r.iter().all(|(_, o)| o.contains("ok uniqueid")));
+    }
+}
+
+#[test]
 fn split_and_dup_on_1_to_4_ranks() {
     let b = built();
     for size in [1, 2, 3, 4] {

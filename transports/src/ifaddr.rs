@@ -89,6 +89,33 @@ pub fn select(spec: Option<&str>, root: SocketAddr) -> Result<IpAddr> {
     }
 }
 
+/// The address to host a store on before any peer is known (a unique id, as NCCL's
+/// `ncclGetUniqueId`): with a spec, the first usable address of a matching interface (IPv4
+/// first); without one, the first usable address of an interface that is neither loopback nor
+/// `docker*` (NCCL's default exclusions), IPv4 first, and loopback when there is none (a job on
+/// one host).
+pub fn select_unrooted(spec: Option<&str>) -> Result<IpAddr> {
+    let v4_any = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
+    let addrs = list()?;
+    match spec.map(str::trim).filter(|s| !s.is_empty()) {
+        Some(spec) => select_by_spec(spec, v4_any, &addrs),
+        None => Ok(first_outside(&addrs)),
+    }
+}
+
+/// The first usable non-loopback, non-docker address (IPv4 first), else IPv4 loopback.
+fn first_outside(addrs: &[IfAddr]) -> IpAddr {
+    let outside: Vec<&IfAddr> = addrs
+        .iter()
+        .filter(|a| usable(&a.addr) && !a.addr.is_loopback() && !a.name.starts_with("docker"))
+        .collect();
+    outside
+        .iter()
+        .find(|a| a.addr.is_ipv4())
+        .or(outside.first())
+        .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.addr)
+}
+
 /// Whether an address can be listened on and reached by peers without extra information.
 fn usable(addr: &IpAddr) -> bool {
     match addr {
@@ -282,6 +309,24 @@ mod tests {
             addr: v4(a),
         })
         .collect()
+    }
+
+    #[test]
+    fn unrooted_selection_skips_loopback_and_docker() {
+        let all = fake();
+        assert_eq!(first_outside(&all), v4("10.0.0.2"));
+        // Without IPv4 outside loopback and docker: the IPv6 one; with nothing: loopback.
+        let v6_only: Vec<IfAddr> = all
+            .iter()
+            .filter(|a| a.name == "lo" || a.name == "docker0" || a.name == "ib0")
+            .cloned()
+            .collect();
+        assert_eq!(first_outside(&v6_only), v4("fd00::5"));
+        assert_eq!(first_outside(&all[..2]), v4("127.0.0.1"));
+        assert_eq!(
+            select_by_spec("ib", SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)), &all).unwrap(),
+            v4("fd00::5")
+        );
     }
 
     #[test]

@@ -43,6 +43,7 @@ __all__ = [
     "Communicator",
     "Compressor",
     "init",
+    "unique_id",
     "version",
     "DTYPES",
     "OPS",
@@ -726,11 +727,23 @@ def _c_str(v: Any, what: str) -> bytes:
     return v.encode()
 
 
+def unique_id() -> bytes:
+    """Make a unique id (as NCCL's ``ncclGetUniqueId``): starts a rendezvous store in this
+    process with a fresh secret, and returns the 128 bytes every rank passes to
+    ``init(rank, size, unique_id=...)``. Hand them to the other ranks as you like (a torch
+    store, ``mpi4py``'s ``bcast``, a file); treat them as a password. This process must stay
+    alive until every rank's ``init`` has returned."""
+    uid = _lib.UniqueId()
+    _check(lib.chorus_get_unique_id(ctypes.byref(uid)))
+    return bytes(bytearray(uid))
+
+
 def init(
     rank: Optional[int] = None,
     size: Optional[int] = None,
     addr: Optional[str] = None,
     token: Optional[str] = None,
+    unique_id: Optional[bytes] = None,
 ) -> Communicator:
     """Join a communicator; blocks until every rank has joined.
 
@@ -738,9 +751,27 @@ def init(
     ``CHORUS_WORLD_SIZE``, ``CHORUS_ADDR``, ``CHORUS_TOKEN``, ``CHORUS_TIMEOUT``...; torchrun's
     ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, Open MPI's, MPICH's, Slurm's).
     With ``rank``, ``size`` and ``addr`` (``"host:port"`` of the rendezvous store, hosted by
-    rank 0), explicitly; ``token`` is the shared secret authenticating connections.
+    rank 0), explicitly; ``token`` is the shared secret authenticating connections. With
+    ``rank``, ``size`` and ``unique_id`` (from :func:`unique_id`, the same on every rank), as
+    NCCL's ``ncclCommInitRank``; the other settings then come from ``CHORUS_*`` variables.
     """
     handle = ctypes.c_void_p()
+    if unique_id is not None:
+        if addr is not None or token is not None:
+            raise InvalidArgumentError("init: give unique_id or addr and token, not both")
+        if rank is None or size is None:
+            raise InvalidArgumentError("init: unique_id needs rank and size")
+        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != _lib.UNIQUE_ID_BYTES:
+            raise InvalidArgumentError(
+                f"init: unique_id must be the {_lib.UNIQUE_ID_BYTES} bytes unique_id() returns"
+            )
+        uid = _lib.UniqueId.from_buffer_copy(bytes(unique_id))
+        _check(
+            lib.chorus_comm_init_rank(
+                ctypes.byref(handle), _int(size, "size"), uid, _int(rank, "rank")
+            )
+        )
+        return Communicator(handle)
     if rank is None and size is None and addr is None and token is None:
         _check(lib.chorus_comm_init_env(ctypes.byref(handle)))
     else:

@@ -73,6 +73,15 @@ def _load() -> ctypes.CDLL:
 lib = _load()
 
 _comm_pp = ctypes.POINTER(c_void_p)
+UNIQUE_ID_BYTES = 128
+
+
+class UniqueId(ctypes.Structure):
+    """``chorus_unique_id``."""
+
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
 _PROTOTYPES = {
     "chorus_status_string": (c_char_p, [c_int32]),
     "chorus_last_error": (c_char_p, []),
@@ -85,6 +94,8 @@ _PROTOTYPES = {
     "chorus_comm_destroy": (c_int32, [c_void_p]),
     "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),
     "chorus_comm_dup": (c_int32, [c_void_p, _comm_pp]),
+    "chorus_get_unique_id": (c_int32, [ctypes.POINTER(UniqueId)]),
+    "chorus_comm_init_rank": (c_int32, [_comm_pp, c_int, UniqueId, c_int]),
     "chorus_allreduce_opts": (
         c_int32,
         [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32, ctypes.POINTER(Options)],

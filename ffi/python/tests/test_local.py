@@ -38,6 +38,34 @@ def test_group_of_one_keeps_values(solo):
     assert torch.equal(t, torch.arange(5, dtype=torch.bfloat16))
 
 
+def test_unique_id_init_on_two_threads():
+    uid = chorus.unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    assert chorus.unique_id() != uid
+    sums = [None, None]
+
+    def rank(r):
+        with chorus.init(rank=r, size=2, unique_id=uid) as c:
+            x = np.full(1000, r + 1.0, dtype=np.float32)
+            c.allreduce(x)
+            sums[r] = float(x[0])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sums == [3.0, 3.0], sums
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(rank=0, size=2, unique_id=uid[:-1])
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(rank=0, size=2, unique_id=b"x" * 128)
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(rank=0, size=2, unique_id=uid, addr="127.0.0.1:1")
+    with pytest.raises(chorus.InvalidArgumentError):
+        chorus.init(unique_id=uid)
+
+
 def test_groups_of_a_group_of_one(solo):
     assert solo.split(None) is None
     assert solo.new_group([]) is None

@@ -18,6 +18,9 @@
  *   api_test split            split by parity ranked in reverse, one rank without a color, dup:
  *                             membership, order and collectives on each new communicator, the
  *                             parent still usable, freed in either order; bad arguments
+ *   api_test uniqueid         rank 0 makes a unique id, broadcasts it over the first communicator
+ *                             (as MPI_Bcast would), every rank joins a second one through it
+ *                             and runs an allreduce on it; a garbled id and bad ranks refused
  *   api_test busy             2 ranks: while a thread of rank 0 waits in a call for rank 1,
  *                             destroying (or aborting) the communicator or the compressor it
  *                             uses is refused with CHORUS_INVALID_USAGE, and works after
@@ -700,9 +703,41 @@ static chorus_comm *split(chorus_comm *comm) {
     return half;
 }
 
+static void uniqueid(chorus_comm *comm) {
+    chorus_unique_id id;
+    memset(&id, 0, sizeof id);
+    if (g_rank == 0) OK(chorus_get_unique_id(&id));
+    OK(chorus_broadcast(comm, &id, sizeof id, CHORUS_UINT8, 0));
+    chorus_comm *second = NULL;
+    OK(chorus_comm_init_rank(&second, g_size, id, g_rank));
+    CHECK(second != NULL, "init_rank gave NULL");
+    int r = -1, n = -1;
+    OK(chorus_comm_rank(second, &r));
+    OK(chorus_comm_size(second, &n));
+    CHECK(r == g_rank && n == g_size, "rank %d of %d", r, n);
+    int64_t v[3] = {g_rank, 1, -g_rank};
+    OK(chorus_allreduce(second, v, v, 3, CHORUS_INT64, CHORUS_SUM));
+    int64_t p = g_size;
+    CHECK(v[0] == p * (p - 1) / 2 && v[1] == p && v[2] == -v[0], "sums %lld %lld %lld",
+          (long long)v[0], (long long)v[1], (long long)v[2]);
+    OK(chorus_comm_destroy(second));
+    /* Refused before any rendezvous. */
+    chorus_comm *out = comm;
+    chorus_unique_id garbled = id;
+    garbled.internal[0] ^= 1;
+    EXPECT(chorus_comm_init_rank(&out, g_size, garbled, g_rank), CHORUS_INVALID_ARGUMENT);
+    CHECK(out == NULL, "a refused init left *out set");
+    CHECK(strstr(chorus_last_error(), "unique id") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_comm_init_rank(&out, g_size, id, g_size), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init_rank(&out, 0, id, 0), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_init_rank(NULL, g_size, id, g_rank), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_get_unique_id(NULL), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_barrier(comm));
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -722,6 +757,7 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "peer_exit") == 0) peer_gone(comm, 0);
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
     else if (strcmp(mode, "busy") == 0) busy(comm);
+    else if (strcmp(mode, "uniqueid") == 0) uniqueid(comm);
     else if (strcmp(mode, "split") == 0) {
         /* The half needs nothing of the parent: free the parent first, then use the half. */
         chorus_comm *half = split(comm);

@@ -1,0 +1,181 @@
+//! Joining a communicator through a unique id, as NCCL's `ncclGetUniqueId` and
+//! `ncclCommInitRank`: one process makes an id ([`UniqueId::new`]), hands its bytes to every
+//! rank by whatever means it has (an MPI broadcast, a torch store, a file), and each rank builds
+//! its communicator from it ([`Config::from_unique_id`], then [`Communicator::new`]).
+//!
+//! Making an id starts a rendezvous store in the making process, on a free port of an address
+//! other hosts can reach ([`chorus_transport::ifaddr::select_unrooted`]: the interface of
+//! `CHORUS_SOCKET_IFNAME`, else the first that is neither loopback nor docker), with a fresh
+//! random secret that authenticates every connection of the job. The id carries the store's
+//! address and the secret. A rank of the job built in the making process takes the store over
+//! (it lives as long as that communicator); otherwise the store stays until the process exits,
+//! so the making process must outlive the job's init, as with NCCL.
+//!
+//! Layout (128 bytes): `chorusid` (8), version 1 (1), address length (1), the address as
+//! `ip:port` (64, zero-padded), the secret (32), zeros (22).
+//!
+//! [`Communicator::new`]: crate::Communicator::new
+//! [`Config::from_unique_id`]: crate::Config::from_unique_id
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+
+use chorus_transport::rendezvous::StoreServer;
+
+use crate::error::CommError;
+
+/// Bytes in a [`UniqueId`].
+pub const UNIQUE_ID_BYTES: usize = 128;
+const MAGIC: &[u8; 8] = b"chorusid";
+const VERSION: u8 = 1;
+const ADDR_AT: usize = 10;
+const ADDR_MAX: usize = 64;
+const SECRET_AT: usize = ADDR_AT + ADDR_MAX;
+const SECRET_LEN: usize = 32;
+
+/// Stores made by [`UniqueId::new`] in this process and not yet taken over by a communicator,
+/// by address.
+static MADE: Mutex<Option<HashMap<String, StoreServer>>> = Mutex::new(None);
+
+/// What every rank of a job needs to join it: the address of a rendezvous store and a secret.
+/// See the [module documentation](self).
+#[derive(Clone, PartialEq, Eq)]
+pub struct UniqueId {
+    bytes: [u8; UNIQUE_ID_BYTES],
+}
+
+impl UniqueId {
+    /// Make an id: start a rendezvous store in this process and draw a secret.
+    ///
+    /// Errors: `CHORUS_SOCKET_IFNAME` that matches no interface, no free port, no randomness.
+    pub fn new() -> Result<UniqueId, CommError> {
+        let spec = std::env::var("CHORUS_SOCKET_IFNAME").ok();
+        let ip = chorus_transport::ifaddr::select_unrooted(spec.as_deref())
+            .map_err(|e| CommError::from_transport("unique_id", e))?;
+        let mut secret = [0u8; SECRET_LEN];
+        getrandom::getrandom(&mut secret).map_err(|e| {
+            CommError::new(
+                crate::ErrorKind::System,
+                "unique_id",
+                format!("getrandom: {e}"),
+            )
+        })?;
+        let server = StoreServer::bind(SocketAddr::new(ip, 0), hex(&secret).as_bytes())
+            .map_err(|e| CommError::from_transport("unique_id", e))?;
+        let addr = server.local_addr().to_string();
+        let mut bytes = [0u8; UNIQUE_ID_BYTES];
+        bytes[..8].copy_from_slice(MAGIC);
+        bytes[8] = VERSION;
+        // An IPv6 address with its scope and port is at most 55 characters.
+        bytes[9] = addr.len() as u8;
+        bytes[ADDR_AT..ADDR_AT + addr.len()].copy_from_slice(addr.as_bytes());
+        bytes[SECRET_AT..SECRET_AT + SECRET_LEN].copy_from_slice(&secret);
+        MADE.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .insert(addr, server);
+        Ok(UniqueId { bytes })
+    }
+
+    /// The id's bytes, to hand to the other ranks.
+    pub fn as_bytes(&self) -> &[u8; UNIQUE_ID_BYTES] {
+        &self.bytes
+    }
+
+    /// An id from bytes another process made: checks the length, the magic, the version and
+    /// the address (an invalid-argument error otherwise).
+    pub fn from_bytes(b: &[u8]) -> Result<UniqueId, CommError> {
+        let bad = |why: &str| CommError::invalid("init", format!("not a chorus unique id: {why}"));
+        let bytes: [u8; UNIQUE_ID_BYTES] = b
+            .try_into()
+            .map_err(|_| bad(&format!("{} bytes, need {UNIQUE_ID_BYTES}", b.len())))?;
+        if &bytes[..8] != MAGIC {
+            return Err(bad("wrong magic"));
+        }
+        if bytes[8] != VERSION {
+            return Err(bad(&format!(
+                "version {} (another chorus release), this is {VERSION}",
+                bytes[8]
+            )));
+        }
+        let n = usize::from(bytes[9]);
+        let addr_ok = n <= ADDR_MAX
+            && std::str::from_utf8(&bytes[ADDR_AT..ADDR_AT + n])
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok())
+                .is_some_and(|a| a.port() != 0);
+        if !addr_ok {
+            return Err(bad("no store address"));
+        }
+        Ok(UniqueId { bytes })
+    }
+
+    /// The store's address, `ip:port`.
+    pub(crate) fn root_addr(&self) -> String {
+        let n = usize::from(self.bytes[9]).min(ADDR_MAX);
+        String::from_utf8_lossy(&self.bytes[ADDR_AT..ADDR_AT + n]).into_owned()
+    }
+
+    /// The secret, as the token of every connection.
+    pub(crate) fn token(&self) -> String {
+        hex(&self.bytes[SECRET_AT..SECRET_AT + SECRET_LEN])
+    }
+}
+
+impl std::fmt::Debug for UniqueId {
+    /// The address only: the secret stays out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UniqueId({})", self.root_addr())
+    }
+}
+
+/// The store [`UniqueId::new`] made in this process at `addr`, if it is still here: the first
+/// communicator built in this process through that id keeps it.
+pub(crate) fn take_store(addr: &str) -> Option<StoreServer> {
+    MADE.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_mut()
+        .and_then(|m| m.remove(addr))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_garbage_is_refused() {
+        let id = UniqueId::new().unwrap();
+        let back = UniqueId::from_bytes(id.as_bytes()).unwrap();
+        assert_eq!(back, id);
+        assert_eq!(back.token().len(), 2 * SECRET_LEN);
+        assert!(back.root_addr().parse::<SocketAddr>().is_ok());
+        assert!(!format!("{id:?}").contains(&id.token()));
+        // Two ids: two stores, two secrets.
+        let other = UniqueId::new().unwrap();
+        assert_ne!(other.token(), id.token());
+        assert_ne!(other.root_addr(), id.root_addr());
+        for (what, mut b) in [
+            ("magic", *id.as_bytes()),
+            ("version", *id.as_bytes()),
+            ("length", *id.as_bytes()),
+            ("address", *id.as_bytes()),
+        ] {
+            match what {
+                "magic" => b[0] = b'x',
+                "version" => b[8] = 9,
+                "length" => b[9] = 200,
+                _ => b[ADDR_AT] = b'z',
+            }
+            assert!(UniqueId::from_bytes(&b).is_err(), "{what}");
+        }
+        assert!(UniqueId::from_bytes(&[0u8; 12]).is_err());
+        assert!(take_store(&id.root_addr()).is_some());
+        assert!(take_store(&id.root_addr()).is_none());
+        drop(take_store(&other.root_addr()));
+    }
+}

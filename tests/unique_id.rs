@@ -1,0 +1,84 @@
+//! Communicators joined through a `UniqueId` (as NCCL's `ncclGetUniqueId` /
+//! `ncclCommInitRank`), ranks as threads: over TCP and shared memory, the id's bytes carried
+//! as another process would get them; an id whose secret was changed is refused.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::{Communicator, Config, ReduceOp, UniqueId};
+
+use common::check_one;
+
+/// Run `f` on `p` ranks as threads, each joining through `id`'s bytes (`forge`: a rank whose
+/// copy of the id has another secret). Returns each rank's result.
+fn through_id<R: Send + 'static>(
+    p: usize,
+    transport: &str,
+    forge: Option<usize>,
+    init_timeout: Duration,
+    f: impl Fn(Result<Communicator, chorus::CommError>) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let id = UniqueId::new().expect("an id");
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..p {
+        let mut bytes = id.as_bytes().to_vec();
+        if forge == Some(rank) {
+            bytes[100] ^= 0xff;
+        }
+        let (tx, f, transport) = (tx.clone(), f.clone(), transport.to_string());
+        std::thread::spawn(move || {
+            let id = UniqueId::from_bytes(&bytes).expect("well-formed bytes");
+            let mut cfg = Config::from_unique_id(&id, rank, p).expect("a configuration");
+            cfg.transport = Some(transport);
+            cfg.init_timeout = init_timeout;
+            let _ = tx.send((rank, f(Communicator::new(cfg))));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut out: Vec<Option<R>> = (0..p).map(|_| None).collect();
+    for _ in 0..p {
+        let (rank, r) = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("every rank within the watchdog");
+        out[rank] = Some(r);
+    }
+    out.into_iter().map(|r| r.expect("every rank")).collect()
+}
+
+#[test]
+fn ranks_join_through_an_id() {
+    for transport in ["tcp", "shm"] {
+        for p in [1, 2, 4] {
+            let wrong = through_id(p, transport, None, Duration::from_secs(60), |c| {
+                let mut c = c.unwrap_or_else(|e| panic!("{e}"));
+                let mut n = check_one::<f32>(&mut c, 100_003, ReduceOp::Sum, false);
+                n += check_one::<i64>(&mut c, 7, ReduceOp::Max, true);
+                n
+            });
+            assert!(
+                wrong.iter().all(|&w| w == 0),
+                "{transport} p={p}: {wrong:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_with_another_secret_is_refused() {
+    let errs = through_id(3, "tcp", Some(2), Duration::from_secs(5), |c| {
+        c.err().map(|e| e.to_string())
+    });
+    // The forged rank cannot authenticate with the store; without it the others cannot
+    // complete the rendezvous. Every rank fails (within the init timeout), none hangs.
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.is_some(), "rank {rank} joined a job with a forged id");
+    }
+    assert!(
+        errs[2].as_deref().unwrap().contains("auth"),
+        "forged rank: {:?}",
+        errs[2]
+    );
+}
