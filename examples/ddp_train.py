@@ -9,7 +9,9 @@ from its own seed. Run it with either launcher:
 (Debian's torch 1.13 on Python 3.11 also needs ``--redirects 1 --tee 1`` with torchrun: it
 cannot parse their default.)
 
-``--hook gloo`` uses DDP's own allreduce over Gloo instead; both print the same final loss
+``--hook gloo`` uses DDP's own allreduce over Gloo instead, and ``--hook backend`` DDP's own
+allreduce over chorus as the ``torch.distributed`` backend (``chorus.backend``: the process
+group itself is chorus, no Gloo at all); all print the same final loss
 (up to float rounding), which is what ``ffi/python/tests`` checks, and rank 0's mean time per
 step. ``--hidden`` widens the model (4096: 295 KB of gradients per step; lower ``--lr`` then). Needs the chorus Python
 package (``pip install ./ffi/python``, or ``CHORUS_LIBRARY`` and ``PYTHONPATH=ffi/python``).
@@ -27,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hook", choices=["chorus", "gloo"], default="chorus")
+    p.add_argument("--hook", choices=["chorus", "gloo", "backend"], default="chorus")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
@@ -40,8 +42,13 @@ def main() -> None:
     args = p.parse_args()
 
     # Both launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DDP needs a process
-    # group for its set-up even when chorus moves the gradients.
-    dist.init_process_group("gloo")
+    # group for its set-up even when a chorus hook moves the gradients.
+    if args.hook == "backend":
+        import chorus.backend  # noqa: F401 - registers the "chorus" backend
+
+        dist.init_process_group("chorus")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # the same teacher and initial student on every rank

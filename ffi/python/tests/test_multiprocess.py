@@ -68,6 +68,25 @@ def test_ddp_hook_trains_like_gloo(workspace):
     assert chorus_loss < 0.5 * final_loss_at_start(workspace), "the model did not learn"
 
 
+def test_torch_distributed_backend_on_1_to_4_ranks():
+    """init_process_group("chorus"): every collective against the naive reference and Gloo."""
+    for n in (1, 2, 4):
+        code, out = launch(n, [PYTHON, str(HERE / "_torch_backend.py")])
+        assert code == 0, out
+        assert out.count("ok torch_backend") == n, out
+
+
+def test_ddp_over_the_chorus_backend_trains_like_gloo(workspace):
+    script = str(workspace / "examples" / "ddp_train.py")
+    env = {"OMP_NUM_THREADS": "1"}
+    code, out = launch(2, [PYTHON, script, "--hook", "backend", "--steps", "100"], env=env)
+    assert code == 0, out
+    backend_loss = final_loss(out)
+    code, out = launch(2, [PYTHON, script, "--hook", "gloo", "--steps", "100"], env=env)
+    assert code == 0, out
+    assert backend_loss == pytest.approx(final_loss(out), rel=1e-4), (backend_loss, final_loss(out))
+
+
 def test_ddp_compressed_hook_trains(workspace):
     """The compressed hook (int8 bucket by bucket) trains to about the same loss as Gloo."""
     script = str(workspace / "examples" / "ddp_train.py")

@@ -1,0 +1,185 @@
+"""One rank of the torch.distributed backend test (started by test_multiprocess.py through
+chorus-run, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT). Every collective runs
+on the default group (chorus) and on a Gloo group of the same ranks with the same inputs; the
+results must be equal (exactly, on integer-valued inputs) and equal to the naive reference
+where one is simple. Then a chorus subgroup, objects, async work and the unsupported cases.
+Prints ``ok torch_backend rank R``."""
+
+import functools
+import sys
+
+import torch
+import torch.distributed as dist
+
+import chorus
+import chorus.backend  # noqa: F401 - registers "chorus"
+
+
+def check(what, got, want):
+    if not torch.equal(got, want):
+        raise AssertionError(f"{what}: got {got.flatten()[:8]}, want {want.flatten()[:8]}")
+
+
+# The dtypes Gloo (torch 1.13) reduces; it refuses bfloat16 ("Invalid scalar type").
+GLOO_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.uint8)
+
+
+def both(fn, dtype=torch.float32):
+    """``fn(group)`` on chorus's default group and on the Gloo group (None where Gloo does
+    not take ``dtype``); returns the two."""
+    return fn(None), (fn(GLOO) if dtype in GLOO_DTYPES else None)
+
+
+def main():
+    global GLOO
+    dist.init_process_group("chorus")
+    me, p = dist.get_rank(), dist.get_world_size()
+    assert dist.get_backend() == "chorus", dist.get_backend()
+    GLOO = dist.new_group(backend="gloo")
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
+
+    def vals(dt, n=10, r=None):
+        r = me if r is None else r
+        return (torch.arange(n) % 3 + r + 1).to(dt)
+
+    # all_reduce, every dtype and op; complex sums
+    ops = {
+        dist.ReduceOp.SUM: torch.add,
+        dist.ReduceOp.PRODUCT: torch.mul,
+        dist.ReduceOp.MIN: torch.minimum,
+        dist.ReduceOp.MAX: torch.maximum,
+    }
+    for dt in dtypes:
+        for op, f in ops.items():
+            # The naive reference in the dtype (uint8 products wrap as chorus's do) ...
+            ref = functools.reduce(f, [vals(dt, r=r) for r in range(p)])
+            a, b = both(lambda g: (lambda t: (dist.all_reduce(t, op=op, group=g), t)[1])(vals(dt)), dt)
+            check(f"all_reduce {dt} {op}", a, ref)
+            # ... and Gloo, for the dtypes it reduces.
+            if b is not None:
+                check(f"all_reduce {dt} {op} against Gloo", a, b)
+    want = sum(vals(torch.float64, r=r) for r in range(p))
+    t = vals(torch.float64)
+    dist.all_reduce(t)
+    check("all_reduce against the reference", t, want)
+    z = torch.complex(vals(torch.float32), -vals(torch.float32))
+    dist.all_reduce(z)
+    check("complex all_reduce", z, torch.complex(want.float(), -want.float()))
+    # broadcast from every root
+    for root in range(p):
+        a, b = both(lambda g: (lambda t: (dist.broadcast(t, root, group=g), t)[1])(vals(torch.int64)))
+        check(f"broadcast root {root}", a, b)
+        check(f"broadcast root {root} value", a, vals(torch.int64, r=root))
+    # reduce to the last rank
+    a, b = both(lambda g: (lambda t: (dist.reduce(t, p - 1, group=g), t)[1])(vals(torch.float32)))
+    if me == p - 1:  # elsewhere the tensor is undefined after a reduce (Gloo's holds partial sums)
+        check("reduce", a, b)
+        check("reduce value", a, want.float())
+    # all_gather (equal sizes), and of different sizes (chorus only: Gloo needs equal sizes)
+    def ag(g):
+        out = [torch.zeros(10, dtype=torch.int32) for _ in range(p)]
+        dist.all_gather(out, vals(torch.int32), group=g)
+        return torch.stack(out)
+    a, b = both(ag)
+    check("all_gather", a, b)
+    out = [torch.full((r + 1, 2), -1.0) for r in range(p)]
+    dist.all_gather(out, torch.full((me + 1, 2), float(me)))
+    for r in range(p):
+        check(f"all_gather of different sizes [{r}]", out[r], torch.full((r + 1, 2), float(r)))
+    # all_gather_into_tensor
+    out = torch.zeros(p * 6, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, vals(torch.float64, 6))
+    check("all_gather_into_tensor", out, torch.cat([vals(torch.float64, 6, r) for r in range(p)]))
+    # reduce_scatter and reduce_scatter_tensor (Gloo 1.13 has neither on CPU: the reference)
+    ins = [vals(torch.float32, 5) * (j + 1) for j in range(p)]
+    o = torch.zeros(5)
+    dist.reduce_scatter(o, ins)
+    check("reduce_scatter", o, sum(vals(torch.float32, 5, r) for r in range(p)) * (me + 1))
+    o = torch.zeros(5)
+    dist.reduce_scatter_tensor(o, torch.cat(ins), op=dist.ReduceOp.MAX)
+    check("reduce_scatter_tensor max", o, vals(torch.float32, 5, p - 1) * (me + 1))
+    # all_to_all_single, equal and with split sizes; all_to_all of lists
+    def a2a(g):
+        out = torch.zeros(p * 3, dtype=torch.int64)
+        dist.all_to_all_single(out, torch.arange(p * 3) + 100 * me, group=g)
+        return out
+    a, b = both(a2a)
+    check("all_to_all_single", a, b)
+    send = [(me + j) % 3 for j in range(p)]  # rows to rank j
+    recv = [(j + me) % 3 for j in range(p)]  # rows from rank j
+    x = torch.cat([torch.full((send[j], 2), float(10 * me + j)) for j in range(p)])
+    y = torch.zeros(sum(recv), 2)
+    dist.all_to_all_single(y, x, recv, send)
+    check("all_to_all_single with splits", y, torch.cat([torch.full((recv[j], 2), float(10 * j + me)) for j in range(p)]))
+    def a2al(g):
+        outs = [torch.zeros(4) for _ in range(p)]
+        dist.all_to_all(outs, [torch.full((4,), float(10 * me + j)) for j in range(p)], group=g)
+        return torch.stack(outs)
+    a = a2al(None)
+    check("all_to_all", a, torch.stack([torch.full((4,), float(10 * j + me)) for j in range(p)]))
+    # gather and scatter, root 1 % p
+    root = 1 % p
+    outs = [torch.zeros(3) for _ in range(p)] if me == root else None
+    dist.gather(torch.full((3,), float(me)), outs, dst=root)
+    if me == root:
+        check("gather", torch.stack(outs), torch.stack([torch.full((3,), float(r)) for r in range(p)]))
+    got = torch.zeros(3)
+    dist.scatter(got, [torch.full((3,), float(j * 7)) for j in range(p)] if me == root else None, src=root)
+    check("scatter", got, torch.full((3,), float(me * 7)))
+    # send/recv around a ring, even ranks first
+    if p > 1:
+        right, left = (me + 1) % p, (me - 1) % p
+        s, r = torch.full((1000,), float(me)), torch.zeros(1000)
+        if me % 2 == 0:
+            dist.send(s, right)
+            dist.recv(r, left)
+        else:
+            dist.recv(r, left)
+            dist.send(s, right)
+        check("send/recv", r, torch.full((1000,), float(left)))
+    # objects
+    objs = [None] * p
+    dist.all_gather_object(objs, {"rank": me, "name": f"r{me}"})
+    assert objs == [{"rank": r, "name": f"r{r}"} for r in range(p)], objs
+    lst = [me, "x"] if me == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == [0, "x"], lst
+    # async work is complete when returned
+    t = vals(torch.float32)
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    check("async all_reduce", t, want.float())
+    # a chorus subgroup of the odd ranks, and one of the last rank alone
+    odd = dist.new_group([r for r in range(p) if r % 2 == 1]) if p > 1 else None
+    if me % 2 == 1:
+        t = torch.tensor([float(me)])
+        dist.all_reduce(t, group=odd)
+        check("odd group", t, torch.tensor([float(sum(r for r in range(p) if r % 2 == 1))]))
+        dist.broadcast(t, p - 1 if (p - 1) % 2 == 1 else p - 2, group=odd)
+    alone = dist.new_group([p - 1])
+    if me == p - 1:
+        t = torch.tensor([5.0])
+        dist.all_reduce(t, group=alone)
+        check("group of one", t, torch.tensor([5.0]))
+    # unsupported, refused on every rank alike (nothing sent)
+    for what, f in [
+        ("bitwise and", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)),
+        ("tag", lambda: dist.send(torch.ones(2), (me + 1) % p, tag=3)),
+        ("any source", lambda: dist.recv(torch.ones(2))),
+        ("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t())),
+    ]:
+        try:
+            f()
+        except (chorus.ChorusError, RuntimeError, ValueError) as e:
+            if isinstance(e, chorus.ChorusError):
+                assert e.message, what
+        else:
+            raise AssertionError(f"{what}: no error")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"ok torch_backend rank {me}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
