@@ -35,6 +35,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer")
     p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="DDP's bucket_cap_mb (small values: one bucket per parameter)",
+    )
+    p.add_argument(
         "--compress",
         default=None,
         help="with --hook chorus: a compressor spec for the gradients, e.g. int8 or topk:0.1",
@@ -55,7 +61,7 @@ def main() -> None:
     h = args.hidden
     teacher = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
     student = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
-    model = DDP(student)
+    model = DDP(student, bucket_cap_mb=args.bucket_mb)
 
     comm = None
     if args.hook == "chorus":

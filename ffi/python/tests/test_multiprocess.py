@@ -79,12 +79,15 @@ def test_torch_distributed_backend_on_1_to_4_ranks():
 def test_ddp_over_the_chorus_backend_trains_like_gloo(workspace):
     script = str(workspace / "examples" / "ddp_train.py")
     env = {"OMP_NUM_THREADS": "1"}
-    code, out = launch(2, [PYTHON, script, "--hook", "backend", "--steps", "100"], env=env)
+    # One bucket per parameter (4 buckets a step), as large models have many.
+    args = ["--steps", "100", "--bucket-mb", "0.0001"]
+    code, out = launch(2, [PYTHON, script, "--hook", "backend", *args], env=env)
     assert code == 0, out
     backend_loss = final_loss(out)
-    code, out = launch(2, [PYTHON, script, "--hook", "gloo", "--steps", "100"], env=env)
+    code, out = launch(2, [PYTHON, script, "--hook", "gloo", *args], env=env)
     assert code == 0, out
     assert backend_loss == pytest.approx(final_loss(out), rel=1e-4), (backend_loss, final_loss(out))
+    assert backend_loss < 0.5 * final_loss_at_start(workspace), "the model did not learn"
 
 
 def test_ddp_compressed_hook_trains(workspace):
