@@ -421,8 +421,6 @@ impl Communicator {
         config: Config,
         server: Option<StoreServer>,
     ) -> Result<Communicator, CommError> {
-        // A store this process made for a unique id is kept by its first communicator.
-        let server = server.or_else(|| crate::unique_id::take_store(&config.root_addr));
         let (rank, size) = (config.rank, config.size);
         let fail = |e: CommError| e.at_rank(rank);
         if size == 0 || rank >= size {
@@ -467,6 +465,10 @@ impl Communicator {
         let mut crowded = false;
         // Distinct hosts and the most ranks on one (the tuning file's key).
         let mut layout = (1, 1);
+        // A store this process made for a unique id is kept by its first communicator (taken
+        // once the configuration is known to be good: a rank refused above leaves it to the
+        // process's next communicator of the id, and the other ranks can still meet there).
+        let server = server.or_else(|| crate::unique_id::take_store(&config.root_addr));
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {

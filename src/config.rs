@@ -33,8 +33,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default timeout of the rendezvous (all ranks must have started within it).
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Everything a communicator needs to start.
-#[derive(Clone, Debug, PartialEq)]
+/// Everything a communicator needs to start. Its `Debug` output shows whether a token is
+/// set, not the token.
+#[derive(Clone, PartialEq)]
 pub struct Config {
     /// This rank, `0..size`.
     pub rank: usize,
@@ -79,6 +80,28 @@ pub struct Config {
     /// timeout (refusals the C and Python layers make before calling in, such as a NULL
     /// pointer, stay local).
     pub check_calls: bool,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("local_rank", &self.local_rank)
+            .field("root_addr", &self.root_addr)
+            .field("token", &self.token.as_ref().map(|_| "<secret>"))
+            .field("timeout", &self.timeout)
+            .field("init_timeout", &self.init_timeout)
+            .field("socket_ifname", &self.socket_ifname)
+            .field("host_store", &self.host_store)
+            .field("transport", &self.transport)
+            .field("algo", &self.algo)
+            .field("tune_file", &self.tune_file)
+            .field("alpha_us", &self.alpha_us)
+            .field("beta_gbps", &self.beta_gbps)
+            .field("check_calls", &self.check_calls)
+            .finish()
+    }
 }
 
 impl Config {

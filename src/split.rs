@@ -30,6 +30,8 @@ const CHOICE: usize = 16;
 /// The second round: a state byte ([`NOT_FIRST`], [`STORE_AT`], [`NO_STORE`]), the length of
 /// the address and the address (`ip:port`, at most 62 bytes).
 const WHERE: usize = 64;
+/// The flag byte of a rank that refused its own color.
+const REFUSED: u8 = 2;
 const NOT_FIRST: u8 = 0;
 const STORE_AT: u8 = 1;
 const NO_STORE: u8 = 2;
@@ -101,9 +103,23 @@ impl Communicator {
         color: Option<u32>,
         key: i64,
     ) -> Result<Option<Communicator>, CommError> {
+        self.split_raw(color.map_or(-1, i64::from), key)
+    }
+
+    /// [`Communicator::split`] with the color as C passes it: `-1` for none, `0..=u32::MAX` a
+    /// color. Any other color is refused on every rank after the first exchange: this rank
+    /// gets an invalid-argument error, the others a mismatch naming it, and no rank waits for
+    /// its timeout. All ranks stay usable.
+    pub fn split_raw(&mut self, color: i64, key: i64) -> Result<Option<Communicator>, CommError> {
         const OP: &str = "split";
         let (rank, size) = (self.rank(), self.size());
-        let mine = encode_choice(color, key);
+        let refused = !(-1..=i64::from(u32::MAX)).contains(&color);
+        let raw_color = color;
+        let color = u32::try_from(color).ok();
+        let mut mine = encode_choice(color, key);
+        if refused {
+            mine[0] = REFUSED;
+        }
         let mut all = vec![0u8; CHOICE * size];
         self.run_call(
             OP,
@@ -114,6 +130,29 @@ impl Communicator {
             None,
             |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
         )?;
+        if refused {
+            return Err(CommError::invalid(
+                OP,
+                format!("color {raw_color}: need 0..=4294967295, or -1 for none"),
+            )
+            .at_rank(rank));
+        }
+        let refusing: Vec<usize> = all
+            .chunks_exact(CHOICE)
+            .enumerate()
+            .filter(|(_, rec)| rec[0] == REFUSED)
+            .map(|(r, _)| r)
+            .collect();
+        if let Some(&culprit) = refusing.first() {
+            return Err(CommError::new(
+                ErrorKind::Mismatch,
+                OP,
+                format!("rank(s) {refusing:?} passed an invalid color, so no rank splits"),
+            )
+            .at_rank(rank)
+            .with_peer(culprit)
+            .with_usable(true));
+        }
         let mut choices = Vec::with_capacity(size);
         for (r, rec) in all.chunks_exact(CHOICE).enumerate() {
             choices.push(decode_choice(rec).map_err(|m| {

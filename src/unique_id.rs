@@ -4,8 +4,9 @@
 //! its communicator from it ([`Config::from_unique_id`], then [`Communicator::new`]).
 //!
 //! Making an id starts a rendezvous store in the making process, on a free port of an address
-//! other hosts can reach ([`chorus_transport::ifaddr::select_unrooted`]: the interface of
-//! `CHORUS_SOCKET_IFNAME`, else the first that is neither loopback nor docker), with a fresh
+//! other hosts can reach (the interface of `CHORUS_SOCKET_IFNAME`, else the one that routes to
+//! `CHORUS_ADDR` or `MASTER_ADDR` when a launcher set one, else the first that is neither
+//! loopback nor docker: [`chorus_transport::ifaddr::select_unrooted`]), with a fresh
 //! random secret that authenticates every connection of the job. The id carries the store's
 //! address and the secret. A rank of the job built in the making process takes the store over
 //! (it lives as long as that communicator); otherwise the store stays until the process exits,
@@ -18,7 +19,7 @@
 //! [`Config::from_unique_id`]: crate::Config::from_unique_id
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Mutex;
 
 use chorus_transport::rendezvous::StoreServer;
@@ -50,9 +51,7 @@ impl UniqueId {
     ///
     /// Errors: `CHORUS_SOCKET_IFNAME` that matches no interface, no free port, no randomness.
     pub fn new() -> Result<UniqueId, CommError> {
-        let spec = std::env::var("CHORUS_SOCKET_IFNAME").ok();
-        let ip = chorus_transport::ifaddr::select_unrooted(spec.as_deref())
-            .map_err(|e| CommError::from_transport("unique_id", e))?;
+        let ip = store_ip()?;
         let mut secret = [0u8; SECRET_LEN];
         getrandom::getrandom(&mut secret).map_err(|e| {
             CommError::new(
@@ -128,6 +127,32 @@ impl std::fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "UniqueId({})", self.root_addr())
     }
+}
+
+/// Where [`UniqueId::new`] hosts its store: the interface `CHORUS_SOCKET_IFNAME` names; else
+/// the one that routes to the launcher's rendezvous host (`CHORUS_ADDR`, `MASTER_ADDR`), which
+/// every rank reaches; else the first that is neither loopback nor docker.
+fn store_ip() -> Result<IpAddr, CommError> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let spec = var("CHORUS_SOCKET_IFNAME");
+    if spec.is_none() {
+        let host = var("CHORUS_ADDR").or_else(|| {
+            var("MASTER_ADDR").map(|h| {
+                let h = h.trim();
+                if h.contains(':') && !h.starts_with('[') {
+                    format!("[{h}]:1")
+                } else {
+                    format!("{h}:1")
+                }
+            })
+        });
+        let root = host.and_then(|h| h.trim().to_socket_addrs().ok()?.next());
+        if let Some(ip) = root.and_then(|r| chorus_transport::ifaddr::select(None, r).ok()) {
+            return Ok(ip);
+        }
+    }
+    chorus_transport::ifaddr::select_unrooted(spec.as_deref())
+        .map_err(|e| CommError::from_transport("unique_id", e))
 }
 
 /// The store [`UniqueId::new`] made in this process at `addr`, if it is still here: the first

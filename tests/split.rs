@@ -192,3 +192,30 @@ fn a_split_the_others_do_not_make_fails_everywhere() {
         }
     }
 }
+
+#[test]
+fn a_bad_color_on_one_rank_fails_the_split_everywhere_at_once() {
+    let out = on_threads(4, WATCHDOG, |c| {
+        let t = Instant::now();
+        let color = if c.rank() == 2 { -7 } else { 0 };
+        let r = c.split_raw(color, 0).err();
+        // Everyone still usable: a barrier, then a good split.
+        c.barrier().unwrap();
+        let again = c.split(Some(0), 0).unwrap().map(|g| g.size());
+        (r, t.elapsed(), again)
+    });
+    for (rank, (err, took, again)) in out.into_iter().enumerate() {
+        let e = err.unwrap_or_else(|| panic!("rank {rank}: no error"));
+        let want = if rank == 2 {
+            ErrorKind::InvalidArgument
+        } else {
+            ErrorKind::Mismatch
+        };
+        assert_eq!(e.kind(), want, "rank {rank}: {e}");
+        assert!(e.to_string().contains("color"), "rank {rank}: {e}");
+        assert!(e.is_usable(), "rank {rank}: {e}");
+        // Nothing waited for the 60 s timeout of the test configuration.
+        assert!(took < Duration::from_secs(20), "rank {rank}: {took:?}");
+        assert_eq!(again, Some(4), "rank {rank}");
+    }
+}

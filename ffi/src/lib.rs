@@ -299,11 +299,12 @@ pub struct chorus_unique_id {
 }
 
 /// Make a unique id (as `ncclGetUniqueId`): starts a rendezvous store in this process, on a
-/// free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the first interface that
-/// is neither loopback nor docker (loopback when there is none), with a fresh random secret.
+/// free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the one that routes to
+/// `CHORUS_ADDR` or `MASTER_ADDR` when a launcher set one, else of the first interface that is
+/// neither loopback nor docker (loopback when there is none), with a fresh random secret.
 /// Call it in one process, typically rank 0's, which must stay alive until every rank's
 /// `chorus_comm_init_rank` has returned; the first communicator made with it in this process
-/// keeps the store.
+/// keeps the store (otherwise it stays until the process exits).
 ///
 /// # Safety
 /// `id` is NULL or valid for writing a `chorus_unique_id`.
@@ -453,7 +454,8 @@ pub const CHORUS_SPLIT_NOCOLOR: c_int = -1;
 /// same order, as with any two communicators.
 ///
 /// On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
-/// NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT`, refused before any exchange.
+/// NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT` on this rank, and fails the split on
+/// every other rank too (`CHORUS_MISMATCH`, naming this rank), none waiting for a timeout.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -470,16 +472,9 @@ pub unsafe extern "C" fn chorus_comm_split(
         unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        let color = match color {
-            CHORUS_SPLIT_NOCOLOR => None,
-            c if c >= 0 => Some(c as u32),
-            c => {
-                return Err(Failure::invalid(format!(
-                    "color {c}: need 0 or more, or CHORUS_SPLIT_NOCOLOR (-1)"
-                )))
-            }
-        };
-        let child = c.with(|c| Ok(c.split(color, i64::from(key))?))?;
+        // A color below -1 is refused inside the split's exchange, so that the other ranks
+        // fail at once too.
+        let child = c.with(|c| Ok(c.split_raw(i64::from(color), i64::from(key))?))?;
         let out = child.map_or(std::ptr::null_mut(), |n| ptr::into_raw(chorus_comm::new(n)));
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, out, "newcomm") }

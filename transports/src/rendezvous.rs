@@ -380,8 +380,9 @@ pub fn accept_handshake(
             let soon = deadline.min(Instant::now() + Duration::from_secs(1));
             let _ = write_all_by(stream, &verdict, soon);
             return Err(TransportError::Rendezvous(
-                "authentication failed: the peer's proof does not match; CHORUS_TOKEN differs \
-                 between ranks, or the peer belongs to another job or communicator"
+                "authentication failed: the peer's proof does not match; CHORUS_TOKEN (or the \
+                 unique id) differs between ranks, or the peer belongs to another job or \
+                 communicator"
                     .into(),
             ));
         }
@@ -432,8 +433,8 @@ pub fn connect_handshake(
             VERDICT_REJECTED => {
                 return Err(TransportError::Rendezvous(
                     "authentication failed: the peer rejected this rank's proof; CHORUS_TOKEN \
-                     differs between ranks, or the address belongs to another job or \
-                     communicator"
+                     (or the unique id) differs between ranks, or the address belongs to \
+                     another job or communicator"
                         .into(),
                 ))
             }
@@ -448,8 +449,8 @@ pub fn connect_handshake(
         if expected.verify_slice(&verdict[1..]).is_err() {
             return Err(TransportError::Rendezvous(
                 "authentication failed: the peer accepted this rank but could not prove it knows \
-                 the token; CHORUS_TOKEN differs between ranks, or something else listens on \
-                 this address"
+                 the token; CHORUS_TOKEN (or the unique id) differs between ranks, or something \
+                 else listens on this address"
                     .into(),
             ));
         }

@@ -575,11 +575,19 @@ class Communicator:
         ranked by ``key`` (ties by their rank here). ``color=None`` joins none and returns
         None. Every rank must call it. The new communicator has its own connections and is
         independent of this one: close either first, or use both from two threads."""
-        c = -1 if color is None else _int(color, "color")
-        if c < 0 and color is not None:
-            raise InvalidArgumentError(f"split: color {color} must be 0 or more, or None")
         handle = ctypes.c_void_p()
-        self._call(lib.chorus_comm_split, c, _int(key, "key"), ctypes.byref(handle))
+        try:
+            c = -1 if color is None else _int(color, "color")
+            if c < 0 and color is not None:
+                raise InvalidArgumentError(f"split: color {color} must be 0 or more, or None")
+            k = _int(key, "key")
+        except InvalidArgumentError:
+            # Still take part with a color the library refuses, so that the other ranks
+            # fail at once (naming this rank) instead of waiting out their timeout.
+            with contextlib.suppress(ChorusError):
+                self._call(lib.chorus_comm_split, -2, 0, ctypes.byref(handle))
+            raise
+        self._call(lib.chorus_comm_split, c, k, ctypes.byref(handle))
         return Communicator(handle) if handle.value else None
 
     def dup(self) -> "Communicator":
@@ -590,13 +598,13 @@ class Communicator:
         return Communicator(handle)
 
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
-        """A communicator of ``ranks`` (ranks of this one), ranked in the order listed, as
-        ``torch.distributed.new_group(ranks)``; None on the ranks not listed. Every rank must
-        call it with the same list. The members check that they got exactly the listed ranks
-        in that order (a rank that passed another list gives :class:`MismatchError` on every
-        member of the group it landed in)."""
+        """A communicator of ``ranks`` (ranks of this one), ranked in increasing rank order
+        whatever the order listed, as ``torch.distributed.new_group(ranks)``; None on the
+        ranks not listed. Every rank must call it with the same ranks. The members check that
+        they got exactly those ranks (a rank that passed others gives :class:`MismatchError`
+        on every member of the group it landed in)."""
         try:
-            listed = [_int(r, "ranks[i]") for r in ranks]
+            listed = sorted(_int(r, "ranks[i]") for r in ranks)
         except TypeError:
             raise InvalidArgumentError("new_group: ranks must be a sequence of ints") from None
         if len(set(listed)) != len(listed) or not all(0 <= r < self.size for r in listed):

@@ -18,6 +18,12 @@ thread with the GIL released; ``async_op=True`` returns work that is already com
 Timeouts are chorus's (``CHORUS_TIMEOUT``, ``CHORUS_INIT_TIMEOUT``), not the ``timeout`` of
 ``init_process_group``.
 
+Point-to-point messages travel on a copy of the group's communicator (``dup``), so they
+never meet its collectives. ``send`` and ``isend`` block until the message is handed to the
+transport (large messages: until the peer receives them); ``batch_isend_irecv`` runs its k-th
+send together with its k-th receive in one ``sendrecv``, so rings and pairwise exchanges of any
+size complete.
+
 Supported: ``all_reduce`` (sum, product, min, max, avg), ``broadcast``, ``reduce``,
 ``all_gather`` (tensors of different sizes too, through allgatherv),
 ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``,
@@ -33,7 +39,14 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import Communicator, InvalidArgumentError, UnsupportedError, init, unique_id
+from . import (
+    ChorusError,
+    Communicator,
+    InvalidArgumentError,
+    UnsupportedError,
+    init,
+    unique_id,
+)
 
 __all__ = ["ProcessGroupChorus", "register"]
 
@@ -87,6 +100,12 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def __init__(self, comm: Communicator):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
+        # Point-to-point messages travel on a copy of their own, so that a message a peer has
+        # not received yet never meets the collectives (Gloo keeps them apart by tags).
+        self.p2p = comm.dup()
+        # Sends and receives queued between _start_coalescing and _end_coalescing
+        # (batch_isend_irecv): (is_send, tensor, peer, future).
+        self._batch: Optional[List[Any]] = None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return NAME
@@ -277,15 +296,61 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
         self._tag(tag)
-        for i, t in enumerate(tensors):
-            self.comm.send(_flat(t, f"tensors[{i}]"), dst)
+        flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        if self._batch is not None:
+            return self._queue(True, flat, dst, tensors)
+        for t in flat:
+            self.p2p.send(t, dst)
         return _done(tensors)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         self._tag(tag)
-        for i, t in enumerate(tensors):
-            self.comm.recv(_flat(t, f"tensors[{i}]"), src)
+        flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        if self._batch is not None:
+            return self._queue(False, flat, src, tensors)
+        for t in flat:
+            self.p2p.recv(t, src)
         return _done(tensors)
+
+    # ---- batch_isend_irecv ---------------------------------------------------------------
+
+    def _queue(self, is_send: bool, flat: List[torch.Tensor], peer: int, tensors: Any) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+        assert self._batch is not None
+        self._batch.append((is_send, flat, peer, fut, tensors))
+        return torch._C._distributed_c10d._create_work_from_future(fut)
+
+    def _start_coalescing(self) -> None:
+        self._batch = []
+
+    def _end_coalescing(self, reqs: Any = None) -> None:
+        """Run the batch: the k-th send together with the k-th receive (one ``sendrecv``,
+        both directions at once, so that a ring or a pairwise exchange of messages larger
+        than the transport's buffers cannot deadlock), then what is left in order."""
+        batch, self._batch = self._batch or [], None
+        sends = [(flat, peer, fut, ts) for is_send, flat, peer, fut, ts in batch if is_send]
+        recvs = [(flat, peer, fut, ts) for is_send, flat, peer, fut, ts in batch if not is_send]
+        try:
+            for k in range(max(len(sends), len(recvs))):
+                s = sends[k] if k < len(sends) else None
+                r = recvs[k] if k < len(recvs) else None
+                if s is not None and r is not None and len(s[0]) == len(r[0]):
+                    for a, b in zip(s[0], r[0]):
+                        self.p2p.sendrecv(a, s[1], b, r[1])
+                else:
+                    for one in (s, r):
+                        if one is None:
+                            continue
+                        for t in one[0]:
+                            (self.p2p.send if one is s else self.p2p.recv)(t, one[1])
+                for one in (s, r):
+                    if one is not None:
+                        one[2].set_result(one[3])
+        except BaseException as e:
+            for _, _, _, fut, _ in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")
@@ -293,17 +358,34 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupChorus:
     """torch's backend constructor: the group's first rank makes a unique id and shares it
-    through the group's store."""
+    through the group's store.
+
+    The key carries a generation: every member counts itself in (``store.add``), so a group
+    made again on a store that outlives it (``destroy_process_group``, then
+    ``init_process_group`` on torchrun's agent store) never reads the last one's id. When
+    the first rank cannot make an id, it leaves an error there instead, and every member
+    fails with it at once."""
     if not isinstance(rank, int) or not isinstance(size, int) or not 0 <= rank < size:
         # torch 1.13 takes new_group([]) for the default group, with no rank and size 0.
         raise InvalidArgumentError(
             f"chorus backend: rank {rank} of a group of {size}: a group needs at least one rank"
         )
+    generation = (store.add(_STORE_KEY + "/joined", 1) - 1) // size
+    key = f"{_STORE_KEY}/{generation}"
     if rank == 0:
-        uid = unique_id()
-        store.set(_STORE_KEY, uid)
+        try:
+            uid = unique_id()
+        except Exception as e:
+            store.set(key, b"error:" + str(e).encode())
+            raise
+        store.set(key, uid)
     else:
-        uid = bytes(store.get(_STORE_KEY))
+        uid = bytes(store.get(key))
+        if uid.startswith(b"error:"):
+            raise ChorusError(
+                "chorus backend: the group's first rank could not start it: "
+                + uid[len(b"error:"):].decode(errors="replace")
+            )
     return ProcessGroupChorus(init(rank=rank, size=size, unique_id=uid))
 
 

@@ -137,6 +137,27 @@ def main():
             dist.recv(r, left)
             dist.send(s, right)
         check("send/recv", r, torch.full((1000,), float(left)))
+    # batch_isend_irecv around a ring with 4 MiB messages (beyond any transport buffer):
+    # each rank's send and receive run together
+    if p > 1:
+        right, left = (me + 1) % p, (me - 1) % p
+        s, r = torch.full((1 << 20,), float(me)), torch.zeros(1 << 20)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, right), dist.P2POp(dist.irecv, r, left)])
+        for q in reqs:
+            q.wait()
+        check("batch_isend_irecv ring", r, torch.full((1 << 20,), float(left)))
+        # a message not yet received does not meet the collectives: rank 0 sends, then
+        # everyone reduces, then rank 1 receives
+        m = torch.tensor([42.0])
+        if me == 0:
+            dist.isend(m, 1).wait()
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        check("all_reduce after a pending send", t, torch.full((3,), float(p)))
+        if me == 1:
+            got = torch.zeros(1)
+            dist.recv(got, 0)
+            check("the pending message", got, m)
     # objects
     objs = [None] * p
     dist.all_gather_object(objs, {"rank": me, "name": f"r{me}"})
@@ -155,7 +176,11 @@ def main():
         t = torch.tensor([float(me)])
         dist.all_reduce(t, group=odd)
         check("odd group", t, torch.tensor([float(sum(r for r in range(p) if r % 2 == 1))]))
-        dist.broadcast(t, p - 1 if (p - 1) % 2 == 1 else p - 2, group=odd)
+        # the root is a global rank: the last odd one, group rank (size - 1)
+        root = p - 1 if (p - 1) % 2 == 1 else p - 2
+        t = torch.tensor([float(me * 10)])
+        dist.broadcast(t, root, group=odd)
+        check("odd group broadcast", t, torch.tensor([float(root * 10)]))
     alone = dist.new_group([p - 1])
     if me == p - 1:
         t = torch.tensor([5.0])

@@ -291,13 +291,13 @@ def groups(comm):
     t = torch.full((1000,), float(me))
     half.allreduce(t, op="sum")
     assert (t == float(sum(want))).all(), t[:4]
-    # torch.distributed.new_group's shape: [3, 1] ranked in that order, None elsewhere.
+    # torch.distributed.new_group's shape: [3, 1] ranked in increasing order, None elsewhere.
     g = comm.new_group([3, 1])
     if me in (3, 1):
-        assert (g.rank, g.size) == ([3, 1].index(me), 2), g
+        assert (g.rank, g.size) == ([1, 3].index(me), 2), g
         x = np.array([me], dtype=np.int32)
         g.broadcast(x, root=0)
-        assert x[0] == 3, x
+        assert x[0] == 1, x
         g.close()
     else:
         assert g is None, g
@@ -333,7 +333,14 @@ def groups(comm):
     assert not th.is_alive(), "the copy's thread did not finish"
     assert box.get("ok"), box.get("err")
     d.close()
-    # Bad arguments, alike on every rank, refused before any exchange.
+    # A bad color on the last rank only: the others fail at once, naming it.
+    if me == p - 1:
+        expect(E, lambda: comm.split(True), "bool color")
+    else:
+        e = expect(chorus.MismatchError, lambda: comm.split(0), "another rank's bad color")
+        assert "color" in e.message, e.message
+    comm.barrier()
+    # Bad arguments, alike on every rank.
     expect(E, lambda: comm.split(-2), "negative color")
     expect(E, lambda: comm.split(True), "bool color")
     expect(E, lambda: comm.split(2**31), "color out of range")

@@ -688,11 +688,17 @@ static chorus_comm *split(chorus_comm *comm) {
     OK(chorus_comm_destroy(copy));
     OK(chorus_barrier(comm));
 
-    /* Bad arguments, refused on every rank alike before any exchange. */
+    /* A bad color on the last rank only: refused there, and the others fail at once too
+     * (within the job's watchdog, far below CHORUS_TIMEOUT), naming it. */
     chorus_comm *out = half;
-    EXPECT(chorus_comm_split(comm, -2, 0, &out), CHORUS_INVALID_ARGUMENT);
+    int32_t st = chorus_comm_split(comm, me == p - 1 ? -2 : 0, 0, &out);
+    int32_t want_st = me == p - 1 ? CHORUS_INVALID_ARGUMENT : CHORUS_MISMATCH;
+    CHECK(st == want_st, "split with a bad color on rank %d: %d (%s), want %d: %s", p - 1,
+          (int)st, chorus_status_string(st), (int)want_st, chorus_last_error());
     CHECK(out == NULL, "a refused split left *newcomm set");
     CHECK(strstr(chorus_last_error(), "color") != NULL, "message: %s", chorus_last_error());
+    OK(chorus_barrier(comm));
+    /* Bad pointers, refused on every rank alike before any exchange. */
     EXPECT(chorus_comm_split(comm, 0, 0, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_comm_split(NULL, 0, 0, &out), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_comm_dup(NULL, &out), CHORUS_INVALID_ARGUMENT);
