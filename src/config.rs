@@ -476,6 +476,15 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
+    fn debug_output_hides_the_token() {
+        let mut c = Config::new(0, 2, "127.0.0.1:1");
+        c.token = Some("hunter2-secret".into());
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("token: Some(\"<secret>\")"), "{shown}");
+    }
+
+    #[test]
     fn switches_take_on_and_off_words() {
         let q = "CHORUS_TCP_QUICKACK";
         assert_eq!(parse_switch(q, "").unwrap(), None);
