@@ -13,11 +13,14 @@ QUICK=0
 log() { printf '== %s\n' "$*" >&2; }
 
 # System packages the tests use (C compiler and pkg-config for the C tests, iproute2 for
-# namespace tests, Debian's Python with numpy, PyTorch and pytest for the Python package).
+# namespace tests, Open MPI for the MPI example, Debian's Python with numpy, PyTorch and pytest
+# for the Python package).
 need=()
 command -v cc >/dev/null || need+=(gcc libc6-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v ip >/dev/null || need+=(iproute2)
+command -v mpicc >/dev/null || need+=(libopenmpi-dev)
+command -v mpirun >/dev/null || need+=(openmpi-bin)
 PY=/usr/bin/python3
 "$PY" -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
 "$PY" -c 'import torch' 2>/dev/null || need+=(python3-torch)

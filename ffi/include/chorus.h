@@ -334,11 +334,12 @@ int32_t chorus_comm_init(chorus_comm **out,
 
 /**
  * Make a unique id (as `ncclGetUniqueId`): starts a rendezvous store in this process, on a
- * free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the first interface that
- * is neither loopback nor docker (loopback when there is none), with a fresh random secret.
+ * free port of the interface `CHORUS_SOCKET_IFNAME` names, else of the one that routes to
+ * `CHORUS_ADDR` or `MASTER_ADDR` when a launcher set one, else of the first interface that is
+ * neither loopback nor docker (loopback when there is none), with a fresh random secret.
  * Call it in one process, typically rank 0's, which must stay alive until every rank's
  * `chorus_comm_init_rank` has returned; the first communicator made with it in this process
- * keeps the store.
+ * keeps the store (otherwise it stays until the process exits).
  *
  * # Safety
  * `id` is NULL or valid for writing a `chorus_unique_id`.
@@ -413,7 +414,8 @@ int32_t chorus_comm_destroy(chorus_comm *comm);
  * same order, as with any two communicators.
  *
  * On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
- * NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT`, refused before any exchange.
+ * NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT` on this rank, and fails the split on
+ * every other rank too (`CHORUS_MISMATCH`, naming this rank), none waiting for a timeout.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.

@@ -356,3 +356,80 @@ fn pkg_config_file_describes_the_install() {
     assert!(b.prefix.join("lib/libchorus.so").is_file());
     assert!(b.prefix.join("lib/libchorus.a").is_file());
 }
+
+/// `examples/mpi_allreduce.c` under `mpirun`: MPI broadcasts the unique id rank 0 makes, and
+/// chorus's sums must equal the reference and `MPI_Allreduce`'s. Needs Open MPI (`mpicc`,
+/// `mpirun`; `scripts/test.sh` installs them as root); `CHORUS_SKIP_MPI=1` skips the test where
+/// that is impossible.
+#[test]
+fn an_mpi_program_joins_through_a_unique_id() {
+    if std::env::var("CHORUS_SKIP_MPI").is_ok_and(|v| v.trim() == "1") {
+        println!("SKIP: CHORUS_SKIP_MPI=1");
+        return;
+    }
+    let b = built();
+    let exe = b
+        .prefix
+        .parent()
+        .expect("the work directory")
+        .join("mpi_allreduce");
+    let ws = workspace();
+    let cflags = pkg_config(&b.prefix, &["--cflags"]);
+    let libs = pkg_config(&b.prefix, &["--libs"]);
+    let compiled = Command::new("mpicc")
+        .args(["-std=c11", "-O1", "-Wall", "-Wextra", "-Werror"])
+        .args(&cflags)
+        .arg(ws.join("examples/mpi_allreduce.c"))
+        .arg("-o")
+        .arg(&exe)
+        .args(&libs)
+        .arg(format!("-Wl,-rpath,{}", b.prefix.join("lib").display()))
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "mpicc: {e} (install Open MPI: apt-get install libopenmpi-dev openmpi-bin, or \
+                 set CHORUS_SKIP_MPI=1)"
+            )
+        });
+    assert!(
+        compiled.status.success(),
+        "mpicc failed:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    for np in [1, 4] {
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+        ])
+        .arg(np.to_string())
+        .arg(&exe);
+        // The job's own settings only: no CHORUS_ADDR, rank or size from this process.
+        for (k, _) in std::env::vars() {
+            if k.starts_with("CHORUS_") {
+                cmd.env_remove(k);
+            }
+        }
+        let out = cmd.output().expect("mpirun");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "mpirun -n {np}: {:?}\n{text}",
+            out.status
+        );
+        for r in 0..np {
+            let want = format!("rank {r} of {np}: 1048576 elements, 0 wrong, 0 differ");
+            assert!(
+                text.contains(&want),
+                "mpirun -n {np}: no line {want:?} in\n{text}"
+            );
+        }
+    }
+}
