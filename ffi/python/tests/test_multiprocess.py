@@ -117,7 +117,9 @@ def final_loss_at_start(workspace):
     return final_loss(out)
 
 
-def test_ddp_example_runs_under_torchrun(workspace):
+@pytest.mark.parametrize("hook", ["chorus", "backend"])
+def test_ddp_example_runs_under_torchrun(workspace, hook):
+    """The comm hook (chorus beside a Gloo group) and the backend (no Gloo) under torchrun."""
     torchrun = [PYTHON, "-m", "torch.distributed.run"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
@@ -125,7 +127,7 @@ def test_ddp_example_runs_under_torchrun(workspace):
         # torch 1.13 on Python 3.11 cannot parse the default "0" of --redirects/--tee
         # (IntFlag iteration skips 0); "1" (stdout to a log file, teed to the console) works.
         + ["--nproc_per_node", "2", "--master_port", str(_free_port()), "--redirects", "1", "--tee", "1",
-           str(workspace / "examples" / "ddp_train.py"), "--hook", "chorus", "--steps", "20"],
+           str(workspace / "examples" / "ddp_train.py"), "--hook", hook, "--steps", "20"],
         capture_output=True,
         text=True,
         timeout=150,
