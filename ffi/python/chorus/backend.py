@@ -15,6 +15,8 @@ communicator: the group's first rank makes a unique id (:func:`chorus.unique_id`
 the group's torch store, where the others read it. Collectives run as chorus runs them, on CPU
 tensors (contiguous; complex tensors as pairs of reals for sums and averages), in the calling
 thread with the GIL released; ``async_op=True`` returns work that is already complete.
+Calls from several threads on one group wait for each other (the ranks must still make them
+in the same order).
 Timeouts are chorus's (``CHORUS_TIMEOUT``, ``CHORUS_INIT_TIMEOUT``), not the ``timeout`` of
 ``init_process_group``.
 
@@ -33,6 +35,8 @@ and what is built on them (``all_gather_object``, ``broadcast_object_list``, DDP
 supported, with an error saying so: ``recv`` from any source, bitwise reductions, other tags.
 """
 
+import functools
+import threading
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -93,6 +97,25 @@ def _flat(t: torch.Tensor, what: str, op: Optional[str] = None) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the method holding the group's lock ``lock_name``: calls from several threads wait
+    for each other (as Gloo queues them) rather than being refused by the communicator."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def locked(self: "ProcessGroupChorus", *args: Any, **kwargs: Any) -> Any:
+            with getattr(self, lock_name):
+                return f(self, *args, **kwargs)
+
+        return locked
+
+    return wrap
+
+
+_collective = _serial("_lock")
+_p2p = _serial("_p2p_lock")
+
+
 class ProcessGroupChorus(dist.ProcessGroup):
     """A ``torch.distributed`` process group over one chorus communicator (see the module
     documentation). Made by ``init_process_group("chorus")`` and ``new_group``."""
@@ -100,6 +123,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def __init__(self, comm: Communicator):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
+        self._lock = threading.RLock()
+        self._p2p_lock = threading.RLock()
         # Point-to-point messages travel on a copy of their own, so that a message a peer has
         # not received yet never meets the collectives (Gloo keeps them apart by tags).
         self.p2p = comm.dup()
@@ -112,27 +137,32 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     # ---- collectives -------------------------------------------------------------------
 
+    @_collective
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts)
         for i, t in enumerate(tensors):
             self.comm.allreduce(_flat(t, f"tensors[{i}]", op), op=op)
         return _done(tensors)
 
+    @_collective
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
+    @_collective
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         for i, t in enumerate(tensors):
             self.comm.broadcast(_flat(t, f"tensors[{i}]"), root=root)
         return _done(tensors)
 
+    @_collective
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts)
         for i, t in enumerate(tensors):
             self.comm.reduce(_flat(t, f"tensors[{i}]", op), root=opts.rootRank, op=op)
         return _done(tensors)
 
+    @_collective
     def allgather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -140,6 +170,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self._allgather_list(out, x)
         return _done(outputs)
 
+    @_collective
     def allgather_coalesced(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -165,10 +196,12 @@ class ProcessGroupChorus(dist.ProcessGroup):
         for o, part in zip(out, flat.split(counts)):
             _flat(o, "an output").copy_(part)
 
+    @_collective
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self.comm.allgather(_flat(input, "the input"), _flat(output, "the output"))
         return _done([output])
 
+    @_collective
     def reduce_scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
@@ -187,11 +220,13 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self.comm.reduce_scatter(flat, o, op=op)
         return _done(outputs)
 
+    @_collective
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = _op(opts)
         self.comm.reduce_scatter(_flat(input, "the input", op), _flat(output, "the output", op), op=op)
         return _done([output])
 
+    @_collective
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -229,6 +264,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
         )
         return _done([output])
 
+    @_collective
     def alltoall(
         self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -246,6 +282,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
             o.copy_(part)
         return _done(outputs)
 
+    @_collective
     def gather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -264,6 +301,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 self.comm.gather(src, None, root=root)
         return _done(outputs)
 
+    @_collective
     def scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
@@ -280,6 +318,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 self.comm.scatter(None, dst, root=root)
         return _done(outputs)
 
+    @_collective
     def barrier(self, opts: Any = None) -> Any:
         self.comm.barrier()
         return _done(None)
@@ -294,6 +333,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 "ranks in order and supports tag 0 only"
             )
 
+    @_p2p
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
         self._tag(tag)
         flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
@@ -303,6 +343,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self.p2p.send(t, dst)
         return _done(tensors)
 
+    @_p2p
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         self._tag(tag)
         flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
@@ -323,6 +364,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def _start_coalescing(self) -> None:
         self._batch = []
 
+    @_p2p
     def _end_coalescing(self, reqs: Any = None) -> None:
         """Run the batch: the k-th send together with the k-th receive (one ``sendrecv``,
         both directions at once, so that a ring or a pairwise exchange of messages larger

@@ -7,6 +7,7 @@ Prints ``ok torch_backend rank R``."""
 
 import functools
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,42 @@ def main():
             got = torch.zeros(1)
             dist.recv(got, 0)
             check("the pending message", got, m)
+    # two threads calling collectives on one group at once wait for each other (their calls
+    # pair up across ranks in whatever order, so both reduce equal tensors); a third thread
+    # sends point-to-point meanwhile, on the group's own point-to-point communicator
+    errors = []
+
+    def reduce_ones():
+        try:
+            for _ in range(20):
+                t = torch.ones(1000)
+                dist.all_reduce(t)
+                assert (t == p).all(), t[:4]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def pass_on():
+        try:
+            if p > 1:
+                x = torch.full((100,), float(me))
+                if me % 2 == 0:
+                    dist.send(x, (me + 1) % p)
+                    dist.recv(x, (me - 1) % p)
+                else:
+                    y = x.clone()
+                    dist.recv(x, (me - 1) % p)
+                    dist.send(y, (me + 1) % p)
+                assert (x == float((me - 1) % p)).all(), x[:4]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (reduce_ones, reduce_ones, pass_on)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a thread did not finish"
+    assert not errors, errors
     # objects
     objs = [None] * p
     dist.all_gather_object(objs, {"rank": me, "name": f"r{me}"})
