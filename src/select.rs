@@ -1697,8 +1697,8 @@ pub fn link_from_config(
 }
 
 /// Measures the link between ring neighbours: every rank sends to `rank + 1` and receives from
-/// `rank − 1`, first [`PROBE_SMALL`] messages of 8 bytes (α: the time of one exchange), then
-/// [`PROBE_LARGE`] of 256 KiB (β: the extra time per byte), then an allreduce-max so that every
+/// `rank − 1`, first `PROBE_SMALL` messages of 8 bytes (α: the time of one exchange), then
+/// `PROBE_LARGE` of 256 KiB (β: the extra time per byte), then an allreduce-max so that every
 /// rank returns the same, slowest, figures. Must be called by every rank of a group of at
 /// least two.
 pub fn probe(ctx: &mut CollCtx<'_>) -> TResult<Link> {
