@@ -202,6 +202,13 @@ def main():
     lst = [me, "x"] if me == 0 else [None, None]
     dist.broadcast_object_list(lst, src=0)
     assert lst == [0, "x"], lst
+    gathered = [None] * p if me == 0 else None
+    dist.gather_object({"r": me, "pad": "y" * me}, gathered, dst=0)
+    if me == 0:
+        assert gathered == [{"r": r, "pad": "y" * r} for r in range(p)], gathered
+    mine = [None]
+    dist.scatter_object_list(mine, [f"to {r}" * (r + 1) for r in range(p)] if me == 0 else None, src=0)
+    assert mine[0] == f"to {me}" * (me + 1), mine
     # async work is complete when returned
     t = vals(torch.float32)
     w = dist.all_reduce(t, async_op=True)
