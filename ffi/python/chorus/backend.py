@@ -20,11 +20,19 @@ in the same order).
 Timeouts are chorus's (``CHORUS_TIMEOUT``, ``CHORUS_INIT_TIMEOUT``), not the ``timeout`` of
 ``init_process_group``.
 
+Data-moving collectives (broadcast, the gathers, scatters and all-to-alls) and
+point-to-point messages move bytes, so they take any dtype (bool, int16, complex, ...);
+reductions take chorus's dtypes.
+
 Point-to-point messages travel on a copy of the group's communicator (``dup``), so they
-never meet its collectives. ``send`` and ``isend`` block until the message is handed to the
-transport (large messages: until the peer receives them); ``batch_isend_irecv`` runs its k-th
-send together with its k-th receive in one ``sendrecv``, so rings and pairwise exchanges of any
-size complete.
+never meet its collectives, and as bytes (Gloo does not check dtypes either). A send of up to
+64 KiB with nothing before it goes at once (the transport holds it until the peer receives);
+other ``isend``/``irecv`` calls wait in a queue until ``wait()`` is called on any of them
+(``send``/``recv`` wait at once), and then the queue runs as a batch. A batch
+(``batch_isend_irecv``, or the queue) runs per peer: the k-th send to a peer together with
+the k-th receive from it in one ``sendrecv``, the peers in one order every rank shares, so
+that exchanges of any size and pattern complete. A large ``isend`` that is never waited for
+is therefore never sent.
 
 Supported: ``all_reduce`` (sum, product, min, max, avg), ``broadcast``, ``reduce``,
 ``all_gather`` (tensors of different sizes too, through allgatherv),
@@ -37,6 +45,7 @@ supported, with an error saying so: ``recv`` from any source, bitwise reductions
 
 import functools
 import threading
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -56,6 +65,8 @@ __all__ = ["ProcessGroupChorus", "register"]
 
 NAME = "chorus"
 _STORE_KEY = "chorus/unique_id"
+# Sends up to this size go at once: the transport holds them until the peer receives.
+_EAGER_BYTES = 64 << 10
 
 _OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -85,16 +96,78 @@ def _done(value: Any) -> Any:
 
 
 def _flat(t: torch.Tensor, what: str, op: Optional[str] = None) -> torch.Tensor:
-    """``t`` as the 1-D tensor chorus moves: a view sharing its memory."""
+    """``t`` as the 1-D tensor chorus reduces: a view sharing its memory."""
     if t.device.type != "cpu":
         raise InvalidArgumentError(f"chorus backend: {what} is on {t.device}; chorus moves CPU tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"chorus backend: {what} is not contiguous")
+    if t.is_conj() or t.is_neg():
+        # Its memory holds other values than it shows (a lazy conjugate or negation).
+        raise InvalidArgumentError(
+            f"chorus backend: {what} is a conjugate or negative view; resolve it first "
+            "(resolve_conj(), resolve_neg())"
+        )
     if t.is_complex():
         if op not in (None, "sum", "avg"):
             raise UnsupportedError(f"chorus backend: {op} of complex tensors")
         t = torch.view_as_real(t)
     return t.reshape(-1)
+
+
+def _bytes(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s memory as a 1-D uint8 view, for the collectives that only move data."""
+    return _flat(t, what).view(torch.uint8)
+
+
+def _root(opts: Any) -> int:
+    return int(getattr(opts, "rootRank", 0))
+
+
+class _P2P:
+    """One queued send or receive."""
+
+    __slots__ = ("is_send", "data", "peer", "fut", "tensors")
+
+    def __init__(self, is_send: bool, data: List[torch.Tensor], peer: int, tensors: Any):
+        self.is_send, self.data, self.peer, self.tensors = is_send, data, peer, tensors
+        self.fut: torch.futures.Future = torch.futures.Future()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.data)
+
+
+class _QueuedWork(dist._Work):
+    """The work of a queued ``isend``/``irecv``: ``wait()`` runs the group's queue."""
+
+    def __init__(self, group: "ProcessGroupChorus", op: _P2P):
+        super().__init__()
+        self._group, self._op = group, op
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._op.fut.done():
+            self._group._flush()
+        self._op.fut.wait()  # raises the batch's error, if it failed
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.fut.done()
+
+    def is_success(self) -> bool:
+        if not self._op.fut.done():
+            return False
+        try:
+            self._op.fut.value()
+        except Exception:  # noqa: BLE001 - a failed batch
+            return False
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._op.fut
+
+    def result(self) -> Any:
+        self.wait()
+        return self._op.tensors
 
 
 def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -113,7 +186,6 @@ def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
 
 
 _collective = _serial("_lock")
-_p2p = _serial("_p2p_lock")
 
 
 class ProcessGroupChorus(dist.ProcessGroup):
@@ -128,9 +200,11 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # Point-to-point messages travel on a copy of their own, so that a message a peer has
         # not received yet never meets the collectives (Gloo keeps them apart by tags).
         self.p2p = comm.dup()
-        # Sends and receives queued between _start_coalescing and _end_coalescing
-        # (batch_isend_irecv): (is_send, tensor, peer, future).
-        self._batch: Optional[List[Any]] = None
+        # isend/irecv waiting for a wait() (under _p2p_lock).
+        self._pending: List[_P2P] = []
+        # Each thread's batch between _start_coalescing and _end_coalescing
+        # (batch_isend_irecv): .batch, a list of _P2P, and .failed, an error while queuing.
+        self._tls = threading.local()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return NAME
@@ -150,16 +224,15 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     @_collective
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        root = opts.rootRank if opts is not None else 0
         for i, t in enumerate(tensors):
-            self.comm.broadcast(_flat(t, f"tensors[{i}]"), root=root)
+            self.comm.broadcast(_bytes(t, f"tensors[{i}]"), root=_root(opts))
         return _done(tensors)
 
     @_collective
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts)
         for i, t in enumerate(tensors):
-            self.comm.reduce(_flat(t, f"tensors[{i}]", op), root=opts.rootRank, op=op)
+            self.comm.reduce(_flat(t, f"tensors[{i}]", op), root=_root(opts), op=op)
         return _done(tensors)
 
     @_collective
@@ -184,21 +257,24 @@ class ProcessGroupChorus(dist.ProcessGroup):
             raise InvalidArgumentError(
                 f"chorus backend: all_gather needs {self.comm.size} output tensors, got {len(out)}"
             )
-        src = _flat(x, "the input")
-        counts = [_flat(o, "an output").numel() for o in out]
         if any(o.dtype != x.dtype for o in out):
             raise InvalidArgumentError("chorus backend: all_gather outputs must have the input's dtype")
-        flat = torch.empty(sum(counts), dtype=src.dtype)
+        src = _bytes(x, "the input")
+        outs = [_bytes(o, "an output") for o in out]
+        counts = [o.numel() for o in outs]
+        flat = torch.empty(sum(counts), dtype=torch.uint8)
         if all(c == src.numel() for c in counts):
             self.comm.allgather(src, flat)
         else:
             self.comm.allgatherv(src, flat, counts)
-        for o, part in zip(out, flat.split(counts)):
-            _flat(o, "an output").copy_(part)
+        for o, part in zip(outs, flat.split(counts)):
+            o.copy_(part)
 
     @_collective
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        self.comm.allgather(_flat(input, "the input"), _flat(output, "the output"))
+        if input.dtype != output.dtype:
+            raise InvalidArgumentError("chorus backend: all_gather_into_tensor needs one dtype")
+        self.comm.allgather(_bytes(input, "the input"), _bytes(output, "the output"))
         return _done([output])
 
     @_collective
@@ -235,15 +311,15 @@ class ProcessGroupChorus(dist.ProcessGroup):
         input_split_sizes: List[int],
         opts: Any = None,
     ) -> Any:
-        src, dst = _flat(input, "the input"), _flat(output, "the output")
+        if input.dtype != output.dtype:
+            raise InvalidArgumentError("chorus backend: all_to_all_single needs one dtype")
+        src, dst = _bytes(input, "the input"), _bytes(output, "the output")
         p = self.comm.size
-        if not output_split_sizes and not input_split_sizes:
-            self.comm.alltoall(src, dst)
-            return _done([output])
-        # Split sizes count rows (the first dimension); chorus counts elements.
-        def counts(t: torch.Tensor, splits: List[int], what: str) -> List[int]:
+
+        # Split sizes count rows (the first dimension); chorus counts bytes.
+        def counts(t: torch.Tensor, b: torch.Tensor, splits: List[int], what: str) -> List[int]:
             rows = t.shape[0] if t.dim() > 0 else 1
-            per_row = t.numel() // rows if rows else 0
+            per_row = b.numel() // rows if rows else 0
             if not splits:
                 if rows % p:
                     raise InvalidArgumentError(
@@ -255,13 +331,14 @@ class ProcessGroupChorus(dist.ProcessGroup):
                     f"chorus backend: all_to_all_single: {what} split sizes {list(splits)} do not "
                     f"split its {rows} rows {p} ways"
                 )
-            n = per_row * (2 if t.is_complex() else 1)
-            return [s * n for s in splits]
+            return [s * per_row for s in splits]
 
-        self.comm.alltoallv(
-            src, counts(input, input_split_sizes, "the input"), dst,
-            counts(output, output_split_sizes, "the output"),
-        )
+        send = counts(input, src, input_split_sizes, "the input")
+        recv = counts(output, dst, output_split_sizes, "the output")
+        if len(set(send + recv)) == 1:
+            self.comm.alltoall(src, dst)
+        else:
+            self.comm.alltoallv(src, send, dst, recv)
         return _done([output])
 
     @_collective
@@ -271,12 +348,12 @@ class ProcessGroupChorus(dist.ProcessGroup):
         p = self.comm.size
         if len(outputs) != p or len(inputs) != p:
             raise InvalidArgumentError(f"chorus backend: all_to_all needs {p} inputs and {p} outputs")
-        ins = [_flat(t, "an input") for t in inputs]
-        outs = [_flat(t, "an output") for t in outputs]
-        if any(t.dtype != ins[0].dtype for t in ins + outs):
+        if any(t.dtype != inputs[0].dtype for t in list(inputs) + list(outputs)):
             raise InvalidArgumentError("chorus backend: all_to_all tensors must share one dtype")
-        src = torch.cat(ins) if ins else torch.empty(0)
-        dst = torch.empty(sum(t.numel() for t in outs), dtype=src.dtype)
+        ins = [_bytes(t, "an input") for t in inputs]
+        outs = [_bytes(t, "an output") for t in outputs]
+        src = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8)
+        dst = torch.empty(sum(t.numel() for t in outs), dtype=torch.uint8)
         self.comm.alltoallv(src, [t.numel() for t in ins], dst, [t.numel() for t in outs])
         for o, part in zip(outs, dst.split([t.numel() for t in outs])):
             o.copy_(part)
@@ -286,17 +363,22 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def gather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
-        root, p = opts.rootRank, self.comm.size
+        root, p = _root(opts), self.comm.size
         for i, x in enumerate(inputs):
-            src = _flat(x, "the input")
+            src = _bytes(x, "the input")
             if self.comm.rank == root:
                 out = outputs[i]
                 if len(out) != p:
                     raise InvalidArgumentError(f"chorus backend: gather needs {p} outputs on the root")
-                flat = torch.empty(src.numel() * p, dtype=src.dtype)
+                outs = [_bytes(o, "an output") for o in out]
+                if any(o.dtype != x.dtype for o in out) or any(o.numel() != src.numel() for o in outs):
+                    raise InvalidArgumentError(
+                        "chorus backend: gather outputs must each have the input's size and dtype"
+                    )
+                flat = torch.empty(src.numel() * p, dtype=torch.uint8)
                 self.comm.gather(src, flat, root=root)
-                for o, part in zip(out, flat.split(src.numel())):
-                    _flat(o, "an output").copy_(part)
+                for o, part in zip(outs, flat.split(src.numel())):
+                    o.copy_(part)
             else:
                 self.comm.gather(src, None, root=root)
         return _done(outputs)
@@ -305,14 +387,19 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
-        root, p = opts.rootRank, self.comm.size
+        root, p = _root(opts), self.comm.size
         for i, out in enumerate(outputs):
-            dst = _flat(out, "the output")
+            dst = _bytes(out, "the output")
             if self.comm.rank == root:
                 ins = inputs[i]
                 if len(ins) != p:
                     raise InvalidArgumentError(f"chorus backend: scatter needs {p} inputs on the root")
-                src = torch.cat([_flat(t, "an input") for t in ins])
+                parts = [_bytes(t, "an input") for t in ins]
+                if any(t.dtype != out.dtype for t in ins) or any(t.numel() != dst.numel() for t in parts):
+                    raise InvalidArgumentError(
+                        "chorus backend: scatter inputs must each have the output's size and dtype"
+                    )
+                src = torch.cat(parts)
                 self.comm.scatter(src, dst, root=root)
             else:
                 self.comm.scatter(None, dst, root=root)
@@ -333,65 +420,89 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 "ranks in order and supports tag 0 only"
             )
 
-    @_p2p
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        self._tag(tag)
-        flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-        if self._batch is not None:
-            return self._queue(True, flat, dst, tensors)
-        for t in flat:
-            self.p2p.send(t, dst)
-        return _done(tensors)
+        return self._p2p_op(True, tensors, dst, tag)
 
-    @_p2p
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
-        self._tag(tag)
-        flat = [_flat(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-        if self._batch is not None:
-            return self._queue(False, flat, src, tensors)
-        for t in flat:
-            self.p2p.recv(t, src)
-        return _done(tensors)
+        return self._p2p_op(False, tensors, src, tag)
 
-    # ---- batch_isend_irecv ---------------------------------------------------------------
+    def _p2p_op(self, is_send: bool, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
+        tls = self._tls
+        batch = getattr(tls, "batch", None)
+        try:
+            self._tag(tag)
+            data = [_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+        except Exception as e:
+            if batch is not None:
+                # The batch must not run without this op: fail all of it (nothing sent).
+                tls.failed = e
+            raise
+        op = _P2P(is_send, data, peer, tensors)
+        if batch is not None:
+            batch.append(op)
+            return torch._C._distributed_c10d._create_work_from_future(op.fut)
+        with self._p2p_lock:
+            if is_send and not self._pending and op.nbytes <= _EAGER_BYTES:
+                # Small enough for the transport to hold until the peer receives it.
+                self._run([op])
+                return _done(tensors)
+            self._pending.append(op)
+        return _QueuedWork(self, op)
 
-    def _queue(self, is_send: bool, flat: List[torch.Tensor], peer: int, tensors: Any) -> Any:
-        fut: torch.futures.Future = torch.futures.Future()
-        assert self._batch is not None
-        self._batch.append((is_send, flat, peer, fut, tensors))
-        return torch._C._distributed_c10d._create_work_from_future(fut)
+    def _flush(self) -> None:
+        with self._p2p_lock:
+            ops, self._pending = self._pending, []
+            self._run(ops)
 
     def _start_coalescing(self) -> None:
-        self._batch = []
+        if getattr(self._tls, "batch", None) is not None:
+            raise InvalidArgumentError("chorus backend: a batch of sends and receives is already open")
+        self._tls.batch, self._tls.failed = [], None
 
-    @_p2p
     def _end_coalescing(self, reqs: Any = None) -> None:
-        """Run the batch: the k-th send together with the k-th receive (one ``sendrecv``,
-        both directions at once, so that a ring or a pairwise exchange of messages larger
-        than the transport's buffers cannot deadlock), then what is left in order."""
-        batch, self._batch = self._batch or [], None
-        sends = [(flat, peer, fut, ts) for is_send, flat, peer, fut, ts in batch if is_send]
-        recvs = [(flat, peer, fut, ts) for is_send, flat, peer, fut, ts in batch if not is_send]
+        tls = self._tls
+        batch, failed = getattr(tls, "batch", None) or [], getattr(tls, "failed", None)
+        tls.batch, tls.failed = None, None
+        if failed is not None:
+            for op in batch:
+                op.fut.set_exception(failed)
+            return
+        with self._p2p_lock:
+            # Queued isend/irecv go first, in the order they were made.
+            ops, self._pending = self._pending + batch, []
+            self._run(ops)
+
+    def _run(self, ops: List[_P2P]) -> None:
+        """Run sends and receives (the caller holds ``_p2p_lock``): per peer, the k-th send
+        with the k-th receive in one ``sendrecv``, then the rest in order; the peers in the
+        order of the pairs (lower rank, higher rank), which every rank shares, so that no
+        exchange waits on a cycle. Completes every op's future, with the error if one fails."""
+        me = self.p2p.rank
+        by_peer: "OrderedDict[int, List[_P2P]]" = OrderedDict()
+        for op in ops:
+            by_peer.setdefault(op.peer, []).append(op)
         try:
-            for k in range(max(len(sends), len(recvs))):
-                s = sends[k] if k < len(sends) else None
-                r = recvs[k] if k < len(recvs) else None
-                if s is not None and r is not None and len(s[0]) == len(r[0]):
-                    for a, b in zip(s[0], r[0]):
-                        self.p2p.sendrecv(a, s[1], b, r[1])
-                else:
-                    for one in (s, r):
-                        if one is None:
-                            continue
-                        for t in one[0]:
-                            (self.p2p.send if one is s else self.p2p.recv)(t, one[1])
-                for one in (s, r):
-                    if one is not None:
-                        one[2].set_result(one[3])
-        except BaseException as e:
-            for _, _, _, fut, _ in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            for peer in sorted(by_peer, key=lambda q: (min(me, q), max(me, q))):
+                sends = [o for o in by_peer[peer] if o.is_send]
+                recvs = [o for o in by_peer[peer] if not o.is_send]
+                for k in range(max(len(sends), len(recvs))):
+                    s = sends[k] if k < len(sends) else None
+                    r = recvs[k] if k < len(recvs) else None
+                    if s is not None and r is not None and len(s.data) == len(r.data):
+                        for a, b in zip(s.data, r.data):
+                            self.p2p.sendrecv(a, peer, b, peer)
+                    else:
+                        for t in s.data if s is not None else []:
+                            self.p2p.send(t, peer)
+                        for t in r.data if r is not None else []:
+                            self.p2p.recv(t, peer)
+                    for done in (s, r):
+                        if done is not None:
+                            done.fut.set_result(done.tensors)
+        except Exception as e:
+            for op in ops:
+                if not op.fut.done():
+                    op.fut.set_exception(e)
             raise
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:

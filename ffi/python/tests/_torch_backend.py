@@ -147,6 +147,44 @@ def main():
         for q in reqs:
             q.wait()
         check("batch_isend_irecv ring", r, torch.full((1 << 20,), float(left)))
+        # a halo exchange in one batch, 4 MiB each way ([isend left, isend right, irecv left,
+        # irecv right]: sends and receives of each peer pair up, peers in a shared order)
+        big = 1 << 20
+        to_l, to_r = torch.full((big,), 10.0 * me + 1), torch.full((big,), 10.0 * me + 2)
+        from_l, from_r = torch.zeros(big), torch.zeros(big)
+        reqs = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, to_l, left), dist.P2POp(dist.isend, to_r, right),
+            dist.P2POp(dist.irecv, from_l, left), dist.P2POp(dist.irecv, from_r, right),
+        ])
+        for q in reqs:
+            q.wait()
+        if p > 2:
+            check("halo from the left", from_l, torch.full((big,), 10.0 * left + 2))
+            check("halo from the right", from_r, torch.full((big,), 10.0 * right + 1))
+        else:  # one neighbour, both ways: messages pair up in the order sent
+            check("halo from the one neighbour", torch.stack([from_l, from_r]),
+                  torch.stack([torch.full((big,), 10.0 * left + 1), torch.full((big,), 10.0 * left + 2)]))
+        # irecv first, then a blocking send of 4 MiB, then wait: pairs of ranks
+        if me ^ 1 < p:
+            peer = me ^ 1
+            got = torch.zeros(big, dtype=torch.float64)
+            req = dist.irecv(got, peer)
+            dist.send(torch.full((big,), float(me), dtype=torch.float64), peer)
+            req.wait()
+            check("irecv before send", got, torch.full((big,), float(peer), dtype=torch.float64))
+            # mixed dtypes of one size in a batch: bytes move
+            a = torch.arange(8, dtype=torch.float32) + me
+            b = torch.zeros(4, dtype=torch.int64)
+            for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]):
+                q.wait()
+            check("mixed dtypes", b.view(torch.float32), torch.arange(8, dtype=torch.float32) + peer)
+        # a batch that fails while it is made (tag 3) sends nothing, on every rank
+        try:
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, to_l, left, tag=3), dist.P2POp(dist.irecv, from_l, left)])
+        except chorus.ChorusError as e:
+            assert "tag" in e.message, e.message
+        else:
+            raise AssertionError("a batch with tag 3 ran")
         # a message not yet received does not meet the collectives: rank 0 sends, then
         # everyone reduces, then rank 1 receives
         m = torch.tensor([42.0])
@@ -195,6 +233,13 @@ def main():
         th.join(60)
     assert not any(th.is_alive() for th in threads), "a thread did not finish"
     assert not errors, errors
+    # dtypes chorus does not reduce still move: bool and int16
+    flags = torch.tensor([me % 2 == 0, True, me == 0])
+    dist.broadcast(flags, 0)
+    check("bool broadcast", flags, torch.tensor([True, True, True]))
+    shorts = [torch.zeros(3, dtype=torch.int16) for _ in range(p)]
+    dist.all_gather(shorts, torch.full((3,), -me - 1, dtype=torch.int16))
+    check("int16 all_gather", torch.stack(shorts), torch.stack([torch.full((3,), -r - 1, dtype=torch.int16) for r in range(p)]))
     # objects
     objs = [None] * p
     dist.all_gather_object(objs, {"rank": me, "name": f"r{me}"})
