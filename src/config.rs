@@ -177,11 +177,24 @@ impl Config {
         rank: usize,
         size: usize,
     ) -> Result<Config, CommError> {
-        let mut config = Config::new(rank, size, id.root_addr());
-        read_settings(&|k| std::env::var(k).ok(), &mut config)
-            .map_err(|message| CommError::invalid("init", message))?;
+        let mut config = Config::with_env_settings(rank, size, id.root_addr())?;
         config.token = Some(id.token());
         config.host_store = Some(false);
+        Ok(config)
+    }
+
+    /// Rank `rank` of `size` with the store at `root_addr`, given by the caller, and the other
+    /// settings (token, timeouts, interface, transport, algorithms, tuning file, call checks)
+    /// from the process environment as [`Config::from_env`] reads them. What the C and Python
+    /// `init(rank, size, addr, token)` build, as NCCL's explicit init still reads `NCCL_*`.
+    pub fn with_env_settings(
+        rank: usize,
+        size: usize,
+        root_addr: impl Into<String>,
+    ) -> Result<Config, CommError> {
+        let mut config = Config::new(rank, size, root_addr);
+        read_settings(&|k| std::env::var(k).ok(), &mut config)
+            .map_err(|message| CommError::invalid("init", message))?;
         Ok(config)
     }
 

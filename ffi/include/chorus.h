@@ -316,9 +316,11 @@ int32_t chorus_comm_init_env(chorus_comm **out);
 /**
  * Create rank `rank` of a communicator of `size` ranks. `root_addr` (`"host:port"`) is the
  * rendezvous store, hosted by rank 0; `token` is the shared secret that authenticates every
- * connection (NULL or `""`: connections are checked, not authenticated). Blocks until every
- * rank has joined or 300 s have passed. Collectives time out after 300 s (per call:
- * `chorus_options.timeout_seconds`).
+ * connection (NULL or `""`: connections are checked, not authenticated; `CHORUS_TOKEN` is not
+ * used). The other settings come from the `CHORUS_*` variables when set, as for
+ * `chorus_comm_init_env`: `CHORUS_INIT_TIMEOUT` (how long to wait for every rank, default
+ * 300 s), `CHORUS_TIMEOUT` (per collective, default 300 s; per call:
+ * `chorus_options.timeout_seconds`), interface, transport, algorithms.
  *
  * On success `*out` is the new communicator; on failure it is set to NULL.
  *

@@ -245,9 +245,11 @@ pub unsafe extern "C" fn chorus_comm_init_env(out: *mut *mut chorus_comm) -> i32
 
 /// Create rank `rank` of a communicator of `size` ranks. `root_addr` (`"host:port"`) is the
 /// rendezvous store, hosted by rank 0; `token` is the shared secret that authenticates every
-/// connection (NULL or `""`: connections are checked, not authenticated). Blocks until every
-/// rank has joined or 300 s have passed. Collectives time out after 300 s (per call:
-/// `chorus_options.timeout_seconds`).
+/// connection (NULL or `""`: connections are checked, not authenticated; `CHORUS_TOKEN` is not
+/// used). The other settings come from the `CHORUS_*` variables when set, as for
+/// `chorus_comm_init_env`: `CHORUS_INIT_TIMEOUT` (how long to wait for every rank, default
+/// 300 s), `CHORUS_TIMEOUT` (per collective, default 300 s; per call:
+/// `chorus_options.timeout_seconds`), interface, transport, algorithms.
 ///
 /// On success `*out` is the new communicator; on failure it is set to NULL.
 ///
@@ -276,7 +278,7 @@ pub unsafe extern "C" fn chorus_comm_init(
             .ok_or_else(|| Failure::invalid("root_addr is NULL"))?;
         // SAFETY: as above.
         let token = unsafe { ptr::opt_str(token, "token")? };
-        let mut config = Config::new(rank as usize, size as usize, root);
+        let mut config = Config::with_env_settings(rank as usize, size as usize, root)?;
         config.token = token.filter(|t| !t.is_empty()).map(str::to_string);
         let c = Communicator::new(config)?;
         // SAFETY: as above.

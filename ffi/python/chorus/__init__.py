@@ -761,7 +761,8 @@ def init(
     With ``rank``, ``size`` and ``addr`` (``"host:port"`` of the rendezvous store, hosted by
     rank 0), explicitly; ``token`` is the shared secret authenticating connections. With
     ``rank``, ``size`` and ``unique_id`` (from :func:`unique_id`, the same on every rank), as
-    NCCL's ``ncclCommInitRank``; the other settings then come from ``CHORUS_*`` variables.
+    NCCL's ``ncclCommInitRank``. With explicit arguments the other settings (timeouts,
+    interface, transport, algorithms) still come from ``CHORUS_*`` variables when set.
     """
     handle = ctypes.c_void_p()
     if unique_id is not None:

@@ -66,6 +66,15 @@ def test_unique_id_init_on_two_threads():
         chorus.init(unique_id=uid)
 
 
+def test_explicit_init_still_reads_the_chorus_settings(monkeypatch):
+    # As NCCL's explicit init reads NCCL_*: a bad CHORUS_TIMEOUT is refused, naming it.
+    monkeypatch.setenv("CHORUS_TIMEOUT", "abc")
+    with pytest.raises(chorus.InvalidArgumentError, match="CHORUS_TIMEOUT"):
+        chorus.init(rank=0, size=1, addr="127.0.0.1:0")
+    with pytest.raises(chorus.InvalidArgumentError, match="CHORUS_TIMEOUT"):
+        chorus.init(rank=0, size=1, unique_id=chorus.unique_id())
+
+
 def test_groups_of_a_group_of_one(solo):
     assert solo.split(None) is None
     assert solo.new_group([]) is None
