@@ -8,9 +8,12 @@
 //!
 //! 1. ranks started directly with `CHORUS_SOCKET_IFNAME=eth0`: allreduce of a few dtypes, ops
 //!    and sizes checked exactly; every rank's sockets are on its eth0 address (read from the
-//!    kernel's socket table), and its `CHORUS_DEBUG=INFO` line names that address;
+//!    kernel's socket table), and its `CHORUS_DEBUG=INFO` line names that address; then a
+//!    split into pairs of hosts and a communicator joined through a unique id (rank 0 makes
+//!    it, a broadcast shares it), each checked the same way;
 //! 2. ranks started by `chorus-run --netns-prefix` without `CHORUS_SOCKET_IFNAME`: the default
-//!    interface choice works across hosts and never picks `lo`;
+//!    interface choice works across hosts and never picks `lo` (the unique id's store too:
+//!    on the interface that routes to the launcher's `CHORUS_ADDR`);
 //! 3. `CHORUS_SOCKET_IFNAME=lo` across hosts: every rank fails with an error within the
 //!    rendezvous timeout instead of hanging.
 //!
@@ -536,8 +539,29 @@ fn check_rank(full: bool) {
     );
     let n = check_one::<f32>(&mut pair, (1 << 16) + 1, ReduceOp::Sum, false);
     assert_eq!(n, 0, "rank {rank}: {n} wrong in the pair's allreduce");
-    // Sockets again, now that data has flowed and the pair has its own: still only on eth0.
+    // A communicator joined through a unique id that rank 0 makes and the others get by a
+    // broadcast (as an MPI program would): its store is on rank 0's eth0 (the interface of
+    // CHORUS_SOCKET_IFNAME in scenario 1, the one that routes to CHORUS_ADDR in scenario 2).
+    let mut id = [0u8; chorus::UNIQUE_ID_BYTES];
+    if rank == 0 {
+        let made = chorus::UniqueId::new().unwrap_or_else(|e| panic!("unique id: {e}"));
+        id.copy_from_slice(made.as_bytes());
+    }
+    c.broadcast(&mut id, 0)
+        .unwrap_or_else(|e| panic!("rank {rank}: broadcast of the id: {e}"));
+    let id = chorus::UniqueId::from_bytes(&id).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    let cfg = Config::from_unique_id(&id, rank, HOSTS).unwrap_or_else(|e| panic!("{e}"));
+    let mut joined = Communicator::new(cfg)
+        .unwrap_or_else(|e| panic!("rank {rank}: init through the unique id: {e}"));
+    let n = check_one::<f64>(&mut joined, 4099, ReduceOp::Max, true);
+    assert_eq!(
+        n, 0,
+        "rank {rank}: {n} wrong through the unique id's communicator"
+    );
+    // Sockets again, now that data has flowed and the pair and the joined communicator have
+    // their own: still only on eth0.
     check_sockets(rank, eth0);
+    drop(joined);
     drop(pair);
     c.barrier().unwrap_or_else(|e| panic!("final barrier: {e}"));
     println!("RANK-OK {rank} eth0={eth0}");
