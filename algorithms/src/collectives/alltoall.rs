@@ -6,10 +6,19 @@
 //! `r+s` to rank `r+s` and receives block `r−s` from rank `r−s` (mod p), straight into the
 //! output. Every rank sends and receives one block per step, so no rank is flooded:
 //! `(p−1)α + (p−1)/p·nβ`. In place (`send` `None`) the input is first copied to scratch.
+//!
+//! Where a rank's blocks are small (at most [`ALL_AT_ONCE_BYTES`] each), it posts the `p−1`
+//! exchanges at once instead of one step after another, as MPI's linear all-to-all does for
+//! small messages: one latency instead of `p−1`. Each pair of ranks exchanges one message each
+//! way per call, with the tag of its step either way, so ranks that decide differently (the
+//! blocks of an alltoallv differ) still match.
 
 use chorus_transport::Result;
 
-use super::{block, exchange, tag};
+use super::{block, exchange, exchange_all, pieces, tag};
+
+/// The largest block a rank sends or receives for the exchanges to be posted all at once.
+pub const ALL_AT_ONCE_BYTES: usize = 16 << 10;
 use crate::cost::Link;
 use crate::CollCtx;
 
@@ -75,6 +84,22 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Resul
         }
     };
     recv[block(rank, b)].copy_from_slice(&input[block(rank, b)]);
+    if b <= ALL_AT_ONCE_BYTES && size > 2 {
+        let sends: Vec<_> = steps
+            .iter()
+            .zip(&tags)
+            .map(|(s, &tg)| (s.to, tg, &input[block(s.to, b)]))
+            .collect();
+        let offsets: Vec<usize> = (0..=size).map(|j| j * b).collect();
+        let mut blocks: Vec<Option<&mut [u8]>> =
+            pieces(recv, &offsets).into_iter().map(Some).collect();
+        let recvs = steps
+            .iter()
+            .zip(&tags)
+            .map(|(s, &tg)| (s.from, tg, blocks[s.from].take().expect("each block once")))
+            .collect();
+        return exchange_all(t, deadline, &sends, recvs);
+    }
     for (k, s) in steps.iter().enumerate() {
         let out = &input[block(s.to, b)];
         exchange(
@@ -132,7 +157,27 @@ pub fn run_v(
     }
     recv[ro[rank]..ro[rank + 1]].copy_from_slice(&send[so[rank]..so[rank + 1]]);
     let deadline = ctx.deadline;
-    for (k, s) in plan(rank, size).iter().enumerate() {
+    let steps = plan(rank, size);
+    let small = send_counts
+        .iter()
+        .chain(recv_counts)
+        .all(|&c| c <= ALL_AT_ONCE_BYTES);
+    if small && size > 2 {
+        let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
+        let sends: Vec<_> = steps
+            .iter()
+            .zip(&tags)
+            .map(|(s, &tg)| (s.to, tg, &send[so[s.to]..so[s.to + 1]]))
+            .collect();
+        let mut blocks: Vec<Option<&mut [u8]>> = pieces(recv, &ro).into_iter().map(Some).collect();
+        let recvs = steps
+            .iter()
+            .zip(&tags)
+            .map(|(s, &tg)| (s.from, tg, blocks[s.from].take().expect("each block once")))
+            .collect();
+        return exchange_all(&mut *ctx.transport, deadline, &sends, recvs);
+    }
+    for (k, s) in steps.iter().enumerate() {
         let t = tag(ctx, 0, 0, k);
         exchange(
             &mut *ctx.transport,

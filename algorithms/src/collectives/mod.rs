@@ -7,7 +7,7 @@
 //! | [`reduce`] | binomial tree, pipelined chain | n (one message to the parent) |
 //! | [`allgather`] | ring, recursive doubling (p a power of two) | (p−1)/p·n |
 //! | [`reduce_scatter`] | ring, recursive halving (p a power of two) | (p−1)/p·n |
-//! | [`alltoall`] | pairwise exchange | (p−1)/p·n |
+//! | [`alltoall`] | pairwise exchange (its steps posted at once for blocks up to 16 KiB) | (p−1)/p·n |
 //! | [`gather`] | linear (root receives from all at once) | n/p (root: none) |
 //! | [`scatter`] | linear (root sends to all at once) | root (p−1)/p·n |
 //! | [`barrier`] | dissemination | ⌈log₂p⌉ empty messages |
@@ -261,6 +261,53 @@ pub(crate) fn exchange(
         deadline,
     )?;
     check_len(&r, inb.len())
+}
+
+/// Sends every `(peer, tag, data)` of `sends` while receiving exactly `buf.len()` bytes for
+/// every `(peer, tag, buf)` of `recvs`, all posted at once (receives first) and progressed
+/// together; a message of another length is a mismatch.
+pub(crate) fn exchange_all(
+    t: &mut dyn Transport,
+    deadline: Instant,
+    sends: &[(usize, Tag, &[u8])],
+    recvs: Vec<(usize, Tag, &mut [u8])>,
+) -> Result<()> {
+    let want: Vec<usize> = recvs.iter().map(|(_, _, b)| b.len()).collect();
+    let mut rreq: Vec<Request> = recvs
+        .iter()
+        .map(|(peer, tag, b)| Request::recv(*peer, *tag, b.len()))
+        .collect();
+    let mut sreq: Vec<Request> = sends
+        .iter()
+        .map(|(peer, tag, d)| Request::send(*peer, *tag, d.len()))
+        .collect();
+    for r in rreq.iter_mut().chain(sreq.iter_mut()) {
+        t.post(r)?;
+    }
+    let mut ops: Vec<Op<'_, '_>> = sreq
+        .iter_mut()
+        .zip(sends)
+        .map(|(r, (_, _, d))| Op::send(r, d))
+        .collect();
+    ops.extend(
+        rreq.iter_mut()
+            .zip(recvs)
+            .map(|(r, (_, _, b))| Op::recv(r, b)),
+    );
+    t.wait_all(&mut ops, deadline)?;
+    drop(ops);
+    rreq.iter().zip(want).try_for_each(|(r, n)| check_len(r, n))
+}
+
+/// Splits `buf` into the back-to-back pieces of `offsets` (as [`offsets`] returns them).
+pub(crate) fn pieces<'a>(mut buf: &'a mut [u8], offsets: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
+    for w in offsets.windows(2) {
+        let (head, rest) = std::mem::take(&mut buf).split_at_mut(w[1] - w[0]);
+        out.push(head);
+        buf = rest;
+    }
+    out
 }
 
 /// Receives exactly `buf.len()` bytes from `from`.
