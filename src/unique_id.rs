@@ -51,7 +51,12 @@ impl UniqueId {
     ///
     /// Errors: `CHORUS_SOCKET_IFNAME` that matches no interface, no free port, no randomness.
     pub fn new() -> Result<UniqueId, CommError> {
-        let ip = store_ip()?;
+        UniqueId::new_on(store_ip()?)
+    }
+
+    /// [`UniqueId::new`] with the store on `ip` (an address of this host every rank reaches;
+    /// `127.0.0.1` for a job on one host).
+    pub fn new_on(ip: IpAddr) -> Result<UniqueId, CommError> {
         let mut secret = [0u8; SECRET_LEN];
         getrandom::getrandom(&mut secret).map_err(|e| {
             CommError::new(
@@ -174,14 +179,15 @@ mod tests {
 
     #[test]
     fn ids_round_trip_and_garbage_is_refused() {
-        let id = UniqueId::new().unwrap();
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        let id = UniqueId::new_on(lo).unwrap();
         let back = UniqueId::from_bytes(id.as_bytes()).unwrap();
         assert_eq!(back, id);
         assert_eq!(back.token().len(), 2 * SECRET_LEN);
         assert!(back.root_addr().parse::<SocketAddr>().is_ok());
         assert!(!format!("{id:?}").contains(&id.token()));
         // Two ids: two stores, two secrets.
-        let other = UniqueId::new().unwrap();
+        let other = UniqueId::new_on(lo).unwrap();
         assert_ne!(other.token(), id.token());
         assert_ne!(other.root_addr(), id.root_addr());
         for (what, mut b) in [

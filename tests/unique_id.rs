@@ -20,7 +20,9 @@ fn through_id<R: Send + 'static>(
     init_timeout: Duration,
     f: impl Fn(Result<Communicator, chorus::CommError>) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
-    let id = UniqueId::new().expect("an id");
+    // On loopback: the tests' traffic stays there (UniqueId::new would take this host's first
+    // interface without a launcher's address in the environment).
+    let id = UniqueId::new_on([127, 0, 0, 1].into()).expect("an id");
     let (tx, rx) = mpsc::channel();
     for rank in 0..p {
         let mut bytes = id.as_bytes().to_vec();

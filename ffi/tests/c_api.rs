@@ -398,21 +398,27 @@ fn an_mpi_program_joins_through_a_unique_id() {
     );
     for np in [1, 4] {
         let mut cmd = Command::new("timeout");
-        cmd.args([
-            "120",
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-n",
-        ])
-        .arg(np.to_string())
-        .arg(&exe);
+        // Everything on loopback: the id's store (no launcher address here, so
+        // CHORUS_SOCKET_IFNAME names the interface) and Open MPI's own traffic.
+        cmd.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe"])
+            .args([
+                "--mca",
+                "oob_tcp_if_include",
+                "lo",
+                "--mca",
+                "btl",
+                "self,vader",
+            ])
+            .args(["-x", "CHORUS_SOCKET_IFNAME", "-n"])
+            .arg(np.to_string())
+            .arg(&exe);
         // The job's own settings only: no CHORUS_ADDR, rank or size from this process.
         for (k, _) in std::env::vars() {
             if k.starts_with("CHORUS_") {
                 cmd.env_remove(k);
             }
         }
+        cmd.env("CHORUS_SOCKET_IFNAME", "lo");
         let out = cmd.output().expect("mpirun");
         let text = format!(
             "{}{}",

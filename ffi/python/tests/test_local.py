@@ -38,7 +38,9 @@ def test_group_of_one_keeps_values(solo):
     assert torch.equal(t, torch.arange(5, dtype=torch.bfloat16))
 
 
-def test_unique_id_init_on_two_threads():
+def test_unique_id_init_on_two_threads(monkeypatch):
+    # The store on loopback (without a launcher's address, the first interface that is not).
+    monkeypatch.setenv("CHORUS_SOCKET_IFNAME", "lo")
     uid = chorus.unique_id()
     assert isinstance(uid, bytes) and len(uid) == 128
     assert chorus.unique_id() != uid
@@ -71,6 +73,7 @@ def test_explicit_init_still_reads_the_chorus_settings(monkeypatch):
     monkeypatch.setenv("CHORUS_TIMEOUT", "abc")
     with pytest.raises(chorus.InvalidArgumentError, match="CHORUS_TIMEOUT"):
         chorus.init(rank=0, size=1, addr="127.0.0.1:0")
+    monkeypatch.setenv("CHORUS_SOCKET_IFNAME", "lo")
     with pytest.raises(chorus.InvalidArgumentError, match="CHORUS_TIMEOUT"):
         chorus.init(rank=0, size=1, unique_id=chorus.unique_id())
 
