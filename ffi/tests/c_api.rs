@@ -226,44 +226,38 @@ fn assert_all_ok(results: &[(Option<i32>, String)], what: &str) {
     }
 }
 
-#[test]
-fn every_dtype_and_op_on_1_to_4_ranks() {
+/// `api_test MODE` as every rank of jobs of 1 to 4 ranks: each must end with "ok MODE".
+fn api_test_on_1_to_4_ranks(mode: &str) {
     let b = built();
     for size in [1, 2, 3, 4] {
-        let r = job(&b.api_test, &["sweep"], size);
-        assert_all_ok(&r, &format!("sweep p={size}"));
-        assert!(r.iter().all(|(_, o)| o.contains("ok sweep")));
+        let r = job(&b.api_test, &[mode], size);
+        assert_all_ok(&r, &format!("{mode} p={size}"));
+        let ok = format!("ok {mode}");
+        assert!(
+            r.iter().all(|(_, o)| o.contains(&ok)),
+            "{mode} p={size}: {r:#?}"
+        );
     }
+}
+
+#[test]
+fn every_dtype_and_op_on_1_to_4_ranks() {
+    api_test_on_1_to_4_ranks("sweep");
 }
 
 #[test]
 fn every_other_collective_on_1_to_4_ranks() {
-    let b = built();
-    for size in [1, 2, 3, 4] {
-        let r = job(&b.api_test, &["collectives"], size);
-        assert_all_ok(&r, &format!("collectives p={size}"));
-        assert!(r.iter().all(|(_, o)| o.contains("ok collectives")));
-    }
+    api_test_on_1_to_4_ranks("collectives");
 }
 
 #[test]
 fn unique_id_init_on_1_to_4_ranks() {
-    let b = built();
-    for size in [1, 2, 3, 4] {
-        let r = job(&b.api_test, &["uniqueid"], size);
-        assert_all_ok(&r, &format!("uniqueid p={size}"));
-        assert!(r.iter().all(|(_, o)| o.contains("ok uniqueid")));
-    }
+    api_test_on_1_to_4_ranks("uniqueid");
 }
 
 #[test]
 fn split_and_dup_on_1_to_4_ranks() {
-    let b = built();
-    for size in [1, 2, 3, 4] {
-        let r = job(&b.api_test, &["split"], size);
-        assert_all_ok(&r, &format!("split p={size}"));
-        assert!(r.iter().all(|(_, o)| o.contains("ok split")));
-    }
+    api_test_on_1_to_4_ranks("split");
 }
 
 #[test]
