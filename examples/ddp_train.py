@@ -37,8 +37,9 @@ def main() -> None:
     p.add_argument(
         "--bucket-mb",
         type=float,
-        default=25.0,
-        help="DDP's bucket_cap_mb (small values: one bucket per parameter)",
+        default=None,
+        help="DDP's bucket cap in MiB, its first bucket's too (small values: about one bucket "
+        "per parameter); default: DDP's (25 MiB, the first bucket 1 MiB)",
     )
     p.add_argument(
         "--compress",
@@ -61,7 +62,12 @@ def main() -> None:
     h = args.hidden
     teacher = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
     student = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
-    model = DDP(student, bucket_cap_mb=args.bucket_mb)
+    if args.bucket_mb is not None:
+        # DDP caps its first bucket apart (1 MiB), also after it rebuilds its buckets.
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(args.bucket_mb * 2**20)
+        model = DDP(student, bucket_cap_mb=args.bucket_mb)
+    else:
+        model = DDP(student)
 
     comm = None
     if args.hook == "chorus":
@@ -98,6 +104,8 @@ def main() -> None:
     if rank == 0:
         print(f"hook {args.hook} ranks {world} steps {args.steps} final loss {final.item():.8f}")
         print(f"mean step {seconds / max(args.steps, 1) * 1e3:.3f} ms on rank 0")
+        sizes = model._get_ddp_logging_data().get("rebuilt_bucket_sizes") or ""
+        print(f"buckets {len([b for b in str(sizes).split(',') if b.strip()])} after the rebuild")
     if comm is not None:
         comm.close()
     dist.destroy_process_group()

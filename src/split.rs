@@ -95,7 +95,8 @@ impl Communicator {
     /// must call them in the same order.
     ///
     /// Errors: this communicator's errors for the exchanges (a rank that calls something
-    /// else is a mismatch), and the new communicator's init errors (within the init timeout)
+    /// else gives every rank an error: a mismatch, or the error its peers' abort brings), and
+    /// the new communicator's init errors (within the init timeout)
     /// on the ranks of a group that could not connect; the ranks of the other groups are not
     /// affected.
     pub fn split(

@@ -12,8 +12,9 @@
 //!    split into pairs of hosts and a communicator joined through a unique id (rank 0 makes
 //!    it, a broadcast shares it), each checked the same way;
 //! 2. ranks started by `chorus-run --netns-prefix` without `CHORUS_SOCKET_IFNAME`: the default
-//!    interface choice works across hosts and never picks `lo` (the unique id's store too:
-//!    on the interface that routes to the launcher's `CHORUS_ADDR`);
+//!    interface choice works across hosts and never picks `lo` (the unique id's store is not
+//!    on `lo` either; these hosts have no other interface than eth0, so this does not tell
+//!    the route to `CHORUS_ADDR` from the first interface that is not loopback);
 //! 3. `CHORUS_SOCKET_IFNAME=lo` across hosts: every rank fails with an error within the
 //!    rendezvous timeout instead of hanging.
 //!
@@ -541,7 +542,8 @@ fn check_rank(full: bool) {
     assert_eq!(n, 0, "rank {rank}: {n} wrong in the pair's allreduce");
     // A communicator joined through a unique id that rank 0 makes and the others get by a
     // broadcast (as an MPI program would): its store is on rank 0's eth0 (the interface of
-    // CHORUS_SOCKET_IFNAME in scenario 1, the one that routes to CHORUS_ADDR in scenario 2).
+    // CHORUS_SOCKET_IFNAME in scenario 1; in scenario 2 the route to CHORUS_ADDR, which is
+    // also the first interface that is not loopback here).
     let mut id = [0u8; chorus::UNIQUE_ID_BYTES];
     if rank == 0 {
         let made = chorus::UniqueId::new().unwrap_or_else(|e| panic!("unique id: {e}"));

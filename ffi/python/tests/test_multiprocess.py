@@ -79,11 +79,13 @@ def test_torch_distributed_backend_on_1_to_4_ranks():
 def test_ddp_over_the_chorus_backend_trains_like_gloo(workspace):
     script = str(workspace / "examples" / "ddp_train.py")
     env = {"OMP_NUM_THREADS": "1"}
-    # One bucket per parameter (4 buckets a step), as large models have many.
+    # About one bucket per parameter, as large models have many.
     args = ["--steps", "100", "--bucket-mb", "0.0001"]
     code, out = launch(2, [PYTHON, script, "--hook", "backend", *args], env=env)
     assert code == 0, out
     backend_loss = final_loss(out)
+    m = re.search(r"buckets (\d+) after the rebuild", out)
+    assert m and int(m.group(1)) >= 3, out
     code, out = launch(2, [PYTHON, script, "--hook", "gloo", *args], env=env)
     assert code == 0, out
     assert backend_loss == pytest.approx(final_loss(out), rel=1e-4), (backend_loss, final_loss(out))

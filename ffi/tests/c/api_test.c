@@ -688,8 +688,8 @@ static chorus_comm *split(chorus_comm *comm) {
     OK(chorus_comm_destroy(copy));
     OK(chorus_barrier(comm));
 
-    /* A bad color on the last rank only: refused there, and the others fail at once too
-     * (within the job's watchdog, far below CHORUS_TIMEOUT), naming it. */
+    /* A bad color on the last rank only: refused there, and the others fail at once too,
+     * naming it: CHORUS_MISMATCH, not the CHORUS_TIMEOUT that waiting would give. */
     chorus_comm *out = half;
     int32_t st = chorus_comm_split(comm, me == p - 1 ? -2 : 0, 0, &out);
     int32_t want_st = me == p - 1 ? CHORUS_INVALID_ARGUMENT : CHORUS_MISMATCH;
