@@ -68,6 +68,27 @@ impl Communicator {
         CommError::invalid(op, msg).at_rank(self.rank())
     }
 
+    /// Fails for a bitwise operator on a floating-point dtype (as MPI refuses `MPI_BAND` on
+    /// `MPI_FLOAT`).
+    pub(crate) fn check_op(
+        &self,
+        op_name: &'static str,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        if op.is_bitwise() && dtype.is_float() {
+            return Err(self.invalid(
+                op_name,
+                format!(
+                    "{} is a bitwise operator: it takes integer dtypes, not {}",
+                    op.name(),
+                    dtype.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Fails unless `len` bytes are whole `dtype` elements.
     fn check_whole(
         &self,
@@ -174,6 +195,7 @@ impl Communicator {
         self.refusable("reduce", CollKind::Reduce, dtype, op, None, |c| {
             const OP: &str = "reduce";
             c.check_root(OP, root)?;
+            c.check_op(OP, dtype, op)?;
             let n = send.map_or(recv.len(), <[u8]>::len);
             c.check_whole(OP, "input", n, dtype)?;
             if c.rank() == root && recv.len() != n {
@@ -530,6 +552,7 @@ impl Communicator {
             None,
             |c| {
                 const OP: &str = "reduce_scatter";
+                c.check_op(OP, dtype, op)?;
                 c.check_blocks(OP, send, recv.len(), dtype, false)?;
                 let total = send.map_or(recv.len(), <[u8]>::len);
                 let (size, link) = (c.size(), c.link());

@@ -756,6 +756,7 @@ impl Communicator {
             |c| {
                 const OP: &str = "all_reduce";
                 c.check_usable(OP)?;
+                c.check_op(OP, dtype, op)?;
                 if recv.len() % dtype.size() != 0 {
                     return Err(CommError::invalid(
                         OP,

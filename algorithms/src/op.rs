@@ -9,7 +9,8 @@ use crate::ParseNameError;
 /// of the C ABI.
 ///
 /// Integer `Sum` and `Prod` wrap around like C's unsigned arithmetic. `Avg` reduces like `Sum`
-/// and divides by the number of ranks at the end (integer division for integer types).
+/// and divides by the number of ranks at the end (integer division for integer types). The
+/// bitwise operators (numbers 5–7, past NCCL's) take integer dtypes only.
 ///
 /// ```
 /// use chorus_algorithms::ReduceOp;
@@ -30,10 +31,16 @@ pub enum ReduceOp {
     Min = 3,
     /// Sum divided by the number of ranks.
     Avg = 4,
+    /// Bitwise and (integer dtypes only; as `MPI_BAND`).
+    BitAnd = 5,
+    /// Bitwise or (integer dtypes only; as `MPI_BOR`).
+    BitOr = 6,
+    /// Bitwise exclusive or (integer dtypes only; as `MPI_BXOR`).
+    BitXor = 7,
 }
 
 impl ReduceOp {
-    /// Every operator, in discriminant order.
+    /// The arithmetic operators, in discriminant order (every dtype takes them).
     pub const ALL: [ReduceOp; 5] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
@@ -41,6 +48,15 @@ impl ReduceOp {
         ReduceOp::Min,
         ReduceOp::Avg,
     ];
+
+    /// The bitwise operators, for integer dtypes (MPI's `MPI_BAND`, `MPI_BOR`, `MPI_BXOR`;
+    /// NCCL has none).
+    pub const BITWISE: [ReduceOp; 3] = [ReduceOp::BitAnd, ReduceOp::BitOr, ReduceOp::BitXor];
+
+    /// Whether this is one of [`ReduceOp::BITWISE`].
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor)
+    }
 
     /// The name nccl-tests prints ("sum", "prod", "max", "min", "avg").
     pub const fn name(self) -> &'static str {
@@ -50,6 +66,9 @@ impl ReduceOp {
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
             ReduceOp::Avg => "avg",
+            ReduceOp::BitAnd => "band",
+            ReduceOp::BitOr => "bor",
+            ReduceOp::BitXor => "bxor",
         }
     }
 
@@ -61,6 +80,9 @@ impl ReduceOp {
             2 => ReduceOp::Max,
             3 => ReduceOp::Min,
             4 => ReduceOp::Avg,
+            5 => ReduceOp::BitAnd,
+            6 => ReduceOp::BitOr,
+            7 => ReduceOp::BitXor,
             _ => return None,
         })
     }
@@ -83,11 +105,14 @@ impl FromStr for ReduceOp {
             "max" => ReduceOp::Max,
             "min" => ReduceOp::Min,
             "avg" | "mean" | "average" => ReduceOp::Avg,
+            "band" | "and" => ReduceOp::BitAnd,
+            "bor" | "or" => ReduceOp::BitOr,
+            "bxor" | "xor" => ReduceOp::BitXor,
             _ => {
                 return Err(ParseNameError {
                     what: "reduction",
                     input: s.to_string(),
-                    expected: "sum, prod, max, min, avg",
+                    expected: "sum, prod, max, min, avg, band, bor, bxor",
                 })
             }
         })
@@ -105,7 +130,12 @@ mod tests {
             assert_eq!(ReduceOp::from_i32(i as i32), Some(*op));
             assert_eq!(op.name().parse::<ReduceOp>().unwrap(), *op);
         }
-        assert_eq!(ReduceOp::from_i32(5), None);
-        assert!("xor".parse::<ReduceOp>().is_err());
+        for op in ReduceOp::BITWISE {
+            assert_eq!(ReduceOp::from_i32(op as i32), Some(op));
+            assert_eq!(op.name().parse::<ReduceOp>().unwrap(), op);
+            assert!(op.is_bitwise());
+        }
+        assert_eq!(ReduceOp::from_i32(8), None);
+        assert!("nand".parse::<ReduceOp>().is_err());
     }
 }

@@ -206,6 +206,9 @@ macro_rules! int_kernel {
                 ReduceOp::Prod => pairs.for_each(|(a, b)| *a = a.wrapping_mul(*b)),
                 ReduceOp::Max => pairs.for_each(|(a, b)| *a = (*a).max(*b)),
                 ReduceOp::Min => pairs.for_each(|(a, b)| *a = (*a).min(*b)),
+                ReduceOp::BitAnd => pairs.for_each(|(a, b)| *a &= *b),
+                ReduceOp::BitOr => pairs.for_each(|(a, b)| *a |= *b),
+                ReduceOp::BitXor => pairs.for_each(|(a, b)| *a ^= *b),
             }
         }
     };
@@ -218,7 +221,9 @@ int_kernel!(reduce_u32, u32);
 int_kernel!(reduce_i64, i64);
 int_kernel!(reduce_u64, u64);
 
-/// Float kernels. `Max`/`Min` follow IEEE maxNum/minNum (a NaN operand is ignored).
+/// Float kernels. `Max`/`Min` follow IEEE maxNum/minNum (a NaN operand is ignored). The
+/// bitwise operators combine the bit patterns (the communicator refuses them for floats, as
+/// MPI does; this keeps the kernels total).
 macro_rules! float_kernel {
     ($name:ident, $t:ty) => {
         fn $name(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
@@ -228,6 +233,15 @@ macro_rules! float_kernel {
                 ReduceOp::Prod => pairs.for_each(|(a, b)| *a *= *b),
                 ReduceOp::Max => pairs.for_each(|(a, b)| *a = a.max(*b)),
                 ReduceOp::Min => pairs.for_each(|(a, b)| *a = a.min(*b)),
+                ReduceOp::BitAnd => {
+                    pairs.for_each(|(a, b)| *a = <$t>::from_bits(a.to_bits() & b.to_bits()))
+                }
+                ReduceOp::BitOr => {
+                    pairs.for_each(|(a, b)| *a = <$t>::from_bits(a.to_bits() | b.to_bits()))
+                }
+                ReduceOp::BitXor => {
+                    pairs.for_each(|(a, b)| *a = <$t>::from_bits(a.to_bits() ^ b.to_bits()))
+                }
             }
         }
     };
@@ -238,6 +252,10 @@ float_kernel!(reduce_f64, f64);
 
 /// f16: blocks widened to f32 with half's slice helpers (F16C instructions where available).
 fn reduce_f16(op: ReduceOp, dst: &mut [f16], src: &[f16]) {
+    if op.is_bitwise() {
+        let dst: &mut [u16] = bytemuck::cast_slice_mut(dst);
+        return bits_u16(op, dst, bytemuck::cast_slice(src));
+    }
     let mut a = [0f32; HALF_BLOCK];
     let mut b = [0f32; HALF_BLOCK];
     for (d, s) in dst.chunks_mut(HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
@@ -260,6 +278,17 @@ fn reduce_bf16(op: ReduceOp, dst: &mut [bf16], src: &[bf16]) {
         ReduceOp::Prod => pairs.for_each(|(a, b)| *a = f32_to_bf16(w(*a) * w(*b))),
         ReduceOp::Max => pairs.for_each(|(a, b)| *a = f32_to_bf16(w(*a).max(w(*b)))),
         ReduceOp::Min => pairs.for_each(|(a, b)| *a = f32_to_bf16(w(*a).min(w(*b)))),
+        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => bits_u16(op, dst, src),
+    }
+}
+
+/// The bitwise operators on 16-bit patterns (f16, bf16).
+fn bits_u16(op: ReduceOp, dst: &mut [u16], src: &[u16]) {
+    let pairs = dst.iter_mut().zip(src);
+    match op {
+        ReduceOp::BitAnd => pairs.for_each(|(a, b)| *a &= *b),
+        ReduceOp::BitOr => pairs.for_each(|(a, b)| *a |= *b),
+        _ => pairs.for_each(|(a, b)| *a ^= *b),
     }
 }
 
@@ -275,6 +304,9 @@ mod tests {
             ReduceOp::Prod => x * y,
             ReduceOp::Max => x.max(y),
             ReduceOp::Min => x.min(y),
+            ReduceOp::BitAnd => return T::from_f64(((x as i64) & (y as i64)) as f64),
+            ReduceOp::BitOr => return T::from_f64(((x as i64) | (y as i64)) as f64),
+            ReduceOp::BitXor => return T::from_f64(((x as i64) ^ (y as i64)) as f64),
         })
     }
 

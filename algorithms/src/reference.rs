@@ -66,6 +66,10 @@ fn naive<T: Element>(values: impl Iterator<Item = T>, op: ReduceOp, ranks: usize
             ReduceOp::Prod => a * b,
             ReduceOp::Max => a.max(b),
             ReduceOp::Min => a.min(b),
+            // The test values of the bitwise operators are integers of the dtype's range.
+            ReduceOp::BitAnd => ((a as i64) & (b as i64)) as f64,
+            ReduceOp::BitOr => ((a as i64) | (b as i64)) as f64,
+            ReduceOp::BitXor => ((a as i64) ^ (b as i64)) as f64,
         })
         .expect("at least one rank");
     match op {
@@ -100,7 +104,8 @@ fn mix(rank: usize, index: usize, op: ReduceOp) -> u64 {
 ///   (exact in bf16, which holds integers up to 256, and in i8/u8 without wrapping);
 /// - `Prod`: v ∈ {−1, 1, 2} ({1, 2} unsigned) on ranks 0..8 and ±1 beyond, so products are
 ///   ± powers of two up to 2^8 (exact in every float; integer types wrap consistently);
-/// - `Max`/`Min`: v ∈ [−100, 100] ([0, 200] unsigned).
+/// - `Max`/`Min`: v ∈ [−100, 100] ([0, 200] unsigned);
+/// - the bitwise operators: any 8-bit pattern, v ∈ [−128, 127] ([0, 255] unsigned).
 ///
 /// Hence every reduction order gives the same result in every dtype for `Prod`, `Max`, `Min`
 /// at any rank count and for `Sum`/`Avg` up to 120 ranks.
@@ -134,6 +139,16 @@ pub fn test_value<T: Element>(rank: usize, index: usize, op: ReduceOp, ranks: us
             let v = (h % 201) as i64;
             if signed {
                 v - 100
+            } else {
+                v
+            }
+        }
+        // Any 8-bit pattern: [−128, 127] signed, [0, 255] unsigned (integer dtypes; the
+        // communicator refuses the bitwise operators for floats).
+        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
+            let v = (h % 256) as i64;
+            if signed {
+                v - 128
             } else {
                 v
             }

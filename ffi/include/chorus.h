@@ -147,8 +147,9 @@ typedef int32_t chorus_dtype;
 #endif // __cplusplus
 
 /**
- * Reduction operators, numbered as NCCL's `ncclRedOp_t`. Passed as `int32_t`; a value outside
- * this list is rejected with `CHORUS_INVALID_ARGUMENT`. Integer sums and products wrap;
+ * Reduction operators, numbered as NCCL's `ncclRedOp_t` (0–4), then the bitwise ones (5–7).
+ * Passed as `int32_t`; a value outside this list is rejected with `CHORUS_INVALID_ARGUMENT`,
+ * as is a bitwise operator on a floating-point dtype. Integer sums and products wrap;
  * `CHORUS_AVG` divides the sum by the number of ranks (integer division for integers).
  */
 enum chorus_op
@@ -176,6 +177,18 @@ enum chorus_op
    * Average: the sum divided by the number of ranks.
    */
   CHORUS_AVG = 4,
+  /**
+   * Bitwise and, integer dtypes only (as `MPI_BAND`; NCCL has no bitwise operators).
+   */
+  CHORUS_BAND = 5,
+  /**
+   * Bitwise or, integer dtypes only (as `MPI_BOR`).
+   */
+  CHORUS_BOR = 6,
+  /**
+   * Bitwise exclusive or, integer dtypes only (as `MPI_BXOR`).
+   */
+  CHORUS_BXOR = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

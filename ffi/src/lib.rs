@@ -69,8 +69,9 @@ pub enum chorus_dtype {
     CHORUS_BFLOAT16 = 9,
 }
 
-/// Reduction operators, numbered as NCCL's `ncclRedOp_t`. Passed as `int32_t`; a value outside
-/// this list is rejected with `CHORUS_INVALID_ARGUMENT`. Integer sums and products wrap;
+/// Reduction operators, numbered as NCCL's `ncclRedOp_t` (0–4), then the bitwise ones (5–7).
+/// Passed as `int32_t`; a value outside this list is rejected with `CHORUS_INVALID_ARGUMENT`,
+/// as is a bitwise operator on a floating-point dtype. Integer sums and products wrap;
 /// `CHORUS_AVG` divides the sum by the number of ranks (integer division for integers).
 #[allow(clippy::upper_case_acronyms)]
 #[repr(i32)]
@@ -86,6 +87,12 @@ pub enum chorus_op {
     CHORUS_MIN = 3,
     /// Average: the sum divided by the number of ranks.
     CHORUS_AVG = 4,
+    /// Bitwise and, integer dtypes only (as `MPI_BAND`; NCCL has no bitwise operators).
+    CHORUS_BAND = 5,
+    /// Bitwise or, integer dtypes only (as `MPI_BOR`).
+    CHORUS_BOR = 6,
+    /// Bitwise exclusive or, integer dtypes only (as `MPI_BXOR`).
+    CHORUS_BXOR = 7,
 }
 
 /// A dtype as it crosses the ABI: an `int32_t` holding a `chorus_dtype` value, checked before
@@ -115,7 +122,8 @@ impl OpArg {
     fn get(self) -> Result<ReduceOp, Failure> {
         ReduceOp::from_i32(self.0).ok_or_else(|| {
             Failure::invalid(format!(
-                "op {} is not a chorus_op (0 = CHORUS_SUM ... 4 = CHORUS_AVG)",
+                "op {} is not a chorus_op (0 = CHORUS_SUM ... 4 = CHORUS_AVG, 5 = CHORUS_BAND \
+                 ... 7 = CHORUS_BXOR)",
                 self.0
             ))
         })
@@ -1103,13 +1111,23 @@ mod tests {
         for (d, want) in dtypes.into_iter().zip(DType::ALL) {
             assert_eq!(DtypeArg(d as i32).get().unwrap(), want);
         }
-        let ops = [CHORUS_SUM, CHORUS_PROD, CHORUS_MAX, CHORUS_MIN, CHORUS_AVG];
-        for (o, want) in ops.into_iter().zip(ReduceOp::ALL) {
+        let ops = [
+            CHORUS_SUM,
+            CHORUS_PROD,
+            CHORUS_MAX,
+            CHORUS_MIN,
+            CHORUS_AVG,
+            CHORUS_BAND,
+            CHORUS_BOR,
+            CHORUS_BXOR,
+        ];
+        let every = ReduceOp::ALL.into_iter().chain(ReduceOp::BITWISE);
+        for (o, want) in ops.into_iter().zip(every) {
             assert_eq!(OpArg(o as i32).get().unwrap(), want);
         }
         assert!(DtypeArg(10).get().is_err());
         assert!(DtypeArg(-1).get().is_err());
-        assert!(OpArg(5).get().is_err());
+        assert!(OpArg(8).get().is_err());
     }
 
     fn last() -> String {

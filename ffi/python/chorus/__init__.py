@@ -165,8 +165,18 @@ DTYPES: Dict[str, int] = {
     "bfloat16": 9,
 }
 #: C op numbers (NCCL's) by name.
-OPS: Dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
-_OP_ALIASES = {"product": "prod", "mean": "avg", "average": "avg"}
+OPS: Dict[str, int] = {
+    "sum": 0,
+    "prod": 1,
+    "max": 2,
+    "min": 3,
+    "avg": 4,
+    # Bitwise, integer dtypes only (as MPI's MPI_BAND, MPI_BOR, MPI_BXOR).
+    "band": 5,
+    "bor": 6,
+    "bxor": 7,
+}
+_OP_ALIASES = {"product": "prod", "mean": "avg", "average": "avg", "and": "band", "or": "bor", "xor": "bxor"}
 
 
 def _op_code(op: str) -> int:

@@ -34,13 +34,15 @@ the k-th receive from it in one ``sendrecv``, the peers in one order every rank 
 that exchanges of any size and pattern complete. A large ``isend`` that is never waited for
 is therefore never sent.
 
-Supported: ``all_reduce`` (sum, product, min, max, avg), ``broadcast``, ``reduce``,
+Supported: ``all_reduce`` (sum, product, min, max, avg; band, bor and bxor on integer
+tensors), ``broadcast``, ``reduce``,
 ``all_gather`` (tensors of different sizes too, through allgatherv),
 ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``,
 ``all_to_all_single`` (with split sizes too, through alltoallv), ``gather``, ``scatter``,
 ``barrier``, ``send`` and ``recv`` (tag 0: messages between two ranks are matched in order),
 and what is built on them (``all_gather_object``, ``broadcast_object_list``, DDP). Not
-supported, with an error saying so: ``recv`` from any source, bitwise reductions, other tags.
+supported, with an error saying so: ``recv`` from any source, ``PREMUL_SUM``, bitwise
+reductions of floating-point tensors, other tags.
 """
 
 import functools
@@ -76,6 +78,9 @@ _OPS = {
 }
 if hasattr(dist.ReduceOp, "AVG"):
     _OPS[dist.ReduceOp.AVG] = "avg"
+for _name, _chorus in (("BAND", "band"), ("BOR", "bor"), ("BXOR", "bxor")):
+    if hasattr(dist.ReduceOp, _name):
+        _OPS[getattr(dist.ReduceOp, _name)] = _chorus
 
 
 def _op(opts: Any) -> str:
@@ -83,7 +88,10 @@ def _op(opts: Any) -> str:
     for k, v in _OPS.items():
         if op == k:
             return v
-    raise UnsupportedError(f"chorus backend: reduce op {op} is not supported (sum, product, min, max, avg)")
+    raise UnsupportedError(
+        f"chorus backend: reduce op {op} is not supported (sum, product, min, max, avg, "
+        "band, bor, bxor)"
+    )
 
 
 def _done(value: Any) -> Any:

@@ -394,8 +394,19 @@ static void badargs(chorus_comm *comm) {
     EXPECT(chorus_allreduce(comm, a, b, 8, (chorus_dtype)10, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
     CHECK(strstr(chorus_last_error(), "dtype") != NULL, "message: %s", chorus_last_error());
     EXPECT(chorus_allreduce(comm, a, b, 8, (chorus_dtype)-1, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
-    EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, (chorus_op)5), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, (chorus_op)8), CHORUS_INVALID_ARGUMENT);
     CHECK(strstr(chorus_last_error(), "op") != NULL, "message: %s", chorus_last_error());
+    /* Bitwise operators: integers only (as MPI), and they combine bits. */
+    EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_BAND), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "bitwise") != NULL, "message: %s", chorus_last_error());
+    int32_t bits = 1 << g_rank;
+    OK(chorus_allreduce(comm, &bits, &bits, 1, CHORUS_INT32, CHORUS_BOR));
+    CHECK(bits == (1 << g_size) - 1, "bor of 1 << rank: %d", (int)bits);
+    uint8_t parity = (uint8_t)(g_rank + 1);
+    OK(chorus_allreduce(comm, &parity, &parity, 1, CHORUS_UINT8, CHORUS_BXOR));
+    uint8_t want_parity = 0;
+    for (int r = 0; r < g_size; r++) want_parity ^= (uint8_t)(r + 1);
+    CHECK(parity == want_parity, "bxor: %d, want %d", parity, want_parity);
     EXPECT(chorus_allreduce(comm, a, b, 8, CHORUS_FLOAT32, (chorus_op)INT32_MIN),
            CHORUS_INVALID_ARGUMENT);
 
