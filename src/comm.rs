@@ -225,10 +225,7 @@ fn describe_record(rec: &[u8]) -> String {
         .into_iter()
         .find(|d| *d as i32 == i32::from(rec[1]))
         .map_or("?", DType::name);
-    let op = ReduceOp::ALL
-        .into_iter()
-        .find(|o| *o as i32 == i32::from(rec[2]))
-        .map_or("?", ReduceOp::name);
+    let op = ReduceOp::from_i32(i32::from(rec[2])).map_or("?", ReduceOp::name);
     let args: Vec<u64> = (0..usize::from(rec[3]).min(3))
         .map(|k| u64::from_le_bytes(rec[8 + 8 * k..16 + 8 * k].try_into().expect("8 bytes")))
         .collect();

@@ -162,7 +162,8 @@ mod tests {
         assert_eq!(resolve_algo(Some("Auto")).unwrap(), None);
         assert_eq!(resolve_algo(Some(" ring")).unwrap(), Some(Algorithm::Ring));
         assert!(resolve_algo(Some("rign")).is_err());
-        assert!(resolve_ops("xor").unwrap_err().0.starts_with("-o: "));
+        assert!(resolve_ops("nand").unwrap_err().0.starts_with("-o: "));
+        assert_eq!(resolve_ops("bxor").unwrap(), vec![ReduceOp::BitXor]);
         assert_eq!(resolve_algo(None).unwrap(), None);
         assert!(resolve_algo(Some("no-such-algorithm")).is_err());
         let all = resolve_algo_list("all").unwrap();
