@@ -43,13 +43,7 @@ fn every_algorithm(transport: &'static str) {
             }
             bad
         });
-        let bad: Vec<String> = bad.into_iter().flatten().collect();
-        assert!(
-            bad.is_empty(),
-            "{transport} p={p}: {} failures, first: {:?}",
-            bad.len(),
-            &bad[..bad.len().min(5)]
-        );
+        assert_no_failures(bad, &format!("{transport} p={p}"));
     }
 }
 

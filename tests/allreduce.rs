@@ -26,13 +26,7 @@ fn threads_matrix(transport: &'static str) {
             }
             sweep(c, &COUNTS)
         });
-        let bad: Vec<String> = bad.into_iter().flatten().collect();
-        assert!(
-            bad.is_empty(),
-            "{transport} p={p}: {} failures, first: {:?}",
-            bad.len(),
-            &bad[..bad.len().min(5)]
-        );
+        assert_no_failures(bad, &format!("{transport} p={p}"));
     }
 }
 

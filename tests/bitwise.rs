@@ -52,13 +52,7 @@ fn allreduce_every_schedule_and_integer_dtype() {
                 }
                 bad
             });
-            let bad: Vec<String> = bad.into_iter().flatten().collect();
-            assert!(
-                bad.is_empty(),
-                "{transport} p={p}: {} failures, first: {:?}",
-                bad.len(),
-                &bad[..bad.len().min(5)]
-            );
+            assert_no_failures(bad, &format!("{transport} p={p}"));
         }
     }
 }

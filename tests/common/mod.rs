@@ -238,6 +238,18 @@ pub fn sweep_with(
     bad
 }
 
+/// Fails, naming `what`, the number of failures and the first few, unless every rank's list
+/// of failures (as [`sweep`] returns them) is empty.
+pub fn assert_no_failures(per_rank: Vec<Vec<String>>, what: &str) {
+    let bad: Vec<String> = per_rank.into_iter().flatten().collect();
+    assert!(
+        bad.is_empty(),
+        "{what}: {} failures, first: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
 /// Children of a process-based test. They re-run this test binary (`current_exe`) filtered to
 /// `test_name`, with CHORUS_* set and `CHORUS_TEST_CHILD=1`.
 pub struct Job {
