@@ -636,6 +636,11 @@ impl Communicator {
         self.size
     }
 
+    /// Every rank's host identity, as the rendezvous gathered it (`None` in a group of one).
+    pub(crate) fn host_identities(&self) -> Option<&[String]> {
+        self._rendezvous.as_ref().map(|r| r.hosts.as_slice())
+    }
+
     /// The IP address this rank's data connections listen on (`None` in a group of one).
     pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
         self._rendezvous.as_ref().map(|r| r.addrs[self.rank].ip())

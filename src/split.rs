@@ -254,6 +254,28 @@ impl Communicator {
         Ok(Some(child))
     }
 
+    /// The ranks on this rank's host, as a communicator of their own, in their order here
+    /// (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`; a node-local group for
+    /// hierarchical schemes). A host is what shared memory goes by: `CHORUS_HOSTID` when set,
+    /// else hostname, boot id and network namespace. Every rank calls it
+    /// ([`Communicator::split`] with the host's place among the distinct hosts as color).
+    pub fn split_by_host(&mut self) -> Result<Communicator, CommError> {
+        let color = match self.host_identities() {
+            None => 0,
+            Some(hosts) => {
+                let mut distinct: Vec<&String> = hosts.iter().collect();
+                distinct.sort();
+                distinct.dedup();
+                let mine = &hosts[self.rank()];
+                distinct.iter().position(|h| *h == mine).unwrap_or(0) as u32
+            }
+        };
+        let key = self.rank() as i64;
+        Ok(self
+            .split(Some(color), key)?
+            .expect("every rank passes a color"))
+    }
+
     /// A new communicator of the same ranks in the same order, with its own connections
     /// (`MPI_Comm_dup`): [`Communicator::split`] with one color. Calls on the copy never meet
     /// this one's messages, so a library can run its collectives apart from its caller's.

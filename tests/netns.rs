@@ -538,6 +538,16 @@ fn check_rank(full: bool) {
         "tcp",
         "rank {rank}: the pair's transport"
     );
+    // Every namespace is a host of its own: each rank's host group is itself.
+    let local = c
+        .split_by_host()
+        .unwrap_or_else(|e| panic!("rank {rank}: split_by_host: {e}"));
+    assert_eq!(
+        (local.rank(), local.size()),
+        (0, 1),
+        "rank {rank}: its host group"
+    );
+    drop(local);
     let n = check_one::<f32>(&mut pair, (1 << 16) + 1, ReduceOp::Sum, false);
     assert_eq!(n, 0, "rank {rank}: {n} wrong in the pair's allreduce");
     // A communicator joined through a unique id that rank 0 makes and the others get by a

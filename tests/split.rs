@@ -219,3 +219,45 @@ fn a_bad_color_on_one_rank_fails_the_split_everywhere_at_once() {
         assert_eq!(again, Some(4), "rank {rank}");
     }
 }
+
+#[test]
+fn split_by_host_on_one_host_keeps_everyone() {
+    for transport in ["tcp", "shm"] {
+        let out = on_threads_on(transport, 3, WATCHDOG, |c| {
+            let mut local = c.split_by_host().unwrap_or_else(|e| panic!("{e}"));
+            let wrong = check_one::<i32>(&mut local, 1023, ReduceOp::Sum, false);
+            (c.rank(), local.rank(), local.size(), wrong)
+        });
+        for (rank, local_rank, local_size, wrong) in out {
+            assert_eq!((local_rank, local_size, wrong), (rank, 3, 0), "{transport}");
+        }
+    }
+}
+
+/// Ranks as processes that say they are on two hosts (`CHORUS_HOSTID` by parity):
+/// `split_by_host` groups them by host, in rank order.
+#[test]
+fn split_by_host_groups_ranks_by_host() {
+    const NAME: &str = "split_by_host_groups_ranks_by_host";
+    if is_child() {
+        let mut c = child_comm();
+        let rank = c.rank();
+        let mut local = c.split_by_host().unwrap_or_else(|e| panic!("{e}"));
+        let (lr, ls, members) = members_through(&mut local, rank);
+        let want: Vec<u64> = (0..5u64).filter(|r| r % 2 == (rank % 2) as u64).collect();
+        assert_eq!(members, want, "rank {rank}");
+        assert_eq!((lr, ls), (rank / 2, want.len()), "rank {rank}");
+        println!("HOST-GROUP-OK {rank}");
+        return;
+    }
+    let job = spawn_job_with(5, NAME, |rank| {
+        vec![("CHORUS_HOSTID", format!("test-host-{}", rank % 2))]
+    });
+    for (rank, (code, out)) in wait_job(job, WATCHDOG).into_iter().enumerate() {
+        assert_eq!(code, Some(0), "rank {rank}:\n{out}");
+        assert!(
+            out.contains(&format!("HOST-GROUP-OK {rank}")),
+            "rank {rank}:\n{out}"
+        );
+    }
+}

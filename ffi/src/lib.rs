@@ -491,6 +491,31 @@ pub unsafe extern "C" fn chorus_comm_split(
     })
 }
 
+/// The ranks on this rank's host, as a communicator of their own, in their order in `comm`
+/// (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`): `chorus_comm_split` with the host as
+/// color. A host is what shared memory goes by: `CHORUS_HOSTID` when set, else hostname, boot
+/// id and network namespace. Every rank of `comm` must call it. On failure `*newcomm` is set
+/// to NULL.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_split_host(
+    comm: *mut chorus_comm,
+    newcomm: *mut *mut chorus_comm,
+) -> i32 {
+    guard("chorus_comm_split_host", || {
+        ptr::check_out(newcomm, "newcomm")?;
+        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let child = c.with(|c| Ok(c.split_by_host()?))?;
+        // SAFETY: as above.
+        unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
+    })
+}
+
 /// A new communicator of the same ranks in the same order with its own connections
 /// (`MPI_Comm_dup`): `chorus_comm_split` with one color and the rank as key. A library can run
 /// its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL.

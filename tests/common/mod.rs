@@ -258,6 +258,15 @@ pub struct Job {
 }
 
 pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> Job {
+    spawn_job_with(size, test_name, |_| extra_env.to_vec())
+}
+
+/// [`spawn_job`] with each rank's extra variables from `env_of(rank)`.
+pub fn spawn_job_with<'a>(
+    size: usize,
+    test_name: &str,
+    env_of: impl Fn(usize) -> Vec<(&'a str, String)>,
+) -> Job {
     let server = store();
     let addr = server.local_addr();
     let exe = std::env::current_exe().expect("test binary path");
@@ -273,7 +282,7 @@ pub fn spawn_job(size: usize, test_name: &str, extra_env: &[(&str, String)]) -> 
                 .env("CHORUS_TRANSPORT", "tcp")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            for (k, v) in extra_env {
+            for (k, v) in env_of(rank) {
                 cmd.env(k, v);
             }
             cmd.spawn().expect("spawn child rank")

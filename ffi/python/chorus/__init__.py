@@ -607,6 +607,15 @@ class Communicator:
         self._call(lib.chorus_comm_dup, ctypes.byref(handle))
         return Communicator(handle)
 
+    def split_by_host(self) -> "Communicator":
+        """The ranks on this rank's host, as a communicator of their own, in their order here
+        (``MPI_Comm_split_type`` with ``MPI_COMM_TYPE_SHARED``; torch's local groups). A
+        host is what shared memory goes by: ``CHORUS_HOSTID`` when set, else hostname, boot
+        id and network namespace. Every rank must call it."""
+        handle = ctypes.c_void_p()
+        self._call(lib.chorus_comm_split_host, ctypes.byref(handle))
+        return Communicator(handle)
+
     def new_group(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator of ``ranks`` (ranks of this one), ranked in increasing rank order
         whatever the order listed, as ``torch.distributed.new_group(ranks)``; None on the

@@ -94,6 +94,7 @@ _PROTOTYPES = {
     "chorus_comm_destroy": (c_int32, [c_void_p]),
     "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),
     "chorus_comm_dup": (c_int32, [c_void_p, _comm_pp]),
+    "chorus_comm_split_host": (c_int32, [c_void_p, _comm_pp]),
     "chorus_get_unique_id": (c_int32, [ctypes.POINTER(UniqueId)]),
     "chorus_comm_init_rank": (c_int32, [_comm_pp, c_int, UniqueId, c_int]),
     "chorus_allreduce_opts": (

@@ -86,7 +86,7 @@ def test_explicit_init_still_reads_the_chorus_settings(monkeypatch):
 def test_groups_of_a_group_of_one(solo):
     assert solo.split(None) is None
     assert solo.new_group([]) is None
-    for g in (solo.split(3, key=-5), solo.dup(), solo.new_group([0])):
+    for g in (solo.split(3, key=-5), solo.dup(), solo.new_group([0]), solo.split_by_host()):
         assert (g.rank, g.size) == (0, 1), g
         x = np.arange(4, dtype=np.float32)
         g.allreduce(x)

@@ -686,6 +686,14 @@ static chorus_comm *split(chorus_comm *comm) {
         for (int j = 0; j < n; j++) CHECK(got[j] == j + 1, "member %d is %d", j, got[j]);
     }
 
+    /* The host group: every rank of this job runs on this host. */
+    chorus_comm *host = NULL;
+    OK(chorus_comm_split_host(comm, &host));
+    members_of(host, me, &r, &n, got);
+    CHECK(r == me && n == p, "the host group has rank %d of %d", r, n);
+    OK(chorus_comm_destroy(host));
+    EXPECT(chorus_comm_split_host(comm, NULL), CHORUS_INVALID_ARGUMENT);
+
     /* A copy, freed first; the parent still works between and after. */
     chorus_comm *copy = NULL;
     OK(chorus_comm_dup(comm, &copy));
