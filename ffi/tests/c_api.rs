@@ -402,6 +402,11 @@ fn an_mpi_program_joins_through_a_unique_id() {
                 "--mca",
                 "btl",
                 "self,vader",
+                // Copy through shared memory: containers may forbid the cross-process reads
+                // (CMA) vader would otherwise use for large messages.
+                "--mca",
+                "btl_vader_single_copy_mechanism",
+                "none",
             ])
             .args(["-x", "CHORUS_SOCKET_IFNAME", "-n"])
             .arg(np.to_string())
