@@ -13,7 +13,9 @@
 //! way per call, with the tag of its step either way, so ranks that decide differently (the
 //! blocks of an alltoallv differ) still match.
 
-use chorus_transport::Result;
+use std::time::Instant;
+
+use chorus_transport::{Result, Tag, Transport};
 
 use super::{block, exchange, exchange_all, pieces, tag};
 
@@ -84,33 +86,53 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Resul
         }
     };
     recv[block(rank, b)].copy_from_slice(&input[block(rank, b)]);
-    if b <= ALL_AT_ONCE_BYTES && size > 2 {
+    let offsets: Vec<usize> = (0..=size).map(|j| j * b).collect();
+    let at_once = b <= ALL_AT_ONCE_BYTES;
+    exchange_blocks(
+        t, deadline, &steps, &tags, input, &offsets, recv, &offsets, at_once,
+    )
+}
+
+/// The exchanges of `steps` (this rank's own block already copied): block `j` of `send` lies
+/// at `so[j]..so[j + 1]`, block `j` of `recv` at `ro[j]..ro[j + 1]`; the step-`k` messages
+/// carry `tags[k]` either way. Posted all at once when `at_once` (and there is more than one
+/// step), else step by step.
+#[allow(clippy::too_many_arguments)]
+fn exchange_blocks(
+    t: &mut dyn Transport,
+    deadline: Instant,
+    steps: &[Step],
+    tags: &[Tag],
+    send: &[u8],
+    so: &[usize],
+    recv: &mut [u8],
+    ro: &[usize],
+    at_once: bool,
+) -> Result<()> {
+    if at_once && steps.len() > 1 {
         let sends: Vec<_> = steps
             .iter()
-            .zip(&tags)
-            .map(|(s, &tg)| (s.to, tg, &input[block(s.to, b)]))
+            .zip(tags)
+            .map(|(s, &tg)| (s.to, tg, &send[so[s.to]..so[s.to + 1]]))
             .collect();
-        let offsets: Vec<usize> = (0..=size).map(|j| j * b).collect();
-        let mut blocks: Vec<Option<&mut [u8]>> =
-            pieces(recv, &offsets).into_iter().map(Some).collect();
+        let mut blocks: Vec<Option<&mut [u8]>> = pieces(recv, ro).into_iter().map(Some).collect();
         let recvs = steps
             .iter()
-            .zip(&tags)
+            .zip(tags)
             .map(|(s, &tg)| (s.from, tg, blocks[s.from].take().expect("each block once")))
             .collect();
         return exchange_all(t, deadline, &sends, recvs);
     }
-    for (k, s) in steps.iter().enumerate() {
-        let out = &input[block(s.to, b)];
+    for (s, &tg) in steps.iter().zip(tags) {
         exchange(
             t,
             deadline,
             s.to,
-            tags[k],
-            out,
+            tg,
+            &send[so[s.to]..so[s.to + 1]],
             s.from,
-            tags[k],
-            &mut recv[block(s.from, b)],
+            tg,
+            &mut recv[ro[s.from]..ro[s.from + 1]],
         )?;
     }
     Ok(())
@@ -156,41 +178,23 @@ pub fn run_v(
         ));
     }
     recv[ro[rank]..ro[rank + 1]].copy_from_slice(&send[so[rank]..so[rank + 1]]);
-    let deadline = ctx.deadline;
     let steps = plan(rank, size);
-    let small = send_counts
+    let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
+    let at_once = send_counts
         .iter()
         .chain(recv_counts)
         .all(|&c| c <= ALL_AT_ONCE_BYTES);
-    if small && size > 2 {
-        let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
-        let sends: Vec<_> = steps
-            .iter()
-            .zip(&tags)
-            .map(|(s, &tg)| (s.to, tg, &send[so[s.to]..so[s.to + 1]]))
-            .collect();
-        let mut blocks: Vec<Option<&mut [u8]>> = pieces(recv, &ro).into_iter().map(Some).collect();
-        let recvs = steps
-            .iter()
-            .zip(&tags)
-            .map(|(s, &tg)| (s.from, tg, blocks[s.from].take().expect("each block once")))
-            .collect();
-        return exchange_all(&mut *ctx.transport, deadline, &sends, recvs);
-    }
-    for (k, s) in steps.iter().enumerate() {
-        let t = tag(ctx, 0, 0, k);
-        exchange(
-            &mut *ctx.transport,
-            deadline,
-            s.to,
-            t,
-            &send[so[s.to]..so[s.to + 1]],
-            s.from,
-            t,
-            &mut recv[ro[s.from]..ro[s.from + 1]],
-        )?;
-    }
-    Ok(())
+    exchange_blocks(
+        &mut *ctx.transport,
+        ctx.deadline,
+        &steps,
+        &tags,
+        send,
+        &so,
+        recv,
+        &ro,
+        at_once,
+    )
 }
 
 #[cfg(test)]
