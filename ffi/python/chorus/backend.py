@@ -260,15 +260,30 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self._allgather_list([outs[j] for outs in outputs], x)
         return _done(outputs)
 
-    def _allgather_list(self, out: Sequence[torch.Tensor], x: torch.Tensor) -> None:
-        if len(out) != self.comm.size:
+    def _blocks(
+        self, tensors: Sequence[torch.Tensor], like: torch.Tensor, call: str, what: str,
+        same_size: bool,
+    ) -> List[torch.Tensor]:
+        """The byte views of ``tensors``, one per rank of the group, each of ``like``'s
+        dtype (and size, with ``same_size``)."""
+        p = self.comm.size
+        if len(tensors) != p:
+            raise InvalidArgumentError(f"chorus backend: {call} needs {p} {what}s, got {len(tensors)}")
+        views = [_bytes(t, f"an {what}") for t in tensors]
+        size = _bytes(like, "a tensor").numel()
+        if any(t.dtype != like.dtype for t in tensors) or (
+            same_size and any(v.numel() != size for v in views)
+        ):
             raise InvalidArgumentError(
-                f"chorus backend: all_gather needs {self.comm.size} output tensors, got {len(out)}"
+                f"chorus backend: {call}: each {what} must have the dtype"
+                + (" and size" if same_size else "")
+                + f" of {tuple(like.shape)} {like.dtype}"
             )
-        if any(o.dtype != x.dtype for o in out):
-            raise InvalidArgumentError("chorus backend: all_gather outputs must have the input's dtype")
+        return views
+
+    def _allgather_list(self, out: Sequence[torch.Tensor], x: torch.Tensor) -> None:
+        outs = self._blocks(out, x, "all_gather", "output", same_size=False)
         src = _bytes(x, "the input")
-        outs = [_bytes(o, "an output") for o in out]
         counts = [o.numel() for o in outs]
         flat = torch.empty(sum(counts), dtype=torch.uint8)
         if all(c == src.numel() for c in counts):
@@ -353,13 +368,10 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def alltoall(
         self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
-        p = self.comm.size
-        if len(outputs) != p or len(inputs) != p:
-            raise InvalidArgumentError(f"chorus backend: all_to_all needs {p} inputs and {p} outputs")
-        if any(t.dtype != inputs[0].dtype for t in list(inputs) + list(outputs)):
-            raise InvalidArgumentError("chorus backend: all_to_all tensors must share one dtype")
-        ins = [_bytes(t, "an input") for t in inputs]
-        outs = [_bytes(t, "an output") for t in outputs]
+        if not inputs:
+            raise InvalidArgumentError(f"chorus backend: all_to_all needs {self.comm.size} inputs")
+        ins = self._blocks(inputs, inputs[0], "all_to_all", "input", same_size=False)
+        outs = self._blocks(outputs, inputs[0], "all_to_all", "output", same_size=False)
         src = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8)
         dst = torch.empty(sum(t.numel() for t in outs), dtype=torch.uint8)
         self.comm.alltoallv(src, [t.numel() for t in ins], dst, [t.numel() for t in outs])
@@ -375,14 +387,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
         for i, x in enumerate(inputs):
             src = _bytes(x, "the input")
             if self.comm.rank == root:
-                out = outputs[i]
-                if len(out) != p:
-                    raise InvalidArgumentError(f"chorus backend: gather needs {p} outputs on the root")
-                outs = [_bytes(o, "an output") for o in out]
-                if any(o.dtype != x.dtype for o in out) or any(o.numel() != src.numel() for o in outs):
-                    raise InvalidArgumentError(
-                        "chorus backend: gather outputs must each have the input's size and dtype"
-                    )
+                outs = self._blocks(outputs[i], x, "gather", "output", same_size=True)
                 flat = torch.empty(src.numel() * p, dtype=torch.uint8)
                 self.comm.gather(src, flat, root=root)
                 for o, part in zip(outs, flat.split(src.numel())):
@@ -395,19 +400,11 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
-        root, p = _root(opts), self.comm.size
+        root = _root(opts)
         for i, out in enumerate(outputs):
             dst = _bytes(out, "the output")
             if self.comm.rank == root:
-                ins = inputs[i]
-                if len(ins) != p:
-                    raise InvalidArgumentError(f"chorus backend: scatter needs {p} inputs on the root")
-                parts = [_bytes(t, "an input") for t in ins]
-                if any(t.dtype != out.dtype for t in ins) or any(t.numel() != dst.numel() for t in parts):
-                    raise InvalidArgumentError(
-                        "chorus backend: scatter inputs must each have the output's size and dtype"
-                    )
-                src = torch.cat(parts)
+                src = torch.cat(self._blocks(inputs[i], out, "scatter", "input", same_size=True))
                 self.comm.scatter(src, dst, root=root)
             else:
                 self.comm.scatter(None, dst, root=root)
