@@ -22,7 +22,7 @@ use chorus_algorithms::collectives::{
 use chorus_algorithms::cost::Link;
 use chorus_algorithms::{DType, Element, ReduceOp};
 
-use crate::comm::{tag_base, CollKind, Communicator};
+use crate::comm::{tag_base, Call, CollKind, Communicator};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 
@@ -144,7 +144,8 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("broadcast", CollKind::Broadcast, dtype, NO_OP, None, |c| {
+        let call = Call::new("broadcast", CollKind::Broadcast, dtype, NO_OP);
+        self.refusable(call, |c| {
             const OP: &str = "broadcast";
             c.check_whole(OP, "buffer", buf.len(), dtype)?;
             c.check_root(OP, root)?;
@@ -157,15 +158,9 @@ impl Communicator {
                 buf.len(),
                 alg.name()
             ));
-            c.run_call(
-                OP,
-                CollKind::Broadcast,
-                dtype,
-                NO_OP,
-                &[buf.len() as u64, root as u64],
-                None,
-                |ctx| broadcast::run(alg, ctx, buf, root),
-            )
+            c.run_call(call, &[buf.len() as u64, root as u64], |ctx| {
+                broadcast::run(alg, ctx, buf, root)
+            })
         })
     }
 
@@ -192,7 +187,8 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("reduce", CollKind::Reduce, dtype, op, None, |c| {
+        let call = Call::new("reduce", CollKind::Reduce, dtype, op);
+        self.refusable(call, |c| {
             const OP: &str = "reduce";
             c.check_root(OP, root)?;
             c.check_op(OP, dtype, op)?;
@@ -217,15 +213,9 @@ impl Communicator {
                 op.name(),
                 alg.name()
             ));
-            c.run_call(
-                OP,
-                CollKind::Reduce,
-                dtype,
-                op,
-                &[n as u64, root as u64],
-                None,
-                |ctx| reduce::run(alg, ctx, send, recv, dtype, op, root),
-            )
+            c.run_call(call, &[n as u64, root as u64], |ctx| {
+                reduce::run(alg, ctx, send, recv, dtype, op, root)
+            })
         })
     }
 
@@ -247,7 +237,8 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_gather", CollKind::AllGather, dtype, NO_OP, None, |c| {
+        let call = Call::new("all_gather", CollKind::AllGather, dtype, NO_OP);
+        self.refusable(call, |c| {
             const OP: &str = "all_gather";
             c.check_blocks(OP, send, recv.len(), dtype, true)?;
             let (size, link) = (c.size(), c.link());
@@ -259,15 +250,9 @@ impl Communicator {
                 recv.len(),
                 alg.name()
             ));
-            c.run_call(
-                OP,
-                CollKind::AllGather,
-                dtype,
-                NO_OP,
-                &[recv.len() as u64],
-                None,
-                |ctx| allgather::run(alg, ctx, send, recv),
-            )
+            c.run_call(call, &[recv.len() as u64], |ctx| {
+                allgather::run(alg, ctx, send, recv)
+            })
         })
     }
 
@@ -305,64 +290,52 @@ impl Communicator {
         counts: &[usize],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable(
-            "all_gather_v",
-            CollKind::AllGatherV,
-            dtype,
-            NO_OP,
-            None,
-            |c| {
-                const OP: &str = "all_gather_v";
-                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
-                if recv.len() != total {
+        let call = Call::new("all_gather_v", CollKind::AllGatherV, dtype, NO_OP);
+        self.refusable(call, |c| {
+            const OP: &str = "all_gather_v";
+            let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
+            if recv.len() != total {
+                return Err(c.invalid(
+                    OP,
+                    format!(
+                        "the receive buffer has {} bytes where the counts add up to {total}",
+                        recv.len()
+                    ),
+                ));
+            }
+            if let Some(s) = send {
+                if s.len() != byte_counts[c.rank()] {
                     return Err(c.invalid(
                         OP,
                         format!(
-                            "the receive buffer has {} bytes where the counts add up to {total}",
-                            recv.len()
+                            "the send buffer has {} bytes where this rank's count is {} elements",
+                            s.len(),
+                            counts[c.rank()]
                         ),
                     ));
                 }
-                if let Some(s) = send {
-                    if s.len() != byte_counts[c.rank()] {
-                        return Err(c.invalid(
-                            OP,
-                            format!(
-                        "the send buffer has {} bytes where this rank's count is {} elements",
-                        s.len(),
-                        counts[c.rank()]
-                    ),
-                        ));
-                    }
-                }
-                // Blocks of different sizes go round the ring, where every block reaches every rank
-                // by itself and each hop checks its length, so ranks that disagree about any count
-                // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
-                // counts do not (ranks that disagree about whether the blocks are equal run different
-                // schedules, whose tags differ).
-                let uniform = counts.windows(2).all(|w| w[0] == w[1]);
-                let alg = if uniform {
-                    let (size, link) = (c.size(), c.link());
-                    choose(&c.algos().allgather, &allgather::Algorithm::ALL, |a| {
-                        a.cost(total, size, &link)
-                    })
-                } else {
-                    allgather::Algorithm::Ring
-                };
-                c.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
-                // Every rank passes the same counts: their digest goes into the tag.
-                let digest = counts_digest(counts);
-                c.run_call(
-                    OP,
-                    CollKind::AllGatherV,
-                    dtype,
-                    NO_OP,
-                    &[total as u64, digest],
-                    None,
-                    |ctx| allgather::run_v(alg, ctx, send, recv, &byte_counts),
-                )
-            },
-        )
+            }
+            // Blocks of different sizes go round the ring, where every block reaches every rank
+            // by itself and each hop checks its length, so ranks that disagree about any count
+            // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
+            // counts do not (ranks that disagree about whether the blocks are equal run different
+            // schedules, whose tags differ).
+            let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+            let alg = if uniform {
+                let (size, link) = (c.size(), c.link());
+                choose(&c.algos().allgather, &allgather::Algorithm::ALL, |a| {
+                    a.cost(total, size, &link)
+                })
+            } else {
+                allgather::Algorithm::Ring
+            };
+            c.trace(format_args!("all_gather_v {total} B with {}", alg.name()));
+            // Every rank passes the same counts: their digest goes into the tag.
+            let digest = counts_digest(counts);
+            c.run_call(call, &[total as u64, digest], |ctx| {
+                allgather::run_v(alg, ctx, send, recv, &byte_counts)
+            })
+        })
     }
 
     /// Alltoallv (`MPI_Alltoallv` with the blocks back to back; torch's
@@ -396,44 +369,36 @@ impl Communicator {
         recv_counts: &[usize],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable(
-            "all_to_all_v",
-            CollKind::AllToAllV,
-            dtype,
-            NO_OP,
-            None,
-            |c| {
-                const OP: &str = "all_to_all_v";
-                let (sc, st) = c.byte_counts(OP, send_counts, dtype)?;
-                let (rc, rt) = c.byte_counts(OP, recv_counts, dtype)?;
-                if send.len() != st || recv.len() != rt {
-                    return Err(c.invalid(
-                        OP,
-                        format!(
-                            "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
-                            send.len(),
-                            recv.len()
-                        ),
-                    ));
-                }
-                let me = c.rank();
-                if sc[me] != rc[me] {
-                    return Err(c.invalid(
-                        OP,
-                        format!(
-                            "this rank sends itself {} elements but receives {}",
-                            send_counts[me], recv_counts[me]
-                        ),
-                    ));
-                }
-                c.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
-                // The counts differ from rank to rank by design: only the lengths of the messages
-                // check them, pair by pair.
-                c.run_call(OP, CollKind::AllToAllV, dtype, NO_OP, &[], None, |ctx| {
-                    alltoall::run_v(ctx, send, &sc, recv, &rc)
-                })
-            },
-        )
+        let call = Call::new("all_to_all_v", CollKind::AllToAllV, dtype, NO_OP);
+        self.refusable(call, |c| {
+            const OP: &str = "all_to_all_v";
+            let (sc, st) = c.byte_counts(OP, send_counts, dtype)?;
+            let (rc, rt) = c.byte_counts(OP, recv_counts, dtype)?;
+            if send.len() != st || recv.len() != rt {
+                return Err(c.invalid(
+                    OP,
+                    format!(
+                        "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
+                        send.len(),
+                        recv.len()
+                    ),
+                ));
+            }
+            let me = c.rank();
+            if sc[me] != rc[me] {
+                return Err(c.invalid(
+                    OP,
+                    format!(
+                        "this rank sends itself {} elements but receives {}",
+                        send_counts[me], recv_counts[me]
+                    ),
+                ));
+            }
+            c.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
+            // The counts differ from rank to rank by design: only the lengths of the messages
+            // check them, pair by pair.
+            c.run_call(call, &[], |ctx| alltoall::run_v(ctx, send, &sc, recv, &rc))
+        })
     }
 
     /// `counts` (elements, one per rank) in bytes of `dtype`, and their total, checked: one per
@@ -544,40 +509,28 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.refusable(
-            "reduce_scatter",
-            CollKind::ReduceScatter,
-            dtype,
-            op,
-            None,
-            |c| {
-                const OP: &str = "reduce_scatter";
-                c.check_op(OP, dtype, op)?;
-                c.check_blocks(OP, send, recv.len(), dtype, false)?;
-                let total = send.map_or(recv.len(), <[u8]>::len);
-                let (size, link) = (c.size(), c.link());
-                let alg = choose(
-                    &c.algos().reduce_scatter,
-                    &reduce_scatter::Algorithm::ALL,
-                    |a| a.cost(total, size, &link),
-                );
-                c.trace(format_args!(
-                    "reduce_scatter {total} B {} {} with {}",
-                    dtype.name(),
-                    op.name(),
-                    alg.name()
-                ));
-                c.run_call(
-                    OP,
-                    CollKind::ReduceScatter,
-                    dtype,
-                    op,
-                    &[total as u64],
-                    None,
-                    |ctx| reduce_scatter::run(alg, ctx, send, recv, dtype, op),
-                )
-            },
-        )
+        let call = Call::new("reduce_scatter", CollKind::ReduceScatter, dtype, op);
+        self.refusable(call, |c| {
+            const OP: &str = "reduce_scatter";
+            c.check_op(OP, dtype, op)?;
+            c.check_blocks(OP, send, recv.len(), dtype, false)?;
+            let total = send.map_or(recv.len(), <[u8]>::len);
+            let (size, link) = (c.size(), c.link());
+            let alg = choose(
+                &c.algos().reduce_scatter,
+                &reduce_scatter::Algorithm::ALL,
+                |a| a.cost(total, size, &link),
+            );
+            c.trace(format_args!(
+                "reduce_scatter {total} B {} {} with {}",
+                dtype.name(),
+                op.name(),
+                alg.name()
+            ));
+            c.run_call(call, &[total as u64], |ctx| {
+                reduce_scatter::run(alg, ctx, send, recv, dtype, op)
+            })
+        })
     }
 
     /// All-to-all: block `j` of this rank's `send` becomes block `rank` of rank `j`'s `recv`
@@ -598,7 +551,8 @@ impl Communicator {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.refusable("all_to_all", CollKind::AllToAll, dtype, NO_OP, None, |c| {
+        let call = Call::new("all_to_all", CollKind::AllToAll, dtype, NO_OP);
+        self.refusable(call, |c| {
             const OP: &str = "all_to_all";
             if let Some(s) = send {
                 if s.len() != recv.len() {
@@ -614,15 +568,9 @@ impl Communicator {
             }
             c.check_blocks(OP, None, recv.len(), dtype, true)?;
             c.trace(format_args!("all_to_all {} B pairwise", recv.len()));
-            c.run_call(
-                OP,
-                CollKind::AllToAll,
-                dtype,
-                NO_OP,
-                &[recv.len() as u64],
-                None,
-                |ctx| alltoall::run(ctx, send, recv),
-            )
+            c.run_call(call, &[recv.len() as u64], |ctx| {
+                alltoall::run(ctx, send, recv)
+            })
         })
     }
 
@@ -645,7 +593,8 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("gather", CollKind::Gather, dtype, NO_OP, None, |c| {
+        let call = Call::new("gather", CollKind::Gather, dtype, NO_OP);
+        self.refusable(call, |c| {
             const OP: &str = "gather";
             c.check_root(OP, root)?;
             c.check_whole(OP, "send buffer", send.len(), dtype)?;
@@ -670,15 +619,9 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("gather {} B to {root}", send.len()));
-            c.run_call(
-                OP,
-                CollKind::Gather,
-                dtype,
-                NO_OP,
-                &[send.len() as u64, root as u64],
-                None,
-                |ctx| gather::run(ctx, send, recv, root),
-            )
+            c.run_call(call, &[send.len() as u64, root as u64], |ctx| {
+                gather::run(ctx, send, recv, root)
+            })
         })
     }
 
@@ -701,7 +644,8 @@ impl Communicator {
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
-        self.refusable("scatter", CollKind::Scatter, dtype, NO_OP, None, |c| {
+        let call = Call::new("scatter", CollKind::Scatter, dtype, NO_OP);
+        self.refusable(call, |c| {
             const OP: &str = "scatter";
             c.check_root(OP, root)?;
             c.check_whole(OP, "receive buffer", recv.len(), dtype)?;
@@ -726,15 +670,9 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("scatter {} B from {root}", recv.len()));
-            c.run_call(
-                OP,
-                CollKind::Scatter,
-                dtype,
-                NO_OP,
-                &[recv.len() as u64, root as u64],
-                None,
-                |ctx| scatter::run(ctx, send, recv, root),
-            )
+            c.run_call(call, &[recv.len() as u64, root as u64], |ctx| {
+                scatter::run(ctx, send, recv, root)
+            })
         })
     }
 

@@ -206,6 +206,36 @@ impl CollKind {
     }
 }
 
+/// What identifies one collective call: its name in errors, kind, dtype, op, and its timeout
+/// (`None`: the communicator's). Made once per call and handed to [`Communicator::refusable`],
+/// [`Communicator::run_call`] and the rest, so that they cannot disagree.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Call {
+    pub name: &'static str,
+    pub kind: CollKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub timeout: Option<Duration>,
+}
+
+impl Call {
+    /// A call with the communicator's timeout.
+    pub(crate) fn new(name: &'static str, kind: CollKind, dtype: DType, op: ReduceOp) -> Call {
+        Call {
+            name,
+            kind,
+            dtype,
+            op,
+            timeout: None,
+        }
+    }
+
+    /// The same call with its own timeout (`None`: the communicator's).
+    pub(crate) fn with_timeout(self, timeout: Option<Duration>) -> Call {
+        Call { timeout, ..self }
+    }
+}
+
 /// Tag layout: step (bits 0..16), dtype (16..20), op (20..24), collective (24..32), call
 /// fingerprint (32..48, [`call_bits`]), per-communicator collective sequence number (48..64,
 /// modulo 2^16: it only has to tell a call from its neighbours).
@@ -749,172 +779,158 @@ impl Communicator {
         op: ReduceOp,
         opts: &AllReduceOptions,
     ) -> Result<(), CommError> {
-        self.refusable(
-            "all_reduce",
-            CollKind::AllReduce,
-            dtype,
-            op,
-            opts.timeout,
-            |c| {
-                const OP: &str = "all_reduce";
-                c.check_usable(OP)?;
-                c.check_op(OP, dtype, op)?;
-                if recv.len() % dtype.size() != 0 {
+        let call =
+            Call::new("all_reduce", CollKind::AllReduce, dtype, op).with_timeout(opts.timeout);
+        self.refusable(call, |c| {
+            const OP: &str = "all_reduce";
+            c.check_usable(OP)?;
+            c.check_op(OP, dtype, op)?;
+            if recv.len() % dtype.size() != 0 {
+                return Err(CommError::invalid(
+                    OP,
+                    format!(
+                        "buffer of {} bytes is not a whole number of {} elements",
+                        recv.len(),
+                        dtype.name()
+                    ),
+                )
+                .at_rank(c.rank));
+            }
+            if let Some(s) = send {
+                if s.len() != recv.len() {
                     return Err(CommError::invalid(
                         OP,
                         format!(
-                            "buffer of {} bytes is not a whole number of {} elements",
-                            recv.len(),
-                            dtype.name()
+                            "send buffer has {} bytes, receive buffer {}",
+                            s.len(),
+                            recv.len()
                         ),
                     )
                     .at_rank(c.rank));
                 }
-                if let Some(s) = send {
-                    if s.len() != recv.len() {
-                        return Err(CommError::invalid(
-                            OP,
-                            format!(
-                                "send buffer has {} bytes, receive buffer {}",
-                                s.len(),
-                                recv.len()
-                            ),
-                        )
-                        .at_rank(c.rank));
-                    }
+            }
+            // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
+            // call's clock starts.
+            let args = [recv.len() as u64];
+            c.check_call(call, &args)?;
+            if opts.algorithm.is_none() && c.direct_shared_memory() {
+                // Every rank on this host: the direct shared-memory allreduce beats any message
+                // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
+                return c.run_unchecked(call, &args, |ctx| {
+                    shm_all_reduce(ctx, send, recv, dtype, op)
+                });
+            }
+            let bytes = recv.len();
+            let (algorithm, timing) = match opts.algorithm {
+                Some(a) => (a, Timing::None),
+                None if !c.tuning || c.size == 1 || bytes == 0 => {
+                    (c.selected_algorithm(bytes), Timing::None)
                 }
-                // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
-                // call's clock starts.
-                let args = [recv.len() as u64];
-                c.check_call(OP, CollKind::AllReduce, dtype, op, &args, opts.timeout)?;
-                if opts.algorithm.is_none() && c.direct_shared_memory() {
-                    // Every rank on this host: the direct shared-memory allreduce beats any message
-                    // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
-                    return c.run_unchecked(
-                        OP,
-                        CollKind::AllReduce,
-                        dtype,
-                        op,
-                        &args,
-                        opts.timeout,
-                        |ctx| shm_all_reduce(ctx, send, recv, dtype, op),
-                    );
-                }
-                let bytes = recv.len();
-                let (algorithm, timing) = match opts.algorithm {
-                    Some(a) => (a, Timing::None),
-                    None if !c.tuning || c.size == 1 || bytes == 0 => {
-                        (c.selected_algorithm(bytes), Timing::None)
-                    }
-                    None => match c.tuner.next(&c.selector, bytes) {
-                        Next::Use(a) => (a, Timing::None),
-                        Next::Online(a) => (a, Timing::Online),
-                        Next::Trials(plan) => (
-                            c.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
-                            Timing::None,
-                        ),
-                        Next::Revisit { algorithm, rival } => {
-                            (algorithm, Timing::Revisit { rival })
-                        }
-                        Next::Tied {
-                            algorithm,
-                            tied,
-                            after,
-                        } => {
-                            c.log_tuning(|| select::describe_tied(bytes, algorithm, &tied, after));
-                            (algorithm, Timing::None)
-                        }
-                        Next::Inherit {
-                            algorithm,
-                            from,
-                            lead,
-                        } => {
-                            c.log_tuning(|| {
-                                select::describe_inherited(bytes, algorithm, from, lead)
-                            });
-                            (algorithm, Timing::None)
-                        }
-                    },
-                };
-                log::log(
-                    Level::Trace,
-                    Some(c.rank),
-                    format_args!(
-                        "all_reduce {} x {} {} with {}",
-                        recv.len() / dtype.size(),
-                        dtype.name(),
-                        op.name(),
-                        algorithm.name()
+                None => match c.tuner.next(&c.selector, bytes) {
+                    Next::Use(a) => (a, Timing::None),
+                    Next::Online(a) => (a, Timing::Online),
+                    Next::Trials(plan) => (
+                        c.dedicated_trials(&plan, bytes, send.is_some(), dtype, op, opts)?,
+                        Timing::None,
                     ),
-                );
-                if timing == Timing::Online {
-                    if let Some(candidates) = c.tuner.online_fresh(bytes) {
-                        // Before the first trial: run every candidate once, untimed, so that none pays
-                        // for TCP connections still in slow start; grow the scratch memory, so that
-                        // the first does not pay for it (a schedule needs at most the buffer's size).
-                        for alg in candidates {
-                            let r = c.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
-                            if r.is_err() {
-                                c.tuner.reset(bytes);
-                                return r;
-                            }
+                    Next::Revisit { algorithm, rival } => (algorithm, Timing::Revisit { rival }),
+                    Next::Tied {
+                        algorithm,
+                        tied,
+                        after,
+                    } => {
+                        c.log_tuning(|| select::describe_tied(bytes, algorithm, &tied, after));
+                        (algorithm, Timing::None)
+                    }
+                    Next::Inherit {
+                        algorithm,
+                        from,
+                        lead,
+                    } => {
+                        c.log_tuning(|| select::describe_inherited(bytes, algorithm, from, lead));
+                        (algorithm, Timing::None)
+                    }
+                },
+            };
+            log::log(
+                Level::Trace,
+                Some(c.rank),
+                format_args!(
+                    "all_reduce {} x {} {} with {}",
+                    recv.len() / dtype.size(),
+                    dtype.name(),
+                    op.name(),
+                    algorithm.name()
+                ),
+            );
+            if timing == Timing::Online {
+                if let Some(candidates) = c.tuner.online_fresh(bytes) {
+                    // Before the first trial: run every candidate once, untimed, so that none pays
+                    // for TCP connections still in slow start; grow the scratch memory, so that
+                    // the first does not pay for it (a schedule needs at most the buffer's size).
+                    for alg in candidates {
+                        let r = c.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
+                        if r.is_err() {
+                            c.tuner.reset(bytes);
+                            return r;
                         }
-                        let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
-                        if c.scratch.len() < need {
-                            c.scratch.resize(need, 0);
+                    }
+                    let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
+                    if c.scratch.len() < need {
+                        c.scratch.resize(need, 0);
+                    }
+                }
+            }
+            // A rival's calls in a revisit carry the trial kind, so that a rank that does not
+            // tune (and runs the bucket's schedule) fails with a mismatch instead of mixing
+            // messages of two schedules.
+            let kind = match timing {
+                Timing::Revisit { rival: true, .. } => CollKind::AllReduceTrial,
+                _ => CollKind::AllReduce,
+            };
+            let started = Instant::now();
+            let r = c.run_unchecked(Call { kind, ..call }, &[bytes as u64], |ctx| {
+                allreduce::run(algorithm, ctx, send, recv, dtype, op)
+            });
+            let seconds = started.elapsed().as_secs_f64();
+            match timing {
+                Timing::None => {}
+                _ if r.is_err() => c.tuner.reset(bytes),
+                Timing::Online => {
+                    if let Some((candidates, times)) = c.tuner.record(bytes, seconds) {
+                        let chosen = c
+                            .agree_and_decide(bytes, &candidates, times, opts.timeout)
+                            .inspect_err(|_| c.tuner.reset(bytes))?;
+                        if chosen != algorithm {
+                            // The winner's connections sat idle through the last trial, and TCP
+                            // restarts an idle connection's window: warm them again, so that the
+                            // caller's next call runs at the speed the trials measured.
+                            c.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
                         }
                     }
                 }
-                // A rival's calls in a revisit carry the trial kind, so that a rank that does not
-                // tune (and runs the bucket's schedule) fails with a mismatch instead of mixing
-                // messages of two schedules.
-                let kind = match timing {
-                    Timing::Revisit { rival: true, .. } => CollKind::AllReduceTrial,
-                    _ => CollKind::AllReduce,
-                };
-                let started = Instant::now();
-                let r =
-                    c.run_unchecked(OP, kind, dtype, op, &[bytes as u64], opts.timeout, |ctx| {
-                        allreduce::run(algorithm, ctx, send, recv, dtype, op)
-                    });
-                let seconds = started.elapsed().as_secs_f64();
-                match timing {
-                    Timing::None => {}
-                    _ if r.is_err() => c.tuner.reset(bytes),
-                    Timing::Online => {
-                        if let Some((candidates, times)) = c.tuner.record(bytes, seconds) {
-                            let chosen = c
-                                .agree_and_decide(bytes, &candidates, times, opts.timeout)
-                                .inspect_err(|_| c.tuner.reset(bytes))?;
-                            if chosen != algorithm {
-                                // The winner's connections sat idle through the last trial, and TCP
-                                // restarts an idle connection's window: warm them again, so that the
-                                // caller's next call runs at the speed the trials measured.
-                                c.tuning_warm_up(chosen, bytes, dtype, op, opts.timeout)?;
-                            }
-                        }
-                    }
-                    Timing::Revisit { .. } => {
-                        if let Some((_, _, times)) = c.tuner.record_revisit(bytes, seconds) {
-                            c.agree_revisit(bytes, times, opts.timeout)
-                                .inspect_err(|_| c.tuner.reset(bytes))?;
-                        }
+                Timing::Revisit { .. } => {
+                    if let Some((_, _, times)) = c.tuner.record_revisit(bytes, seconds) {
+                        c.agree_revisit(bytes, times, opts.timeout)
+                            .inspect_err(|_| c.tuner.reset(bytes))?;
                     }
                 }
-                r
-            },
-        )
+            }
+            r
+        })
     }
 
     /// Replaces every rank's tuning `times` by their largest over the ranks (the agreement
     /// every tuning decision starts from, so that all ranks decide alike).
     fn agree_max(&mut self, times: &mut [f64], timeout: Option<Duration>) -> Result<(), CommError> {
         self.run_collective(
-            "all_reduce (tuning agreement)",
-            CollKind::Tuning,
-            DType::Float64,
-            ReduceOp::Max,
-            timeout,
+            Call::new(
+                "all_reduce (tuning agreement)",
+                CollKind::Tuning,
+                DType::Float64,
+                ReduceOp::Max,
+            )
+            .with_timeout(timeout),
             |ctx| {
                 allreduce::run(
                     Algorithm::RecursiveDoubling,
@@ -975,11 +991,13 @@ impl Communicator {
         let mut warm = vec![0u8; bytes.min(select::DEDICATED_MAX_BYTES)];
         warm.truncate(warm.len() / dtype.size() * dtype.size());
         self.run_collective(
-            "all_reduce (tuning warm-up)",
-            CollKind::AllReduceTrial,
-            dtype,
-            op,
-            timeout,
+            Call::new(
+                "all_reduce (tuning warm-up)",
+                CollKind::AllReduceTrial,
+                dtype,
+                op,
+            )
+            .with_timeout(timeout),
             |ctx| allreduce::run(alg, ctx, None, &mut warm, dtype, op),
         )
     }
@@ -1016,12 +1034,9 @@ impl Communicator {
                         started = Instant::now();
                     }
                     comm.run_unchecked(
-                        TRIAL,
-                        CollKind::AllReduceTrial,
-                        dtype,
-                        op,
+                        Call::new(TRIAL, CollKind::AllReduceTrial, dtype, op)
+                            .with_timeout(opts.timeout),
                         &[bytes as u64],
-                        opts.timeout,
                         |ctx| allreduce::run(alg, ctx, src.as_deref(), &mut buf, dtype, op),
                     )?;
                 }
@@ -1193,34 +1208,25 @@ impl Communicator {
     /// to the trials' times).
     pub(crate) fn run_collective(
         &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
-        timeout: Option<Duration>,
+        call: Call,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
-        self.run_unchecked(name, kind, dtype, op, &[], timeout, schedule)
+        self.run_unchecked(call, &[], schedule)
     }
 
     /// Run one of the caller's collectives: with [`Config::check_calls`], the ranks first
     /// compare their calls ([`Communicator::check_call`]); then
     /// [`Communicator::run_unchecked`].
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_call(
         &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
+        call: Call,
         args: &[u64],
-        timeout: Option<Duration>,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
         // (Both refuse an unusable communicator: the comparison's allgather, and then
         // `run_unchecked`.)
-        self.check_call(name, kind, dtype, op, args, timeout)?;
-        self.run_unchecked(name, kind, dtype, op, args, timeout, schedule)
+        self.check_call(call, args)?;
+        self.run_unchecked(call, args, schedule)
     }
 
     /// Run one collective: checks the communicator is usable, gives the schedule a context
@@ -1229,35 +1235,22 @@ impl Communicator {
     /// call's arguments every rank must pass alike: byte counts, the root, [`call_bits`]), and
     /// turns a transport error into a [`CommError`] (aborting the communicator when it is not
     /// recoverable). Every collective goes through here.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_unchecked(
         &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
+        call: Call,
         args: &[u64],
-        timeout: Option<Duration>,
         schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
     ) -> Result<(), CommError> {
-        self.check_usable(name)?;
-        let tag = tag_base(self.next_seq(), kind, dtype, op) | call_bits(args);
-        self.run_tagged(name, tag, timeout, schedule)
+        self.check_usable(call.name)?;
+        let tag = tag_base(self.next_seq(), call.kind, call.dtype, call.op) | call_bits(args);
+        self.run_tagged(call.name, tag, call.timeout, schedule)
     }
 
     /// With [`Config::check_calls`]: the ranks compare what this call was made with (one
     /// allgather of a 32-byte record each) and fail alike, naming each rank's call, where
     /// they differ. The communicator stays usable then: no rank sent any of the call's data.
-    pub(crate) fn check_call(
-        &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
-        args: &[u64],
-        timeout: Option<Duration>,
-    ) -> Result<(), CommError> {
-        self.compare_calls(name, kind, dtype, op, args, false, timeout)
+    pub(crate) fn check_call(&mut self, call: Call, args: &[u64]) -> Result<(), CommError> {
+        self.compare_calls(call, args, false)
     }
 
     /// With [`Config::check_calls`], runs `call` (one of the caller's collectives, `kind`),
@@ -1267,18 +1260,13 @@ impl Communicator {
     /// naming this rank instead of waiting out their timeout. This rank returns its own
     /// error, after the comparison (which waits for the others, as every checked call's
     /// does). Ranks that all refuse compare equal and each returns its own error.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn refusable<R>(
         &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
-        timeout: Option<Duration>,
-        call: impl FnOnce(&mut Self) -> Result<R, CommError>,
+        call: Call,
+        body: impl FnOnce(&mut Self) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         let seq = self.seq;
-        let r = call(self);
+        let r = body(self);
         let Err(e) = r else {
             return r;
         };
@@ -1290,7 +1278,7 @@ impl Communicator {
         // otherwise (no other rank came within the timeout, a peer is gone), the
         // communicator is broken: the caller still learns of its own argument, and that the
         // communicator did not survive.
-        match self.compare_calls(name, kind, dtype, op, &[], true, timeout) {
+        match self.compare_calls(call, &[], true) {
             Err(c) if !c.is_usable() => Err(e
                 .with_detail(&format!(
                     "; then the comparison of calls (CHORUS_CHECK_CALLS) failed: {c}"
@@ -1302,17 +1290,14 @@ impl Communicator {
 
     /// The comparison of [`Communicator::check_call`]: one allgather of a 32-byte record per
     /// rank (`refused`: this rank refused its arguments and runs nothing after it).
-    #[allow(clippy::too_many_arguments)]
-    fn compare_calls(
-        &mut self,
-        name: &'static str,
-        kind: CollKind,
-        dtype: DType,
-        op: ReduceOp,
-        args: &[u64],
-        refused: bool,
-        timeout: Option<Duration>,
-    ) -> Result<(), CommError> {
+    fn compare_calls(&mut self, call: Call, args: &[u64], refused: bool) -> Result<(), CommError> {
+        let Call {
+            name,
+            kind,
+            dtype,
+            op,
+            timeout,
+        } = call;
         const RECORD: usize = 32;
         if !self.config.check_calls || self.size == 1 {
             return Ok(());
@@ -1399,12 +1384,8 @@ impl Communicator {
     /// Block until every rank reached the barrier.
     pub fn barrier(&mut self) -> Result<(), CommError> {
         self.run_call(
-            "barrier",
-            CollKind::Barrier,
-            DType::Uint8,
-            ReduceOp::Max,
+            Call::new("barrier", CollKind::Barrier, DType::Uint8, ReduceOp::Max),
             &[],
-            None,
             chorus_algorithms::collectives::barrier::run,
         )
     }

@@ -41,7 +41,7 @@ use chorus_algorithms::sparse::{
 };
 use chorus_algorithms::{DType, ReduceOp};
 
-use crate::comm::{call_bits, tag_base, CollKind, Communicator};
+use crate::comm::{call_bits, tag_base, Call, CollKind, Communicator};
 use crate::error::CommError;
 use crate::AllReduceOptions;
 
@@ -349,10 +349,13 @@ impl Communicator {
         op: ReduceOp,
         comp: &mut Compressor,
     ) -> Result<CompressionReport, CommError> {
-        let kind = CollKind::CompressedAllReduce;
-        self.refusable(OP_COMPRESSED, kind, DType::Float32, op, None, |c| {
-            c.compressed_as(buf, op, comp, DType::Float32)
-        })
+        let call = Call::new(
+            OP_COMPRESSED,
+            CollKind::CompressedAllReduce,
+            DType::Float32,
+            op,
+        );
+        self.refusable(call, |c| c.compressed_as(buf, op, comp, DType::Float32))
     }
 
     /// [`Communicator::all_reduce_compressed`] of values the caller holds as `dtype` (widened
@@ -395,12 +398,8 @@ impl Communicator {
         }
         let rank = self.rank() as u64;
         self.check_call(
-            OP,
-            CollKind::CompressedAllReduce,
-            dtype,
-            op,
+            Call::new(OP, CollKind::CompressedAllReduce, dtype, op),
             &[dense_bytes],
-            None,
         )?;
         let tag = tag_base(self.next_seq(), CollKind::CompressedAllReduce, dtype, op)
             | call_bits(&[dense_bytes])
@@ -467,8 +466,8 @@ impl Communicator {
         op: ReduceOp,
         comp: &mut Compressor,
     ) -> Result<CompressionReport, CommError> {
-        let kind = CollKind::CompressedAllReduce;
-        self.refusable(OP_COMPRESSED, kind, dtype, op, None, |c| {
+        let call = Call::new(OP_COMPRESSED, CollKind::CompressedAllReduce, dtype, op);
+        self.refusable(call, |c| {
             const OP: &str = OP_COMPRESSED;
             let elem = dtype.size();
             if !matches!(dtype, DType::Float32 | DType::Float16 | DType::Bfloat16) {
@@ -561,12 +560,8 @@ impl Communicator {
             }
         };
         self.check_call(
-            OP,
-            CollKind::SparseAllReduce,
-            DType::Float32,
-            ReduceOp::Sum,
+            Call::new(OP, CollKind::SparseAllReduce, DType::Float32, ReduceOp::Sum),
             &[input.n as u64],
-            None,
         )?;
         let tag = tag_base(
             self.next_seq(),

@@ -145,7 +145,7 @@ use chorus_algorithms::{CollCtx, DType, ReduceOp};
 use chorus_transport::{Result as TResult, TransportError};
 
 use crate::algo_spec::AlgoSpec;
-use crate::comm::{CollKind, Communicator};
+use crate::comm::{Call, CollKind, Communicator};
 use crate::error::CommError;
 use crate::log::{self, Level};
 use crate::tune_file::Decision;
@@ -703,11 +703,12 @@ impl Selector {
             (alpha, beta) => {
                 let mut measured = Link::default();
                 comm.run_collective(
-                    "init (link probe)",
-                    CollKind::AllReduce,
-                    DType::Float64,
-                    ReduceOp::Max,
-                    None,
+                    Call::new(
+                        "init (link probe)",
+                        CollKind::AllReduce,
+                        DType::Float64,
+                        ReduceOp::Max,
+                    ),
                     |ctx| {
                         measured = probe(ctx)?;
                         Ok(())
@@ -728,11 +729,12 @@ impl Selector {
         let mut any_crowded = [u8::from(crowded)];
         if ranks > 1 && filter.forced().is_none() {
             comm.run_collective(
-                "init (cores per host)",
-                CollKind::AllReduce,
-                DType::Uint8,
-                ReduceOp::Max,
-                None,
+                Call::new(
+                    "init (cores per host)",
+                    CollKind::AllReduce,
+                    DType::Uint8,
+                    ReduceOp::Max,
+                ),
                 |ctx| {
                     allreduce::run(
                         Algorithm::RecursiveDoubling,

@@ -19,7 +19,7 @@ use chorus_algorithms::collectives::allgather;
 use chorus_algorithms::{DType, ReduceOp};
 use chorus_transport::rendezvous::StoreServer;
 
-use crate::comm::CollKind;
+use crate::comm::{Call, CollKind};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 use crate::Communicator;
@@ -123,12 +123,8 @@ impl Communicator {
         }
         let mut all = vec![0u8; CHOICE * size];
         self.run_call(
-            OP,
-            CollKind::Split,
-            DType::Uint8,
-            ReduceOp::Max,
+            Call::new(OP, CollKind::Split, DType::Uint8, ReduceOp::Max),
             &[],
-            None,
             |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
         )?;
         if refused {
@@ -184,11 +180,7 @@ impl Communicator {
         let mine = encode_where(state.0, state.1);
         let mut all = vec![0u8; WHERE * size];
         self.run_collective(
-            OP,
-            CollKind::Split,
-            DType::Uint8,
-            ReduceOp::Min,
-            None,
+            Call::new(OP, CollKind::Split, DType::Uint8, ReduceOp::Min),
             |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
         )?;
         if let Some(e) = bind_error {
