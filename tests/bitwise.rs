@@ -12,14 +12,10 @@ use chorus::{Algorithm, AllReduceOptions, DType, ErrorKind, ReduceOp};
 use chorus_algorithms::reference::{expected, test_value};
 use common::*;
 
-const INTEGERS: [DType; 6] = [
-    DType::Int8,
-    DType::Uint8,
-    DType::Int32,
-    DType::Uint32,
-    DType::Int64,
-    DType::Uint64,
-];
+/// Every integer dtype.
+fn integers() -> Vec<DType> {
+    DType::ALL.into_iter().filter(|d| !d.is_float()).collect()
+}
 
 #[test]
 fn allreduce_every_schedule_and_integer_dtype() {
@@ -27,6 +23,8 @@ fn allreduce_every_schedule_and_integer_dtype() {
         for p in [1usize, 2, 3, 4, 5, 8] {
             let bad = on_threads_on(transport, p, Duration::from_secs(300), move |c| {
                 let mut bad = Vec::new();
+                let ints = integers();
+                assert_eq!(ints.len(), 6, "{ints:?}");
                 let forced = Algorithm::ALL.into_iter().map(Some);
                 for algorithm in std::iter::once(None).chain(forced) {
                     let opts = AllReduceOptions {
@@ -38,7 +36,7 @@ fn allreduce_every_schedule_and_integer_dtype() {
                     bad.extend(sweep_with(
                         c,
                         &COUNTS[..4],
-                        &INTEGERS,
+                        &ints,
                         &ReduceOp::BITWISE,
                         &opts,
                     ));
