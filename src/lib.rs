@@ -25,6 +25,7 @@ pub mod compress;
 pub mod config;
 pub mod error;
 pub mod log;
+pub mod queue;
 pub mod select;
 mod split;
 pub mod tune_file;
@@ -42,6 +43,7 @@ pub mod sparse {
 }
 pub use config::Config;
 pub use error::{CommError, ErrorKind};
+pub use queue::{Queue, Request};
 pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
 
 /// The library version.

@@ -1,0 +1,377 @@
+//! Nonblocking collectives: a [`Queue`] runs a communicator's calls on a thread of its own, in
+//! the order they were issued, and hands back a [`Request`] for each (as `MPI_Iallreduce` and
+//! its kin, or a CUDA stream for NCCL).
+//!
+//! ```no_run
+//! use chorus::{Communicator, Queue, ReduceOp};
+//!
+//! let queue = Queue::new(Communicator::from_env()?);
+//! let first = queue.all_reduce(vec![1.0f32; 1 << 20], ReduceOp::Sum);
+//! let second = queue.all_reduce(vec![2.0f32; 1 << 20], ReduceOp::Sum);
+//! // ... compute while both run ...
+//! let (a, b) = (first.wait()?, second.wait()?);
+//! # Ok::<(), chorus::CommError>(())
+//! ```
+//!
+//! Every rank must issue the same calls in the same order, as with blocking calls; the queue
+//! keeps that order on its thread. A blocking call through [`Queue::run`] waits for the calls
+//! issued before it. The buffers travel with the calls (moved in, handed back by
+//! [`Request::wait`]), so nothing can touch them while a call runs.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use chorus_algorithms::{Element, ReduceOp};
+
+use crate::comm::Communicator;
+use crate::error::{CommError, ErrorKind};
+
+type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
+
+/// Lock `m`, taking the data of a poisoned lock as it is (nothing here panics while holding
+/// one; the communicator's own lock is handled apart).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Calls waiting for the worker, and how many are issued but not finished.
+struct Jobs {
+    queue: VecDeque<Job>,
+    /// Issued and not yet finished (queued or running).
+    pending: usize,
+    /// The queue is being dropped: the worker ends once the queue is empty.
+    closing: bool,
+}
+
+struct Shared {
+    comm: Mutex<Communicator>,
+    jobs: Mutex<Jobs>,
+    /// Signalled when a job is queued, when one finishes and when the queue closes.
+    changed: Condvar,
+}
+
+/// A communicator whose calls run on a thread of their own, in the order they are issued.
+/// See the [module documentation](self).
+///
+/// The thread starts with the first nonblocking call and ends when the queue is dropped;
+/// dropping the queue (or [`Queue::into_inner`]) first waits for every call issued. A queue
+/// may be shared between threads (`&Queue` is enough to issue); calls issued from two threads
+/// at once are ordered as they reach the queue, which is the caller's business to make the same
+/// on every rank.
+pub struct Queue {
+    shared: Arc<Shared>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    rank: usize,
+    size: usize,
+}
+
+impl Queue {
+    /// A queue over `comm`.
+    pub fn new(comm: Communicator) -> Queue {
+        Queue {
+            rank: comm.rank(),
+            size: comm.size(),
+            shared: Arc::new(Shared {
+                comm: Mutex::new(comm),
+                jobs: Mutex::new(Jobs {
+                    queue: VecDeque::new(),
+                    pending: 0,
+                    closing: false,
+                }),
+                changed: Condvar::new(),
+            }),
+            worker: Mutex::new(None),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Calls issued and not yet finished.
+    pub fn pending(&self) -> usize {
+        lock(&self.shared.jobs).pending
+    }
+
+    /// Issue `call`: it runs on the queue's thread after every call issued before it, and its
+    /// result goes to the returned request. A panic in `call` becomes an internal error, and
+    /// the communicator is aborted (its state is unknown).
+    pub fn submit<T, F>(&self, call: F) -> Request<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
+    {
+        let slot = Arc::new(Slot {
+            value: Mutex::new(None),
+            done: Condvar::new(),
+        });
+        let fill = Arc::clone(&slot);
+        let job: Job = Box::new(move |comm: &mut Communicator| {
+            let result = match catch_unwind(AssertUnwindSafe(|| call(&mut *comm))) {
+                Ok(r) => r,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_string());
+                    comm.abort("internal error in a queued call");
+                    Err(CommError::new(
+                        ErrorKind::Internal,
+                        "queued call",
+                        format!("panicked: {what}"),
+                    ))
+                }
+            };
+            *lock(&fill.value) = Some(result);
+            fill.done.notify_all();
+        });
+        if !self.start_worker() {
+            // No thread to be had: run the call here, after those issued before it.
+            self.wait_all();
+            job(&mut lock_comm(&self.shared.comm));
+            return Request { slot };
+        }
+        let mut jobs = lock(&self.shared.jobs);
+        jobs.pending += 1;
+        jobs.queue.push_back(job);
+        drop(jobs);
+        self.shared.changed.notify_all();
+        Request { slot }
+    }
+
+    /// Start the worker thread if it is not running; false if no thread can be started.
+    fn start_worker(&self) -> bool {
+        let mut worker = lock(&self.worker);
+        if worker.is_some() {
+            return true;
+        }
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("chorus-queue-r{}", self.rank))
+            .spawn(move || work(&shared));
+        match spawned {
+            Ok(h) => {
+                *worker = Some(h);
+                true
+            }
+            Err(e) => {
+                crate::log::log(
+                    crate::log::Level::Warn,
+                    Some(self.rank),
+                    format_args!("could not start the queue's thread ({e}); calls run at once"),
+                );
+                false
+            }
+        }
+    }
+
+    /// Wait until every call issued so far has finished.
+    pub fn wait_all(&self) {
+        let mut jobs = lock(&self.shared.jobs);
+        while jobs.pending > 0 {
+            jobs = self
+                .shared
+                .changed
+                .wait(jobs)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+    /// Run `f` on this thread after every call issued before it (a blocking call, in order).
+    pub fn run<T>(
+        &self,
+        f: impl FnOnce(&mut Communicator) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        self.wait_all();
+        f(&mut lock_comm(&self.shared.comm))
+    }
+
+    /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
+    /// blocking call on the communicator.
+    pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
+        self.wait_all();
+        let mut guard = match self.shared.comm.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        Some(f(&mut guard))
+    }
+
+    /// Wait for every call issued, stop the thread and hand back the communicator.
+    pub fn into_inner(self) -> Communicator {
+        self.close();
+        let shared = Arc::clone(&self.shared);
+        drop(self);
+        match Arc::try_unwrap(shared) {
+            Ok(s) => s.comm.into_inner().unwrap_or_else(|p| p.into_inner()),
+            // The worker has ended and the queue is gone: nothing else holds it.
+            Err(_) => unreachable!("the queue's state outlived its thread"),
+        }
+    }
+
+    /// Wait for every call, then end the worker thread.
+    fn close(&self) {
+        self.wait_all();
+        lock(&self.shared.jobs).closing = true;
+        self.shared.changed.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            // A worker's panic is caught per call; a join error cannot carry anything new.
+            let _ = h.join();
+        }
+    }
+
+    /// Issue an allreduce of `buf` (see [`Communicator::all_reduce`]); the request hands the
+    /// buffer back reduced.
+    pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Request<Vec<T>> {
+        self.submit(move |c| c.all_reduce(&mut buf, op).map(|()| buf))
+    }
+
+    /// Issue a broadcast of `buf` from `root` (see [`Communicator::broadcast`]).
+    pub fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Request<Vec<T>> {
+        self.submit(move |c| c.broadcast(&mut buf, root).map(|()| buf))
+    }
+
+    /// Issue a reduce of `buf` to `root` (see [`Communicator::reduce`]); `root`'s buffer comes
+    /// back reduced, the others' as they were.
+    pub fn reduce<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Request<Vec<T>> {
+        self.submit(move |c| c.reduce(None, &mut buf, op, root).map(|()| buf))
+    }
+
+    /// Issue an allgather of `send`: the request gives every rank's block, rank `j`'s at
+    /// `j × send.len()` (see [`Communicator::all_gather`]).
+    pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Request<Vec<T>> {
+        let p = self.size;
+        self.submit(move |c| {
+            let mut recv = vec![T::from_f64(0.0); send.len() * p];
+            c.all_gather(&send, &mut recv).map(|()| recv)
+        })
+    }
+
+    /// Issue a reduce-scatter of `send` (p blocks): the request gives this rank's block of the
+    /// reduction (see [`Communicator::reduce_scatter`]).
+    pub fn reduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Request<Vec<T>> {
+        let p = self.size;
+        self.submit(move |c| {
+            if send.len() % p != 0 {
+                return Err(CommError::invalid(
+                    "reduce_scatter",
+                    format!("{} elements do not split into {p} equal blocks", send.len()),
+                ));
+            }
+            let mut recv = vec![T::from_f64(0.0); send.len() / p];
+            c.reduce_scatter(&send, &mut recv, op).map(|()| recv)
+        })
+    }
+
+    /// Issue an all-to-all on `buf` (p blocks; see [`Communicator::all_to_all`]).
+    pub fn all_to_all<T: Element>(&self, mut buf: Vec<T>) -> Request<Vec<T>> {
+        self.submit(move |c| c.all_to_all_in_place(&mut buf).map(|()| buf))
+    }
+
+    /// Issue a barrier.
+    pub fn barrier(&self) -> Request<()> {
+        self.submit(|c| c.barrier())
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Lock the communicator. A poisoned lock cannot happen (calls run under `catch_unwind` while
+/// they hold it), but would be taken as it is: the communicator reports its own state.
+fn lock_comm(m: &Mutex<Communicator>) -> MutexGuard<'_, Communicator> {
+    lock(m)
+}
+
+/// The worker: run queued calls in order until the queue closes.
+fn work(shared: &Shared) {
+    loop {
+        let mut jobs = lock(&shared.jobs);
+        let job = loop {
+            if let Some(job) = jobs.queue.pop_front() {
+                break job;
+            }
+            if jobs.closing {
+                return;
+            }
+            jobs = shared.changed.wait(jobs).unwrap_or_else(|p| p.into_inner());
+        };
+        drop(jobs);
+        job(&mut lock_comm(&shared.comm));
+        lock(&shared.jobs).pending -= 1;
+        shared.changed.notify_all();
+    }
+}
+
+struct Slot<T> {
+    value: Mutex<Option<Result<T, CommError>>>,
+    done: Condvar,
+}
+
+/// The result of a call issued on a [`Queue`], to come. Dropping it does not cancel the call.
+#[must_use = "a request's result (and error) is only seen through wait"]
+pub struct Request<T> {
+    slot: Arc<Slot<T>>,
+}
+
+impl<T> Request<T> {
+    /// Whether the call has finished (its result is ready for [`Request::wait`]).
+    pub fn test(&self) -> bool {
+        lock(&self.slot.value).is_some()
+    }
+
+    /// Wait for the call and take its result.
+    pub fn wait(self) -> Result<T, CommError> {
+        let mut value = lock(&self.slot.value);
+        loop {
+            if let Some(r) = value.take() {
+                return r;
+            }
+            value = self
+                .slot
+                .done
+                .wait(value)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Wait up to `limit` for the call: its result, or the request back if it is still running.
+    pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
+        let end = Instant::now() + limit;
+        let mut value = lock(&self.slot.value);
+        loop {
+            if let Some(r) = value.take() {
+                return Ok(r);
+            }
+            let now = Instant::now();
+            if now >= end {
+                drop(value);
+                return Err(self);
+            }
+            value = self
+                .slot
+                .done
+                .wait_timeout(value, end - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! Nonblocking collectives through [`chorus::Queue`], ranks as threads over TCP loopback and
+//! shared memory: a mix of calls issued back to back, interleaved with blocking ones and
+//! waited in reverse order, exact against the naive references; a call that cannot finish yet
+//! (one rank has not issued it) leaves the issuer free; errors (a mismatch, a panic in a
+//! call, a dead peer) reach every rank's requests within the timeout; dropping a queue waits
+//! for its calls.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::{CommError, Communicator, ErrorKind, Queue, ReduceOp};
+
+use common::*;
+
+/// Run `f` on `size` threads, each with a queue over its own communicator on `transport`
+/// (call timeout `timeout`); every rank's result, failing instead of hanging after `watchdog`.
+fn queues<R: Send + 'static>(
+    size: usize,
+    transport: &'static str,
+    timeout: Duration,
+    watchdog: Duration,
+    f: impl Fn(Queue) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let server = store();
+    let addr = server.local_addr();
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..size {
+        let (tx, f) = (tx.clone(), f.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut cfg = config_on(rank, size, addr, transport);
+                cfg.timeout = timeout;
+                f(Queue::new(Communicator::new(cfg).expect("communicator")))
+            }));
+            let _ = tx.send((rank, r));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + watchdog;
+    let mut out: Vec<Option<R>> = (0..size).map(|_| None).collect();
+    for _ in 0..size {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((rank, Ok(r))) => out[rank] = Some(r),
+            Ok((rank, Err(p))) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("rank {rank} of {size} panicked: {msg}")
+            }
+            Err(_) => panic!("watchdog: a queue of {size} ranks still running after {watchdog:?}"),
+        }
+    }
+    drop(server);
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// Rank `r`'s element `i` of call `k` (integer-valued, so sums are exact in f64).
+fn val(k: usize, r: usize, i: usize) -> f64 {
+    ((k * 31 + r * 7 + i * 3) % 23) as f64 - 11.0
+}
+
+fn data(k: usize, r: usize, n: usize) -> Vec<f64> {
+    (0..n).map(|i| val(k, r, i)).collect()
+}
+
+#[test]
+fn mixed_calls_in_order_match_the_references() {
+    for transport in ["tcp", "shm"] {
+        for p in [1usize, 2, 3, 4, 5] {
+            let got = queues(
+                p,
+                transport,
+                Duration::from_secs(60),
+                Duration::from_secs(120),
+                move |q| {
+                    let r = q.rank();
+                    let sizes = [0usize, 1, 7, 100_003];
+                    // Issue everything, blocking calls in between, then wait in reverse order.
+                    let mut sums = Vec::new();
+                    for (k, &n) in sizes.iter().enumerate() {
+                        sums.push((k, n, q.all_reduce(data(k, r, n), ReduceOp::Sum)));
+                    }
+                    let root = p - 1;
+                    let bcast = q.broadcast(
+                        if r == root {
+                            data(10, r, 1001)
+                        } else {
+                            vec![-1.0; 1001]
+                        },
+                        root,
+                    );
+                    let reduce = q.reduce(data(11, r, 513), ReduceOp::Max, 0);
+                    // A blocking call waits for those before it, and runs before those after.
+                    let mut blocking = data(12, r, 33);
+                    q.run(|c| c.all_reduce(&mut blocking, ReduceOp::Sum))
+                        .expect("blocking call");
+                    let gather = q.all_gather(data(13, r, 5));
+                    let scatter = q.reduce_scatter(data(14, r, 3 * p), ReduceOp::Sum);
+                    let a2a = q.all_to_all(data(15, r, 2 * p));
+                    let barrier = q.barrier();
+                    let mut polls = 0;
+                    while !barrier.test() && polls < 100_000 {
+                        polls += 1;
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    barrier.wait().expect("barrier");
+                    let mut bad = Vec::new();
+                    let mut check = |what: &str, got: Vec<f64>, want: Vec<f64>| {
+                        if got != want {
+                            bad.push(format!("rank {r} p={p} {transport}: {what} wrong"));
+                        }
+                    };
+                    check(
+                        "all_to_all",
+                        a2a.wait().expect("all_to_all"),
+                        (0..p)
+                            .flat_map(|j| data(15, j, 2 * p)[2 * r..2 * r + 2].to_vec())
+                            .collect(),
+                    );
+                    check(
+                        "reduce_scatter",
+                        scatter.wait().expect("reduce_scatter"),
+                        (3 * r..3 * r + 3)
+                            .map(|i| (0..p).map(|j| val(14, j, i)).sum())
+                            .collect(),
+                    );
+                    check(
+                        "all_gather",
+                        gather.wait().expect("all_gather"),
+                        (0..p).flat_map(|j| data(13, j, 5)).collect(),
+                    );
+                    check(
+                        "blocking all_reduce",
+                        blocking,
+                        (0..33)
+                            .map(|i| (0..p).map(|j| val(12, j, i)).sum())
+                            .collect(),
+                    );
+                    let reduced = reduce.wait().expect("reduce");
+                    if r == 0 {
+                        check(
+                            "reduce",
+                            reduced,
+                            (0..513)
+                                .map(|i| (0..p).map(|j| val(11, j, i)).fold(f64::MIN, f64::max))
+                                .collect(),
+                        );
+                    }
+                    check(
+                        "broadcast",
+                        bcast.wait().expect("broadcast"),
+                        data(10, root, 1001),
+                    );
+                    while let Some((k, n, req)) = sums.pop() {
+                        check(
+                            &format!("all_reduce {n}"),
+                            req.wait().expect("all_reduce"),
+                            (0..n).map(|i| (0..p).map(|j| val(k, j, i)).sum()).collect(),
+                        );
+                    }
+                    assert_eq!(q.pending(), 0);
+                    // The communicator comes back usable.
+                    let mut c = q.into_inner();
+                    let mut one = [1u32];
+                    c.all_reduce(&mut one, ReduceOp::Sum)
+                        .expect("after into_inner");
+                    if one[0] != p as u32 {
+                        bad.push(format!(
+                            "rank {r}: all_reduce after into_inner gave {}",
+                            one[0]
+                        ));
+                    }
+                    bad
+                },
+            );
+            let bad: Vec<String> = got.into_iter().flatten().collect();
+            assert!(bad.is_empty(), "{bad:#?}");
+        }
+    }
+}
+
+#[test]
+fn the_issuer_is_free_while_a_call_cannot_finish() {
+    // Rank 1 issues its allreduce only after rank 0 has seen its own still running: rank 0's
+    // call cannot have finished then, and rank 0 got there without waiting for it.
+    let (tx, rx) = mpsc::channel::<bool>();
+    let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+    let got = queues(
+        2,
+        "tcp",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+        move |q| {
+            if q.rank() == 0 {
+                let req = q.all_reduce(vec![1.0f32; 1 << 16], ReduceOp::Sum);
+                let running = !req.test();
+                let req = match req.wait_timeout(Duration::from_millis(50)) {
+                    Ok(r) => panic!("finished before rank 1 issued its call: {r:?}"),
+                    Err(req) => req,
+                };
+                tx.send(running).expect("rank 1 listens");
+                req.wait().expect("all_reduce")[0]
+            } else {
+                let running = rx.lock().unwrap().recv().expect("rank 0 reports");
+                assert!(running, "rank 0's call finished before rank 1 issued it");
+                q.all_reduce(vec![1.0f32; 1 << 16], ReduceOp::Sum)
+                    .wait()
+                    .expect("all_reduce")[0]
+            }
+        },
+    );
+    assert_eq!(got, vec![2.0, 2.0]);
+}
+
+#[test]
+fn a_mismatch_fails_every_rank_and_the_calls_after_it() {
+    for transport in ["tcp", "shm"] {
+        let got = queues(
+            3,
+            transport,
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+            |q| {
+                let n = if q.rank() == 1 { 9 } else { 8 };
+                let bad = q.all_reduce(vec![1i32; n], ReduceOp::Sum);
+                let after = q.all_reduce(vec![1i32; 4], ReduceOp::Sum);
+                let start = Instant::now();
+                let (bad, after) = (bad.wait(), after.wait());
+                (bad.map(|_| ()), after.map(|_| ()), start.elapsed())
+            },
+        );
+        for (rank, (bad, after, took)) in got.into_iter().enumerate() {
+            let e: CommError = bad.expect_err("a mismatched count must fail");
+            assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::Mismatch | ErrorKind::Remote | ErrorKind::InvalidUsage
+                ),
+                "rank {rank} {transport}: {e}"
+            );
+            // Either the next call fails as well (the communicator is broken), or it ran on a
+            // communicator still usable; it never hangs.
+            if let Err(e) = after {
+                assert!(!e.to_string().is_empty());
+            }
+            assert!(
+                took < Duration::from_secs(30),
+                "rank {rank} waited {took:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_panic_in_a_call_is_an_error_and_aborts_for_everyone() {
+    let got = queues(
+        3,
+        "tcp",
+        Duration::from_secs(10),
+        Duration::from_secs(60),
+        |q| {
+            let r = q.rank();
+            let first = q.submit(move |c| {
+                if r == 2 {
+                    panic!("rank 2 fails on purpose");
+                }
+                let mut v = [1u8; 4];
+                c.all_reduce(&mut v, ReduceOp::Sum).map(|()| v[0])
+            });
+            let start = Instant::now();
+            (first.wait(), start.elapsed())
+        },
+    );
+    for (rank, (res, took)) in got.into_iter().enumerate() {
+        let e = res.expect_err("every rank's call fails");
+        if rank == 2 {
+            assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
+            assert!(e.to_string().contains("on purpose"), "{e}");
+        }
+        assert!(
+            took < Duration::from_secs(30),
+            "rank {rank} waited {took:?}"
+        );
+    }
+}
+
+#[test]
+fn dropping_a_queue_waits_for_its_calls() {
+    let got = queues(
+        4,
+        "shm",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+        |q| {
+            let reqs: Vec<_> = (0..20)
+                .map(|k| q.all_reduce(vec![k as u64; 1000], ReduceOp::Sum))
+                .collect();
+            drop(q);
+            reqs.into_iter()
+                .enumerate()
+                .all(|(k, r)| r.test() && r.wait().expect("all_reduce") == vec![4 * k as u64; 1000])
+        },
+    );
+    assert_eq!(got, vec![true; 4]);
+}
+
+#[test]
+fn a_queue_is_shared_between_threads() {
+    // Two threads of each rank issue on one queue, one after the other by a handshake, so the
+    // order is the same on every rank.
+    let got = queues(
+        3,
+        "tcp",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+        |q| {
+            let q = std::sync::Arc::new(q);
+            let (tx, rx) = mpsc::channel();
+            let q2 = std::sync::Arc::clone(&q);
+            let other = std::thread::spawn(move || {
+                let first = q2.all_reduce(vec![1u32; 10], ReduceOp::Sum);
+                tx.send(()).unwrap();
+                first.wait().expect("from the second thread")[0]
+            });
+            rx.recv().unwrap();
+            let second = q
+                .all_reduce(vec![2u32; 10], ReduceOp::Sum)
+                .wait()
+                .expect("second")[0];
+            (other.join().unwrap(), second)
+        },
+    );
+    assert_eq!(got, vec![(3, 6); 3]);
+}
