@@ -196,15 +196,31 @@ impl Queue {
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
-    /// blocking call on the communicator.
+    /// blocking call on the communicator. A panic in `f` aborts the communicator (its state is
+    /// unknown) and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
         self.wait_all();
+        self.try_now(f)
+    }
+
+    /// As [`Queue::try_run`], but without waiting for the calls issued before: `None` also
+    /// while one of them runs. For what must not wait, such as [`Communicator::abort`].
+    pub fn try_now<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
         let mut guard = match self.shared.comm.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return None,
         };
-        Some(f(&mut guard))
+        // A panic leaves the communicator's state unknown: abort it, release the lock, and
+        // let the panic go on.
+        match catch_unwind(AssertUnwindSafe(|| f(&mut guard))) {
+            Ok(r) => Some(r),
+            Err(panic) => {
+                guard.abort("internal error in a call");
+                drop(guard);
+                std::panic::resume_unwind(panic)
+            }
+        }
     }
 
     /// Wait for every call issued, stop the thread and hand back the communicator.

@@ -204,6 +204,7 @@ typedef int32_t chorus_op;
  * Create it with `chorus_comm_init_env` or `chorus_comm_init`, free it with
  * `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
  * thread's call fails with `CHORUS_INVALID_USAGE`); different communicators are independent.
+ * Its nonblocking calls (`chorus_i*`) run on a thread of its own, in the order issued.
  */
 typedef struct chorus_comm chorus_comm;
 
@@ -215,6 +216,12 @@ typedef struct chorus_comm chorus_comm;
  * `chorus_compressor_destroy`. Calls using one compressor must not overlap in time.
  */
 typedef struct chorus_compressor chorus_compressor;
+
+/**
+ * A nonblocking call in progress: returned by the `chorus_i*` functions, completed and freed
+ * by `chorus_wait`, `chorus_test` or `chorus_waitall`. Opaque.
+ */
+typedef struct chorus_request chorus_request;
 
 /**
  * What every rank needs to join a communicator with `chorus_comm_init_rank` (as NCCL's
@@ -405,7 +412,8 @@ int32_t chorus_comm_abort(chorus_comm *comm);
 
 /**
  * Free a communicator and close its connections (peers still in a collective with it see
- * this rank leave). NULL is a no-op. The pointer must not be used afterwards. While another
+ * this rank leave), after waiting for its nonblocking calls in flight (their requests still
+ * report through `chorus_wait`). NULL is a no-op. The pointer must not be used afterwards. While another
  * thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
  * (wait for that call, or its timeout, and destroy it then).
  *
@@ -460,6 +468,39 @@ int32_t chorus_comm_split_host(chorus_comm *comm, chorus_comm **newcomm);
 int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
 
 /**
+ * Wait for the call of `*request` to complete, free the request and set `*request` to NULL;
+ * returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
+ * request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
+ * `MPI_REQUEST_NULL`.
+ *
+ * # Safety
+ * `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
+ * set by a `chorus_i*` function and not yet completed.
+ */
+int32_t chorus_wait(chorus_request **request);
+
+/**
+ * Whether the call of `*request` has completed: `*done` is 1 if so, and then the request is
+ * freed, `*request` set to NULL and the call's status returned, as `chorus_wait` would; else
+ * `*done` is 0 and `CHORUS_OK` is returned. A NULL `*request` gives `*done = 1`.
+ *
+ * # Safety
+ * As `chorus_wait`; `done` is NULL or valid for writing an int.
+ */
+int32_t chorus_test(chorus_request **request, int *done);
+
+/**
+ * `chorus_wait` on each of the `count` requests of `requests`, in order (every one is
+ * completed and set to NULL, even after a failure); returns the first failure's status, its
+ * message in `chorus_last_error`.
+ *
+ * # Safety
+ * `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`
+ * request pointers, each as `chorus_wait` needs.
+ */
+int32_t chorus_waitall(size_t count, chorus_request **requests);
+
+/**
  * Allreduce: every rank's `recvbuf` gets the element-wise reduction (`op`) of the `count`
  * elements of `dtype` in every rank's `sendbuf`. In place when `sendbuf == recvbuf`;
  * otherwise the buffers must not overlap. Every rank must call it with the same count, dtype
@@ -493,12 +534,45 @@ int32_t chorus_allreduce_opts(chorus_comm *comm,
                               const chorus_options *opts);
 
 /**
+ * Nonblocking `chorus_allreduce_opts` (as `MPI_Iallreduce`): checks the arguments, issues the
+ * call and returns; `*request` is then the call, to complete with `chorus_wait`,
+ * `chorus_test` or `chorus_waitall`, which report its status.
+ *
+ * The nonblocking calls of a communicator run one after another on a thread of its own, in
+ * the order they were issued; a blocking call on the communicator first waits for every call
+ * issued before it. Every rank must issue the same collectives in the same order, blocking or
+ * not. The buffers belong to the call until it completes: do not read or write them before.
+ * On failure to issue `*request` is set to NULL and nothing runs.
+ *
+ * # Safety
+ * As `chorus_allreduce_opts`, except that the buffers (not `opts`) must stay valid and
+ * untouched until the request completes; `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iallreduce(chorus_comm *comm,
+                          const void *sendbuf,
+                          void *recvbuf,
+                          size_t count,
+                          chorus_dtype dtype,
+                          chorus_op op,
+                          const chorus_options *opts,
+                          chorus_request **request);
+
+/**
  * Block until every rank has called `chorus_barrier`.
  *
  * # Safety
  * `comm` is NULL or a live communicator.
  */
 int32_t chorus_barrier(chorus_comm *comm);
+
+/**
+ * Nonblocking `chorus_barrier` (as `MPI_Ibarrier`): the request completes once every rank
+ * has issued its barrier. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ibarrier(chorus_comm *comm, chorus_request **request);
 
 /**
  * Broadcast: `count` elements of `buf` on `root` are copied into `buf` on every rank.
@@ -508,6 +582,21 @@ int32_t chorus_barrier(chorus_comm *comm);
  * reading and writing `count` elements of `dtype`.
  */
 int32_t chorus_broadcast(chorus_comm *comm, void *buf, size_t count, chorus_dtype dtype, int root);
+
+/**
+ * Nonblocking `chorus_broadcast` (as `MPI_Ibcast`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_broadcast`, `buf` valid and untouched until the request completes; `request` is
+ * NULL or valid for writing a pointer.
+ */
+int32_t chorus_ibroadcast(chorus_comm *comm,
+                          void *buf,
+                          size_t count,
+                          chorus_dtype dtype,
+                          int root,
+                          chorus_request **request);
 
 /**
  * Reduce: `recvbuf` on `root` gets the element-wise reduction (`op`) of every rank's
@@ -528,6 +617,23 @@ int32_t chorus_reduce(chorus_comm *comm,
                       int root);
 
 /**
+ * Nonblocking `chorus_reduce` (as `MPI_Ireduce`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_reduce`, the buffers valid and untouched until the request completes; `request`
+ * is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ireduce(chorus_comm *comm,
+                       const void *sendbuf,
+                       void *recvbuf,
+                       size_t count,
+                       chorus_dtype dtype,
+                       chorus_op op,
+                       int root,
+                       chorus_request **request);
+
+/**
  * Allgather: `recvbuf` (`size × sendcount` elements) gets every rank's `sendcount`
  * elements of `sendbuf`, rank `j`'s at offset `j × sendcount`. In place when
  * `sendbuf == recvbuf + rank × sendcount` (NCCL's convention).
@@ -542,6 +648,21 @@ int32_t chorus_allgather(chorus_comm *comm,
                          void *recvbuf,
                          size_t sendcount,
                          chorus_dtype dtype);
+
+/**
+ * Nonblocking `chorus_allgather` (as `MPI_Iallgather`). See `chorus_iallreduce` for the
+ * rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_allgather`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iallgather(chorus_comm *comm,
+                          const void *sendbuf,
+                          void *recvbuf,
+                          size_t sendcount,
+                          chorus_dtype dtype,
+                          chorus_request **request);
 
 /**
  * Allgatherv: rank `j` contributes `recvcounts[j]` elements (any, zero included) from
@@ -559,6 +680,21 @@ int32_t chorus_allgatherv(chorus_comm *comm,
                           void *recvbuf,
                           const size_t *recvcounts,
                           chorus_dtype dtype);
+
+/**
+ * Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` is read before it
+ * returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_allgatherv`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iallgatherv(chorus_comm *comm,
+                           const void *sendbuf,
+                           void *recvbuf,
+                           const size_t *recvcounts,
+                           chorus_dtype dtype,
+                           chorus_request **request);
 
 /**
  * Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
@@ -580,6 +716,22 @@ int32_t chorus_alltoallv(chorus_comm *comm,
                          chorus_dtype dtype);
 
 /**
+ * Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts are read before it
+ * returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_alltoallv`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ialltoallv(chorus_comm *comm,
+                          const void *sendbuf,
+                          const size_t *sendcounts,
+                          void *recvbuf,
+                          const size_t *recvcounts,
+                          chorus_dtype dtype,
+                          chorus_request **request);
+
+/**
  * Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
  * the reduction (`op`) over ranks of block `j`. In place when
  * `recvbuf == sendbuf + rank × recvcount` (NCCL's convention).
@@ -597,6 +749,22 @@ int32_t chorus_reduce_scatter(chorus_comm *comm,
                               chorus_op op);
 
 /**
+ * Nonblocking `chorus_reduce_scatter` (as `MPI_Ireduce_scatter_block`). See
+ * `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_reduce_scatter`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ireduce_scatter(chorus_comm *comm,
+                               const void *sendbuf,
+                               void *recvbuf,
+                               size_t recvcount,
+                               chorus_dtype dtype,
+                               chorus_op op,
+                               chorus_request **request);
+
+/**
  * All-to-all: block `j` (`count` elements) of this rank's `sendbuf` becomes block `rank`
  * of rank `j`'s `recvbuf`; both hold `size × count` elements. In place when
  * `sendbuf == recvbuf`.
@@ -610,6 +778,21 @@ int32_t chorus_alltoall(chorus_comm *comm,
                         void *recvbuf,
                         size_t count,
                         chorus_dtype dtype);
+
+/**
+ * Nonblocking `chorus_alltoall` (as `MPI_Ialltoall`). See `chorus_iallreduce` for the rules
+ * of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_alltoall`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ialltoall(chorus_comm *comm,
+                         const void *sendbuf,
+                         void *recvbuf,
+                         size_t count,
+                         chorus_dtype dtype,
+                         chorus_request **request);
 
 /**
  * Gather: `recvbuf` on `root` (`size × sendcount` elements) gets every rank's `sendcount`
@@ -630,6 +813,22 @@ int32_t chorus_gather(chorus_comm *comm,
                       int root);
 
 /**
+ * Nonblocking `chorus_gather` (as `MPI_Igather`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_gather`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_igather(chorus_comm *comm,
+                       const void *sendbuf,
+                       void *recvbuf,
+                       size_t sendcount,
+                       chorus_dtype dtype,
+                       int root,
+                       chorus_request **request);
+
+/**
  * Scatter: block `j` (`recvcount` elements) of `sendbuf` on `root` (`size × recvcount`
  * elements) goes to `recvbuf` of rank `j`. `sendbuf` is only used on the root (NULL
  * elsewhere is fine). On the root `recvbuf` may be its own block of `sendbuf` (in place).
@@ -645,6 +844,22 @@ int32_t chorus_scatter(chorus_comm *comm,
                        size_t recvcount,
                        chorus_dtype dtype,
                        int root);
+
+/**
+ * Nonblocking `chorus_scatter` (as `MPI_Iscatter`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_scatter`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iscatter(chorus_comm *comm,
+                        const void *sendbuf,
+                        void *recvbuf,
+                        size_t recvcount,
+                        chorus_dtype dtype,
+                        int root,
+                        chorus_request **request);
 
 /**
  * Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the

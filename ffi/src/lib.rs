@@ -29,10 +29,12 @@ mod sigpipe;
 mod status;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Mutex, TryLockError};
 use std::time::Duration;
 
-use chorus_core::{Algorithm, AllReduceOptions, Communicator, Config, DType, ReduceOp};
+use chorus_core::{
+    Algorithm, AllReduceOptions, CommError, Communicator, Config, DType, Queue, ReduceOp, Request,
+};
+use ptr::RawBuf;
 
 pub use compress::{
     chorus_allreduce_compressed, chorus_compression_report, chorus_compressor,
@@ -152,10 +154,12 @@ pub struct chorus_options {
 /// Create it with `chorus_comm_init_env` or `chorus_comm_init`, free it with
 /// `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
 /// thread's call fails with `CHORUS_INVALID_USAGE`); different communicators are independent.
+/// Its nonblocking calls (`chorus_i*`) run on a thread of its own, in the order issued.
 pub struct chorus_comm {
     rank: usize,
     size: usize,
-    inner: Mutex<Communicator>,
+    /// The communicator, with the thread its nonblocking calls run on.
+    queue: Queue,
 }
 
 impl chorus_comm {
@@ -163,39 +167,28 @@ impl chorus_comm {
         chorus_comm {
             rank: c.rank(),
             size: c.size(),
-            inner: Mutex::new(c),
+            queue: Queue::new(c),
         }
     }
 
-    /// Run `f` on the communicator, refusing concurrent use instead of blocking.
+    /// Run `f` on the communicator after the nonblocking calls issued before, refusing
+    /// concurrent use by another thread instead of blocking.
     fn with<R>(
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
     ) -> Result<R, Failure> {
-        let mut guard = match self.inner.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::WouldBlock) => {
-                return Err(Failure::new(
-                    S::CHORUS_INVALID_USAGE,
-                    format!(
-                        "rank {}: the communicator is in use by another thread (calls on one \
-                         communicator must not overlap)",
-                        self.rank
-                    ),
-                ))
-            }
-            Err(TryLockError::Poisoned(_)) => {
-                return Err(Failure::new(
-                    S::CHORUS_INTERNAL_ERROR,
-                    format!(
-                        "rank {}: the communicator is unusable after an internal error; \
-                         destroy it",
-                        self.rank
-                    ),
-                ))
-            }
-        };
-        f(&mut guard)
+        self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
+    }
+
+    fn in_use(&self) -> Failure {
+        Failure::new(
+            S::CHORUS_INVALID_USAGE,
+            format!(
+                "rank {}: the communicator is in use by another thread (calls on one \
+                 communicator must not overlap)",
+                self.rank
+            ),
+        )
     }
 }
 
@@ -410,15 +403,15 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_abort", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        c.with(|c| {
-            c.abort("chorus_comm_abort called");
-            Ok(())
-        })
+        // Not after the nonblocking calls issued: an abort is for calls that do not finish.
+        let aborted = c.queue.try_now(|c| c.abort("chorus_comm_abort called"));
+        aborted.ok_or_else(|| c.in_use())
     })
 }
 
 /// Free a communicator and close its connections (peers still in a collective with it see
-/// this rank leave). NULL is a no-op. The pointer must not be used afterwards. While another
+/// this rank leave), after waiting for its nonblocking calls in flight (their requests still
+/// report through `chorus_wait`). NULL is a no-op. The pointer must not be used afterwards. While another
 /// thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
 /// (wait for that call, or its timeout, and destroy it then).
 ///
@@ -571,6 +564,143 @@ fn call_options(opts: Option<chorus_options>) -> Result<CallOptions, Failure> {
     Ok(out)
 }
 
+/// A call whose arguments have been checked, ready to run now or on the communicator's queue.
+type Call = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
+
+/// A nonblocking call in progress: returned by the `chorus_i*` functions, completed and freed
+/// by `chorus_wait`, `chorus_test` or `chorus_waitall`. Opaque.
+pub struct chorus_request {
+    inner: Request<()>,
+}
+
+/// The body of every collective export: check the communicator and the arguments (`make`
+/// builds the call), then run the call (`request` `None`, blocking) or issue it on the
+/// communicator's queue, its request to `*request`.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `request` is `None`, or `Some` of NULL or a pointer
+/// valid for writing a request pointer.
+unsafe fn issue(
+    name: &str,
+    comm: *mut chorus_comm,
+    request: Option<*mut *mut chorus_request>,
+    make: impl FnOnce(&chorus_comm) -> Result<Call, Failure>,
+) -> i32 {
+    guard(name, || {
+        if let Some(out) = request {
+            ptr::check_out(out, "request")?;
+            // SAFETY: non-NULL and writable by the caller's promise.
+            unsafe { ptr::write_out(out, std::ptr::null_mut(), "request")? };
+        }
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let call = make(c)?;
+        match request {
+            None => c.with(|comm| Ok(call(comm)?)),
+            Some(out) => {
+                let inner = c.queue.submit(call);
+                let req = Box::into_raw(Box::new(chorus_request { inner }));
+                // SAFETY: as above.
+                unsafe { ptr::write_out(out, req, "request") }
+            }
+        }
+    })
+}
+
+/// Wait for the call of `*request` to complete, free the request and set `*request` to NULL;
+/// returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
+/// request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
+/// `MPI_REQUEST_NULL`.
+///
+/// # Safety
+/// `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
+/// set by a `chorus_i*` function and not yet completed.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_wait(request: *mut *mut chorus_request) -> i32 {
+    guard("chorus_wait", || {
+        // SAFETY: NULL or valid by the caller's promise.
+        let slot =
+            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
+        let req = std::mem::replace(slot, std::ptr::null_mut());
+        if req.is_null() {
+            return Ok(());
+        }
+        // SAFETY: made by `Box::into_raw` in `issue` and completed only here (the pointer is
+        // cleared above), by the caller's promise.
+        let req = unsafe { Box::from_raw(req) };
+        Ok(req.inner.wait()?)
+    })
+}
+
+/// Whether the call of `*request` has completed: `*done` is 1 if so, and then the request is
+/// freed, `*request` set to NULL and the call's status returned, as `chorus_wait` would; else
+/// `*done` is 0 and `CHORUS_OK` is returned. A NULL `*request` gives `*done = 1`.
+///
+/// # Safety
+/// As `chorus_wait`; `done` is NULL or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *mut c_int) -> i32 {
+    guard("chorus_test", || {
+        ptr::check_out(done, "done")?;
+        // SAFETY: NULL or valid by the caller's promise.
+        let slot =
+            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
+        // SAFETY: NULL or live, by the caller's promise.
+        let finished = match unsafe { slot.as_ref() } {
+            None => true,
+            Some(r) => r.inner.test(),
+        };
+        // SAFETY: non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(done, c_int::from(finished), "done")? };
+        if !finished {
+            return Ok(());
+        }
+        let req = std::mem::replace(slot, std::ptr::null_mut());
+        if req.is_null() {
+            return Ok(());
+        }
+        // SAFETY: as in `chorus_wait`.
+        let req = unsafe { Box::from_raw(req) };
+        Ok(req.inner.wait()?)
+    })
+}
+
+/// `chorus_wait` on each of the `count` requests of `requests`, in order (every one is
+/// completed and set to NULL, even after a failure); returns the first failure's status, its
+/// message in `chorus_last_error`.
+///
+/// # Safety
+/// `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`
+/// request pointers, each as `chorus_wait` needs.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_waitall(count: usize, requests: *mut *mut chorus_request) -> i32 {
+    let mut first: Option<(i32, String)> = None;
+    if count > 0 && requests.is_null() {
+        return guard("chorus_waitall", || {
+            Err(Failure::invalid("requests is NULL"))
+        });
+    }
+    for i in 0..count {
+        // SAFETY: inside the caller's array of `count` pointers.
+        let st = unsafe { chorus_wait(requests.add(i)) };
+        if st != 0 && first.is_none() {
+            // SAFETY: never NULL, alive until this thread's next call.
+            let msg = unsafe { CStr::from_ptr(chorus_last_error()) }
+                .to_string_lossy()
+                .into_owned();
+            first = Some((st, msg));
+        }
+    }
+    match first {
+        // Through `guard` so that the last error is cleared.
+        None => guard("chorus_waitall", || Ok(())),
+        Some((st, msg)) => guard("chorus_waitall", || {
+            let status = S::from_code(st).unwrap_or(S::CHORUS_INTERNAL_ERROR);
+            Err(Failure::new(status, msg))
+        }),
+    }
+}
+
 /// Allreduce: every rank's `recvbuf` gets the element-wise reduction (`op`) of the `count`
 /// elements of `dtype` in every rank's `sendbuf`. In place when `sendbuf == recvbuf`;
 /// otherwise the buffers must not overlap. Every rank must call it with the same count, dtype
@@ -608,28 +738,75 @@ pub unsafe extern "C" fn chorus_allreduce_opts(
     op: OpArg,
     opts: *const chorus_options,
 ) -> i32 {
-    guard("chorus_allreduce", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let op = op.get()?;
-        // SAFETY: NULL or a sized options struct by the caller's promise.
-        let opts = call_options(unsafe { ptr::options(opts)? })?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        let in_place = sendbuf == recvbuf.cast_const();
-        if !in_place {
-            ptr::check_disjoint(sendbuf, bytes, recvbuf, bytes, "sendbuf and recvbuf")?;
-        }
-        // SAFETY: valid for `bytes` bytes by the caller's promise; disjoint when not in place.
-        let recv = unsafe { ptr::buf_mut(recvbuf, bytes, "recvbuf")? };
-        let send = if in_place {
-            None
-        } else {
-            // SAFETY: as above; checked disjoint from `recv`.
-            Some(unsafe { ptr::buf(sendbuf, bytes, "sendbuf")? })
-        };
-        c.with(|c| Ok(c.all_reduce_raw(send, recv, dtype, op, &opts.allreduce)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_allreduce", comm, None, |_| {
+            allreduce_call(sendbuf, recvbuf, count, dtype, op, opts)
+        })
+    }
+}
+
+/// Nonblocking `chorus_allreduce_opts` (as `MPI_Iallreduce`): checks the arguments, issues the
+/// call and returns; `*request` is then the call, to complete with `chorus_wait`,
+/// `chorus_test` or `chorus_waitall`, which report its status.
+///
+/// The nonblocking calls of a communicator run one after another on a thread of its own, in
+/// the order they were issued; a blocking call on the communicator first waits for every call
+/// issued before it. Every rank must issue the same collectives in the same order, blocking or
+/// not. The buffers belong to the call until it completes: do not read or write them before.
+/// On failure to issue `*request` is set to NULL and nothing runs.
+///
+/// # Safety
+/// As `chorus_allreduce_opts`, except that the buffers (not `opts`) must stay valid and
+/// untouched until the request completes; `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn chorus_iallreduce(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    opts: *const chorus_options,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iallreduce", comm, Some(request), |_| {
+            allreduce_call(sendbuf, recvbuf, count, dtype, op, opts)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_allreduce_opts` (the buffers valid until the call completes).
+unsafe fn allreduce_call(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    opts: *const chorus_options,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let op = op.get()?;
+    // SAFETY: NULL or a sized options struct by the caller's promise.
+    let opts = call_options(unsafe { ptr::options(opts)? })?;
+    let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+    let recv = RawBuf::new(recvbuf, bytes, "recvbuf")?;
+    let send = if sendbuf == recvbuf.cast_const() {
+        None
+    } else {
+        ptr::check_disjoint(sendbuf, bytes, recvbuf, bytes, "sendbuf and recvbuf")?;
+        Some(RawBuf::new(sendbuf, bytes, "sendbuf")?)
+    };
+    Ok(Box::new(move |c| {
+        // SAFETY: valid for `bytes` bytes until the call completes by the caller's promise;
+        // disjoint when not in place (checked above).
+        let (send, recv) = unsafe { (send.map(|s| s.get()), recv.get_mut()) };
+        c.all_reduce_raw(send, recv, dtype, op, &opts.allreduce)
+    }))
 }
 
 /// Block until every rank has called `chorus_barrier`.
@@ -638,16 +815,42 @@ pub unsafe extern "C" fn chorus_allreduce_opts(
 /// `comm` is NULL or a live communicator.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_barrier(comm: *mut chorus_comm) -> i32 {
-    guard("chorus_barrier", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        c.with(|c| Ok(c.barrier()?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_barrier", comm, None, |_| {
+            Ok(Box::new(|c| c.barrier()))
+        })
+    }
 }
 
-/// A rank number from C: not negative (the communicator checks it is below the size).
-fn rank_arg(v: c_int, what: &str) -> Result<usize, Failure> {
-    usize::try_from(v).map_err(|_| Failure::invalid(format!("{what} {v} is negative")))
+/// Nonblocking `chorus_barrier` (as `MPI_Ibarrier`): the request completes once every rank
+/// has issued its barrier. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ibarrier(
+    comm: *mut chorus_comm,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ibarrier", comm, Some(request), |_| {
+            Ok(Box::new(|c| c.barrier()))
+        })
+    }
+}
+
+/// A rank number from C, checked against the communicator's size (so that a nonblocking call
+/// is refused when issued rather than when it runs).
+fn rank_arg(c: &chorus_comm, v: c_int, what: &str) -> Result<usize, Failure> {
+    match usize::try_from(v) {
+        Ok(r) if r < c.size => Ok(r),
+        _ => Err(Failure::invalid(format!(
+            "{what} {v} is not a rank of this communicator of {} ranks",
+            c.size
+        ))),
+    }
 }
 
 /// `base + offset` bytes, as an address (for in-place detection; never dereferenced).
@@ -668,16 +871,54 @@ pub unsafe extern "C" fn chorus_broadcast(
     dtype: DtypeArg,
     root: c_int,
 ) -> i32 {
-    guard("chorus_broadcast", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let root = rank_arg(root, "root")?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        // SAFETY: valid for `bytes` bytes by the caller's promise.
-        let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
-        c.with(|c| Ok(c.broadcast_raw(buf, dtype, root)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_broadcast", comm, None, |c| {
+            broadcast_call(c, buf, count, dtype, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_broadcast` (as `MPI_Ibcast`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_broadcast`, `buf` valid and untouched until the request completes; `request` is
+/// NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ibroadcast(
+    comm: *mut chorus_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ibroadcast", comm, Some(request), |c| {
+            broadcast_call(c, buf, count, dtype, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_broadcast` (the buffer valid until the call completes).
+unsafe fn broadcast_call(
+    c: &chorus_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let root = rank_arg(c, root, "root")?;
+    let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+    let buf = RawBuf::new(buf, bytes, "buf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid for `bytes` bytes until the call completes by the caller's promise.
+        c.broadcast_raw(unsafe { buf.get_mut() }, dtype, root)
+    }))
 }
 
 /// Reduce: `recvbuf` on `root` gets the element-wise reduction (`op`) of every rank's
@@ -698,26 +939,72 @@ pub unsafe extern "C" fn chorus_reduce(
     op: OpArg,
     root: c_int,
 ) -> i32 {
-    guard("chorus_reduce", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let op = op.get()?;
-        let root = rank_arg(root, "root")?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        if sendbuf == recvbuf.cast_const() {
-            // SAFETY: valid for `bytes` bytes by the caller's promise.
-            let recv = unsafe { ptr::buf_mut(recvbuf, bytes, "recvbuf")? };
-            return c.with(|c| Ok(c.reduce_raw(None, recv, dtype, op, root)?));
-        }
-        let recv_bytes = if c.rank == root { bytes } else { 0 };
-        ptr::check_disjoint(sendbuf, bytes, recvbuf, recv_bytes, "sendbuf and recvbuf")?;
-        // SAFETY: valid for `bytes` bytes by the caller's promise, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, bytes, "sendbuf")? };
-        // SAFETY: on the root valid for `bytes` bytes; elsewhere not touched (empty).
-        let recv = unsafe { ptr::buf_mut(recvbuf, recv_bytes, "recvbuf")? };
-        c.with(|c| Ok(c.reduce_raw(Some(send), recv, dtype, op, root)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_reduce", comm, None, |c| {
+            reduce_call(c, sendbuf, recvbuf, count, dtype, op, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_reduce` (as `MPI_Ireduce`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_reduce`, the buffers valid and untouched until the request completes; `request`
+/// is NULL or valid for writing a pointer.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn chorus_ireduce(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ireduce", comm, Some(request), |c| {
+            reduce_call(c, sendbuf, recvbuf, count, dtype, op, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_reduce` (the buffers valid until the call completes).
+unsafe fn reduce_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let op = op.get()?;
+    let root = rank_arg(c, root, "root")?;
+    let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+    if sendbuf == recvbuf.cast_const() {
+        let recv = RawBuf::new(recvbuf, bytes, "recvbuf")?;
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `bytes` bytes until the call completes by the caller's promise.
+            c.reduce_raw(None, unsafe { recv.get_mut() }, dtype, op, root)
+        }));
+    }
+    let recv_bytes = if c.rank == root { bytes } else { 0 };
+    ptr::check_disjoint(sendbuf, bytes, recvbuf, recv_bytes, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, bytes, "sendbuf")?;
+    // On the root valid for `bytes` bytes; elsewhere not touched (empty).
+    let recv = RawBuf::new(recvbuf, recv_bytes, "recvbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.reduce_raw(Some(send), recv, dtype, op, root)
+    }))
 }
 
 /// Allgather: `recvbuf` (`size × sendcount` elements) gets every rank's `sendcount`
@@ -736,25 +1023,63 @@ pub unsafe extern "C" fn chorus_allgather(
     sendcount: usize,
     dtype: DtypeArg,
 ) -> i32 {
-    guard("chorus_allgather", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let block = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
-        let all = ptr::byte_len(block, c.size, "sendcount × size")?;
-        let in_place = block > 0 && sendbuf == offset(recvbuf, c.rank * block);
-        if in_place {
-            // SAFETY: valid for `all` bytes by the caller's promise; `sendbuf` lies inside.
-            let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-            return c.with(|c| Ok(c.all_gather_raw(None, recv, dtype)?));
-        }
-        ptr::check_disjoint(sendbuf, block, recvbuf, all, "sendbuf and recvbuf")?;
-        // SAFETY: valid for `block` bytes, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, block, "sendbuf")? };
-        // SAFETY: valid for `all` bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-        c.with(|c| Ok(c.all_gather_raw(Some(send), recv, dtype)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_allgather", comm, None, |c| {
+            allgather_call(c, sendbuf, recvbuf, sendcount, dtype)
+        })
+    }
+}
+
+/// Nonblocking `chorus_allgather` (as `MPI_Iallgather`). See `chorus_iallreduce` for the
+/// rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_allgather`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_iallgather(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: DtypeArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iallgather", comm, Some(request), |c| {
+            allgather_call(c, sendbuf, recvbuf, sendcount, dtype)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_allgather` (the buffers valid until the call completes).
+unsafe fn allgather_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: DtypeArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let block = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
+    let all = ptr::byte_len(block, c.size, "sendcount × size")?;
+    let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
+    if block > 0 && sendbuf == offset(recvbuf, c.rank * block) {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `all` bytes until the call completes; `sendbuf` lies inside.
+            c.all_gather_raw(None, unsafe { recv.get_mut() }, dtype)
+        }));
+    }
+    ptr::check_disjoint(sendbuf, block, recvbuf, all, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, block, "sendbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.all_gather_raw(Some(send), recv, dtype)
+    }))
 }
 
 /// Bytes of `counts` elements of `elem` bytes each, and where each block starts when they lie
@@ -790,26 +1115,65 @@ pub unsafe extern "C" fn chorus_allgatherv(
     recvcounts: *const usize,
     dtype: DtypeArg,
 ) -> i32 {
-    guard("chorus_allgatherv", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        // SAFETY: valid for `size` values by the caller's promise.
-        let counts = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
-        let off = blocks(&counts, dtype.size(), "recvcounts")?;
-        let (all, mine) = (off[c.size], off[c.rank]..off[c.rank + 1]);
-        if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
-            // SAFETY: valid for `all` bytes by the caller's promise; `sendbuf` lies inside.
-            let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-            return c.with(|c| Ok(c.all_gather_v_raw(None, recv, &counts, dtype)?));
-        }
-        ptr::check_disjoint(sendbuf, mine.len(), recvbuf, all, "sendbuf and recvbuf")?;
-        // SAFETY: valid for this rank's block, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, mine.len(), "sendbuf")? };
-        // SAFETY: valid for `all` writable bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-        c.with(|c| Ok(c.all_gather_v_raw(Some(send), recv, &counts, dtype)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_allgatherv", comm, None, |c| {
+            allgatherv_call(c, sendbuf, recvbuf, recvcounts, dtype)
+        })
+    }
+}
+
+/// Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` is read before it
+/// returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_allgatherv`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_iallgatherv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iallgatherv", comm, Some(request), |c| {
+            allgatherv_call(c, sendbuf, recvbuf, recvcounts, dtype)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_allgatherv` (the buffers valid until the call completes).
+unsafe fn allgatherv_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    // SAFETY: valid for `size` values by the caller's promise.
+    let counts = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+    let off = blocks(&counts, dtype.size(), "recvcounts")?;
+    let (all, mine) = (off[c.size], off[c.rank]..off[c.rank + 1]);
+    let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
+    if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `all` bytes until the call completes; `sendbuf` lies inside.
+            c.all_gather_v_raw(None, unsafe { recv.get_mut() }, &counts, dtype)
+        }));
+    }
+    ptr::check_disjoint(sendbuf, mine.len(), recvbuf, all, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, mine.len(), "sendbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.all_gather_v_raw(Some(send), recv, &counts, dtype)
+    }))
 }
 
 /// Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
@@ -831,23 +1195,63 @@ pub unsafe extern "C" fn chorus_alltoallv(
     recvcounts: *const usize,
     dtype: DtypeArg,
 ) -> i32 {
-    guard("chorus_alltoallv", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        // SAFETY: each valid for `size` values by the caller's promise.
-        let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
-        // SAFETY: as above.
-        let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
-        let s_all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
-        let r_all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
-        ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
-        // SAFETY: valid for `s_all` bytes, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, s_all, "sendbuf")? };
-        // SAFETY: valid for `r_all` writable bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, r_all, "recvbuf")? };
-        c.with(|c| Ok(c.all_to_all_v_raw(send, &sc, recv, &rc, dtype)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_alltoallv", comm, None, |c| {
+            alltoallv_call(c, sendbuf, sendcounts, recvbuf, recvcounts, dtype)
+        })
+    }
+}
+
+/// Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts are read before it
+/// returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_alltoallv`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ialltoallv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ialltoallv", comm, Some(request), |c| {
+            alltoallv_call(c, sendbuf, sendcounts, recvbuf, recvcounts, dtype)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_alltoallv` (the buffers valid until the call completes).
+unsafe fn alltoallv_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    // SAFETY: each valid for `size` values by the caller's promise.
+    let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
+    // SAFETY: as above.
+    let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+    let s_all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
+    let r_all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
+    ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, s_all, "sendbuf")?;
+    let recv = RawBuf::new(recvbuf, r_all, "recvbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.all_to_all_v_raw(send, &sc, recv, &rc, dtype)
+    }))
 }
 
 /// Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
@@ -867,27 +1271,68 @@ pub unsafe extern "C" fn chorus_reduce_scatter(
     dtype: DtypeArg,
     op: OpArg,
 ) -> i32 {
-    guard("chorus_reduce_scatter", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let op = op.get()?;
-        let block = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
-        let all = ptr::byte_len(block, c.size, "recvcount × size")?;
-        let in_place = block > 0 && recvbuf.cast_const() == offset(sendbuf, c.rank * block);
-        if in_place {
-            // SAFETY: the whole send buffer, writable since the caller passes its block as
-            // `recvbuf`; valid for `all` bytes.
-            let buf = unsafe { ptr::buf_mut(sendbuf.cast_mut(), all, "sendbuf")? };
-            return c.with(|c| Ok(c.reduce_scatter_raw(None, buf, dtype, op)?));
-        }
-        ptr::check_disjoint(sendbuf, all, recvbuf, block, "sendbuf and recvbuf")?;
-        // SAFETY: valid for `all` bytes, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, all, "sendbuf")? };
-        // SAFETY: valid for `block` bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, block, "recvbuf")? };
-        c.with(|c| Ok(c.reduce_scatter_raw(Some(send), recv, dtype, op)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_reduce_scatter", comm, None, |c| {
+            reduce_scatter_call(c, sendbuf, recvbuf, recvcount, dtype, op)
+        })
+    }
+}
+
+/// Nonblocking `chorus_reduce_scatter` (as `MPI_Ireduce_scatter_block`). See
+/// `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_reduce_scatter`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ireduce_scatter(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ireduce_scatter", comm, Some(request), |c| {
+            reduce_scatter_call(c, sendbuf, recvbuf, recvcount, dtype, op)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_reduce_scatter` (the buffers valid until the call completes).
+unsafe fn reduce_scatter_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let op = op.get()?;
+    let block = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
+    let all = ptr::byte_len(block, c.size, "recvcount × size")?;
+    if block > 0 && recvbuf.cast_const() == offset(sendbuf, c.rank * block) {
+        // The whole send buffer, writable since the caller passes its block as `recvbuf`.
+        let buf = RawBuf::new(sendbuf, all, "sendbuf")?;
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `all` bytes until the call completes by the caller's promise.
+            c.reduce_scatter_raw(None, unsafe { buf.get_mut() }, dtype, op)
+        }));
+    }
+    ptr::check_disjoint(sendbuf, all, recvbuf, block, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, all, "sendbuf")?;
+    let recv = RawBuf::new(recvbuf, block, "recvbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.reduce_scatter_raw(Some(send), recv, dtype, op)
+    }))
 }
 
 /// All-to-all: block `j` (`count` elements) of this rank's `sendbuf` becomes block `rank`
@@ -905,24 +1350,63 @@ pub unsafe extern "C" fn chorus_alltoall(
     count: usize,
     dtype: DtypeArg,
 ) -> i32 {
-    guard("chorus_alltoall", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let block = ptr::byte_len(count, dtype.size(), "count")?;
-        let all = ptr::byte_len(block, c.size, "count × size")?;
-        if sendbuf == recvbuf.cast_const() {
-            // SAFETY: valid for `all` bytes by the caller's promise.
-            let buf = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-            return c.with(|c| Ok(c.all_to_all_raw(None, buf, dtype)?));
-        }
-        ptr::check_disjoint(sendbuf, all, recvbuf, all, "sendbuf and recvbuf")?;
-        // SAFETY: valid for `all` bytes, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, all, "sendbuf")? };
-        // SAFETY: valid for `all` bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-        c.with(|c| Ok(c.all_to_all_raw(Some(send), recv, dtype)?))
-    })
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_alltoall", comm, None, |c| {
+            alltoall_call(c, sendbuf, recvbuf, count, dtype)
+        })
+    }
+}
+
+/// Nonblocking `chorus_alltoall` (as `MPI_Ialltoall`). See `chorus_iallreduce` for the rules
+/// of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_alltoall`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ialltoall(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ialltoall", comm, Some(request), |c| {
+            alltoall_call(c, sendbuf, recvbuf, count, dtype)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_alltoall` (the buffers valid until the call completes).
+unsafe fn alltoall_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let block = ptr::byte_len(count, dtype.size(), "count")?;
+    let all = ptr::byte_len(block, c.size, "count × size")?;
+    let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
+    if sendbuf == recvbuf.cast_const() {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `all` bytes until the call completes by the caller's promise.
+            c.all_to_all_raw(None, unsafe { recv.get_mut() }, dtype)
+        }));
+    }
+    ptr::check_disjoint(sendbuf, all, recvbuf, all, "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, all, "sendbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.all_to_all_raw(Some(send), recv, dtype)
+    }))
 }
 
 /// Gather: `recvbuf` on `root` (`size × sendcount` elements) gets every rank's `sendcount`
@@ -943,32 +1427,78 @@ pub unsafe extern "C" fn chorus_gather(
     dtype: DtypeArg,
     root: c_int,
 ) -> i32 {
-    guard("chorus_gather", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let root = rank_arg(root, "root")?;
-        let block = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
-        if c.rank != root {
-            // SAFETY: valid for `block` bytes by the caller's promise.
-            let send = unsafe { ptr::buf(sendbuf, block, "sendbuf")? };
-            return c.with(|c| Ok(c.gather_raw(send, None, dtype, root)?));
-        }
-        let all = ptr::byte_len(block, c.size, "sendcount × size")?;
-        // In place (or any overlap) on the root: gather from a copy of the input.
-        let copy;
-        let send: &[u8] = if ptr::check_disjoint(sendbuf, block, recvbuf, all, "").is_err() {
-            // SAFETY: valid for `block` bytes; read before `recv` is made.
-            copy = unsafe { ptr::buf(sendbuf, block, "sendbuf")? }.to_vec();
-            &copy
-        } else {
-            // SAFETY: valid for `block` bytes, disjoint from `recv`.
-            unsafe { ptr::buf(sendbuf, block, "sendbuf")? }
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_gather", comm, None, |c| {
+            gather_call(c, sendbuf, recvbuf, sendcount, dtype, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_gather` (as `MPI_Igather`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_gather`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_igather(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_igather", comm, Some(request), |c| {
+            gather_call(c, sendbuf, recvbuf, sendcount, dtype, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_gather` (the buffers valid until the call completes).
+unsafe fn gather_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let root = rank_arg(c, root, "root")?;
+    let block = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
+    let send = RawBuf::new(sendbuf, block, "sendbuf")?;
+    if c.rank != root {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `block` bytes until the call completes by the caller's promise.
+            c.gather_raw(unsafe { send.get() }, None, dtype, root)
+        }));
+    }
+    let all = ptr::byte_len(block, c.size, "sendcount × size")?;
+    let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
+    // In place (or any overlap) on the root: gather from a copy of the input, taken now.
+    let copy = if ptr::check_disjoint(sendbuf, block, recvbuf, all, "").is_err() {
+        // SAFETY: valid for `block` bytes by the caller's promise; read before the call runs.
+        Some(unsafe { send.get() }.to_vec())
+    } else {
+        None
+    };
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise; `send` is only read
+        // when disjoint from `recv` (else the copy is).
+        let (send, recv) = unsafe {
+            (
+                copy.as_deref().unwrap_or_else(|| send.get()),
+                recv.get_mut(),
+            )
         };
-        // SAFETY: valid for `all` bytes on the root by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, all, "recvbuf")? };
-        c.with(|c| Ok(c.gather_raw(send, Some(recv), dtype, root)?))
-    })
+        c.gather_raw(send, Some(recv), dtype, root)
+    }))
 }
 
 /// Scatter: block `j` (`recvcount` elements) of `sendbuf` on `root` (`size × recvcount`
@@ -988,31 +1518,77 @@ pub unsafe extern "C" fn chorus_scatter(
     dtype: DtypeArg,
     root: c_int,
 ) -> i32 {
-    guard("chorus_scatter", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let root = rank_arg(root, "root")?;
-        let block = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
-        if c.rank != root {
-            // SAFETY: valid for `block` writable bytes by the caller's promise.
-            let recv = unsafe { ptr::buf_mut(recvbuf, block, "recvbuf")? };
-            return c.with(|c| Ok(c.scatter_raw(None, recv, dtype, root)?));
-        }
-        let all = ptr::byte_len(block, c.size, "recvcount × size")?;
-        let copy;
-        let send: &[u8] = if ptr::check_disjoint(sendbuf, all, recvbuf, block, "").is_err() {
-            // SAFETY: valid for `all` bytes; read before `recv` is made.
-            copy = unsafe { ptr::buf(sendbuf, all, "sendbuf")? }.to_vec();
-            &copy
-        } else {
-            // SAFETY: valid for `all` bytes, disjoint from `recv`.
-            unsafe { ptr::buf(sendbuf, all, "sendbuf")? }
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_scatter", comm, None, |c| {
+            scatter_call(c, sendbuf, recvbuf, recvcount, dtype, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_scatter` (as `MPI_Iscatter`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_scatter`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_iscatter(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iscatter", comm, Some(request), |c| {
+            scatter_call(c, sendbuf, recvbuf, recvcount, dtype, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_scatter` (the buffers valid until the call completes).
+unsafe fn scatter_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let root = rank_arg(c, root, "root")?;
+    let block = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
+    let recv = RawBuf::new(recvbuf, block, "recvbuf")?;
+    if c.rank != root {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `block` writable bytes until the call completes.
+            c.scatter_raw(None, unsafe { recv.get_mut() }, dtype, root)
+        }));
+    }
+    let all = ptr::byte_len(block, c.size, "recvcount × size")?;
+    let send = RawBuf::new(sendbuf, all, "sendbuf")?;
+    let copy = if ptr::check_disjoint(sendbuf, all, recvbuf, block, "").is_err() {
+        // SAFETY: valid for `all` bytes by the caller's promise; read before the call runs.
+        Some(unsafe { send.get() }.to_vec())
+    } else {
+        None
+    };
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise; `send` is only read
+        // when disjoint from `recv` (else the copy is).
+        let (send, recv) = unsafe {
+            (
+                copy.as_deref().unwrap_or_else(|| send.get()),
+                recv.get_mut(),
+            )
         };
-        // SAFETY: valid for `block` writable bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, block, "recvbuf")? };
-        c.with(|c| Ok(c.scatter_raw(Some(send), recv, dtype, root)?))
-    })
+        c.scatter_raw(Some(send), recv, dtype, root)
+    }))
 }
 
 /// Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the
@@ -1033,7 +1609,7 @@ pub unsafe extern "C" fn chorus_send(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let peer = rank_arg(peer, "peer")?;
+        let peer = rank_arg(c, peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
         // SAFETY: valid for `bytes` bytes by the caller's promise.
         let buf = unsafe { ptr::buf(buf, bytes, "buf")? };
@@ -1059,7 +1635,7 @@ pub unsafe extern "C" fn chorus_recv(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let peer = rank_arg(peer, "peer")?;
+        let peer = rank_arg(c, peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
         // SAFETY: valid for `bytes` writable bytes by the caller's promise.
         let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
@@ -1094,8 +1670,8 @@ pub unsafe extern "C" fn chorus_sendrecv(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let dest = rank_arg(dest, "dest")?;
-        let source = rank_arg(source, "source")?;
+        let dest = rank_arg(c, dest, "dest")?;
+        let source = rank_arg(c, source, "source")?;
         let send_bytes = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
         let recv_bytes = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
         ptr::check_apart(

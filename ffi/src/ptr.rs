@@ -126,6 +126,59 @@ pub(crate) unsafe fn buf_mut<'a>(
     Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
 }
 
+/// A buffer checked when a call is issued and made into a slice when the call runs, which for
+/// the nonblocking calls is later and on the communicator's queue thread.
+#[derive(Clone, Copy)]
+pub(crate) struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `RawBuf` is an address and a length. Making a slice of it is `unsafe`, and whoever
+// does relies on the C caller's promise that the memory stays valid and untouched until the
+// call completes, whichever thread runs it.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    /// The `len` bytes at `p` (`len` from [`byte_len`]); NULL is accepted only when `len` is 0.
+    pub(crate) fn new(p: *const c_void, len: usize, what: &str) -> Result<RawBuf, Failure> {
+        if len > 0 && p.is_null() {
+            return Err(Failure::invalid(format!("{what} is NULL")));
+        }
+        Ok(RawBuf {
+            ptr: p.cast::<u8>().cast_mut(),
+            len,
+        })
+    }
+
+    /// The bytes, to read.
+    ///
+    /// # Safety
+    /// The memory is valid for reading `len` bytes while the slice lives, and nothing writes it
+    /// meanwhile (the other buffer of the call was checked apart from it).
+    pub(crate) unsafe fn get<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: non-NULL (checked in `new`), `len` ≤ isize::MAX, readable by the promise.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, to write.
+    ///
+    /// # Safety
+    /// The memory is valid for reading and writing `len` bytes while the slice lives, and
+    /// nothing else accesses it meanwhile.
+    pub(crate) unsafe fn get_mut<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: non-NULL (checked in `new`), `len` ≤ isize::MAX, exclusively ours by the
+        // promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 /// The `n` counts (`size_t`) at `p`, copied; NULL (with `n` > 0) or a misaligned pointer is
 /// an error.
 ///

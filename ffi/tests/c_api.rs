@@ -256,6 +256,11 @@ fn unique_id_init_on_1_to_4_ranks() {
 }
 
 #[test]
+fn nonblocking_collectives_on_1_to_4_ranks() {
+    api_test_on_1_to_4_ranks("nonblocking");
+}
+
+#[test]
 fn split_and_dup_on_1_to_4_ranks() {
     api_test_on_1_to_4_ranks("split");
 }
@@ -281,7 +286,7 @@ fn compressed_allreduce_from_c() {
 #[test]
 fn mismatched_calls_fail_on_every_rank() {
     let b = built();
-    for kind in ["count", "dtype", "op", "collective"] {
+    for kind in ["count", "dtype", "op", "collective", "nonblocking"] {
         // Each rank checks it got CHORUS_MISMATCH, CHORUS_REMOTE_ERROR (a peer that saw the
         // mismatch first aborted) or CHORUS_TIMEOUT (a rank waiting on a peer that is itself
         // stuck), then that the communicator refuses further calls. A short timeout keeps the

@@ -554,6 +554,15 @@ static void mismatch(chorus_comm *comm, const char *kind) {
         st = chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, last ? CHORUS_MAX : CHORUS_SUM);
     else if (strcmp(kind, "collective") == 0)
         st = last ? chorus_barrier(comm) : chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, CHORUS_SUM);
+    else if (strcmp(kind, "nonblocking") == 0) {
+        /* The mismatch shows in the request; the call issued after it fails too. */
+        chorus_request *r[2];
+        OK(chorus_iallreduce(comm, buf, buf, last ? 101 : 100, CHORUS_FLOAT32, CHORUS_SUM, NULL, &r[0]));
+        OK(chorus_ibarrier(comm, &r[1]));
+        int32_t after = chorus_wait(&r[1]);
+        CHECK(after != CHORUS_OK, "the call after a mismatch succeeded");
+        st = chorus_wait(&r[0]);
+    }
     else {
         CHECK(0, "unknown mismatch kind %s", kind);
         return;
@@ -760,9 +769,143 @@ static void uniqueid(chorus_comm *comm) {
     OK(chorus_barrier(comm));
 }
 
+/* Nonblocking calls: every collective issued back to back (a blocking allreduce among them),
+ * polled with chorus_test and completed with chorus_waitall, exact against the references;
+ * bad arguments refused at issue with *request NULL; a request outliving its communicator. */
+static void nonblocking(chorus_comm *comm) {
+    const int p = g_size, me = g_rank, root = p - 1;
+    enum { N = 5, BIG = 300001 };
+    size_t all = (size_t)N * (size_t)p;
+    int32_t *sum_in = malloc(BIG * 4), *sum_out = malloc(BIG * 4);
+    int32_t *bc = malloc(N * 4), *red = malloc(N * 4), *ag = malloc(all * 4);
+    int32_t *rs_in = malloc(all * 4), *rs_out = malloc(N * 4), *a2a = malloc(all * 4);
+    int32_t *ga = malloc(all * 4), *sc_in = malloc(all * 4), *sc_out = malloc(N * 4);
+    int32_t *agv = malloc(3 * (size_t)p * 4 + 4), *a2av_in = malloc(3 * (size_t)p * 4 + 4);
+    int32_t *a2av_out = malloc(3 * (size_t)p * 4 + 4);
+    size_t *rc = malloc((size_t)p * sizeof(size_t)), *sc = malloc((size_t)p * sizeof(size_t));
+    size_t *rc2 = malloc((size_t)p * sizeof(size_t));
+    CHECK(sum_in && sum_out && bc && red && ag && rs_in && rs_out && a2a && ga && sc_in &&
+          sc_out && agv && a2av_in && a2av_out && rc && sc && rc2, "out of memory");
+    for (int round = 0; round < 3; round++) {
+        chorus_request *req[12];
+        int k = 0;
+        for (size_t i = 0; i < BIG; i++) sum_in[i] = (int32_t)((size_t)me * 3 + i % 7 + round);
+        OK(chorus_iallreduce(comm, sum_in, sum_out, BIG, CHORUS_INT32, CHORUS_SUM, NULL, &req[k++]));
+        for (int i = 0; i < N; i++) bc[i] = me == root ? 10 * i + round : -1;
+        OK(chorus_ibroadcast(comm, bc, N, CHORUS_INT32, root, &req[k++]));
+        for (int i = 0; i < N; i++) red[i] = me + i;
+        OK(chorus_ireduce(comm, red, red, N, CHORUS_INT32, CHORUS_MAX, 0, &req[k++]));
+        /* A blocking call among them runs after those issued before it. */
+        int32_t one = 1;
+        OK(chorus_allreduce(comm, &one, &one, 1, CHORUS_INT32, CHORUS_SUM));
+        CHECK(one == p, "blocking allreduce among nonblocking ones gave %d", (int)one);
+        int32_t mine[N];
+        for (int i = 0; i < N; i++) mine[i] = me * 100 + i;
+        OK(chorus_iallgather(comm, mine, ag, N, CHORUS_INT32, &req[k++]));
+        for (size_t i = 0; i < all; i++) rs_in[i] = (int32_t)(me + (int)i);
+        OK(chorus_ireduce_scatter(comm, rs_in, rs_out, N, CHORUS_INT32, CHORUS_SUM, &req[k++]));
+        for (size_t i = 0; i < all; i++) a2a[i] = (int32_t)(me * 1000 + (int)i);
+        OK(chorus_ialltoall(comm, a2a, a2a, N, CHORUS_INT32, &req[k++]));
+        OK(chorus_igather(comm, mine, me == root ? ga : NULL, N, CHORUS_INT32, root, &req[k++]));
+        for (size_t i = 0; i < all; i++) sc_in[i] = (int32_t)(7 * i);
+        OK(chorus_iscatter(comm, me == root ? sc_in : NULL, sc_out, N, CHORUS_INT32, root, &req[k++]));
+        size_t total = 0;
+        for (int j = 0; j < p; j++) {
+            rc[j] = (size_t)((j * 3 + 1 + round) % 4);
+            total += rc[j];
+            sc[j] = (size_t)((me + 2 * j) % 4);
+            rc2[j] = (size_t)((j + 2 * me) % 4);
+        }
+        int32_t vin[3];
+        for (size_t i = 0; i < rc[me]; i++) vin[i] = me * 100 + (int32_t)i;
+        OK(chorus_iallgatherv(comm, vin, agv, rc, CHORUS_INT32, &req[k++]));
+        /* The counts are read at issue: scribbling on them afterwards changes nothing. */
+        size_t saved[4];
+        for (int j = 0; j < p; j++) saved[j] = rc[j], rc[j] = 99;
+        for (int j = 0, m = 0; j < p; j++)
+            for (size_t i = 0; i < sc[j]; i++, m++) a2av_in[m] = me * 1000 + j * 10 + (int32_t)i;
+        OK(chorus_ialltoallv(comm, a2av_in, sc, a2av_out, rc2, CHORUS_INT32, &req[k++]));
+        OK(chorus_ibarrier(comm, &req[k++]));
+        /* Poll the last one (bounded), then complete everything. */
+        int done = 0;
+        for (int polls = 0; !done && polls < 20000; polls++) {
+            chorus_request *probe = req[k - 1];
+            OK(chorus_test(&req[k - 1], &done));
+            if (!done) {
+                CHECK(req[k - 1] == probe, "chorus_test changed a request still running");
+                sleep_ms(1);
+            }
+        }
+        CHECK(done && req[k - 1] == NULL, "barrier not done after polling");
+        OK(chorus_waitall((size_t)k, req));
+        for (int i = 0; i < k; i++) CHECK(req[i] == NULL, "request %d not cleared", i);
+        for (size_t i = 0; i < BIG; i++) {
+            int32_t want = 0;
+            for (int r = 0; r < p; r++) want += (int32_t)((size_t)r * 3 + i % 7 + round);
+            CHECK(sum_out[i] == want, "iallreduce [%zu] = %d, want %d", i, sum_out[i], want);
+        }
+        for (int i = 0; i < N; i++) CHECK(bc[i] == 10 * i + round, "ibroadcast [%d] = %d", i, bc[i]);
+        if (me == 0)
+            for (int i = 0; i < N; i++) CHECK(red[i] == p - 1 + i, "ireduce [%d] = %d", i, red[i]);
+        for (size_t i = 0; i < all; i++)
+            CHECK(ag[i] == (int32_t)(i / N * 100 + i % N), "iallgather [%zu] = %d", i, ag[i]);
+        for (int i = 0; i < N; i++) {
+            int32_t want = 0;
+            for (int r = 0; r < p; r++) want += r + me * N + i;
+            CHECK(rs_out[i] == want, "ireduce_scatter [%d] = %d, want %d", i, rs_out[i], want);
+        }
+        for (size_t i = 0; i < all; i++)
+            CHECK(a2a[i] == (int32_t)(i / N * 1000 + (size_t)me * N + i % N), "ialltoall [%zu] = %d", i, a2a[i]);
+        if (me == root)
+            for (size_t i = 0; i < all; i++)
+                CHECK(ga[i] == (int32_t)(i / N * 100 + i % N), "igather [%zu] = %d", i, ga[i]);
+        for (int i = 0; i < N; i++)
+            CHECK(sc_out[i] == (int32_t)(7 * ((size_t)me * N + i)), "iscatter [%d] = %d", i, sc_out[i]);
+        for (int j = 0, m = 0; j < p; j++)
+            for (size_t i = 0; i < saved[j]; i++, m++)
+                CHECK(agv[m] == j * 100 + (int32_t)i, "iallgatherv [%d] = %d", m, agv[m]);
+        (void)total;
+        for (int j = 0, m = 0; j < p; j++)
+            for (size_t i = 0; i < rc2[j]; i++, m++)
+                CHECK(a2av_out[m] == j * 1000 + me * 10 + (int32_t)i, "ialltoallv [%d] = %d", m, a2av_out[m]);
+    }
+    /* Bad arguments: refused when issued, *request NULL, nothing runs. */
+    chorus_request *bad = (chorus_request *)sum_in; /* garbage that must be overwritten */
+    EXPECT(chorus_iallreduce(comm, sum_in, sum_out, 4, (chorus_dtype)77, CHORUS_SUM, NULL, &bad),
+           CHORUS_INVALID_ARGUMENT);
+    CHECK(bad == NULL, "a refused call left *request set");
+    EXPECT(chorus_iallreduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, NULL, NULL),
+           CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_ibroadcast(comm, NULL, 4, CHORUS_INT32, 0, &bad), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_iallgather(comm, sum_in, sum_in + 1, 4, CHORUS_INT32, &bad), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &bad), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_ibarrier(NULL, &bad), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_wait(NULL), CHORUS_INVALID_ARGUMENT);
+    bad = NULL;
+    OK(chorus_wait(&bad));
+    int done = 0;
+    OK(chorus_test(&bad, &done));
+    CHECK(done == 1, "chorus_test of a NULL request: done = %d", done);
+    EXPECT(chorus_test(&bad, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_waitall(2, NULL), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_waitall(0, NULL));
+    /* A communicator destroyed with calls in flight waits for them; their requests still
+     * report. */
+    chorus_request *late[2];
+    for (int i = 0; i < 1000; i++) sum_in[i] = me;
+    OK(chorus_iallreduce(comm, sum_in, sum_in, 1000, CHORUS_INT32, CHORUS_SUM, NULL, &late[0]));
+    OK(chorus_ibarrier(comm, &late[1]));
+    OK(chorus_comm_destroy(comm));
+    OK(chorus_waitall(2, late));
+    for (int i = 0; i < 1000; i++) CHECK(sum_in[i] == p * (p - 1) / 2, "late [%d] = %d", i, sum_in[i]);
+    free(sum_in); free(sum_out); free(bc); free(red); free(ag); free(rs_in); free(rs_out);
+    free(a2a); free(ga); free(sc_in); free(sc_out); free(agv); free(a2av_in); free(a2av_out);
+    free(rc); free(sc); free(rc2);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -783,6 +926,10 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
     else if (strcmp(mode, "busy") == 0) busy(comm);
     else if (strcmp(mode, "uniqueid") == 0) uniqueid(comm);
+    else if (strcmp(mode, "nonblocking") == 0) {
+        nonblocking(comm); /* destroys the communicator itself */
+        comm = NULL;
+    }
     else if (strcmp(mode, "split") == 0) {
         /* The half needs nothing of the parent: free the parent first, then use the half. */
         chorus_comm *half = split(comm);
