@@ -9,7 +9,9 @@ from its own seed. Run it with either launcher:
 (Debian's torch 1.13 on Python 3.11 also needs ``--redirects 1 --tee 1`` with torchrun: it
 cannot parse their default.)
 
-``--hook gloo`` uses DDP's own allreduce over Gloo instead, and ``--hook backend`` DDP's own
+``--hook chorus`` overlaps each bucket's allreduce with the rest of the backward pass,
+``--hook chorus-sync`` runs it inside the hook. ``--hook gloo`` uses DDP's own allreduce over
+Gloo instead, and ``--hook backend`` DDP's own
 allreduce over chorus as the ``torch.distributed`` backend (``chorus.backend``: the process
 group itself is chorus, no Gloo at all); all print the same final loss
 (up to float rounding), which is what ``ffi/python/tests`` checks, and rank 0's mean time per
@@ -29,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hook", choices=["chorus", "gloo", "backend"], default="chorus")
+    p.add_argument("--hook", choices=["chorus", "chorus-sync", "gloo", "backend"], default="chorus")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
@@ -70,9 +72,14 @@ def main() -> None:
         model = DDP(student)
 
     comm = None
-    if args.hook == "chorus":
+    if args.hook in ("chorus", "chorus-sync"):
         import chorus
-        from chorus.ddp import CompressedHookState, allreduce_hook, compressed_allreduce_hook
+        from chorus.ddp import (
+            CompressedHookState,
+            allreduce_hook,
+            compressed_allreduce_hook,
+            sync_allreduce_hook,
+        )
 
         comm = chorus.init()  # the same launcher environment
         assert (comm.rank, comm.size) == (rank, world)
@@ -80,7 +87,8 @@ def main() -> None:
             state = CompressedHookState(comm, args.compress)
             model.register_comm_hook(state, compressed_allreduce_hook)
         else:
-            model.register_comm_hook(comm, allreduce_hook)
+            hook = allreduce_hook if args.hook == "chorus" else sync_allreduce_hook
+            model.register_comm_hook(comm, hook)
 
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own data

@@ -16,7 +16,9 @@ byte order). Errors raise subclasses of :class:`ChorusError`, one per C status c
 errors (:class:`InvalidArgumentError`) leave the communicator usable, errors involving a peer
 (:class:`RemoteError`, :class:`ChorusTimeoutError`, :class:`MismatchError`) make it unusable:
 call :meth:`Communicator.abort` and build a new one. The GIL is released while a collective
-runs. For PyTorch DDP see :mod:`chorus.ddp`.
+runs. Every collective also takes ``async_op=True``: it is issued and returns a
+:class:`Request` at once (as ``MPI_Iallreduce``), and runs on the communicator's own thread
+while Python goes on. For PyTorch DDP see :mod:`chorus.ddp`.
 """
 
 import contextlib
@@ -42,6 +44,7 @@ __all__ = [
     "InternalError",
     "Communicator",
     "Compressor",
+    "Request",
     "init",
     "unique_id",
     "version",
@@ -358,6 +361,20 @@ class Communicator:
         with self._handle.use() as h:
             _check(fn(h, *args))
 
+    def _issue(
+        self, name: str, args: Tuple[Any, ...], result: Any, keep: Tuple[Any, ...], async_op: bool
+    ) -> Any:
+        """Run the C collective ``chorus_<name>`` on ``args`` and return ``result``; or, with
+        ``async_op``, issue ``chorus_i<name>`` and return a :class:`Request` for it that keeps
+        ``keep`` (the buffers and counts the call uses) alive until it completes."""
+        if not async_op:
+            self._call(getattr(lib, "chorus_" + name), *args)
+            return result
+        handle = ctypes.c_void_p()
+        nonblocking = lib.chorus_iallreduce if name == "allreduce_opts" else getattr(lib, "chorus_i" + name)
+        self._call(nonblocking, *args, ctypes.byref(handle))
+        return Request(handle, result, keep)
+
     def allreduce(
         self,
         x: Any,
@@ -366,6 +383,7 @@ class Communicator:
         *,
         algorithm: Optional[str] = None,
         timeout: Optional[float] = None,
+        async_op: bool = False,
     ) -> Any:
         """Replace ``x`` on every rank by the element-wise reduction of everyone's ``x``.
 
@@ -373,7 +391,8 @@ class Communicator:
         schedule (e.g. ``"ring"``); ``timeout`` (seconds) overrides the communicator's for
         this call. With a :class:`Compressor` (one per tensor, kept across steps) the
         allreduce is compressed: float32, float16 or bfloat16 data, ``"sum"`` or ``"avg"``;
-        ``algorithm`` and ``timeout`` do not apply then. Returns ``x``.
+        ``algorithm`` and ``timeout`` do not apply then. Returns ``x``; with ``async_op``, a
+        :class:`Request` whose :meth:`~Request.wait` returns ``x`` (not with a compressor).
         """
         b = _buffer(x, "x")
         if compressor is not None:
@@ -385,6 +404,8 @@ class Communicator:
                 raise InvalidArgumentError(
                     "algorithm and timeout do not apply to a compressed allreduce"
                 )
+            if async_op:
+                raise UnsupportedError("a compressed allreduce has no nonblocking form")
             op_code = _op_code(op)
             with compressor._handle.use() as c:
                 self._call(lib.chorus_allreduce_compressed, b.ptr, b.count, b.dtype, op_code, c)
@@ -396,30 +417,29 @@ class Communicator:
             o.algorithm = _c_str(algorithm, "algorithm") if algorithm is not None else None
             o.timeout_seconds = float(timeout) if timeout is not None else 0.0
             opts = ctypes.byref(o)
-        self._call(lib.chorus_allreduce_opts, b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts)
-        return x
+        args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts)
+        return self._issue("allreduce_opts", args, x, (b,), async_op)
 
-    def barrier(self) -> None:
-        """Block until every rank has called ``barrier``."""
-        self._call(lib.chorus_barrier)
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Block until every rank has called ``barrier`` (with ``async_op``: a
+        :class:`Request` that completes then)."""
+        return self._issue("barrier", (), None, (), async_op)
 
-    def broadcast(self, x: Any, root: int = 0) -> Any:
+    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy ``x`` of rank ``root`` into ``x`` on every rank (same size everywhere).
         Returns ``x``."""
         b = _buffer(x, "x")
-        self._call(lib.chorus_broadcast, b.ptr, b.count, b.dtype, _int(root, "root"))
-        return x
+        args = (b.ptr, b.count, b.dtype, _int(root, "root"))
+        return self._issue("broadcast", args, x, (b,), async_op)
 
-    def reduce(self, x: Any, root: int = 0, op: str = "sum") -> Any:
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce everyone's ``x`` into ``x`` of rank ``root`` (in place; ``x`` on the other
         ranks is left unchanged). Returns ``x``."""
         b = _buffer(x, "x")
-        self._call(
-            lib.chorus_reduce, b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root")
-        )
-        return x
+        args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root"))
+        return self._issue("reduce", args, x, (b,), async_op)
 
-    def allgather(self, x: Any, out: Any) -> Any:
+    def allgather(self, x: Any, out: Any, *, async_op: bool = False) -> Any:
         """Gather every rank's ``x`` into ``out`` (``size`` times as many elements), rank
         ``j``'s at block ``j``. Returns ``out``."""
         s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
@@ -428,10 +448,11 @@ class Communicator:
             raise InvalidArgumentError(
                 f"allgather: out has {r.count} elements, need {self.size} x {s.count}"
             )
-        self._call(lib.chorus_allgather, s.ptr, r.ptr, s.count, s.dtype)
-        return out
+        return self._issue("allgather", (s.ptr, r.ptr, s.count, s.dtype), out, (s, r), async_op)
 
-    def allgatherv(self, x: Any, out: Any, counts: Sequence[int]) -> Any:
+    def allgatherv(
+        self, x: Any, out: Any, counts: Sequence[int], *, async_op: bool = False
+    ) -> Any:
         """Gather every rank's ``x`` into ``out`` back to back in rank order, rank ``j``'s
         ``x`` holding ``counts[j]`` elements (any, zero included; as ``MPI_Allgatherv``, or
         torch's ``all_gather`` of tensors of different sizes). Every rank passes the same
@@ -445,11 +466,16 @@ class Communicator:
                 f"counts[{self.rank}] = {c[self.rank]} and their sum {sum(c)}"
             )
         arr = (ctypes.c_size_t * len(c))(*c)
-        self._call(lib.chorus_allgatherv, s.ptr, r.ptr, arr, s.dtype)
-        return out
+        return self._issue("allgatherv", (s.ptr, r.ptr, arr, s.dtype), out, (s, r), async_op)
 
     def alltoallv(
-        self, x: Any, send_counts: Sequence[int], out: Any, recv_counts: Sequence[int]
+        self,
+        x: Any,
+        send_counts: Sequence[int],
+        out: Any,
+        recv_counts: Sequence[int],
+        *,
+        async_op: bool = False,
     ) -> Any:
         """Send ``send_counts[j]`` elements of ``x`` to rank ``j`` (its blocks back to back in
         rank order) and receive ``recv_counts[j]`` elements from rank ``j`` into ``out`` (as
@@ -466,8 +492,7 @@ class Communicator:
             )
         sa = (ctypes.c_size_t * len(sc))(*sc)
         ra = (ctypes.c_size_t * len(rc))(*rc)
-        self._call(lib.chorus_alltoallv, s.ptr, sa, r.ptr, ra, s.dtype)
-        return out
+        return self._issue("alltoallv", (s.ptr, sa, r.ptr, ra, s.dtype), out, (s, r), async_op)
 
     def _counts(self, counts: Sequence[int], what: str) -> List[int]:
         """``counts`` as ``size`` non-negative ints."""
@@ -485,7 +510,7 @@ class Communicator:
             raise InvalidArgumentError(f"{what} holds a negative or huge count")
         return c
 
-    def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce everyone's ``x`` (``size`` blocks) and leave block ``rank`` of the result in
         ``out``. Returns ``out``."""
         s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
@@ -494,10 +519,10 @@ class Communicator:
             raise InvalidArgumentError(
                 f"reduce_scatter: x has {s.count} elements, need {self.size} x {r.count}"
             )
-        self._call(lib.chorus_reduce_scatter, s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
-        return out
+        args = (s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
+        return self._issue("reduce_scatter", args, out, (s, r), async_op)
 
-    def alltoall(self, x: Any, out: Any) -> Any:
+    def alltoall(self, x: Any, out: Any, *, async_op: bool = False) -> Any:
         """Block ``j`` of this rank's ``x`` becomes block ``rank`` of rank ``j``'s ``out``
         (both ``size`` equal blocks). ``out`` may be ``x`` (in place). Returns ``out``."""
         s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
@@ -507,15 +532,15 @@ class Communicator:
                 f"alltoall: x and out need the same number of elements, a multiple of "
                 f"{self.size} (got {s.count} and {r.count})"
             )
-        self._call(lib.chorus_alltoall, s.ptr, r.ptr, s.count // self.size, s.dtype)
-        return out
+        args = (s.ptr, r.ptr, s.count // self.size, s.dtype)
+        return self._issue("alltoall", args, out, (s, r), async_op)
 
-    def gather(self, x: Any, out: Any = None, root: int = 0) -> Any:
+    def gather(self, x: Any, out: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
         """Gather every rank's ``x`` into ``out`` on rank ``root`` (``size`` blocks; ``out``
         is only needed there). Returns ``out``."""
         s = _buffer(x, "x", writable=False)
         root = _int(root, "root")
-        ptr = None
+        ptr, r = None, None
         if self.rank == root:
             if out is None:
                 raise InvalidArgumentError("gather: the root needs an output buffer")
@@ -526,15 +551,14 @@ class Communicator:
                     f"gather: out has {r.count} elements, need {self.size} x {s.count}"
                 )
             ptr = r.ptr
-        self._call(lib.chorus_gather, s.ptr, ptr, s.count, s.dtype, root)
-        return out
+        return self._issue("gather", (s.ptr, ptr, s.count, s.dtype, root), out, (s, r), async_op)
 
-    def scatter(self, x: Any, out: Any, root: int = 0) -> Any:
+    def scatter(self, x: Any, out: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Block ``j`` of ``x`` on rank ``root`` (``size`` blocks; ``x`` is only needed there,
         pass ``None`` elsewhere) goes to ``out`` of rank ``j``. Returns ``out``."""
         r = _buffer(out, "out")
         root = _int(root, "root")
-        ptr = None
+        ptr, s = None, None
         if self.rank == root:
             if x is None:
                 raise InvalidArgumentError("scatter: the root needs an input buffer")
@@ -545,8 +569,7 @@ class Communicator:
                     f"scatter: x has {s.count} elements, need {self.size} x {r.count}"
                 )
             ptr = s.ptr
-        self._call(lib.chorus_scatter, ptr, r.ptr, r.count, r.dtype, root)
-        return out
+        return self._issue("scatter", (ptr, r.ptr, r.count, r.dtype, root), out, (s, r), async_op)
 
     def send(self, x: Any, peer: int) -> None:
         """Send ``x`` to rank ``peer``, which must :meth:`recv` the same size and dtype."""
@@ -675,6 +698,110 @@ class Communicator:
     def __repr__(self) -> str:
         state = "closed" if self._handle.closed else "open"
         return f"<chorus.Communicator rank {self._rank} of {self._size}, {state}>"
+
+
+class Request:
+    """A collective issued with ``async_op=True``, running on its communicator's thread (as
+    an MPI request or a torch ``Work``). The buffers belong to the call until it completes:
+    do not read or write them before :meth:`wait` returns (or :meth:`test` says True).
+
+    The calls of a communicator run in the order they were issued, and a blocking call waits
+    for those issued before it. A request dropped without :meth:`wait` waits in its finaliser,
+    so that the buffers it holds outlive the call; its error, if any, is then lost.
+    """
+
+    def __init__(self, handle: ctypes.c_void_p, result: Any, keep: Tuple[Any, ...]):
+        self._h: Optional[ctypes.c_void_p] = handle
+        self._result = result
+        self._keep: Optional[Tuple[Any, ...]] = keep
+        self._error: Optional[ChorusError] = None
+        self._mu = threading.Lock()
+
+    def _finish(self, status: int) -> None:
+        """Record the outcome of the completed call (under ``_mu``)."""
+        self._h, self._keep = None, None
+        try:
+            _check(status)
+        except ChorusError as e:
+            self._error = e
+
+    def wait(self) -> Any:
+        """Wait for the call; returns what the blocking form returns (the output buffer) or
+        raises its error (every time it is asked)."""
+        with self._mu:
+            if self._h is not None:
+                self._finish(lib.chorus_wait(ctypes.byref(self._h)))
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def test(self) -> bool:
+        """Whether the call has completed (then :meth:`wait` returns at once)."""
+        with self._mu:
+            if self._h is None:
+                return True
+            done = ctypes.c_int(0)
+            status = lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
+            if done.value:
+                self._finish(status)
+            else:
+                _check(status)
+            return bool(done.value)
+
+    is_completed = test
+
+    def get_future(self) -> Any:
+        """A ``torch.futures.Future`` completed with :meth:`wait`'s result (or error) when the
+        call completes: what a DDP communication hook returns. One daemon thread of the
+        process completes these futures, waiting for their requests in the order
+        ``get_future`` was called."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise UnsupportedError("get_future needs PyTorch (import torch first)")
+        fut = torch.futures.Future()
+        _completer().put((self, fut))
+        return fut
+
+    def __del__(self) -> None:
+        try:
+            with self._mu:
+                if self._h is not None:
+                    self._finish(lib.chorus_wait(ctypes.byref(self._h)))
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "running" if self._h is not None else ("failed" if self._error else "done")
+        return f"<chorus.Request {state}>"
+
+
+_completer_queue: Optional[Any] = None
+_completer_mu = threading.Lock()
+
+
+def _completer() -> Any:
+    """The queue of (request, future) pairs that one daemon thread completes in turn."""
+    global _completer_queue
+    with _completer_mu:
+        if _completer_queue is None:
+            import queue
+
+            q: Any = queue.SimpleQueue()
+
+            def run() -> None:
+                while True:
+                    req, fut = q.get()
+                    try:
+                        result = req.wait()
+                    except Exception as e:  # noqa: BLE001 - handed to the future
+                        fut.set_exception(e)
+                    else:
+                        fut.set_result(result)
+                    del req, fut
+
+            threading.Thread(target=run, name="chorus-futures", daemon=True).start()
+            _completer_queue = q
+        return _completer_queue
 
 
 class Compressor:

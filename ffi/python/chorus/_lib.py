@@ -129,6 +129,24 @@ _PROTOTYPES = {
     ),
 }
 
+# The nonblocking forms take the blocking form's arguments and a `chorus_request **` last.
+for _name in (
+    "barrier",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "gather",
+    "scatter",
+    "allgatherv",
+    "alltoallv",
+):
+    _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
+_PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])
+_PROTOTYPES["chorus_wait"] = (c_int32, [_comm_pp])
+_PROTOTYPES["chorus_test"] = (c_int32, [_comm_pp, ctypes.POINTER(c_int)])
+
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _f = getattr(lib, _name)
     _f.restype = _restype

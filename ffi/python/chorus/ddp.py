@@ -16,6 +16,11 @@ rebuilding), e.g. Gloo; the hook moves the gradients themselves through chorus::
 The hook divides the bucket by the number of ranks and then sums it over the ranks with
 chorus, in that order as DDP's default hook does (summing first could overflow float16
 gradients), so training gives the same result as with Gloo. The hooks run on CPU tensors.
+
+``allreduce_hook`` issues each bucket's allreduce and returns at once, so the backward pass
+goes on computing the next buckets' gradients while chorus moves this one (DDP waits for the
+futures at the end of the backward pass); ``sync_allreduce_hook`` runs the allreduce inside
+the hook instead. The compressed hook runs inside the hook too.
 """
 
 from typing import Dict, Tuple
@@ -25,25 +30,42 @@ import torch.distributed as dist
 
 from . import Communicator, Compressor
 
-__all__ = ["allreduce_hook", "CompressedHookState", "compressed_allreduce_hook"]
+__all__ = [
+    "allreduce_hook",
+    "sync_allreduce_hook",
+    "CompressedHookState",
+    "compressed_allreduce_hook",
+]
+
+
+def _divided(state: Communicator, bucket: dist.GradBucket, hook: str) -> torch.Tensor:
+    """``bucket``'s gradients divided by the number of ranks, in place."""
+    if not isinstance(state, Communicator):
+        raise TypeError(f"{hook} needs a chorus.Communicator as its state, not {type(state).__name__}")
+    grads = bucket.buffer()
+    # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
+    # overflow where the average does not.
+    grads.div_(state.size)
+    return grads
 
 
 def allreduce_hook(
     state: Communicator, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the gradients of ``bucket`` over the ranks of ``state`` (a
-    :class:`chorus.Communicator`) in place; returns a completed future holding the bucket.
+    :class:`chorus.Communicator`) in place, in the background: the allreduce is issued on
+    the communicator's thread and the returned future completes with the bucket when it is
+    done (with its error if it fails: DDP raises it at the end of the backward pass)."""
+    grads = _divided(state, bucket, "allreduce_hook")
+    return state.allreduce(grads, op="sum", async_op=True).get_future()
 
-    The allreduce runs synchronously in the backward pass (the GIL is released meanwhile).
-    """
-    if not isinstance(state, Communicator):
-        raise TypeError(
-            f"allreduce_hook needs a chorus.Communicator as its state, not {type(state).__name__}"
-        )
-    grads = bucket.buffer()
-    # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
-    # overflow where the average does not.
-    grads.div_(state.size)
+
+def sync_allreduce_hook(
+    state: Communicator, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """As :func:`allreduce_hook`, but the allreduce runs inside the hook (the GIL released
+    meanwhile) and the returned future is already complete."""
+    grads = _divided(state, bucket, "sync_allreduce_hook")
     state.allreduce(grads, op="sum")
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)

@@ -1,5 +1,5 @@
 """One rank of the multi-process Python tests (started by test_multiprocess.py through
-chorus-run). ``python _worker.py collectives|errors|compression|groups``; prints ``ok <mode>`` on success,
+chorus-run). ``python _worker.py collectives|errors|compression|groups|nonblocking``; prints ``ok <mode>`` on success,
 raises (non-zero exit) on the first wrong result."""
 
 import sys
@@ -353,11 +353,105 @@ def groups(comm):
     comm.barrier()
 
 
+def nonblocking(comm):
+    """Every collective with async_op=True, issued back to back with a blocking call among
+    them and waited in reverse order; polling; futures; errors at issue and at completion."""
+    p, me = comm.size, comm.rank
+    root = p - 1
+    for kind, dtype in [("numpy", "float32"), ("torch", "int64")]:
+        b = Backend(kind, dtype)
+        big = b.make(inputs(me, 100003))
+        reqs = [("allreduce", comm.allreduce(big, async_op=True), reduced("sum", p, 100003, b.is_float))]
+        bc = b.make(np.arange(N) * (me == root))
+        reqs.append(("broadcast", comm.broadcast(bc, root=root, async_op=True), np.arange(N)))
+        red = b.make(inputs(me, N))
+        r = comm.reduce(red, root=0, op="max", async_op=True)
+        reqs.append(("reduce", r, reduced("max", p, N, b.is_float) if me == 0 else inputs(me, N)))
+        one = b.make([1])
+        comm.allreduce(one)  # blocking, after those issued before it
+        check("blocking allreduce among async ones", b.read(one), [p])
+        ag = b.make(np.zeros(N * p))
+        reqs.append(("allgather", comm.allgather(b.make(np.full(N, me)), ag, async_op=True),
+                     np.repeat(np.arange(p), N)))
+        rs = b.make(np.zeros(N))
+        reqs.append(("reduce_scatter",
+                     comm.reduce_scatter(b.make(inputs(me, N * p)), rs, async_op=True),
+                     reduced("sum", p, N * p, b.is_float)[me * N:(me + 1) * N]))
+        a2a_in = b.make(np.arange(N * p) + 1000 * me)
+        a2a = b.make(np.zeros(N * p))
+        reqs.append(("alltoall", comm.alltoall(a2a_in, a2a, async_op=True),
+                     np.concatenate([np.arange(me * N, (me + 1) * N) + 1000 * j for j in range(p)])))
+        ga = b.make(np.zeros(N * p)) if me == root else None
+        g = comm.gather(b.make(np.full(N, me)), ga, root=root, async_op=True)
+        reqs.append(("gather", g, np.repeat(np.arange(p), N) if me == root else None))
+        sc_out = b.make(np.zeros(N))
+        sc_in = b.make(np.arange(N * p)) if me == root else None
+        reqs.append(("scatter", comm.scatter(sc_in, sc_out, root=root, async_op=True),
+                     np.arange(me * N, (me + 1) * N)))
+        counts = [(j % 3) + 1 for j in range(p)]
+        agv = b.make(np.zeros(sum(counts)))
+        reqs.append(("allgatherv",
+                     comm.allgatherv(b.make(np.full(counts[me], me)), agv, counts, async_op=True),
+                     np.concatenate([np.full(c, j) for j, c in enumerate(counts)])))
+        del counts[:]  # the counts were read when issued
+        bar = comm.barrier(async_op=True)
+        for _ in range(100000):
+            if bar.test():
+                break
+            time.sleep(0.0005)
+        assert bar.test() and bar.wait() is None, "barrier did not complete"
+        for what, req, want in reversed(reqs):
+            got = req.wait()
+            assert req.test() and req.wait() is got, what
+            if want is not None:
+                check(f"async {what} {kind} {dtype}", b.read(got), want)
+    # Futures (what a DDP hook returns), in and out of order.
+    t = torch.full((1000,), float(me))
+    f1 = comm.allreduce(t, async_op=True).get_future()
+    f2 = comm.allreduce(torch.ones(10), async_op=True).get_future()
+    assert torch.equal(f2.wait(), torch.full((10,), float(p)))
+    assert f1.wait() is t and torch.equal(t, torch.full((1000,), float(p * (p - 1) / 2)))
+    # A request dropped unwaited still completes before its buffer can go.
+    comm.allreduce(np.ones(1 << 16, np.float32), async_op=True)
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    check("after a dropped request", x, [p] * 4)
+    # Argument errors are raised when issuing; nothing is issued then.
+    E = chorus.InvalidArgumentError
+    expect(E, lambda: comm.allreduce(x, op="median", async_op=True), "async op")
+    expect(E, lambda: comm.broadcast(x, root=p, async_op=True), "async root")
+    expect(E, lambda: comm.allgather(x, np.zeros(3, np.float32), async_op=True), "async size")
+    expect(chorus.UnsupportedError,
+           lambda: comm.allreduce(x, compressor=chorus.Compressor("int8"), async_op=True),
+           "async compressed")
+    comm.allreduce(x)
+    check("usable after refused async calls", x, [p * p] * 4)
+    # A mismatch surfaces in the requests (and futures) of every rank, never a hang.
+    d = comm.dup()
+    y = np.ones(100 + (me == p - 1), dtype=np.float32)
+    bad = d.allreduce(y, async_op=True)
+    after = d.allreduce(np.ones(4, np.float32), async_op=True).get_future()
+    if p > 1:
+        e = expect((chorus.MismatchError, chorus.RemoteError, chorus.ChorusTimeoutError),
+                   bad.wait, "async mismatch")
+        print(f"rank {me}: async {type(e).__name__}: {e.message}", flush=True)
+        expect(chorus.ChorusError, bad.wait, "async mismatch, asked again")
+        try:
+            after.wait()
+        except chorus.ChorusError:
+            pass
+        else:
+            raise AssertionError("the call after a failed one succeeded")
+    d.close()
+    comm.allreduce(x)
+    check("the parent after its dup failed", x, [p * p * p] * 4)
+
+
 def main():
     mode = sys.argv[1]
     comm = chorus.init()
     modes = {"collectives": collectives, "errors": errors, "compression": compression,
-             "groups": groups}
+             "groups": groups, "nonblocking": nonblocking}
     modes[mode](comm)
     comm.close()
     print(f"ok {mode} rank {comm.rank}", flush=True)

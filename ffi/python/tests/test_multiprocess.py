@@ -43,6 +43,15 @@ def test_groups_on_4_ranks():
     assert out.count("ok groups") == 4, out
 
 
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_nonblocking_collectives(n):
+    code, out = launch(n, [PYTHON, str(HERE / "_worker.py"), "nonblocking"], env={"CHORUS_TIMEOUT": "10"})
+    assert code == 0, out
+    assert out.count("ok nonblocking") == n, out
+    if n > 1:
+        assert "async MismatchError" in out, out
+
+
 def test_compression_on_4_ranks():
     code, out = launch(4, [PYTHON, str(HERE / "_worker.py"), "compression"])
     assert code == 0, out
@@ -55,16 +64,24 @@ def final_loss(out):
     return float(m.group(1))
 
 
-def test_ddp_hook_trains_like_gloo(workspace):
+@pytest.mark.parametrize("buckets", ["default", "many"])
+def test_ddp_hook_trains_like_gloo(workspace, buckets):
+    """The background hook (several allreduces in flight with many buckets) and the one that
+    runs inside the hook train to Gloo's loss."""
     script = str(workspace / "examples" / "ddp_train.py")
     env = {"OMP_NUM_THREADS": "1"}
-    code, out = launch(2, [PYTHON, script, "--hook", "chorus", "--steps", "100"], env=env)
-    assert code == 0, out
-    chorus_loss = final_loss(out)
-    code, out = launch(2, [PYTHON, script, "--hook", "gloo", "--steps", "100"], env=env)
+    args = ["--steps", "100"] + (["--bucket-mb", "0.0001"] if buckets == "many" else [])
+    code, out = launch(2, [PYTHON, script, "--hook", "gloo", *args], env=env)
     assert code == 0, out
     gloo_loss = final_loss(out)
-    assert chorus_loss == pytest.approx(gloo_loss, rel=1e-4), (chorus_loss, gloo_loss)
+    for hook in ("chorus", "chorus-sync"):
+        code, out = launch(2, [PYTHON, script, "--hook", hook, *args], env=env)
+        assert code == 0, out
+        if buckets == "many":
+            m = re.search(r"buckets (\d+) after the rebuild", out)
+            assert m and int(m.group(1)) >= 3, out
+        chorus_loss = final_loss(out)
+        assert chorus_loss == pytest.approx(gloo_loss, rel=1e-4), (hook, chorus_loss, gloo_loss)
     assert chorus_loss < 0.5 * final_loss_at_start(workspace), "the model did not learn"
 
 
