@@ -35,7 +35,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer")
+    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layers")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="hidden layers (each after the first a hidden x hidden linear layer: DDP then "
+        "has gradients to move while the backward pass computes the earlier layers')",
+    )
     p.add_argument(
         "--bucket-mb",
         type=float,
@@ -62,8 +69,14 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same teacher and initial student on every rank
     h = args.hidden
-    teacher = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
-    student = nn.Sequential(nn.Linear(16, h), nn.Tanh(), nn.Linear(h, 1))
+
+    def mlp() -> nn.Module:
+        layers = [nn.Linear(16, h), nn.Tanh()]
+        for _ in range(args.layers - 1):
+            layers += [nn.Linear(h, h), nn.Tanh()]
+        return nn.Sequential(*layers, nn.Linear(h, 1))
+
+    teacher, student = mlp(), mlp()
     if args.bucket_mb is not None:
         # DDP caps its first bucket apart (1 MiB), also after it rebuilds its buckets.
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(args.bucket_mb * 2**20)
