@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use chorus_algorithms::{Element, ReduceOp};
@@ -37,13 +37,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Calls waiting for the worker, and how many are issued but not finished.
+/// Calls waiting for the worker, and how many were issued and finished.
 struct Jobs {
     queue: VecDeque<Job>,
-    /// Issued and not yet finished (queued or running).
-    pending: usize,
+    /// Calls issued so far.
+    issued: u64,
+    /// Calls finished so far (they finish in the order issued).
+    finished: u64,
     /// The queue is being dropped: the worker ends once the queue is empty.
     closing: bool,
+    /// The worker thread, once started.
+    worker: Option<ThreadId>,
 }
 
 struct Shared {
@@ -58,9 +62,10 @@ struct Shared {
 ///
 /// The thread starts with the first nonblocking call and ends when the queue is dropped;
 /// dropping the queue (or [`Queue::into_inner`]) first waits for every call issued. A queue
-/// may be shared between threads (`&Queue` is enough to issue); calls issued from two threads
-/// at once are ordered as they reach the queue, which is the caller's business to make the same
-/// on every rank.
+/// may be shared between threads (`&Queue` is enough to issue). Calls issued from two threads
+/// at once are ordered as they reach the queue, and a blocking call ([`Queue::run`]) from one
+/// thread is not ordered against a nonblocking call issued meanwhile from another: making the
+/// order the same on every rank is the caller's business, as with two threads calling MPI.
 pub struct Queue {
     shared: Arc<Shared>,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -78,8 +83,10 @@ impl Queue {
                 comm: Mutex::new(comm),
                 jobs: Mutex::new(Jobs {
                     queue: VecDeque::new(),
-                    pending: 0,
+                    issued: 0,
+                    finished: 0,
                     closing: false,
+                    worker: None,
                 }),
                 changed: Condvar::new(),
             }),
@@ -99,12 +106,16 @@ impl Queue {
 
     /// Calls issued and not yet finished.
     pub fn pending(&self) -> usize {
-        lock(&self.shared.jobs).pending
+        let jobs = lock(&self.shared.jobs);
+        (jobs.issued - jobs.finished) as usize
     }
 
     /// Issue `call`: it runs on the queue's thread after every call issued before it, and its
     /// result goes to the returned request. A panic in `call` becomes an internal error, and
     /// the communicator is aborted (its state is unknown).
+    ///
+    /// `call` runs on the queue's thread: it must not wait for this queue (its requests,
+    /// [`Queue::run`], [`Queue::wait_all`]), which would wait for itself; those panic there.
     pub fn submit<T, F>(&self, call: F) -> Request<T>
     where
         T: Send + 'static,
@@ -115,21 +126,18 @@ impl Queue {
             done: Condvar::new(),
         });
         let fill = Arc::clone(&slot);
+        let rank = self.rank;
         let job: Job = Box::new(move |comm: &mut Communicator| {
             let result = match catch_unwind(AssertUnwindSafe(|| call(&mut *comm))) {
                 Ok(r) => r,
                 Err(panic) => {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic".to_string());
                     comm.abort("internal error in a queued call");
                     Err(CommError::new(
                         ErrorKind::Internal,
                         "queued call",
-                        format!("panicked: {what}"),
-                    ))
+                        format!("panicked: {}", panic_text(&*panic)),
+                    )
+                    .at_rank(rank))
                 }
             };
             *lock(&fill.value) = Some(result);
@@ -142,7 +150,7 @@ impl Queue {
             return Request { slot };
         }
         let mut jobs = lock(&self.shared.jobs);
-        jobs.pending += 1;
+        jobs.issued += 1;
         jobs.queue.push_back(job);
         drop(jobs);
         self.shared.changed.notify_all();
@@ -161,6 +169,7 @@ impl Queue {
             .spawn(move || work(&shared));
         match spawned {
             Ok(h) => {
+                lock(&self.shared.jobs).worker = Some(h.thread().id());
                 *worker = Some(h);
                 true
             }
@@ -175,10 +184,17 @@ impl Queue {
         }
     }
 
-    /// Wait until every call issued so far has finished.
+    /// Wait until every call issued before this one has finished (calls issued meanwhile by
+    /// other threads are not waited for). Panics on the queue's own thread, where it would
+    /// wait for itself.
     pub fn wait_all(&self) {
         let mut jobs = lock(&self.shared.jobs);
-        while jobs.pending > 0 {
+        assert!(
+            jobs.worker != Some(std::thread::current().id()),
+            "a call on a chorus Queue's thread waited for that queue (it would wait for itself)"
+        );
+        let ticket = jobs.issued;
+        while jobs.finished < ticket {
             jobs = self
                 .shared
                 .changed
@@ -187,12 +203,14 @@ impl Queue {
         }
     }
     /// Run `f` on this thread after every call issued before it (a blocking call, in order).
+    ///
+    /// A panic in `f` aborts the communicator (its state is unknown) and goes on.
     pub fn run<T>(
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         self.wait_all();
-        f(&mut lock_comm(&self.shared.comm))
+        guarded(lock_comm(&self.shared.comm), f)
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
@@ -206,43 +224,44 @@ impl Queue {
     /// As [`Queue::try_run`], but without waiting for the calls issued before: `None` also
     /// while one of them runs. For what must not wait, such as [`Communicator::abort`].
     pub fn try_now<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
-        let mut guard = match self.shared.comm.try_lock() {
+        let guard = match self.shared.comm.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return None,
         };
-        // A panic leaves the communicator's state unknown: abort it, release the lock, and
-        // let the panic go on.
-        match catch_unwind(AssertUnwindSafe(|| f(&mut guard))) {
-            Ok(r) => Some(r),
-            Err(panic) => {
-                guard.abort("internal error in a call");
-                drop(guard);
-                std::panic::resume_unwind(panic)
-            }
-        }
+        Some(guarded(guard, f))
     }
 
     /// Wait for every call issued, stop the thread and hand back the communicator.
+    ///
+    /// Panics on the queue's own thread.
     pub fn into_inner(self) -> Communicator {
+        self.wait_all();
         self.close();
         let shared = Arc::clone(&self.shared);
         drop(self);
         match Arc::try_unwrap(shared) {
             Ok(s) => s.comm.into_inner().unwrap_or_else(|p| p.into_inner()),
-            // The worker has ended and the queue is gone: nothing else holds it.
+            // The worker has been joined and the queue is gone: nothing else holds it.
             Err(_) => unreachable!("the queue's state outlived its thread"),
         }
     }
 
-    /// Wait for every call, then end the worker thread.
+    /// Wait for every call, then end the worker thread. On the worker itself (a call that
+    /// held the last reference to the queue) the thread ends after the calls still queued,
+    /// unjoined.
     fn close(&self) {
-        self.wait_all();
+        let on_worker = lock(&self.shared.jobs).worker == Some(std::thread::current().id());
+        if !on_worker {
+            self.wait_all();
+        }
         lock(&self.shared.jobs).closing = true;
         self.shared.changed.notify_all();
         if let Some(h) = lock(&self.worker).take() {
-            // A worker's panic is caught per call; a join error cannot carry anything new.
-            let _ = h.join();
+            if !on_worker {
+                // A worker's panic is caught per call; a join error cannot carry anything new.
+                let _ = h.join();
+            }
         }
     }
 
@@ -283,12 +302,7 @@ impl Queue {
     pub fn reduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Request<Vec<T>> {
         let p = self.size;
         self.submit(move |c| {
-            if send.len() % p != 0 {
-                return Err(CommError::invalid(
-                    "reduce_scatter",
-                    format!("{} elements do not split into {p} equal blocks", send.len()),
-                ));
-            }
+            // A length that does not split into p blocks is refused by the call itself.
             let mut recv = vec![T::from_f64(0.0); send.len() / p];
             c.reduce_scatter(&send, &mut recv, op).map(|()| recv)
         })
@@ -312,9 +326,35 @@ impl Drop for Queue {
 }
 
 /// Lock the communicator. A poisoned lock cannot happen (calls run under `catch_unwind` while
-/// they hold it), but would be taken as it is: the communicator reports its own state.
+/// they hold it, see [`guarded`]), but would be taken as it is: the communicator reports its
+/// own state.
 fn lock_comm(m: &Mutex<Communicator>) -> MutexGuard<'_, Communicator> {
     lock(m)
+}
+
+/// Run `f` on the locked communicator. A panic leaves the communicator's state unknown: it is
+/// aborted, the lock released unpoisoned, and the panic goes on.
+fn guarded<T>(
+    mut guard: MutexGuard<'_, Communicator>,
+    f: impl FnOnce(&mut Communicator) -> T,
+) -> T {
+    match catch_unwind(AssertUnwindSafe(|| f(&mut guard))) {
+        Ok(r) => r,
+        Err(panic) => {
+            guard.abort("internal error in a call");
+            drop(guard);
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
+/// The text of a panic payload.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_string())
 }
 
 /// The worker: run queued calls in order until the queue closes.
@@ -332,7 +372,7 @@ fn work(shared: &Shared) {
         };
         drop(jobs);
         job(&mut lock_comm(&shared.comm));
-        lock(&shared.jobs).pending -= 1;
+        lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();
     }
 }

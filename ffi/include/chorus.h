@@ -402,8 +402,9 @@ int32_t chorus_comm_size(const chorus_comm *comm, int *size);
 /**
  * Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
  * rank) and make this communicator unusable. Does not block for long and does not free it:
- * call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while another
- * thread is inside a call on this communicator.
+ * call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while a call runs
+ * on this communicator: one from another thread, or a nonblocking call on the
+ * communicator's own thread (it is not interrupted; it ends at its timeout at the latest).
  *
  * # Safety
  * `comm` is NULL or a live communicator.
@@ -471,7 +472,9 @@ int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
  * Wait for the call of `*request` to complete, free the request and set `*request` to NULL;
  * returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
  * request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
- * `MPI_REQUEST_NULL`.
+ * `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
+ * the same request from two threads at once. There is no way to drop a request without
+ * waiting for it (as `MPI_Request_free`): a request never completed keeps a small allocation.
  *
  * # Safety
  * `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
@@ -492,7 +495,7 @@ int32_t chorus_test(chorus_request **request, int *done);
 /**
  * `chorus_wait` on each of the `count` requests of `requests`, in order (every one is
  * completed and set to NULL, even after a failure); returns the first failure's status, its
- * message in `chorus_last_error`.
+ * message (which names the request's index) in `chorus_last_error`.
  *
  * # Safety
  * `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`

@@ -29,6 +29,7 @@ mod sigpipe;
 mod status;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use chorus_core::{
@@ -160,6 +161,26 @@ pub struct chorus_comm {
     size: usize,
     /// The communicator, with the thread its nonblocking calls run on.
     queue: Queue,
+    /// Calls inside an export on this communicator now (`chorus_comm_destroy` refuses while
+    /// one is: a blocking call may be waiting for the nonblocking ones without holding any
+    /// lock yet).
+    active: AtomicUsize,
+}
+
+/// One call counted in `chorus_comm::active` while it lives.
+struct Entered<'a>(&'a AtomicUsize);
+
+impl<'a> Entered<'a> {
+    fn new(count: &'a AtomicUsize) -> Entered<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Entered(count)
+    }
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl chorus_comm {
@@ -168,15 +189,17 @@ impl chorus_comm {
             rank: c.rank(),
             size: c.size(),
             queue: Queue::new(c),
+            active: AtomicUsize::new(0),
         }
     }
 
-    /// Run `f` on the communicator after the nonblocking calls issued before, refusing
-    /// concurrent use by another thread instead of blocking.
+    /// Run `f` on the communicator after the nonblocking calls issued before it (waiting for
+    /// them), refusing instead of blocking when another thread is in a call.
     fn with<R>(
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
     ) -> Result<R, Failure> {
+        let _entered = Entered::new(&self.active);
         self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
     }
 
@@ -393,8 +416,9 @@ pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c
 
 /// Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
 /// rank) and make this communicator unusable. Does not block for long and does not free it:
-/// call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while another
-/// thread is inside a call on this communicator.
+/// call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while a call runs
+/// on this communicator: one from another thread, or a nonblocking call on the
+/// communicator's own thread (it is not interrupted; it ends at its timeout at the latest).
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.
@@ -403,9 +427,21 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_abort", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
+        let _entered = Entered::new(&c.active);
         // Not after the nonblocking calls issued: an abort is for calls that do not finish.
+        // But a call running (blocking or not) holds the communicator: it ends at its timeout.
         let aborted = c.queue.try_now(|c| c.abort("chorus_comm_abort called"));
-        aborted.ok_or_else(|| c.in_use())
+        aborted.ok_or_else(|| {
+            Failure::new(
+                S::CHORUS_INVALID_USAGE,
+                format!(
+                    "rank {}: the communicator is in use by a call running on it (from another \
+                     thread, or a nonblocking call on its own thread); abort works between \
+                     calls, and the running call ends at its timeout",
+                    c.rank
+                ),
+            )
+        })
     })
 }
 
@@ -426,12 +462,16 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         }
         // SAFETY: non-NULL, and live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        // A call in progress holds the lock (`with` refuses then): freeing now would free what
-        // it is using. A poisoned lock, after an internal error, is freed: that is what the
-        // error asks for.
-        match c.with(|_| Ok(())) {
-            Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
-            _ => {}
+        // A call of another thread in progress (running, or waiting for the nonblocking calls
+        // before it): freeing now would free what it is using.
+        let busy = || c.active.load(Ordering::SeqCst) > 0;
+        if busy() {
+            return Err(c.in_use().not_freed());
+        }
+        // The nonblocking calls in flight finish first (at their timeout at the latest).
+        c.queue.wait_all();
+        if busy() {
+            return Err(c.in_use().not_freed());
         }
         // SAFETY: live, not in use (checked just above) and not used again, by the caller's
         // promise.
@@ -594,7 +634,10 @@ unsafe fn issue(
         }
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
+        let _entered = Entered::new(&c.active);
         let call = make(c)?;
+        // The queue's thread starts with the first nonblocking call, here, inside `guard`: it
+        // inherits this thread's mask with `SIGPIPE` blocked (see `sigpipe`).
         match request {
             None => c.with(|comm| Ok(call(comm)?)),
             Some(out) => {
@@ -610,7 +653,9 @@ unsafe fn issue(
 /// Wait for the call of `*request` to complete, free the request and set `*request` to NULL;
 /// returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
 /// request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
-/// `MPI_REQUEST_NULL`.
+/// `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
+/// the same request from two threads at once. There is no way to drop a request without
+/// waiting for it (as `MPI_Request_free`): a request never completed keeps a small allocation.
 ///
 /// # Safety
 /// `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
@@ -667,7 +712,7 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
 
 /// `chorus_wait` on each of the `count` requests of `requests`, in order (every one is
 /// completed and set to NULL, even after a failure); returns the first failure's status, its
-/// message in `chorus_last_error`.
+/// message (which names the request's index) in `chorus_last_error`.
 ///
 /// # Safety
 /// `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`
@@ -688,7 +733,7 @@ pub unsafe extern "C" fn chorus_waitall(count: usize, requests: *mut *mut chorus
             let msg = unsafe { CStr::from_ptr(chorus_last_error()) }
                 .to_string_lossy()
                 .into_owned();
-            first = Some((st, msg));
+            first = Some((st, format!("chorus_waitall: request {i} of {count}: {msg}")));
         }
     }
     match first {
@@ -841,16 +886,11 @@ pub unsafe extern "C" fn chorus_ibarrier(
     }
 }
 
-/// A rank number from C, checked against the communicator's size (so that a nonblocking call
-/// is refused when issued rather than when it runs).
-fn rank_arg(c: &chorus_comm, v: c_int, what: &str) -> Result<usize, Failure> {
-    match usize::try_from(v) {
-        Ok(r) if r < c.size => Ok(r),
-        _ => Err(Failure::invalid(format!(
-            "{what} {v} is not a rank of this communicator of {} ranks",
-            c.size
-        ))),
-    }
+/// A rank number from C: not negative. The communicator checks it is below the size, inside
+/// the call, so that with `CHORUS_CHECK_CALLS` every rank is told at once (for a nonblocking
+/// call the request reports it).
+fn rank_arg(v: c_int, what: &str) -> Result<usize, Failure> {
+    usize::try_from(v).map_err(|_| Failure::invalid(format!("{what} {v} is negative")))
 }
 
 /// `base + offset` bytes, as an address (for in-place detection; never dereferenced).
@@ -873,8 +913,8 @@ pub unsafe extern "C" fn chorus_broadcast(
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
-        issue("chorus_broadcast", comm, None, |c| {
-            broadcast_call(c, buf, count, dtype, root)
+        issue("chorus_broadcast", comm, None, |_| {
+            broadcast_call(buf, count, dtype, root)
         })
     }
 }
@@ -896,8 +936,8 @@ pub unsafe extern "C" fn chorus_ibroadcast(
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
-        issue("chorus_ibroadcast", comm, Some(request), |c| {
-            broadcast_call(c, buf, count, dtype, root)
+        issue("chorus_ibroadcast", comm, Some(request), |_| {
+            broadcast_call(buf, count, dtype, root)
         })
     }
 }
@@ -905,14 +945,13 @@ pub unsafe extern "C" fn chorus_ibroadcast(
 /// # Safety
 /// The contract of `chorus_broadcast` (the buffer valid until the call completes).
 unsafe fn broadcast_call(
-    c: &chorus_comm,
     buf: *mut c_void,
     count: usize,
     dtype: DtypeArg,
     root: c_int,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
-    let root = rank_arg(c, root, "root")?;
+    let root = rank_arg(root, "root")?;
     let bytes = ptr::byte_len(count, dtype.size(), "count")?;
     let buf = RawBuf::new(buf, bytes, "buf")?;
     Ok(Box::new(move |c| {
@@ -986,7 +1025,7 @@ unsafe fn reduce_call(
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
     let op = op.get()?;
-    let root = rank_arg(c, root, "root")?;
+    let root = rank_arg(root, "root")?;
     let bytes = ptr::byte_len(count, dtype.size(), "count")?;
     if sendbuf == recvbuf.cast_const() {
         let recv = RawBuf::new(recvbuf, bytes, "recvbuf")?;
@@ -1470,7 +1509,7 @@ unsafe fn gather_call(
     root: c_int,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
-    let root = rank_arg(c, root, "root")?;
+    let root = rank_arg(root, "root")?;
     let block = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
     let send = RawBuf::new(sendbuf, block, "sendbuf")?;
     if c.rank != root {
@@ -1481,16 +1520,14 @@ unsafe fn gather_call(
     }
     let all = ptr::byte_len(block, c.size, "sendcount × size")?;
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
-    // In place (or any overlap) on the root: gather from a copy of the input, taken now.
-    let copy = if ptr::check_disjoint(sendbuf, block, recvbuf, all, "").is_err() {
-        // SAFETY: valid for `block` bytes by the caller's promise; read before the call runs.
-        Some(unsafe { send.get() }.to_vec())
-    } else {
-        None
-    };
+    // In place (or any overlap) on the root: work from a copy of the input, taken when the
+    // call runs (after the calls issued before it).
+    let overlap = ptr::check_disjoint(sendbuf, block, recvbuf, all, "").is_err();
     Ok(Box::new(move |c| {
-        // SAFETY: valid until the call completes by the caller's promise; `send` is only read
-        // when disjoint from `recv` (else the copy is).
+        // SAFETY: valid until the call completes by the caller's promise; when the buffers
+        // overlap, this shared slice is dropped (copied) before `recv` is made.
+        let copy = overlap.then(|| unsafe { send.get() }.to_vec());
+        // SAFETY: as above; `send` itself is only read when disjoint from `recv`.
         let (send, recv) = unsafe {
             (
                 copy.as_deref().unwrap_or_else(|| send.get()),
@@ -1561,7 +1598,7 @@ unsafe fn scatter_call(
     root: c_int,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
-    let root = rank_arg(c, root, "root")?;
+    let root = rank_arg(root, "root")?;
     let block = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
     let recv = RawBuf::new(recvbuf, block, "recvbuf")?;
     if c.rank != root {
@@ -1572,15 +1609,14 @@ unsafe fn scatter_call(
     }
     let all = ptr::byte_len(block, c.size, "recvcount × size")?;
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
-    let copy = if ptr::check_disjoint(sendbuf, all, recvbuf, block, "").is_err() {
-        // SAFETY: valid for `all` bytes by the caller's promise; read before the call runs.
-        Some(unsafe { send.get() }.to_vec())
-    } else {
-        None
-    };
+    // In place (or any overlap) on the root: work from a copy of the input, taken when the
+    // call runs (after the calls issued before it).
+    let overlap = ptr::check_disjoint(sendbuf, all, recvbuf, block, "").is_err();
     Ok(Box::new(move |c| {
-        // SAFETY: valid until the call completes by the caller's promise; `send` is only read
-        // when disjoint from `recv` (else the copy is).
+        // SAFETY: valid until the call completes by the caller's promise; when the buffers
+        // overlap, this shared slice is dropped (copied) before `recv` is made.
+        let copy = overlap.then(|| unsafe { send.get() }.to_vec());
+        // SAFETY: as above; `send` itself is only read when disjoint from `recv`.
         let (send, recv) = unsafe {
             (
                 copy.as_deref().unwrap_or_else(|| send.get()),
@@ -1609,7 +1645,7 @@ pub unsafe extern "C" fn chorus_send(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let peer = rank_arg(c, peer, "peer")?;
+        let peer = rank_arg(peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
         // SAFETY: valid for `bytes` bytes by the caller's promise.
         let buf = unsafe { ptr::buf(buf, bytes, "buf")? };
@@ -1635,7 +1671,7 @@ pub unsafe extern "C" fn chorus_recv(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let peer = rank_arg(c, peer, "peer")?;
+        let peer = rank_arg(peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
         // SAFETY: valid for `bytes` writable bytes by the caller's promise.
         let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
@@ -1670,8 +1706,8 @@ pub unsafe extern "C" fn chorus_sendrecv(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
-        let dest = rank_arg(c, dest, "dest")?;
-        let source = rank_arg(c, source, "source")?;
+        let dest = rank_arg(dest, "dest")?;
+        let source = rank_arg(source, "source")?;
         let send_bytes = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
         let recv_bytes = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
         ptr::check_apart(

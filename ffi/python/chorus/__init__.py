@@ -341,6 +341,8 @@ class Communicator:
 
     def __init__(self, handle: ctypes.c_void_p):
         self._handle = _Handle(handle, "communicator")
+        self._completer_q: Optional[Any] = None
+        self._completer_mu = threading.Lock()
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -366,14 +368,24 @@ class Communicator:
     ) -> Any:
         """Run the C collective ``chorus_<name>`` on ``args`` and return ``result``; or, with
         ``async_op``, issue ``chorus_i<name>`` and return a :class:`Request` for it that keeps
-        ``keep`` (the buffers and counts the call uses) alive until it completes."""
+        ``keep`` (the buffers the call uses) alive until it completes (the counts are copied
+        when it is issued)."""
         if not async_op:
             self._call(getattr(lib, "chorus_" + name), *args)
             return result
-        handle = ctypes.c_void_p()
         nonblocking = lib.chorus_iallreduce if name == "allreduce_opts" else getattr(lib, "chorus_i" + name)
-        self._call(nonblocking, *args, ctypes.byref(handle))
-        return Request(handle, result, keep)
+        # Made first, holding the buffers, so that nothing can free them once the call runs.
+        req = Request(result, keep, self._completer)
+        self._call(nonblocking, *args, ctypes.byref(req._h))
+        return req
+
+    def _completer(self) -> Any:
+        """This communicator's futures thread (see :meth:`Request.get_future`), started on
+        first use and ended by :meth:`close`."""
+        with self._completer_mu:
+            if self._completer_q is None:
+                self._completer_q = _start_completer()
+            return self._completer_q
 
     def allreduce(
         self,
@@ -681,7 +693,15 @@ class Communicator:
         is inside a call on it, raises :class:`InvalidUsageError` and leaves it open."""
         h = self._handle.take()
         if h is not None:
-            _check(lib.chorus_comm_destroy(h))
+            try:
+                _check(lib.chorus_comm_destroy(h))
+            finally:
+                # The futures thread completes what it holds (destroy waited for the calls),
+                # then ends.
+                with self._completer_mu:
+                    if self._completer_q is not None:
+                        self._completer_q.put(None)
+                        self._completer_q = None
 
     def __enter__(self) -> "Communicator":
         return self
@@ -710,40 +730,47 @@ class Request:
     so that the buffers it holds outlive the call; its error, if any, is then lost.
     """
 
-    def __init__(self, handle: ctypes.c_void_p, result: Any, keep: Tuple[Any, ...]):
-        self._h: Optional[ctypes.c_void_p] = handle
+    def __init__(self, result: Any, keep: Tuple[Any, ...], completer: Any):
+        # Written by the C call that issues it; NULL again once completed.
+        self._h = ctypes.c_void_p()
         self._result = result
         self._keep: Optional[Tuple[Any, ...]] = keep
         self._error: Optional[ChorusError] = None
-        self._mu = threading.Lock()
-
-    def _finish(self, status: int) -> None:
-        """Record the outcome of the completed call (under ``_mu``)."""
-        self._h, self._keep = None, None
-        try:
-            _check(status)
-        except ChorusError as e:
-            self._error = e
+        self._cv = threading.Condition()
+        self._busy = False  # a thread is waiting in chorus_wait
+        self._completer = completer
 
     def wait(self) -> Any:
         """Wait for the call; returns what the blocking form returns (the output buffer) or
         raises its error (every time it is asked)."""
-        with self._mu:
-            if self._h is not None:
-                self._finish(lib.chorus_wait(ctypes.byref(self._h)))
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            mine = self._h.value is not None
+            self._busy = mine
+        if mine:
+            # Without the lock, so that test() from another thread does not wait meanwhile.
+            status = lib.chorus_wait(ctypes.byref(self._h))
+            error = _error_of(status)
+            with self._cv:
+                self._keep, self._error, self._busy = None, error, False
+                self._cv.notify_all()
         if self._error is not None:
             raise self._error
         return self._result
 
     def test(self) -> bool:
-        """Whether the call has completed (then :meth:`wait` returns at once)."""
-        with self._mu:
-            if self._h is None:
+        """Whether the call has completed (then :meth:`wait` returns at once). False while
+        another thread is inside :meth:`wait` for it."""
+        with self._cv:
+            if self._busy:
+                return False
+            if self._h.value is None:
                 return True
             done = ctypes.c_int(0)
             status = lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
             if done.value:
-                self._finish(status)
+                self._keep, self._error = None, _error_of(status)
             else:
                 _check(status)
             return bool(done.value)
@@ -752,56 +779,66 @@ class Request:
 
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`wait`'s result (or error) when the
-        call completes: what a DDP communication hook returns. One daemon thread of the
-        process completes these futures, waiting for their requests in the order
-        ``get_future`` was called."""
+        call completes: what a DDP communication hook returns. A thread of the communicator's
+        completes these futures, waiting for its requests in the order ``get_future`` was
+        called."""
         torch = sys.modules.get("torch")
         if torch is None:
             raise UnsupportedError("get_future needs PyTorch (import torch first)")
         fut = torch.futures.Future()
-        _completer().put((self, fut))
+        self._completer().put((self, fut))
         return fut
 
     def __del__(self) -> None:
         try:
-            with self._mu:
-                if self._h is not None:
-                    self._finish(lib.chorus_wait(ctypes.byref(self._h)))
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
+            if self._h.value is not None:
+                lib.chorus_wait(ctypes.byref(self._h))
+        except BaseException:  # noqa: BLE001 - never raise from a finaliser
+            # The call may still be running (e.g. at interpreter exit): keep its buffers
+            # alive for good rather than free memory it may write.
+            _ORPHANED.append(self._keep)
 
     def __repr__(self) -> str:
-        state = "running" if self._h is not None else ("failed" if self._error else "done")
+        state = "running" if self._h.value is not None else ("failed" if self._error else "done")
         return f"<chorus.Request {state}>"
 
 
-_completer_queue: Optional[Any] = None
-_completer_mu = threading.Lock()
+#: Buffers of requests whose finaliser could not wait for them (kept alive on purpose).
+_ORPHANED: List[Any] = []
 
 
-def _completer() -> Any:
-    """The queue of (request, future) pairs that one daemon thread completes in turn."""
-    global _completer_queue
-    with _completer_mu:
-        if _completer_queue is None:
-            import queue
+def _error_of(status: int) -> Optional["ChorusError"]:
+    """The exception of a status (None for success), read in the thread that made the call."""
+    try:
+        _check(status)
+    except ChorusError as e:
+        return e
+    return None
 
-            q: Any = queue.SimpleQueue()
 
-            def run() -> None:
-                while True:
-                    req, fut = q.get()
-                    try:
-                        result = req.wait()
-                    except Exception as e:  # noqa: BLE001 - handed to the future
-                        fut.set_exception(e)
-                    else:
-                        fut.set_result(result)
-                    del req, fut
+def _start_completer() -> Any:
+    """A queue of (request, future) pairs that a daemon thread completes in turn; ``None``
+    ends the thread."""
+    import queue
 
-            threading.Thread(target=run, name="chorus-futures", daemon=True).start()
-            _completer_queue = q
-        return _completer_queue
+    q: Any = queue.SimpleQueue()
+
+    def run() -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            req, fut = item
+            try:
+                result = req.wait()
+            except Exception as e:  # noqa: BLE001 - handed to the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            del req, fut, item
+
+    threading.Thread(target=run, name="chorus-futures", daemon=True).start()
+    return q
 
 
 class Compressor:

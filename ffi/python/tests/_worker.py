@@ -393,7 +393,6 @@ def nonblocking(comm):
         reqs.append(("allgatherv",
                      comm.allgatherv(b.make(np.full(counts[me], me)), agv, counts, async_op=True),
                      np.concatenate([np.full(c, j) for j, c in enumerate(counts)])))
-        del counts[:]  # the counts were read when issued
         bar = comm.barrier(async_op=True)
         for _ in range(100000):
             if bar.test():
@@ -405,21 +404,31 @@ def nonblocking(comm):
             assert req.test() and req.wait() is got, what
             if want is not None:
                 check(f"async {what} {kind} {dtype}", b.read(got), want)
+    # test() from another thread while one waits returns at once (False until done).
+    slow = comm.allreduce(np.ones(1 << 20, np.float32), async_op=True)
+    waiter = threading.Thread(target=slow.wait)
+    waiter.start()
+    t0 = time.perf_counter()
+    polled = slow.test()
+    assert time.perf_counter() - t0 < 0.5, "test() waited for the call"
+    waiter.join()
+    assert slow.test() and (slow.wait() == p).all(), polled
     # Futures (what a DDP hook returns), in and out of order.
     t = torch.full((1000,), float(me))
     f1 = comm.allreduce(t, async_op=True).get_future()
     f2 = comm.allreduce(torch.ones(10), async_op=True).get_future()
     assert torch.equal(f2.wait(), torch.full((10,), float(p)))
     assert f1.wait() is t and torch.equal(t, torch.full((1000,), float(p * (p - 1) / 2)))
-    # A request dropped unwaited still completes before its buffer can go.
+    # A request dropped unwaited waits in its finaliser: the calls after it are undisturbed.
     comm.allreduce(np.ones(1 << 16, np.float32), async_op=True)
     x = np.ones(4, np.float32)
     comm.allreduce(x)
     check("after a dropped request", x, [p] * 4)
-    # Argument errors are raised when issuing; nothing is issued then.
+    # Argument errors the bindings see are raised when issuing; nothing is issued then.
     E = chorus.InvalidArgumentError
     expect(E, lambda: comm.allreduce(x, op="median", async_op=True), "async op")
-    expect(E, lambda: comm.broadcast(x, root=p, async_op=True), "async root")
+    # A root out of range is the communicator's to check: the request reports it.
+    expect(E, lambda: comm.broadcast(x, root=p, async_op=True).wait(), "async root")
     expect(E, lambda: comm.allgather(x, np.zeros(3, np.float32), async_op=True), "async size")
     expect(chorus.UnsupportedError,
            lambda: comm.allreduce(x, compressor=chorus.Compressor("int8"), async_op=True),

@@ -651,6 +651,28 @@ static void busy(chorus_comm *comm) {
     }
     for (int i = 0; i < N; i++) CHECK(fabs(a[i] - 2.0) < 0.05, "a[%d] = %g", i, a[i]);
     OK(chorus_compressor_destroy(c));
+
+    /* A nonblocking barrier that rank 1 joins late runs on the communicator's thread; a
+     * thread's blocking barrier waits for it without holding anything yet. Meanwhile neither
+     * destroy (a call is inside) nor abort (a call is running) may go through. */
+    chorus_request *r = NULL;
+    struct busy_call b = {comm, NULL, a, N, -1};
+    if (g_rank == 1) {
+        sleep_ms(1500);
+        OK(chorus_ibarrier(comm, &r));
+        busy_thread(&b);
+    } else {
+        OK(chorus_ibarrier(comm, &r));
+        thrd_t t;
+        CHECK(thrd_create(&t, busy_thread, &b) == thrd_success, "thrd_create");
+        sleep_ms(800);
+        EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
+        EXPECT(chorus_comm_abort(comm), CHORUS_INVALID_USAGE);
+        CHECK(strstr(chorus_last_error(), "its own thread") != NULL, "message: %s", chorus_last_error());
+        CHECK(thrd_join(t, NULL) == thrd_success, "thrd_join");
+    }
+    CHECK(b.status == CHORUS_OK, "the blocking barrier gave %d", (int)b.status);
+    OK(chorus_wait(&r));
 }
 
 /* The parent ranks of `c`'s members in its rank order (an allgather on `c` itself). */
@@ -878,7 +900,20 @@ static void nonblocking(chorus_comm *comm) {
            CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_ibroadcast(comm, NULL, 4, CHORUS_INT32, 0, &bad), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_iallgather(comm, sum_in, sum_in + 1, 4, CHORUS_INT32, &bad), CHORUS_INVALID_ARGUMENT);
-    EXPECT(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &bad), CHORUS_INVALID_ARGUMENT);
+    /* A root out of range is the communicator's to check: the request reports it (every rank
+     * passes the same one here, so none waits for another). */
+    OK(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &bad));
+    EXPECT(chorus_wait(&bad), CHORUS_INVALID_ARGUMENT);
+    CHECK(bad == NULL, "a failed request was not cleared");
+    {
+        chorus_request *two[2];
+        OK(chorus_ibarrier(comm, &two[0]));
+        OK(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &two[1]));
+        EXPECT(chorus_waitall(2, two), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "request 1 of 2") != NULL, "waitall message: %s",
+              chorus_last_error());
+        CHECK(two[0] == NULL && two[1] == NULL, "waitall left a request set");
+    }
     EXPECT(chorus_ibarrier(NULL, &bad), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_wait(NULL), CHORUS_INVALID_ARGUMENT);
     bad = NULL;
