@@ -56,6 +56,8 @@ pub struct Communicator {
     seq: u32,
     scratch: Vec<u8>,
     broken: Option<String>,
+    /// The process that made it (a child forked since must not use it: see `check_usable`).
+    pid: u32,
     selector: Selector,
     /// Per-bucket online tuning of the allreduce schedule ([`crate::select`]).
     tuner: Tuner,
@@ -627,6 +629,7 @@ impl Communicator {
             seq: 0,
             scratch: Vec::new(),
             broken: None,
+            pid: std::process::id(),
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
             tuner: Tuner::new(),
             tuning,
@@ -1393,6 +1396,11 @@ impl Communicator {
     /// Give up: tell every peer (so they fail fast naming this rank) and make this communicator
     /// unusable. Never blocks for longer than a short bounded time.
     pub fn abort(&mut self, reason: &str) {
+        if let Err(e) = self.check_process("abort") {
+            // A forked child: the connections are the parent's, which still runs this rank.
+            self.broken.get_or_insert_with(|| e.to_string());
+            return;
+        }
         self.transport.abort(&AbortNotice {
             culprit: None,
             reason: format!("rank {} aborted the communicator: {reason}", self.rank),
@@ -1408,7 +1416,29 @@ impl Communicator {
         s
     }
 
+    /// An error when called in a child forked from the process that made the communicator:
+    /// its connections and segments are shared with the parent, which still runs this rank.
+    pub(crate) fn check_process(&self, op: &'static str) -> Result<(), CommError> {
+        let now = std::process::id();
+        if now == self.pid {
+            return Ok(());
+        }
+        Err(CommError::new(
+            ErrorKind::InvalidUsage,
+            op,
+            format!(
+                "this communicator was made by process {}, and this is process {now}, forked \
+                 from it: a child cannot use its parent's communicator (its connections are the \
+                 parent's); make a new one in the child",
+                self.pid
+            ),
+        )
+        .at_rank(self.rank)
+        .with_usable(false))
+    }
+
     pub(crate) fn check_usable(&self, op: &'static str) -> Result<(), CommError> {
+        self.check_process(op)?;
         match &self.broken {
             None => Ok(()),
             Some(why) => Err(CommError::new(

@@ -52,6 +52,8 @@ struct Jobs {
 
 struct Shared {
     comm: Mutex<Communicator>,
+    /// The process that made the queue: a child forked since has no worker thread.
+    pid: u32,
     jobs: Mutex<Jobs>,
     /// Signalled when a job is queued, when one finishes and when the queue closes.
     changed: Condvar,
@@ -81,6 +83,7 @@ impl Queue {
             size: comm.size(),
             shared: Arc::new(Shared {
                 comm: Mutex::new(comm),
+                pid: std::process::id(),
                 jobs: Mutex::new(Jobs {
                     queue: VecDeque::new(),
                     issued: 0,
@@ -104,6 +107,12 @@ impl Queue {
         self.size
     }
 
+    /// An error in a child forked from the process that made the queue: its calls run in the
+    /// parent, and the communicator's connections are the parent's.
+    pub fn check_process(&self) -> Result<(), CommError> {
+        forked(self.shared.pid, self.rank)
+    }
+
     /// Calls issued and not yet finished.
     pub fn pending(&self) -> usize {
         let jobs = lock(&self.shared.jobs);
@@ -124,7 +133,14 @@ impl Queue {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
             done: Condvar::new(),
+            pid: std::process::id(),
+            rank: self.rank,
         });
+        if let Err(e) = forked(self.shared.pid, self.rank) {
+            // No worker here, and the communicator is the parent's: refuse at once.
+            *lock(&slot.value) = Some(Err(e));
+            return Request { slot };
+        }
         let fill = Arc::clone(&slot);
         let rank = self.rank;
         let job: Job = Box::new(move |comm: &mut Communicator| {
@@ -188,6 +204,10 @@ impl Queue {
     /// other threads are not waited for). Panics on the queue's own thread, where it would
     /// wait for itself.
     pub fn wait_all(&self) {
+        if forked(self.shared.pid, self.rank).is_err() {
+            // The calls in flight at the fork ran in the parent; none will finish here.
+            return;
+        }
         let mut jobs = lock(&self.shared.jobs);
         assert!(
             jobs.worker != Some(std::thread::current().id()),
@@ -209,6 +229,8 @@ impl Queue {
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
+        // In a forked child the lock may have been held by the parent's worker at the fork.
+        forked(self.shared.pid, self.rank)?;
         self.wait_all();
         guarded(lock_comm(&self.shared.comm), f)
     }
@@ -251,6 +273,13 @@ impl Queue {
     /// held the last reference to the queue) the thread ends after the calls still queued,
     /// unjoined.
     fn close(&self) {
+        if forked(self.shared.pid, self.rank).is_err() {
+            // The worker is the parent's: nothing to wait for or join here.
+            if let Some(h) = lock(&self.worker).take() {
+                std::mem::forget(h);
+            }
+            return;
+        }
         let on_worker = lock(&self.shared.jobs).worker == Some(std::thread::current().id());
         if !on_worker {
             self.wait_all();
@@ -380,6 +409,27 @@ fn work(shared: &Shared) {
 struct Slot<T> {
     value: Mutex<Option<Result<T, CommError>>>,
     done: Condvar,
+    /// The process that issued the call, and the rank.
+    pid: u32,
+    rank: usize,
+}
+
+/// An error in a child forked from process `pid` (where a queue's calls cannot run).
+fn forked(pid: u32, rank: usize) -> Result<(), CommError> {
+    let now = std::process::id();
+    if now == pid {
+        return Ok(());
+    }
+    Err(CommError::new(
+        ErrorKind::InvalidUsage,
+        "queued call",
+        format!(
+            "the queue was made by process {pid}, and this is process {now}, forked from it: \
+             its calls run in the parent; make a new communicator in the child"
+        ),
+    )
+    .at_rank(rank)
+    .with_usable(false))
 }
 
 /// The result of a call issued on a [`Queue`], to come. Dropping it does not cancel the call.
@@ -401,6 +451,8 @@ impl<T> Request<T> {
             if let Some(r) = value.take() {
                 return r;
             }
+            // A call issued before a fork completes in the parent only.
+            forked(self.slot.pid, self.slot.rank)?;
             value = self
                 .slot
                 .done
@@ -416,6 +468,9 @@ impl<T> Request<T> {
         loop {
             if let Some(r) = value.take() {
                 return Ok(r);
+            }
+            if let Err(e) = forked(self.slot.pid, self.slot.rank) {
+                return Ok(Err(e));
             }
             let now = Instant::now();
             if now >= end {

@@ -200,6 +200,8 @@ impl chorus_comm {
         f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
     ) -> Result<R, Failure> {
         let _entered = Entered::new(&self.active);
+        // In a forked child, before anything that the parent's threads may hold at the fork.
+        self.queue.check_process()?;
         self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
     }
 
@@ -428,6 +430,11 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
+        if c.queue.check_process().is_err() {
+            // A forked child: its copy is unusable already, and the parent still runs this
+            // rank, so nothing is told to the peers.
+            return Ok(());
+        }
         // Not after the nonblocking calls issued: an abort is for calls that do not finish.
         // But a call running (blocking or not) holds the communicator: it ends at its timeout.
         let aborted = c.queue.try_now(|c| c.abort("chorus_comm_abort called"));
@@ -635,6 +642,7 @@ unsafe fn issue(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
+        c.queue.check_process()?;
         let call = make(c)?;
         // The queue's thread starts with the first nonblocking call, here, inside `guard`: it
         // inherits this thread's mask with `SIGPIPE` blocked (see `sigpipe`).

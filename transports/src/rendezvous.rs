@@ -792,6 +792,9 @@ pub struct StoreServer {
     shared: Arc<Shared>,
     waker: mio::Waker,
     accept: Option<JoinHandle<()>>,
+    /// The process that started it: a child forked since has none of its threads, and shares
+    /// its sockets with the parent.
+    pid: u32,
 }
 
 impl fmt::Debug for StoreServer {
@@ -846,6 +849,7 @@ impl StoreServer {
             shared,
             waker,
             accept: Some(accept),
+            pid: std::process::id(),
         })
     }
 
@@ -940,6 +944,15 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: the threads are the parent's (not here to join) and the sockets
+            // are shared with the parent, whose store must go on. Leave everything be.
+            if let Some(t) = self.accept.take() {
+                std::mem::forget(t);
+            }
+            std::mem::forget(std::mem::take(&mut lock(&self.shared.conns).threads));
+            return;
+        }
         self.shared.shutdown.store(true, Ordering::SeqCst);
         let _ = self.waker.wake();
         let threads = {

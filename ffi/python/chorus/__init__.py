@@ -21,6 +21,7 @@ runs. Every collective also takes ``async_op=True``: it is issued and returns a
 while Python goes on. For PyTorch DDP see :mod:`chorus.ddp`.
 """
 
+import atexit
 import contextlib
 import ctypes
 import operator
@@ -384,7 +385,7 @@ class Communicator:
         first use and ended by :meth:`close`."""
         with self._completer_mu:
             if self._completer_q is None:
-                self._completer_q = _start_completer()
+                self._completer_q = _Completer()
             return self._completer_q
 
     def allreduce(
@@ -699,9 +700,9 @@ class Communicator:
                 # The futures thread completes what it holds (destroy waited for the calls),
                 # then ends.
                 with self._completer_mu:
-                    if self._completer_q is not None:
-                        self._completer_q.put(None)
-                        self._completer_q = None
+                    completer, self._completer_q = self._completer_q, None
+                if completer is not None:
+                    completer.stop()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -816,14 +817,36 @@ def _error_of(status: int) -> Optional["ChorusError"]:
     return None
 
 
-def _start_completer() -> Any:
-    """A queue of (request, future) pairs that a daemon thread completes in turn; ``None``
-    ends the thread."""
-    import queue
+class _Completer:
+    """A daemon thread that completes the futures of (request, future) pairs put on its
+    queue, in turn. :meth:`stop` ends it after what it holds; every one still running is
+    stopped at interpreter exit (a daemon thread still inside torch's ``set_result`` when the
+    interpreter finalises is killed there, and the process aborts)."""
 
-    q: Any = queue.SimpleQueue()
+    def __init__(self) -> None:
+        import queue
 
-    def run() -> None:
+        self.q: Any = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="chorus-futures", daemon=True)
+        with _COMPLETERS_MU:
+            _COMPLETERS.add(self)
+        self.thread.start()
+
+    def put(self, item: Any) -> None:
+        self.q.put(item)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread after the pairs it holds (their calls finish within their
+        timeout), waiting up to ``timeout`` seconds."""
+        self.q.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        with _COMPLETERS_MU:
+            _COMPLETERS.discard(self)
+
+    def _run(self) -> None:
+        q = self.q
+
         while True:
             item = q.get()
             if item is None:
@@ -837,8 +860,17 @@ def _start_completer() -> Any:
                 fut.set_result(result)
             del req, fut, item
 
-    threading.Thread(target=run, name="chorus-futures", daemon=True).start()
-    return q
+
+_COMPLETERS: "set[_Completer]" = set()
+_COMPLETERS_MU = threading.Lock()
+
+
+@atexit.register
+def _stop_completers() -> None:
+    with _COMPLETERS_MU:
+        running = list(_COMPLETERS)
+    for c in running:
+        c.stop(timeout=5.0)
 
 
 class Compressor:

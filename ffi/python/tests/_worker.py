@@ -1,5 +1,5 @@
 """One rank of the multi-process Python tests (started by test_multiprocess.py through
-chorus-run). ``python _worker.py collectives|errors|compression|groups|nonblocking``; prints ``ok <mode>`` on success,
+chorus-run). ``python _worker.py collectives|errors|compression|groups|nonblocking|fork``; prints ``ok <mode>`` on success,
 raises (non-zero exit) on the first wrong result."""
 
 import sys
@@ -456,11 +456,65 @@ def nonblocking(comm):
     check("the parent after its dup failed", x, [p * p * p] * 4)
 
 
+def forked(comm):
+    """A child forked from a rank (as a DataLoader worker is) cannot use the communicator: every
+    call fails at once, nothing hangs, and closing it there leaves the parent's untouched."""
+    import os
+
+    p, me = comm.size, comm.rank
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    in_flight = comm.allreduce(np.ones(1 << 20, np.float32), async_op=True)
+    future = comm.allreduce(torch.ones(8), async_op=True).get_future()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            for what, call in [
+                ("allreduce", lambda: comm.allreduce(np.ones(4, np.float32))),
+                ("async allreduce", lambda: comm.allreduce(np.ones(4, np.float32), async_op=True).wait()),
+                ("barrier", comm.barrier),
+                ("dup", comm.dup),
+            ]:
+                try:
+                    call()
+                    print(f"child of rank {me}: {what} succeeded", flush=True)
+                    code = 1
+                except chorus.InvalidUsageError as e:
+                    if "forked" not in e.message:
+                        print(f"child of rank {me}: {what}: {e.message}", flush=True)
+                        code = 1
+            try:
+                in_flight.wait()  # issued by the parent: done there, or refused here
+            except chorus.InvalidUsageError:
+                pass
+            comm.abort()
+            comm.close()
+        except BaseException as e:  # noqa: BLE001 - reported through the exit code
+            print(f"child of rank {me}: {type(e).__name__}: {e}", flush=True)
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    check("in flight at the fork", in_flight.wait()[:4], [p] * 4)
+    assert torch.equal(future.wait(), torch.full((8,), float(p)))
+    # The parent's communicator, its connections, segments and store, are untouched.
+    for _ in range(3):
+        y = np.full(1000, me, np.float32)
+        comm.allreduce(y)
+        check("after the child", y[:3], [p * (p - 1) / 2] * 3)
+    d = comm.dup()
+    z = np.ones(4, np.float32)
+    d.allreduce(z)
+    check("a dup after the child", z, [p] * 4)
+    d.close()
+
+
 def main():
     mode = sys.argv[1]
     comm = chorus.init()
     modes = {"collectives": collectives, "errors": errors, "compression": compression,
-             "groups": groups, "nonblocking": nonblocking}
+             "groups": groups, "nonblocking": nonblocking, "fork": forked}
     modes[mode](comm)
     comm.close()
     print(f"ok {mode} rank {comm.rank}", flush=True)

@@ -52,6 +52,15 @@ def test_nonblocking_collectives(n):
         assert "async MismatchError" in out, out
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_forked_child_cannot_disturb_its_parent(transport):
+    code, out = launch(
+        3, [PYTHON, str(HERE / "_worker.py"), "fork"], env={"CHORUS_TRANSPORT": transport}
+    )
+    assert code == 0, out
+    assert out.count("ok fork") == 3, out
+
+
 def test_compression_on_4_ranks():
     code, out = launch(4, [PYTHON, str(HERE / "_worker.py"), "compression"])
     assert code == 0, out

@@ -844,6 +844,10 @@ impl Transport for ShmTransport {
         if self.broken.is_none() {
             self.broken = Some(format!("aborted by this rank: {}", notice.reason));
         }
+        if self.forked() {
+            // Only the parent speaks for this rank in the shared segments.
+            return;
+        }
         let reason = notice.reason.as_bytes();
         let mut n = reason.len().min(MAX_REASON);
         while !notice.reason.is_char_boundary(n) {
@@ -864,8 +868,20 @@ impl Transport for ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// Whether this is a child forked from the process that made the transport (the header
+    /// keeps the maker's pid).
+    fn forked(&self) -> bool {
+        self.me.u32_at(H_PID).load(Ordering::Relaxed) != std::process::id()
+    }
+}
+
 impl Drop for ShmTransport {
     fn drop(&mut self) {
+        if self.forked() {
+            // The segments are shared with the parent, which still runs this rank.
+            return;
+        }
         if !self.aborted {
             self.me
                 .u32_at(H_STATE)
