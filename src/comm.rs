@@ -12,6 +12,42 @@ use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
+/// Aborts a [`Communicator`] from any thread, also while a call runs on it (as
+/// `ncclCommAbort`): get one with [`Communicator::abort_handle`] before handing the
+/// communicator to the thread that may hang in it.
+///
+/// The running call (or, when none runs, the communicator's next call) tells every peer,
+/// whose calls then fail at once naming this rank, and fails with an error; the communicator
+/// is unusable afterwards. Over TCP a waiting call notices at once, over shared memory within
+/// 10 ms; a call that is not waiting notices when it next waits or ends. Clones share the
+/// request; the first reason wins.
+#[derive(Clone, Debug)]
+pub struct AbortHandle {
+    inner: chorus_transport::AbortHandle,
+    rank: usize,
+}
+
+impl AbortHandle {
+    /// Request the abort, for `reason`.
+    pub fn abort(&self, reason: &str) {
+        self.inner.request(AbortNotice {
+            culprit: None,
+            reason: format!("rank {} aborted the communicator: {reason}", self.rank),
+        });
+    }
+
+    /// Whether an abort was requested.
+    pub fn is_requested(&self) -> bool {
+        self.inner.is_requested()
+    }
+
+    /// Whether the peers have been told (by a call that noticed the request, or by
+    /// [`Communicator::abort`]).
+    pub fn is_done(&self) -> bool {
+        self.inner.acted()
+    }
+}
+
 use crate::algo_spec::{AlgoSpec, Allowed};
 use crate::config::{Config, MAX_WORLD_SIZE};
 use crate::error::{CommError, ErrorKind};
@@ -58,6 +94,8 @@ pub struct Communicator {
     broken: Option<String>,
     /// The process that made it (a child forked since must not use it: see `check_usable`).
     pid: u32,
+    /// Aborts requested from other threads, installed in the transport.
+    abort_handle: chorus_transport::AbortHandle,
     selector: Selector,
     /// Per-bucket online tuning of the allreduce schedule ([`crate::select`]).
     tuner: Tuner,
@@ -620,6 +658,9 @@ impl Communicator {
             );
             (Box::new(t), Some(r))
         };
+        let abort_handle = chorus_transport::AbortHandle::new();
+        let mut transport = transport;
+        transport.set_abort_handle(abort_handle.clone());
         let mut comm = Communicator {
             rank,
             size,
@@ -630,6 +671,7 @@ impl Communicator {
             scratch: Vec::new(),
             broken: None,
             pid: std::process::id(),
+            abort_handle,
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
             tuner: Tuner::new(),
             tuning,
@@ -1394,7 +1436,8 @@ impl Communicator {
     }
 
     /// Give up: tell every peer (so they fail fast naming this rank) and make this communicator
-    /// unusable. Never blocks for longer than a short bounded time.
+    /// unusable. Never blocks for longer than a short bounded time. From another thread, while
+    /// a call runs, use [`Communicator::abort_handle`].
     pub fn abort(&mut self, reason: &str) {
         if let Err(e) = self.check_process("abort") {
             // A forked child: the connections are the parent's, which still runs this rank.
@@ -1405,8 +1448,30 @@ impl Communicator {
             culprit: None,
             reason: format!("rank {} aborted the communicator: {reason}", self.rank),
         });
+        self.abort_handle.mark_acted();
         if self.broken.is_none() {
             self.broken = Some(format!("aborted: {reason}"));
+        }
+    }
+
+    /// A handle that aborts this communicator from another thread, also while a call runs on
+    /// it (see [`AbortHandle`]).
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            inner: self.abort_handle.clone(),
+            rank: self.rank,
+        }
+    }
+
+    /// Carry out an abort requested through the handle while no call ran (the peers have not
+    /// been told yet).
+    fn settle_abort(&mut self) {
+        if self.abort_handle.is_requested() && !self.abort_handle.acted() {
+            if let Some(n) = self.abort_handle.requested() {
+                self.transport.abort(&n);
+                self.abort_handle.mark_acted();
+                self.broken.get_or_insert(n.reason);
+            }
         }
     }
 
@@ -1437,8 +1502,9 @@ impl Communicator {
         .with_usable(false))
     }
 
-    pub(crate) fn check_usable(&self, op: &'static str) -> Result<(), CommError> {
+    pub(crate) fn check_usable(&mut self, op: &'static str) -> Result<(), CommError> {
         self.check_process(op)?;
+        self.settle_abort();
         match &self.broken {
             None => Ok(()),
             Some(why) => Err(CommError::new(

@@ -33,7 +33,7 @@ pub mod unique_id;
 
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::{DType, Element, ReduceOp};
-pub use comm::{AllReduceOptions, Communicator};
+pub use comm::{AbortHandle, AllReduceOptions, Communicator};
 pub use compress::{CompressionReport, Compressor, CompressorSpec};
 
 /// Sparse vectors and the sparse allreduce algorithms (see

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use chorus_algorithms::{Element, ReduceOp};
 
-use crate::comm::Communicator;
+use crate::comm::{AbortHandle, Communicator};
 use crate::error::{CommError, ErrorKind};
 
 type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
@@ -70,6 +70,7 @@ struct Shared {
 /// order the same on every rank is the caller's business, as with two threads calling MPI.
 pub struct Queue {
     shared: Arc<Shared>,
+    abort: AbortHandle,
     worker: Mutex<Option<JoinHandle<()>>>,
     rank: usize,
     size: usize,
@@ -79,6 +80,7 @@ impl Queue {
     /// A queue over `comm`.
     pub fn new(comm: Communicator) -> Queue {
         Queue {
+            abort: comm.abort_handle(),
             rank: comm.rank(),
             size: comm.size(),
             shared: Arc::new(Shared {
@@ -111,6 +113,34 @@ impl Queue {
     /// parent, and the communicator's connections are the parent's.
     pub fn check_process(&self) -> Result<(), CommError> {
         forked(self.shared.pid, self.rank)
+    }
+
+    /// Abort the communicator, also while a call runs on it (its own thread's, or another
+    /// thread's blocking call): the peers are told and their calls fail at once, the running
+    /// call and every later one fail (see [`AbortHandle`]). Returns once the peers have been
+    /// told: true; false if after `limit` a running call has neither waited nor ended (it tells
+    /// them when it does). In a forked child it does nothing (the parent still runs this
+    /// rank) and returns true.
+    pub fn abort(&self, reason: &str, limit: Duration) -> bool {
+        if self.check_process().is_err() {
+            return true;
+        }
+        self.abort.abort(reason);
+        let end = Instant::now() + limit;
+        loop {
+            if self.abort.is_done() || self.try_now(|c| c.abort(reason)).is_some() {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A handle that aborts the communicator from any thread (see [`AbortHandle`]).
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
     }
 
     /// Calls issued and not yet finished.

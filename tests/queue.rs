@@ -425,3 +425,47 @@ fn a_queue_is_shared_between_threads() {
     );
     assert_eq!(got, vec![(3, 6); 3]);
 }
+
+#[test]
+fn an_abort_from_another_thread_ends_a_waiting_call() {
+    for transport in ["tcp", "shm"] {
+        // Rank 1 joins after 3 s; rank 0's main thread aborts at 0.5 s the call that its
+        // queue's thread is waiting in (and a blocking call queued behind it).
+        let got = queues(
+            2,
+            transport,
+            Duration::from_secs(60),
+            Duration::from_secs(90),
+            |q| {
+                if q.rank() == 1 {
+                    std::thread::sleep(Duration::from_secs(3));
+                    // Rank 0 entered this barrier before it aborted, so the barrier may complete;
+                    // the next call meets the abort.
+                    let _ = q.barrier().wait();
+                    let e = q.barrier().wait().expect_err("rank 0 aborted");
+                    return (e.kind(), Duration::ZERO);
+                }
+                let waiting = q.barrier();
+                std::thread::sleep(Duration::from_millis(500));
+                let start = Instant::now();
+                assert!(q.abort("on purpose", Duration::from_secs(10)));
+                let e = waiting.wait().expect_err("the aborted barrier");
+                assert!(e.to_string().contains("on purpose"), "{e}");
+                let after = q.run(|c| c.barrier()).expect_err("a call after the abort");
+                assert!(!after.is_usable());
+                (e.kind(), start.elapsed())
+            },
+        );
+        assert_eq!(
+            got[1].0,
+            ErrorKind::Remote,
+            "{transport}: rank 1 learns of the abort"
+        );
+        assert_eq!(got[0].0, ErrorKind::InvalidUsage, "{transport}");
+        assert!(
+            got[0].1 < Duration::from_secs(2),
+            "{transport}: took {:?}",
+            got[0].1
+        );
+    }
+}

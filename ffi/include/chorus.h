@@ -401,10 +401,13 @@ int32_t chorus_comm_size(const chorus_comm *comm, int *size);
 
 /**
  * Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
- * rank) and make this communicator unusable. Does not block for long and does not free it:
- * call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while a call runs
- * on this communicator: one from another thread, or a nonblocking call on the
- * communicator's own thread (it is not interrupted; it ends at its timeout at the latest).
+ * rank) and make this communicator unusable. It may be called from another thread while a
+ * call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call
+ * fails at once with `CHORUS_INVALID_USAGE` where it waits (over TCP at once, over shared
+ * memory within 10 ms), and so does every later call. Returns once the peers have been told
+ * (`CHORUS_INVALID_USAGE` if a running call neither waited nor ended within 10 s). Does not
+ * free the communicator: call `chorus_comm_destroy` afterwards. In a child forked from the
+ * process that made it, does nothing.
  *
  * # Safety
  * `comm` is NULL or a live communicator.

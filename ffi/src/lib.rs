@@ -417,10 +417,13 @@ pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c
 }
 
 /// Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
-/// rank) and make this communicator unusable. Does not block for long and does not free it:
-/// call `chorus_comm_destroy` afterwards. Fails with `CHORUS_INVALID_USAGE` while a call runs
-/// on this communicator: one from another thread, or a nonblocking call on the
-/// communicator's own thread (it is not interrupted; it ends at its timeout at the latest).
+/// rank) and make this communicator unusable. It may be called from another thread while a
+/// call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call
+/// fails at once with `CHORUS_INVALID_USAGE` where it waits (over TCP at once, over shared
+/// memory within 10 ms), and so does every later call. Returns once the peers have been told
+/// (`CHORUS_INVALID_USAGE` if a running call neither waited nor ended within 10 s). Does not
+/// free the communicator: call `chorus_comm_destroy` afterwards. In a child forked from the
+/// process that made it, does nothing.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.
@@ -430,25 +433,20 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
-        if c.queue.check_process().is_err() {
-            // A forked child: its copy is unusable already, and the parent still runs this
-            // rank, so nothing is told to the peers.
-            return Ok(());
-        }
-        // Not after the nonblocking calls issued: an abort is for calls that do not finish.
-        // But a call running (blocking or not) holds the communicator: it ends at its timeout.
-        let aborted = c.queue.try_now(|c| c.abort("chorus_comm_abort called"));
-        aborted.ok_or_else(|| {
-            Failure::new(
+        // Also while a call runs (another thread's, or a nonblocking one on the
+        // communicator's thread): it fails at once when it waits.
+        if !c.queue.abort("chorus_comm_abort called", ABORT_WAIT) {
+            return Err(Failure::new(
                 S::CHORUS_INVALID_USAGE,
                 format!(
-                    "rank {}: the communicator is in use by a call running on it (from another \
-                     thread, or a nonblocking call on its own thread); abort works between \
-                     calls, and the running call ends at its timeout",
-                    c.rank
+                    "rank {}: abort requested, but the call running on this communicator has \
+                     neither waited nor ended within {} s; it tells the peers when it does",
+                    c.rank,
+                    ABORT_WAIT.as_secs()
                 ),
-            )
-        })
+            ));
+        }
+        Ok(())
     })
 }
 
@@ -486,6 +484,9 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         Ok(())
     })
 }
+
+/// How long `chorus_comm_abort` waits for a running call to notice the abort.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
 
 /// The `color` of `chorus_comm_split` for a rank that joins no new communicator (as
 /// `MPI_UNDEFINED`, `NCCL_SPLIT_NOCOLOR`).

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use crate::rendezvous::StoreClient;
 use crate::shm::{self, ShmOptions, ShmTransport};
 use crate::tcp::TcpTransport;
-use crate::{AbortNotice, Direction, Op, Request, Result, Transport, TransportError, Wait};
+use crate::{
+    AbortHandle, AbortNotice, Direction, Op, Request, Result, Transport, TransportError, Wait,
+};
 
 /// Longest pause between two polls of a wait that involves both shm and TCP peers.
 pub const MIXED_MAX_SLEEP: Duration = Duration::from_micros(200);
@@ -265,6 +267,13 @@ impl Transport for HybridTransport {
             s.abort(notice);
         }
         self.tcp.abort(notice);
+    }
+
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        if let Some(s) = self.shm.as_mut() {
+            s.set_abort_handle(handle.clone());
+        }
+        self.tcp.set_abort_handle(handle);
     }
 
     fn shared_memory(&mut self) -> Option<&mut ShmTransport> {

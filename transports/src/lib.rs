@@ -55,6 +55,7 @@ pub mod shm;
 mod sweep;
 pub mod tcp;
 
+use std::fmt;
 use std::time::{Duration, Instant};
 
 pub use error::TransportError;
@@ -335,6 +336,125 @@ pub struct AbortNotice {
     pub reason: String,
 }
 
+/// Asks a transport to abort from any thread, while a call may be running on it: the TCP and
+/// shared-memory transports look at it whenever they wait (at once for TCP, within 10 ms for
+/// shared memory), and then abort as [`Transport::abort`] does and fail the call with
+/// [`TransportError::Aborted`]. A transport looks only at the handle installed with
+/// [`Transport::set_abort_handle`]; clones share the request. The first notice requested wins.
+#[derive(Clone, Default)]
+pub struct AbortHandle {
+    inner: std::sync::Arc<AbortShared>,
+}
+
+#[derive(Default)]
+struct AbortShared {
+    requested: std::sync::atomic::AtomicBool,
+    /// A transport (or its owner) has aborted for the request: the peers were told.
+    acted: std::sync::atomic::AtomicBool,
+    notice: std::sync::Mutex<Option<AbortNotice>>,
+    wakers: std::sync::Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+}
+
+impl AbortHandle {
+    /// A handle with nothing requested.
+    pub fn new() -> AbortHandle {
+        AbortHandle::default()
+    }
+
+    /// Request the abort (kept for good) and wake the transport if it is waiting.
+    pub fn request(&self, notice: AbortNotice) {
+        {
+            let mut n = self.inner.notice.lock().unwrap_or_else(|p| p.into_inner());
+            if n.is_none() {
+                *n = Some(notice);
+            }
+        }
+        self.inner
+            .requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        for wake in self
+            .inner
+            .wakers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            wake();
+        }
+    }
+
+    /// Whether an abort was requested.
+    pub fn is_requested(&self) -> bool {
+        self.inner
+            .requested
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether the transport has acted on the request (told the peers).
+    pub fn acted(&self) -> bool {
+        self.inner.acted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Record that the request was acted on (by the transport, or by its owner calling
+    /// [`Transport::abort`] itself).
+    pub fn mark_acted(&self) {
+        self.inner
+            .acted
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The notice requested, if any.
+    pub fn requested(&self) -> Option<AbortNotice> {
+        if !self.is_requested() {
+            return None;
+        }
+        self.inner
+            .notice
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Call `wake` on every request (a transport that sleeps in the kernel registers how to wake
+    /// itself).
+    pub(crate) fn add_waker(&self, wake: impl Fn() + Send + Sync + 'static) {
+        self.inner
+            .wakers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Box::new(wake));
+    }
+}
+
+impl fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AbortHandle")
+            .field("requested", &self.is_requested())
+            .finish()
+    }
+}
+
+/// An abort requested through `handle` (if any) as this transport's error, after `abort`
+/// has told the peers: what the transports call where they wait.
+pub(crate) fn requested_abort(
+    handle: &Option<AbortHandle>,
+    abort: impl FnOnce(&AbortNotice),
+) -> Result<()> {
+    match handle.as_ref().and_then(AbortHandle::requested) {
+        None => Ok(()),
+        Some(notice) => {
+            abort(&notice);
+            if let Some(h) = handle {
+                h.mark_acted();
+            }
+            Err(TransportError::Aborted(format!(
+                "aborted by this rank: {}",
+                notice.reason
+            )))
+        }
+    }
+}
+
 /// A fully connected group of `size` ranks exchanging tagged byte messages.
 ///
 /// Ordering: per (peer, direction), requests complete in the order they were posted; a request
@@ -361,6 +481,12 @@ pub trait Transport: Send {
     /// Tell every peer (best effort, bounded time) that this rank gives up, then refuse further
     /// use. Peers blocked on this rank fail with [`TransportError::PeerAborted`].
     fn abort(&mut self, notice: &AbortNotice);
+
+    /// Look at `handle` for aborts requested from other threads (see [`AbortHandle`]). The
+    /// default ignores it: such a transport aborts only through [`Transport::abort`].
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        let _ = handle;
+    }
 
     /// The shared-memory transport underneath, when it reaches every rank of the group: its
     /// [`shm::ShmTransport::all_reduce`] then runs a whole allreduce through shared memory.
@@ -433,6 +559,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn abort(&mut self, notice: &AbortNotice) {
         (**self).abort(notice)
+    }
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        (**self).set_abort_handle(handle)
     }
     fn shared_memory(&mut self) -> Option<&mut shm::ShmTransport> {
         (**self).shared_memory()

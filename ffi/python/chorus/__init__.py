@@ -686,7 +686,9 @@ class Communicator:
 
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this
-        communicator unusable. Call :meth:`close` afterwards."""
+        communicator unusable. It may be called from another thread while a call runs (a
+        watchdog's way out of a hang, as ``ncclCommAbort``): that call fails at once with
+        :class:`InvalidUsageError`. Call :meth:`close` afterwards."""
         self._call(lib.chorus_comm_abort)
 
     def close(self) -> None:

@@ -435,6 +435,38 @@ def nonblocking(comm):
            "async compressed")
     comm.allreduce(x)
     check("usable after refused async calls", x, [p * p] * 4)
+    # abort() from another thread ends a call that waits (as ncclCommAbort), on a copy.
+    if p > 1:
+        d = comm.dup()
+        if me == 0:
+            got = {}
+
+            def blocked():
+                t0 = time.perf_counter()
+                try:
+                    d.barrier()
+                except chorus.InvalidUsageError as e:
+                    got["error"] = e
+                got["took"] = time.perf_counter() - t0
+
+            th = threading.Thread(target=blocked)
+            th.start()
+            time.sleep(0.3)
+            d.abort()
+            th.join(30)
+            assert "error" in got and "aborted" in got["error"].message, got
+            assert got["took"] < 1.5, got
+        else:
+            time.sleep(2.0)
+            # Rank 0 entered the first barrier before aborting: it may complete, and then the
+            # second meets the abort.
+            try:
+                d.barrier()
+                d.barrier()
+                raise AssertionError("two barriers after a peer aborted succeeded")
+            except chorus.RemoteError as e:
+                assert "aborted" in e.message, e.message
+        d.close()
     # A mismatch surfaces in the requests (and futures) of every rank, never a hang.
     d = comm.dup()
     y = np.ones(100 + (me == p - 1), dtype=np.float32)

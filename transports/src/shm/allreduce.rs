@@ -92,6 +92,7 @@ impl ShmTransport {
         red: &Reducer<'_>,
     ) -> Result<()> {
         crate::check_usable(&self.broken)?;
+        self.check_abort_request()?;
         if !self.covers_group() {
             return Err(TransportError::InvalidUsage(
                 "the shared-memory allreduce needs every rank on this host".into(),

@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 use crate::rendezvous::StoreClient;
 use crate::sweep::{stuck_behind_others, sweep, Moved, Swept};
 use crate::{
-    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
-    Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
+    Result, Transport, TransportError, Wait,
 };
 use sys::{Liveness, Mapping};
 
@@ -184,6 +184,8 @@ pub struct ShmTransport {
     yield_every: u64,
     broken: Option<String>,
     aborted: bool,
+    /// Aborts requested from other threads (see [`AbortHandle`]), seen within a sleep slice.
+    abort_request: Option<AbortHandle>,
     /// Peers the current wait depends on (reused buffer).
     involved: Vec<usize>,
     pub(crate) coll: allreduce::State,
@@ -358,6 +360,7 @@ pub fn connect(
         },
         broken: None,
         aborted: false,
+        abort_request: None,
         involved: Vec::new(),
         coll: allreduce::State::default(),
     })
@@ -469,6 +472,11 @@ impl ShmTransport {
     /// whose peers finished their last collective and dropped the communicator could fail that
     /// collective with all its data already in place (seen once in the 7-thread sweep).
     pub(crate) fn stall(&mut self, w: &mut Stall, deadline: Instant) -> Result<()> {
+        if let Err(e) = self.check_abort_request() {
+            self.disarm();
+            w.armed = None;
+            return Err(e);
+        }
         for i in 0..self.involved.len() {
             if let Some(e) = self.peer_gone(self.involved[i], w.armed.is_some()) {
                 self.disarm();
@@ -782,6 +790,7 @@ impl Transport for ShmTransport {
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
         check_usable(&self.broken)?;
         check_ops(ops)?;
+        self.check_abort_request()?;
         for op in ops.iter() {
             self.peer_ref(op.req.peer())?;
         }
@@ -836,6 +845,11 @@ impl Transport for ShmTransport {
         }
     }
 
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        // The waits sleep in slices of `SLEEP_SLICE` and look at the handle between them.
+        self.abort_request = Some(handle);
+    }
+
     fn abort(&mut self, notice: &AbortNotice) {
         if self.aborted {
             return;
@@ -869,6 +883,14 @@ impl Transport for ShmTransport {
 }
 
 impl ShmTransport {
+    /// Fail with an abort requested through the handle, after telling the peers.
+    pub(crate) fn check_abort_request(&mut self) -> Result<()> {
+        let handle = self.abort_request.take();
+        let r = crate::requested_abort(&handle, |n| Transport::abort(self, n));
+        self.abort_request = handle;
+        r
+    }
+
     /// Whether this is a child forked from the process that made the transport (the header
     /// keeps the maker's pid).
     fn forked(&self) -> bool {

@@ -34,8 +34,8 @@ pub use mesh::{
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
 use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
-    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
-    Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
+    Result, Transport, TransportError, Wait,
 };
 
 /// Trailer closing a complete frame.
@@ -176,7 +176,12 @@ pub struct TcpTransport {
     /// Set once the byte streams are in an unknown state; every later call fails with it.
     broken: Option<String>,
     aborted: bool,
+    /// Aborts requested from other threads (see [`AbortHandle`]).
+    abort_request: Option<AbortHandle>,
 }
+
+/// The token of the waker an [`AbortHandle`] uses to end a wait (never a peer's index).
+const WAKE_TOKEN: Token = Token(usize::MAX);
 
 impl TcpTransport {
     /// Wrap connected, authenticated streams (`streams[j]` connects to rank `j`;
@@ -246,7 +251,16 @@ impl TcpTransport {
             },
             broken: None,
             aborted: false,
+            abort_request: None,
         })
+    }
+
+    /// Fail with an abort requested through the handle, after telling the peers.
+    fn check_abort_request(&mut self) -> Result<()> {
+        let handle = self.abort_request.take();
+        let r = crate::requested_abort(&handle, |n| self.abort(n));
+        self.abort_request = handle;
+        r
     }
 
     /// Change how long waits spin (yielding the core at every poll) before sleeping in the
@@ -354,6 +368,7 @@ impl TcpTransport {
     fn wait_ready(&mut self, deadline: Instant) -> Result<bool> {
         let spin_end = Instant::now() + self.spin;
         loop {
+            self.check_abort_request()?;
             let now = Instant::now();
             if now >= deadline {
                 return Ok(false);
@@ -832,6 +847,7 @@ impl Transport for TcpTransport {
     fn progress(&mut self, ops: &mut [Op<'_, '_>], wait: Wait) -> Result<bool> {
         check_usable(&self.broken)?;
         check_ops(ops)?;
+        self.check_abort_request()?;
         let started = Instant::now();
         let mut refreshed = false;
         let mut notice_check = false;
@@ -892,6 +908,21 @@ impl Transport for TcpTransport {
                 waited: started.elapsed(),
             }));
         }
+    }
+
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        match mio::Waker::new(self.poll.registry(), WAKE_TOKEN) {
+            Ok(waker) => handle.add_waker(move || {
+                // A failed wake leaves the wait to notice at its next slice (100 ms at most).
+                let _ = waker.wake();
+            }),
+            Err(e) => crate::note!(
+                "rank {}: no waker for aborts from other threads ({e}); a wait notices them \
+                 within 100 ms",
+                self.rank
+            ),
+        }
+        self.abort_request = Some(handle);
     }
 
     fn abort(&mut self, notice: &AbortNotice) {
