@@ -92,8 +92,10 @@ pub struct Communicator {
     seq: u32,
     scratch: Vec<u8>,
     broken: Option<String>,
-    /// The process that made it (a child forked since must not use it: see `check_usable`).
+    /// The process that made it, and its fork generation (a child forked since must not use
+    /// it: see `check_process`).
     pid: u32,
+    forks: u64,
     /// Aborts requested from other threads, installed in the transport.
     abort_handle: chorus_transport::AbortHandle,
     selector: Selector,
@@ -671,6 +673,7 @@ impl Communicator {
             scratch: Vec::new(),
             broken: None,
             pid: std::process::id(),
+            forks: chorus_transport::fork_generation(),
             abort_handle,
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
             tuner: Tuner::new(),
@@ -1484,10 +1487,10 @@ impl Communicator {
     /// An error when called in a child forked from the process that made the communicator:
     /// its connections and segments are shared with the parent, which still runs this rank.
     pub(crate) fn check_process(&self, op: &'static str) -> Result<(), CommError> {
-        let now = std::process::id();
-        if now == self.pid {
+        if chorus_transport::fork_generation() == self.forks {
             return Ok(());
         }
+        let now = std::process::id();
         Err(CommError::new(
             ErrorKind::InvalidUsage,
             op,

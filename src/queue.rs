@@ -53,7 +53,7 @@ struct Jobs {
 struct Shared {
     comm: Mutex<Communicator>,
     /// The process that made the queue: a child forked since has no worker thread.
-    pid: u32,
+    process: Process,
     jobs: Mutex<Jobs>,
     /// Signalled when a job is queued, when one finishes and when the queue closes.
     changed: Condvar,
@@ -85,7 +85,7 @@ impl Queue {
             size: comm.size(),
             shared: Arc::new(Shared {
                 comm: Mutex::new(comm),
-                pid: std::process::id(),
+                process: Process::this(),
                 jobs: Mutex::new(Jobs {
                     queue: VecDeque::new(),
                     issued: 0,
@@ -112,7 +112,7 @@ impl Queue {
     /// An error in a child forked from the process that made the queue: its calls run in the
     /// parent, and the communicator's connections are the parent's.
     pub fn check_process(&self) -> Result<(), CommError> {
-        forked(self.shared.pid, self.rank)
+        self.shared.process.check(self.rank)
     }
 
     /// Abort the communicator, also while a call runs on it (its own thread's, or another
@@ -163,10 +163,10 @@ impl Queue {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
             done: Condvar::new(),
-            pid: std::process::id(),
+            process: Process::this(),
             rank: self.rank,
         });
-        if let Err(e) = forked(self.shared.pid, self.rank) {
+        if let Err(e) = self.shared.process.check(self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
             *lock(&slot.value) = Some(Err(e));
             return Request { slot };
@@ -234,7 +234,7 @@ impl Queue {
     /// other threads are not waited for). Panics on the queue's own thread, where it would
     /// wait for itself.
     pub fn wait_all(&self) {
-        if forked(self.shared.pid, self.rank).is_err() {
+        if self.shared.process.check(self.rank).is_err() {
             // The calls in flight at the fork ran in the parent; none will finish here.
             return;
         }
@@ -260,7 +260,7 @@ impl Queue {
         f: impl FnOnce(&mut Communicator) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         // In a forked child the lock may have been held by the parent's worker at the fork.
-        forked(self.shared.pid, self.rank)?;
+        self.shared.process.check(self.rank)?;
         self.wait_all();
         guarded(lock_comm(&self.shared.comm), f)
     }
@@ -303,7 +303,7 @@ impl Queue {
     /// held the last reference to the queue) the thread ends after the calls still queued,
     /// unjoined.
     fn close(&self) {
-        if forked(self.shared.pid, self.rank).is_err() {
+        if self.shared.process.check(self.rank).is_err() {
             // The worker is the parent's: nothing to wait for or join here.
             if let Some(h) = lock(&self.worker).take() {
                 std::mem::forget(h);
@@ -440,17 +440,37 @@ struct Slot<T> {
     value: Mutex<Option<Result<T, CommError>>>,
     done: Condvar,
     /// The process that issued the call, and the rank.
-    pid: u32,
+    process: Process,
     rank: usize,
 }
 
-/// An error in a child forked from process `pid` (where a queue's calls cannot run).
-fn forked(pid: u32, rank: usize) -> Result<(), CommError> {
-    let now = std::process::id();
-    if now == pid {
-        return Ok(());
+/// The process something was made in.
+#[derive(Clone, Copy)]
+struct Process {
+    pid: u32,
+    forks: u64,
+}
+
+impl Process {
+    fn this() -> Process {
+        Process {
+            pid: std::process::id(),
+            forks: chorus_transport::fork_generation(),
+        }
     }
-    Err(CommError::new(
+
+    /// An error in a child forked from this process (where a queue's calls cannot run).
+    fn check(&self, rank: usize) -> Result<(), CommError> {
+        if chorus_transport::fork_generation() == self.forks {
+            return Ok(());
+        }
+        let (pid, now) = (self.pid, std::process::id());
+        Err(forked_error(pid, now, rank))
+    }
+}
+
+fn forked_error(pid: u32, now: u32, rank: usize) -> CommError {
+    CommError::new(
         ErrorKind::InvalidUsage,
         "queued call",
         format!(
@@ -459,7 +479,7 @@ fn forked(pid: u32, rank: usize) -> Result<(), CommError> {
         ),
     )
     .at_rank(rank)
-    .with_usable(false))
+    .with_usable(false)
 }
 
 /// The result of a call issued on a [`Queue`], to come. Dropping it does not cancel the call.
@@ -482,7 +502,7 @@ impl<T> Request<T> {
                 return r;
             }
             // A call issued before a fork completes in the parent only.
-            forked(self.slot.pid, self.slot.rank)?;
+            self.slot.process.check(self.slot.rank)?;
             value = self
                 .slot
                 .done
@@ -499,7 +519,7 @@ impl<T> Request<T> {
             if let Some(r) = value.take() {
                 return Ok(r);
             }
-            if let Err(e) = forked(self.slot.pid, self.slot.rank) {
+            if let Err(e) = self.slot.process.check(self.slot.rank) {
                 return Ok(Err(e));
             }
             let now = Instant::now();

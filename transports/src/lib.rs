@@ -59,6 +59,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 pub use error::TransportError;
+pub use shm::sys::fork_generation;
 
 /// Writes `chorus: MSG` as one line to stderr, ignoring a stderr that is closed or broken
 /// (`eprintln!` would panic, here inside a transport's acceptor and store threads).

@@ -12,6 +12,8 @@
 //!   wait has a timeout.
 //! - [`Liveness`]: whether a peer process still runs (a pidfd polled without blocking, or
 //!   `kill(pid, 0)` on kernels without pidfds).
+//! - [`fork_generation`]: how many times this process's ancestors forked into it, counted by a
+//!   `pthread_atfork` child handler (cheaper than `getpid`, a system call, on every check).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -293,6 +295,29 @@ impl Liveness {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forked_child_sees_another_fork_generation() {
+        let before = fork_generation();
+        assert_eq!(fork_generation(), before);
+        // SAFETY: the child only reads an atomic and calls `_exit` (async-signal-safe).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let code = if fork_generation() != before { 0 } else { 1 };
+            // SAFETY: ends the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child, `status` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(r, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "status {status}"
+        );
+        assert_eq!(fork_generation(), before, "the parent's generation changed");
+    }
     use std::sync::atomic::Ordering;
 
     #[test]
@@ -350,4 +375,29 @@ mod tests {
         child.wait().unwrap();
         assert!(!l.alive());
     }
+}
+
+/// Forks into this process seen by the `pthread_atfork` child handler.
+static FORKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
+
+extern "C" fn forked_child() {
+    // Async-signal-safe: one atomic add, no allocation, no lock.
+    FORKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A number that changes in a child forked from this process (after the first call, which
+/// installs the handler that counts forks: call it before anything worth protecting exists).
+/// Equal numbers mean the same process.
+pub fn fork_generation() -> u64 {
+    FORK_HANDLER.call_once(|| {
+        // SAFETY: registers only a child handler, a plain `extern "C" fn` that does one atomic
+        // add (async-signal-safe, as a handler run after fork in a multi-threaded process must
+        // be); the function lives as long as the program.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if rc != 0 {
+            crate::note!("pthread_atfork failed ({rc}): a forked child is not recognised");
+        }
+    });
+    FORKS.load(std::sync::atomic::Ordering::SeqCst)
 }
