@@ -119,13 +119,19 @@ impl Queue {
     /// thread's blocking call): the peers are told and their calls fail at once, the running
     /// call and every later one fail (see [`AbortHandle`]). Returns once the peers have been
     /// told: true; false if after `limit` a running call has neither waited nor ended (it tells
-    /// them when it does). In a forked child it does nothing (the parent still runs this
-    /// rank) and returns true.
+    /// them when it does), or at once when called on the queue's own thread (inside a call,
+    /// which notices when it next waits or ends). In a forked child it does nothing (the
+    /// parent still runs this rank) and returns true.
     pub fn abort(&self, reason: &str, limit: Duration) -> bool {
         if self.check_process().is_err() {
             return true;
         }
         self.abort.abort(reason);
+        if lock(&self.shared.jobs).worker == Some(std::thread::current().id()) {
+            // A call on the queue's thread holds the communicator: it notices when it next
+            // waits, or tells the peers when it ends.
+            return false;
+        }
         let end = Instant::now() + limit;
         loop {
             if self.abort.is_done() || self.try_now(|c| c.abort(reason)).is_some() {
@@ -145,6 +151,9 @@ impl Queue {
 
     /// Calls issued and not yet finished.
     pub fn pending(&self) -> usize {
+        if self.check_process().is_err() {
+            return 0;
+        }
         let jobs = lock(&self.shared.jobs);
         (jobs.issued - jobs.finished) as usize
     }
@@ -288,6 +297,9 @@ impl Queue {
     ///
     /// Panics on the queue's own thread.
     pub fn into_inner(self) -> Communicator {
+        if let Err(e) = self.check_process() {
+            panic!("Queue::into_inner in a forked child: {e}");
+        }
         self.wait_all();
         self.close();
         let shared = Arc::clone(&self.shared);
@@ -398,7 +410,11 @@ fn guarded<T>(
     f: impl FnOnce(&mut Communicator) -> T,
 ) -> T {
     match catch_unwind(AssertUnwindSafe(|| f(&mut guard))) {
-        Ok(r) => r,
+        Ok(r) => {
+            // An abort requested after the call's last wait: the peers are told now.
+            guard.settle_abort();
+            r
+        }
         Err(panic) => {
             guard.abort("internal error in a call");
             drop(guard);
@@ -430,7 +446,12 @@ fn work(shared: &Shared) {
             jobs = shared.changed.wait(jobs).unwrap_or_else(|p| p.into_inner());
         };
         drop(jobs);
-        job(&mut lock_comm(&shared.comm));
+        {
+            let mut comm = lock_comm(&shared.comm);
+            job(&mut comm);
+            // An abort requested after the call's last wait: the peers are told now.
+            comm.settle_abort();
+        }
         lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();
     }
@@ -491,18 +512,19 @@ pub struct Request<T> {
 impl<T> Request<T> {
     /// Whether the call has finished (its result is ready for [`Request::wait`]).
     pub fn test(&self) -> bool {
-        lock(&self.slot.value).is_some()
+        // In a forked child it is as done as it will get: `wait` gives the error.
+        self.slot.process.check(self.slot.rank).is_err() || lock(&self.slot.value).is_some()
     }
 
     /// Wait for the call and take its result.
     pub fn wait(self) -> Result<T, CommError> {
+        // First: in a forked child the parent's worker may have held the lock at the fork.
+        self.slot.process.check(self.slot.rank)?;
         let mut value = lock(&self.slot.value);
         loop {
             if let Some(r) = value.take() {
                 return r;
             }
-            // A call issued before a fork completes in the parent only.
-            self.slot.process.check(self.slot.rank)?;
             value = self
                 .slot
                 .done
@@ -513,14 +535,14 @@ impl<T> Request<T> {
 
     /// Wait up to `limit` for the call: its result, or the request back if it is still running.
     pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
+        if let Err(e) = self.slot.process.check(self.slot.rank) {
+            return Ok(Err(e));
+        }
         let end = Instant::now() + limit;
         let mut value = lock(&self.slot.value);
         loop {
             if let Some(r) = value.take() {
                 return Ok(r);
-            }
-            if let Err(e) = self.slot.process.check(self.slot.rank) {
-                return Ok(Err(e));
             }
             let now = Instant::now();
             if now >= end {

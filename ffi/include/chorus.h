@@ -417,7 +417,8 @@ int32_t chorus_comm_abort(chorus_comm *comm);
 /**
  * Free a communicator and close its connections (peers still in a collective with it see
  * this rank leave), after waiting for its nonblocking calls in flight (their requests still
- * report through `chorus_wait`). NULL is a no-op. The pointer must not be used afterwards. While another
+ * report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
+ * made it, the pointer is released without touching anything the parent still uses. The pointer must not be used afterwards. While another
  * thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
  * (wait for that call, or its timeout, and destroy it then).
  *

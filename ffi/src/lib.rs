@@ -452,7 +452,8 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 
 /// Free a communicator and close its connections (peers still in a collective with it see
 /// this rank leave), after waiting for its nonblocking calls in flight (their requests still
-/// report through `chorus_wait`). NULL is a no-op. The pointer must not be used afterwards. While another
+/// report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
+/// made it, the pointer is released without touching anything the parent still uses. The pointer must not be used afterwards. While another
 /// thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
 /// (wait for that call, or its timeout, and destroy it then).
 ///
@@ -467,6 +468,11 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         }
         // SAFETY: non-NULL, and live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
+        if c.queue.check_process().is_err() {
+            // A forked child: the communicator is the parent's. Its copy is left as it is
+            // (a call in progress at the fork may have left it marked busy, or locked).
+            return Ok(());
+        }
         // A call of another thread in progress (running, or waiting for the nonblocking calls
         // before it): freeing now would free what it is using.
         let busy = || c.active.load(Ordering::SeqCst) > 0;

@@ -396,8 +396,9 @@ impl AbortHandle {
         self.inner.acted.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Record that the request was acted on (by the transport, or by its owner calling
-    /// [`Transport::abort`] itself).
+    /// Record that the request was acted on: every peer has been told. For the transport's
+    /// owner, after [`Transport::abort`] of the whole transport.
+    #[doc(hidden)]
     pub fn mark_acted(&self) {
         self.inner
             .acted
@@ -444,10 +445,9 @@ pub(crate) fn requested_abort(
     match handle.as_ref().and_then(AbortHandle::requested) {
         None => Ok(()),
         Some(notice) => {
+            // The owner marks it done once every part of a composite transport has told its
+            // peers (see `Communicator`'s handling of `Aborted`).
             abort(&notice);
-            if let Some(h) = handle {
-                h.mark_acted();
-            }
             Err(TransportError::Aborted(format!(
                 "aborted by this rank: {}",
                 notice.reason

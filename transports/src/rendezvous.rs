@@ -947,10 +947,11 @@ impl Drop for StoreServer {
         if std::process::id() != self.pid {
             // A forked child: the threads are the parent's (not here to join) and the sockets
             // are shared with the parent, whose store must go on. Leave everything be.
+            // (`Shared` stays referenced by those threads' copies: nothing is freed. No lock is
+            // taken either: a parent's thread may have held it at the fork.)
             if let Some(t) = self.accept.take() {
                 std::mem::forget(t);
             }
-            std::mem::forget(std::mem::take(&mut lock(&self.shared.conns).threads));
             return;
         }
         self.shared.shutdown.store(true, Ordering::SeqCst);

@@ -337,7 +337,8 @@ class Communicator:
 
     Every rank must call the same collectives in the same order with matching sizes, dtypes
     and ops. Calls on one communicator must not overlap in time (a second thread gets
-    :class:`InvalidUsageError`). Use it as a context manager, or call :meth:`close`.
+    :class:`InvalidUsageError`), except :meth:`abort`, which ends a call running in another
+    thread. Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, handle: ctypes.c_void_p):
@@ -385,7 +386,7 @@ class Communicator:
         first use and ended by :meth:`close`."""
         with self._completer_mu:
             if self._completer_q is None:
-                self._completer_q = _Completer()
+                self._completer_q = _Completer(self)
             return self._completer_q
 
     def allreduce(
@@ -822,27 +823,43 @@ def _error_of(status: int) -> Optional["ChorusError"]:
 class _Completer:
     """A daemon thread that completes the futures of (request, future) pairs put on its
     queue, in turn. :meth:`stop` ends it after what it holds; every one still running is
-    stopped at interpreter exit (a daemon thread still inside torch's ``set_result`` when the
-    interpreter finalises is killed there, and the process aborts)."""
+    stopped at interpreter exit, its communicator aborted if a call still runs after 5 s (a
+    daemon thread still inside torch's ``set_result`` when the interpreter finalises is
+    killed there, and the process aborts). Futures asked for after it stopped fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: "Communicator") -> None:
         import queue
+        import weakref
 
         self.q: Any = queue.SimpleQueue()
+        self.owner = weakref.ref(owner)
+        self.stopped = False
         self.thread = threading.Thread(target=self._run, name="chorus-futures", daemon=True)
         with _COMPLETERS_MU:
             _COMPLETERS.add(self)
         self.thread.start()
 
     def put(self, item: Any) -> None:
+        if self.stopped:
+            item[1].set_exception(InvalidUsageError("the communicator's futures thread has stopped"))
+            return
         self.q.put(item)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, abort_if_stuck: bool = False) -> None:
         """End the thread after the pairs it holds (their calls finish within their
-        timeout), waiting up to ``timeout`` seconds."""
+        timeout), waiting up to ``timeout`` seconds; with ``abort_if_stuck``, a call still
+        running then is aborted (from this thread) and waited for a little longer."""
+        self.stopped = True
         self.q.put(None)
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
+            owner = self.owner()
+            if abort_if_stuck and self.thread.is_alive() and owner is not None:
+                try:
+                    owner.abort()
+                except ChorusError:
+                    pass
+                self.thread.join(timeout)
         with _COMPLETERS_MU:
             _COMPLETERS.discard(self)
 
@@ -872,7 +889,9 @@ def _stop_completers() -> None:
     with _COMPLETERS_MU:
         running = list(_COMPLETERS)
     for c in running:
-        c.stop(timeout=5.0)
+        # A call still running at exit is aborted: the thread must not be inside torch when
+        # the interpreter finalises.
+        c.stop(timeout=5.0, abort_if_stuck=True)
 
 
 class Compressor:

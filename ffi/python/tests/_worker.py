@@ -494,6 +494,31 @@ def forked(comm):
     import os
 
     p, me = comm.size, comm.rank
+    # First with no nonblocking call made (no queue thread holds the communicators): the
+    # child's close drops them for real. A dup's first rank hosts the dup's store.
+    d = comm.dup()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            d.allreduce(np.ones(4, np.float32))
+            code = 1
+        except chorus.InvalidUsageError as e:
+            code = 0 if "forked" in e.message else 1
+        try:
+            d.close()
+            comm.close()
+        except BaseException as e:  # noqa: BLE001 - reported through the exit code
+            print(f"child of rank {me}: close: {type(e).__name__}: {e}", flush=True)
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"first child status {status}"
+    for _ in range(3):  # the parent's copies (shared memory, store) are untouched
+        y = np.full(1000, me, np.float32)
+        d.allreduce(y)
+        check("the dup after the child closed it", y[:3], [p * (p - 1) / 2] * 3)
+    d.close()
     x = np.ones(4, np.float32)
     comm.allreduce(x)
     in_flight = comm.allreduce(np.ones(1 << 20, np.float32), async_op=True)

@@ -1033,4 +1033,35 @@ mod tests {
         assert!(matches!(e, TransportError::Protocol { peer: 0, .. }), "{e}");
         drop(t0);
     }
+
+    #[test]
+    fn a_forked_child_dropping_or_aborting_its_copy_leaves_the_rank_running() {
+        let mut g = local_group(2, &ShmOptions::default()).unwrap();
+        let mut t1 = g.pop().unwrap();
+        let mut rank0 = g.pop();
+        // The child (as a DataLoader worker would) aborts and drops its copy of rank 0; the
+        // parent keeps its own (the closure runs in the child only).
+        let code = sys::in_forked_child(|| {
+            let mut t0 = rank0.take().unwrap();
+            t0.abort(&AbortNotice {
+                culprit: None,
+                reason: "a forked child".into(),
+            });
+            drop(t0);
+            0
+        });
+        assert_eq!(code, 0);
+        // The parent's rank 0 still talks to rank 1...
+        let mut t0 = rank0.take().unwrap();
+        t0.send(1, 7, b"still here", Duration::from_secs(5))
+            .unwrap();
+        let mut b = [0u8; 10];
+        t1.recv(0, 7, &mut b, Duration::from_secs(5)).unwrap();
+        assert_eq!(&b, b"still here");
+        // ... and rank 1 waiting on it sees it alive: a timeout, not a closed or aborted peer.
+        let e = t1
+            .recv(0, 8, &mut b, Duration::from_millis(200))
+            .unwrap_err();
+        assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+    }
 }

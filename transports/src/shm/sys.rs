@@ -292,6 +292,56 @@ impl Liveness {
     }
 }
 
+/// Forks into this process seen by the `pthread_atfork` child handler.
+static FORKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
+
+extern "C" fn forked_child() {
+    // Async-signal-safe: one atomic add, no allocation, no lock.
+    FORKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A number that changes in a child forked from this process (after the first call, which
+/// installs the handler that counts forks: call it before anything worth protecting exists).
+/// Equal numbers mean the same process.
+pub fn fork_generation() -> u64 {
+    FORK_HANDLER.call_once(|| {
+        // SAFETY: registers only a child handler, a plain `extern "C" fn` that does one atomic
+        // add (async-signal-safe, as a handler run after fork in a multi-threaded process must
+        // be); the function lives as long as the program.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if rc != 0 {
+            crate::note!("pthread_atfork failed ({rc}): a forked child is not recognised");
+        }
+    });
+    FORKS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Run `child` in a forked child of this process, which then ends with its return value as the
+/// exit code; returns that code (tests only). `child` must keep to what is safe after a fork
+/// in a multi-threaded process (glibc's allocator is).
+#[cfg(test)]
+pub(crate) fn in_forked_child(child: impl FnOnce() -> i32) -> i32 {
+    // SAFETY: the child runs `child` and ends with `_exit` (no atexit handlers, no unwinding
+    // into the parent's frames); the parent only waits for it.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).unwrap_or(101);
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child; `status` is a valid out-pointer.
+    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(r, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child did not exit: status {status}"
+    );
+    libc::WEXITSTATUS(status)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,29 +425,4 @@ mod tests {
         child.wait().unwrap();
         assert!(!l.alive());
     }
-}
-
-/// Forks into this process seen by the `pthread_atfork` child handler.
-static FORKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
-
-extern "C" fn forked_child() {
-    // Async-signal-safe: one atomic add, no allocation, no lock.
-    FORKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// A number that changes in a child forked from this process (after the first call, which
-/// installs the handler that counts forks: call it before anything worth protecting exists).
-/// Equal numbers mean the same process.
-pub fn fork_generation() -> u64 {
-    FORK_HANDLER.call_once(|| {
-        // SAFETY: registers only a child handler, a plain `extern "C" fn` that does one atomic
-        // add (async-signal-safe, as a handler run after fork in a multi-threaded process must
-        // be); the function lives as long as the program.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-        if rc != 0 {
-            crate::note!("pthread_atfork failed ({rc}): a forked child is not recognised");
-        }
-    });
-    FORKS.load(std::sync::atomic::Ordering::SeqCst)
 }
