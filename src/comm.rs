@@ -19,9 +19,9 @@ use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait
 /// The running call (or, when none runs, the communicator's next call) tells every peer,
 /// whose calls then fail at once naming this rank, and fails with an error; the communicator
 /// is unusable afterwards. Over TCP a waiting call notices at once, over shared memory within
-/// 10 ms; a call that is not waiting notices when it next waits or ends. Not yet looked at:
-/// the set-up of a split or dup (connecting the new group, bounded by the init timeout) and the
-/// RDMA transport. Clones share the request; the first reason wins.
+/// 10 ms (RDMA likewise); a call that is not waiting notices when it next waits or ends. Not
+/// yet looked at: the set-up of a split or dup (connecting the new group, bounded by the init
+/// timeout). Clones share the request; the first reason wins.
 #[derive(Clone, Debug)]
 pub struct AbortHandle {
     inner: chorus_transport::AbortHandle,

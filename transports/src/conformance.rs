@@ -82,6 +82,7 @@ pub fn run_all(make: MakeGroup<'_>) {
     peer_closed(make);
     abort_propagates(make);
     abort_mid_message(make);
+    abort_from_another_thread(make);
 }
 
 pub fn ping_pong(make: MakeGroup<'_>) {
@@ -387,6 +388,46 @@ pub fn abort_propagates(make: MakeGroup<'_>) {
             }
         }
         _ => std::thread::sleep(Duration::from_millis(300)),
+    });
+}
+
+/// An abort requested through the [`crate::AbortHandle`] from another thread while rank 0
+/// waits in a receive that would otherwise wait for 20 s: the receive fails with
+/// [`TransportError::Aborted`] within 2 s, and rank 1 learns of it from the notice.
+pub fn abort_from_another_thread(make: MakeGroup<'_>) {
+    on_group(make, 2, |rank, t| {
+        let mut b = [0u8; 8];
+        if rank == 0 {
+            let handle = crate::AbortHandle::new();
+            t.set_abort_handle(handle.clone());
+            let asker = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                handle.request(AbortNotice {
+                    culprit: None,
+                    reason: "asked from another thread".into(),
+                });
+            });
+            let start = Instant::now();
+            let r = t.recv(1, 1, &mut b, T);
+            asker.join().unwrap();
+            assert!(matches!(r, Err(TransportError::Aborted(_))), "{r:?}");
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "{:?}",
+                start.elapsed()
+            );
+            // Stay until rank 1 has read the notice.
+            std::thread::sleep(Duration::from_millis(500));
+        } else {
+            match t.recv(0, 1, &mut b, T) {
+                Err(TransportError::PeerAborted {
+                    peer: 0, reason, ..
+                }) => {
+                    assert!(reason.contains("another thread"), "{reason}")
+                }
+                other => panic!("expected an abort notice, got {other:?}"),
+            }
+        }
     });
 }
 

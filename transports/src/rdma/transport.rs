@@ -8,8 +8,8 @@ use super::nic::{Completion, Nic, NicError};
 use super::protocol::{Arrival, Incoming, ProtocolError, Receiver, Sender};
 use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
-    check_ops, check_post, check_usable, AbortNotice, Buf, Direction, Op, Request, Result,
-    Transport, TransportError, Wait,
+    check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
+    Result, Transport, TransportError, Wait,
 };
 
 struct Peer {
@@ -35,9 +35,19 @@ pub struct RdmaTransport<N: Nic> {
     completions: Vec<Completion>,
     broken: Option<String>,
     aborted: bool,
+    /// Aborts requested from other threads, looked at between the NIC's 10 ms waits.
+    abort_request: Option<AbortHandle>,
 }
 
 impl<N: Nic> RdmaTransport<N> {
+    /// Fail with an abort requested through the handle, after telling the peers.
+    fn check_abort_request(&mut self) -> Result<()> {
+        let handle = self.abort_request.take();
+        let r = crate::requested_abort(&handle, |n| self.abort(n));
+        self.abort_request = handle;
+        r
+    }
+
     /// The transport of `rank` in a group of `size` whose queue pairs `nic` holds; checks
     /// every endpoint it was given.
     pub fn new(rank: usize, size: usize, nic: N) -> Result<RdmaTransport<N>> {
@@ -71,6 +81,7 @@ impl<N: Nic> RdmaTransport<N> {
             completions: Vec::new(),
             broken: None,
             aborted: false,
+            abort_request: None,
         })
     }
 
@@ -320,6 +331,7 @@ impl<N: Nic> Transport for RdmaTransport<N> {
         check_ops(ops)?;
         let started = Instant::now();
         loop {
+            self.check_abort_request()?;
             if let Err(e) = self.take_completions() {
                 return Err(self.fail(e));
             }
@@ -357,6 +369,10 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             }
             self.nic.wait(deadline);
         }
+    }
+
+    fn set_abort_handle(&mut self, handle: AbortHandle) {
+        self.abort_request = Some(handle);
     }
 
     fn abort(&mut self, notice: &AbortNotice) {
