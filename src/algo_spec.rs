@@ -18,19 +18,20 @@
 //! that leaves a collective no schedule.
 
 use chorus_algorithms::allreduce::Algorithm;
-use chorus_algorithms::collectives::{allgather, broadcast, reduce, reduce_scatter};
+use chorus_algorithms::collectives::{allgather, alltoall, broadcast, reduce, reduce_scatter};
 
 /// The collectives whose schedule `CHORUS_ALGO` chooses, as written in messages.
-pub(crate) const CHOOSABLE: [&str; 5] = [
+pub(crate) const CHOOSABLE: [&str; 6] = [
     "allreduce",
     "broadcast",
     "reduce",
     "allgather",
     "reduce_scatter",
+    "alltoall",
 ];
 
 /// The collectives that run one schedule: a section may name them only to say nothing.
-const SINGLE: [&str; 6] = ["alltoall", "gather", "scatter", "barrier", "send", "recv"];
+const SINGLE: [&str; 5] = ["gather", "scatter", "barrier", "send", "recv"];
 
 /// `s` without case, `-` or `_`: how collectives are compared.
 fn squash(s: &str) -> String {
@@ -51,6 +52,7 @@ pub(crate) fn schedule_names(coll: &str) -> Option<Vec<&'static str>> {
             .iter()
             .map(|a| a.name())
             .collect(),
+        "alltoall" => alltoall::Algorithm::ALL.iter().map(|a| a.name()).collect(),
         _ => return None,
     })
 }
@@ -225,6 +227,7 @@ pub(crate) struct Allowed {
     pub reduce: Vec<bool>,
     pub allgather: Vec<bool>,
     pub reduce_scatter: Vec<bool>,
+    pub alltoall: Vec<bool>,
 }
 
 impl AlgoSpec {
@@ -241,6 +244,7 @@ impl AlgoSpec {
             reduce: of("reduce"),
             allgather: of("allgather"),
             reduce_scatter: of("reduce_scatter"),
+            alltoall: of("alltoall"),
         }
     }
 }
@@ -284,7 +288,19 @@ mod tests {
         );
         assert_eq!(AlgoSpec::parse("").unwrap(), AlgoSpec::default());
         assert_eq!(AlgoSpec::parse(" ; ").unwrap(), AlgoSpec::default());
-        assert!(AlgoSpec::parse("alltoall:").is_ok());
+        assert!(AlgoSpec::parse("gather:").is_ok());
+        // The all-to-all's two schedules.
+        let s = AlgoSpec::parse("ring;alltoall:pairwise").unwrap();
+        assert_eq!(s.resolve().alltoall, vec![false, true]);
+        assert_eq!(s.resolve().broadcast, vec![false, true]);
+        assert_eq!(
+            AlgoSpec::parse("linear").unwrap().resolve().alltoall,
+            vec![true, false]
+        );
+        assert_eq!(
+            AlgoSpec::parse("tree").unwrap().resolve().alltoall,
+            vec![true, true]
+        );
     }
 
     #[test]
@@ -295,7 +311,9 @@ mod tests {
             ("broadcast:rnig", "not a schedule of broadcast"),
             ("broadcast:halving_doubling", "not a schedule of broadcast"),
             ("warp", "not a schedule of any collective"),
-            ("alltoall:pairwise", "single schedule"),
+            ("gather:tree", "single schedule"),
+            ("alltoall:ring", "not a schedule of alltoall"),
+            ("alltoall:^linear,pairwise", "no alltoall schedule is left"),
             ("broadcast:^tree,ring", "no broadcast schedule is left"),
             ("broadcast:", "no broadcast schedule is left"),
         ] {

@@ -394,10 +394,17 @@ impl Communicator {
                     ),
                 ));
             }
-            c.trace(format_args!("all_to_all_v {st} B out, {rt} B in, pairwise"));
+            let allowed = c.algos().alltoall.clone();
+            let largest = sc.iter().chain(&rc).copied().max().unwrap_or(0);
+            c.trace(format_args!(
+                "all_to_all_v {st} B out, {rt} B in, {}",
+                alltoall::Algorithm::auto(&allowed, largest).name()
+            ));
             // The counts differ from rank to rank by design: only the lengths of the messages
             // check them, pair by pair.
-            c.run_call(call, &[], |ctx| alltoall::run_v(ctx, send, &sc, recv, &rc))
+            c.run_call(call, &[], |ctx| {
+                alltoall::run_v(ctx, send, &sc, recv, &rc, &allowed)
+            })
         })
     }
 
@@ -567,9 +574,15 @@ impl Communicator {
                 }
             }
             c.check_blocks(OP, None, recv.len(), dtype, true)?;
-            c.trace(format_args!("all_to_all {} B pairwise", recv.len()));
+            let allowed = c.algos().alltoall.clone();
+            let block = recv.len() / c.size();
+            c.trace(format_args!(
+                "all_to_all {} B {}",
+                recv.len(),
+                alltoall::Algorithm::auto(&allowed, block).name()
+            ));
             c.run_call(call, &[recv.len() as u64], |ctx| {
-                alltoall::run(ctx, send, recv)
+                alltoall::run(ctx, send, recv, &allowed)
             })
         })
     }

@@ -7,11 +7,16 @@
 //! output. Every rank sends and receives one block per step, so no rank is flooded:
 //! `(p−1)α + (p−1)/p·nβ`. In place (`send` `None`) the input is first copied to scratch.
 //!
-//! Where a rank's blocks are small (at most [`ALL_AT_ONCE_BYTES`] each), it posts the `p−1`
-//! exchanges at once instead of one step after another, as MPI's linear all-to-all does for
-//! small messages: one latency instead of `p−1`. Each pair of ranks exchanges one message each
-//! way per call, with the tag of its step either way, so ranks that decide differently (the
-//! blocks of an alltoallv differ) still match.
+//! # Schedule: linear
+//! The `p−1` exchanges are posted at once instead of one step after another, as MPI's linear
+//! all-to-all does for small messages: one latency instead of `p−1`, but every link carries
+//! `p−1` flows at once.
+//!
+//! The automatic choice ([`Algorithm::auto`]) is linear where a rank's blocks are small (at
+//! most [`ALL_AT_ONCE_BYTES`] each), pairwise above; `CHORUS_ALGO` (`alltoall:pairwise`,
+//! `alltoall:linear`) forces one. Each pair of ranks exchanges one message each way per call,
+//! with the tag of its step either way, so ranks that decide differently (the blocks of an
+//! alltoallv differ) still match.
 
 use std::time::Instant;
 
@@ -23,6 +28,40 @@ use super::{block, exchange, exchange_all, pieces, tag};
 pub const ALL_AT_ONCE_BYTES: usize = 16 << 10;
 use crate::cost::Link;
 use crate::CollCtx;
+
+/// An all-to-all schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Every exchange posted at once.
+    Linear,
+    /// One exchange after another.
+    Pairwise,
+}
+
+impl Algorithm {
+    /// Every schedule.
+    pub const ALL: [Algorithm; 2] = [Algorithm::Linear, Algorithm::Pairwise];
+
+    /// The name used in logs and `CHORUS_ALGO`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Linear => "linear",
+            Algorithm::Pairwise => "pairwise",
+        }
+    }
+
+    /// The schedule for blocks of at most `largest_block` bytes among those `allowed` (in the
+    /// order of [`Algorithm::ALL`]): the only one allowed, or linear up to
+    /// [`ALL_AT_ONCE_BYTES`] and pairwise above.
+    pub fn auto(allowed: &[bool], largest_block: usize) -> Algorithm {
+        match allowed {
+            [true, false] => Algorithm::Linear,
+            [false, true] => Algorithm::Pairwise,
+            _ if largest_block <= ALL_AT_ONCE_BYTES => Algorithm::Linear,
+            _ => Algorithm::Pairwise,
+        }
+    }
+}
 
 /// One step: the peers of the exchange.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,8 +99,14 @@ pub fn cost(bytes: usize, ranks: usize, link: &Link) -> f64 {
 }
 
 /// Exchanges blocks: `send` (or, `None`, `recv` itself) holds the `p` outgoing blocks,
-/// `recv` receives the `p` incoming ones.
-pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+/// `recv` receives the `p` incoming ones, by the schedule [`Algorithm::auto`] picks among
+/// those `allowed`.
+pub fn run(
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    allowed: &[bool],
+) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let n = recv.len();
     if n % size != 0 || send.is_some_and(|s| s.len() != n) {
@@ -87,7 +132,7 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Resul
     };
     recv[block(rank, b)].copy_from_slice(&input[block(rank, b)]);
     let offsets: Vec<usize> = (0..=size).map(|j| j * b).collect();
-    let at_once = b <= ALL_AT_ONCE_BYTES;
+    let at_once = Algorithm::auto(allowed, b) == Algorithm::Linear;
     exchange_blocks(
         t, deadline, &steps, &tags, input, &offsets, recv, &offsets, at_once,
     )
@@ -149,6 +194,7 @@ pub fn run_v(
     send_counts: &[usize],
     recv: &mut [u8],
     recv_counts: &[usize],
+    allowed: &[bool],
 ) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let bad = |m: String| Err(super::invalid("all_to_all_v", m));
@@ -180,10 +226,13 @@ pub fn run_v(
     recv[ro[rank]..ro[rank + 1]].copy_from_slice(&send[so[rank]..so[rank + 1]]);
     let steps = plan(rank, size);
     let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
-    let at_once = send_counts
+    let largest = send_counts
         .iter()
         .chain(recv_counts)
-        .all(|&c| c <= ALL_AT_ONCE_BYTES);
+        .copied()
+        .max()
+        .unwrap_or(0);
+    let at_once = Algorithm::auto(allowed, largest) == Algorithm::Linear;
     exchange_blocks(
         &mut *ctx.transport,
         ctx.deadline,
