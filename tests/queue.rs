@@ -10,7 +10,7 @@ mod common;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use chorus::{CommError, Communicator, ErrorKind, Queue, ReduceOp};
+use chorus::{CommError, ErrorKind, Queue, ReduceOp};
 
 use common::*;
 
@@ -23,39 +23,12 @@ fn queues<R: Send + 'static>(
     watchdog: Duration,
     f: impl Fn(Queue) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
-    let server = store();
-    let addr = server.local_addr();
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..size {
-        let (tx, f) = (tx.clone(), f.clone());
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut cfg = config_on(rank, size, addr, transport);
-                cfg.timeout = timeout;
-                f(Queue::new(Communicator::new(cfg).expect("communicator")))
-            }));
-            let _ = tx.send((rank, r));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + watchdog;
-    let mut out: Vec<Option<R>> = (0..size).map(|_| None).collect();
-    for _ in 0..size {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((rank, Ok(r))) => out[rank] = Some(r),
-            Ok((rank, Err(p))) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                panic!("rank {rank} of {size} panicked: {msg}")
-            }
-            Err(_) => panic!("watchdog: a queue of {size} ranks still running after {watchdog:?}"),
-        }
-    }
-    drop(server);
-    out.into_iter().map(Option::unwrap).collect()
+    let make = move |rank, addr| {
+        let mut cfg = config_on(rank, size, addr, transport);
+        cfg.timeout = timeout;
+        cfg
+    };
+    on_threads_owned(size, watchdog, make, move |c| f(Queue::new(c)))
 }
 
 /// Rank `r`'s element `i` of call `k` (integer-valued, so sums are exact in f64).

@@ -76,6 +76,17 @@ pub fn on_threads_cfg<R: Send + 'static>(
     make: impl Fn(usize, SocketAddr) -> Config + Send + Sync + Clone + 'static,
     f: impl Fn(&mut Communicator) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
+    on_threads_owned(size, watchdog, make, move |mut c| f(&mut c))
+}
+
+/// [`on_threads_cfg`] handing each rank its communicator to own (to move into a
+/// [`chorus::Queue`], say).
+pub fn on_threads_owned<R: Send + 'static>(
+    size: usize,
+    watchdog: Duration,
+    make: impl Fn(usize, SocketAddr) -> Config + Send + Sync + Clone + 'static,
+    f: impl Fn(Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
     let server = store();
     let addr = server.local_addr();
     let (tx, rx) = mpsc::channel();
@@ -84,8 +95,7 @@ pub fn on_threads_cfg<R: Send + 'static>(
         let (f, make) = (f.clone(), make.clone());
         std::thread::spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut c = Communicator::new(make(rank, addr)).expect("communicator");
-                f(&mut c)
+                f(Communicator::new(make(rank, addr)).expect("communicator"))
             }));
             let _ = tx.send((rank, r));
         });
