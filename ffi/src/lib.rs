@@ -1539,16 +1539,10 @@ unsafe fn gather_call(
     // call runs (after the calls issued before it).
     let overlap = ptr::check_disjoint(sendbuf, block, recvbuf, all, "").is_err();
     Ok(Box::new(move |c| {
-        // SAFETY: valid until the call completes by the caller's promise; when the buffers
-        // overlap, this shared slice is dropped (copied) before `recv` is made.
-        let copy = overlap.then(|| unsafe { send.get() }.to_vec());
-        // SAFETY: as above; `send` itself is only read when disjoint from `recv`.
-        let (send, recv) = unsafe {
-            (
-                copy.as_deref().unwrap_or_else(|| send.get()),
-                recv.get_mut(),
-            )
-        };
+        let mut copy = Vec::new();
+        // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
+        // whether they overlap.
+        let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
         c.gather_raw(send, Some(recv), dtype, root)
     }))
 }
@@ -1628,16 +1622,10 @@ unsafe fn scatter_call(
     // call runs (after the calls issued before it).
     let overlap = ptr::check_disjoint(sendbuf, all, recvbuf, block, "").is_err();
     Ok(Box::new(move |c| {
-        // SAFETY: valid until the call completes by the caller's promise; when the buffers
-        // overlap, this shared slice is dropped (copied) before `recv` is made.
-        let copy = overlap.then(|| unsafe { send.get() }.to_vec());
-        // SAFETY: as above; `send` itself is only read when disjoint from `recv`.
-        let (send, recv) = unsafe {
-            (
-                copy.as_deref().unwrap_or_else(|| send.get()),
-                recv.get_mut(),
-            )
-        };
+        let mut copy = Vec::new();
+        // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
+        // whether they overlap.
+        let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
         c.scatter_raw(Some(send), recv, dtype, root)
     }))
 }

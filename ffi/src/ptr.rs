@@ -179,6 +179,30 @@ impl RawBuf {
     }
 }
 
+/// `send` to read and `recv` to write, for a call running now; when they `overlap`, `send` is
+/// read from a copy made first in `copy` (the shared slice of it gone before `recv`'s mutable
+/// one is made).
+///
+/// # Safety
+/// As [`RawBuf::get`] for `send` and [`RawBuf::get_mut`] for `recv` while the slices live,
+/// and `overlap` is false only when the two are disjoint.
+pub(crate) unsafe fn apart(
+    send: RawBuf,
+    recv: RawBuf,
+    overlap: bool,
+    copy: &mut Vec<u8>,
+) -> (&[u8], &mut [u8]) {
+    if overlap {
+        // SAFETY: readable by the caller's promise; the slice ends with the copy.
+        copy.extend_from_slice(unsafe { send.get() });
+        // SAFETY: writable and otherwise untouched by the caller's promise.
+        (copy.as_slice(), unsafe { recv.get_mut() })
+    } else {
+        // SAFETY: as promised, and disjoint.
+        unsafe { (send.get(), recv.get_mut()) }
+    }
+}
+
 /// The `n` counts (`size_t`) at `p`, copied; NULL (with `n` > 0) or a misaligned pointer is
 /// an error.
 ///
@@ -292,6 +316,21 @@ mod tests {
         assert!(check_disjoint(q, 8, p, 9, "x").is_err());
         assert!(check_disjoint(p, 16, p, 16, "x").is_err());
         assert!(check_disjoint(p, 0, p, 16, "x").is_ok());
+    }
+
+    #[test]
+    fn apart_copies_an_overlapping_input_first() {
+        let mut b = [1u8, 2, 3, 4, 5, 6];
+        let p = b.as_mut_ptr().cast::<c_void>();
+        let send = RawBuf::new(p, 6, "send").unwrap();
+        // SAFETY: offset inside `b`.
+        let recv = RawBuf::new(unsafe { p.cast::<u8>().add(2) }.cast(), 2, "recv").unwrap();
+        let mut copy = Vec::new();
+        // SAFETY: `b` outlives the slices, which are used only here.
+        let (s, r) = unsafe { apart(send, recv, true, &mut copy) };
+        r.copy_from_slice(&s[4..6]);
+        assert_eq!(s, [1, 2, 3, 4, 5, 6], "the input is read from the copy");
+        assert_eq!(b, [1, 2, 5, 6, 5, 6]);
     }
 
     #[test]
