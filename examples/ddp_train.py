@@ -11,7 +11,8 @@ cannot parse their default.)
 
 ``--hook chorus`` overlaps each bucket's allreduce with the rest of the backward pass,
 ``--hook chorus-sync`` runs it inside the hook. ``--hook gloo`` uses DDP's own allreduce over
-Gloo instead, and ``--hook backend`` DDP's own
+Gloo instead, ``--hook backend-hook`` chorus's hook over the backend's own communicator (no
+Gloo, and the allreduces in the background), and ``--hook backend`` DDP's own
 allreduce over chorus as the ``torch.distributed`` backend (``chorus.backend``: the process
 group itself is chorus, no Gloo at all); all print the same final loss
 (up to float rounding), which is what ``ffi/python/tests`` checks, and rank 0's mean time per
@@ -31,7 +32,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hook", choices=["chorus", "chorus-sync", "gloo", "backend"], default="chorus")
+    p.add_argument(
+        "--hook",
+        choices=["chorus", "chorus-sync", "gloo", "backend", "backend-hook"],
+        default="chorus",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
@@ -59,7 +64,7 @@ def main() -> None:
 
     # Both launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DDP needs a process
     # group for its set-up even when a chorus hook moves the gradients.
-    if args.hook == "backend":
+    if args.hook in ("backend", "backend-hook"):
         import chorus.backend  # noqa: F401 - registers the "chorus" backend
 
         dist.init_process_group("chorus")
@@ -85,6 +90,13 @@ def main() -> None:
         model = DDP(student)
 
     comm = None
+    if args.hook == "backend-hook":
+        # The backend's own communicator, with chorus's hook: each bucket's allreduce in the
+        # background (the backend's allreduce runs synchronously).
+        import chorus.backend
+        from chorus.ddp import allreduce_hook
+
+        model.register_comm_hook(chorus.backend.communicator(), allreduce_hook)
     if args.hook in ("chorus", "chorus-sync"):
         import chorus
         from chorus.ddp import (

@@ -14,7 +14,9 @@ Each process group (the default one and every ``new_group``) gets its own chorus
 communicator: the group's first rank makes a unique id (:func:`chorus.unique_id`) and puts it in
 the group's torch store, where the others read it. Collectives run as chorus runs them, on CPU
 tensors (contiguous; complex tensors as pairs of reals for sums and averages), in the calling
-thread with the GIL released; ``async_op=True`` returns work that is already complete.
+thread with the GIL released; ``async_op=True`` returns work that is already complete. For
+DDP with the gradients' allreduces overlapping the backward pass, register chorus's hook on
+the group's communicator (:func:`communicator`).
 Calls from several threads on one group wait for each other (the ranks must still make them
 in the same order).
 Timeouts are chorus's (``CHORUS_TIMEOUT``, ``CHORUS_INIT_TIMEOUT``), not the ``timeout`` of
@@ -63,7 +65,7 @@ from . import (
     unique_id,
 )
 
-__all__ = ["ProcessGroupChorus", "register"]
+__all__ = ["ProcessGroupChorus", "communicator", "register"]
 
 NAME = "chorus"
 _STORE_KEY = "chorus/unique_id"
@@ -545,6 +547,25 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGrou
                 + uid[len(b"error:"):].decode(errors="replace")
             )
     return ProcessGroupChorus(init(rank=rank, size=size, unique_id=uid))
+
+
+def communicator(group: Any = None) -> Communicator:
+    """The chorus communicator of a process group of this backend (``None``: the default
+    group), for chorus's own calls on the group's ranks: its nonblocking collectives, or the
+    DDP hook that overlaps each bucket's allreduce with the backward pass, which the backend's
+    synchronous ``allreduce`` does not::
+
+        model.register_comm_hook(chorus.backend.communicator(), chorus.ddp.allreduce_hook)
+
+    Its calls and the group's run on one communicator: every rank must make them in the same
+    order, as with the group's own."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if not isinstance(group, ProcessGroupChorus):
+        raise InvalidArgumentError(
+            f"communicator: {type(group).__name__} is not a process group of the chorus backend"
+        )
+    return group.comm
 
 
 def register() -> None:

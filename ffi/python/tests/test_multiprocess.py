@@ -112,6 +112,10 @@ def test_ddp_over_the_chorus_backend_trains_like_gloo(workspace):
     backend_loss = final_loss(out)
     m = re.search(r"buckets (\d+) after the rebuild", out)
     assert m and int(m.group(1)) >= 3, out
+    # chorus's background hook over the backend's own communicator.
+    code, out = launch(2, [PYTHON, script, "--hook", "backend-hook", *args], env=env)
+    assert code == 0, out
+    assert final_loss(out) == pytest.approx(backend_loss, rel=1e-4), out
     code, out = launch(2, [PYTHON, script, "--hook", "gloo", *args], env=env)
     assert code == 0, out
     assert backend_loss == pytest.approx(final_loss(out), rel=1e-4), (backend_loss, final_loss(out))
