@@ -1477,6 +1477,10 @@ impl Communicator {
     /// Carry out an abort requested through the handle while no call ran (the peers have not
     /// been told yet).
     pub(crate) fn settle_abort(&mut self) {
+        if self.check_process("abort").is_err() {
+            // A forked child: only the parent speaks for this rank.
+            return;
+        }
         if self.abort_handle.is_requested() && !self.abort_handle.acted() {
             if let Some(n) = self.abort_handle.requested() {
                 self.transport.abort(&n);

@@ -31,6 +31,12 @@ use crate::error::{CommError, ErrorKind};
 
 type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
 
+thread_local! {
+    /// On a queue's thread: which queue (the address of its `Shared`), so that a call waiting
+    /// for a request of its own queue fails instead of waiting for itself.
+    static RUNNING_QUEUE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Lock `m`, taking the data of a poisoned lock as it is (nothing here panics while holding
 /// one; the communicator's own lock is handled apart).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,8 +168,9 @@ impl Queue {
     /// result goes to the returned request. A panic in `call` becomes an internal error, and
     /// the communicator is aborted (its state is unknown).
     ///
-    /// `call` runs on the queue's thread: it must not wait for this queue (its requests,
-    /// [`Queue::run`], [`Queue::wait_all`]), which would wait for itself; those panic there.
+    /// `call` runs on the queue's thread: it must not wait for this queue, which would wait for
+    /// itself. [`Queue::run`] and [`Queue::wait_all`] panic there (the call's request gets an
+    /// internal error); waiting for a later request of the queue is an internal error.
     pub fn submit<T, F>(&self, call: F) -> Request<T>
     where
         T: Send + 'static,
@@ -174,6 +181,7 @@ impl Queue {
             done: Condvar::new(),
             process: Process::this(),
             rank: self.rank,
+            queue: Arc::as_ptr(&self.shared) as usize,
         });
         if let Err(e) = self.shared.process.check(self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
@@ -434,6 +442,7 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// The worker: run queued calls in order until the queue closes.
 fn work(shared: &Shared) {
+    RUNNING_QUEUE.with(|q| q.set(shared as *const Shared as usize));
     loop {
         let mut jobs = lock(&shared.jobs);
         let job = loop {
@@ -463,6 +472,26 @@ struct Slot<T> {
     /// The process that issued the call, and the rank.
     process: Process,
     rank: usize,
+    /// The queue it was issued on (the address of its `Shared`).
+    queue: usize,
+}
+
+impl<T> Slot<T> {
+    /// An error when waiting would never end: in a forked child, or on the queue's own thread
+    /// (a later call, which cannot run before the current one ends).
+    fn unwaitable(&self) -> Result<(), CommError> {
+        self.process.check(self.rank)?;
+        if RUNNING_QUEUE.with(|q| q.get()) == self.queue {
+            return Err(CommError::new(
+                ErrorKind::Internal,
+                "queued call",
+                "a call on a chorus Queue's thread waited for a later request of that queue (it \
+                 would wait for itself)",
+            )
+            .at_rank(self.rank));
+        }
+        Ok(())
+    }
 }
 
 /// The process something was made in.
@@ -525,6 +554,7 @@ impl<T> Request<T> {
             if let Some(r) = value.take() {
                 return r;
             }
+            self.slot.unwaitable()?;
             value = self
                 .slot
                 .done
@@ -543,6 +573,9 @@ impl<T> Request<T> {
         loop {
             if let Some(r) = value.take() {
                 return Ok(r);
+            }
+            if let Err(e) = self.slot.unwaitable() {
+                return Ok(Err(e));
             }
             let now = Instant::now();
             if now >= end {

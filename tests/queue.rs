@@ -324,6 +324,14 @@ fn a_call_that_waits_for_its_own_queue_fails_instead_of_hanging() {
             let e = waited.wait().expect_err("waiting on its own queue");
             assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
             assert!(e.to_string().contains("wait for itself"), "{e}");
+            // A call that waits for a later request of its own queue.
+            let (tx, rx) = mpsc::channel::<chorus::Request<()>>();
+            let waiter = q.submit(move |_| rx.recv().expect("the later request").wait());
+            tx.send(q.barrier()).expect("the waiting call listens");
+            let e = waiter
+                .wait()
+                .expect_err("waiting on a later request of its own queue");
+            assert!(e.to_string().contains("wait for itself"), "{e}");
             1
         },
     );
@@ -403,7 +411,7 @@ fn a_queue_is_shared_between_threads() {
 fn an_abort_from_another_thread_ends_a_waiting_call() {
     for transport in ["tcp", "shm"] {
         // Rank 1 joins after 3 s; rank 0's main thread aborts at 0.5 s the call that its
-        // queue's thread is waiting in (and a blocking call queued behind it).
+        // queue's thread is waiting in; a blocking call after it is refused.
         let got = queues(
             2,
             transport,

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import ctypes
 import operator
+import os
 import sys
 import threading
 import zlib
@@ -345,6 +346,7 @@ class Communicator:
         self._handle = _Handle(handle, "communicator")
         self._completer_q: Optional[Any] = None
         self._completer_mu = threading.Lock()
+        self._pid = os.getpid()
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -695,6 +697,11 @@ class Communicator:
     def close(self) -> None:
         """Free the communicator and close its connections. Idempotent. While another thread
         is inside a call on it, raises :class:`InvalidUsageError` and leaves it open."""
+        if os.getpid() != self._pid:
+            # A forked child: the communicator is the parent's (a parent's thread may have been
+            # inside a call at the fork); this copy is just dropped.
+            self._handle._h = None
+            return
         h = self._handle.take()
         if h is not None:
             try:
@@ -743,10 +750,21 @@ class Request:
         self._cv = threading.Condition()
         self._busy = False  # a thread is waiting in chorus_wait
         self._completer = completer
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        """Refuse in a child forked after the call was issued: it runs in the parent (and a
+        parent's thread may have been waiting for it at the fork)."""
+        if os.getpid() != self._pid:
+            raise InvalidUsageError(
+                f"this request was issued by process {self._pid}, and this is process "
+                f"{os.getpid()}, forked from it: its call runs in the parent"
+            )
 
     def wait(self) -> Any:
         """Wait for the call; returns what the blocking form returns (the output buffer) or
         raises its error (every time it is asked)."""
+        self._check_process()
         with self._cv:
             while self._busy:
                 self._cv.wait()
@@ -765,7 +783,10 @@ class Request:
 
     def test(self) -> bool:
         """Whether the call has completed (then :meth:`wait` returns at once). False while
-        another thread is inside :meth:`wait` for it."""
+        another thread is inside :meth:`wait` for it; True in a child forked after it was issued
+        (where :meth:`wait` raises)."""
+        if os.getpid() != self._pid:
+            return True
         with self._cv:
             if self._busy:
                 return False
@@ -789,6 +810,7 @@ class Request:
         torch = sys.modules.get("torch")
         if torch is None:
             raise UnsupportedError("get_future needs PyTorch (import torch first)")
+        self._check_process()
         fut = torch.futures.Future()
         self._completer().put((self, fut))
         return fut
