@@ -393,6 +393,13 @@ def nonblocking(comm):
         reqs.append(("allgatherv",
                      comm.allgatherv(b.make(np.full(counts[me], me)), agv, counts, async_op=True),
                      np.concatenate([np.full(c, j) for j, c in enumerate(counts)])))
+        # alltoallv: rank r sends (r + j) % 3 elements to rank j.
+        sc = [(me + j) % 3 for j in range(p)]
+        rc = [(j + me) % 3 for j in range(p)]
+        v_in = b.make(np.concatenate([np.full(sc[j], 10 * me + j) for j in range(p)] + [np.zeros(0)]))
+        v_out = b.make(np.zeros(sum(rc)))
+        reqs.append(("alltoallv", comm.alltoallv(v_in, sc, v_out, rc, async_op=True),
+                     np.concatenate([np.full(rc[j], 10 * j + me) for j in range(p)] + [np.zeros(0)])))
         bar = comm.barrier(async_op=True)
         for _ in range(100000):
             if bar.test():
