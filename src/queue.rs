@@ -194,7 +194,10 @@ impl Queue {
             let result = match catch_unwind(AssertUnwindSafe(|| call(&mut *comm))) {
                 Ok(r) => r,
                 Err(panic) => {
-                    comm.abort("internal error in a queued call");
+                    // (Caught too: the request is filled whatever happens.)
+                    let _ = catch_unwind(AssertUnwindSafe(|| {
+                        comm.abort("internal error in a queued call")
+                    }));
                     Err(CommError::new(
                         ErrorKind::Internal,
                         "queued call",
@@ -209,7 +212,9 @@ impl Queue {
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it.
             self.wait_all();
-            job(&mut lock_comm(&self.shared.comm));
+            let mut comm = lock_comm(&self.shared.comm);
+            job(&mut comm);
+            comm.settle_abort();
             return Request { slot };
         }
         let mut jobs = lock(&self.shared.jobs);
@@ -324,9 +329,12 @@ impl Queue {
     /// unjoined.
     fn close(&self) {
         if self.shared.process.check(self.rank).is_err() {
-            // The worker is the parent's: nothing to wait for or join here.
-            if let Some(h) = lock(&self.worker).take() {
-                std::mem::forget(h);
+            // The worker is the parent's: nothing to wait for or join here (and its lock may
+            // have been held by a parent's thread at the fork).
+            if let Ok(mut w) = self.worker.try_lock() {
+                if let Some(h) = w.take() {
+                    std::mem::forget(h);
+                }
             }
             return;
         }
@@ -457,9 +465,13 @@ fn work(shared: &Shared) {
         drop(jobs);
         {
             let mut comm = lock_comm(&shared.comm);
-            job(&mut comm);
-            // An abort requested after the call's last wait: the peers are told now.
-            comm.settle_abort();
+            // The job fills its request whatever happens in the call; this keeps the worker
+            // (and the count of finished calls) going even if telling the peers panics.
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                job(&mut comm);
+                // An abort requested after the call's last wait: the peers are told now.
+                comm.settle_abort();
+            }));
         }
         lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();

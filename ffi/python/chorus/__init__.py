@@ -690,8 +690,12 @@ class Communicator:
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this
         communicator unusable. It may be called from another thread while a call runs (a
-        watchdog's way out of a hang, as ``ncclCommAbort``): that call fails at once with
-        :class:`InvalidUsageError`. Call :meth:`close` afterwards."""
+        watchdog's way out of a hang, as ``ncclCommAbort``): that call fails with
+        :class:`InvalidUsageError` where it next waits (at once over TCP, within 10 ms over
+        shared memory). Call :meth:`close` afterwards. In a child forked from this
+        process it does nothing (the parent still runs this rank)."""
+        if os.getpid() != self._pid:
+            return
         self._call(lib.chorus_comm_abort)
 
     def close(self) -> None:
@@ -709,8 +713,9 @@ class Communicator:
             finally:
                 # The futures thread completes what it holds (destroy waited for the calls),
                 # then ends.
+                # Kept, stopped: futures asked for later fail instead of starting a thread.
                 with self._completer_mu:
-                    completer, self._completer_q = self._completer_q, None
+                    completer = self._completer_q
                 if completer is not None:
                     completer.stop()
 
@@ -772,11 +777,17 @@ class Request:
             self._busy = mine
         if mine:
             # Without the lock, so that test() from another thread does not wait meanwhile.
-            status = lib.chorus_wait(ctypes.byref(self._h))
-            error = _error_of(status)
-            with self._cv:
-                self._keep, self._error, self._busy = None, error, False
-                self._cv.notify_all()
+            status: Optional[int] = None
+            try:
+                status = lib.chorus_wait(ctypes.byref(self._h))
+            finally:
+                # Also when an exception (Ctrl-C) arrives as the C call returns: the request
+                # is then complete, its status lost.
+                with self._cv:
+                    if self._h.value is None:
+                        self._keep, self._error = None, self._outcome(status)
+                    self._busy = False
+                    self._cv.notify_all()
         if self._error is not None:
             raise self._error
         return self._result
@@ -793,14 +804,26 @@ class Request:
             if self._h.value is None:
                 return True
             done = ctypes.c_int(0)
-            status = lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
-            if done.value:
-                self._keep, self._error = None, _error_of(status)
-            else:
-                _check(status)
-            return bool(done.value)
+            status: Optional[int] = None
+            try:
+                status = lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
+            finally:
+                if self._h.value is None:  # completed (and freed by the library)
+                    self._keep, self._error = None, self._outcome(status)
+            if self._h.value is None:
+                return True
+            _check(status if status is not None else 0)
+            return False
 
     is_completed = test
+
+    @staticmethod
+    def _outcome(status: Optional[int]) -> Optional["ChorusError"]:
+        """The error of a completed call's status (read in the thread that made the C call),
+        or, if an exception took the status before it was stored, an internal error."""
+        if status is None:
+            return InternalError("the call's status was lost to an exception (e.g. Ctrl-C)")
+        return _error_of(status)
 
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`wait`'s result (or error) when the
@@ -862,10 +885,28 @@ class _Completer:
         self.thread.start()
 
     def put(self, item: Any) -> None:
+        if threading.current_thread() is self.thread:
+            # From a callback of a future this thread is completing: queued behind the item
+            # in hand, it would wait for itself. Completed here instead.
+            self._complete(*item)
+            return
         if self.stopped:
             item[1].set_exception(InvalidUsageError("the communicator's futures thread has stopped"))
             return
         self.q.put(item)
+
+    @staticmethod
+    def _complete(req: Any, fut: Any) -> None:
+        try:
+            result = req.wait()
+        except Exception as e:  # noqa: BLE001 - handed to the future
+            outcome: Any = (fut.set_exception, e)
+        else:
+            outcome = (fut.set_result, result)
+        try:
+            outcome[0](outcome[1])
+        except Exception:  # noqa: BLE001 - a future completed already; the thread goes on
+            pass
 
     def stop(self, timeout: float = 30.0, abort_if_stuck: bool = False) -> None:
         """End the thread after the pairs it holds (their calls finish within their
@@ -888,22 +929,42 @@ class _Completer:
     def _run(self) -> None:
         q = self.q
 
+        import queue
+
         while True:
             item = q.get()
             if item is None:
-                return
-            req, fut = item
-            try:
-                result = req.wait()
-            except Exception as e:  # noqa: BLE001 - handed to the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-            del req, fut, item
+                # Pairs put while stop() ran (after `stopped` was read) fail rather than wait
+                # for good.
+                while True:
+                    try:
+                        late = q.get_nowait()
+                    except queue.Empty:
+                        return
+                    if late is not None:
+                        try:
+                            late[1].set_exception(
+                                InvalidUsageError("the communicator's futures thread has stopped")
+                            )
+                        except Exception:  # noqa: BLE001 - completed already
+                            pass
+            self._complete(*item)
+            del item
 
 
 _COMPLETERS: "set[_Completer]" = set()
 _COMPLETERS_MU = threading.Lock()
+
+
+def _forget_completers_in_child() -> None:
+    """In a forked child the futures threads are the parent's (and their lock may have been
+    held at the fork)."""
+    global _COMPLETERS, _COMPLETERS_MU
+    _COMPLETERS = set()
+    _COMPLETERS_MU = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_completers_in_child)
 
 
 @atexit.register

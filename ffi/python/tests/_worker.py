@@ -426,6 +426,16 @@ def nonblocking(comm):
     f2 = comm.allreduce(torch.ones(10), async_op=True).get_future()
     assert torch.equal(f2.wait(), torch.full((10,), float(p)))
     assert f1.wait() is t and torch.equal(t, torch.full((1000,), float(p * (p - 1) / 2)))
+    # A future's callback that waits for another request's future (as PowerSGD's hooks chain
+    # them) runs on the futures thread: it must not wait behind itself. Rank 0 issues late, so
+    # that the others attach the callback while their first call still runs.
+    if me == 0:
+        time.sleep(0.2)
+    first = comm.allreduce(torch.ones(4), async_op=True).get_future()
+    chained = first.then(
+        lambda f: comm.allreduce(torch.full((2,), 2.0), async_op=True).get_future().wait()
+    )
+    assert torch.equal(chained.wait(), torch.full((2,), 2.0 * p)), chained.wait()
     # A request dropped unwaited waits in its finaliser: the calls after it are undisturbed.
     comm.allreduce(np.ones(1 << 16, np.float32), async_op=True)
     x = np.ones(4, np.float32)
