@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 
 use chorus::{Communicator, Queue, ReduceOp};
 
+#[path = "../size_arg.rs"]
+mod size_arg;
+
 const USAGE: &str = "usage: overlap [-b SIZE] [-e SIZE] [-f N] [-n N] [-w N]";
 
 struct Args {
@@ -35,17 +38,7 @@ fn usage(why: &str) -> ! {
 }
 
 fn size(s: &str) -> usize {
-    let (num, mult) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
-        _ => (s, 1),
-    };
-    match num.parse::<usize>() {
-        Ok(n) => n
-            .checked_mul(mult)
-            .unwrap_or_else(|| usage("size too large")),
-        Err(_) => usage(&format!("{s:?} is not a size")),
-    }
+    size_arg::parse(s).unwrap_or_else(|e| usage(&e))
 }
 
 fn parse() -> Args {
