@@ -28,6 +28,7 @@ import operator
 import os
 import sys
 import threading
+import weakref
 import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -347,6 +348,9 @@ class Communicator:
         self._completer_q: Optional[Any] = None
         self._completer_mu = threading.Lock()
         self._pid = os.getpid()
+        # Requests issued and maybe still running: close() waits for them while abort() can
+        # still reach the communicator.
+        self._inflight: Any = weakref.WeakSet()
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -381,6 +385,7 @@ class Communicator:
         # Made first, holding the buffers, so that nothing can free them once the call runs.
         req = Request(result, keep, self._completer)
         self._call(nonblocking, *args, ctypes.byref(req._h))
+        self._inflight.add(req)
         return req
 
     def _completer(self) -> Any:
@@ -706,6 +711,13 @@ class Communicator:
             # inside a call at the fork); this copy is just dropped.
             self._handle._h = None
             return
+        # The nonblocking calls in flight first, while abort() from another thread can still
+        # end one that hangs (their errors stay with their requests).
+        for req in list(self._inflight):
+            try:
+                req.wait()
+            except ChorusError:
+                pass
         h = self._handle.take()
         if h is not None:
             try:

@@ -484,6 +484,28 @@ def nonblocking(comm):
             except chorus.RemoteError as e:
                 assert "aborted" in e.message, e.message
         d.close()
+    # close() waits for a nonblocking call in flight, and abort() from another thread still
+    # reaches it meanwhile.
+    if p > 1:
+        d = comm.dup()
+        if me == 0:
+            pending = d.barrier(async_op=True)  # the others join only after 2 s
+            closer = threading.Thread(target=d.close)
+            t0 = time.perf_counter()
+            closer.start()
+            time.sleep(0.3)
+            d.abort()
+            closer.join(30)
+            assert not closer.is_alive() and time.perf_counter() - t0 < 1.5, "close kept waiting"
+            expect(chorus.InvalidUsageError, pending.wait, "the aborted call in flight")
+        else:
+            time.sleep(2.0)
+            try:
+                d.barrier()
+                d.barrier()
+            except chorus.RemoteError:
+                pass
+            d.close()
     # A mismatch surfaces in the requests (and futures) of every rank, never a hang.
     d = comm.dup()
     y = np.ones(100 + (me == p - 1), dtype=np.float32)
