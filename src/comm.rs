@@ -12,6 +12,45 @@ use chorus_transport::shm::ShmOptions;
 use chorus_transport::tcp::{self, MeshOptions, Rendezvous, TcpOptions};
 use chorus_transport::{AbortNotice, Op, Request, Transport, TransportError, Wait};
 
+/// The process something (a communicator, a queue, a request) was made in: a child forked
+/// since must not use it, as its connections, threads and calls are the parent's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Process {
+    pid: u32,
+    forks: u64,
+}
+
+impl Process {
+    /// This process (installing the fork counter on first use).
+    pub(crate) fn this() -> Process {
+        Process {
+            pid: std::process::id(),
+            forks: chorus_transport::fork_generation(),
+        }
+    }
+
+    /// An invalid-usage error for `op` on `rank` in a child forked from this process: one
+    /// atomic load when it is not one.
+    pub(crate) fn check(&self, op: &'static str, rank: usize) -> Result<(), CommError> {
+        if chorus_transport::fork_generation() == self.forks {
+            return Ok(());
+        }
+        Err(CommError::new(
+            ErrorKind::InvalidUsage,
+            op,
+            format!(
+                "this communicator was made by process {}, and this is process {}, forked \
+                 from it: a child cannot use its parent's communicator (its connections, threads \
+                 and calls are the parent's); make a new one in the child",
+                self.pid,
+                std::process::id()
+            ),
+        )
+        .at_rank(rank)
+        .with_usable(false))
+    }
+}
+
 /// Aborts a [`Communicator`] from any thread, also while a call runs on it (as
 /// `ncclCommAbort`): get one with [`Communicator::abort_handle`] before handing the
 /// communicator to the thread that may hang in it.
@@ -95,8 +134,7 @@ pub struct Communicator {
     broken: Option<String>,
     /// The process that made it, and its fork generation (a child forked since must not use
     /// it: see `check_process`).
-    pid: u32,
-    forks: u64,
+    process: Process,
     /// Aborts requested from other threads, installed in the transport.
     abort_handle: chorus_transport::AbortHandle,
     selector: Selector,
@@ -673,8 +711,7 @@ impl Communicator {
             seq: 0,
             scratch: Vec::new(),
             broken: None,
-            pid: std::process::id(),
-            forks: chorus_transport::fork_generation(),
+            process: Process::this(),
             abort_handle,
             selector: Selector::new(size, Default::default(), LinkSource::Default, filter),
             tuner: Tuner::new(),
@@ -1499,22 +1536,7 @@ impl Communicator {
     /// An error when called in a child forked from the process that made the communicator:
     /// its connections and segments are shared with the parent, which still runs this rank.
     pub(crate) fn check_process(&self, op: &'static str) -> Result<(), CommError> {
-        if chorus_transport::fork_generation() == self.forks {
-            return Ok(());
-        }
-        let now = std::process::id();
-        Err(CommError::new(
-            ErrorKind::InvalidUsage,
-            op,
-            format!(
-                "this communicator was made by process {}, and this is process {now}, forked \
-                 from it: a child cannot use its parent's communicator (its connections are the \
-                 parent's); make a new one in the child",
-                self.pid
-            ),
-        )
-        .at_rank(self.rank)
-        .with_usable(false))
+        self.process.check(op, self.rank)
     }
 
     pub(crate) fn check_usable(&mut self, op: &'static str) -> Result<(), CommError> {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use chorus_algorithms::{Element, ReduceOp};
 
-use crate::comm::{AbortHandle, Communicator};
+use crate::comm::{AbortHandle, Communicator, Process};
 use crate::error::{CommError, ErrorKind};
 
 type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
@@ -118,7 +118,7 @@ impl Queue {
     /// An error in a child forked from the process that made the queue: its calls run in the
     /// parent, and the communicator's connections are the parent's.
     pub fn check_process(&self) -> Result<(), CommError> {
-        self.shared.process.check(self.rank)
+        self.shared.process.check("queued call", self.rank)
     }
 
     /// Abort the communicator, also while a call runs on it (its own thread's, or another
@@ -183,7 +183,7 @@ impl Queue {
             rank: self.rank,
             queue: Arc::as_ptr(&self.shared) as usize,
         });
-        if let Err(e) = self.shared.process.check(self.rank) {
+        if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
             *lock(&slot.value) = Some(Err(e));
             return Request { slot };
@@ -256,7 +256,7 @@ impl Queue {
     /// other threads are not waited for). Panics on the queue's own thread, where it would
     /// wait for itself.
     pub fn wait_all(&self) {
-        if self.shared.process.check(self.rank).is_err() {
+        if self.shared.process.check("queued call", self.rank).is_err() {
             // The calls in flight at the fork ran in the parent; none will finish here.
             return;
         }
@@ -282,7 +282,7 @@ impl Queue {
         f: impl FnOnce(&mut Communicator) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         // In a forked child the lock may have been held by the parent's worker at the fork.
-        self.shared.process.check(self.rank)?;
+        self.shared.process.check("queued call", self.rank)?;
         self.wait_all();
         guarded(lock_comm(&self.shared.comm), f)
     }
@@ -328,7 +328,7 @@ impl Queue {
     /// held the last reference to the queue) the thread ends after the calls still queued,
     /// unjoined.
     fn close(&self) {
-        if self.shared.process.check(self.rank).is_err() {
+        if self.shared.process.check("queued call", self.rank).is_err() {
             // The worker is the parent's: nothing to wait for or join here (and its lock may
             // have been held by a parent's thread at the fork).
             if let Ok(mut w) = self.worker.try_lock() {
@@ -492,7 +492,7 @@ impl<T> Slot<T> {
     /// An error when waiting would never end: in a forked child, or on the queue's own thread
     /// (a later call, which cannot run before the current one ends).
     fn unwaitable(&self) -> Result<(), CommError> {
-        self.process.check(self.rank)?;
+        self.process.check("queued call", self.rank)?;
         if RUNNING_QUEUE.with(|q| q.get()) == self.queue {
             return Err(CommError::new(
                 ErrorKind::Internal,
@@ -506,44 +506,6 @@ impl<T> Slot<T> {
     }
 }
 
-/// The process something was made in.
-#[derive(Clone, Copy)]
-struct Process {
-    pid: u32,
-    forks: u64,
-}
-
-impl Process {
-    fn this() -> Process {
-        Process {
-            pid: std::process::id(),
-            forks: chorus_transport::fork_generation(),
-        }
-    }
-
-    /// An error in a child forked from this process (where a queue's calls cannot run).
-    fn check(&self, rank: usize) -> Result<(), CommError> {
-        if chorus_transport::fork_generation() == self.forks {
-            return Ok(());
-        }
-        let (pid, now) = (self.pid, std::process::id());
-        Err(forked_error(pid, now, rank))
-    }
-}
-
-fn forked_error(pid: u32, now: u32, rank: usize) -> CommError {
-    CommError::new(
-        ErrorKind::InvalidUsage,
-        "queued call",
-        format!(
-            "the queue was made by process {pid}, and this is process {now}, forked from it: \
-             its calls run in the parent; make a new communicator in the child"
-        ),
-    )
-    .at_rank(rank)
-    .with_usable(false)
-}
-
 /// The result of a call issued on a [`Queue`], to come. Dropping it does not cancel the call.
 #[must_use = "a request's result (and error) is only seen through wait"]
 pub struct Request<T> {
@@ -554,13 +516,17 @@ impl<T> Request<T> {
     /// Whether the call has finished (its result is ready for [`Request::wait`]).
     pub fn test(&self) -> bool {
         // In a forked child it is as done as it will get: `wait` gives the error.
-        self.slot.process.check(self.slot.rank).is_err() || lock(&self.slot.value).is_some()
+        self.slot
+            .process
+            .check("queued call", self.slot.rank)
+            .is_err()
+            || lock(&self.slot.value).is_some()
     }
 
     /// Wait for the call and take its result.
     pub fn wait(self) -> Result<T, CommError> {
         // First: in a forked child the parent's worker may have held the lock at the fork.
-        self.slot.process.check(self.slot.rank)?;
+        self.slot.process.check("queued call", self.slot.rank)?;
         let mut value = lock(&self.slot.value);
         loop {
             if let Some(r) = value.take() {
@@ -577,7 +543,7 @@ impl<T> Request<T> {
 
     /// Wait up to `limit` for the call: its result, or the request back if it is still running.
     pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
-        if let Err(e) = self.slot.process.check(self.slot.rank) {
+        if let Err(e) = self.slot.process.check("queued call", self.slot.rank) {
             return Ok(Err(e));
         }
         let end = Instant::now() + limit;

@@ -436,13 +436,14 @@ impl fmt::Debug for AbortHandle {
     }
 }
 
-/// An abort requested through `handle` (if any) as this transport's error, after `abort`
-/// has told the peers: what the transports call where they wait.
+/// The abort requested through `handle` (`AbortHandle::requested` of it; one atomic load
+/// when none is), as this transport's error after `abort` has told the peers: what the
+/// transports call where they wait.
 pub(crate) fn requested_abort(
-    handle: &Option<AbortHandle>,
+    requested: Option<AbortNotice>,
     abort: impl FnOnce(&AbortNotice),
 ) -> Result<()> {
-    match handle.as_ref().and_then(AbortHandle::requested) {
+    match requested {
         None => Ok(()),
         Some(notice) => {
             // The owner marks it done once every part of a composite transport has told its

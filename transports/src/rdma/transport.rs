@@ -42,10 +42,8 @@ pub struct RdmaTransport<N: Nic> {
 impl<N: Nic> RdmaTransport<N> {
     /// Fail with an abort requested through the handle, after telling the peers.
     fn check_abort_request(&mut self) -> Result<()> {
-        let handle = self.abort_request.take();
-        let r = crate::requested_abort(&handle, |n| self.abort(n));
-        self.abort_request = handle;
-        r
+        let requested = self.abort_request.as_ref().and_then(AbortHandle::requested);
+        crate::requested_abort(requested, |n| self.abort(n))
     }
 
     /// The transport of `rank` in a group of `size` whose queue pairs `nic` holds; checks

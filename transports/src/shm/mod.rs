@@ -885,10 +885,8 @@ impl Transport for ShmTransport {
 impl ShmTransport {
     /// Fail with an abort requested through the handle, after telling the peers.
     pub(crate) fn check_abort_request(&mut self) -> Result<()> {
-        let handle = self.abort_request.take();
-        let r = crate::requested_abort(&handle, |n| Transport::abort(self, n));
-        self.abort_request = handle;
-        r
+        let requested = self.abort_request.as_ref().and_then(AbortHandle::requested);
+        crate::requested_abort(requested, |n| Transport::abort(self, n))
     }
 
     /// Whether this is a child forked from the process that made the transport (the header
