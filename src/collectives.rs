@@ -26,6 +26,60 @@ use crate::comm::{tag_base, Call, CollKind, Communicator};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
 
+/// One send or receive of [`Communicator::p2p_batch`].
+#[derive(Debug)]
+pub struct P2p<'a> {
+    peer: usize,
+    dtype: DType,
+    buf: P2pBuf<'a>,
+}
+
+#[derive(Debug)]
+enum P2pBuf<'a> {
+    Send(&'a [u8]),
+    Recv(&'a mut [u8]),
+}
+
+impl<'a> P2p<'a> {
+    /// Send `buf` to `peer`.
+    pub fn send<T: Element>(buf: &'a [T], peer: usize) -> P2p<'a> {
+        P2p::send_raw(bytes(buf), T::DTYPE, peer)
+    }
+
+    /// Receive exactly `buf.len()` elements from `peer`.
+    pub fn recv<T: Element>(buf: &'a mut [T], peer: usize) -> P2p<'a> {
+        P2p::recv_raw(bytes_mut(buf), T::DTYPE, peer)
+    }
+
+    /// [`P2p::send`] of raw bytes holding `dtype` elements.
+    pub fn send_raw(buf: &'a [u8], dtype: DType, peer: usize) -> P2p<'a> {
+        P2p {
+            peer,
+            dtype,
+            buf: P2pBuf::Send(buf),
+        }
+    }
+
+    /// [`P2p::recv`] into raw bytes holding `dtype` elements.
+    pub fn recv_raw(buf: &'a mut [u8], dtype: DType, peer: usize) -> P2p<'a> {
+        P2p {
+            peer,
+            dtype,
+            buf: P2pBuf::Recv(buf),
+        }
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Whether this is a send.
+    pub fn is_send(&self) -> bool {
+        matches!(self.buf, P2pBuf::Send(_))
+    }
+}
+
 /// The op field of the tags of collectives that do not reduce.
 const NO_OP: ReduceOp = ReduceOp::Sum;
 
@@ -784,6 +838,70 @@ impl Communicator {
         self.run_tagged(OP, tag, None, |ctx| {
             p2p::send_recv(ctx, send, to, recv, from)
         })
+    }
+
+    /// Run every send and receive of `ops` at once (as torch's `batch_isend_irecv`, NCCL's
+    /// grouped `ncclSend`/`ncclRecv`, or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`): all are
+    /// posted together and progressed together until all complete, so no pattern of sends
+    /// and receives between the ranks can deadlock (a halo exchange with both neighbours, a
+    /// pipeline stage's activations and gradients, an all-to-all of one's own design).
+    ///
+    /// Per peer and direction, messages are matched in order, with this rank's other
+    /// point-to-point calls and with the peer's: the peer may receive a batch's sends with
+    /// [`Communicator::recv`], [`Communicator::send_recv`] or a batch of its own. Every receive
+    /// takes exactly its buffer's length and dtype (anything else is an
+    /// [`ErrorKind::Mismatch`]). A send to this rank itself is copied into the receive from
+    /// itself of the same order in the batch, which must be as long and of the same dtype.
+    /// Send buffers may be the same buffer; the borrow rules keep receive buffers apart.
+    ///
+    /// ```no_run
+    /// # use chorus::{Communicator, P2p};
+    /// # fn halo(comm: &mut Communicator, edge_l: &[f32], edge_r: &[f32]) -> Result<(), chorus::CommError> {
+    /// let (r, p) = (comm.rank(), comm.size());
+    /// let (left, right) = ((r + p - 1) % p, (r + 1) % p);
+    /// let (mut ghost_l, mut ghost_r) = (vec![0f32; edge_l.len()], vec![0f32; edge_r.len()]);
+    /// comm.p2p_batch(&mut [
+    ///     P2p::send(edge_l, left),
+    ///     P2p::send(edge_r, right),
+    ///     P2p::recv(&mut ghost_l, left),
+    ///     P2p::recv(&mut ghost_r, right),
+    /// ])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn p2p_batch(&mut self, ops: &mut [P2p<'_>]) -> Result<(), CommError> {
+        const OP: &str = "p2p_batch";
+        for (i, o) in ops.iter().enumerate() {
+            let (what, len) = match &o.buf {
+                P2pBuf::Send(b) => ("send", b.len()),
+                P2pBuf::Recv(b) => ("receive", b.len()),
+            };
+            self.check_whole(OP, &format!("transfer {i} ({what})"), len, o.dtype)?;
+            if o.peer >= self.size() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "transfer {i}: peer {} is not a rank of this group of {}",
+                        o.peer,
+                        self.size()
+                    ),
+                ));
+            }
+        }
+        let items: Vec<p2p::Item<'_>> = ops
+            .iter_mut()
+            .map(|o| p2p::Item {
+                peer: o.peer,
+                tag: tag_base(0, CollKind::SendRecv, o.dtype, NO_OP),
+                transfer: match &mut o.buf {
+                    P2pBuf::Send(b) => p2p::Transfer::Send(b),
+                    P2pBuf::Recv(b) => p2p::Transfer::Recv(b),
+                },
+            })
+            .collect();
+        p2p::check_batch(self.rank(), self.size(), &items).map_err(|m| self.invalid(OP, m))?;
+        self.trace(format_args!("p2p_batch of {} transfers", items.len()));
+        let tag = tag_base(0, CollKind::SendRecv, DType::Uint8, NO_OP);
+        self.run_tagged(OP, tag, None, |ctx| p2p::batch(ctx, items))
     }
 
     /// [`Communicator::recv`] on raw bytes.

@@ -12,7 +12,7 @@ mod common;
 
 use std::time::Duration;
 
-use chorus::{CommError, Communicator, DType, Element, ErrorKind, ReduceOp};
+use chorus::{CommError, Communicator, DType, Element, ErrorKind, P2p, ReduceOp};
 use chorus_algorithms::reference::{count_wrong, expected, is_correct, test_value};
 
 use common::*;
@@ -202,6 +202,40 @@ fn check_all<T: Element>(
     k.ok("scatter", c.scatter(send, &mut out, root));
     k.wrong(tag("scatter", false), count_wrong(&out, &s_want, op));
 
+    // A batch: this rank's buffer to every rank (itself included) and its two halves to the
+    // next rank, while receiving from every rank (posted in reverse order) and the halves
+    // from the previous rank, all at once.
+    {
+        let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+        let half = n / 2;
+        let mut all: Vec<Vec<T>> = (0..p).map(|_| poison(n)).collect();
+        let (mut h1, mut h2) = (poison::<T>(half), poison::<T>(n - half));
+        let mut ops: Vec<P2p<'_>> = (0..p).map(|j| P2p::send(&mine, j)).collect();
+        ops.push(P2p::send(&mine[..half], next));
+        ops.push(P2p::send(&mine[half..], next));
+        ops.extend(
+            all.iter_mut()
+                .enumerate()
+                .rev()
+                .map(|(j, b)| P2p::recv(b, j)),
+        );
+        ops.push(P2p::recv(&mut h1, prev));
+        ops.push(P2p::recv(&mut h2, prev));
+        k.ok("p2p_batch", c.p2p_batch(&mut ops));
+        drop(ops);
+        let wrong: usize = all
+            .iter()
+            .enumerate()
+            .map(|(j, b)| count_wrong(b, &inputs(j, n, op, p), op))
+            .sum();
+        k.wrong(tag("p2p_batch from all", false), wrong);
+        h1.extend(h2);
+        k.wrong(
+            tag("p2p_batch halves", false),
+            count_wrong(&h1, &inputs(prev, n, op, p), op),
+        );
+    }
+
     // Send/recv around the ring, interleaved with the collectives: rank 0 starts, each rank
     // forwards what it got, rank 0 gets its own buffer back.
     if p > 1 {
@@ -224,6 +258,19 @@ fn check_all<T: Element>(
         k.wrong(
             tag("send_recv", false),
             count_wrong(&got, &inputs(prev, n, op, p), op),
+        );
+        // A batch on rank 0 meets plain receives and sends on the others.
+        let mut got = poison::<T>(n);
+        if r == 0 {
+            let mut ops = [P2p::send(&mine, next), P2p::recv(&mut got, prev)];
+            k.ok("p2p_batch", c.p2p_batch(&mut ops));
+        } else {
+            k.ok("recv", c.recv(&mut got, prev));
+            k.ok("send", c.send(&got, next));
+        }
+        k.wrong(
+            tag("p2p_batch ring", false),
+            count_wrong(&got, &inputs(0, n, op, p), op),
         );
     }
 }
@@ -412,6 +459,26 @@ fn mismatches_across_ranks_are_errors_on_every_rank() {
             c.all_gather(&[1u32; 4], &mut out)
         }
     });
+    expect_mismatch(3, "p2p_batch dtypes", |c| {
+        // Rank 1 receives a float32 where rank 0 sends int32 of the same bytes.
+        let (r, p) = (c.rank(), c.size());
+        let (mut fi, mut ff) = ([0i32; 4], [0f32; 4]);
+        let prev = (r + p - 1) % p;
+        let mut ops = if r == 1 {
+            vec![P2p::send(&[1i32; 4], (r + 1) % p), P2p::recv(&mut ff, prev)]
+        } else {
+            vec![P2p::send(&[1i32; 4], (r + 1) % p), P2p::recv(&mut fi, prev)]
+        };
+        c.p2p_batch(&mut ops)
+    });
+    expect_mismatch(2, "p2p_batch against a shorter recv", |c| {
+        let mut b = [0u64; 3];
+        if c.rank() == 0 {
+            c.p2p_batch(&mut [P2p::send(&[1u64; 2], 1), P2p::send(&[1u64; 2], 1)])
+        } else {
+            c.recv(&mut b, 0)
+        }
+    });
     expect_mismatch(2, "send/recv lengths", |c| {
         if c.rank() == 0 {
             c.send(&[1i32; 5], 1)
@@ -451,6 +518,18 @@ fn bad_arguments_leave_the_communicator_usable() {
             errors.push(c.scatter(None, &mut b[..2], r).unwrap_err());
             errors.push(c.send(&b, r).unwrap_err());
             errors.push(c.recv(&mut b, 7).unwrap_err());
+            let (mut x, mut y) = ([0i32; 2], [0i32; 3]);
+            let next = (r + 1) % 3;
+            // Refused whole before anything moves: a peer out of range, a send to itself
+            // without its receive, a receive from itself of another length, a partial element.
+            for mut ops in [
+                vec![P2p::send(&[1i32; 2], next), P2p::recv(&mut x, 3)],
+                vec![P2p::send(&[1i32; 2], next), P2p::send(&[1i32; 2], r)],
+                vec![P2p::send(&[1i32; 2], r), P2p::recv(&mut y, r)],
+                vec![P2p::recv_raw(&mut [0u8; 3], DType::Float16, next)],
+            ] {
+                errors.push(c.p2p_batch(&mut ops).unwrap_err());
+            }
             errors.push(
                 c.broadcast_raw(&mut [0u8; 7], DType::Float32, 0)
                     .unwrap_err(),
@@ -466,7 +545,7 @@ fn bad_arguments_leave_the_communicator_usable() {
             errors.len()
         },
     );
-    assert!(res.iter().all(|&n| n == 10));
+    assert!(res.iter().all(|&n| n == 14));
 }
 
 /// A reduce-scatter whose receive block is not a whole number of elements is refused on the

@@ -65,3 +65,163 @@ pub fn send_recv(
         recv,
     )
 }
+
+/// What one transfer of a [`batch`] moves.
+#[derive(Debug)]
+pub enum Transfer<'a> {
+    /// Send these bytes.
+    Send(&'a [u8]),
+    /// Receive exactly this many bytes into the buffer.
+    Recv(&'a mut [u8]),
+}
+
+/// One send or receive of a [`batch`]: its peer (this rank itself allowed), its full tag
+/// (which the receiver checks) and its buffer.
+#[derive(Debug)]
+pub struct Item<'a> {
+    /// The rank sent to or received from.
+    pub peer: usize,
+    /// The message's tag, whole (not a step under [`CollCtx::tag`]).
+    pub tag: chorus_transport::Tag,
+    /// The buffer and the direction.
+    pub transfer: Transfer<'a>,
+}
+
+/// Checks a [`batch`] without moving anything: every peer is a rank of the group, and the
+/// sends to this rank pair in order with the receives from it, each pair of one tag and
+/// length. Returns the message for an invalid argument.
+pub fn check_batch(
+    rank: usize,
+    size: usize,
+    items: &[Item<'_>],
+) -> std::result::Result<(), String> {
+    let mut to_self = Vec::new();
+    let mut from_self = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        if it.peer >= size {
+            return Err(format!(
+                "transfer {i}: peer {} is not a rank of a group of {size}",
+                it.peer
+            ));
+        }
+        if it.peer == rank {
+            match &it.transfer {
+                Transfer::Send(b) => to_self.push((i, it.tag, b.len())),
+                Transfer::Recv(b) => from_self.push((i, it.tag, b.len())),
+            }
+        }
+    }
+    if to_self.len() != from_self.len() {
+        return Err(format!(
+            "{} sends to this rank ({rank}) and {} receives from it: each send to itself needs \
+             its receive in the same batch",
+            to_self.len(),
+            from_self.len()
+        ));
+    }
+    for ((si, stag, slen), (ri, rtag, rlen)) in to_self.into_iter().zip(from_self) {
+        if stag != rtag || slen != rlen {
+            return Err(format!(
+                "transfer {si} sends {slen} bytes to this rank where transfer {ri} receives \
+                 {rlen}{}",
+                if stag != rtag {
+                    " of another dtype"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs every send and receive of `items` at once: all posted together (receives first) and
+/// progressed together until all complete, so no order of sends and receives between the
+/// ranks can deadlock (as `MPI_Isend`/`MPI_Irecv` then `MPI_Waitall`, or NCCL's grouped
+/// send/recv). Per peer and direction, the messages are matched in the order of `items`. A
+/// send to this rank is copied into the receive from it of the same rank in that order.
+///
+/// Checks [`check_batch`] first and returns [`TransportError::InvalidArgument`] before
+/// anything moves. A received message of another tag or length is a mismatch.
+pub fn batch(ctx: &mut CollCtx<'_>, items: Vec<Item<'_>>) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    check_batch(rank, size, &items).map_err(|m| super::invalid("p2p_batch", m))?;
+    let mut sends = Vec::new();
+    let mut recvs = Vec::new();
+    let mut self_sends = Vec::new();
+    let mut self_recvs = Vec::new();
+    for it in items {
+        match it.transfer {
+            Transfer::Send(b) if it.peer == rank => self_sends.push(b),
+            Transfer::Recv(b) if it.peer == rank => self_recvs.push(b),
+            Transfer::Send(b) => sends.push((it.peer, it.tag, b)),
+            Transfer::Recv(b) => recvs.push((it.peer, it.tag, b)),
+        }
+    }
+    for (s, r) in self_sends.into_iter().zip(self_recvs) {
+        r.copy_from_slice(s);
+    }
+    if sends.is_empty() && recvs.is_empty() {
+        return Ok(());
+    }
+    super::exchange_all(&mut *ctx.transport, ctx.deadline, &sends, recvs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send(peer: usize, tag: u64, b: &[u8]) -> Item<'_> {
+        Item {
+            peer,
+            tag,
+            transfer: Transfer::Send(b),
+        }
+    }
+
+    fn recv(peer: usize, tag: u64, b: &mut [u8]) -> Item<'_> {
+        Item {
+            peer,
+            tag,
+            transfer: Transfer::Recv(b),
+        }
+    }
+
+    #[test]
+    fn a_batch_is_checked_before_anything_moves() {
+        let (a, b) = ([1u8; 4], [2u8; 8]);
+        let (mut x, mut y) = ([0u8; 4], [0u8; 8]);
+        assert_eq!(check_batch(1, 3, &[]), Ok(()));
+        let ok = [
+            send(0, 5, &a),
+            send(2, 5, &b),
+            send(1, 5, &a),
+            send(1, 6, &b),
+        ];
+        // Two sends to itself without receives.
+        let e = check_batch(1, 3, &ok).unwrap_err();
+        assert!(e.contains("2 sends to this rank (1) and 0 receives"), "{e}");
+        let mut items = vec![send(1, 5, &a), recv(1, 5, &mut x), send(0, 7, &b)];
+        assert_eq!(check_batch(1, 3, &items), Ok(()));
+        items.push(recv(3, 5, &mut y));
+        let e = check_batch(1, 3, &items).unwrap_err();
+        assert!(e.contains("transfer 3: peer 3 is not a rank"), "{e}");
+        // Paired in order: the first send to itself meets the first receive.
+        let (mut x, mut y) = ([0u8; 4], [0u8; 8]);
+        let crossed = [
+            send(1, 5, &a),
+            send(1, 5, &b),
+            recv(1, 5, &mut y),
+            recv(1, 5, &mut x),
+        ];
+        let e = check_batch(1, 3, &crossed).unwrap_err();
+        assert!(
+            e.contains("transfer 0 sends 4 bytes to this rank where transfer 2 receives 8"),
+            "{e}"
+        );
+        let mut x = [0u8; 4];
+        let other_dtype = [send(0, 5, &a), recv(0, 6, &mut x)];
+        let e = check_batch(0, 1, &other_dtype).unwrap_err();
+        assert!(e.ends_with("of another dtype"), "{e}");
+    }
+}
