@@ -199,6 +199,31 @@ typedef int32_t chorus_op;
 #endif // __cplusplus
 
 /**
+ * The direction of a `chorus_p2p_op`.
+ */
+enum chorus_p2p_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Send `count` elements of `buf` to `peer`.
+   */
+  CHORUS_P2P_SEND = 0,
+  /**
+   * Receive exactly `count` elements of `dtype` from `peer` into `buf`.
+   */
+  CHORUS_P2P_RECV = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum chorus_p2p_kind chorus_p2p_kind;
+#else
+typedef int32_t chorus_p2p_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A communicator: a group of ranks that run collectives together. Opaque.
  *
  * Create it with `chorus_comm_init_env` or `chorus_comm_init`, free it with
@@ -258,6 +283,34 @@ typedef struct {
    */
   double timeout_seconds;
 } chorus_options;
+
+/**
+ * One send or receive of `chorus_p2p_batch`: the arguments of `chorus_send` or `chorus_recv`
+ * and which of the two.
+ */
+typedef struct {
+  /**
+   * The buffer: read by a send, written by a receive. NULL only with `count` 0.
+   */
+  void *buf;
+  /**
+   * Elements of `dtype` to send, or to receive (exactly).
+   */
+  size_t count;
+  /**
+   * The element type; a receive must name the sender's.
+   */
+  chorus_dtype dtype;
+  /**
+   * The rank sent to or received from; this rank itself is allowed (see
+   * `chorus_p2p_batch`).
+   */
+  int peer;
+  /**
+   * `CHORUS_P2P_SEND` or `CHORUS_P2P_RECV`.
+   */
+  chorus_p2p_kind kind;
+} chorus_p2p_op;
 
 /**
  * What the last `chorus_allreduce_compressed` on a compressor did. Versioned by its first
@@ -887,6 +940,44 @@ int32_t chorus_send(chorus_comm *comm, const void *buf, size_t count, chorus_dty
  * `dtype`, not accessed elsewhere during the call.
  */
 int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dtype, int peer);
+
+/**
+ * Run the `n` sends and receives of `ops` at once, as torch's `batch_isend_irecv`, NCCL's
+ * grouped `ncclSend`/`ncclRecv` or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`: all posted
+ * together and progressed together until all complete, so no pattern of sends and receives
+ * between the ranks can deadlock (a halo exchange with both neighbours, a pipeline's
+ * activations and gradients).
+ *
+ * Per peer and direction, messages are matched in order with the other point-to-point calls
+ * of both ranks: a peer may answer with `chorus_recv`, `chorus_send`, `chorus_sendrecv` or a
+ * batch of its own. A receive takes exactly its count and dtype (anything else is
+ * `CHORUS_MISMATCH`). A send to this rank itself is copied into the receive from itself of
+ * the same order in the batch, which must have the same count and dtype. Sends may share a
+ * buffer; a receive's buffer must not overlap any other buffer of the batch. The whole batch
+ * is checked before anything moves (`CHORUS_INVALID_ARGUMENT`, the communicator usable).
+ * `ops` is read during the call only: the array may be reused at once.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`
+ * entries, and each entry's `buf` valid for `count` elements of `dtype` (writable for a
+ * receive), not accessed elsewhere during the call.
+ */
+int32_t chorus_p2p_batch(chorus_comm *comm, const chorus_p2p_op *ops, size_t n);
+
+/**
+ * `chorus_p2p_batch` without waiting: issued on the communicator's queue, its request to
+ * `*request` (complete it with `chorus_wait`, `chorus_test` or `chorus_waitall`). The `ops`
+ * array is copied at issue; the buffers must stay valid and untouched until the request
+ * completes.
+ *
+ * # Safety
+ * As `chorus_p2p_batch`, the buffers valid until the request completes; `request` is valid
+ * for writing a request pointer.
+ */
+int32_t chorus_ip2p_batch(chorus_comm *comm,
+                          const chorus_p2p_op *ops,
+                          size_t n,
+                          chorus_request **request);
 
 /**
  * Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly

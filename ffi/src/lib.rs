@@ -1682,6 +1682,191 @@ pub unsafe extern "C" fn chorus_recv(
     })
 }
 
+/// The direction of a `chorus_p2p_op`.
+#[allow(clippy::upper_case_acronyms)]
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum chorus_p2p_kind {
+    /// Send `count` elements of `buf` to `peer`.
+    CHORUS_P2P_SEND = 0,
+    /// Receive exactly `count` elements of `dtype` from `peer` into `buf`.
+    CHORUS_P2P_RECV = 1,
+}
+
+/// A `chorus_p2p_kind` as it crosses the ABI (an `int32_t`, checked before use). Named
+/// `chorus_p2p_kind` in the header.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub struct P2pKindArg(pub i32);
+
+/// One send or receive of `chorus_p2p_batch`: the arguments of `chorus_send` or `chorus_recv`
+/// and which of the two.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct chorus_p2p_op {
+    /// The buffer: read by a send, written by a receive. NULL only with `count` 0.
+    pub buf: *mut c_void,
+    /// Elements of `dtype` to send, or to receive (exactly).
+    pub count: usize,
+    /// The element type; a receive must name the sender's.
+    pub dtype: DtypeArg,
+    /// The rank sent to or received from; this rank itself is allowed (see
+    /// `chorus_p2p_batch`).
+    pub peer: c_int,
+    /// `CHORUS_P2P_SEND` or `CHORUS_P2P_RECV`.
+    pub kind: P2pKindArg,
+}
+
+/// The most transfers one `chorus_p2p_batch` takes (a guard against a garbage count).
+const MAX_P2P_OPS: usize = 1 << 20;
+
+/// Run the `n` sends and receives of `ops` at once, as torch's `batch_isend_irecv`, NCCL's
+/// grouped `ncclSend`/`ncclRecv` or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`: all posted
+/// together and progressed together until all complete, so no pattern of sends and receives
+/// between the ranks can deadlock (a halo exchange with both neighbours, a pipeline's
+/// activations and gradients).
+///
+/// Per peer and direction, messages are matched in order with the other point-to-point calls
+/// of both ranks: a peer may answer with `chorus_recv`, `chorus_send`, `chorus_sendrecv` or a
+/// batch of its own. A receive takes exactly its count and dtype (anything else is
+/// `CHORUS_MISMATCH`). A send to this rank itself is copied into the receive from itself of
+/// the same order in the batch, which must have the same count and dtype. Sends may share a
+/// buffer; a receive's buffer must not overlap any other buffer of the batch. The whole batch
+/// is checked before anything moves (`CHORUS_INVALID_ARGUMENT`, the communicator usable).
+/// `ops` is read during the call only: the array may be reused at once.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`
+/// entries, and each entry's `buf` valid for `count` elements of `dtype` (writable for a
+/// receive), not accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_p2p_batch(
+    comm: *mut chorus_comm,
+    ops: *const chorus_p2p_op,
+    n: usize,
+) -> i32 {
+    // SAFETY: as the caller promises.
+    unsafe {
+        issue("chorus_p2p_batch", comm, None, |c| {
+            p2p_batch_call(c, ops, n)
+        })
+    }
+}
+
+/// `chorus_p2p_batch` without waiting: issued on the communicator's queue, its request to
+/// `*request` (complete it with `chorus_wait`, `chorus_test` or `chorus_waitall`). The `ops`
+/// array is copied at issue; the buffers must stay valid and untouched until the request
+/// completes.
+///
+/// # Safety
+/// As `chorus_p2p_batch`, the buffers valid until the request completes; `request` is valid
+/// for writing a request pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ip2p_batch(
+    comm: *mut chorus_comm,
+    ops: *const chorus_p2p_op,
+    n: usize,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: as the caller promises.
+    unsafe {
+        issue("chorus_ip2p_batch", comm, Some(request), |c| {
+            p2p_batch_call(c, ops, n)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_p2p_batch` (the buffers valid until the call completes).
+unsafe fn p2p_batch_call(
+    c: &chorus_comm,
+    ops: *const chorus_p2p_op,
+    n: usize,
+) -> Result<Call, Failure> {
+    if n > MAX_P2P_OPS {
+        return Err(Failure::invalid(format!(
+            "n = {n} transfers: at most {MAX_P2P_OPS} in one batch"
+        )));
+    }
+    // SAFETY: valid for `n` entries by the caller's promise (checked for NULL and alignment).
+    let ops = unsafe { ptr::array(ops, n, "ops")? };
+    let mut checked = Vec::with_capacity(n);
+    let mut ranges = Vec::with_capacity(n);
+    for (i, o) in ops.iter().enumerate() {
+        let is_send = match o.kind.0 {
+            0 => true,
+            1 => false,
+            k => {
+                return Err(Failure::invalid(format!(
+                    "ops[{i}].kind = {k} is not a chorus_p2p_kind (0 = CHORUS_P2P_SEND, \
+                     1 = CHORUS_P2P_RECV)"
+                )))
+            }
+        };
+        let dtype = o
+            .dtype
+            .get()
+            .map_err(|e| Failure::invalid(format!("ops[{i}].{}", e.message)))?;
+        let peer = rank_arg(o.peer, &format!("ops[{i}].peer"))?;
+        if peer >= c.size {
+            return Err(Failure::invalid(format!(
+                "ops[{i}].peer = {peer} is not a rank of this group of {}",
+                c.size
+            )));
+        }
+        let bytes = ptr::byte_len(o.count, dtype.size(), &format!("ops[{i}].count"))?;
+        let buf = RawBuf::new(o.buf, bytes, &format!("ops[{i}].buf"))?;
+        ranges.push((o.buf as usize, bytes, !is_send, i));
+        checked.push((buf, is_send, dtype, peer));
+    }
+    ptr::check_receives_apart(ranges)?;
+    // The sends to this rank pair in order with its receives from itself (the communicator
+    // checks it again; here, so that a nonblocking batch is refused at issue).
+    let to_self = |send: bool| {
+        checked
+            .iter()
+            .enumerate()
+            .filter(move |(_, o)| o.3 == c.rank && o.1 == send)
+            .map(|(i, o)| (i, o.0.len(), o.2))
+    };
+    if to_self(true).count() != to_self(false).count() {
+        return Err(Failure::invalid(format!(
+            "{} sends to this rank ({}) and {} receives from it: each send to itself needs its \
+             receive in the same batch",
+            to_self(true).count(),
+            c.rank,
+            to_self(false).count()
+        )));
+    }
+    if let Some(((i, sl, sd), (j, rl, rd))) = to_self(true)
+        .zip(to_self(false))
+        .find(|((_, sl, sd), (_, rl, rd))| sl != rl || sd != rd)
+    {
+        return Err(Failure::invalid(format!(
+            "ops[{i}] sends {sl} bytes of {} to this rank where ops[{j}] receives {rl} bytes of {}",
+            sd.name(),
+            rd.name()
+        )));
+    }
+    Ok(Box::new(move |c| {
+        let mut batch: Vec<chorus_core::P2p<'_>> = checked
+            .into_iter()
+            .map(|(buf, is_send, dtype, peer)| {
+                if is_send {
+                    // SAFETY: valid until the call completes by the caller's promise; no
+                    // receive buffer overlaps it (checked).
+                    chorus_core::P2p::send_raw(unsafe { buf.get() }, dtype, peer)
+                } else {
+                    // SAFETY: valid and writable until the call completes by the caller's
+                    // promise, apart from every other buffer of the batch (checked).
+                    chorus_core::P2p::recv_raw(unsafe { buf.get_mut() }, dtype, peer)
+                }
+            })
+            .collect();
+        c.p2p_batch(&mut batch)
+    }))
+}
+
 /// Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly
 /// `recvcount` elements of `dtype` from rank `source` into `recvbuf`, both at once (as
 /// `MPI_Sendrecv`): a ring of these cannot deadlock, unlike blocking `chorus_send` calls that

@@ -151,6 +151,11 @@ impl RawBuf {
         })
     }
 
+    /// The length in bytes.
+    pub(crate) fn len(self) -> usize {
+        self.len
+    }
+
     /// The bytes, to read.
     ///
     /// # Safety
@@ -223,6 +228,64 @@ pub(crate) unsafe fn counts(p: *const usize, n: usize, what: &str) -> Result<Vec
     // SAFETY: non-NULL and aligned, valid for `n` values by the caller's promise (`n` is the
     // communicator's size, at most 2^20, so the byte length fits isize).
     Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+}
+
+/// The `n` entries of type `T` at `p`, borrowed for the call; NULL (with `n` > 0) or a
+/// misaligned pointer is an error.
+///
+/// # Safety
+/// Unless NULL or misaligned, `p` is valid for reading `n` values of `T` (`n` small enough for
+/// their bytes to fit `isize`) during the call, and every bit pattern of them is a valid `T`.
+pub(crate) unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Failure> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    if p as usize % std::mem::align_of::<T>() != 0 {
+        return Err(Failure::invalid(format!("{what} is misaligned")));
+    }
+    // SAFETY: non-NULL and aligned, valid for `n` values by the caller's promise.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// Fail unless every receive range of `ranges` (`(start, len, is_receive, index)`) is apart
+/// from every other range, receive or not; ranges that are not receives may overlap each
+/// other (one buffer sent to several peers). Empty ranges overlap nothing. Sorts `ranges`.
+pub(crate) fn check_receives_apart(
+    mut ranges: Vec<(usize, usize, bool, usize)>,
+) -> Result<(), Failure> {
+    ranges.retain(|r| r.1 > 0);
+    ranges.sort_unstable_by_key(|r| r.0);
+    let overlap = |a: usize, b: usize| {
+        Failure::invalid(format!(
+            "ops[{}].buf and ops[{}].buf overlap: a receive's buffer must be apart from every \
+             other buffer of the batch",
+            a.min(b),
+            a.max(b)
+        ))
+    };
+    // The furthest end so far of any range, and of any receive, with the entry's index: in
+    // start order, a range overlaps an earlier one exactly when it starts before that end.
+    let mut any: Option<(usize, usize)> = None;
+    let mut recv: Option<(usize, usize)> = None;
+    for &(start, len, is_recv, i) in &ranges {
+        let end = start.saturating_add(len);
+        if let Some((_, j)) = recv.filter(|&(e, _)| start < e) {
+            return Err(overlap(j, i));
+        }
+        if let Some((_, j)) = any.filter(|&(e, _)| is_recv && start < e) {
+            return Err(overlap(j, i));
+        }
+        if any.map_or(true, |(e, _)| end > e) {
+            any = Some((end, i));
+        }
+        if is_recv && recv.map_or(true, |(e, _)| end > e) {
+            recv = Some((end, i));
+        }
+    }
+    Ok(())
 }
 
 /// Fail unless the byte ranges `[a, a + a_len)` and `[b, b + b_len)` are disjoint (empty
@@ -316,6 +379,38 @@ mod tests {
         assert!(check_disjoint(q, 8, p, 9, "x").is_err());
         assert!(check_disjoint(p, 16, p, 16, "x").is_err());
         assert!(check_disjoint(p, 0, p, 16, "x").is_ok());
+    }
+
+    #[test]
+    fn receives_of_a_batch_overlap_nothing() {
+        let ok = |v: &[(usize, usize, bool)]| {
+            let ranges = v
+                .iter()
+                .enumerate()
+                .map(|(i, &(a, l, r))| (a, l, r, i))
+                .collect();
+            check_receives_apart(ranges).map_err(|f| f.message)
+        };
+        // Sends may share bytes; receives next to them are fine; empty ones overlap nothing.
+        assert!(ok(&[
+            (0, 8, false),
+            (0, 8, false),
+            (8, 8, true),
+            (16, 4, true),
+            (4, 0, true)
+        ])
+        .is_ok());
+        let e = ok(&[(100, 8, true), (0, 8, false), (104, 8, false)]).unwrap_err();
+        assert!(e.starts_with("ops[0].buf and ops[2].buf overlap"), "{e}");
+        // A long send covering a later receive, past a short one in between.
+        let e = ok(&[(0, 100, false), (10, 2, false), (50, 4, true)]).unwrap_err();
+        assert!(e.starts_with("ops[0].buf and ops[2].buf"), "{e}");
+        // Two receives.
+        let e = ok(&[(0, 10, true), (9, 10, true)]).unwrap_err();
+        assert!(e.starts_with("ops[0].buf and ops[1].buf"), "{e}");
+        // A receive then a send inside it.
+        let e = ok(&[(20, 1, false), (0, 100, true)]).unwrap_err();
+        assert!(e.starts_with("ops[0].buf and ops[1].buf"), "{e}");
     }
 
     #[test]

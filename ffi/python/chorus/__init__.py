@@ -623,6 +623,50 @@ class Communicator:
         )
         return out
 
+    def p2p_batch(self, ops: Sequence[Tuple[str, Any, int]], *, async_op: bool = False) -> Any:
+        """Run every send and receive of ``ops`` at once, as torch's ``batch_isend_irecv``,
+        NCCL's grouped send/recv, or ``MPI_Isend``/``MPI_Irecv`` and ``MPI_Waitall``: each op
+        is ``("send", x, peer)`` or ``("recv", out, peer)``; all are posted together and
+        progressed together, so no pattern of sends and receives between the ranks can
+        deadlock (a halo exchange with both neighbours, a pipeline's activations and
+        gradients). Per peer and direction, messages are matched in order with this rank's
+        and the peer's other point-to-point calls (the peer may answer with :meth:`recv`,
+        :meth:`send`, :meth:`sendrecv` or a batch). A receive takes exactly its buffer's
+        size and dtype. A send to this rank itself is copied into the receive from itself of
+        the same order in the batch. Sends may share a buffer; a receive's buffer must not
+        overlap any other. Returns the receive buffers, in order (with ``async_op``, a
+        :class:`Request` whose ``wait()`` returns them)."""
+        try:
+            n = len(ops)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"p2p_batch: ops must be a sequence of (kind, buffer, peer), not "
+                f"{type(ops).__name__}"
+            ) from None
+        arr = (_lib.P2pOp * max(n, 1))()
+        keep: List[_Buffer] = []
+        received: List[Any] = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, (tuple, list)) or len(op) != 3:
+                raise InvalidArgumentError(
+                    f"p2p_batch: ops[{i}] must be (\"send\" or \"recv\", buffer, peer), not {op!r}"
+                )
+            kind, x, peer = op
+            if kind not in ("send", "recv"):
+                raise InvalidArgumentError(
+                    f"p2p_batch: ops[{i}] kind {kind!r} must be \"send\" or \"recv\""
+                )
+            is_send = kind == "send"
+            b = _buffer(x, f"p2p_batch: ops[{i}] buffer", writable=not is_send)
+            e = arr[i]
+            e.buf, e.count, e.dtype = b.ptr, b.count, b.dtype
+            e.peer = _int(peer, f"p2p_batch: ops[{i}] peer")
+            e.kind = _lib.P2P_SEND if is_send else _lib.P2P_RECV
+            keep.append(b)
+            if not is_send:
+                received.append(x)
+        return self._issue("p2p_batch", (arr, n), received, tuple(keep), async_op)
+
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Split into disjoint communicators, as ``MPI_Comm_split`` and ``ncclCommSplit``:
         the ranks passing the same ``color`` (an int, 0 or more) form a new communicator,

@@ -82,6 +82,20 @@ class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
+class P2pOp(ctypes.Structure):
+    """``chorus_p2p_op``."""
+
+    _fields_ = [
+        ("buf", c_void_p),
+        ("count", c_size_t),
+        ("dtype", c_int32),
+        ("peer", c_int),
+        ("kind", c_int32),
+    ]
+
+
+P2P_SEND, P2P_RECV = 0, 1
+
 _PROTOTYPES = {
     "chorus_status_string": (c_char_p, [c_int32]),
     "chorus_last_error": (c_char_p, []),
@@ -120,6 +134,7 @@ _PROTOTYPES = {
         c_int32,
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
     ),
+    "chorus_p2p_batch": (c_int32, [c_void_p, ctypes.POINTER(P2pOp), c_size_t]),
     "chorus_compressor_create": (c_int32, [_comm_pp, c_char_p]),
     "chorus_compressor_destroy": (c_int32, [c_void_p]),
     "chorus_compressor_report": (c_int32, [c_void_p, ctypes.POINTER(CompressionReport)]),
@@ -141,6 +156,7 @@ for _name in (
     "scatter",
     "allgatherv",
     "alltoallv",
+    "p2p_batch",
 ):
     _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
 _PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])

@@ -49,7 +49,6 @@ reductions of floating-point tensors, other tags.
 
 import functools
 import threading
-from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -480,37 +479,23 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self._run(ops)
 
     def _run(self, ops: List[_P2P]) -> None:
-        """Run sends and receives (the caller holds ``_p2p_lock``): per peer, the k-th send
-        with the k-th receive in one ``sendrecv``, then the rest in order; the peers in the
-        order of the pairs (lower rank, higher rank), which every rank shares, so that no
-        exchange waits on a cycle. Completes every op's future, with the error if one fails."""
-        me = self.p2p.rank
-        by_peer: "OrderedDict[int, List[_P2P]]" = OrderedDict()
-        for op in ops:
-            by_peer.setdefault(op.peer, []).append(op)
+        """Run sends and receives (the caller holds ``_p2p_lock``) as one batch, all posted
+        and progressed together (``p2p_batch``): no order of them across the ranks can
+        deadlock. Completes every op's future, with the error if the batch fails."""
+        if not ops:
+            return
+        batch = [
+            ("send" if op.is_send else "recv", t, op.peer) for op in ops for t in op.data
+        ]
         try:
-            for peer in sorted(by_peer, key=lambda q: (min(me, q), max(me, q))):
-                sends = [o for o in by_peer[peer] if o.is_send]
-                recvs = [o for o in by_peer[peer] if not o.is_send]
-                for k in range(max(len(sends), len(recvs))):
-                    s = sends[k] if k < len(sends) else None
-                    r = recvs[k] if k < len(recvs) else None
-                    if s is not None and r is not None and len(s.data) == len(r.data):
-                        for a, b in zip(s.data, r.data):
-                            self.p2p.sendrecv(a, peer, b, peer)
-                    else:
-                        for t in s.data if s is not None else []:
-                            self.p2p.send(t, peer)
-                        for t in r.data if r is not None else []:
-                            self.p2p.recv(t, peer)
-                    for done in (s, r):
-                        if done is not None:
-                            done.fut.set_result(done.tensors)
+            self.p2p.p2p_batch(batch)
         except Exception as e:
             for op in ops:
                 if not op.fut.done():
                     op.fut.set_exception(e)
             raise
+        for op in ops:
+            op.fut.set_result(op.tensors)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")

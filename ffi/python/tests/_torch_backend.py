@@ -147,8 +147,8 @@ def main():
         for q in reqs:
             q.wait()
         check("batch_isend_irecv ring", r, torch.full((1 << 20,), float(left)))
-        # a halo exchange in one batch, 4 MiB each way ([isend left, isend right, irecv left,
-        # irecv right]: sends and receives of each peer pair up, peers in a shared order)
+        # a halo exchange in one batch, 4 MiB each way, all posted together (with one
+        # neighbour both ways, the messages of each direction pair up in order)
         big = 1 << 20
         to_l, to_r = torch.full((big,), 10.0 * me + 1), torch.full((big,), 10.0 * me + 2)
         from_l, from_r = torch.zeros(big), torch.zeros(big)

@@ -144,6 +144,22 @@ def collectives(comm):
     got = np.zeros_like(big)
     comm.sendrecv(big, (me + 1) % p, got, (me - 1) % p)
     assert np.array_equal(got, np.arange(1 << 20, dtype=np.int32) + (me - 1) % p), "big sendrecv"
+    # A batch: the same 4 MiB to both neighbours and a tensor to itself, the receives after
+    # every send, then the same batch issued and waited for.
+    right, left = (me + 1) % p, (me - 1) % p
+    for async_op in (False, True):
+        from_l, from_r = np.zeros_like(big), np.zeros_like(big)
+        mine, back = torch.arange(5, dtype=torch.float64) + me, torch.zeros(5, dtype=torch.float64)
+        ops = [("send", big, left), ("send", big, right), ("send", mine, me),
+               ("recv", from_l, left), ("recv", from_r, right), ("recv", back, me)]
+        out = comm.p2p_batch(ops, async_op=async_op)
+        if async_op:
+            out = out.wait()
+        assert len(out) == 3 and out[0] is from_l and out[2] is back, "p2p_batch result"
+        assert np.array_equal(from_l, np.arange(1 << 20, dtype=np.int32) + left), "batch from left"
+        assert np.array_equal(from_r, np.arange(1 << 20, dtype=np.int32) + right), "batch from right"
+        assert torch.equal(back, mine), "batch to itself"
+    assert comm.p2p_batch([]) == []
     comm.barrier()
 
     # Options: a forced algorithm and a per-call timeout.
@@ -210,6 +226,17 @@ def errors(comm):
     expect(E, lambda: comm.send(x, me), "send to self")
     expect(E, lambda: comm.sendrecv(x, me, np.zeros(8, np.float64), me), "sendrecv dtypes")
     expect(E, lambda: comm.sendrecv(x, p, np.zeros(8, np.float32), me), "sendrecv dest")
+    y = np.zeros(8, np.float32)
+    nxt = (me + 1) % p
+    expect(E, lambda: comm.p2p_batch([("put", x, nxt)]), "p2p_batch kind")
+    expect(E, lambda: comm.p2p_batch([("send", x)]), "p2p_batch op shape")
+    expect(E, lambda: comm.p2p_batch(("send", x, nxt)), "p2p_batch not a list of ops")
+    expect(E, lambda: comm.p2p_batch(5), "p2p_batch not a sequence")
+    expect(E, lambda: comm.p2p_batch([("send", x, p)]), "p2p_batch peer")
+    expect(E, lambda: comm.p2p_batch([("recv", ro, nxt)]), "p2p_batch read-only receive")
+    expect(E, lambda: comm.p2p_batch([("send", x, nxt), ("recv", x, nxt)]), "p2p_batch overlap")
+    expect(E, lambda: comm.p2p_batch([("send", x, me), ("recv", y[:4], me)]), "p2p_batch to itself")
+    expect(E, lambda: comm.p2p_batch([("send", x, me)], async_op=True), "p2p_batch unpaired")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [-1] + [8] * (p - 1)), "negative count")
     expect(E, lambda: comm.alltoallv(x, [True] * p, np.zeros(8, np.float32), [8] * p), "bool counts")

@@ -6,6 +6,8 @@
  *   api_test collectives      broadcast, reduce, allgather, reduce_scatter, alltoall, gather,
  *                             scatter, send/recv on every dtype, in place and out of place;
  *                             sendrecv around a ring of 4 MiB messages (a copy on one rank);
+ *                             p2p batches: 4 MiB to both neighbours and to itself at once,
+ *                             and one of two dtypes
  *                             allgatherv and alltoallv with blocks of different sizes
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
@@ -355,6 +357,43 @@ static void collectives(chorus_comm *comm) {
         OK(chorus_sendrecv(comm, s, m, right, r, m, left, CHORUS_INT32));
         for (size_t i = 0; i < m; i++)
             CHECK(r[i] == (int32_t)(left * 7 + (int)(i % 1000)), "sendrecv [%zu] = %d", i, r[i]);
+
+        /* A batch: the same 4 MiB buffer to both neighbours and a short message to itself,
+         * the receives posted after every send (blocking sends could not), then a batch of
+         * two dtypes whose receives come first (in the order that pairs them with the sends
+         * when left and right are one rank, or this rank). */
+        int32_t *r2 = malloc(m * 4);
+        CHECK(r2, "out of memory");
+        double to_self = 2.5 + me, from_self = 0;
+        chorus_p2p_op ops[6] = {
+            {s, m, CHORUS_INT32, left, CHORUS_P2P_SEND},
+            {s, m, CHORUS_INT32, right, CHORUS_P2P_SEND},
+            {&to_self, 1, CHORUS_FLOAT64, me, CHORUS_P2P_SEND},
+            {r, m, CHORUS_INT32, left, CHORUS_P2P_RECV},
+            {r2, m, CHORUS_INT32, right, CHORUS_P2P_RECV},
+            {&from_self, 1, CHORUS_FLOAT64, me, CHORUS_P2P_RECV},
+        };
+        memset(r, 0, m * 4);
+        OK(chorus_p2p_batch(comm, ops, 6));
+        for (size_t i = 0; i < m; i++) {
+            CHECK(r[i] == (int32_t)(left * 7 + (int)(i % 1000)), "batch from left [%zu] = %d", i, r[i]);
+            CHECK(r2[i] == (int32_t)(right * 7 + (int)(i % 1000)), "batch from right [%zu] = %d", i, r2[i]);
+        }
+        CHECK(from_self == 2.5 + me, "batch to itself: %g", from_self);
+        uint16_t h_out = (uint16_t)(100 + me), h_in = 0;
+        int64_t l_out[3] = {me, -me, 1LL << 40}, l_in[3] = {0};
+        chorus_p2p_op mixed[4] = {
+            {l_in, 3, CHORUS_INT64, right, CHORUS_P2P_RECV},
+            {&h_in, 1, CHORUS_FLOAT16, left, CHORUS_P2P_RECV},
+            {l_out, 3, CHORUS_INT64, left, CHORUS_P2P_SEND},
+            {&h_out, 1, CHORUS_FLOAT16, right, CHORUS_P2P_SEND},
+        };
+        OK(chorus_p2p_batch(comm, mixed, 4));
+        CHECK(h_in == (uint16_t)(100 + left), "batch float16 bits %u", h_in);
+        CHECK(l_in[0] == right && l_in[1] == -right && l_in[2] == 1LL << 40, "batch int64 %lld",
+              (long long)l_in[0]);
+        OK(chorus_p2p_batch(comm, NULL, 0));
+        free(r2);
         free(s);
         free(r);
     }
@@ -443,6 +482,53 @@ static void badargs(chorus_comm *comm) {
     big.v1.size = sizeof big;
     big.newer_field = 1;
     EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &big.v1), CHORUS_UNSUPPORTED);
+
+    /* Batches of sends and receives: each refused whole, before anything moves. */
+    {
+        int next = (g_rank + 1) % g_size;
+        chorus_p2p_op ops[2] = {
+            {a, 4, CHORUS_FLOAT32, next, CHORUS_P2P_SEND},
+            {b, 4, CHORUS_FLOAT32, next, CHORUS_P2P_RECV},
+        };
+        EXPECT(chorus_p2p_batch(comm, NULL, 2), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_p2p_batch(NULL, ops, 2), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_p2p_batch(comm, ops, SIZE_MAX), CHORUS_INVALID_ARGUMENT);
+        ops[1].kind = (chorus_p2p_kind)2;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "ops[1].kind") != NULL, "message: %s", chorus_last_error());
+        ops[1].kind = CHORUS_P2P_RECV;
+        ops[0].dtype = (chorus_dtype)12;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "ops[0].dtype") != NULL, "message: %s", chorus_last_error());
+        ops[0].dtype = CHORUS_FLOAT32;
+        ops[0].peer = g_size;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        ops[0].peer = -1;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        ops[0].peer = next;
+        ops[1].buf = NULL;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        ops[1].buf = a + 2; /* the receive overlaps the send */
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "overlap") != NULL, "message: %s", chorus_last_error());
+        ops[1].buf = b;
+        ops[1].count = SIZE_MAX / 2;
+        EXPECT(chorus_p2p_batch(comm, ops, 2), CHORUS_INVALID_ARGUMENT);
+        /* A send to itself needs its receive, of the same length. */
+        chorus_p2p_op self[2] = {
+            {a, 4, CHORUS_FLOAT32, g_rank, CHORUS_P2P_SEND},
+            {b, 3, CHORUS_FLOAT32, g_rank, CHORUS_P2P_RECV},
+        };
+        EXPECT(chorus_p2p_batch(comm, self, 1), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_p2p_batch(comm, self, 2), CHORUS_INVALID_ARGUMENT);
+        chorus_request *req = (chorus_request *)a;
+        EXPECT(chorus_ip2p_batch(comm, self, 2, &req), CHORUS_INVALID_ARGUMENT);
+        CHECK(req == NULL, "a refused batch left *request set");
+        EXPECT(chorus_ip2p_batch(comm, self, 2, NULL), CHORUS_INVALID_ARGUMENT);
+        self[1].count = 4;
+        OK(chorus_ip2p_batch(comm, self, 2, &req));
+        OK(chorus_wait(&req));
+    }
 
     /* Init arguments (no communication happens). */
     chorus_comm *other = (chorus_comm *)&x; /* must be reset to NULL on failure */
@@ -856,7 +942,7 @@ static void nonblocking(chorus_comm *comm) {
     CHECK(sum_in && sum_out && bc && red && ag && rs_in && rs_out && a2a && ga && sc_in &&
           sc_out && agv && a2av_in && a2av_out && rc && sc && rc2, "out of memory");
     for (int round = 0; round < 3; round++) {
-        chorus_request *req[12];
+        chorus_request *req[13];
         int k = 0;
         for (size_t i = 0; i < BIG; i++) sum_in[i] = (int32_t)((size_t)me * 3 + i % 7 + round);
         OK(chorus_iallreduce(comm, sum_in, sum_out, BIG, CHORUS_INT32, CHORUS_SUM, NULL, &req[k++]));
@@ -894,6 +980,16 @@ static void nonblocking(chorus_comm *comm) {
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < sc[j]; i++, m++) a2av_in[m] = me * 1000 + j * 10 + (int32_t)i;
         OK(chorus_ialltoallv(comm, a2av_in, sc, a2av_out, rc2, CHORUS_INT32, &req[k++]));
+        /* A batch around the ring; its array is read at issue, so scribbling on it
+         * afterwards changes nothing. */
+        int32_t ring_out[N], ring_in[N];
+        for (int i = 0; i < N; i++) ring_out[i] = me * 10 + i + round, ring_in[i] = -1;
+        chorus_p2p_op ring[2] = {
+            {ring_out, N, CHORUS_INT32, (me + 1) % p, CHORUS_P2P_SEND},
+            {ring_in, N, CHORUS_INT32, (me + p - 1) % p, CHORUS_P2P_RECV},
+        };
+        OK(chorus_ip2p_batch(comm, ring, 2, &req[k++]));
+        memset(ring, 0xff, sizeof ring);
         OK(chorus_ibarrier(comm, &req[k++]));
         /* Poll the last one (bounded), then complete everything. */
         int done = 0;
@@ -905,7 +1001,7 @@ static void nonblocking(chorus_comm *comm) {
                 sleep_ms(1);
             }
         }
-        CHECK(done && req[k - 1] == NULL, "barrier not done after polling");
+        CHECK(done && req[k - 1] == NULL, "the last request not done after polling");
         OK(chorus_waitall((size_t)k, req));
         for (int i = 0; i < k; i++) CHECK(req[i] == NULL, "request %d not cleared", i);
         for (size_t i = 0; i < BIG; i++) {
@@ -933,6 +1029,9 @@ static void nonblocking(chorus_comm *comm) {
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < saved[j]; i++, m++)
                 CHECK(agv[m] == j * 100 + (int32_t)i, "iallgatherv [%d] = %d", m, agv[m]);
+        for (int i = 0; i < N; i++)
+            CHECK(ring_in[i] == ((me + p - 1) % p) * 10 + i + round, "ip2p_batch [%d] = %d", i,
+                  ring_in[i]);
         (void)total;
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < rc2[j]; i++, m++)
