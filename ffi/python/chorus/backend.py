@@ -31,10 +31,9 @@ never meet its collectives, and as bytes (Gloo does not check dtypes either). A 
 64 KiB with nothing before it goes at once (the transport holds it until the peer receives);
 other ``isend``/``irecv`` calls wait in a queue until ``wait()`` is called on any of them
 (``send``/``recv`` wait at once), and then the queue runs as a batch. A batch
-(``batch_isend_irecv``, or the queue) runs per peer: the k-th send to a peer together with
-the k-th receive from it in one ``sendrecv``, the peers in one order every rank shares, so
-that exchanges of any size and pattern complete. A large ``isend`` that is never waited for
-is therefore never sent.
+(``batch_isend_irecv``, or the queue) is one ``p2p_batch``: every send and receive posted
+and progressed together, so that exchanges of any size and pattern complete, each link busy
+at once. A large ``isend`` that is never waited for is therefore never sent.
 
 Supported: ``all_reduce`` (sum, product, min, max, avg; band, bor and bxor on integer
 tensors), ``broadcast``, ``reduce``,
