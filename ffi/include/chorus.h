@@ -530,8 +530,8 @@ int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
  * returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
  * request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
  * `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
- * the same request from two threads at once. There is no way to drop a request without
- * waiting for it (as `MPI_Request_free`): a request never completed keeps a small allocation.
+ * the same request from two threads at once. `chorus_request_free` drops a request without
+ * waiting for it.
  *
  * # Safety
  * `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
@@ -548,6 +548,20 @@ int32_t chorus_wait(chorus_request **request);
  * As `chorus_wait`; `done` is NULL or valid for writing an int.
  */
 int32_t chorus_test(chorus_request **request, int *done);
+
+/**
+ * Give up a request without waiting for it (as `MPI_Request_free`): the call goes on, in its
+ * place in the communicator's order, and its result is dropped; `*request` is set to NULL. A
+ * NULL `*request` is accepted. The buffers must stay valid and untouched until the call has
+ * ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
+ * guarantees: both wait for the calls issued before them. A failure of the call is not
+ * reported here; it leaves the communicator unusable, as any failure involving a peer does,
+ * and the next call says so.
+ *
+ * # Safety
+ * As `chorus_wait`.
+ */
+int32_t chorus_request_free(chorus_request **request);
 
 /**
  * `chorus_wait` on each of the `count` requests of `requests`, in order (every one is

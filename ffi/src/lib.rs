@@ -669,8 +669,8 @@ unsafe fn issue(
 /// returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
 /// request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
 /// `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
-/// the same request from two threads at once. There is no way to drop a request without
-/// waiting for it (as `MPI_Request_free`): a request never completed keeps a small allocation.
+/// the same request from two threads at once. `chorus_request_free` drops a request without
+/// waiting for it.
 ///
 /// # Safety
 /// `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
@@ -722,6 +722,32 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
         // SAFETY: as in `chorus_wait`.
         let req = unsafe { Box::from_raw(req) };
         Ok(req.inner.wait()?)
+    })
+}
+
+/// Give up a request without waiting for it (as `MPI_Request_free`): the call goes on, in its
+/// place in the communicator's order, and its result is dropped; `*request` is set to NULL. A
+/// NULL `*request` is accepted. The buffers must stay valid and untouched until the call has
+/// ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
+/// guarantees: both wait for the calls issued before them. A failure of the call is not
+/// reported here; it leaves the communicator unusable, as any failure involving a peer does,
+/// and the next call says so.
+///
+/// # Safety
+/// As `chorus_wait`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_request_free(request: *mut *mut chorus_request) -> i32 {
+    guard("chorus_request_free", || {
+        // SAFETY: NULL or valid by the caller's promise.
+        let slot =
+            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
+        let req = std::mem::replace(slot, std::ptr::null_mut());
+        if !req.is_null() {
+            // SAFETY: set by a `chorus_i*` function and not yet completed, by the caller's
+            // promise; dropping a request does not cancel its call.
+            drop(unsafe { Box::from_raw(req) });
+        }
+        Ok(())
     })
 }
 

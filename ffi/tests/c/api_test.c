@@ -1070,6 +1070,19 @@ static void nonblocking(chorus_comm *comm) {
     EXPECT(chorus_test(&bad, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_waitall(2, NULL), CHORUS_INVALID_ARGUMENT);
     OK(chorus_waitall(0, NULL));
+    /* A freed request's call still runs, before the next blocking call returns. */
+    {
+        chorus_request *gone = NULL;
+        for (int i = 0; i < 1000; i++) sum_out[i] = me + i;
+        OK(chorus_iallreduce(comm, sum_out, sum_out, 1000, CHORUS_INT32, CHORUS_SUM, NULL, &gone));
+        OK(chorus_request_free(&gone));
+        CHECK(gone == NULL, "chorus_request_free left the request set");
+        OK(chorus_request_free(&gone));
+        EXPECT(chorus_request_free(NULL), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_barrier(comm));
+        for (int i = 0; i < 1000; i++)
+            CHECK(sum_out[i] == p * (p - 1) / 2 + p * i, "freed request's allreduce [%d] = %d", i, sum_out[i]);
+    }
     /* A communicator destroyed with calls in flight waits for them; their requests still
      * report. */
     chorus_request *late[2];
