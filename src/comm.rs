@@ -58,9 +58,10 @@ impl Process {
 /// The running call (or, when none runs, the communicator's next call) tells every peer,
 /// whose calls then fail at once naming this rank, and fails with an error; the communicator
 /// is unusable afterwards. Over TCP a waiting call notices at once, over shared memory within
-/// 10 ms (RDMA likewise); a call that is not waiting notices when it next waits or ends. Not
-/// yet looked at: the set-up of a split or dup (connecting the new group, bounded by the init
-/// timeout). Clones share the request; the first reason wins.
+/// 10 ms (RDMA likewise); a call that is not waiting notices when it next waits or ends. A
+/// split or dup connecting its new group stops waiting within 10 ms (the set-up goes on
+/// alone until it connects or fails, bounded by the init timeout, and is dropped). Clones
+/// share the request; the first reason wins.
 #[derive(Clone, Debug)]
 pub struct AbortHandle {
     inner: chorus_transport::AbortHandle,
@@ -1511,6 +1512,11 @@ impl Communicator {
         }
     }
 
+    /// The abort requested through the handle, if any.
+    pub(crate) fn requested_abort(&self) -> Option<AbortNotice> {
+        self.abort_handle.requested()
+    }
+
     /// Carry out an abort requested through the handle while no call ran (the peers have not
     /// been told yet).
     pub(crate) fn settle_abort(&mut self) {
@@ -1558,7 +1564,7 @@ impl Communicator {
 
     /// Turn a transport error into a communicator error; on a peer-related error, abort so that
     /// the other ranks hear about it now rather than at their timeout.
-    fn fail(&mut self, op: &'static str, e: TransportError) -> CommError {
+    pub(crate) fn fail(&mut self, op: &'static str, e: TransportError) -> CommError {
         let mismatch_detail = match &e {
             TransportError::Mismatch {
                 expected_tag,

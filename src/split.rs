@@ -14,15 +14,19 @@
 //! calls on one never meet the other's messages, and either may be dropped first.
 
 use std::net::SocketAddr;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use chorus_algorithms::collectives::allgather;
 use chorus_algorithms::{DType, ReduceOp};
 use chorus_transport::rendezvous::StoreServer;
+use chorus_transport::TransportError;
 
 use crate::comm::{Call, CollKind};
 use crate::error::{CommError, ErrorKind};
 use crate::log::{self, Level};
-use crate::Communicator;
+use crate::{Communicator, Config};
 
 /// One rank's (color, key): a flag byte (1: has a color), 3 zero bytes, the color (u32 LE)
 /// and the key (i64 LE).
@@ -236,7 +240,7 @@ impl Communicator {
                 &members[..members.len().min(16)]
             ),
         );
-        let child = Communicator::build(config, server).map_err(|e| {
+        let child = self.build_watching_abort(config, server).map_err(|e| {
             e.with_detail(&format!(
                 " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
                  rank {rank} of the one split)",
@@ -278,6 +282,59 @@ impl Communicator {
             .expect("every rank passes a color"))
     }
 
+    /// [`Communicator::build`] of a split's new communicator, on a thread of its own while this
+    /// thread watches this communicator's abort handle: an abort requested from another thread
+    /// ends the wait within 10 ms, and this communicator is aborted (its peers told) as a call
+    /// would be. The set-up then goes on alone until it connects or fails (bounded by the init
+    /// timeout), and what it made is dropped.
+    fn build_watching_abort(
+        &mut self,
+        config: Config,
+        server: Option<StoreServer>,
+    ) -> Result<Communicator, CommError> {
+        const OP: &str = "split";
+        let args = Arc::new(Mutex::new(Some((config, server))));
+        let (tx, rx) = mpsc::channel();
+        let theirs = Arc::clone(&args);
+        let spawned = std::thread::Builder::new()
+            .name("chorus-split".into())
+            .spawn(move || {
+                let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some((config, server)) = taken {
+                    let _ = tx.send(Communicator::build(config, server));
+                }
+            });
+        if spawned.is_err() {
+            // No thread to spare: set up here, without watching.
+            let taken = args.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let (config, server) = taken.expect("the set-up thread never started");
+            return Communicator::build(config, server);
+        }
+        loop {
+            match rx.recv_timeout(Duration::from_millis(10)) {
+                Ok(built) => return built,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(CommError::new(
+                        ErrorKind::Internal,
+                        OP,
+                        "the set-up of the new communicator ended without a result (a panic)",
+                    )
+                    .at_rank(self.rank()));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(notice) = self.requested_abort() {
+                        let why = format!(
+                            "aborted by this rank: {} (while the new communicator of a split \
+                             was connecting)",
+                            notice.reason
+                        );
+                        return Err(self.fail(OP, TransportError::Aborted(why)));
+                    }
+                }
+            }
+        }
+    }
+
     /// Bind a store for a split's new group on this rank's data address (any free port),
     /// authenticated with this communicator's token.
     fn store_for_split(&self) -> Result<StoreServer, CommError> {
@@ -315,6 +372,35 @@ mod tests {
         assert_eq!(group_of(&c, 5), vec![3, 0, 5]);
         assert_eq!(group_of(&c, 1), vec![1, 4]);
         assert_eq!(group_of(&c, 2), Vec::<usize>::new());
+    }
+
+    /// A split's set-up that cannot connect (its store never sees the group's other rank)
+    /// ends within a moment of an abort requested from another thread, not at the init
+    /// timeout; the communicator split is aborted.
+    #[test]
+    fn an_abort_ends_the_set_up_of_a_split() {
+        let mut parent = Communicator::new(Config::new(0, 1, "127.0.0.1:0")).unwrap();
+        let store = StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"").unwrap();
+        let mut config = Config::new(1, 2, store.local_addr().to_string());
+        config.host_store = Some(false);
+        config.transport = Some("tcp".into());
+        config.init_timeout = Duration::from_secs(60);
+        let handle = parent.abort_handle();
+        let started = std::time::Instant::now();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            handle.abort("test");
+        });
+        let e = parent.build_watching_abort(config, None).unwrap_err();
+        aborter.join().unwrap();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert!(e.to_string().contains("aborted"), "{e}");
+        assert!(!parent.is_usable());
+        // The next call says why.
+        let e = parent.barrier().unwrap_err();
+        assert!(e.to_string().contains("test"), "{e}");
     }
 
     #[test]
