@@ -842,9 +842,11 @@ impl Communicator {
 
     /// Run every send and receive of `ops` at once (as torch's `batch_isend_irecv`, NCCL's
     /// grouped `ncclSend`/`ncclRecv`, or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`): all are
-    /// posted together and progressed together until all complete, so no pattern of sends
-    /// and receives between the ranks can deadlock (a halo exchange with both neighbours, a
-    /// pipeline stage's activations and gradients, an all-to-all of one's own design).
+    /// posted together and progressed together until all complete, so the order of a batch's
+    /// sends and receives cannot deadlock it when every rank involved takes part with a batch
+    /// of its own (a halo exchange with both neighbours, a pipeline stage's activations and
+    /// gradients, an all-to-all of one's own design). A peer answering with blocking calls
+    /// must make them in an order that can complete.
     ///
     /// Per peer and direction, messages are matched in order, with this rank's other
     /// point-to-point calls and with the peer's: the peer may receive a batch's sends with

@@ -20,6 +20,7 @@
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -182,6 +183,7 @@ impl Queue {
             process: Process::this(),
             rank: self.rank,
             queue: Arc::as_ptr(&self.shared) as usize,
+            detached: AtomicBool::new(false),
         });
         if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
@@ -206,8 +208,28 @@ impl Queue {
                     .at_rank(rank))
                 }
             };
-            *lock(&fill.value) = Some(result);
-            fill.done.notify_all();
+            let mut value = lock(&fill.value);
+            if fill.detached.load(Ordering::SeqCst) {
+                drop(value);
+                if let Err(e) = result {
+                    // Nothing else would report it, and this rank may have skipped a call its
+                    // peers make: abort, so that every rank hears of it.
+                    let why = format!(
+                        "a call whose request was given up failed: {} ({}): {}",
+                        e.op(),
+                        e.kind().as_str(),
+                        e.message()
+                    );
+                    crate::log::log(crate::log::Level::Warn, Some(rank), format_args!("{why}"));
+                    if comm.is_usable() {
+                        comm.abort(&why);
+                    }
+                }
+            } else {
+                *value = Some(result);
+                drop(value);
+                fill.done.notify_all();
+            }
         });
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it.
@@ -486,6 +508,9 @@ struct Slot<T> {
     rank: usize,
     /// The queue it was issued on (the address of its `Shared`).
     queue: usize,
+    /// Given up ([`Request::detach`]): the worker drops the result (set and read under the
+    /// `value` lock).
+    detached: AtomicBool,
 }
 
 impl<T> Slot<T> {
@@ -521,6 +546,26 @@ impl<T> Request<T> {
             .check("queued call", self.slot.rank)
             .is_err()
             || lock(&self.slot.value).is_some()
+    }
+
+    /// Give the request up without waiting (as `MPI_Request_free`): the result of the call if
+    /// it has finished; otherwise `None`, and the call goes on, its result dropped. Should it
+    /// then fail, the communicator is aborted (the peers told), since nothing else would
+    /// report the failure, and this rank's next call fails saying why. Dropping a request
+    /// instead leaves a failure unreported.
+    pub fn detach(self) -> Option<Result<T, CommError>> {
+        if self
+            .slot
+            .process
+            .check("queued call", self.slot.rank)
+            .is_err()
+        {
+            // A forked child: the parent's worker may have held the lock at the fork.
+            return None;
+        }
+        let mut value = lock(&self.slot.value);
+        self.slot.detached.store(true, Ordering::SeqCst);
+        value.take()
     }
 
     /// Wait for the call and take its result.

@@ -454,3 +454,58 @@ fn an_abort_from_another_thread_ends_a_waiting_call() {
         );
     }
 }
+
+/// A request given up (`detach`, as `MPI_Request_free`): a finished call's result comes back;
+/// a call still queued goes on, and when it fails (here an argument error only the
+/// communicator checks) the communicator is aborted, so that every rank hears of it at its
+/// next call instead of waiting for a collective this rank skipped.
+#[test]
+fn a_failure_of_a_given_up_request_aborts_for_everyone() {
+    let got = queues(
+        3,
+        "tcp",
+        Duration::from_secs(30),
+        Duration::from_secs(90),
+        |q| {
+            let done = q.barrier();
+            let start = Instant::now();
+            while !done.test() && start.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let finished = done.detach();
+            assert!(
+                matches!(finished, Some(Ok(()))),
+                "{:?}",
+                finished.map(|r| r.err())
+            );
+            let start = Instant::now();
+            let barrier = if q.rank() == 0 {
+                // The barrier keeps the queue busy until the others join: the bad call is
+                // still queued when its request is given up.
+                let first = q.barrier();
+                let bad = q.submit(|c| c.broadcast(&mut [1i32; 3], 99));
+                assert!(bad.detach().is_none(), "the call ran before its barrier");
+                first
+                    .wait()
+                    .expect("rank 0's barrier ends before the bad call runs");
+                Ok(())
+            } else {
+                std::thread::sleep(Duration::from_millis(200));
+                // May already fail: an abort ends the peers' calls at once, even one that
+                // still waits for a third rank.
+                q.barrier().wait()
+            };
+            let next = barrier.and_then(|()| q.run(|c| c.barrier()));
+            (next, start.elapsed())
+        },
+    );
+    for (rank, (next, took)) in got.into_iter().enumerate() {
+        let e = next.expect_err("a call after a failed given-up request must fail");
+        assert!(!e.is_usable(), "rank {rank}: {e}");
+        assert!(e.to_string().contains("given up"), "rank {rank}: {e}");
+        assert!(
+            took < Duration::from_secs(20),
+            "rank {rank} waited {took:?}"
+        );
+    }
+}

@@ -550,13 +550,14 @@ int32_t chorus_wait(chorus_request **request);
 int32_t chorus_test(chorus_request **request, int *done);
 
 /**
- * Give up a request without waiting for it (as `MPI_Request_free`): the call goes on, in its
- * place in the communicator's order, and its result is dropped; `*request` is set to NULL. A
- * NULL `*request` is accepted. The buffers must stay valid and untouched until the call has
+ * Give up a request without waiting for it (as `MPI_Request_free`); `*request` is set to
+ * NULL, and a NULL `*request` is accepted. If the call has already finished, its status is
+ * returned, as `chorus_wait` would. Otherwise the call goes on, in its place in the
+ * communicator's order, and `CHORUS_OK` is returned; should the call then fail, the
+ * communicator is aborted (its peers told, since nothing else would report it), and the next
+ * call on it fails saying why. The buffers must stay valid and untouched until the call has
  * ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
- * guarantees: both wait for the calls issued before them. A failure of the call is not
- * reported here; it leaves the communicator unusable, as any failure involving a peer does,
- * and the next call says so.
+ * guarantees: both wait for the calls issued before them.
  *
  * # Safety
  * As `chorus_wait`.
@@ -958,9 +959,10 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
 /**
  * Run the `n` sends and receives of `ops` at once, as torch's `batch_isend_irecv`, NCCL's
  * grouped `ncclSend`/`ncclRecv` or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`: all posted
- * together and progressed together until all complete, so no pattern of sends and receives
- * between the ranks can deadlock (a halo exchange with both neighbours, a pipeline's
- * activations and gradients).
+ * together and progressed together until all complete, so the order of a batch's sends and
+ * receives cannot deadlock it when every rank involved takes part with a batch of its own
+ * (a halo exchange with both neighbours, a pipeline's activations and gradients). A peer
+ * answering with blocking calls must make them in an order that can complete.
  *
  * Per peer and direction, messages are matched in order with the other point-to-point calls
  * of both ranks: a peer may answer with `chorus_recv`, `chorus_send`, `chorus_sendrecv` or a

@@ -725,13 +725,14 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
     })
 }
 
-/// Give up a request without waiting for it (as `MPI_Request_free`): the call goes on, in its
-/// place in the communicator's order, and its result is dropped; `*request` is set to NULL. A
-/// NULL `*request` is accepted. The buffers must stay valid and untouched until the call has
+/// Give up a request without waiting for it (as `MPI_Request_free`); `*request` is set to
+/// NULL, and a NULL `*request` is accepted. If the call has already finished, its status is
+/// returned, as `chorus_wait` would. Otherwise the call goes on, in its place in the
+/// communicator's order, and `CHORUS_OK` is returned; should the call then fail, the
+/// communicator is aborted (its peers told, since nothing else would report it), and the next
+/// call on it fails saying why. The buffers must stay valid and untouched until the call has
 /// ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
-/// guarantees: both wait for the calls issued before them. A failure of the call is not
-/// reported here; it leaves the communicator unusable, as any failure involving a peer does,
-/// and the next call says so.
+/// guarantees: both wait for the calls issued before them.
 ///
 /// # Safety
 /// As `chorus_wait`.
@@ -742,12 +743,16 @@ pub unsafe extern "C" fn chorus_request_free(request: *mut *mut chorus_request) 
         let slot =
             unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
         let req = std::mem::replace(slot, std::ptr::null_mut());
-        if !req.is_null() {
-            // SAFETY: set by a `chorus_i*` function and not yet completed, by the caller's
-            // promise; dropping a request does not cancel its call.
-            drop(unsafe { Box::from_raw(req) });
+        if req.is_null() {
+            return Ok(());
         }
-        Ok(())
+        // SAFETY: set by a `chorus_i*` function and not yet completed, by the caller's
+        // promise.
+        let req = unsafe { Box::from_raw(req) };
+        match req.inner.detach() {
+            Some(finished) => Ok(finished?),
+            None => Ok(()),
+        }
     })
 }
 
@@ -1748,9 +1753,10 @@ const MAX_P2P_OPS: usize = 1 << 20;
 
 /// Run the `n` sends and receives of `ops` at once, as torch's `batch_isend_irecv`, NCCL's
 /// grouped `ncclSend`/`ncclRecv` or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`: all posted
-/// together and progressed together until all complete, so no pattern of sends and receives
-/// between the ranks can deadlock (a halo exchange with both neighbours, a pipeline's
-/// activations and gradients).
+/// together and progressed together until all complete, so the order of a batch's sends and
+/// receives cannot deadlock it when every rank involved takes part with a batch of its own
+/// (a halo exchange with both neighbours, a pipeline's activations and gradients). A peer
+/// answering with blocking calls must make them in an order that can complete.
 ///
 /// Per peer and direction, messages are matched in order with the other point-to-point calls
 /// of both ranks: a peer may answer with `chorus_recv`, `chorus_send`, `chorus_sendrecv` or a

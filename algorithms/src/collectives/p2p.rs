@@ -104,6 +104,17 @@ pub fn check_batch(
                 it.peer
             ));
         }
+        let len = match &it.transfer {
+            Transfer::Send(b) => b.len(),
+            Transfer::Recv(b) => b.len(),
+        };
+        if len as u64 > chorus_transport::frame::MAX_PAYLOAD {
+            // Refused here, before anything is posted: a post refused after others were made
+            // would leave the transport's message order out of step.
+            return Err(format!(
+                "transfer {i}: {len} bytes is more than one message carries (2^40 - 1 bytes)"
+            ));
+        }
         if it.peer == rank {
             match &it.transfer {
                 Transfer::Send(b) => to_self.push((i, it.tag, b.len())),
@@ -136,8 +147,8 @@ pub fn check_batch(
 }
 
 /// Runs every send and receive of `items` at once: all posted together (receives first) and
-/// progressed together until all complete, so no order of sends and receives between the
-/// ranks can deadlock (as `MPI_Isend`/`MPI_Irecv` then `MPI_Waitall`, or NCCL's grouped
+/// progressed together until all complete, so no order of them can deadlock ranks that all
+/// take part with batches (as `MPI_Isend`/`MPI_Irecv` then `MPI_Waitall`, or NCCL's grouped
 /// send/recv). Per peer and direction, the messages are matched in the order of `items`. A
 /// send to this rank is copied into the receive from it of the same rank in that order.
 ///

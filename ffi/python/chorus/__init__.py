@@ -627,9 +627,8 @@ class Communicator:
         """Run every send and receive of ``ops`` at once, as torch's ``batch_isend_irecv``,
         NCCL's grouped send/recv, or ``MPI_Isend``/``MPI_Irecv`` and ``MPI_Waitall``: each op
         is ``("send", x, peer)`` or ``("recv", out, peer)``; all are posted together and
-        progressed together, so no pattern of sends and receives between the ranks can
-        deadlock (a halo exchange with both neighbours, a pipeline's activations and
-        gradients). Per peer and direction, messages are matched in order with this rank's
+        progressed together, so their order cannot deadlock ranks that all use batches (a
+        halo exchange with both neighbours, a pipeline's activations and gradients). Per peer and direction, messages are matched in order with this rank's
         and the peer's other point-to-point calls (the peer may answer with :meth:`recv`,
         :meth:`send`, :meth:`sendrecv` or a batch). A receive takes exactly its buffer's
         size and dtype. A send to this rank itself is copied into the receive from itself of

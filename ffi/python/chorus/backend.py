@@ -49,7 +49,7 @@ reductions of floating-point tensors, other tags.
 import functools
 import threading
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -447,7 +447,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
             batch.append(op)
             return torch._C._distributed_c10d._create_work_from_future(op.fut)
         with self._p2p_lock:
-            if is_send and not self._pending and op.nbytes <= _EAGER_BYTES:
+            if is_send and not self._pending and op.nbytes <= _EAGER_BYTES and peer != self.p2p.rank:
                 # Small enough for the transport to hold until the peer receives it.
                 self._run([op])
                 return _done(tensors)
@@ -483,8 +483,21 @@ class ProcessGroupChorus(dist.ProcessGroup):
         deadlock. Completes every op's future, with the error if the batch fails."""
         if not ops:
             return
+        def span(t: torch.Tensor) -> Tuple[int, int]:
+            return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+        receives = [span(t) for op in ops if not op.is_send for t in op.data if t.numel()]
+
+        def apart(t: torch.Tensor) -> torch.Tensor:
+            # A tensor both sent and received into in one batch is sent from a copy (the
+            # batch refuses overlapping buffers; Gloo accepts this).
+            a, b = span(t)
+            return t.clone() if any(a < e and s < b for s, e in receives) else t
+
         batch = [
-            ("send" if op.is_send else "recv", t, op.peer) for op in ops for t in op.data
+            ("send", apart(t), op.peer) if op.is_send else ("recv", t, op.peer)
+            for op in ops
+            for t in op.data
         ]
         try:
             self.p2p.p2p_batch(batch)

@@ -194,6 +194,17 @@ def main():
         for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, fresh_out, right), dist.P2POp(dist.irecv, fresh_in, left)]):
             q.wait()
         check("the exchange after a failed batch", fresh_in, torch.full((16,), 1000.0 + left))
+        # a small isend to itself waits for its irecv (alone it would be a send without its
+        # receive); one tensor both sent and received into in a batch is sent from a copy
+        to_self, back = torch.arange(4.0) + me, torch.zeros(4)
+        w1, w2 = dist.isend(to_self, me), dist.irecv(back, me)
+        w1.wait()
+        w2.wait()
+        check("isend to itself", back, torch.arange(4.0) + me)
+        shared = torch.full((8,), float(me))
+        for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, shared, right), dist.P2POp(dist.irecv, shared, left)]):
+            q.wait()
+        check("one tensor sent and received into", shared, torch.full((8,), float(left)))
         # a message not yet received does not meet the collectives: rank 0 sends, then
         # everyone reduces, then rank 1 receives
         m = torch.tensor([42.0])
