@@ -551,8 +551,10 @@ impl<T> Request<T> {
     /// Give the request up without waiting (as `MPI_Request_free`): the result of the call if
     /// it has finished; otherwise `None`, and the call goes on, its result dropped. Should it
     /// then fail, the communicator is aborted (the peers told), since nothing else would
-    /// report the failure, and this rank's next call fails saying why. Dropping a request
-    /// instead leaves a failure unreported.
+    /// report the failure, and this rank's next call fails saying why; this holds even for an
+    /// error that leaves the communicator usable (an argument error, which may have made this
+    /// rank skip a call its peers make). In a forked child it returns `None` at once. Dropping
+    /// a request instead leaves a failure unreported.
     pub fn detach(self) -> Option<Result<T, CommError>> {
         if self
             .slot

@@ -286,13 +286,18 @@ impl Communicator {
     /// thread watches this communicator's abort handle: an abort requested from another thread
     /// ends the wait within 10 ms, and this communicator is aborted (its peers told) as a call
     /// would be. The set-up then goes on alone until it connects or fails (bounded by the init
-    /// timeout), and what it made is dropped.
+    /// timeout), and a communicator it made is aborted, so that the rest of the new group
+    /// hears why at its first call.
     fn build_watching_abort(
         &mut self,
         config: Config,
         server: Option<StoreServer>,
     ) -> Result<Communicator, CommError> {
         const OP: &str = "split";
+        if config.size == 1 {
+            // Nothing to connect to.
+            return Communicator::build(config, server);
+        }
         let args = Arc::new(Mutex::new(Some((config, server))));
         let (tx, rx) = mpsc::channel();
         let theirs = Arc::clone(&args);
@@ -301,7 +306,13 @@ impl Communicator {
             .spawn(move || {
                 let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if let Some((config, server)) = taken {
-                    let _ = tx.send(Communicator::build(config, server));
+                    if let Err(mpsc::SendError(Ok(mut orphan))) =
+                        tx.send(Communicator::build(config, server))
+                    {
+                        // The caller gave up (an abort): the rest of the new group learns why
+                        // at its first call rather than from a closed connection.
+                        orphan.abort("the split that made this communicator was aborted there");
+                    }
                 }
             });
         if spawned.is_err() {
@@ -314,12 +325,13 @@ impl Communicator {
             match rx.recv_timeout(Duration::from_millis(10)) {
                 Ok(built) => return built,
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(CommError::new(
-                        ErrorKind::Internal,
-                        OP,
-                        "the set-up of the new communicator ended without a result (a panic)",
-                    )
-                    .at_rank(self.rank()));
+                    // A panic in the set-up: as for a panic in a call, the communicator split
+                    // is aborted and its peers told.
+                    let why = "internal error in the set-up of a split's new communicator";
+                    self.abort(why);
+                    return Err(CommError::new(ErrorKind::Internal, OP, why)
+                        .at_rank(self.rank())
+                        .with_usable(false));
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     if let Some(notice) = self.requested_abort() {
