@@ -594,6 +594,98 @@ impl Communicator {
         })
     }
 
+    /// Reduce-scatterv (`MPI_Reduce_scatter`; torch's `reduce_scatter` of tensors of different
+    /// sizes): `send` holds p blocks back to back, block `j` of `counts[j]` elements (any, zero
+    /// included), and `recv` (`counts[rank]` elements) gets block `rank` of the reduction of
+    /// every rank's `send`. Every rank passes the same `counts`; ranks that do not fail.
+    /// Equal blocks run as [`Communicator::reduce_scatter`] (its schedules and
+    /// `CHORUS_ALGO`'s choice); blocks of different sizes go round the ring. `Avg` divides by
+    /// the number of ranks once.
+    pub fn reduce_scatter_v<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce_scatter_v_raw(Some(bytes(send)), bytes_mut(recv), counts, T::DTYPE, op)
+    }
+
+    /// [`Communicator::reduce_scatter_v`] in place: `buf` holds the p input blocks, and block
+    /// `rank` (after the blocks of the ranks before it) gets the result.
+    pub fn reduce_scatter_v_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce_scatter_v_raw(None, bytes_mut(buf), counts, T::DTYPE, op)
+    }
+
+    /// [`Communicator::reduce_scatter_v`] on raw bytes (`counts` still in elements); `send`
+    /// `None` is in place (`recv` is then the whole input).
+    pub fn reduce_scatter_v_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        const OP: &str = "reduce_scatter_v";
+        let checked = self.check_reduce_scatter_v(send, recv.len(), counts, dtype, op);
+        let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+        if checked.is_ok() && uniform {
+            // Equal blocks: the reduce-scatter, whose schedules suit them.
+            return self.reduce_scatter_raw(send, recv, dtype, op);
+        }
+        let call = Call::new(OP, CollKind::ReduceScatterV, dtype, op);
+        self.refusable(call, |c| {
+            let (byte_counts, total) = checked?;
+            c.trace(format_args!(
+                "reduce_scatter_v {total} B {} {} with ring",
+                dtype.name(),
+                op.name()
+            ));
+            // Every rank passes the same counts: their digest goes into the tag.
+            let digest = counts_digest(counts);
+            c.run_call(call, &[total as u64, digest], |ctx| {
+                reduce_scatter::run_v(ctx, send, recv, &byte_counts, dtype, op)
+            })
+        })
+    }
+
+    /// The arguments of [`Communicator::reduce_scatter_v_raw`]: the byte counts and their sum.
+    fn check_reduce_scatter_v(
+        &self,
+        send: Option<&[u8]>,
+        recv_len: usize,
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(Vec<usize>, usize), CommError> {
+        const OP: &str = "reduce_scatter_v";
+        self.check_op(OP, dtype, op)?;
+        let (byte_counts, total) = self.byte_counts(OP, counts, dtype)?;
+        let (what, have, want) = match send {
+            Some(s) if s.len() != total => ("send", s.len(), total),
+            Some(_) => ("receive", recv_len, byte_counts[self.rank()]),
+            None => ("in-place", recv_len, total),
+        };
+        if have != want {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "the {what} buffer has {have} bytes where the counts make it {want} \
+                     (counts {:?} elements of {})",
+                    &counts[..counts.len().min(16)],
+                    dtype.name()
+                ),
+            ));
+        }
+        Ok((byte_counts, total))
+    }
+
     /// All-to-all: block `j` of this rank's `send` becomes block `rank` of rank `j`'s `recv`
     /// (both p blocks of equal size).
     pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {

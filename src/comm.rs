@@ -260,6 +260,7 @@ pub(crate) enum CollKind {
     AllToAllV = 17,
     /// The exchanges of [`Communicator::split`].
     Split = 18,
+    ReduceScatterV = 19,
 }
 
 impl CollKind {
@@ -283,6 +284,7 @@ impl CollKind {
             16 => "all_gather_v",
             17 => "all_to_all_v",
             18 => "split",
+            19 => "reduce_scatter_v",
             _ => "unknown collective",
         }
     }
@@ -350,7 +352,9 @@ fn describe_record(rec: &[u8]) -> String {
         _ => " bytes",
     };
     let args = match args.as_slice() {
-        [total, digest] if kind == CollKind::AllGatherV as u64 => {
+        [total, digest]
+            if kind == CollKind::AllGatherV as u64 || kind == CollKind::ReduceScatterV as u64 =>
+        {
             format!(", {total} bytes in all, counts digest {digest:#x}")
         }
         [] => String::new(),

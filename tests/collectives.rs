@@ -589,8 +589,9 @@ fn v_count(r: usize, j: usize, salt: usize) -> usize {
     (r + 2 * j + salt) % 4
 }
 
-/// Allgatherv and alltoallv, out of place and (allgatherv) in place, over every transport and
-/// p ∈ {1, 2, 3, 4, 5, 7, 8}, with blocks of different sizes (zero included): exact.
+/// Allgatherv, alltoallv and reduce-scatterv, out of place and (allgatherv, reduce-scatterv) in
+/// place, over every transport and p ∈ {1, 2, 3, 4, 5, 7, 8}, with blocks of different sizes
+/// (zero included) and (reduce-scatterv) equal ones: exact.
 #[test]
 fn v_collectives_match_the_reference() {
     for transport in ["tcp", "shm"] {
@@ -644,6 +645,50 @@ fn v_collectives_match_the_reference() {
                         if got != want {
                             bad.push(format!("all_to_all_v salt {salt}: {got:?} want {want:?}"));
                         }
+                        // reduce_scatter_v: block j has v_count(j, 1, salt) values (the last
+                        // 100 003 with salt 3), then all 3 (equal blocks); rank r's value i of
+                        // block j is (r + 1)(i + j + 1).
+                        let mut uneven: Vec<usize> = (0..p).map(|j| v_count(j, 1, salt)).collect();
+                        if salt == 3 {
+                            uneven[p - 1] = 100_003; // one large block among small ones
+                        }
+                        for counts in [uneven, vec![3; p]] {
+                            let at: usize = counts[..r].iter().sum();
+                            let input: Vec<i64> = (0..p)
+                                .flat_map(|j| {
+                                    (0..counts[j]).map(move |i| ((r + 1) * (i + j + 1)) as i64)
+                                })
+                                .collect();
+                            let sum = (p * (p + 1) / 2) as i64;
+                            let want: Vec<i64> =
+                                (0..counts[r]).map(|i| sum * (i + r + 1) as i64).collect();
+                            let mut got = vec![-1i64; counts[r]];
+                            c.reduce_scatter_v(&input, &mut got, &counts, ReduceOp::Sum)
+                                .unwrap();
+                            if got != want {
+                                bad.push(format!(
+                                    "reduce_scatter_v {counts:?}: {got:?} want {want:?}"
+                                ));
+                            }
+                            let mut inplace = input.clone();
+                            c.reduce_scatter_v_in_place(&mut inplace, &counts, ReduceOp::Sum)
+                                .unwrap();
+                            let mut want_all = input.clone();
+                            want_all[at..at + counts[r]].copy_from_slice(&want);
+                            if inplace != want_all {
+                                bad.push(format!("reduce_scatter_v in place {counts:?}"));
+                            }
+                            // Avg in f64: the sum divided by p once.
+                            let input: Vec<f64> = input.iter().map(|&v| v as f64).collect();
+                            let mut got = vec![-1.0f64; counts[r]];
+                            c.reduce_scatter_v(&input, &mut got, &counts, ReduceOp::Avg)
+                                .unwrap();
+                            let want: Vec<f64> =
+                                want.iter().map(|&v| v as f64 / p as f64).collect();
+                            if got != want {
+                                bad.push(format!("reduce_scatter_v avg {counts:?}: {got:?}"));
+                            }
+                        }
                     }
                     bad
                 },
@@ -690,6 +735,24 @@ fn v_collectives_that_disagree_fail_everywhere() {
         "a rank returned Ok: {res:?}"
     );
     assert!(res.contains(&Some(ErrorKind::Mismatch)), "{res:?}");
+    expect_mismatch(3, "reduce_scatter_v counts", |c| {
+        // Rank 0 thinks block 1 has 3 values, the others 2.
+        let counts = [1usize, if c.rank() == 0 { 3 } else { 2 }, 4];
+        let input = vec![1.0f32; counts.iter().sum()];
+        let mut out = vec![0.0f32; counts[c.rank()]];
+        c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum)
+    });
+    expect_mismatch(3, "reduce_scatter_v ops", |c| {
+        let op = if c.rank() == 2 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let counts = [1usize, 2, 3];
+        let input = vec![1i32; 6];
+        let mut out = vec![0i32; counts[c.rank()]];
+        c.reduce_scatter_v(&input, &mut out, &counts, op)
+    });
     expect_mismatch(3, "all_to_all_v counts", |c| {
         // Rank 1 expects 2 values from rank 0, which sends it 1.
         let r = c.rank();
@@ -718,6 +781,14 @@ fn v_collectives_that_disagree_fail_everywhere() {
                 c.all_to_all_v(&[1i32; 2], &[2, 0], &mut out[..2], &[0, 2])
                     .unwrap_err(),
                 c.all_to_all_v(&[1i32; 2], &[usize::MAX, 1], &mut out, &[2, 2])
+                    .unwrap_err(),
+                c.reduce_scatter_v(&[1i32; 4], &mut out[..1], &[1, 2], ReduceOp::Sum)
+                    .unwrap_err(),
+                c.reduce_scatter_v(&[1i32; 3], &mut out[..2], &[2, 2], ReduceOp::Sum)
+                    .unwrap_err(),
+                c.reduce_scatter_v(&[1i32; 3], &mut out[..1], &[1, 2, 0], ReduceOp::Sum)
+                    .unwrap_err(),
+                c.reduce_scatter_v(&[1.0f32; 3], &mut [0.0; 1], &[1, 2], ReduceOp::BitOr)
                     .unwrap_err(),
             ];
             for e in &errors {

@@ -244,6 +244,86 @@ pub fn run(
     Ok(())
 }
 
+/// Reduce-scatterv (`MPI_Reduce_scatter`): block `j` of the input has `counts[j]` bytes (any,
+/// zero included, whole elements), back to back in rank order; rank `r` ends with block `r`
+/// of the reduction, in `recv` (`counts[r]` bytes), or with `send` `None` in its place in
+/// `recv`, which then holds the whole input. The ring of [`run`] on blocks of their own sizes:
+/// every block goes round the ring and each hop checks its length, so ranks that disagree
+/// about a count fail with a mismatch.
+pub fn run_v(
+    ctx: &mut CollCtx<'_>,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let bad = |m: String| Err(super::invalid("reduce_scatter_v", m));
+    if counts.len() != size {
+        return bad(format!("{} counts for {size} ranks", counts.len()));
+    }
+    let Some(off) = super::offsets(counts) else {
+        return bad("the counts overflow".into());
+    };
+    if counts.iter().any(|c| c % dtype.size() != 0) {
+        return bad(format!("a count is not a whole number of {dtype} elements"));
+    }
+    let n = send.map_or(recv.len(), <[u8]>::len);
+    let out_len = if send.is_some() { counts[rank] } else { n };
+    if n != off[size] || recv.len() != out_len {
+        return bad(format!(
+            "input of {n} bytes and output of {} bytes where the counts add up to {} and this \
+             rank's is {}",
+            recv.len(),
+            off[size],
+            counts[rank]
+        ));
+    }
+    let blk = |j: usize| off[j]..off[j + 1];
+    let steps = plan(Algorithm::Ring, rank, size);
+    let deadline = ctx.deadline;
+    let tags: Vec<_> = (0..steps.len())
+        .map(|k| tag(ctx, 0, Algorithm::Ring.id(), k))
+        .collect();
+    let input: &[u8] = send.unwrap_or(recv);
+    let widest = counts.iter().copied().max().unwrap_or(0);
+    let (t, scratch) = ctx.transport_and_scratch(2 * widest);
+    // As in `run`: partials alternate between two scratch halves of the widest block.
+    let mut last = 0..0;
+    for (k, s) in steps.iter().enumerate() {
+        let (sb, rb) = (s.send_blocks.start, s.recv_blocks.start);
+        let (mine, other) = if k % 2 == 0 {
+            (0..widest, widest..2 * widest)
+        } else {
+            (widest..2 * widest, 0..widest)
+        };
+        let (prev, cur) = disjoint(scratch, other, mine.clone());
+        let out = if k == 0 {
+            &input[blk(sb)]
+        } else {
+            &prev[..counts[sb]]
+        };
+        let cur = &mut cur[..counts[rb]];
+        exchange(t, deadline, s.to, tags[k], out, s.from, tags[k], cur)?;
+        reduce_bytes(dtype, op, cur, &input[blk(rb)]);
+        last = mine.start..mine.start + counts[rb];
+    }
+    let out = match send {
+        Some(_) => &mut recv[..],
+        None => &mut recv[blk(rank)],
+    };
+    match (steps.is_empty(), send) {
+        (false, _) => out.copy_from_slice(&scratch[last]),
+        (true, Some(s)) => out.copy_from_slice(s),
+        (true, None) => {}
+    }
+    if op == ReduceOp::Avg {
+        finish_avg_bytes(dtype, out, size);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
