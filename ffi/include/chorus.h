@@ -807,6 +807,41 @@ int32_t chorus_ialltoallv(chorus_comm *comm,
                           chorus_request **request);
 
 /**
+ * Reduce-scatterv (as `MPI_Reduce_scatter`): `sendbuf` holds `size` blocks back to back,
+ * block `j` of `recvcounts[j]` elements (any, zero included), and `recvbuf` of rank `j`
+ * (`recvcounts[j]` elements) gets the reduction (`op`) over ranks of block `j`. Every rank
+ * passes the same `recvcounts` (`size` entries). In place when `recvbuf` is this rank's
+ * block inside `sendbuf` (`sendbuf` + the counts of the ranks before it; a non-empty block).
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
+ * is valid for the sum of `recvcounts` elements (writable when in place) and `recvbuf` for
+ * `recvcounts[rank]` writable elements of `dtype`, not accessed elsewhere during the call.
+ */
+int32_t chorus_reduce_scatterv(chorus_comm *comm,
+                               const void *sendbuf,
+                               void *recvbuf,
+                               const size_t *recvcounts,
+                               chorus_dtype dtype,
+                               chorus_op op);
+
+/**
+ * Nonblocking `chorus_reduce_scatterv` (as `MPI_Ireduce_scatter`); `recvcounts` is read when
+ * the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_reduce_scatterv`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_ireduce_scatterv(chorus_comm *comm,
+                                const void *sendbuf,
+                                void *recvbuf,
+                                const size_t *recvcounts,
+                                chorus_dtype dtype,
+                                chorus_op op,
+                                chorus_request **request);
+
+/**
  * Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
  * the reduction (`op`) over ranks of block `j`. In place when
  * `recvbuf == sendbuf + rank × recvcount` (NCCL's convention).

@@ -1339,6 +1339,91 @@ unsafe fn alltoallv_call(
     }))
 }
 
+/// Reduce-scatterv (as `MPI_Reduce_scatter`): `sendbuf` holds `size` blocks back to back,
+/// block `j` of `recvcounts[j]` elements (any, zero included), and `recvbuf` of rank `j`
+/// (`recvcounts[j]` elements) gets the reduction (`op`) over ranks of block `j`. Every rank
+/// passes the same `recvcounts` (`size` entries). In place when `recvbuf` is this rank's
+/// block inside `sendbuf` (`sendbuf` + the counts of the ranks before it; a non-empty block).
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
+/// is valid for the sum of `recvcounts` elements (writable when in place) and `recvbuf` for
+/// `recvcounts[rank]` writable elements of `dtype`, not accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_reduce_scatterv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    op: OpArg,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_reduce_scatterv", comm, None, |c| {
+            reduce_scatterv_call(c, sendbuf, recvbuf, recvcounts, dtype, op)
+        })
+    }
+}
+
+/// Nonblocking `chorus_reduce_scatterv` (as `MPI_Ireduce_scatter`); `recvcounts` is read when
+/// the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_reduce_scatterv`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_ireduce_scatterv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_ireduce_scatterv", comm, Some(request), |c| {
+            reduce_scatterv_call(c, sendbuf, recvbuf, recvcounts, dtype, op)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_reduce_scatterv` (the buffers valid until the call completes).
+unsafe fn reduce_scatterv_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    op: OpArg,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let op = op.get()?;
+    // SAFETY: valid for `size` values by the caller's promise.
+    let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+    let off = blocks(&rc, dtype.size(), "recvcounts")?;
+    let (all, mine) = (off[c.size], off[c.rank]..off[c.rank + 1]);
+    if !mine.is_empty() && recvbuf.cast_const() == offset(sendbuf, mine.start) {
+        // The whole send buffer, writable since the caller passes its block as `recvbuf`.
+        let buf = RawBuf::new(sendbuf, all, "sendbuf")?;
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `all` bytes until the call completes by the caller's promise.
+            c.reduce_scatter_v_raw(None, unsafe { buf.get_mut() }, &rc, dtype, op)
+        }));
+    }
+    ptr::check_disjoint(sendbuf, all, recvbuf, mine.len(), "sendbuf and recvbuf")?;
+    let send = RawBuf::new(sendbuf, all, "sendbuf")?;
+    let recv = RawBuf::new(recvbuf, mine.len(), "recvbuf")?;
+    Ok(Box::new(move |c| {
+        // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
+        let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+        c.reduce_scatter_v_raw(Some(send), recv, &rc, dtype, op)
+    }))
+}
+
 /// Reduce-scatter: `sendbuf` holds `size × recvcount` elements; `recvbuf` of rank `j` gets
 /// the reduction (`op`) over ranks of block `j`. In place when
 /// `recvbuf == sendbuf + rank × recvcount` (NCCL's convention).

@@ -543,6 +543,26 @@ class Communicator:
         args = (s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
         return self._issue("reduce_scatter", args, out, (s, r), async_op)
 
+    def reduce_scatterv(
+        self, x: Any, out: Any, counts: Sequence[int], op: str = "sum", *, async_op: bool = False
+    ) -> Any:
+        """Reduce everyone's ``x`` (``size`` blocks back to back, block ``j`` of ``counts[j]``
+        elements, any, zero included) and leave block ``rank`` of the result in ``out``
+        (``counts[rank]`` elements), as ``MPI_Reduce_scatter`` or torch's ``reduce_scatter``
+        of tensors of different sizes. Every rank passes the same ``counts``. Returns
+        ``out``."""
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, "reduce_scatterv")
+        c = self._counts(counts, "counts")
+        if s.count != sum(c) or r.count != c[self.rank]:
+            raise InvalidArgumentError(
+                f"reduce_scatterv: x has {s.count} elements and out {r.count}, need the sum of "
+                f"the counts {sum(c)} and counts[{self.rank}] = {c[self.rank]}"
+            )
+        arr = (ctypes.c_size_t * len(c))(*c)
+        args = (s.ptr, r.ptr, arr, s.dtype, _op_code(op))
+        return self._issue("reduce_scatterv", args, out, (s, r), async_op)
+
     def alltoall(self, x: Any, out: Any, *, async_op: bool = False) -> Any:
         """Block ``j`` of this rank's ``x`` becomes block ``rank`` of rank ``j``'s ``out``
         (both ``size`` equal blocks). ``out`` may be ``x`` (in place). Returns ``out``."""

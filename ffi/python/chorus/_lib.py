@@ -135,6 +135,10 @@ _PROTOTYPES = {
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
     ),
     "chorus_p2p_batch": (c_int32, [c_void_p, ctypes.POINTER(P2pOp), c_size_t]),
+    "chorus_reduce_scatterv": (
+        c_int32,
+        [c_void_p, c_void_p, c_void_p, c_void_p, c_int32, c_int32],
+    ),
     "chorus_compressor_create": (c_int32, [_comm_pp, c_char_p]),
     "chorus_compressor_destroy": (c_int32, [c_void_p]),
     "chorus_compressor_report": (c_int32, [c_void_p, ctypes.POINTER(CompressionReport)]),
@@ -157,6 +161,7 @@ for _name in (
     "allgatherv",
     "alltoallv",
     "p2p_batch",
+    "reduce_scatterv",
 ):
     _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
 _PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])

@@ -38,7 +38,8 @@ at once. A large ``isend`` that is never waited for is therefore never sent.
 Supported: ``all_reduce`` (sum, product, min, max, avg; band, bor and bxor on integer
 tensors), ``broadcast``, ``reduce``,
 ``all_gather`` (tensors of different sizes too, through allgatherv),
-``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``,
+``all_gather_into_tensor``, ``reduce_scatter`` (tensors of different sizes too, through
+reduce_scatterv), ``reduce_scatter_tensor``, ``all_to_all``,
 ``all_to_all_single`` (with split sizes too, through alltoallv), ``gather``, ``scatter``,
 ``barrier``, ``send`` and ``recv`` (tag 0: messages between two ranks are matched in order),
 and what is built on them (``all_gather_object``, ``broadcast_object_list``, DDP). Not
@@ -311,12 +312,22 @@ class ProcessGroupChorus(dist.ProcessGroup):
                     f"chorus backend: reduce_scatter needs {self.comm.size} inputs, got {len(ins)}"
                 )
             o = _flat(out, "the output", op)
-            if any(_flat(t, "an input", op).numel() != o.numel() for t in ins):
+            flats = [_flat(t, "an input", op) for t in ins]
+            if any(t.dtype != o.dtype for t in flats):
+                raise InvalidArgumentError("chorus backend: reduce_scatter needs one dtype")
+            counts = [t.numel() for t in flats]
+            if counts[self.comm.rank] != o.numel():
                 raise InvalidArgumentError(
-                    "chorus backend: reduce_scatter inputs must each have the output's size"
+                    f"chorus backend: reduce_scatter: the output has {o.numel()} elements where "
+                    f"this rank's input has {counts[self.comm.rank]}"
                 )
-            flat = torch.cat([_flat(t, "an input", op) for t in ins])
-            self.comm.reduce_scatter(flat, o, op=op)
+            flat = torch.cat(flats)
+            if all(n == o.numel() for n in counts):
+                self.comm.reduce_scatter(flat, o, op=op)
+            else:
+                # Tensors of different sizes (as NCCL's backend takes them): every rank's
+                # input j has rank j's output size.
+                self.comm.reduce_scatterv(flat, o, counts, op=op)
         return _done(outputs)
 
     @_collective

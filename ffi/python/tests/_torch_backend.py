@@ -96,6 +96,12 @@ def main():
     o = torch.zeros(5)
     dist.reduce_scatter(o, ins)
     check("reduce_scatter", o, sum(vals(torch.float32, 5, r) for r in range(p)) * (me + 1))
+    # of different sizes: input j has rank j's output size, j + 1 values
+    ins = [torch.arange(j + 1, dtype=torch.float64) * (me + 1) for j in range(p)]
+    o = torch.full((me + 1,), -1.0, dtype=torch.float64)
+    dist.reduce_scatter(o, ins)
+    check("reduce_scatter of different sizes", o, torch.arange(me + 1, dtype=torch.float64) * (p * (p + 1) // 2))
+    ins = [vals(torch.float32, 5) * (j + 1) for j in range(p)]
     o = torch.zeros(5)
     dist.reduce_scatter_tensor(o, torch.cat(ins), op=dist.ReduceOp.MAX)
     check("reduce_scatter_tensor max", o, vals(torch.float32, 5, p - 1) * (me + 1))

@@ -133,6 +133,16 @@ def collectives(comm):
         assert comm.alltoallv(x, sc, out, rc) is out
         want = np.concatenate([np.arange(c) + 30 * j + 3 * me for j, c in enumerate(rc)])
         check(f"{tag} alltoallv", b.read(out), want)
+        # reduce_scatterv: block j of (3j + 1) % 4 values (zeros included); rank r's value i
+        # of block j is (r + 1)(i + j + 1)
+        counts = [(j * 3 + 1) % 4 for j in range(p)]
+        x = b.make(np.concatenate([np.arange(c) + j + 1 for j, c in enumerate(counts)]) * (me + 1))
+        out = b.make(np.zeros(counts[me]))
+        assert comm.reduce_scatterv(x, out, counts) is out
+        check(f"{tag} reduce_scatterv", b.read(out), (np.arange(counts[me]) + me + 1) * (p * (p + 1) // 2))
+        req = comm.reduce_scatterv(x, out, counts, op="max", async_op=True)
+        assert req.wait() is out
+        check(f"{tag} reduce_scatterv max", b.read(out), (np.arange(counts[me]) + me + 1) * p)
         # sendrecv around the ring, everyone sending first (a copy on one rank).
         right, left = (me + 1) % p, (me - 1) % p
         x, got = b.make(np.full(N, me + 3)), b.make(np.zeros(N))
@@ -237,6 +247,8 @@ def errors(comm):
     expect(E, lambda: comm.p2p_batch([("send", x, nxt), ("recv", x, nxt)]), "p2p_batch overlap")
     expect(E, lambda: comm.p2p_batch([("send", x, me), ("recv", y[:4], me)]), "p2p_batch to itself")
     expect(E, lambda: comm.p2p_batch([("send", x, me)], async_op=True), "p2p_batch unpaired")
+    expect(E, lambda: comm.reduce_scatterv(x, np.zeros(7, np.float32), [8] + [0] * (p - 1)), "reduce_scatterv out size")
+    expect(E, lambda: comm.reduce_scatterv(x, np.zeros(8, np.float64), [8] + [0] * (p - 1)), "reduce_scatterv dtypes")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [-1] + [8] * (p - 1)), "negative count")
     expect(E, lambda: comm.alltoallv(x, [True] * p, np.zeros(8, np.float32), [8] * p), "bool counts")

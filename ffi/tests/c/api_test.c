@@ -8,7 +8,7 @@
  *                             sendrecv around a ring of 4 MiB messages (a copy on one rank);
  *                             p2p batches: 4 MiB to both neighbours and to itself at once,
  *                             and one of two dtypes
- *                             allgatherv and alltoallv with blocks of different sizes
+ *                             allgatherv, alltoallv and reduce_scatterv with blocks of different sizes
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
@@ -339,6 +339,41 @@ static void collectives(chorus_comm *comm) {
             EXPECT(chorus_alltoallv(comm, in, sc, in, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         sc[me] += 1;
         EXPECT(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        /* reduce_scatterv: block j of (3j + 1) % 4 values (zeros included; all 2 in the
+         * second round: equal blocks); rank r's value i of block j is (r + 1)(i + j + 1) */
+        for (int round = 0; round < 2; round++) {
+            size_t all = 0, at = 0;
+            for (int j = 0; j < p; j++) {
+                rc[j] = round == 0 ? (size_t)((j * 3 + 1) % 4) : 2;
+                if (j < me) at += rc[j];
+                all += rc[j];
+            }
+            int64_t *x = malloc(all * 8 + 8), *y = malloc(all * 8 + 8);
+            CHECK(x && y, "out of memory");
+            for (int j = 0, k = 0; j < p; j++)
+                for (size_t i = 0; i < rc[j]; i++, k++) x[k] = (int64_t)(me + 1) * (int64_t)(i + (size_t)j + 1);
+            const int64_t sum = (int64_t)p * (p + 1) / 2;
+            OK(chorus_reduce_scatterv(comm, x, y, rc, CHORUS_INT64, CHORUS_SUM));
+            for (size_t i = 0; i < rc[me]; i++)
+                CHECK(y[i] == sum * (int64_t)(i + (size_t)me + 1), "reduce_scatterv [%zu] = %lld", i,
+                      (long long)y[i]);
+            /* in place: recvbuf is this rank's block of sendbuf */
+            if (rc[me] > 0) {
+                OK(chorus_reduce_scatterv(comm, x, x + at, rc, CHORUS_INT64, CHORUS_SUM));
+                for (size_t i = 0; i < rc[me]; i++)
+                    CHECK(x[at + i] == sum * (int64_t)(i + (size_t)me + 1), "reduce_scatterv in place [%zu]", i);
+            } else {
+                OK(chorus_reduce_scatterv(comm, x, y, rc, CHORUS_INT64, CHORUS_SUM));
+            }
+            /* bad arguments, refused on every rank alike: NULL counts; (equal blocks, so no
+             * rank's is empty) a receive buffer overlapping sendbuf off its own block */
+            EXPECT(chorus_reduce_scatterv(comm, x, y, NULL, CHORUS_INT64, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+            if (round == 1)
+                EXPECT(chorus_reduce_scatterv(comm, x, (char *)x + 1, rc, CHORUS_INT64, CHORUS_SUM),
+                       CHORUS_INVALID_ARGUMENT);
+            free(x);
+            free(y);
+        }
         OK(chorus_barrier(comm));
         free(rc);
         free(sc);
@@ -942,7 +977,7 @@ static void nonblocking(chorus_comm *comm) {
     CHECK(sum_in && sum_out && bc && red && ag && rs_in && rs_out && a2a && ga && sc_in &&
           sc_out && agv && a2av_in && a2av_out && rc && sc && rc2, "out of memory");
     for (int round = 0; round < 3; round++) {
-        chorus_request *req[13];
+        chorus_request *req[14];
         int k = 0;
         for (size_t i = 0; i < BIG; i++) sum_in[i] = (int32_t)((size_t)me * 3 + i % 7 + round);
         OK(chorus_iallreduce(comm, sum_in, sum_out, BIG, CHORUS_INT32, CHORUS_SUM, NULL, &req[k++]));
@@ -990,6 +1025,15 @@ static void nonblocking(chorus_comm *comm) {
         };
         OK(chorus_ip2p_batch(comm, ring, 2, &req[k++]));
         memset(ring, 0xff, sizeof ring);
+        /* reduce_scatterv: block j of j + 1 values; its counts are read at issue */
+        size_t rsv_counts[4];
+        int32_t rsv_in[10], rsv_out[4];
+        for (int j = 0, m = 0; j < p; j++) {
+            rsv_counts[j] = (size_t)j + 1;
+            for (int i = 0; i <= j; i++, m++) rsv_in[m] = me + i + round;
+        }
+        OK(chorus_ireduce_scatterv(comm, rsv_in, rsv_out, rsv_counts, CHORUS_INT32, CHORUS_MAX, &req[k++]));
+        memset(rsv_counts, 0, sizeof rsv_counts);
         OK(chorus_ibarrier(comm, &req[k++]));
         /* Poll the last one (bounded), then complete everything. */
         int done = 0;
@@ -1032,6 +1076,8 @@ static void nonblocking(chorus_comm *comm) {
         for (int i = 0; i < N; i++)
             CHECK(ring_in[i] == ((me + p - 1) % p) * 10 + i + round, "ip2p_batch [%d] = %d", i,
                   ring_in[i]);
+        for (int i = 0; i <= me; i++)
+            CHECK(rsv_out[i] == p - 1 + i + round, "ireduce_scatterv [%d] = %d", i, rsv_out[i]);
         (void)total;
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < rc2[j]; i++, m++)
