@@ -835,6 +835,121 @@ impl Communicator {
         })
     }
 
+    /// Gatherv (`MPI_Gatherv` with the blocks back to back): every rank sends its `send` (any
+    /// length, zero included) and the root's `recv` gets them in rank order, rank `j`'s of
+    /// `counts[j]` elements. `recv` and `counts` are only needed on the root (`None`
+    /// elsewhere), as in MPI; the root checks every block's length, and a rank that sends
+    /// another length than its count makes the root fail with a mismatch (and every rank at
+    /// its next call).
+    pub fn gather_v<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: Option<(&mut [T], &[usize])>,
+        root: usize,
+    ) -> Result<(), CommError> {
+        let recv = recv.map(|(r, c)| (bytes_mut(r), c));
+        self.gather_v_raw(bytes(send), recv, T::DTYPE, root)
+    }
+
+    /// [`Communicator::gather_v`] on raw bytes (`counts` still in elements).
+    pub fn gather_v_raw(
+        &mut self,
+        send: &[u8],
+        recv: Option<(&mut [u8], &[usize])>,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        let call = Call::new("gather_v", CollKind::GatherV, dtype, NO_OP);
+        self.refusable(call, |c| {
+            const OP: &str = "gather_v";
+            c.check_root(OP, root)?;
+            c.check_whole(OP, "send buffer", send.len(), dtype)?;
+            let mut recv = if c.rank() == root {
+                let Some((r, counts)) = recv else {
+                    return Err(c.invalid(OP, "the root needs a receive buffer and counts".into()));
+                };
+                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
+                if r.len() != total || send.len() != byte_counts[root] {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "the root's receive buffer has {} bytes and send buffer {} where \
+                             the counts make them {total} and {}",
+                            r.len(),
+                            send.len(),
+                            byte_counts[root]
+                        ),
+                    ));
+                }
+                Some((r, byte_counts))
+            } else {
+                None
+            };
+            c.trace(format_args!("gather_v {} B to {root}", send.len()));
+            c.run_call(call, &[root as u64], |ctx| {
+                let recv = recv.as_mut().map(|(r, bc)| (&mut **r, bc.as_slice()));
+                gather::run_v(ctx, send, recv, root)
+            })
+        })
+    }
+
+    /// Scatterv (`MPI_Scatterv` with the blocks back to back): the root's `send` holds the
+    /// blocks in rank order, rank `j`'s of `counts[j]` elements (any, zero included), and every
+    /// rank's `recv` gets its block. `send` and `counts` are only needed on the root (`None`
+    /// elsewhere), as in MPI; a rank whose `recv` has another length than its count fails with
+    /// a mismatch (and every rank at its next call).
+    pub fn scatter_v<T: Element>(
+        &mut self,
+        send: Option<(&[T], &[usize])>,
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let send = send.map(|(s, c)| (bytes(s), c));
+        self.scatter_v_raw(send, bytes_mut(recv), T::DTYPE, root)
+    }
+
+    /// [`Communicator::scatter_v`] on raw bytes (`counts` still in elements).
+    pub fn scatter_v_raw(
+        &mut self,
+        send: Option<(&[u8], &[usize])>,
+        recv: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError> {
+        let call = Call::new("scatter_v", CollKind::ScatterV, dtype, NO_OP);
+        self.refusable(call, |c| {
+            const OP: &str = "scatter_v";
+            c.check_root(OP, root)?;
+            c.check_whole(OP, "receive buffer", recv.len(), dtype)?;
+            let send = if c.rank() == root {
+                let Some((s, counts)) = send else {
+                    return Err(c.invalid(OP, "the root needs a send buffer and counts".into()));
+                };
+                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
+                if s.len() != total || recv.len() != byte_counts[root] {
+                    return Err(c.invalid(
+                        OP,
+                        format!(
+                            "the root's send buffer has {} bytes and receive buffer {} where \
+                             the counts make them {total} and {}",
+                            s.len(),
+                            recv.len(),
+                            byte_counts[root]
+                        ),
+                    ));
+                }
+                Some((s, byte_counts))
+            } else {
+                None
+            };
+            c.trace(format_args!("scatter_v {} B from {root}", recv.len()));
+            c.run_call(call, &[root as u64], |ctx| {
+                let send = send.as_ref().map(|(s, bc)| (*s, bc.as_slice()));
+                scatter::run_v(ctx, send, recv, root)
+            })
+        })
+    }
+
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
         if peer >= self.size() || peer == self.rank() {
             return Err(self.invalid(

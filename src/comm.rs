@@ -261,6 +261,8 @@ pub(crate) enum CollKind {
     /// The exchanges of [`Communicator::split`].
     Split = 18,
     ReduceScatterV = 19,
+    GatherV = 20,
+    ScatterV = 21,
 }
 
 impl CollKind {
@@ -285,6 +287,8 @@ impl CollKind {
             17 => "all_to_all_v",
             18 => "split",
             19 => "reduce_scatter_v",
+            20 => "gather_v",
+            21 => "scatter_v",
             _ => "unknown collective",
         }
     }

@@ -589,9 +589,9 @@ fn v_count(r: usize, j: usize, salt: usize) -> usize {
     (r + 2 * j + salt) % 4
 }
 
-/// Allgatherv, alltoallv and reduce-scatterv, out of place and (allgatherv, reduce-scatterv) in
-/// place, over every transport and p ∈ {1, 2, 3, 4, 5, 7, 8}, with blocks of different sizes
-/// (zero included) and (reduce-scatterv) equal ones: exact.
+/// Allgatherv, alltoallv, reduce-scatterv, gatherv and scatterv, out of place and (allgatherv,
+/// reduce-scatterv) in place, over every transport and p ∈ {1, 2, 3, 4, 5, 7, 8}, with blocks
+/// of different sizes (zero included, one large) and (reduce-scatterv) equal ones: exact.
 #[test]
 fn v_collectives_match_the_reference() {
     for transport in ["tcp", "shm"] {
@@ -644,6 +644,30 @@ fn v_collectives_match_the_reference() {
                         c.all_to_all_v(&send, &sc, &mut got, &rc).unwrap();
                         if got != want {
                             bad.push(format!("all_to_all_v salt {salt}: {got:?} want {want:?}"));
+                        }
+                        // gather_v and scatter_v: rank j's block has v_count(j, 2, salt) + j
+                        // values (the first rank's 100 003 with salt 3); the root moves round.
+                        let mut counts: Vec<usize> =
+                            (0..p).map(|j| v_count(j, 2, salt) + j).collect();
+                        if salt == 3 {
+                            counts[0] = 100_003;
+                        }
+                        let root = (salt * 3 + 1) % p;
+                        let block =
+                            |j: usize| (0..counts[j]).map(move |i| (j * 1000 + i) as u16 as f32);
+                        let mine: Vec<f32> = block(r).collect();
+                        let all: Vec<f32> = (0..p).flat_map(block).collect();
+                        let mut got = vec![-1.0f32; all.len()];
+                        let recv = (r == root).then_some((&mut got[..], &counts[..]));
+                        c.gather_v(&mine, recv, root).unwrap();
+                        if r == root && got != all {
+                            bad.push(format!("gather_v salt {salt} root {root}"));
+                        }
+                        let mut got = vec![-1.0f32; counts[r]];
+                        let send = (r == root).then_some((&all[..], &counts[..]));
+                        c.scatter_v(send, &mut got, root).unwrap();
+                        if got != mine {
+                            bad.push(format!("scatter_v salt {salt} root {root}: {got:?}"));
                         }
                         // reduce_scatter_v: block j has v_count(j, 1, salt) values (the last
                         // 100 003 with salt 3), then all 3 (equal blocks); rank r's value i of
@@ -753,6 +777,22 @@ fn v_collectives_that_disagree_fail_everywhere() {
         let mut out = vec![0i32; counts[c.rank()]];
         c.reduce_scatter_v(&input, &mut out, &counts, op)
     });
+    expect_mismatch(3, "gather_v counts", |c| {
+        // Rank 2 sends 3 values where the root (1) expects 2.
+        let mine = vec![1i64; if c.rank() == 2 { 3 } else { 2 }];
+        let counts = [2usize, 2, 2];
+        let mut out = vec![0i64; 6];
+        let recv = (c.rank() == 1).then_some((&mut out[..], &counts[..]));
+        c.gather_v(&mine, recv, 1)
+    });
+    expect_mismatch(3, "scatter_v counts", |c| {
+        // Rank 0 expects 1 value where the root (2) sends it 2.
+        let counts = [2usize, 1, 1];
+        let send = [5u8; 4];
+        let mut out = vec![0u8; if c.rank() == 0 { 1 } else { counts[c.rank()] }];
+        let send = (c.rank() == 2).then_some((&send[..], &counts[..]));
+        c.scatter_v(send, &mut out, 2)
+    });
     expect_mismatch(3, "all_to_all_v counts", |c| {
         // Rank 1 expects 2 values from rank 0, which sends it 1.
         let r = c.rank();
@@ -790,6 +830,18 @@ fn v_collectives_that_disagree_fail_everywhere() {
                     .unwrap_err(),
                 c.reduce_scatter_v(&[1.0f32; 3], &mut [0.0; 1], &[1, 2], ReduceOp::BitOr)
                     .unwrap_err(),
+                // Every rank is the root here, each with a mistake of its own.
+                c.gather_v(&[1i32; 2], None, c.rank()).unwrap_err(),
+                c.gather_v(&[1i32; 2], Some((&mut out[..3], &[2, 2])), c.rank())
+                    .unwrap_err(),
+                c.gather_v(&[1i32; 1], Some((&mut out, &[2, 2])), c.rank())
+                    .unwrap_err(),
+                c.scatter_v(Some((&[1i32; 4], &[2, 2])), &mut [0; 1], c.rank())
+                    .unwrap_err(),
+                c.scatter_v(None, &mut [0i32; 1], c.rank()).unwrap_err(),
+                c.scatter_v(Some((&[1i32; 4], &[2, 2, 0])), &mut [0; 2], c.rank())
+                    .unwrap_err(),
+                c.gather_v(&[1i32; 2], None, 2).unwrap_err(),
             ];
             for e in &errors {
                 assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");

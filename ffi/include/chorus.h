@@ -972,6 +972,82 @@ int32_t chorus_iscatter(chorus_comm *comm,
                         chorus_request **request);
 
 /**
+ * Gatherv (as `MPI_Gatherv` with the blocks back to back): every rank sends `sendcount`
+ * elements of `sendbuf` (any, zero included), and `recvbuf` on `root` gets them in rank order,
+ * rank `j`'s `recvcounts[j]` elements. `recvbuf` and `recvcounts` (`size` entries) are only
+ * read on the root (NULL elsewhere is fine). A rank whose `sendcount` is not its entry of the
+ * root's `recvcounts` makes the root fail with `CHORUS_MISMATCH` (and every rank at its next
+ * call). On the root `sendbuf` may be its own block of `recvbuf` (in place).
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
+ * `dtype`; on the root `recvcounts` is valid for `size` values and `recvbuf` for their sum
+ * of writable elements; neither buffer is accessed elsewhere during the call.
+ */
+int32_t chorus_gatherv(chorus_comm *comm,
+                       const void *sendbuf,
+                       size_t sendcount,
+                       void *recvbuf,
+                       const size_t *recvcounts,
+                       chorus_dtype dtype,
+                       int root);
+
+/**
+ * Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` is read when the call is
+ * issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_gatherv`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_igatherv(chorus_comm *comm,
+                        const void *sendbuf,
+                        size_t sendcount,
+                        void *recvbuf,
+                        const size_t *recvcounts,
+                        chorus_dtype dtype,
+                        int root,
+                        chorus_request **request);
+
+/**
+ * Scatterv (as `MPI_Scatterv` with the blocks back to back): `sendbuf` on `root` holds the
+ * blocks in rank order, rank `j`'s of `sendcounts[j]` elements (any, zero included), and
+ * every rank's `recvbuf` gets exactly its `recvcount` elements. `sendbuf` and `sendcounts`
+ * (`size` entries) are only read on the root (NULL elsewhere is fine). A rank whose
+ * `recvcount` is not its entry of the root's `sendcounts` fails with `CHORUS_MISMATCH` (and
+ * every rank at its next call). On the root `recvbuf` may be its own block of `sendbuf`.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
+ * elements of `dtype`; on the root `sendcounts` is valid for `size` values and `sendbuf` for
+ * their sum of elements; neither buffer is accessed elsewhere during the call.
+ */
+int32_t chorus_scatterv(chorus_comm *comm,
+                        const void *sendbuf,
+                        const size_t *sendcounts,
+                        void *recvbuf,
+                        size_t recvcount,
+                        chorus_dtype dtype,
+                        int root);
+
+/**
+ * Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` is read when the call is
+ * issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_scatterv`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iscatterv(chorus_comm *comm,
+                         const void *sendbuf,
+                         const size_t *sendcounts,
+                         void *recvbuf,
+                         size_t recvcount,
+                         chorus_dtype dtype,
+                         int root,
+                         chorus_request **request);
+
+/**
  * Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the
  * same count and dtype. Messages between two ranks, point-to-point or collective, are
  * matched in the order they were sent. Returns once the data is handed to the transport.

@@ -1746,6 +1746,190 @@ unsafe fn scatter_call(
     }))
 }
 
+/// Gatherv (as `MPI_Gatherv` with the blocks back to back): every rank sends `sendcount`
+/// elements of `sendbuf` (any, zero included), and `recvbuf` on `root` gets them in rank order,
+/// rank `j`'s `recvcounts[j]` elements. `recvbuf` and `recvcounts` (`size` entries) are only
+/// read on the root (NULL elsewhere is fine). A rank whose `sendcount` is not its entry of the
+/// root's `recvcounts` makes the root fail with `CHORUS_MISMATCH` (and every rank at its next
+/// call). On the root `sendbuf` may be its own block of `recvbuf` (in place).
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
+/// `dtype`; on the root `recvcounts` is valid for `size` values and `recvbuf` for their sum
+/// of writable elements; neither buffer is accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_gatherv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcount: usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_gatherv", comm, None, |c| {
+            gatherv_call(c, sendbuf, sendcount, recvbuf, recvcounts, dtype, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` is read when the call is
+/// issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_gatherv`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn chorus_igatherv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcount: usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_igatherv", comm, Some(request), |c| {
+            gatherv_call(c, sendbuf, sendcount, recvbuf, recvcounts, dtype, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_gatherv` (the buffers valid until the call completes).
+unsafe fn gatherv_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    sendcount: usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let root = rank_arg(root, "root")?;
+    let mine = ptr::byte_len(sendcount, dtype.size(), "sendcount")?;
+    let send = RawBuf::new(sendbuf, mine, "sendbuf")?;
+    if c.rank != root {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `mine` bytes until the call completes by the caller's promise.
+            c.gather_v_raw(unsafe { send.get() }, None, dtype, root)
+        }));
+    }
+    // SAFETY: valid for `size` values on the root by the caller's promise.
+    let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
+    let all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
+    let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
+    // In place (or any overlap) on the root: work from a copy of the input, taken when the
+    // call runs (after the calls issued before it).
+    let overlap = ptr::check_disjoint(sendbuf, mine, recvbuf, all, "").is_err();
+    Ok(Box::new(move |c| {
+        let mut copy = Vec::new();
+        // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
+        // whether they overlap.
+        let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
+        c.gather_v_raw(send, Some((recv, &rc)), dtype, root)
+    }))
+}
+
+/// Scatterv (as `MPI_Scatterv` with the blocks back to back): `sendbuf` on `root` holds the
+/// blocks in rank order, rank `j`'s of `sendcounts[j]` elements (any, zero included), and
+/// every rank's `recvbuf` gets exactly its `recvcount` elements. `sendbuf` and `sendcounts`
+/// (`size` entries) are only read on the root (NULL elsewhere is fine). A rank whose
+/// `recvcount` is not its entry of the root's `sendcounts` fails with `CHORUS_MISMATCH` (and
+/// every rank at its next call). On the root `recvbuf` may be its own block of `sendbuf`.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
+/// elements of `dtype`; on the root `sendcounts` is valid for `size` values and `sendbuf` for
+/// their sum of elements; neither buffer is accessed elsewhere during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_scatterv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_scatterv", comm, None, |c| {
+            scatterv_call(c, sendbuf, sendcounts, recvbuf, recvcount, dtype, root)
+        })
+    }
+}
+
+/// Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` is read when the call is
+/// issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+///
+/// # Safety
+/// As `chorus_scatterv`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn chorus_iscatterv(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iscatterv", comm, Some(request), |c| {
+            scatterv_call(c, sendbuf, sendcounts, recvbuf, recvcount, dtype, root)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_scatterv` (the buffers valid until the call completes).
+unsafe fn scatterv_call(
+    c: &chorus_comm,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: DtypeArg,
+    root: c_int,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let root = rank_arg(root, "root")?;
+    let mine = ptr::byte_len(recvcount, dtype.size(), "recvcount")?;
+    let recv = RawBuf::new(recvbuf, mine, "recvbuf")?;
+    if c.rank != root {
+        return Ok(Box::new(move |c| {
+            // SAFETY: valid for `mine` writable bytes until the call completes.
+            c.scatter_v_raw(None, unsafe { recv.get_mut() }, dtype, root)
+        }));
+    }
+    // SAFETY: valid for `size` values on the root by the caller's promise.
+    let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
+    let all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
+    let send = RawBuf::new(sendbuf, all, "sendbuf")?;
+    // In place (or any overlap) on the root: work from a copy of the input, taken when the
+    // call runs (after the calls issued before it).
+    let overlap = ptr::check_disjoint(sendbuf, all, recvbuf, mine, "").is_err();
+    Ok(Box::new(move |c| {
+        let mut copy = Vec::new();
+        // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
+        // whether they overlap.
+        let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
+        c.scatter_v_raw(Some((send, &sc)), recv, dtype, root)
+    }))
+}
+
 /// Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the
 /// same count and dtype. Messages between two ranks, point-to-point or collective, are
 /// matched in the order they were sent. Returns once the data is handed to the transport.

@@ -87,6 +87,56 @@ pub fn run(ctx: &mut CollCtx<'_>, send: &[u8], recv: Option<&mut [u8]>, root: us
     reqs.iter().try_for_each(|r| check_len(r, b))
 }
 
+/// Gatherv (`MPI_Gatherv` with the blocks back to back): rank `j` sends its `send`, and the
+/// root's `recv` gets them in rank order, rank `j`'s of `counts[j]` bytes (any, zero
+/// included). `recv` and `counts` are only needed on the root (`None` elsewhere). The linear
+/// schedule of [`run`]; the root checks every block's length (a rank that sends another is a
+/// mismatch).
+pub fn run_v(
+    ctx: &mut CollCtx<'_>,
+    send: &[u8],
+    recv: Option<(&mut [u8], &[usize])>,
+    root: usize,
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let bad = |m: String| Err(super::invalid("gather_v", m));
+    if root >= size {
+        return bad(format!("root {root} is not a rank of a group of {size}"));
+    }
+    let t = tag(ctx, root, 1, 0);
+    if rank != root {
+        return send_all(&mut *ctx.transport, ctx.deadline, root, t, send);
+    }
+    let Some((recv, counts)) = recv else {
+        return bad("the root needs its output and the counts".into());
+    };
+    if counts.len() != size {
+        return bad(format!("{} counts for {size} ranks", counts.len()));
+    }
+    let Some(off) = super::offsets(counts) else {
+        return bad("the counts overflow".into());
+    };
+    if off[size] != recv.len() || counts[root] != send.len() {
+        return bad(format!(
+            "the root's output has {} bytes and input {} where the counts add up to {} and the \
+             root's is {}",
+            recv.len(),
+            send.len(),
+            off[size],
+            counts[root]
+        ));
+    }
+    let mut blocks = super::pieces(recv, &off);
+    blocks[root].copy_from_slice(send);
+    let recvs: Vec<_> = blocks
+        .into_iter()
+        .enumerate()
+        .filter(|(j, _)| *j != root)
+        .map(|(j, b)| (j, t, b))
+        .collect();
+    super::exchange_all(&mut *ctx.transport, ctx.deadline, &[], recvs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

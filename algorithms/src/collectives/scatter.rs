@@ -68,3 +68,50 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8], root: us
         .collect();
     ctx.transport.wait_all(&mut ops, ctx.deadline)
 }
+
+/// Scatterv (`MPI_Scatterv` with the blocks back to back): the root's `send` holds the
+/// blocks in rank order, rank `j`'s of `counts[j]` bytes (any, zero included), and rank `j`'s
+/// `recv` gets its block (exactly `recv.len()` bytes: a block of another length is a
+/// mismatch). `send` and `counts` are only needed on the root (`None` elsewhere). The linear
+/// schedule of [`run`].
+pub fn run_v(
+    ctx: &mut CollCtx<'_>,
+    send: Option<(&[u8], &[usize])>,
+    recv: &mut [u8],
+    root: usize,
+) -> Result<()> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let bad = |m: String| Err(super::invalid("scatter_v", m));
+    if root >= size {
+        return bad(format!("root {root} is not a rank of a group of {size}"));
+    }
+    let t = tag(ctx, root, 1, 0);
+    if rank != root {
+        return recv_exact(&mut *ctx.transport, ctx.deadline, root, t, recv);
+    }
+    let Some((send, counts)) = send else {
+        return bad("the root needs its input and the counts".into());
+    };
+    if counts.len() != size {
+        return bad(format!("{} counts for {size} ranks", counts.len()));
+    }
+    let Some(off) = super::offsets(counts) else {
+        return bad("the counts overflow".into());
+    };
+    if off[size] != send.len() || counts[root] != recv.len() {
+        return bad(format!(
+            "the root's input has {} bytes and output {} where the counts add up to {} and the \
+             root's is {}",
+            send.len(),
+            recv.len(),
+            off[size],
+            counts[root]
+        ));
+    }
+    recv.copy_from_slice(&send[off[root]..off[root + 1]]);
+    let sends: Vec<_> = (0..size)
+        .filter(|&j| j != root)
+        .map(|j| (j, t, &send[off[j]..off[j + 1]]))
+        .collect();
+    super::exchange_all(&mut *ctx.transport, ctx.deadline, &sends, Vec::new())
+}

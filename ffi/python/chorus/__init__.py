@@ -612,6 +612,70 @@ class Communicator:
             ptr = s.ptr
         return self._issue("scatter", (ptr, r.ptr, r.count, r.dtype, root), out, (s, r), async_op)
 
+    def gatherv(
+        self,
+        x: Any,
+        out: Any = None,
+        counts: Optional[Sequence[int]] = None,
+        root: int = 0,
+        *,
+        async_op: bool = False,
+    ) -> Any:
+        """Gather every rank's ``x`` (any size, zero included) into ``out`` on rank ``root``,
+        back to back in rank order, rank ``j``'s of ``counts[j]`` elements (as
+        ``MPI_Gatherv``). ``out`` and ``counts`` are only needed on the root. A rank whose
+        ``x`` is not its count makes the root fail with :class:`MismatchError`. Returns
+        ``out``."""
+        s = _buffer(x, "x", writable=False)
+        root = _int(root, "root")
+        ptr, arr, r = None, None, None
+        if self.rank == root:
+            if out is None or counts is None:
+                raise InvalidArgumentError("gatherv: the root needs out and counts")
+            r = _buffer(out, "out")
+            _same_dtype(s, r, "gatherv")
+            c = self._counts(counts, "counts")
+            if r.count != sum(c) or s.count != c[root]:
+                raise InvalidArgumentError(
+                    f"gatherv: out has {r.count} elements and x {s.count}, need the sum of the "
+                    f"counts {sum(c)} and counts[{root}] = {c[root]}"
+                )
+            ptr, arr = r.ptr, (ctypes.c_size_t * len(c))(*c)
+        args = (s.ptr, s.count, ptr, arr, s.dtype, root)
+        return self._issue("gatherv", args, out, (s, r), async_op)
+
+    def scatterv(
+        self,
+        x: Any,
+        counts: Optional[Sequence[int]],
+        out: Any,
+        root: int = 0,
+        *,
+        async_op: bool = False,
+    ) -> Any:
+        """Block ``j`` of ``x`` on rank ``root`` (blocks back to back in rank order, block
+        ``j`` of ``counts[j]`` elements, any, zero included) goes to ``out`` of rank ``j`` (as
+        ``MPI_Scatterv``). ``x`` and ``counts`` are only needed on the root (pass ``None``
+        elsewhere). A rank whose ``out`` is not its count fails with :class:`MismatchError`.
+        Returns ``out``."""
+        r = _buffer(out, "out")
+        root = _int(root, "root")
+        ptr, arr, s = None, None, None
+        if self.rank == root:
+            if x is None or counts is None:
+                raise InvalidArgumentError("scatterv: the root needs x and counts")
+            s = _buffer(x, "x", writable=False)
+            _same_dtype(s, r, "scatterv")
+            c = self._counts(counts, "counts")
+            if s.count != sum(c) or r.count != c[root]:
+                raise InvalidArgumentError(
+                    f"scatterv: x has {s.count} elements and out {r.count}, need the sum of the "
+                    f"counts {sum(c)} and counts[{root}] = {c[root]}"
+                )
+            ptr, arr = s.ptr, (ctypes.c_size_t * len(c))(*c)
+        args = (ptr, arr, r.ptr, r.count, r.dtype, root)
+        return self._issue("scatterv", args, out, (s, r), async_op)
+
     def send(self, x: Any, peer: int) -> None:
         """Send ``x`` to rank ``peer``, which must :meth:`recv` the same size and dtype."""
         b = _buffer(x, "x", writable=False)

@@ -135,6 +135,14 @@ _PROTOTYPES = {
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
     ),
     "chorus_p2p_batch": (c_int32, [c_void_p, ctypes.POINTER(P2pOp), c_size_t]),
+    "chorus_gatherv": (
+        c_int32,
+        [c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_int32, c_int],
+    ),
+    "chorus_scatterv": (
+        c_int32,
+        [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int],
+    ),
     "chorus_reduce_scatterv": (
         c_int32,
         [c_void_p, c_void_p, c_void_p, c_void_p, c_int32, c_int32],
@@ -162,6 +170,8 @@ for _name in (
     "alltoallv",
     "p2p_batch",
     "reduce_scatterv",
+    "gatherv",
+    "scatterv",
 ):
     _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
 _PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])

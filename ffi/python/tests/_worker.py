@@ -133,6 +133,18 @@ def collectives(comm):
         assert comm.alltoallv(x, sc, out, rc) is out
         want = np.concatenate([np.arange(c) + 30 * j + 3 * me for j, c in enumerate(rc)])
         check(f"{tag} alltoallv", b.read(out), want)
+        # gatherv to the last rank, scatterv back: rank j's block of (j + 2) % 4 values
+        root = p - 1
+        counts = [(j + 2) % 4 for j in range(p)]
+        x = b.make(np.arange(counts[me]) + 10 * me)
+        out = b.make(np.zeros(sum(counts))) if me == root else None
+        assert comm.gatherv(x, out, counts if me == root else None, root=root) is out
+        if me == root:
+            check(f"{tag} gatherv", b.read(out), np.concatenate([np.arange(c) + 10 * j for j, c in enumerate(counts)]))
+        got = b.make(np.zeros(counts[me]))
+        req = comm.scatterv(out, counts if me == root else None, got, root=root, async_op=True)
+        assert req.wait() is got
+        check(f"{tag} scatterv", b.read(got), np.arange(counts[me]) + 10 * me)
         # reduce_scatterv: block j of (3j + 1) % 4 values (zeros included); rank r's value i
         # of block j is (r + 1)(i + j + 1)
         counts = [(j * 3 + 1) % 4 for j in range(p)]
@@ -247,6 +259,8 @@ def errors(comm):
     expect(E, lambda: comm.p2p_batch([("send", x, nxt), ("recv", x, nxt)]), "p2p_batch overlap")
     expect(E, lambda: comm.p2p_batch([("send", x, me), ("recv", y[:4], me)]), "p2p_batch to itself")
     expect(E, lambda: comm.p2p_batch([("send", x, me)], async_op=True), "p2p_batch unpaired")
+    expect(E, lambda: comm.gatherv(x, None, None, root=me), "gatherv without out")
+    expect(E, lambda: comm.scatterv(x, [8] * p, np.zeros(7, np.float32), root=me), "scatterv counts")
     expect(E, lambda: comm.reduce_scatterv(x, np.zeros(7, np.float32), [8] + [0] * (p - 1)), "reduce_scatterv out size")
     expect(E, lambda: comm.reduce_scatterv(x, np.zeros(8, np.float64), [8] + [0] * (p - 1)), "reduce_scatterv dtypes")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")

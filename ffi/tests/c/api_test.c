@@ -8,7 +8,8 @@
  *                             sendrecv around a ring of 4 MiB messages (a copy on one rank);
  *                             p2p batches: 4 MiB to both neighbours and to itself at once,
  *                             and one of two dtypes
- *                             allgatherv, alltoallv and reduce_scatterv with blocks of different sizes
+ *                             allgatherv, alltoallv, reduce_scatterv, gatherv and scatterv with
+ *                             blocks of different sizes
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
@@ -339,6 +340,38 @@ static void collectives(chorus_comm *comm) {
             EXPECT(chorus_alltoallv(comm, in, sc, in, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         sc[me] += 1;
         EXPECT(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        /* gatherv and scatterv to and from the last rank: rank j's block of (j + 2) % 4
+         * values (zeros included); counts only on the root, NULL elsewhere */
+        {
+            const int root = p - 1;
+            size_t total = 0;
+            for (int j = 0; j < p; j++) total += (size_t)((j + 2) % 4);
+            size_t mine = (size_t)((me + 2) % 4);
+            int32_t blk[3], got[3] = {-1, -1, -1}, *all = malloc(total * 4 + 4);
+            size_t *gc = malloc((size_t)p * sizeof(size_t));
+            CHECK(all && gc, "out of memory");
+            for (int j = 0; j < p; j++) gc[j] = (size_t)((j + 2) % 4);
+            for (size_t i = 0; i < mine; i++) blk[i] = me * 10 + (int32_t)i;
+            OK(chorus_gatherv(comm, blk, mine, me == root ? all : NULL, me == root ? gc : NULL,
+                              CHORUS_INT32, root));
+            if (me == root)
+                for (int j = 0, k = 0; j < p; j++)
+                    for (size_t i = 0; i < gc[j]; i++, k++)
+                        CHECK(all[k] == j * 10 + (int)i, "gatherv [%d] = %d", k, all[k]);
+            if (me == root)
+                for (int j = 0, k = 0; j < p; j++)
+                    for (size_t i = 0; i < gc[j]; i++, k++) all[k] = j * 100 + (int32_t)i;
+            OK(chorus_scatterv(comm, me == root ? all : NULL, me == root ? gc : NULL, got, mine,
+                               CHORUS_INT32, root));
+            for (size_t i = 0; i < mine; i++)
+                CHECK(got[i] == me * 100 + (int)i, "scatterv [%zu] = %d", i, got[i]);
+            if (me == root)
+                EXPECT(chorus_gatherv(comm, blk, mine, all, NULL, CHORUS_INT32, root),
+                       CHORUS_INVALID_ARGUMENT);
+            OK(chorus_barrier(comm));
+            free(all);
+            free(gc);
+        }
         /* reduce_scatterv: block j of (3j + 1) % 4 values (zeros included; all 2 in the
          * second round: equal blocks); rank r's value i of block j is (r + 1)(i + j + 1) */
         for (int round = 0; round < 2; round++) {
@@ -977,7 +1010,7 @@ static void nonblocking(chorus_comm *comm) {
     CHECK(sum_in && sum_out && bc && red && ag && rs_in && rs_out && a2a && ga && sc_in &&
           sc_out && agv && a2av_in && a2av_out && rc && sc && rc2, "out of memory");
     for (int round = 0; round < 3; round++) {
-        chorus_request *req[14];
+        chorus_request *req[16];
         int k = 0;
         for (size_t i = 0; i < BIG; i++) sum_in[i] = (int32_t)((size_t)me * 3 + i % 7 + round);
         OK(chorus_iallreduce(comm, sum_in, sum_out, BIG, CHORUS_INT32, CHORUS_SUM, NULL, &req[k++]));
@@ -1034,6 +1067,15 @@ static void nonblocking(chorus_comm *comm) {
         }
         OK(chorus_ireduce_scatterv(comm, rsv_in, rsv_out, rsv_counts, CHORUS_INT32, CHORUS_MAX, &req[k++]));
         memset(rsv_counts, 0, sizeof rsv_counts);
+        /* gatherv to rank 0 and scatterv from it: rank j's block of j + 1 values */
+        int32_t gv_in[4], gv_all[10], sv_out[4];
+        for (int i = 0; i <= me; i++) gv_in[i] = me * 10 + i + round;
+        for (int j = 0; j < p; j++) rsv_counts[j] = (size_t)j + 1;
+        OK(chorus_igatherv(comm, gv_in, (size_t)me + 1, gv_all, me == 0 ? rsv_counts : NULL,
+                           CHORUS_INT32, 0, &req[k++]));
+        OK(chorus_iscatterv(comm, gv_all, me == 0 ? rsv_counts : NULL, sv_out, (size_t)me + 1,
+                            CHORUS_INT32, 0, &req[k++]));
+        memset(rsv_counts, 0, sizeof rsv_counts);
         OK(chorus_ibarrier(comm, &req[k++]));
         /* Poll the last one (bounded), then complete everything. */
         int done = 0;
@@ -1078,6 +1120,9 @@ static void nonblocking(chorus_comm *comm) {
                   ring_in[i]);
         for (int i = 0; i <= me; i++)
             CHECK(rsv_out[i] == p - 1 + i + round, "ireduce_scatterv [%d] = %d", i, rsv_out[i]);
+        /* the scatterv sent back what the gatherv collected: each rank its own block */
+        for (int i = 0; i <= me; i++)
+            CHECK(sv_out[i] == me * 10 + i + round, "igatherv then iscatterv [%d] = %d", i, sv_out[i]);
         (void)total;
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < rc2[j]; i++, m++)
