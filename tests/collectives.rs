@@ -781,7 +781,7 @@ fn v_collectives_that_disagree_fail_everywhere() {
         // Rank 2 sends 3 values where the root (1) expects 2.
         let mine = vec![1i64; if c.rank() == 2 { 3 } else { 2 }];
         let counts = [2usize, 2, 2];
-        let mut out = vec![0i64; 6];
+        let mut out = [0i64; 6];
         let recv = (c.rank() == 1).then_some((&mut out[..], &counts[..]));
         c.gather_v(&mine, recv, 1)
     });
