@@ -17,7 +17,7 @@
 //! overwrites block `rank`); `all_to_all` with `send` `None`.
 
 use chorus_algorithms::collectives::{
-    allgather, alltoall, broadcast, gather, p2p, reduce, reduce_scatter, scatter,
+    allgather, alltoall, broadcast, gather, p2p, reduce, reduce_scatter, scan, scatter,
 };
 use chorus_algorithms::cost::Link;
 use chorus_algorithms::{DType, Element, ReduceOp};
@@ -946,6 +946,96 @@ impl Communicator {
             c.run_call(call, &[root as u64], |ctx| {
                 let send = send.as_ref().map(|(s, bc)| (*s, bc.as_slice()));
                 scatter::run_v(ctx, send, recv, root)
+            })
+        })
+    }
+
+    /// Scan (`MPI_Scan`, an inclusive prefix reduction): `recv` of rank `r` gets the
+    /// element-wise reduction (`op`) of `send` of ranks `0..=r` (same length everywhere).
+    /// Recursive doubling, `⌈log₂p⌉` steps. `Avg` is refused (it has no prefix meaning).
+    pub fn scan<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.scan_raw(Some(bytes(send)), bytes_mut(recv), T::DTYPE, op, false)
+    }
+
+    /// [`Communicator::scan`] in place: `buf` holds the input and gets the result.
+    pub fn scan_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.scan_raw(None, bytes_mut(buf), T::DTYPE, op, false)
+    }
+
+    /// Exclusive scan (`MPI_Exscan`): `recv` of rank `r` gets the reduction of `send` of ranks
+    /// `0..r`; rank 0's `recv`, which no rank precedes, is left as it was.
+    pub fn exscan<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.scan_raw(Some(bytes(send)), bytes_mut(recv), T::DTYPE, op, true)
+    }
+
+    /// [`Communicator::exscan`] in place (rank 0's `buf` keeps its input).
+    pub fn exscan_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.scan_raw(None, bytes_mut(buf), T::DTYPE, op, true)
+    }
+
+    /// [`Communicator::scan`] (or, `exclusive`, [`Communicator::exscan`]) on raw bytes; `send`
+    /// `None` is in place.
+    pub fn scan_raw(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        exclusive: bool,
+    ) -> Result<(), CommError> {
+        let (name, kind) = if exclusive {
+            ("exscan", CollKind::ExScan)
+        } else {
+            ("scan", CollKind::Scan)
+        };
+        let call = Call::new(name, kind, dtype, op);
+        self.refusable(call, |c| {
+            c.check_op(name, dtype, op)?;
+            if op == ReduceOp::Avg {
+                return Err(c.invalid(
+                    name,
+                    "avg has no prefix meaning: scan with sum and divide by rank + 1".into(),
+                ));
+            }
+            c.check_whole(name, "receive buffer", recv.len(), dtype)?;
+            if let Some(s) = send {
+                if s.len() != recv.len() {
+                    return Err(c.invalid(
+                        name,
+                        format!(
+                            "the send buffer has {} bytes and the receive buffer {}",
+                            s.len(),
+                            recv.len()
+                        ),
+                    ));
+                }
+            }
+            c.trace(format_args!(
+                "{name} {} B {} {} with recursive doubling",
+                recv.len(),
+                dtype.name(),
+                op.name()
+            ));
+            c.run_call(call, &[recv.len() as u64], |ctx| {
+                scan::run(ctx, send, recv, dtype, op, exclusive)
             })
         })
     }

@@ -263,6 +263,8 @@ pub(crate) enum CollKind {
     ReduceScatterV = 19,
     GatherV = 20,
     ScatterV = 21,
+    Scan = 22,
+    ExScan = 23,
 }
 
 impl CollKind {
@@ -289,6 +291,8 @@ impl CollKind {
             19 => "reduce_scatter_v",
             20 => "gather_v",
             21 => "scatter_v",
+            22 => "scan",
+            23 => "exscan",
             _ => "unknown collective",
         }
     }

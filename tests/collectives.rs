@@ -1,5 +1,5 @@
-//! Every collective other than allreduce over TCP loopback and shared memory, ranks as
-//! threads: p in
+//! Every collective other than allreduce (scan and exscan included) over TCP loopback and
+//! shared memory, ranks as threads: p in
 //! {1,2,3,4,5,7,8} × counts {0, 1, 7, 100003} × every schedule (the automatic choice and each
 //! schedule forced through `CHORUS_ALGO`), in place and out of place, roots first and last,
 //! compared exactly with naive references built from `reference::test_value`. Every dtype ×
@@ -201,6 +201,29 @@ fn check_all<T: Element>(
     let send = (r == root).then_some(&s_in[..]);
     k.ok("scatter", c.scatter(send, &mut out, root));
     k.wrong(tag("scatter", false), count_wrong(&out, &s_want, op));
+
+    // Scan and exclusive scan (avg has no prefix meaning): the reduction of the inputs of
+    // ranks 0..=r (0..r), in place too; rank 0's exscan output is left as it was.
+    if op != ReduceOp::Avg {
+        let prefix = |upto: usize| {
+            let ins: Vec<Vec<T>> = (0..upto).map(|j| inputs::<T>(j, n, op, p)).collect();
+            chorus_algorithms::reference::all_reduce(&ins, op)
+        };
+        let mut out = poison::<T>(n);
+        k.ok("scan", c.scan(&mine, &mut out, op));
+        k.wrong(tag("scan", false), count_wrong(&out, &prefix(r + 1), op));
+        let mut buf = mine.clone();
+        k.ok("scan in place", c.scan_in_place(&mut buf, op));
+        k.wrong(tag("scan", true), count_wrong(&buf, &prefix(r + 1), op));
+        let mut out = poison::<T>(n);
+        k.ok("exscan", c.exscan(&mine, &mut out, op));
+        let want = if r == 0 { poison::<T>(n) } else { prefix(r) };
+        k.wrong(tag("exscan", false), count_wrong(&out, &want, op));
+        let mut buf = mine.clone();
+        k.ok("exscan in place", c.exscan_in_place(&mut buf, op));
+        let want = if r == 0 { mine.clone() } else { prefix(r) };
+        k.wrong(tag("exscan", true), count_wrong(&buf, &want, op));
+    }
 
     // A batch: this rank's buffer to every rank (itself included) and its two halves to the
     // next rank, while receiving from every rank (posted in reverse order) and the halves
@@ -479,6 +502,19 @@ fn mismatches_across_ranks_are_errors_on_every_rank() {
             c.recv(&mut b, 0)
         }
     });
+    expect_mismatch(3, "scan against exscan", |c| {
+        let mut out = [0i32; 4];
+        if c.rank() == 1 {
+            c.exscan(&[1i32; 4], &mut out, ReduceOp::Sum)
+        } else {
+            c.scan(&[1i32; 4], &mut out, ReduceOp::Sum)
+        }
+    });
+    expect_mismatch(4, "scan counts", |c| {
+        let n = if c.rank() == 2 { 5 } else { 4 };
+        let mut buf = vec![1u64; n];
+        c.scan_in_place(&mut buf, ReduceOp::Max)
+    });
     expect_mismatch(2, "send/recv lengths", |c| {
         if c.rank() == 0 {
             c.send(&[1i32; 5], 1)
@@ -518,6 +554,14 @@ fn bad_arguments_leave_the_communicator_usable() {
             errors.push(c.scatter(None, &mut b[..2], r).unwrap_err());
             errors.push(c.send(&b, r).unwrap_err());
             errors.push(c.recv(&mut b, 7).unwrap_err());
+            errors.push(
+                c.scan(&[1.0f32; 3], &mut b[..3], ReduceOp::Avg)
+                    .unwrap_err(),
+            );
+            errors.push(
+                c.exscan(&[1.0f32; 3], &mut b[..2], ReduceOp::Sum)
+                    .unwrap_err(),
+            );
             let (mut x, mut y) = ([0i32; 2], [0i32; 3]);
             let next = (r + 1) % 3;
             // Refused whole before anything moves: a peer out of range, a send to itself
@@ -545,7 +589,7 @@ fn bad_arguments_leave_the_communicator_usable() {
             errors.len()
         },
     );
-    assert!(res.iter().all(|&n| n == 14));
+    assert!(res.iter().all(|&n| n == 16));
 }
 
 /// A reduce-scatter whose receive block is not a whole number of elements is refused on the

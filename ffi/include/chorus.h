@@ -1048,6 +1048,68 @@ int32_t chorus_iscatterv(chorus_comm *comm,
                          chorus_request **request);
 
 /**
+ * Scan (as `MPI_Scan`, an inclusive prefix reduction): `recvbuf` of rank `r` gets the
+ * element-wise reduction (`op`) of the `count` elements of `sendbuf` of ranks `0..=r`. In
+ * place when `sendbuf == recvbuf`. `CHORUS_AVG` is refused (it has no prefix meaning).
+ *
+ * # Safety
+ * As `chorus_allreduce`.
+ */
+int32_t chorus_scan(chorus_comm *comm,
+                    const void *sendbuf,
+                    void *recvbuf,
+                    size_t count,
+                    chorus_dtype dtype,
+                    chorus_op op);
+
+/**
+ * Exclusive scan (as `MPI_Exscan`): `recvbuf` of rank `r` gets the reduction of `sendbuf` of
+ * ranks `0..r`; rank 0's `recvbuf`, which no rank precedes, is left as it was. In place
+ * when `sendbuf == recvbuf`. `CHORUS_AVG` is refused.
+ *
+ * # Safety
+ * As `chorus_allreduce`.
+ */
+int32_t chorus_exscan(chorus_comm *comm,
+                      const void *sendbuf,
+                      void *recvbuf,
+                      size_t count,
+                      chorus_dtype dtype,
+                      chorus_op op);
+
+/**
+ * Nonblocking `chorus_scan` (as `MPI_Iscan`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_scan`, the buffers valid and untouched until the request completes; `request`
+ * is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iscan(chorus_comm *comm,
+                     const void *sendbuf,
+                     void *recvbuf,
+                     size_t count,
+                     chorus_dtype dtype,
+                     chorus_op op,
+                     chorus_request **request);
+
+/**
+ * Nonblocking `chorus_exscan` (as `MPI_Iexscan`). See `chorus_iallreduce` for the rules of
+ * nonblocking calls.
+ *
+ * # Safety
+ * As `chorus_exscan`, the buffers valid and untouched until the request completes;
+ * `request` is NULL or valid for writing a pointer.
+ */
+int32_t chorus_iexscan(chorus_comm *comm,
+                       const void *sendbuf,
+                       void *recvbuf,
+                       size_t count,
+                       chorus_dtype dtype,
+                       chorus_op op,
+                       chorus_request **request);
+
+/**
  * Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the
  * same count and dtype. Messages between two ranks, point-to-point or collective, are
  * matched in the order they were sent. Returns once the data is handed to the transport.

@@ -1930,6 +1930,128 @@ unsafe fn scatterv_call(
     }))
 }
 
+/// Scan (as `MPI_Scan`, an inclusive prefix reduction): `recvbuf` of rank `r` gets the
+/// element-wise reduction (`op`) of the `count` elements of `sendbuf` of ranks `0..=r`. In
+/// place when `sendbuf == recvbuf`. `CHORUS_AVG` is refused (it has no prefix meaning).
+///
+/// # Safety
+/// As `chorus_allreduce`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_scan(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_scan", comm, None, |_| {
+            scan_call(sendbuf, recvbuf, count, dtype, op, false)
+        })
+    }
+}
+
+/// Exclusive scan (as `MPI_Exscan`): `recvbuf` of rank `r` gets the reduction of `sendbuf` of
+/// ranks `0..r`; rank 0's `recvbuf`, which no rank precedes, is left as it was. In place
+/// when `sendbuf == recvbuf`. `CHORUS_AVG` is refused.
+///
+/// # Safety
+/// As `chorus_allreduce`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_exscan(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_exscan", comm, None, |_| {
+            scan_call(sendbuf, recvbuf, count, dtype, op, true)
+        })
+    }
+}
+
+/// Nonblocking `chorus_scan` (as `MPI_Iscan`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_scan`, the buffers valid and untouched until the request completes; `request`
+/// is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_iscan(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iscan", comm, Some(request), |_| {
+            scan_call(sendbuf, recvbuf, count, dtype, op, false)
+        })
+    }
+}
+
+/// Nonblocking `chorus_exscan` (as `MPI_Iexscan`). See `chorus_iallreduce` for the rules of
+/// nonblocking calls.
+///
+/// # Safety
+/// As `chorus_exscan`, the buffers valid and untouched until the request completes;
+/// `request` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_iexscan(
+    comm: *mut chorus_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: the caller's promise, forwarded.
+    unsafe {
+        issue("chorus_iexscan", comm, Some(request), |_| {
+            scan_call(sendbuf, recvbuf, count, dtype, op, true)
+        })
+    }
+}
+
+/// # Safety
+/// The contract of `chorus_scan` (the buffers valid until the call completes).
+unsafe fn scan_call(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    op: OpArg,
+    exclusive: bool,
+) -> Result<Call, Failure> {
+    let dtype = dtype.get()?;
+    let op = op.get()?;
+    let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+    let recv = RawBuf::new(recvbuf, bytes, "recvbuf")?;
+    let send = if sendbuf == recvbuf.cast_const() {
+        None
+    } else {
+        ptr::check_disjoint(sendbuf, bytes, recvbuf, bytes, "sendbuf and recvbuf")?;
+        Some(RawBuf::new(sendbuf, bytes, "sendbuf")?)
+    };
+    Ok(Box::new(move |c| {
+        // SAFETY: valid for `bytes` bytes until the call completes by the caller's promise;
+        // disjoint when not in place (checked above).
+        let (send, recv) = unsafe { (send.map(|s| s.get()), recv.get_mut()) };
+        c.scan_raw(send, recv, dtype, op, exclusive)
+    }))
+}
+
 /// Send `count` elements of `buf` to rank `peer`, which must call `chorus_recv` with the
 /// same count and dtype. Messages between two ranks, point-to-point or collective, are
 /// matched in the order they were sent. Returns once the data is handed to the transport.

@@ -676,6 +676,34 @@ class Communicator:
         args = (ptr, arr, r.ptr, r.count, r.dtype, root)
         return self._issue("scatterv", args, out, (s, r), async_op)
 
+    def scan(
+        self, x: Any, out: Any = None, op: str = "sum", *, async_op: bool = False
+    ) -> Any:
+        """Inclusive prefix reduction (as ``MPI_Scan``): ``out`` of rank ``r`` gets the
+        reduction of ``x`` of ranks ``0..=r``; in place (into ``x``) when ``out`` is None.
+        ``op`` is any but ``"avg"``. Returns ``out`` (or ``x``)."""
+        return self._scan("scan", x, out, op, async_op)
+
+    def exscan(
+        self, x: Any, out: Any = None, op: str = "sum", *, async_op: bool = False
+    ) -> Any:
+        """Exclusive prefix reduction (as ``MPI_Exscan``): ``out`` of rank ``r`` gets the
+        reduction of ``x`` of ranks ``0..r``; rank 0's ``out`` is left as it was. In place
+        (into ``x``) when ``out`` is None. Returns ``out`` (or ``x``)."""
+        return self._scan("exscan", x, out, op, async_op)
+
+    def _scan(self, name: str, x: Any, out: Any, op: str, async_op: bool) -> Any:
+        if out is None:
+            b = _buffer(x, "x")
+            args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op))
+            return self._issue(name, args, x, (b,), async_op)
+        s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
+        _same_dtype(s, r, name)
+        if s.count != r.count:
+            raise InvalidArgumentError(f"{name}: x has {s.count} elements and out {r.count}")
+        args = (s.ptr, r.ptr, s.count, s.dtype, _op_code(op))
+        return self._issue(name, args, out, (s, r), async_op)
+
     def send(self, x: Any, peer: int) -> None:
         """Send ``x`` to rank ``peer``, which must :meth:`recv` the same size and dtype."""
         b = _buffer(x, "x", writable=False)

@@ -143,6 +143,8 @@ _PROTOTYPES = {
         c_int32,
         [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int],
     ),
+    "chorus_scan": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32]),
+    "chorus_exscan": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32]),
     "chorus_reduce_scatterv": (
         c_int32,
         [c_void_p, c_void_p, c_void_p, c_void_p, c_int32, c_int32],
@@ -172,6 +174,8 @@ for _name in (
     "reduce_scatterv",
     "gatherv",
     "scatterv",
+    "scan",
+    "exscan",
 ):
     _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
 _PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])

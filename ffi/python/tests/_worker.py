@@ -133,6 +133,18 @@ def collectives(comm):
         assert comm.alltoallv(x, sc, out, rc) is out
         want = np.concatenate([np.arange(c) + 30 * j + 3 * me for j, c in enumerate(rc)])
         check(f"{tag} alltoallv", b.read(out), want)
+        # scan and exscan: rank r's value i is r + i + 1
+        x = b.make(np.arange(N) + me + 1)
+        out = b.make(np.full(N, 7))
+        assert comm.scan(x, out) is out
+        check(f"{tag} scan", b.read(out), sum(np.arange(N) + r + 1 for r in range(me + 1)))
+        out = b.make(np.full(N, 7))
+        req = comm.exscan(x, out, async_op=True)
+        assert req.wait() is out
+        want = np.full(N, 7) if me == 0 else sum(np.arange(N) + r + 1 for r in range(me))
+        check(f"{tag} exscan", b.read(out), want)
+        assert comm.scan(x, op="max") is x
+        check(f"{tag} scan max in place", b.read(x), np.arange(N) + me + 1)
         # gatherv to the last rank, scatterv back: rank j's block of (j + 2) % 4 values
         root = p - 1
         counts = [(j + 2) % 4 for j in range(p)]
@@ -259,6 +271,8 @@ def errors(comm):
     expect(E, lambda: comm.p2p_batch([("send", x, nxt), ("recv", x, nxt)]), "p2p_batch overlap")
     expect(E, lambda: comm.p2p_batch([("send", x, me), ("recv", y[:4], me)]), "p2p_batch to itself")
     expect(E, lambda: comm.p2p_batch([("send", x, me)], async_op=True), "p2p_batch unpaired")
+    expect(E, lambda: comm.scan(x, op="avg"), "scan avg")
+    expect(E, lambda: comm.exscan(x, np.zeros(7, np.float32)), "exscan sizes")
     expect(E, lambda: comm.gatherv(x, None, None, root=me), "gatherv without out")
     expect(E, lambda: comm.scatterv(x, [8] * p, np.zeros(7, np.float32), root=me), "scatterv counts")
     expect(E, lambda: comm.reduce_scatterv(x, np.zeros(7, np.float32), [8] + [0] * (p - 1)), "reduce_scatterv out size")

@@ -9,7 +9,7 @@
  *                             p2p batches: 4 MiB to both neighbours and to itself at once,
  *                             and one of two dtypes
  *                             allgatherv, alltoallv, reduce_scatterv, gatherv and scatterv with
- *                             blocks of different sizes
+ *                             blocks of different sizes; scan and exscan
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
@@ -412,6 +412,27 @@ static void collectives(chorus_comm *comm) {
         free(sc);
         free(in);
         free(out);
+    }
+
+    /* scan and exscan: rank r's value i is r + i + 1; sums of ranks 0..=r (0..r), max too */
+    {
+        enum { S = 5 };
+        int64_t x[S], y[S];
+        double d[S];
+        for (int i = 0; i < S; i++) x[i] = me + i + 1, y[i] = -1, d[i] = (double)(me * (i + 1));
+        OK(chorus_scan(comm, x, y, S, CHORUS_INT64, CHORUS_SUM));
+        for (int i = 0; i < S; i++)
+            CHECK(y[i] == (int64_t)(me + 1) * (me + 2 * i + 2) / 2, "scan [%d] = %lld", i, (long long)y[i]);
+        for (int i = 0; i < S; i++) y[i] = -1;
+        OK(chorus_exscan(comm, x, y, S, CHORUS_INT64, CHORUS_SUM));
+        for (int i = 0; i < S; i++)
+            CHECK(y[i] == (me == 0 ? -1 : (int64_t)me * (me + 2 * i + 1) / 2), "exscan [%d] = %lld", i,
+                  (long long)y[i]);
+        OK(chorus_scan(comm, d, d, S, CHORUS_FLOAT64, CHORUS_MAX)); /* in place */
+        for (int i = 0; i < S; i++) CHECK(d[i] == (double)(me * (i + 1)), "scan max [%d] = %g", i, d[i]);
+        EXPECT(chorus_scan(comm, x, y, S, CHORUS_INT64, CHORUS_AVG), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_exscan(comm, x, x + 1, 3, CHORUS_INT64, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_barrier(comm));
     }
 
     /* sendrecv around a ring with messages far larger than any transport buffers (4 MiB):
@@ -1010,7 +1031,7 @@ static void nonblocking(chorus_comm *comm) {
     CHECK(sum_in && sum_out && bc && red && ag && rs_in && rs_out && a2a && ga && sc_in &&
           sc_out && agv && a2av_in && a2av_out && rc && sc && rc2, "out of memory");
     for (int round = 0; round < 3; round++) {
-        chorus_request *req[16];
+        chorus_request *req[18];
         int k = 0;
         for (size_t i = 0; i < BIG; i++) sum_in[i] = (int32_t)((size_t)me * 3 + i % 7 + round);
         OK(chorus_iallreduce(comm, sum_in, sum_out, BIG, CHORUS_INT32, CHORUS_SUM, NULL, &req[k++]));
@@ -1067,6 +1088,10 @@ static void nonblocking(chorus_comm *comm) {
         }
         OK(chorus_ireduce_scatterv(comm, rsv_in, rsv_out, rsv_counts, CHORUS_INT32, CHORUS_MAX, &req[k++]));
         memset(rsv_counts, 0, sizeof rsv_counts);
+        /* scan, then exscan in place: sums of ranks 0..=r and 0..r of me + round */
+        int64_t sc_x = me + round, sc_y = -1, ex = me + round;
+        OK(chorus_iscan(comm, &sc_x, &sc_y, 1, CHORUS_INT64, CHORUS_SUM, &req[k++]));
+        OK(chorus_iexscan(comm, &ex, &ex, 1, CHORUS_INT64, CHORUS_SUM, &req[k++]));
         /* gatherv to rank 0 and scatterv from it: rank j's block of j + 1 values */
         int32_t gv_in[4], gv_all[10], sv_out[4];
         for (int i = 0; i <= me; i++) gv_in[i] = me * 10 + i + round;
@@ -1120,6 +1145,9 @@ static void nonblocking(chorus_comm *comm) {
                   ring_in[i]);
         for (int i = 0; i <= me; i++)
             CHECK(rsv_out[i] == p - 1 + i + round, "ireduce_scatterv [%d] = %d", i, rsv_out[i]);
+        CHECK(sc_y == (int64_t)me * (me + 1) / 2 + (int64_t)(me + 1) * round, "iscan = %lld", (long long)sc_y);
+        CHECK(ex == (me == 0 ? round : (int64_t)me * (me - 1) / 2 + (int64_t)me * round), "iexscan = %lld",
+              (long long)ex);
         /* the scatterv sent back what the gatherv collected: each rank its own block */
         for (int i = 0; i <= me; i++)
             CHECK(sv_out[i] == me * 10 + i + round, "igatherv then iscatterv [%d] = %d", i, sv_out[i]);
