@@ -140,8 +140,8 @@ mod tests {
             assert_eq!(steps, ceil_log2(size));
             for k in 0..steps {
                 let sent = window.clone();
-                for r in 0..size {
-                    let s = plans[r][k];
+                for (r, plan) in plans.iter().enumerate() {
+                    let s = plan[k];
                     if let Some(to) = s.to {
                         assert_eq!(plans[to][k].from, Some(r), "p={size} step {k}");
                     }
