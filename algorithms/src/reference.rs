@@ -48,6 +48,16 @@ pub fn all_reduce<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
         .collect()
 }
 
+/// The reference result at `index` of a scan: the reduction of the [`test_value`]s of ranks
+/// `0..upto` of a group of `ranks` (`upto` ≥ 1).
+pub fn expected_prefix<T: Element>(index: usize, op: ReduceOp, upto: usize, ranks: usize) -> T {
+    naive(
+        (0..upto).map(|r| test_value::<T>(r, index, op, ranks)),
+        op,
+        upto,
+    )
+}
+
 /// The reference result at `index` of an allreduce over `ranks` ranks whose inputs are
 /// [`test_value`]s — without materialising the inputs (for large buffers).
 pub fn expected<T: Element>(index: usize, op: ReduceOp, ranks: usize) -> T {

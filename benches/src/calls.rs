@@ -2,9 +2,9 @@
 //!
 //! Buffers follow nccl-tests: for allreduce, broadcast, reduce and sendrecv the size is one
 //! rank's buffer (`count` elements); for allgather, reduce-scatter, alltoall, their v-variants
-//! (equal blocks), gather and scatter it is the whole p-rank buffer, `count` rounded down to a
-//! multiple of p, of which each rank contributes or receives a block of `count/p`. Rooted
-//! collectives use root 0.
+//! (equal blocks), gather and scatter (and theirs) it is the whole p-rank buffer, `count`
+//! rounded down to a multiple of p, of which each rank contributes or receives a block of
+//! `count/p`; for scan and exscan, one rank's buffer. Rooted collectives use root 0.
 //!
 //! Inputs are `reference::test_value(rank, index)` where `index` is the element's position in
 //! the sending rank's buffer, so every expected element is known without gathering inputs.
@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use chorus::{AllReduceOptions, CommError, Communicator, Element, ReduceOp};
-use chorus_algorithms::reference::{expected, is_correct, test_value};
+use chorus_algorithms::reference::{expected, expected_prefix, is_correct, test_value};
 
 use crate::collective::Collective;
 use crate::data;
@@ -56,9 +56,12 @@ pub const ROOT: usize = 0;
 pub fn placements(c: Collective) -> (bool, bool) {
     match c {
         Collective::Broadcast => (false, true),
-        Collective::Gather | Collective::Scatter | Collective::SendRecv | Collective::AllToAllV => {
-            (true, false)
-        }
+        Collective::Gather
+        | Collective::Scatter
+        | Collective::GatherV
+        | Collective::ScatterV
+        | Collective::SendRecv
+        | Collective::AllToAllV => (true, false),
         _ => (true, true),
     }
 }
@@ -74,6 +77,9 @@ pub fn blocked(c: Collective) -> bool {
             | Collective::AllToAllV
             | Collective::Gather
             | Collective::Scatter
+            | Collective::ReduceScatterV
+            | Collective::GatherV
+            | Collective::ScatterV
     )
 }
 
@@ -132,6 +138,22 @@ pub fn call<T: Element>(
             let s = s.expect("scatter runs out of place");
             comm.scatter(root.map(|_| s), &mut buf[..b], ROOT)
         }
+        (Collective::ReduceScatterV, Some(s)) => {
+            comm.reduce_scatter_v(s, &mut buf[..b], counts, op)
+        }
+        (Collective::ReduceScatterV, None) => comm.reduce_scatter_v_in_place(buf, counts, op),
+        (Collective::GatherV, s) => {
+            let s = s.expect("gatherv runs out of place");
+            comm.gather_v(&s[..b], root.map(|_| (buf, counts)), ROOT)
+        }
+        (Collective::ScatterV, s) => {
+            let s = s.expect("scatterv runs out of place");
+            comm.scatter_v(root.map(|_| (s, counts)), &mut buf[..b], ROOT)
+        }
+        (Collective::Scan, Some(s)) => comm.scan(s, buf, op),
+        (Collective::Scan, None) => comm.scan_in_place(buf, op),
+        (Collective::ExScan, Some(s)) => comm.exscan(s, buf, op),
+        (Collective::ExScan, None) => comm.exscan_in_place(buf, op),
         (Collective::SendRecv, s) => {
             let s = s.expect("sendrecv runs out of place");
             if p == 1 {
@@ -184,10 +206,16 @@ pub fn count_wrong<T: Element>(
         Collective::AllReduce => data::count_wrong(buf, op, ranks),
         Collective::Broadcast => wrong(buf, &|i| input(ROOT, i)),
         Collective::Reduce if rank == ROOT => wrong(buf, &|i| expected(i, op, ranks)),
-        Collective::Gather if rank == ROOT => wrong(buf, &|i| input(i / b, i % b)),
-        Collective::Reduce | Collective::Gather => 0,
+        Collective::Gather | Collective::GatherV if rank == ROOT => {
+            wrong(buf, &|i| input(i / b, i % b))
+        }
+        Collective::Reduce | Collective::Gather | Collective::GatherV => 0,
+        Collective::Scan => wrong(buf, &|i| expected_prefix(i, op, rank + 1, ranks)),
+        // Rank 0's output is not defined (left as it was).
+        Collective::ExScan if rank == 0 => 0,
+        Collective::ExScan => wrong(buf, &|i| expected_prefix(i, op, rank, ranks)),
         Collective::AllGather | Collective::AllGatherV => wrong(buf, &|i| input(i / b, i % b)),
-        Collective::ReduceScatter => {
+        Collective::ReduceScatter | Collective::ReduceScatterV => {
             let out = if in_place {
                 &buf[rank * b..(rank + 1) * b]
             } else {
@@ -198,7 +226,9 @@ pub fn count_wrong<T: Element>(
         Collective::AllToAll | Collective::AllToAllV => {
             wrong(buf, &|i| input(i / b, rank * b + i % b))
         }
-        Collective::Scatter => wrong(&buf[..b], &|i| input(ROOT, rank * b + i)),
+        Collective::Scatter | Collective::ScatterV => {
+            wrong(&buf[..b], &|i| input(ROOT, rank * b + i))
+        }
         Collective::SendRecv => wrong(buf, &|i| input((rank + ranks - 1) % ranks, i)),
     }
 }
@@ -253,6 +283,20 @@ mod tests {
         assert_eq!(
             count_wrong(Collective::AllGather, true, &buf, 1, ranks, op),
             2 * b as u64
+        );
+        // Scan on rank 1: the sum of ranks 0 and 1; exscan: rank 0's alone.
+        let two: Vec<i64> = (0..b)
+            .map(|i| test_value::<i64>(0, i, op, ranks) + test_value::<i64>(1, i, op, ranks))
+            .collect();
+        assert_eq!(count_wrong(Collective::Scan, false, &two, 1, ranks, op), 0);
+        assert_eq!(
+            count_wrong(Collective::ExScan, false, &two, 1, ranks, op),
+            b as u64
+        );
+        let one: Vec<i64> = (0..b).map(|i| test_value::<i64>(0, i, op, ranks)).collect();
+        assert_eq!(
+            count_wrong(Collective::ExScan, false, &one, 1, ranks, op),
+            0
         );
     }
 }

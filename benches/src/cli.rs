@@ -19,11 +19,12 @@ chorus-perf - collective benchmarks for chorus (nccl-tests conventions)
 USAGE:
     chorus-perf COLLECTIVE [OPTIONS]
     COLLECTIVE: allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall,
-                allgatherv, alltoallv, gather, scatter, sendrecv
-    Sizes are per rank for allreduce, broadcast, reduce and sendrecv, and of the whole
-    p-rank buffer (rounded down to p blocks) for the others; roots are rank 0; allgatherv
-    and alltoallv run the v-variants with equal blocks. Broadcast runs in place only;
-    alltoallv, gather, scatter and sendrecv out of place only.
+                allgatherv, alltoallv, gather, scatter, sendrecv, reduce_scatterv,
+                gatherv, scatterv, scan, exscan
+    Sizes are per rank for allreduce, broadcast, reduce, sendrecv, scan and exscan, and of
+    the whole p-rank buffer (rounded down to p blocks) for the others; roots are rank 0;
+    the v-variants run with equal blocks. Broadcast runs in place only; alltoallv,
+    gather(v), scatter(v) and sendrecv out of place only. Scan and exscan take -o (not avg).
 
 Without --ranks the process is one rank of a job described by the environment (CHORUS_RANK,
 CHORUS_WORLD_SIZE, CHORUS_ADDR, ... or what torchrun, mpirun, srun set); rank 0 prints.

@@ -30,11 +30,21 @@ pub enum Collective {
     Scatter,
     /// Pairs of ranks exchange buffers.
     SendRecv,
+    /// Reduce-scatter through the v-variant (`reduce_scatter_v`), with equal blocks.
+    ReduceScatterV,
+    /// Gather through the v-variant (`gather_v`), with equal blocks.
+    GatherV,
+    /// Scatter through the v-variant (`scatter_v`), with equal blocks.
+    ScatterV,
+    /// Rank r ends with the reduction of the buffers of ranks 0..=r.
+    Scan,
+    /// Rank r ends with the reduction of the buffers of ranks 0..r (rank 0: unchanged).
+    ExScan,
 }
 
 impl Collective {
     /// Every collective, in the order the usage text lists them.
-    pub const ALL: [Collective; 11] = [
+    pub const ALL: [Collective; 16] = [
         Collective::AllReduce,
         Collective::Broadcast,
         Collective::Reduce,
@@ -46,6 +56,11 @@ impl Collective {
         Collective::Gather,
         Collective::Scatter,
         Collective::SendRecv,
+        Collective::ReduceScatterV,
+        Collective::GatherV,
+        Collective::ScatterV,
+        Collective::Scan,
+        Collective::ExScan,
     ];
 
     /// The subcommand name (nccl-tests' test names without `_perf`).
@@ -62,6 +77,11 @@ impl Collective {
             Collective::Gather => "gather",
             Collective::Scatter => "scatter",
             Collective::SendRecv => "sendrecv",
+            Collective::ReduceScatterV => "reduce_scatterv",
+            Collective::GatherV => "gatherv",
+            Collective::ScatterV => "scatterv",
+            Collective::Scan => "scan",
+            Collective::ExScan => "exscan",
         }
     }
 
@@ -81,7 +101,12 @@ impl Collective {
     pub fn rooted(self) -> bool {
         matches!(
             self,
-            Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+            Collective::Broadcast
+                | Collective::Reduce
+                | Collective::Gather
+                | Collective::Scatter
+                | Collective::GatherV
+                | Collective::ScatterV
         )
     }
 
@@ -89,24 +114,38 @@ impl Collective {
     pub fn reduces(self) -> bool {
         matches!(
             self,
-            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+            Collective::AllReduce
+                | Collective::Reduce
+                | Collective::ReduceScatter
+                | Collective::ReduceScatterV
+                | Collective::Scan
+                | Collective::ExScan
         )
     }
 
     /// `busbw = algbw × factor` for `ranks` ranks: 2(p−1)/p for allreduce; (p−1)/p for the
-    /// collectives whose size is the whole p-rank buffer; 1 for the rooted one-to-one kinds.
+    /// collectives whose size is the whole p-rank buffer; 1 for broadcast, reduce, sendrecv
+    /// and the scans.
     pub fn busbw_factor(self, ranks: usize) -> f64 {
         let p = ranks.max(1) as f64;
         match self {
             Collective::AllReduce => 2.0 * (p - 1.0) / p,
             Collective::ReduceScatter
+            | Collective::ReduceScatterV
+            | Collective::GatherV
+            | Collective::ScatterV
             | Collective::AllGather
             | Collective::AllToAll
             | Collective::AllGatherV
             | Collective::AllToAllV
             | Collective::Gather
             | Collective::Scatter => (p - 1.0) / p,
-            Collective::Broadcast | Collective::Reduce | Collective::SendRecv => 1.0,
+            // Scan: no nccl-tests convention; each rank's buffer crosses a link at least once.
+            Collective::Broadcast
+            | Collective::Reduce
+            | Collective::SendRecv
+            | Collective::Scan
+            | Collective::ExScan => 1.0,
         }
     }
 }

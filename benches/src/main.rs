@@ -70,10 +70,23 @@ fn main() -> ExitCode {
             },
         ))
     })();
-    let (dtypes, ops, algorithms) = match resolved {
+    let (dtypes, mut ops, algorithms) = match resolved {
         Ok(r) => r,
         Err(e) => return usage_error(&e),
     };
+    if matches!(
+        opts.collective,
+        collective::Collective::Scan | collective::Collective::ExScan
+    ) {
+        // A prefix average means nothing: `-o all` leaves it out, `-o avg` is refused.
+        ops.retain(|&o| o != chorus::ReduceOp::Avg);
+        if ops.is_empty() {
+            return usage_error(&UsageError(format!(
+                "-o avg: {} has no average (use sum)",
+                opts.collective
+            )));
+        }
+    }
     if !opts.compare
         && algorithms[0].is_some()
         && opts.collective != collective::Collective::AllReduce

@@ -151,6 +151,11 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
         ("gather", (p - 1.0) / p, true, false),
         ("scatter", (p - 1.0) / p, true, false),
         ("sendrecv", 1.0, false, false),
+        ("reduce_scatterv", (p - 1.0) / p, false, true),
+        ("gatherv", (p - 1.0) / p, true, false),
+        ("scatterv", (p - 1.0) / p, true, false),
+        ("scan", 1.0, false, true),
+        ("exscan", 1.0, false, true),
     ] {
         let r = perf(&format!(
             "{coll} --ranks 3 --json -d int32 -o max -b 12 -e 12K -f 32 -n 2 -w 1"
@@ -182,7 +187,7 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
                 rest[..rest.find([',', '}']).unwrap()].parse().expect(name)
             };
             let size = field("size");
-            if coll != "broadcast" && coll != "reduce" && coll != "sendrecv" {
+            if !["broadcast", "reduce", "sendrecv", "scan", "exscan"].contains(&coll) {
                 // The whole p-rank buffer: a multiple of p int32 elements.
                 assert_eq!(size % (3.0 * 4.0), 0.0, "{l}");
             }
@@ -195,6 +200,18 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
             }
         }
     }
+}
+
+/// A scan has no average: `-o avg` is a usage error, `-o all` leaves avg out.
+#[test]
+fn scans_refuse_an_average() {
+    let r = perf("scan --ranks 2 -o avg -b 8 -e 8 -n 1 -w 0");
+    assert_eq!(r.code, Some(2), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("avg"), "{}", r.stderr);
+    let r = perf("exscan --ranks 2 --json -o all -d int32 -b 8 -e 8 -n 1 -w 0");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(!r.stdout.contains("\"op\":\"avg\""), "{}", r.stdout);
+    assert!(r.stdout.contains("\"op\":\"prod\""), "{}", r.stdout);
 }
 
 #[test]
