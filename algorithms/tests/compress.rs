@@ -104,8 +104,12 @@ fn check_bound(codec: Codec, x: &[f32], y: &[f32], chunk: usize) -> Result<(), S
                 let step = f64::from(range) / levels;
                 for i in r {
                     let err = (f64::from(x[i]) - f64::from(y[i])).abs();
-                    // One step, plus the rounding of a step that underflows f32.
-                    if err > step * (1.0 + 1e-6) + 1e-42 {
+                    // One step, plus the f32 rounding of the decoded value (half an ulp of a
+                    // value up to the range: up to 127 × 2^-24 of a step for int8, which a
+                    // value at the range rounded down one step shows), plus the rounding of a
+                    // step that underflows f32.
+                    let rounding = f64::from(x[i].abs().max(y[i].abs())) * 2f64.powi(-23);
+                    if err > step * (1.0 + 1e-6) + rounding + 1e-42 {
                         return fail(i, &format!("beyond one step {step:e}"));
                     }
                 }
