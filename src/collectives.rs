@@ -12,9 +12,11 @@
 //! a leaf of a reduce or gather) can return before the mismatch is seen.
 //!
 //! In place means: `broadcast` always; `reduce` with `send` `None` (the input is `recv`);
-//! `all_gather` with `send` `None` (this rank's block is already at block `rank` of `recv`);
-//! `reduce_scatter` with `send` `None` (`recv` holds all `p` input blocks, the result
-//! overwrites block `rank`); `all_to_all` with `send` `None`.
+//! `all_gather` (and `all_gather_v`) with `send` `None` (this rank's block is already at its
+//! place in `recv`); `reduce_scatter` (and `reduce_scatter_v`) with `send` `None` (`recv`
+//! holds all `p` input blocks, the result overwrites block `rank`); `all_to_all` with `send`
+//! `None`; `scan` and `exscan` with `send` `None` (the input is `recv`; rank 0's exscan keeps
+//! its input).
 
 use chorus_algorithms::collectives::{
     allgather, alltoall, broadcast, gather, p2p, reduce, reduce_scatter, scan, scatter,

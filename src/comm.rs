@@ -366,6 +366,9 @@ fn describe_record(rec: &[u8]) -> String {
             format!(", {total} bytes in all, counts digest {digest:#x}")
         }
         [] => String::new(),
+        [root] if kind == CollKind::GatherV as u64 || kind == CollKind::ScatterV as u64 => {
+            format!(", root {root}")
+        }
         [b] => format!(", {b}{unit}"),
         [b, root] => format!(", {b}{unit}, root {root}"),
         more => format!(", arguments {more:?}"),
@@ -376,6 +379,9 @@ fn describe_record(rec: &[u8]) -> String {
         CollKind::Reduce,
         CollKind::ReduceScatter,
         CollKind::CompressedAllReduce,
+        CollKind::ReduceScatterV,
+        CollKind::Scan,
+        CollKind::ExScan,
     ]
     .iter()
     .any(|&k| k as u64 == kind);

@@ -23,7 +23,8 @@ USAGE:
                 gatherv, scatterv, scan, exscan
     Sizes are per rank for allreduce, broadcast, reduce, sendrecv, scan and exscan, and of
     the whole p-rank buffer (rounded down to p blocks) for the others; roots are rank 0;
-    the v-variants run with equal blocks. Broadcast runs in place only; alltoallv,
+    the v-variants run with equal blocks (reduce_scatterv's then run as reduce_scatter).
+    Broadcast runs in place only; alltoallv,
     gather(v), scatter(v) and sendrecv out of place only. Scan and exscan take -o (not avg).
 
 Without --ranks the process is one rank of a job described by the environment (CHORUS_RANK,
