@@ -898,3 +898,100 @@ fn v_collectives_that_disagree_fail_everywhere() {
     );
     assert_eq!(res, [[0, 0, 1, 1], [0, 0, 1, 1]]);
 }
+
+/// Random batches: a plan of messages between random pairs of ranks (a rank to itself too),
+/// of random lengths (empty, small, and beyond the transports' buffers) and two dtypes; each
+/// rank posts its sends and receives as one batch, the two lists interleaved at random (each
+/// in plan order). Every message arrives whole, in order, over TCP and shared memory.
+#[test]
+fn random_batches_deliver_every_message_in_order() {
+    for transport in ["tcp", "shm"] {
+        for p in [2usize, 3, 5] {
+            let bad = group(
+                p,
+                transport,
+                None,
+                Duration::from_secs(30),
+                Duration::from_secs(120),
+                move |c| {
+                    let r = c.rank();
+                    let mut bad = Vec::new();
+                    for round in 0..6u64 {
+                        // The same plan on every rank: a small LCG seeded by the round.
+                        let mut s = round.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ p as u64;
+                        let mut next = |m: u64| {
+                            s = s
+                                .wrapping_mul(6_364_136_223_846_793_005)
+                                .wrapping_add(1_442_695_040_888_963_407);
+                            (s >> 33) % m
+                        };
+                        let lens = [0usize, 1, 7, 300, 70_000];
+                        // (from, to, elements, float64?)
+                        let plan: Vec<(usize, usize, usize, bool)> = (0..3 * p)
+                            .map(|_| {
+                                let from = next(p as u64) as usize;
+                                let to = next(p as u64) as usize;
+                                (from, to, lens[next(5) as usize], next(2) == 1)
+                            })
+                            .collect();
+                        let bytes_of = |k: usize, n: usize, f64s: bool| -> Vec<u8> {
+                            if f64s {
+                                let v: Vec<f64> =
+                                    (0..n).map(|i| (k * 100_000 + i) as f64).collect();
+                                bytemuck::cast_slice(&v).to_vec()
+                            } else {
+                                let v: Vec<u32> =
+                                    (0..n).map(|i| (k * 100_000 + i) as u32).collect();
+                                bytemuck::cast_slice(&v).to_vec()
+                            }
+                        };
+                        let dtype = |f64s: bool| if f64s { DType::Float64 } else { DType::Uint32 };
+                        let sends: Vec<(usize, Vec<u8>, DType)> = plan
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, m)| m.0 == r)
+                            .map(|(k, m)| (m.1, bytes_of(k, m.2, m.3), dtype(m.3)))
+                            .collect();
+                        let want: Vec<(usize, Vec<u8>, DType)> = plan
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, m)| m.1 == r)
+                            .map(|(k, m)| (m.0, bytes_of(k, m.2, m.3), dtype(m.3)))
+                            .collect();
+                        let mut got: Vec<Vec<u8>> =
+                            want.iter().map(|w| vec![0xAB; w.1.len()]).collect();
+                        // Interleave the sends and the receives at random, each in plan order.
+                        let mut ops: Vec<P2p<'_>> = Vec::new();
+                        let mut sends_left = sends.iter();
+                        let mut recvs_left = want.iter().zip(got.iter_mut());
+                        let (mut ns, mut nr) = (sends.len(), want.len());
+                        while ns + nr > 0 {
+                            if nr == 0 || (ns > 0 && next(2) == 0) {
+                                let (to, b, d) = sends_left.next().expect("a send");
+                                ops.push(P2p::send_raw(b, *d, *to));
+                                ns -= 1;
+                            } else {
+                                let ((from, _, d), buf) = recvs_left.next().expect("a receive");
+                                ops.push(P2p::recv_raw(buf, *d, *from));
+                                nr -= 1;
+                            }
+                        }
+                        if let Err(e) = c.p2p_batch(&mut ops) {
+                            bad.push(format!("round {round}: {e}"));
+                            break;
+                        }
+                        drop(ops);
+                        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                            if &w.1 != g {
+                                bad.push(format!("round {round}: receive {i} from {}", w.0));
+                            }
+                        }
+                    }
+                    bad
+                },
+            );
+            let bad: Vec<String> = bad.into_iter().flatten().collect();
+            assert!(bad.is_empty(), "{transport} p={p}: {bad:#?}");
+        }
+    }
+}
