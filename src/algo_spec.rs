@@ -18,20 +18,26 @@
 //! that leaves a collective no schedule.
 
 use chorus_algorithms::allreduce::Algorithm;
-use chorus_algorithms::collectives::{allgather, alltoall, broadcast, reduce, reduce_scatter};
+use chorus_algorithms::collectives::{
+    allgather, alltoall, broadcast, reduce, reduce_scatter, scan,
+};
 
 /// The collectives whose schedule `CHORUS_ALGO` chooses, as written in messages.
-pub(crate) const CHOOSABLE: [&str; 6] = [
+pub(crate) const CHOOSABLE: [&str; 8] = [
     "allreduce",
     "broadcast",
     "reduce",
     "allgather",
     "reduce_scatter",
     "alltoall",
+    "scan",
+    "exscan",
 ];
 
 /// The collectives that run one schedule: a section may name them only to say nothing.
-const SINGLE: [&str; 5] = ["gather", "scatter", "barrier", "send", "recv"];
+const SINGLE: [&str; 7] = [
+    "gather", "scatter", "gatherv", "scatterv", "barrier", "send", "recv",
+];
 
 /// `s` without case, `-` or `_`: how collectives are compared.
 fn squash(s: &str) -> String {
@@ -53,6 +59,7 @@ pub(crate) fn schedule_names(coll: &str) -> Option<Vec<&'static str>> {
             .map(|a| a.name())
             .collect(),
         "alltoall" => alltoall::Algorithm::ALL.iter().map(|a| a.name()).collect(),
+        "scan" | "exscan" => scan::Algorithm::ALL.iter().map(|a| a.name()).collect(),
         _ => return None,
     })
 }
@@ -228,6 +235,8 @@ pub(crate) struct Allowed {
     pub allgather: Vec<bool>,
     pub reduce_scatter: Vec<bool>,
     pub alltoall: Vec<bool>,
+    pub scan: Vec<bool>,
+    pub exscan: Vec<bool>,
 }
 
 impl AlgoSpec {
@@ -245,6 +254,8 @@ impl AlgoSpec {
             allgather: of("allgather"),
             reduce_scatter: of("reduce_scatter"),
             alltoall: of("alltoall"),
+            scan: of("scan"),
+            exscan: of("exscan"),
         }
     }
 }

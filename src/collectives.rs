@@ -954,7 +954,10 @@ impl Communicator {
 
     /// Scan (`MPI_Scan`, an inclusive prefix reduction): `recv` of rank `r` gets the
     /// element-wise reduction (`op`) of `send` of ranks `0..=r` (same length everywhere).
-    /// Recursive doubling, `⌈log₂p⌉` steps. `Avg` is refused (it has no prefix meaning).
+    /// Recursive doubling (`⌈log₂p⌉` steps) for small buffers, a pipelined chain (each rank
+    /// sends the buffer once) for large ones, by the cost model; `CHORUS_ALGO`
+    /// (`scan:chain`, `exscan:recursive_doubling`) overrides it. `Avg` is refused (it has no
+    /// prefix meaning).
     pub fn scan<T: Element>(
         &mut self,
         send: &[T],
@@ -1030,14 +1033,21 @@ impl Communicator {
                     ));
                 }
             }
+            let (size, link, n) = (c.size(), c.link(), recv.len());
+            let allowed = if exclusive {
+                &c.algos().exscan
+            } else {
+                &c.algos().scan
+            };
+            let alg = choose(allowed, &scan::Algorithm::ALL, |a| a.cost(n, size, &link));
             c.trace(format_args!(
-                "{name} {} B {} {} with recursive doubling",
-                recv.len(),
+                "{name} {n} B {} {} with {}",
                 dtype.name(),
-                op.name()
+                op.name(),
+                alg.name()
             ));
-            c.run_call(call, &[recv.len() as u64], |ctx| {
-                scan::run(ctx, send, recv, dtype, op, exclusive)
+            c.run_call(call, &[n as u64], |ctx| {
+                scan::run(alg, ctx, send, recv, dtype, op, exclusive)
             })
         })
     }

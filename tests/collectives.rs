@@ -23,10 +23,13 @@ const LARGE: usize = 100_003;
 /// `CHORUS_ALGO` values: automatic choice, then every schedule of every collective.
 const ALGOS: [Option<&str>; 3] = [
     None,
-    Some("broadcast:ring;reduce:ring;allgather:ring;reduce_scatter:ring;alltoall:pairwise"),
+    Some(
+        "broadcast:ring;reduce:ring;allgather:ring;reduce_scatter:ring;alltoall:pairwise;\
+         scan:chain;exscan:chain",
+    ),
     Some(
         "broadcast:tree;reduce:tree;allgather:recursive_doubling;reduce_scatter:recursive_halving;\
-         alltoall:linear",
+         alltoall:linear;scan:recursive_doubling;exscan:recursive_doubling",
     ),
 ];
 
