@@ -201,17 +201,19 @@ impl AlgoSpec {
             Some(c) => *c == coll,
             // A section for every collective applies to each collective it leaves a schedule:
             // one that knows none of the names it allows, or all of those it excludes, is left
-            // alone; except that an exclusion always applies to the allreduce (excluding
-            // every allreduce schedule is an error, not a value that says nothing).
+            // alone; except that an exclusion naming an allreduce schedule always applies to
+            // the allreduce (excluding every allreduce schedule is an error, not a value that
+            // says nothing), and one naming none leaves it alone (`^chain`, for the scans, keeps
+            // the direct shared-memory allreduce).
             None => {
                 let named = names
                     .iter()
                     .filter(|n| s.names.contains(&squash(n)))
                     .count();
-                if s.exclude {
-                    coll == "allreduce" || named < names.len()
-                } else {
-                    named > 0
+                match (s.exclude, coll == "allreduce") {
+                    (true, true) => named > 0,
+                    (true, false) => named < names.len(),
+                    (false, _) => named > 0,
                 }
             }
         })
@@ -265,6 +267,15 @@ mod tests {
     use super::*;
 
     const BCAST: [&str; 2] = ["tree", "ring"];
+
+    #[test]
+    fn an_exclusion_of_other_collectives_leaves_the_allreduce_alone() {
+        let s = AlgoSpec::parse("^chain").unwrap();
+        assert!(!s.restricts("allreduce"));
+        assert_eq!(s.resolve().scan, vec![true, false]);
+        assert!(AlgoSpec::parse("^ring").unwrap().restricts("allreduce"));
+        assert!(!AlgoSpec::parse("^linear").unwrap().restricts("allreduce"));
+    }
 
     #[test]
     fn sections_apply_in_order() {

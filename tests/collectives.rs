@@ -903,7 +903,8 @@ fn v_collectives_that_disagree_fail_everywhere() {
 }
 
 /// Random batches: a plan of messages between random pairs of ranks (a rank to itself too),
-/// of random lengths (empty, small, and beyond the transports' buffers) and two dtypes; each
+/// of random lengths (empty, small, and up to 560 KB, beyond the transports' buffers) and two
+/// dtypes; each
 /// rank posts its sends and receives as one batch, the two lists interleaved at random (each
 /// in plan order). Every message arrives whole, in order, over TCP and shared memory.
 #[test]
@@ -996,5 +997,65 @@ fn random_batches_deliver_every_message_in_order() {
             let bad: Vec<String> = bad.into_iter().flatten().collect();
             assert!(bad.is_empty(), "{transport} p={p}: {bad:#?}");
         }
+    }
+}
+
+/// The chain's segments: scans and exclusive scans of about 5 MiB (over 64 segments of 64 KiB,
+/// so the tag's step bits wrap), not a whole number of segments, in u8 (max) and f64 (sum), in
+/// place and out of place, over TCP and shared memory.
+#[test]
+fn scans_of_many_segments_on_the_chain() {
+    for transport in ["tcp", "shm"] {
+        let bad = group(
+            3,
+            transport,
+            Some("scan:chain;exscan:chain"),
+            Duration::from_secs(60),
+            Duration::from_secs(120),
+            |c| {
+                let r = c.rank();
+                let mut bad = Vec::new();
+                let v8 = |j: usize, i: usize| ((i * 7 + j * 13) % 251) as u8;
+                let n8 = (5 << 20) + 3;
+                let x: Vec<u8> = (0..n8).map(|i| v8(r, i)).collect();
+                let upto = |k: usize| -> Vec<u8> {
+                    (0..n8)
+                        .map(|i| (0..k).map(|j| v8(j, i)).max().unwrap_or(0))
+                        .collect()
+                };
+                let mut out = vec![0u8; n8];
+                c.scan(&x, &mut out, ReduceOp::Max).unwrap();
+                if out != upto(r + 1) {
+                    bad.push("u8 scan".to_string());
+                }
+                let mut buf = x.clone();
+                c.exscan_in_place(&mut buf, ReduceOp::Max).unwrap();
+                if buf != if r == 0 { x.clone() } else { upto(r) } {
+                    bad.push("u8 exscan in place".to_string());
+                }
+                let v64 = |j: usize, i: usize| ((i % 1000) + 3 * j) as f64;
+                let n64 = 700_001;
+                let x: Vec<f64> = (0..n64).map(|i| v64(r, i)).collect();
+                let sum = |k: usize| -> Vec<f64> {
+                    (0..n64).map(|i| (0..k).map(|j| v64(j, i)).sum()).collect()
+                };
+                let mut buf = x.clone();
+                c.scan_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                if buf != sum(r + 1) {
+                    bad.push("f64 scan in place".to_string());
+                }
+                let mut out = vec![-1.0f64; n64];
+                c.exscan(&x, &mut out, ReduceOp::Sum).unwrap();
+                if r > 0 && out != sum(r) {
+                    bad.push("f64 exscan".to_string());
+                }
+                if r == 0 && out.iter().any(|&v| v != -1.0) {
+                    bad.push("f64 exscan wrote rank 0's output".to_string());
+                }
+                bad
+            },
+        );
+        let bad: Vec<String> = bad.into_iter().flatten().collect();
+        assert!(bad.is_empty(), "{transport}: {bad:?}");
     }
 }

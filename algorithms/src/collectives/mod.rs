@@ -10,7 +10,7 @@
 //! | [`alltoall`] | pairwise exchange (its steps posted at once for blocks up to 16 KiB) | (p−1)/p·n |
 //! | [`gather`] | linear (root receives from all at once) | n/p (root: none) |
 //! | [`scatter`] | linear (root sends to all at once) | root (p−1)/p·n |
-//! | [`scan`] | recursive doubling (inclusive and exclusive) | up to ⌈log₂p⌉·n |
+//! | [`scan`] | recursive doubling, pipelined chain (inclusive and exclusive) | doubling: up to ⌈log₂p⌉·n; chain: n |
 //! | [`barrier`] | dissemination | ⌈log₂p⌉ empty messages |
 //! | [`p2p`] | send / receive | the buffer |
 //!
