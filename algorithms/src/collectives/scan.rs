@@ -213,32 +213,25 @@ fn chain(
     let segments = n.div_ceil(seg);
     let part = |k: usize| k * seg..((k + 1) * seg).min(n);
     // A segment's tag is its index: sent at step k + 1, received at step k.
-    let tags: Vec<_> = (0..=segments)
+    let tags: Vec<_> = (0..segments)
         .map(|k| tag(ctx, 0, Algorithm::Chain.id(), k))
         .collect();
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(3 * seg.min(n.max(1)));
-    let width = seg.min(n.max(1));
+    let width = seg.min(n);
+    let (t, scratch) = ctx.transport_and_scratch(2 * width);
     let (incoming, fwd) = scratch.split_at_mut(width);
     for k in 0..=segments {
-        // Send the prefix through this rank of segment k − 1 (computed at the step before,
-        // in the half of `fwd` of its parity) while segment k of the one before arrives.
-        let (half_prev, half_cur) = if k % 2 == 1 {
-            fwd.split_at_mut(width)
-        } else {
-            let (a, b) = fwd.split_at_mut(width);
-            (b, a)
-        };
-        let out_len = if k > 0 { part(k - 1).len() } else { 0 };
-        let in_len = if k < segments { part(k).len() } else { 0 };
+        // Send the prefix through this rank of segment k − 1 (in `fwd` since the step before)
+        // while segment k of the one before arrives; the wait ends both, so `fwd` is then
+        // free for segment k.
         let sends: Vec<(usize, Tag, &[u8])> = next
             .filter(|_| k > 0)
-            .map(|to| (to, tags[k.saturating_sub(1)], &half_prev[..out_len]))
+            .map(|to| (to, tags[k - 1], &fwd[..part(k - 1).len()]))
             .into_iter()
             .collect();
         let recvs: Vec<(usize, Tag, &mut [u8])> = prev
             .filter(|_| k < segments)
-            .map(|from| (from, tags[k], &mut incoming[..in_len]))
+            .map(|from| (from, tags[k], &mut incoming[..part(k).len()]))
             .into_iter()
             .collect();
         if !(sends.is_empty() && recvs.is_empty()) {
@@ -249,7 +242,7 @@ fn chain(
             break;
         }
         let range = part(k);
-        let cur = &mut half_cur[..range.len()];
+        let cur = &mut fwd[..range.len()];
         cur.copy_from_slice(&send.unwrap_or(recv)[range.clone()]);
         if prev.is_some() {
             reduce_bytes(dtype, op, cur, &incoming[..range.len()]);
