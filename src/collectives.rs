@@ -80,6 +80,43 @@ impl<'a> P2p<'a> {
     pub fn is_send(&self) -> bool {
         matches!(self.buf, P2pBuf::Send(_))
     }
+
+    /// The tag of the message: a point-to-point message's, which carries the dtype.
+    fn tag(&self) -> u64 {
+        tag_base(0, CollKind::SendRecv, self.dtype, NO_OP)
+    }
+
+    /// Checks `ops` as [`Communicator::p2p_batch`] does on rank `rank` of `size` before
+    /// anything moves (whole elements, peers in range, messages that fit a frame, every send
+    /// to this rank paired in order with a receive from it of the same length and dtype): an
+    /// [`ErrorKind::InvalidArgument`] error, the communicator untouched. For callers that
+    /// issue a batch to run later (the C ABI's nonblocking form) and refuse it at once.
+    pub fn check_batch(ops: &[P2p<'_>], rank: usize, size: usize) -> Result<(), CommError> {
+        const OP: &str = "p2p_batch";
+        let invalid = |m: String| CommError::invalid(OP, m).at_rank(rank);
+        let mut shapes = Vec::with_capacity(ops.len());
+        for (i, o) in ops.iter().enumerate() {
+            let (what, len, send) = match &o.buf {
+                P2pBuf::Send(b) => ("send", b.len(), true),
+                P2pBuf::Recv(b) => ("receive", b.len(), false),
+            };
+            if len % o.dtype.size() != 0 {
+                return Err(invalid(format!(
+                    "transfer {i} ({what}) of {len} bytes is not a whole number of {} elements \
+                     ({} bytes each)",
+                    o.dtype.name(),
+                    o.dtype.size()
+                )));
+            }
+            shapes.push(p2p::Shape {
+                peer: o.peer,
+                tag: o.tag(),
+                len,
+                send,
+            });
+        }
+        p2p::check_batch(rank, size, &shapes).map_err(invalid)
+    }
 }
 
 /// The op field of the tags of collectives that do not reduce.
@@ -1181,35 +1218,18 @@ impl Communicator {
     /// ```
     pub fn p2p_batch(&mut self, ops: &mut [P2p<'_>]) -> Result<(), CommError> {
         const OP: &str = "p2p_batch";
-        for (i, o) in ops.iter().enumerate() {
-            let (what, len) = match &o.buf {
-                P2pBuf::Send(b) => ("send", b.len()),
-                P2pBuf::Recv(b) => ("receive", b.len()),
-            };
-            self.check_whole(OP, &format!("transfer {i} ({what})"), len, o.dtype)?;
-            if o.peer >= self.size() {
-                return Err(self.invalid(
-                    OP,
-                    format!(
-                        "transfer {i}: peer {} is not a rank of this group of {}",
-                        o.peer,
-                        self.size()
-                    ),
-                ));
-            }
-        }
+        P2p::check_batch(ops, self.rank(), self.size())?;
         let items: Vec<p2p::Item<'_>> = ops
             .iter_mut()
             .map(|o| p2p::Item {
                 peer: o.peer,
-                tag: tag_base(0, CollKind::SendRecv, o.dtype, NO_OP),
+                tag: o.tag(),
                 transfer: match &mut o.buf {
                     P2pBuf::Send(b) => p2p::Transfer::Send(b),
                     P2pBuf::Recv(b) => p2p::Transfer::Recv(b),
                 },
             })
             .collect();
-        p2p::check_batch(self.rank(), self.size(), &items).map_err(|m| self.invalid(OP, m))?;
         self.trace(format_args!("p2p_batch of {} transfers", items.len()));
         let tag = tag_base(0, CollKind::SendRecv, DType::Uint8, NO_OP);
         self.run_tagged(OP, tag, None, |ctx| p2p::batch(ctx, items))

@@ -2231,63 +2231,42 @@ unsafe fn p2p_batch_call(
             .get()
             .map_err(|e| Failure::invalid(format!("ops[{i}].{}", e.message)))?;
         let peer = rank_arg(o.peer, &format!("ops[{i}].peer"))?;
-        if peer >= c.size {
-            return Err(Failure::invalid(format!(
-                "ops[{i}].peer = {peer} is not a rank of this group of {}",
-                c.size
-            )));
-        }
         let bytes = ptr::byte_len(o.count, dtype.size(), &format!("ops[{i}].count"))?;
         let buf = RawBuf::new(o.buf, bytes, &format!("ops[{i}].buf"))?;
         ranges.push((o.buf as usize, bytes, !is_send, i));
         checked.push((buf, is_send, dtype, peer));
     }
     ptr::check_receives_apart(ranges)?;
-    // The sends to this rank pair in order with its receives from itself (the communicator
-    // checks it again; here, so that a nonblocking batch is refused at issue).
-    let to_self = |send: bool| {
-        checked
-            .iter()
-            .enumerate()
-            .filter(move |(_, o)| o.3 == c.rank && o.1 == send)
-            .map(|(i, o)| (i, o.0.len(), o.2))
-    };
-    if to_self(true).count() != to_self(false).count() {
-        return Err(Failure::invalid(format!(
-            "{} sends to this rank ({}) and {} receives from it: each send to itself needs its \
-             receive in the same batch",
-            to_self(true).count(),
-            c.rank,
-            to_self(false).count()
-        )));
-    }
-    if let Some(((i, sl, sd), (j, rl, rd))) = to_self(true)
-        .zip(to_self(false))
-        .find(|((_, sl, sd), (_, rl, rd))| sl != rl || sd != rd)
-    {
-        return Err(Failure::invalid(format!(
-            "ops[{i}] sends {sl} bytes of {} to this rank where ops[{j}] receives {rl} bytes of {}",
-            sd.name(),
-            rd.name()
-        )));
-    }
+    // What the communicator checks (peers, the sends to this rank paired with receives),
+    // here too, so that a nonblocking batch is refused when issued.
+    // SAFETY: the buffers are valid from now until the call completes by the caller's
+    // promise, and no receive's overlaps another buffer (checked).
+    chorus_core::P2p::check_batch(&unsafe { p2p_views(&checked) }, c.rank, c.size)?;
     Ok(Box::new(move |c| {
-        let mut batch: Vec<chorus_core::P2p<'_>> = checked
-            .into_iter()
-            .map(|(buf, is_send, dtype, peer)| {
-                if is_send {
-                    // SAFETY: valid until the call completes by the caller's promise; no
-                    // receive buffer overlaps it (checked).
-                    chorus_core::P2p::send_raw(unsafe { buf.get() }, dtype, peer)
-                } else {
-                    // SAFETY: valid and writable until the call completes by the caller's
-                    // promise, apart from every other buffer of the batch (checked).
-                    chorus_core::P2p::recv_raw(unsafe { buf.get_mut() }, dtype, peer)
-                }
-            })
-            .collect();
+        // SAFETY: as above, until the call completes.
+        let mut batch = unsafe { p2p_views(&checked) };
         c.p2p_batch(&mut batch)
     }))
+}
+
+/// The transfers of a checked batch (buffer, send?, dtype, peer) over their buffers.
+///
+/// # Safety
+/// Every buffer is valid (writable for a receive) while the views live, nothing else accesses
+/// them meanwhile, and no receive's buffer overlaps another buffer of the batch.
+unsafe fn p2p_views<'a>(checked: &[(RawBuf, bool, DType, usize)]) -> Vec<chorus_core::P2p<'a>> {
+    checked
+        .iter()
+        .map(|&(buf, is_send, dtype, peer)| {
+            if is_send {
+                // SAFETY: readable by the caller's promise; no receive overlaps it.
+                chorus_core::P2p::send_raw(unsafe { buf.get() }, dtype, peer)
+            } else {
+                // SAFETY: writable by the caller's promise, apart from every other buffer.
+                chorus_core::P2p::recv_raw(unsafe { buf.get_mut() }, dtype, peer)
+            }
+        })
+        .collect()
 }
 
 /// Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly

@@ -151,11 +151,6 @@ impl RawBuf {
         })
     }
 
-    /// The length in bytes.
-    pub(crate) fn len(self) -> usize {
-        self.len
-    }
-
     /// The bytes, to read.
     ///
     /// # Safety

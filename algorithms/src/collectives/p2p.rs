@@ -87,27 +87,50 @@ pub struct Item<'a> {
     pub transfer: Transfer<'a>,
 }
 
-/// Checks a [`batch`] without moving anything: every peer is a rank of the group, and the
-/// sends to this rank pair in order with the receives from it, each pair of one tag and
-/// length. Returns the message for an invalid argument.
-pub fn check_batch(
-    rank: usize,
-    size: usize,
-    items: &[Item<'_>],
-) -> std::result::Result<(), String> {
+/// What [`check_batch`] looks at in one transfer: no buffer, so that a caller can check a
+/// batch before it holds the buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// The rank sent to or received from.
+    pub peer: usize,
+    /// The message's tag, whole.
+    pub tag: chorus_transport::Tag,
+    /// Its length in bytes.
+    pub len: usize,
+    /// A send (else a receive).
+    pub send: bool,
+}
+
+impl Item<'_> {
+    /// The transfer's [`Shape`].
+    pub fn shape(&self) -> Shape {
+        let (len, send) = match &self.transfer {
+            Transfer::Send(b) => (b.len(), true),
+            Transfer::Recv(b) => (b.len(), false),
+        };
+        Shape {
+            peer: self.peer,
+            tag: self.tag,
+            len,
+            send,
+        }
+    }
+}
+
+/// Checks a [`batch`] without moving anything: every peer is a rank of the group, every
+/// message fits one frame, and the sends to this rank pair in order with the receives from
+/// it, each pair of one tag and length. Returns the message for an invalid argument.
+pub fn check_batch(rank: usize, size: usize, shapes: &[Shape]) -> std::result::Result<(), String> {
     let mut to_self = Vec::new();
     let mut from_self = Vec::new();
-    for (i, it) in items.iter().enumerate() {
+    for (i, it) in shapes.iter().enumerate() {
         if it.peer >= size {
             return Err(format!(
                 "transfer {i}: peer {} is not a rank of a group of {size}",
                 it.peer
             ));
         }
-        let len = match &it.transfer {
-            Transfer::Send(b) => b.len(),
-            Transfer::Recv(b) => b.len(),
-        };
+        let len = it.len;
         if len as u64 > chorus_transport::frame::MAX_PAYLOAD {
             // Refused here, before anything is posted: a post refused after others were made
             // would leave the transport's message order out of step.
@@ -116,10 +139,12 @@ pub fn check_batch(
             ));
         }
         if it.peer == rank {
-            match &it.transfer {
-                Transfer::Send(b) => to_self.push((i, it.tag, b.len())),
-                Transfer::Recv(b) => from_self.push((i, it.tag, b.len())),
-            }
+            let side = if it.send {
+                &mut to_self
+            } else {
+                &mut from_self
+            };
+            side.push((i, it.tag, len));
         }
     }
     if to_self.len() != from_self.len() {
@@ -156,7 +181,8 @@ pub fn check_batch(
 /// anything moves. A received message of another tag or length is a mismatch.
 pub fn batch(ctx: &mut CollCtx<'_>, items: Vec<Item<'_>>) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
-    check_batch(rank, size, &items).map_err(|m| super::invalid("p2p_batch", m))?;
+    let shapes: Vec<Shape> = items.iter().map(Item::shape).collect();
+    check_batch(rank, size, &shapes).map_err(|m| super::invalid("p2p_batch", m))?;
     let mut sends = Vec::new();
     let mut recvs = Vec::new();
     let mut self_sends = Vec::new();
@@ -181,6 +207,10 @@ pub fn batch(ctx: &mut CollCtx<'_>, items: Vec<Item<'_>>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shapes(items: &[Item<'_>]) -> Vec<Shape> {
+        items.iter().map(Item::shape).collect()
+    }
 
     fn send(peer: usize, tag: u64, b: &[u8]) -> Item<'_> {
         Item {
@@ -210,12 +240,12 @@ mod tests {
             send(1, 6, &b),
         ];
         // Two sends to itself without receives.
-        let e = check_batch(1, 3, &ok).unwrap_err();
+        let e = check_batch(1, 3, &shapes(&ok)).unwrap_err();
         assert!(e.contains("2 sends to this rank (1) and 0 receives"), "{e}");
         let mut items = vec![send(1, 5, &a), recv(1, 5, &mut x), send(0, 7, &b)];
-        assert_eq!(check_batch(1, 3, &items), Ok(()));
+        assert_eq!(check_batch(1, 3, &shapes(&items)), Ok(()));
         items.push(recv(3, 5, &mut y));
-        let e = check_batch(1, 3, &items).unwrap_err();
+        let e = check_batch(1, 3, &shapes(&items)).unwrap_err();
         assert!(e.contains("transfer 3: peer 3 is not a rank"), "{e}");
         // Paired in order: the first send to itself meets the first receive.
         let (mut x, mut y) = ([0u8; 4], [0u8; 8]);
@@ -225,14 +255,14 @@ mod tests {
             recv(1, 5, &mut y),
             recv(1, 5, &mut x),
         ];
-        let e = check_batch(1, 3, &crossed).unwrap_err();
+        let e = check_batch(1, 3, &shapes(&crossed)).unwrap_err();
         assert!(
             e.contains("transfer 0 sends 4 bytes to this rank where transfer 2 receives 8"),
             "{e}"
         );
         let mut x = [0u8; 4];
         let other_dtype = [send(0, 5, &a), recv(0, 6, &mut x)];
-        let e = check_batch(0, 1, &other_dtype).unwrap_err();
+        let e = check_batch(0, 1, &shapes(&other_dtype)).unwrap_err();
         assert!(e.ends_with("of another dtype"), "{e}");
     }
 }
