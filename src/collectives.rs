@@ -18,6 +18,7 @@
 //! `None`; `scan` and `exscan` with `send` `None` (the input is `recv`; rank 0's exscan keeps
 //! its input).
 
+use chorus_algorithms::collectives::layout::Layout;
 use chorus_algorithms::collectives::{
     allgather, alltoall, broadcast, gather, p2p, reduce, reduce_scatter, scan, scatter,
 };
@@ -361,7 +362,27 @@ impl Communicator {
         recv: &mut [T],
         counts: &[usize],
     ) -> Result<(), CommError> {
-        self.all_gather_v_raw(Some(bytes(send)), bytes_mut(recv), counts, T::DTYPE)
+        self.all_gather_v_raw(Some(bytes(send)), bytes_mut(recv), counts, None, T::DTYPE)
+    }
+
+    /// [`Communicator::all_gather_v`] with MPI's displacements: rank `j`'s block lands at
+    /// element `displs[j]` of `recv` (blocks that do not overlap, in any order, with gaps
+    /// left as they were). Each rank lays out its own `recv` as it likes; only the counts
+    /// must agree.
+    pub fn all_gather_v_displaced<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        displs: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_gather_v_raw(
+            Some(bytes(send)),
+            bytes_mut(recv),
+            counts,
+            Some(displs),
+            T::DTYPE,
+        )
     }
 
     /// [`Communicator::all_gather_v`] in place: this rank's block is already at its place in
@@ -371,33 +392,35 @@ impl Communicator {
         buf: &mut [T],
         counts: &[usize],
     ) -> Result<(), CommError> {
-        self.all_gather_v_raw(None, bytes_mut(buf), counts, T::DTYPE)
+        self.all_gather_v_raw(None, bytes_mut(buf), counts, None, T::DTYPE)
     }
 
-    /// [`Communicator::all_gather_v`] on raw bytes (`counts` still in elements); `send` `None`
-    /// is in place: this rank's block is already at its place in `recv`.
+    /// [`Communicator::all_gather_v`] on raw bytes (`counts` and `displs` still in
+    /// elements): the blocks back to back when `displs` is `None`, else at `displs`. `send`
+    /// `None` is in place: this rank's block is already at its place in `recv`.
     pub fn all_gather_v_raw(
         &mut self,
         send: Option<&[u8]>,
         recv: &mut [u8],
         counts: &[usize],
+        displs: Option<&[usize]>,
         dtype: DType,
     ) -> Result<(), CommError> {
         let call = Call::new("all_gather_v", CollKind::AllGatherV, dtype, NO_OP);
         self.refusable(call, |c| {
             const OP: &str = "all_gather_v";
-            let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
-            if recv.len() != total {
-                return Err(c.invalid(
-                    OP,
-                    format!(
-                        "the receive buffer has {} bytes where the counts add up to {total}",
-                        recv.len()
-                    ),
-                ));
-            }
+            let layout = c.layout(
+                OP,
+                "receive buffer",
+                recv.len(),
+                counts,
+                displs,
+                dtype,
+                true,
+            )?;
+            let total = layout.total();
             if let Some(s) = send {
-                if s.len() != byte_counts[c.rank()] {
+                if s.len() != layout.block(c.rank()).len() {
                     return Err(c.invalid(
                         OP,
                         format!(
@@ -412,7 +435,8 @@ impl Communicator {
             // by itself and each hop checks its length, so ranks that disagree about any count
             // fail. Recursive doubling sends groups of blocks, whose sums can agree where the
             // counts do not (ranks that disagree about whether the blocks are equal run different
-            // schedules, whose tags differ).
+            // schedules, whose tags differ). The choice rests on the counts alone, never on the
+            // layout, which each rank picks for itself.
             let uniform = counts.windows(2).all(|w| w[0] == w[1]);
             let alg = if uniform {
                 let (size, link) = (c.size(), c.link());
@@ -426,7 +450,7 @@ impl Communicator {
             // Every rank passes the same counts: their digest goes into the tag.
             let digest = counts_digest(counts);
             c.run_call(call, &[total as u64, digest], |ctx| {
-                allgather::run_v(alg, ctx, send, recv, &byte_counts)
+                allgather::run_v(alg, ctx, send, recv, &layout)
             })
         })
     }
@@ -446,57 +470,77 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.all_to_all_v_raw(
             bytes(send),
-            send_counts,
+            (send_counts, None),
             bytes_mut(recv),
-            recv_counts,
+            (recv_counts, None),
             T::DTYPE,
         )
     }
 
-    /// [`Communicator::all_to_all_v`] on raw bytes (counts still in elements).
+    /// [`Communicator::all_to_all_v`] with MPI's displacements: the block for rank `j` is
+    /// read at element `send_displs[j]` of `send` (send blocks may overlap) and the block from
+    /// rank `j` lands at element `recv_displs[j]` of `recv` (receive blocks may not; gaps are
+    /// left as they were).
+    pub fn all_to_all_v_displaced<T: Element>(
+        &mut self,
+        send: &[T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_to_all_v_raw(
+            bytes(send),
+            (send_counts, Some(send_displs)),
+            bytes_mut(recv),
+            (recv_counts, Some(recv_displs)),
+            T::DTYPE,
+        )
+    }
+
+    /// [`Communicator::all_to_all_v`] on raw bytes: each side's counts and displacements
+    /// (`None`: back to back) still in elements.
     pub fn all_to_all_v_raw(
         &mut self,
         send: &[u8],
-        send_counts: &[usize],
+        send_blocks: (&[usize], Option<&[usize]>),
         recv: &mut [u8],
-        recv_counts: &[usize],
+        recv_blocks: (&[usize], Option<&[usize]>),
         dtype: DType,
     ) -> Result<(), CommError> {
         let call = Call::new("all_to_all_v", CollKind::AllToAllV, dtype, NO_OP);
         self.refusable(call, |c| {
             const OP: &str = "all_to_all_v";
-            let (sc, st) = c.byte_counts(OP, send_counts, dtype)?;
-            let (rc, rt) = c.byte_counts(OP, recv_counts, dtype)?;
-            if send.len() != st || recv.len() != rt {
-                return Err(c.invalid(
-                    OP,
-                    format!(
-                        "buffers of {} and {} bytes where the counts add up to {st} and {rt}",
-                        send.len(),
-                        recv.len()
-                    ),
-                ));
-            }
+            let (sc, sd) = send_blocks;
+            let (rc, rd) = recv_blocks;
+            let so = c.layout(OP, "send buffer", send.len(), sc, sd, dtype, false)?;
+            let ro = c.layout(OP, "receive buffer", recv.len(), rc, rd, dtype, true)?;
             let me = c.rank();
             if sc[me] != rc[me] {
                 return Err(c.invalid(
                     OP,
                     format!(
                         "this rank sends itself {} elements but receives {}",
-                        send_counts[me], recv_counts[me]
+                        sc[me], rc[me]
                     ),
                 ));
             }
             let allowed = c.algos().alltoall.clone();
-            let largest = sc.iter().chain(&rc).copied().max().unwrap_or(0);
+            let largest = (0..c.size())
+                .map(|j| so.block(j).len().max(ro.block(j).len()))
+                .max()
+                .unwrap_or(0);
             c.trace(format_args!(
-                "all_to_all_v {st} B out, {rt} B in, {}",
+                "all_to_all_v {} B out, {} B in, {}",
+                so.total(),
+                ro.total(),
                 alltoall::Algorithm::auto(&allowed, largest).name()
             ));
             // The counts differ from rank to rank by design: only the lengths of the messages
             // check them, pair by pair.
             c.run_call(call, &[], |ctx| {
-                alltoall::run_v(ctx, send, &sc, recv, &rc, &allowed)
+                alltoall::run_v(ctx, send, &so, recv, &ro, &allowed)
             })
         })
     }
@@ -527,6 +571,66 @@ impl Communicator {
                 op,
                 "the counts add up to more bytes than memory holds".into(),
             )),
+        }
+    }
+
+    /// The layout of a v-collective's buffer of `len` bytes (`what`): the blocks of `counts`
+    /// elements of `dtype` back to back (`displs` `None`; the buffer exactly their sum) or at
+    /// `displs` elements each (`size` of them; the buffer holds every block). Blocks of a
+    /// buffer written to (`writable`) must not overlap.
+    #[allow(clippy::too_many_arguments)]
+    fn layout(
+        &self,
+        op: &'static str,
+        what: &str,
+        len: usize,
+        counts: &[usize],
+        displs: Option<&[usize]>,
+        dtype: DType,
+        writable: bool,
+    ) -> Result<Layout, CommError> {
+        let (bytes, total) = self.byte_counts(op, counts, dtype)?;
+        let Some(displs) = displs else {
+            if len != total {
+                return Err(self.invalid(
+                    op,
+                    format!("the {what} has {len} bytes where the counts add up to {total}"),
+                ));
+            }
+            return Ok(Layout::packed(&bytes).expect("the sum was checked"));
+        };
+        if displs.len() != self.size() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{} displacements for {} ranks ({what})",
+                    displs.len(),
+                    self.size()
+                ),
+            ));
+        }
+        let at: Option<Vec<usize>> = displs
+            .iter()
+            .zip(counts)
+            .map(|(&d, &c)| {
+                if c == 0 {
+                    Some(0)
+                } else {
+                    d.checked_mul(dtype.size())
+                }
+            })
+            .collect();
+        let layout = at
+            .and_then(|at| Layout::displaced(&bytes, &at))
+            .ok_or_else(|| {
+                self.invalid(
+                    op,
+                    format!("the {what}'s displacements reach beyond what memory holds"),
+                )
+            })?;
+        match layout.misfit(len, writable) {
+            Some(m) => Err(self.invalid(op, format!("{what}: {m}"))),
+            None => Ok(layout),
         }
     }
 
@@ -886,15 +990,30 @@ impl Communicator {
         recv: Option<(&mut [T], &[usize])>,
         root: usize,
     ) -> Result<(), CommError> {
-        let recv = recv.map(|(r, c)| (bytes_mut(r), c));
+        let recv = recv.map(|(r, c)| (bytes_mut(r), c, None));
         self.gather_v_raw(bytes(send), recv, T::DTYPE, root)
     }
 
-    /// [`Communicator::gather_v`] on raw bytes (`counts` still in elements).
+    /// [`Communicator::gather_v`] with MPI's displacements: on the root, rank `j`'s block
+    /// lands at element `displs[j]` of `recv` (`(recv, counts, displs)`; blocks that do not
+    /// overlap, in any order, gaps left as they were).
+    pub fn gather_v_displaced<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: Option<(&mut [T], &[usize], &[usize])>,
+        root: usize,
+    ) -> Result<(), CommError> {
+        let recv = recv.map(|(r, c, d)| (bytes_mut(r), c, Some(d)));
+        self.gather_v_raw(bytes(send), recv, T::DTYPE, root)
+    }
+
+    /// [`Communicator::gather_v`] on raw bytes: on the root `(recv, counts, displs)`, counts
+    /// and displacements (`None`: back to back) still in elements.
+    #[allow(clippy::type_complexity)]
     pub fn gather_v_raw(
         &mut self,
         send: &[u8],
-        recv: Option<(&mut [u8], &[usize])>,
+        recv: Option<(&mut [u8], &[usize], Option<&[usize]>)>,
         dtype: DType,
         root: usize,
     ) -> Result<(), CommError> {
@@ -904,29 +1023,28 @@ impl Communicator {
             c.check_root(OP, root)?;
             c.check_whole(OP, "send buffer", send.len(), dtype)?;
             let mut recv = if c.rank() == root {
-                let Some((r, counts)) = recv else {
+                let Some((r, counts, displs)) = recv else {
                     return Err(c.invalid(OP, "the root needs a receive buffer and counts".into()));
                 };
-                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
-                if r.len() != total || send.len() != byte_counts[root] {
+                let layout =
+                    c.layout(OP, "receive buffer", r.len(), counts, displs, dtype, true)?;
+                if send.len() != layout.block(root).len() {
                     return Err(c.invalid(
                         OP,
                         format!(
-                            "the root's receive buffer has {} bytes and send buffer {} where \
-                             the counts make them {total} and {}",
-                            r.len(),
+                            "the root's send buffer has {} bytes where its count makes {}",
                             send.len(),
-                            byte_counts[root]
+                            layout.block(root).len()
                         ),
                     ));
                 }
-                Some((r, byte_counts))
+                Some((r, layout))
             } else {
                 None
             };
             c.trace(format_args!("gather_v {} B to {root}", send.len()));
             c.run_call(call, &[root as u64], |ctx| {
-                let recv = recv.as_mut().map(|(r, bc)| (&mut **r, bc.as_slice()));
+                let recv = recv.as_mut().map(|(r, l)| (&mut **r, &*l));
                 gather::run_v(ctx, send, recv, root)
             })
         })
@@ -943,14 +1061,29 @@ impl Communicator {
         recv: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
-        let send = send.map(|(s, c)| (bytes(s), c));
+        let send = send.map(|(s, c)| (bytes(s), c, None));
         self.scatter_v_raw(send, bytes_mut(recv), T::DTYPE, root)
     }
 
-    /// [`Communicator::scatter_v`] on raw bytes (`counts` still in elements).
+    /// [`Communicator::scatter_v`] with MPI's displacements: on the root, rank `j`'s block is
+    /// read at element `displs[j]` of `send` (`(send, counts, displs)`; blocks in any order,
+    /// overlapping or not).
+    pub fn scatter_v_displaced<T: Element>(
+        &mut self,
+        send: Option<(&[T], &[usize], &[usize])>,
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let send = send.map(|(s, c, d)| (bytes(s), c, Some(d)));
+        self.scatter_v_raw(send, bytes_mut(recv), T::DTYPE, root)
+    }
+
+    /// [`Communicator::scatter_v`] on raw bytes: on the root `(send, counts, displs)`, counts
+    /// and displacements (`None`: back to back) still in elements.
+    #[allow(clippy::type_complexity)]
     pub fn scatter_v_raw(
         &mut self,
-        send: Option<(&[u8], &[usize])>,
+        send: Option<(&[u8], &[usize], Option<&[usize]>)>,
         recv: &mut [u8],
         dtype: DType,
         root: usize,
@@ -961,29 +1094,27 @@ impl Communicator {
             c.check_root(OP, root)?;
             c.check_whole(OP, "receive buffer", recv.len(), dtype)?;
             let send = if c.rank() == root {
-                let Some((s, counts)) = send else {
+                let Some((s, counts, displs)) = send else {
                     return Err(c.invalid(OP, "the root needs a send buffer and counts".into()));
                 };
-                let (byte_counts, total) = c.byte_counts(OP, counts, dtype)?;
-                if s.len() != total || recv.len() != byte_counts[root] {
+                let layout = c.layout(OP, "send buffer", s.len(), counts, displs, dtype, false)?;
+                if recv.len() != layout.block(root).len() {
                     return Err(c.invalid(
                         OP,
                         format!(
-                            "the root's send buffer has {} bytes and receive buffer {} where \
-                             the counts make them {total} and {}",
-                            s.len(),
+                            "the root's receive buffer has {} bytes where its count makes {}",
                             recv.len(),
-                            byte_counts[root]
+                            layout.block(root).len()
                         ),
                     ));
                 }
-                Some((s, byte_counts))
+                Some((s, layout))
             } else {
                 None
             };
             c.trace(format_args!("scatter_v {} B from {root}", recv.len()));
             c.run_call(call, &[root as u64], |ctx| {
-                let send = send.as_ref().map(|(s, bc)| (*s, bc.as_slice()));
+                let send = send.as_ref().map(|(s, l)| (*s, l));
                 scatter::run_v(ctx, send, recv, root)
             })
         })

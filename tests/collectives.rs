@@ -672,6 +672,7 @@ fn v_collectives_match_the_reference() {
                             None,
                             bytemuck::cast_slice_mut(&mut inplace),
                             &counts,
+                            None,
                             DType::Int32,
                         )
                         .unwrap();
@@ -889,6 +890,28 @@ fn v_collectives_that_disagree_fail_everywhere() {
                 c.scatter_v(Some((&[1i32; 4], &[2, 2, 0])), &mut [0; 2], c.rank())
                     .unwrap_err(),
                 c.gather_v(&[1i32; 2], None, 2).unwrap_err(),
+                // Displacements: overlapping receive blocks, too few, beyond the buffer, and
+                // beyond memory.
+                c.all_gather_v_displaced(&[1i32; 2], &mut out, &[2, 2], &[0, 1])
+                    .unwrap_err(),
+                c.all_gather_v_displaced(&[1i32; 2], &mut out, &[2, 2], &[0])
+                    .unwrap_err(),
+                c.all_gather_v_displaced(&[1i32; 2], &mut out, &[2, 2], &[3, 0])
+                    .unwrap_err(),
+                c.all_to_all_v_displaced(&[1i32; 2], &[1, 1], &[0, 0], &mut out, &[1, 1], &[2, 2])
+                    .unwrap_err(),
+                c.all_to_all_v_displaced(&[1i32; 2], &[1, 1], &[0, 2], &mut out, &[1, 1], &[0, 1])
+                    .unwrap_err(),
+                c.gather_v_displaced(&[1i32; 2], Some((&mut out, &[2, 2], &[2, 1])), c.rank())
+                    .unwrap_err(),
+                c.scatter_v_displaced(Some((&[1i32; 4], &[2, 2], &[0, 3])), &mut [0; 2], c.rank())
+                    .unwrap_err(),
+                c.scatter_v_displaced(
+                    Some((&[1i32; 4], &[2, 2], &[0, usize::MAX / 2])),
+                    &mut [0; 2],
+                    c.rank(),
+                )
+                .unwrap_err(),
             ];
             for e in &errors {
                 assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
@@ -900,6 +923,164 @@ fn v_collectives_that_disagree_fail_everywhere() {
         },
     );
     assert_eq!(res, [[0, 0, 1, 1], [0, 0, 1, 1]]);
+}
+
+/// Displacements for `counts` in one of three layouts (`style` mod 3): the blocks in reverse
+/// rank order with gaps of `gap` elements before each; back to back (MPI's displacements of
+/// packed blocks); even ranks' blocks first, then odd ranks', back to back. Returns the
+/// displacements and the buffer's length.
+fn v_layout(counts: &[usize], style: usize, gap: usize) -> (Vec<usize>, usize) {
+    let p = counts.len();
+    let order: Vec<usize> = match style % 3 {
+        0 => (0..p).rev().collect(),
+        1 => (0..p).collect(),
+        _ => (0..p).step_by(2).chain((1..p).step_by(2)).collect(),
+    };
+    let gap = if style % 3 == 0 { gap } else { 0 };
+    let mut displs = vec![0; p];
+    let mut at = 0;
+    for j in order {
+        at += gap;
+        displs[j] = at;
+        at += counts[j];
+    }
+    (displs, at + gap)
+}
+
+/// `len` values of `fill` with `block(j)` at `displs[j]` for every rank `j`.
+fn placed<T: Copy>(
+    len: usize,
+    fill: T,
+    displs: &[usize],
+    block: impl Fn(usize) -> Vec<T>,
+) -> Vec<T> {
+    let mut out = vec![fill; len];
+    for (j, &d) in displs.iter().enumerate() {
+        let b = block(j);
+        out[d..d + b.len()].copy_from_slice(&b);
+    }
+    out
+}
+
+/// The v-collectives with MPI's displacements: every rank lays out its buffers in its own way
+/// (reversed with gaps, packed, or even ranks first), in place too (allgatherv), with equal
+/// blocks under each allgather schedule (recursive doubling sends groups of blocks that lie
+/// apart here) and uneven ones (zeros, one large); scatterv from overlapping blocks. The gaps
+/// keep their values; over every transport and p ∈ {1, 2, 3, 4, 5, 7, 8}.
+#[test]
+fn v_collectives_with_displacements_match_the_reference() {
+    for (transport, algo) in [
+        ("tcp", None),
+        ("shm", None),
+        ("tcp", Some("allgather:recursive_doubling")),
+        ("shm", Some("allgather:ring")),
+    ] {
+        for p in [1usize, 2, 3, 4, 5, 7, 8] {
+            let bad = group(
+                p,
+                transport,
+                algo,
+                Duration::from_secs(30),
+                Duration::from_secs(120),
+                move |c| {
+                    let (r, p) = (c.rank(), c.size());
+                    let mut bad = Vec::new();
+                    for salt in 0..4 {
+                        let style = r + salt;
+                        // allgatherv: equal blocks (salt 0), else uneven ones.
+                        let counts: Vec<usize> = (0..p)
+                            .map(|j| {
+                                if salt == 0 {
+                                    3
+                                } else {
+                                    v_count(j, 0, salt) + j
+                                }
+                            })
+                            .collect();
+                        let block =
+                            |j: usize| (0..counts[j]).map(|i| (j * 100 + i) as i32).collect();
+                        let (displs, len) = v_layout(&counts, style, r + 1);
+                        let want = placed(len, -7i32, &displs, block);
+                        let mut got = vec![-7i32; len];
+                        c.all_gather_v_displaced(&block(r), &mut got, &counts, &displs)
+                            .unwrap();
+                        if got != want {
+                            bad.push(format!("all_gather_v {counts:?} at {displs:?}: {got:?}"));
+                        }
+                        let mut inplace = vec![-7i32; len];
+                        inplace[displs[r]..displs[r] + counts[r]].copy_from_slice(&block(r));
+                        c.all_gather_v_raw(
+                            None,
+                            bytemuck::cast_slice_mut(&mut inplace),
+                            &counts,
+                            Some(&displs),
+                            DType::Int32,
+                        )
+                        .unwrap();
+                        if inplace != want {
+                            bad.push(format!("all_gather_v in place at {displs:?}: {inplace:?}"));
+                        }
+                        // alltoallv: rank r sends v_count(r, j) values to rank j; each side
+                        // laid out its own way.
+                        let sc: Vec<usize> = (0..p).map(|j| v_count(r, j, salt)).collect();
+                        let rc: Vec<usize> = (0..p).map(|j| v_count(j, r, salt)).collect();
+                        let (sd, slen) = v_layout(&sc, style + 1, 2);
+                        let (rd, rlen) = v_layout(&rc, style + 2, 1);
+                        let send = placed(slen, -9.0f32, &sd, |j| {
+                            (0..sc[j]).map(|i| (r * 1000 + j * 10 + i) as f32).collect()
+                        });
+                        let want = placed(rlen, -7.0f32, &rd, |j| {
+                            (0..rc[j]).map(|i| (j * 1000 + r * 10 + i) as f32).collect()
+                        });
+                        let mut got = vec![-7.0f32; rlen];
+                        c.all_to_all_v_displaced(&send, &sc, &sd, &mut got, &rc, &rd)
+                            .unwrap();
+                        if got != want {
+                            bad.push(format!("all_to_all_v at {sd:?} {rd:?}: {got:?}"));
+                        }
+                        // gatherv and scatterv: the root lays out the blocks.
+                        let mut counts: Vec<usize> =
+                            (0..p).map(|j| v_count(j, 2, salt) + j).collect();
+                        if salt == 3 {
+                            counts[0] = 100_003;
+                        }
+                        let root = (salt * 3 + 1) % p;
+                        let block = |j: usize| -> Vec<f64> {
+                            (0..counts[j]).map(|i| (j * 1000 + i) as f64).collect()
+                        };
+                        let (displs, len) = v_layout(&counts, salt, 2);
+                        let all = placed(len, -7.0f64, &displs, block);
+                        let mut got = vec![-7.0f64; len];
+                        let recv = (r == root).then_some((&mut got[..], &counts[..], &displs[..]));
+                        c.gather_v_displaced(&block(r), recv, root).unwrap();
+                        if r == root && got != all {
+                            bad.push(format!("gather_v at {displs:?} root {root}: {got:?}"));
+                        }
+                        let mut got = vec![-1.0f64; counts[r]];
+                        let send = (r == root).then_some((&all[..], &counts[..], &displs[..]));
+                        c.scatter_v_displaced(send, &mut got, root).unwrap();
+                        if got != block(r) {
+                            bad.push(format!("scatter_v at {displs:?} root {root}: {got:?}"));
+                        }
+                        // scatterv from overlapping blocks: rank j gets the first j + 1 values.
+                        let source: Vec<u8> = (0..p as u8).collect();
+                        let counts: Vec<usize> = (1..=p).collect();
+                        let zeros = vec![0; p];
+                        let mut got = vec![0u8; r + 1];
+                        let send = (r == root).then_some((&source[..], &counts[..], &zeros[..]));
+                        c.scatter_v_displaced(send, &mut got, root).unwrap();
+                        if got != source[..=r] {
+                            bad.push(format!("scatter_v overlapping: {got:?}"));
+                        }
+                    }
+                    bad
+                },
+            );
+            for (r, b) in bad.iter().enumerate() {
+                assert!(b.is_empty(), "{transport} {algo:?} p={p} rank {r}: {b:?}");
+            }
+        }
+    }
 }
 
 /// Random batches: a plan of messages between random pairs of ranks (a rank to itself too),

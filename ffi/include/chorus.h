@@ -740,25 +740,29 @@ int32_t chorus_iallgather(chorus_comm *comm,
                           chorus_request **request);
 
 /**
- * Allgatherv: rank `j` contributes `recvcounts[j]` elements (any, zero included) from
- * `sendbuf`, and every rank's `recvbuf` gets every rank's block back to back in rank order
- * (the sum of `recvcounts` elements). Every rank passes the same `recvcounts` (`size`
- * entries). In place when `sendbuf` is this rank's block inside `recvbuf`.
+ * Allgatherv (as `MPI_Allgatherv`): rank `j` contributes `recvcounts[j]` elements (any,
+ * zero included) from `sendbuf`, and every rank's `recvbuf` gets rank `j`'s block at element
+ * `displs[j]`, or, with `displs` NULL, every block back to back in rank order (the sum of
+ * `recvcounts` elements). Every rank passes the same `recvcounts` (`size` entries); each lays
+ * out its own `recvbuf` (its `displs`) as it likes, blocks not overlapping, gaps left as they
+ * were. In place when `sendbuf` is this rank's block inside `recvbuf`.
  *
  * # Safety
- * `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
- * is valid for `recvcounts[rank]` elements and `recvbuf` for the sum of `recvcounts`
- * writable elements of `dtype`, not accessed elsewhere during the call.
+ * `comm` is NULL or a live communicator; `recvcounts` (and `displs` unless NULL) are valid
+ * for `size` values; `sendbuf` is valid for `recvcounts[rank]` elements and `recvbuf` for
+ * writable elements of `dtype` up to the end of the last block, not accessed elsewhere
+ * during the call.
  */
 int32_t chorus_allgatherv(chorus_comm *comm,
                           const void *sendbuf,
                           void *recvbuf,
                           const size_t *recvcounts,
+                          const size_t *displs,
                           chorus_dtype dtype);
 
 /**
- * Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` is read before it
- * returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+ * Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` and `displs` are read
+ * before it returns. See `chorus_iallreduce` for the rules of nonblocking calls.
  *
  * # Safety
  * As `chorus_allgatherv`, the buffers valid and untouched until the request completes;
@@ -768,31 +772,36 @@ int32_t chorus_iallgatherv(chorus_comm *comm,
                            const void *sendbuf,
                            void *recvbuf,
                            const size_t *recvcounts,
+                           const size_t *displs,
                            chorus_dtype dtype,
                            chorus_request **request);
 
 /**
- * Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
- * in rank order in `sendbuf`) and receives `recvcounts[j]` elements from rank `j` (back to
- * back in `recvbuf`), any of them zero. Rank `r`'s `sendcounts[j]` must be rank `j`'s
- * `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). The buffers must not
- * overlap.
+ * Alltoallv (as `MPI_Alltoallv`): this rank sends `sendcounts[j]` elements to rank `j`,
+ * read at element `sdispls[j]` of `sendbuf`, and receives `recvcounts[j]` elements from rank
+ * `j` into element `rdispls[j]` of `recvbuf`, any of them zero. A NULL `sdispls` or
+ * `rdispls` puts that side's blocks back to back in rank order. Rank `r`'s `sendcounts[j]`
+ * must be rank `j`'s `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). Send
+ * blocks may overlap; receive blocks may not, and the buffers must not overlap.
  *
  * # Safety
- * `comm` is NULL or a live communicator; `sendcounts` and `recvcounts` are valid for `size`
- * values; `sendbuf` is valid for the sum of `sendcounts` elements and `recvbuf` for the sum
- * of `recvcounts` writable elements of `dtype`, not accessed elsewhere during the call.
+ * `comm` is NULL or a live communicator; the counts (and displacements unless NULL) are
+ * valid for `size` values; `sendbuf` is valid for elements of `dtype` up to the end of its
+ * last block and `recvbuf` writable up to the end of its last block, not accessed elsewhere
+ * during the call.
  */
 int32_t chorus_alltoallv(chorus_comm *comm,
                          const void *sendbuf,
                          const size_t *sendcounts,
+                         const size_t *sdispls,
                          void *recvbuf,
                          const size_t *recvcounts,
+                         const size_t *rdispls,
                          chorus_dtype dtype);
 
 /**
- * Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts are read before it
- * returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+ * Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts and displacements are
+ * read before it returns. See `chorus_iallreduce` for the rules of nonblocking calls.
  *
  * # Safety
  * As `chorus_alltoallv`, the buffers valid and untouched until the request completes;
@@ -801,8 +810,10 @@ int32_t chorus_alltoallv(chorus_comm *comm,
 int32_t chorus_ialltoallv(chorus_comm *comm,
                           const void *sendbuf,
                           const size_t *sendcounts,
+                          const size_t *sdispls,
                           void *recvbuf,
                           const size_t *recvcounts,
+                          const size_t *rdispls,
                           chorus_dtype dtype,
                           chorus_request **request);
 
@@ -972,29 +983,33 @@ int32_t chorus_iscatter(chorus_comm *comm,
                         chorus_request **request);
 
 /**
- * Gatherv (as `MPI_Gatherv` with the blocks back to back): every rank sends `sendcount`
- * elements of `sendbuf` (any, zero included), and `recvbuf` on `root` gets them in rank order,
- * rank `j`'s `recvcounts[j]` elements. `recvbuf` and `recvcounts` (`size` entries) are only
- * read on the root (NULL elsewhere is fine). A rank whose `sendcount` is not its entry of the
- * root's `recvcounts` makes the root fail with `CHORUS_MISMATCH` (and every rank at its next
- * call). On the root `sendbuf` may be its own block of `recvbuf` (in place).
+ * Gatherv (as `MPI_Gatherv`): every rank sends `sendcount` elements of `sendbuf` (any, zero
+ * included), and `recvbuf` on `root` gets rank `j`'s `recvcounts[j]` elements at element
+ * `displs[j]`, or, with `displs` NULL, every block back to back in rank order. `recvbuf`,
+ * `recvcounts` and `displs` (`size` entries each) are only read on the root (NULL elsewhere
+ * is fine); the blocks must not overlap, and gaps are left as they were. A rank whose
+ * `sendcount` is not its entry of the root's `recvcounts` makes the root fail with
+ * `CHORUS_MISMATCH` (and every rank at its next call). On the root `sendbuf` may be its own
+ * block of `recvbuf` (in place).
  *
  * # Safety
  * `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
- * `dtype`; on the root `recvcounts` is valid for `size` values and `recvbuf` for their sum
- * of writable elements; neither buffer is accessed elsewhere during the call.
+ * `dtype`; on the root `recvcounts` (and `displs` unless NULL) are valid for `size` values
+ * and `recvbuf` for writable elements up to the end of the last block; neither buffer is
+ * accessed elsewhere during the call.
  */
 int32_t chorus_gatherv(chorus_comm *comm,
                        const void *sendbuf,
                        size_t sendcount,
                        void *recvbuf,
                        const size_t *recvcounts,
+                       const size_t *displs,
                        chorus_dtype dtype,
                        int root);
 
 /**
- * Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` is read when the call is
- * issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+ * Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` and `displs` are read when
+ * the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
  *
  * # Safety
  * As `chorus_gatherv`, the buffers valid and untouched until the request completes;
@@ -1005,34 +1020,38 @@ int32_t chorus_igatherv(chorus_comm *comm,
                         size_t sendcount,
                         void *recvbuf,
                         const size_t *recvcounts,
+                        const size_t *displs,
                         chorus_dtype dtype,
                         int root,
                         chorus_request **request);
 
 /**
- * Scatterv (as `MPI_Scatterv` with the blocks back to back): `sendbuf` on `root` holds the
- * blocks in rank order, rank `j`'s of `sendcounts[j]` elements (any, zero included), and
- * every rank's `recvbuf` gets exactly its `recvcount` elements. `sendbuf` and `sendcounts`
- * (`size` entries) are only read on the root (NULL elsewhere is fine). A rank whose
- * `recvcount` is not its entry of the root's `sendcounts` fails with `CHORUS_MISMATCH` (and
- * every rank at its next call). On the root `recvbuf` may be its own block of `sendbuf`.
+ * Scatterv (as `MPI_Scatterv`): `sendbuf` on `root` holds rank `j`'s `sendcounts[j]`
+ * elements (any, zero included) at element `displs[j]`, or, with `displs` NULL, every block
+ * back to back in rank order; every rank's `recvbuf` gets exactly its `recvcount` elements.
+ * `sendbuf`, `sendcounts` and `displs` (`size` entries each) are only read on the root (NULL
+ * elsewhere is fine); the blocks may overlap. A rank whose `recvcount` is not its entry of
+ * the root's `sendcounts` fails with `CHORUS_MISMATCH` (and every rank at its next call). On
+ * the root `recvbuf` may be its own block of `sendbuf`.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
- * elements of `dtype`; on the root `sendcounts` is valid for `size` values and `sendbuf` for
- * their sum of elements; neither buffer is accessed elsewhere during the call.
+ * elements of `dtype`; on the root `sendcounts` (and `displs` unless NULL) are valid for
+ * `size` values and `sendbuf` for elements up to the end of the last block; neither buffer is
+ * accessed elsewhere during the call.
  */
 int32_t chorus_scatterv(chorus_comm *comm,
                         const void *sendbuf,
                         const size_t *sendcounts,
+                        const size_t *displs,
                         void *recvbuf,
                         size_t recvcount,
                         chorus_dtype dtype,
                         int root);
 
 /**
- * Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` is read when the call is
- * issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+ * Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` and `displs` are read
+ * when the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
  *
  * # Safety
  * As `chorus_scatterv`, the buffers valid and untouched until the request completes;
@@ -1041,6 +1060,7 @@ int32_t chorus_scatterv(chorus_comm *comm,
 int32_t chorus_iscatterv(chorus_comm *comm,
                          const void *sendbuf,
                          const size_t *sendcounts,
+                         const size_t *displs,
                          void *recvbuf,
                          size_t recvcount,
                          chorus_dtype dtype,

@@ -1183,33 +1183,107 @@ fn blocks(counts: &[usize], elem: usize, what: &str) -> Result<Vec<usize>, Failu
     Ok(off)
 }
 
-/// Allgatherv: rank `j` contributes `recvcounts[j]` elements (any, zero included) from
-/// `sendbuf`, and every rank's `recvbuf` gets every rank's block back to back in rank order
-/// (the sum of `recvcounts` elements). Every rank passes the same `recvcounts` (`size`
-/// entries). In place when `sendbuf` is this rank's block inside `recvbuf`.
+/// The blocks of a v-collective's buffer as the caller gave them: the counts, the
+/// displacements (NULL: back to back, as MPI's would be with packed blocks), where each block
+/// starts and how many bytes the buffer must have.
+struct VBlocks {
+    counts: Vec<usize>,
+    displs: Option<Vec<usize>>,
+    /// Where block `j` starts, in bytes (0 for an empty block with displacements).
+    starts: Vec<usize>,
+    /// The end of the last byte of any block.
+    extent: usize,
+}
+
+impl VBlocks {
+    /// The byte range of block `j` of elements of `elem` bytes.
+    fn block(&self, j: usize, elem: usize) -> std::ops::Range<usize> {
+        self.starts[j]..self.starts[j] + self.counts[j] * elem
+    }
+}
+
+/// Reads `size` counts at `counts` and, unless `displs` is NULL, `size` displacements (both in
+/// elements of `elem` bytes).
 ///
 /// # Safety
-/// `comm` is NULL or a live communicator; `recvcounts` is valid for `size` values; `sendbuf`
-/// is valid for `recvcounts[rank]` elements and `recvbuf` for the sum of `recvcounts`
-/// writable elements of `dtype`, not accessed elsewhere during the call.
+/// `counts` (and `displs` unless NULL) valid for `size` values, or NULL.
+unsafe fn vblocks(
+    counts: *const usize,
+    displs: *const usize,
+    size: usize,
+    elem: usize,
+    what: &str,
+    dwhat: &str,
+) -> Result<VBlocks, Failure> {
+    // SAFETY: valid for `size` values by the caller's promise.
+    let counts = unsafe { ptr::counts(counts, size, what)? };
+    let off = blocks(&counts, elem, what)?;
+    if displs.is_null() {
+        return Ok(VBlocks {
+            extent: off[size],
+            starts: off[..size].to_vec(),
+            counts,
+            displs: None,
+        });
+    }
+    // SAFETY: as above.
+    let displs = unsafe { ptr::counts(displs, size, dwhat)? };
+    let too_far = || Failure::invalid(format!("{dwhat} reach beyond what memory holds"));
+    let mut starts = Vec::with_capacity(size);
+    let mut extent = 0usize;
+    for (j, &d) in displs.iter().enumerate() {
+        let len = off[j + 1] - off[j];
+        if len == 0 {
+            starts.push(0);
+            continue;
+        }
+        let start = d.checked_mul(elem).ok_or_else(too_far)?;
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= isize::MAX as usize)
+            .ok_or_else(too_far)?;
+        starts.push(start);
+        extent = extent.max(end);
+    }
+    Ok(VBlocks {
+        counts,
+        displs: Some(displs),
+        starts,
+        extent,
+    })
+}
+
+/// Allgatherv (as `MPI_Allgatherv`): rank `j` contributes `recvcounts[j]` elements (any,
+/// zero included) from `sendbuf`, and every rank's `recvbuf` gets rank `j`'s block at element
+/// `displs[j]`, or, with `displs` NULL, every block back to back in rank order (the sum of
+/// `recvcounts` elements). Every rank passes the same `recvcounts` (`size` entries); each lays
+/// out its own `recvbuf` (its `displs`) as it likes, blocks not overlapping, gaps left as they
+/// were. In place when `sendbuf` is this rank's block inside `recvbuf`.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `recvcounts` (and `displs` unless NULL) are valid
+/// for `size` values; `sendbuf` is valid for `recvcounts[rank]` elements and `recvbuf` for
+/// writable elements of `dtype` up to the end of the last block, not accessed elsewhere
+/// during the call.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_allgatherv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    displs: *const usize,
     dtype: DtypeArg,
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_allgatherv", comm, None, |c| {
-            allgatherv_call(c, sendbuf, recvbuf, recvcounts, dtype)
+            allgatherv_call(c, sendbuf, recvbuf, recvcounts, displs, dtype)
         })
     }
 }
 
-/// Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` is read before it
-/// returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+/// Nonblocking `chorus_allgatherv` (as `MPI_Iallgatherv`); `recvcounts` and `displs` are read
+/// before it returns. See `chorus_iallreduce` for the rules of nonblocking calls.
 ///
 /// # Safety
 /// As `chorus_allgatherv`, the buffers valid and untouched until the request completes;
@@ -1220,13 +1294,14 @@ pub unsafe extern "C" fn chorus_iallgatherv(
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    displs: *const usize,
     dtype: DtypeArg,
     request: *mut *mut chorus_request,
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iallgatherv", comm, Some(request), |c| {
-            allgatherv_call(c, sendbuf, recvbuf, recvcounts, dtype)
+            allgatherv_call(c, sendbuf, recvbuf, recvcounts, displs, dtype)
         })
     }
 }
@@ -1238,18 +1313,28 @@ unsafe fn allgatherv_call(
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    displs: *const usize,
     dtype: DtypeArg,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
     // SAFETY: valid for `size` values by the caller's promise.
-    let counts = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
-    let off = blocks(&counts, dtype.size(), "recvcounts")?;
-    let (all, mine) = (off[c.size], off[c.rank]..off[c.rank + 1]);
+    let v = unsafe {
+        vblocks(
+            recvcounts,
+            displs,
+            c.size,
+            dtype.size(),
+            "recvcounts",
+            "displs",
+        )?
+    };
+    let (all, mine) = (v.extent, v.block(c.rank, dtype.size()));
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
         return Ok(Box::new(move |c| {
             // SAFETY: valid for `all` bytes until the call completes; `sendbuf` lies inside.
-            c.all_gather_v_raw(None, unsafe { recv.get_mut() }, &counts, dtype)
+            let recv = unsafe { recv.get_mut() };
+            c.all_gather_v_raw(None, recv, &v.counts, v.displs.as_deref(), dtype)
         }));
     }
     ptr::check_disjoint(sendbuf, mine.len(), recvbuf, all, "sendbuf and recvbuf")?;
@@ -1257,85 +1342,100 @@ unsafe fn allgatherv_call(
     Ok(Box::new(move |c| {
         // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
         let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
-        c.all_gather_v_raw(Some(send), recv, &counts, dtype)
+        c.all_gather_v_raw(Some(send), recv, &v.counts, v.displs.as_deref(), dtype)
     }))
 }
 
-/// Alltoallv: this rank sends `sendcounts[j]` elements to rank `j` (its blocks back to back
-/// in rank order in `sendbuf`) and receives `recvcounts[j]` elements from rank `j` (back to
-/// back in `recvbuf`), any of them zero. Rank `r`'s `sendcounts[j]` must be rank `j`'s
-/// `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). The buffers must not
-/// overlap.
+/// Alltoallv (as `MPI_Alltoallv`): this rank sends `sendcounts[j]` elements to rank `j`,
+/// read at element `sdispls[j]` of `sendbuf`, and receives `recvcounts[j]` elements from rank
+/// `j` into element `rdispls[j]` of `recvbuf`, any of them zero. A NULL `sdispls` or
+/// `rdispls` puts that side's blocks back to back in rank order. Rank `r`'s `sendcounts[j]`
+/// must be rank `j`'s `recvcounts[r]` (a block of another length is `CHORUS_MISMATCH`). Send
+/// blocks may overlap; receive blocks may not, and the buffers must not overlap.
 ///
 /// # Safety
-/// `comm` is NULL or a live communicator; `sendcounts` and `recvcounts` are valid for `size`
-/// values; `sendbuf` is valid for the sum of `sendcounts` elements and `recvbuf` for the sum
-/// of `recvcounts` writable elements of `dtype`, not accessed elsewhere during the call.
+/// `comm` is NULL or a live communicator; the counts (and displacements unless NULL) are
+/// valid for `size` values; `sendbuf` is valid for elements of `dtype` up to the end of its
+/// last block and `recvbuf` writable up to the end of its last block, not accessed elsewhere
+/// during the call.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_alltoallv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     sendcounts: *const usize,
+    sdispls: *const usize,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    rdispls: *const usize,
     dtype: DtypeArg,
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_alltoallv", comm, None, |c| {
-            alltoallv_call(c, sendbuf, sendcounts, recvbuf, recvcounts, dtype)
+            let send = (sendbuf, sendcounts, sdispls);
+            alltoallv_call(c, send, (recvbuf, recvcounts, rdispls), dtype)
         })
     }
 }
 
-/// Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts are read before it
-/// returns. See `chorus_iallreduce` for the rules of nonblocking calls.
+/// Nonblocking `chorus_alltoallv` (as `MPI_Ialltoallv`); the counts and displacements are
+/// read before it returns. See `chorus_iallreduce` for the rules of nonblocking calls.
 ///
 /// # Safety
 /// As `chorus_alltoallv`, the buffers valid and untouched until the request completes;
 /// `request` is NULL or valid for writing a pointer.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_ialltoallv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     sendcounts: *const usize,
+    sdispls: *const usize,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    rdispls: *const usize,
     dtype: DtypeArg,
     request: *mut *mut chorus_request,
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_ialltoallv", comm, Some(request), |c| {
-            alltoallv_call(c, sendbuf, sendcounts, recvbuf, recvcounts, dtype)
+            let send = (sendbuf, sendcounts, sdispls);
+            alltoallv_call(c, send, (recvbuf, recvcounts, rdispls), dtype)
         })
     }
 }
 
 /// # Safety
 /// The contract of `chorus_alltoallv` (the buffers valid until the call completes).
+#[allow(clippy::type_complexity)]
 unsafe fn alltoallv_call(
     c: &chorus_comm,
-    sendbuf: *const c_void,
-    sendcounts: *const usize,
-    recvbuf: *mut c_void,
-    recvcounts: *const usize,
+    (sendbuf, sendcounts, sdispls): (*const c_void, *const usize, *const usize),
+    (recvbuf, recvcounts, rdispls): (*mut c_void, *const usize, *const usize),
     dtype: DtypeArg,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
+    let e = dtype.size();
     // SAFETY: each valid for `size` values by the caller's promise.
-    let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
+    let sv = unsafe { vblocks(sendcounts, sdispls, c.size, e, "sendcounts", "sdispls")? };
     // SAFETY: as above.
-    let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
-    let s_all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
-    let r_all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
+    let rv = unsafe { vblocks(recvcounts, rdispls, c.size, e, "recvcounts", "rdispls")? };
+    let (s_all, r_all) = (sv.extent, rv.extent);
     ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
     let send = RawBuf::new(sendbuf, s_all, "sendbuf")?;
     let recv = RawBuf::new(recvbuf, r_all, "recvbuf")?;
     Ok(Box::new(move |c| {
         // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
         let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
-        c.all_to_all_v_raw(send, &sc, recv, &rc, dtype)
+        c.all_to_all_v_raw(
+            send,
+            (&sv.counts, sv.displs.as_deref()),
+            recv,
+            (&rv.counts, rv.displs.as_deref()),
+            dtype,
+        )
     }))
 }
 
@@ -1746,37 +1846,43 @@ unsafe fn scatter_call(
     }))
 }
 
-/// Gatherv (as `MPI_Gatherv` with the blocks back to back): every rank sends `sendcount`
-/// elements of `sendbuf` (any, zero included), and `recvbuf` on `root` gets them in rank order,
-/// rank `j`'s `recvcounts[j]` elements. `recvbuf` and `recvcounts` (`size` entries) are only
-/// read on the root (NULL elsewhere is fine). A rank whose `sendcount` is not its entry of the
-/// root's `recvcounts` makes the root fail with `CHORUS_MISMATCH` (and every rank at its next
-/// call). On the root `sendbuf` may be its own block of `recvbuf` (in place).
+/// Gatherv (as `MPI_Gatherv`): every rank sends `sendcount` elements of `sendbuf` (any, zero
+/// included), and `recvbuf` on `root` gets rank `j`'s `recvcounts[j]` elements at element
+/// `displs[j]`, or, with `displs` NULL, every block back to back in rank order. `recvbuf`,
+/// `recvcounts` and `displs` (`size` entries each) are only read on the root (NULL elsewhere
+/// is fine); the blocks must not overlap, and gaps are left as they were. A rank whose
+/// `sendcount` is not its entry of the root's `recvcounts` makes the root fail with
+/// `CHORUS_MISMATCH` (and every rank at its next call). On the root `sendbuf` may be its own
+/// block of `recvbuf` (in place).
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
-/// `dtype`; on the root `recvcounts` is valid for `size` values and `recvbuf` for their sum
-/// of writable elements; neither buffer is accessed elsewhere during the call.
+/// `dtype`; on the root `recvcounts` (and `displs` unless NULL) are valid for `size` values
+/// and `recvbuf` for writable elements up to the end of the last block; neither buffer is
+/// accessed elsewhere during the call.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_gatherv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     sendcount: usize,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    displs: *const usize,
     dtype: DtypeArg,
     root: c_int,
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_gatherv", comm, None, |c| {
-            gatherv_call(c, sendbuf, sendcount, recvbuf, recvcounts, dtype, root)
+            let recv = (recvbuf, recvcounts, displs);
+            gatherv_call(c, sendbuf, sendcount, recv, dtype, root)
         })
     }
 }
 
-/// Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` is read when the call is
-/// issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+/// Nonblocking `chorus_gatherv` (as `MPI_Igatherv`); `recvcounts` and `displs` are read when
+/// the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
 ///
 /// # Safety
 /// As `chorus_gatherv`, the buffers valid and untouched until the request completes;
@@ -1789,6 +1895,7 @@ pub unsafe extern "C" fn chorus_igatherv(
     sendcount: usize,
     recvbuf: *mut c_void,
     recvcounts: *const usize,
+    displs: *const usize,
     dtype: DtypeArg,
     root: c_int,
     request: *mut *mut chorus_request,
@@ -1796,19 +1903,20 @@ pub unsafe extern "C" fn chorus_igatherv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_igatherv", comm, Some(request), |c| {
-            gatherv_call(c, sendbuf, sendcount, recvbuf, recvcounts, dtype, root)
+            let recv = (recvbuf, recvcounts, displs);
+            gatherv_call(c, sendbuf, sendcount, recv, dtype, root)
         })
     }
 }
 
 /// # Safety
 /// The contract of `chorus_gatherv` (the buffers valid until the call completes).
+#[allow(clippy::type_complexity)]
 unsafe fn gatherv_call(
     c: &chorus_comm,
     sendbuf: *const c_void,
     sendcount: usize,
-    recvbuf: *mut c_void,
-    recvcounts: *const usize,
+    (recvbuf, recvcounts, displs): (*mut c_void, *const usize, *const usize),
     dtype: DtypeArg,
     root: c_int,
 ) -> Result<Call, Failure> {
@@ -1823,8 +1931,17 @@ unsafe fn gatherv_call(
         }));
     }
     // SAFETY: valid for `size` values on the root by the caller's promise.
-    let rc = unsafe { ptr::counts(recvcounts, c.size, "recvcounts")? };
-    let all = blocks(&rc, dtype.size(), "recvcounts")?[c.size];
+    let v = unsafe {
+        vblocks(
+            recvcounts,
+            displs,
+            c.size,
+            dtype.size(),
+            "recvcounts",
+            "displs",
+        )?
+    };
+    let all = v.extent;
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
     // call runs (after the calls issued before it).
@@ -1834,26 +1951,35 @@ unsafe fn gatherv_call(
         // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
         // whether they overlap.
         let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
-        c.gather_v_raw(send, Some((recv, &rc)), dtype, root)
+        c.gather_v_raw(
+            send,
+            Some((recv, &v.counts, v.displs.as_deref())),
+            dtype,
+            root,
+        )
     }))
 }
 
-/// Scatterv (as `MPI_Scatterv` with the blocks back to back): `sendbuf` on `root` holds the
-/// blocks in rank order, rank `j`'s of `sendcounts[j]` elements (any, zero included), and
-/// every rank's `recvbuf` gets exactly its `recvcount` elements. `sendbuf` and `sendcounts`
-/// (`size` entries) are only read on the root (NULL elsewhere is fine). A rank whose
-/// `recvcount` is not its entry of the root's `sendcounts` fails with `CHORUS_MISMATCH` (and
-/// every rank at its next call). On the root `recvbuf` may be its own block of `sendbuf`.
+/// Scatterv (as `MPI_Scatterv`): `sendbuf` on `root` holds rank `j`'s `sendcounts[j]`
+/// elements (any, zero included) at element `displs[j]`, or, with `displs` NULL, every block
+/// back to back in rank order; every rank's `recvbuf` gets exactly its `recvcount` elements.
+/// `sendbuf`, `sendcounts` and `displs` (`size` entries each) are only read on the root (NULL
+/// elsewhere is fine); the blocks may overlap. A rank whose `recvcount` is not its entry of
+/// the root's `sendcounts` fails with `CHORUS_MISMATCH` (and every rank at its next call). On
+/// the root `recvbuf` may be its own block of `sendbuf`.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
-/// elements of `dtype`; on the root `sendcounts` is valid for `size` values and `sendbuf` for
-/// their sum of elements; neither buffer is accessed elsewhere during the call.
+/// elements of `dtype`; on the root `sendcounts` (and `displs` unless NULL) are valid for
+/// `size` values and `sendbuf` for elements up to the end of the last block; neither buffer is
+/// accessed elsewhere during the call.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_scatterv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     sendcounts: *const usize,
+    displs: *const usize,
     recvbuf: *mut c_void,
     recvcount: usize,
     dtype: DtypeArg,
@@ -1862,13 +1988,14 @@ pub unsafe extern "C" fn chorus_scatterv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_scatterv", comm, None, |c| {
-            scatterv_call(c, sendbuf, sendcounts, recvbuf, recvcount, dtype, root)
+            let send = (sendbuf, sendcounts, displs);
+            scatterv_call(c, send, recvbuf, recvcount, dtype, root)
         })
     }
 }
 
-/// Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` is read when the call is
-/// issued. See `chorus_iallreduce` for the rules of nonblocking calls.
+/// Nonblocking `chorus_scatterv` (as `MPI_Iscatterv`); `sendcounts` and `displs` are read
+/// when the call is issued. See `chorus_iallreduce` for the rules of nonblocking calls.
 ///
 /// # Safety
 /// As `chorus_scatterv`, the buffers valid and untouched until the request completes;
@@ -1879,6 +2006,7 @@ pub unsafe extern "C" fn chorus_iscatterv(
     comm: *mut chorus_comm,
     sendbuf: *const c_void,
     sendcounts: *const usize,
+    displs: *const usize,
     recvbuf: *mut c_void,
     recvcount: usize,
     dtype: DtypeArg,
@@ -1888,17 +2016,18 @@ pub unsafe extern "C" fn chorus_iscatterv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iscatterv", comm, Some(request), |c| {
-            scatterv_call(c, sendbuf, sendcounts, recvbuf, recvcount, dtype, root)
+            let send = (sendbuf, sendcounts, displs);
+            scatterv_call(c, send, recvbuf, recvcount, dtype, root)
         })
     }
 }
 
 /// # Safety
 /// The contract of `chorus_scatterv` (the buffers valid until the call completes).
+#[allow(clippy::type_complexity)]
 unsafe fn scatterv_call(
     c: &chorus_comm,
-    sendbuf: *const c_void,
-    sendcounts: *const usize,
+    (sendbuf, sendcounts, displs): (*const c_void, *const usize, *const usize),
     recvbuf: *mut c_void,
     recvcount: usize,
     dtype: DtypeArg,
@@ -1915,8 +2044,17 @@ unsafe fn scatterv_call(
         }));
     }
     // SAFETY: valid for `size` values on the root by the caller's promise.
-    let sc = unsafe { ptr::counts(sendcounts, c.size, "sendcounts")? };
-    let all = blocks(&sc, dtype.size(), "sendcounts")?[c.size];
+    let v = unsafe {
+        vblocks(
+            sendcounts,
+            displs,
+            c.size,
+            dtype.size(),
+            "sendcounts",
+            "displs",
+        )?
+    };
+    let all = v.extent;
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
     // call runs (after the calls issued before it).
@@ -1926,7 +2064,12 @@ unsafe fn scatterv_call(
         // SAFETY: both valid until the call completes by the caller's promise; `overlap` says
         // whether they overlap.
         let (send, recv) = unsafe { ptr::apart(send, recv, overlap, &mut copy) };
-        c.scatter_v_raw(Some((send, &sc)), recv, dtype, root)
+        c.scatter_v_raw(
+            Some((send, &v.counts, v.displs.as_deref())),
+            recv,
+            dtype,
+            root,
+        )
     }))
 }
 

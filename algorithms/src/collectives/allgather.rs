@@ -17,6 +17,7 @@ use std::ops::Range;
 use chorus_transport::Result;
 
 use super::broadcast::cheapest;
+use super::layout::Layout;
 use super::{block, disjoint, exchange, tag};
 use crate::cost::Link;
 use crate::CollCtx;
@@ -168,72 +169,95 @@ pub fn run(
     if let Some(s) = send {
         recv[block(rank, b)].copy_from_slice(s);
     }
-    gather_blocks(alg, ctx, recv, |blocks| blocks.start * b..blocks.end * b)
+    let layout = Layout::packed(&vec![b; size]).expect("the blocks fit in the buffer");
+    run_v(alg, ctx, None, recv, &layout)
 }
 
-/// Allgatherv: rank `j` contributes `counts[j]` bytes (any, zero included), and every rank
-/// ends with the blocks back to back in rank order in `recv` (`Σ counts` bytes). `send` is
-/// this rank's block, or `None` when it is already in place in `recv`. The schedules are
-/// those of [`run`], on blocks of their own sizes. Every rank must pass the same `counts`; a
-/// rank that gets a block of another length fails with a mismatch.
+/// Allgatherv: rank `j` contributes a block of any size (zero included), and every rank
+/// ends with rank `j`'s block at `blocks.block(j)` of `recv` (back to back as
+/// [`Layout::packed`] or where displacements put them, not overlapping). `send` is this
+/// rank's block, or `None` when it is already in place in `recv`. The schedules are those of
+/// [`run`], on blocks of their own sizes; a step's blocks travel as one message whatever the
+/// layout (blocks that are not back to back in this rank's buffer are gathered into, or
+/// spread from, a staging buffer), so ranks may lay their blocks out differently. Every rank
+/// must pass the same block sizes; a rank that gets a block of another length fails with a
+/// mismatch.
 pub fn run_v(
     alg: Algorithm,
     ctx: &mut CollCtx<'_>,
     send: Option<&[u8]>,
     recv: &mut [u8],
-    counts: &[usize],
+    blocks: &Layout,
 ) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let bad = |m: String| Err(super::invalid("all_gather_v", m));
-    if counts.len() != size {
-        return bad(format!("{} counts for {size} ranks", counts.len()));
+    if blocks.len() != size {
+        return bad(format!("{} blocks for {size} ranks", blocks.len()));
     }
-    let Some(off) = super::offsets(counts) else {
-        return bad("the counts overflow".into());
-    };
-    if off[size] != recv.len() {
-        return bad(format!(
-            "output of {} bytes where the counts add up to {}",
-            recv.len(),
-            off[size]
-        ));
+    if let Some(m) = blocks.misfit(recv.len(), true) {
+        return bad(format!("output: {m}"));
     }
-    let own = off[rank]..off[rank + 1];
+    let own = blocks.block(rank);
     if let Some(s) = send {
         if s.len() != own.len() {
             return bad(format!(
-                "input of {} bytes where this rank's count is {}",
+                "input of {} bytes where this rank's block has {}",
                 s.len(),
                 own.len()
             ));
         }
         recv[own].copy_from_slice(s);
     }
-    gather_blocks(alg, ctx, recv, |blocks| off[blocks.start]..off[blocks.end])
-}
-
-/// The steps of `alg` over `recv`, whose block range `r` lies at bytes `bytes(r)`.
-fn gather_blocks(
-    alg: Algorithm,
-    ctx: &mut CollCtx<'_>,
-    recv: &mut [u8],
-    bytes: impl Fn(&Range<usize>) -> Range<usize>,
-) -> Result<()> {
-    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let alg = alg.effective(size);
     for (k, step) in plan(alg, rank, size).iter().enumerate() {
         let t = tag(ctx, 0, alg.id(), k);
-        let (out, inb) = disjoint(recv, bytes(&step.send_blocks), bytes(&step.recv_blocks));
+        let spans = (
+            blocks.span(step.send_blocks.clone()),
+            blocks.span(step.recv_blocks.clone()),
+        );
+        if let (Some(out), Some(inb)) = spans {
+            let (out, inb) = disjoint(recv, out, inb);
+            exchange(
+                &mut *ctx.transport,
+                ctx.deadline,
+                step.to,
+                t,
+                out,
+                step.from,
+                t,
+                inb,
+            )?;
+            continue;
+        }
+        // Blocks apart in this rank's buffer: one message each way all the same.
+        let out: Vec<u8> = step
+            .send_blocks
+            .clone()
+            .flat_map(|j| recv[blocks.block(j)].iter().copied())
+            .collect();
+        let mut inb = vec![
+            0u8;
+            step.recv_blocks
+                .clone()
+                .map(|j| blocks.block(j).len())
+                .sum()
+        ];
         exchange(
             &mut *ctx.transport,
             ctx.deadline,
             step.to,
             t,
-            out,
+            &out,
             step.from,
             t,
-            inb,
+            &mut inb,
         )?;
+        let mut at = 0;
+        for j in step.recv_blocks.clone() {
+            let b = blocks.block(j);
+            recv[b.clone()].copy_from_slice(&inb[at..at + b.len()]);
+            at += b.len();
+        }
     }
     Ok(())
 }

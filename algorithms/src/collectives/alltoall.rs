@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use chorus_transport::{Result, Tag, Transport};
 
-use super::{block, exchange, exchange_all, pieces, tag};
+use super::layout::Layout;
+use super::{block, exchange, exchange_all, tag};
 
 /// The largest block a rank sends or receives for the exchanges to be posted all at once.
 pub const ALL_AT_ONCE_BYTES: usize = 16 << 10;
@@ -131,15 +132,16 @@ pub fn run(
         }
     };
     recv[block(rank, b)].copy_from_slice(&input[block(rank, b)]);
-    let offsets: Vec<usize> = (0..=size).map(|j| j * b).collect();
+    let layout = Layout::packed(&vec![b; size]).expect("the blocks fit in the buffer");
     let at_once = Algorithm::auto(allowed, b) == Algorithm::Linear;
     exchange_blocks(
-        t, deadline, &steps, &tags, input, &offsets, recv, &offsets, at_once,
+        t, deadline, &steps, &tags, input, &layout, recv, &layout, at_once,
     )
 }
 
 /// The exchanges of `steps` (this rank's own block already copied): block `j` of `send` lies
-/// at `so[j]..so[j + 1]`, block `j` of `recv` at `ro[j]..ro[j + 1]`; the step-`k` messages
+/// at `so.block(j)`, block `j` of `recv` at `ro.block(j)` (blocks that do not overlap, checked
+/// by the caller); the step-`k` messages
 /// carry `tags[k]` either way. Posted all at once when `at_once` (and there is more than one
 /// step), else step by step.
 #[allow(clippy::too_many_arguments)]
@@ -149,18 +151,18 @@ fn exchange_blocks(
     steps: &[Step],
     tags: &[Tag],
     send: &[u8],
-    so: &[usize],
+    so: &Layout,
     recv: &mut [u8],
-    ro: &[usize],
+    ro: &Layout,
     at_once: bool,
 ) -> Result<()> {
     if at_once && steps.len() > 1 {
         let sends: Vec<_> = steps
             .iter()
             .zip(tags)
-            .map(|(s, &tg)| (s.to, tg, &send[so[s.to]..so[s.to + 1]]))
+            .map(|(s, &tg)| (s.to, tg, &send[so.block(s.to)]))
             .collect();
-        let mut blocks: Vec<Option<&mut [u8]>> = pieces(recv, ro).into_iter().map(Some).collect();
+        let mut blocks: Vec<Option<&mut [u8]>> = ro.pieces(recv).into_iter().map(Some).collect();
         let recvs = steps
             .iter()
             .zip(tags)
@@ -174,62 +176,58 @@ fn exchange_blocks(
             deadline,
             s.to,
             tg,
-            &send[so[s.to]..so[s.to + 1]],
+            &send[so.block(s.to)],
             s.from,
             tg,
-            &mut recv[ro[s.from]..ro[s.from + 1]],
+            &mut recv[ro.block(s.from)],
         )?;
     }
     Ok(())
 }
 
-/// Alltoallv: rank `r` sends `send_counts[j]` bytes to rank `j` (its blocks back to back in
-/// rank order in `send`) and receives `recv_counts[j]` bytes from rank `j` (back to back in
-/// `recv`), any of them zero, by the pairwise exchange of [`run`]. Rank `r`'s
-/// `send_counts[j]` must be rank `j`'s `recv_counts[r]`: a rank that gets a block of another
-/// length fails with a mismatch. Out of place only (`send` and `recv` are distinct buffers).
+/// Alltoallv: rank `r` sends `send_blocks.block(j)` of `send` to rank `j` and receives the
+/// block of rank `j` into `recv_blocks.block(j)` of `recv` (blocks of any size, zero
+/// included; back to back as [`Layout::packed`] or where displacements put them), by the
+/// pairwise exchange of [`run`]. The length of rank `r`'s send block `j` must be that of rank
+/// `j`'s receive block `r`: a rank that gets a block of another length fails with a mismatch.
+/// Out of place only (`send` and `recv` are distinct buffers); send blocks may overlap, the
+/// receive blocks may not.
 pub fn run_v(
     ctx: &mut CollCtx<'_>,
     send: &[u8],
-    send_counts: &[usize],
+    send_blocks: &Layout,
     recv: &mut [u8],
-    recv_counts: &[usize],
+    recv_blocks: &Layout,
     allowed: &[bool],
 ) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let bad = |m: String| Err(super::invalid("all_to_all_v", m));
-    if send_counts.len() != size || recv_counts.len() != size {
+    if send_blocks.len() != size || recv_blocks.len() != size {
         return bad(format!(
-            "{} send and {} receive counts for {size} ranks",
-            send_counts.len(),
-            recv_counts.len()
+            "{} send and {} receive blocks for {size} ranks",
+            send_blocks.len(),
+            recv_blocks.len()
         ));
     }
-    let (Some(so), Some(ro)) = (super::offsets(send_counts), super::offsets(recv_counts)) else {
-        return bad("the counts overflow".into());
-    };
-    if so[size] != send.len() || ro[size] != recv.len() {
-        return bad(format!(
-            "buffers of {} and {} bytes where the counts add up to {} and {}",
-            send.len(),
-            recv.len(),
-            so[size],
-            ro[size]
-        ));
+    if let Some(m) = send_blocks.misfit(send.len(), false) {
+        return bad(format!("send buffer: {m}"));
     }
-    if send_counts[rank] != recv_counts[rank] {
+    if let Some(m) = recv_blocks.misfit(recv.len(), true) {
+        return bad(format!("receive buffer: {m}"));
+    }
+    let (mine, theirs) = (send_blocks.block(rank), recv_blocks.block(rank));
+    if mine.len() != theirs.len() {
         return bad(format!(
             "this rank sends itself {} bytes but receives {}",
-            send_counts[rank], recv_counts[rank]
+            mine.len(),
+            theirs.len()
         ));
     }
-    recv[ro[rank]..ro[rank + 1]].copy_from_slice(&send[so[rank]..so[rank + 1]]);
+    recv[theirs].copy_from_slice(&send[mine]);
     let steps = plan(rank, size);
     let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
-    let largest = send_counts
-        .iter()
-        .chain(recv_counts)
-        .copied()
+    let largest = (0..size)
+        .map(|j| send_blocks.block(j).len().max(recv_blocks.block(j).len()))
         .max()
         .unwrap_or(0);
     let at_once = Algorithm::auto(allowed, largest) == Algorithm::Linear;
@@ -239,9 +237,9 @@ pub fn run_v(
         &steps,
         &tags,
         send,
-        &so,
+        send_blocks,
         recv,
-        &ro,
+        recv_blocks,
         at_once,
     )
 }

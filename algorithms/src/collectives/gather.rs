@@ -9,6 +9,7 @@
 
 use chorus_transport::{Op, Request, Result};
 
+use super::layout::Layout;
 use super::{block, check_len, send_all, tag};
 use crate::cost::Link;
 use crate::CollCtx;
@@ -87,15 +88,15 @@ pub fn run(ctx: &mut CollCtx<'_>, send: &[u8], recv: Option<&mut [u8]>, root: us
     reqs.iter().try_for_each(|r| check_len(r, b))
 }
 
-/// Gatherv (`MPI_Gatherv` with the blocks back to back): rank `j` sends its `send`, and the
-/// root's `recv` gets them in rank order, rank `j`'s of `counts[j]` bytes (any, zero
-/// included). `recv` and `counts` are only needed on the root (`None` elsewhere). The linear
-/// schedule of [`run`]; the root checks every block's length (a rank that sends another is a
-/// mismatch).
+/// Gatherv (`MPI_Gatherv`): rank `j` sends its `send`, and the root's `recv` gets it at
+/// `blocks.block(j)` (blocks of any size, zero included; back to back as [`Layout::packed`]
+/// or where displacements put them, not overlapping). `recv` and `blocks` are only needed on
+/// the root (`None` elsewhere). The linear schedule of [`run`]; the root checks every block's
+/// length (a rank that sends another is a mismatch).
 pub fn run_v(
     ctx: &mut CollCtx<'_>,
     send: &[u8],
-    recv: Option<(&mut [u8], &[usize])>,
+    recv: Option<(&mut [u8], &Layout)>,
     root: usize,
 ) -> Result<()> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
@@ -107,26 +108,23 @@ pub fn run_v(
     if rank != root {
         return send_all(&mut *ctx.transport, ctx.deadline, root, t, send);
     }
-    let Some((recv, counts)) = recv else {
+    let Some((recv, layout)) = recv else {
         return bad("the root needs its output and the counts".into());
     };
-    if counts.len() != size {
-        return bad(format!("{} counts for {size} ranks", counts.len()));
+    if layout.len() != size {
+        return bad(format!("{} blocks for {size} ranks", layout.len()));
     }
-    let Some(off) = super::offsets(counts) else {
-        return bad("the counts overflow".into());
-    };
-    if off[size] != recv.len() || counts[root] != send.len() {
+    if let Some(m) = layout.misfit(recv.len(), true) {
+        return bad(format!("the root's output: {m}"));
+    }
+    if layout.block(root).len() != send.len() {
         return bad(format!(
-            "the root's output has {} bytes and input {} where the counts add up to {} and the \
-             root's is {}",
-            recv.len(),
+            "the root's input has {} bytes where its block has {}",
             send.len(),
-            off[size],
-            counts[root]
+            layout.block(root).len()
         ));
     }
-    let mut blocks = super::pieces(recv, &off);
+    let mut blocks = layout.pieces(recv);
     blocks[root].copy_from_slice(send);
     let recvs: Vec<_> = blocks
         .into_iter()

@@ -16,7 +16,9 @@
 //!
 //! # Words
 //! - **block**: the part of a `p`-rank buffer that belongs to one rank (allgather, gather,
-//!   reduce-scatter, scatter, alltoall): `p` blocks of equal size, block `j` at `j·b`.
+//!   reduce-scatter, scatter, alltoall): `p` blocks of equal size, block `j` at `j·b`. The
+//!   v-collectives' blocks have sizes of their own and lie where a [`layout::Layout`] says
+//!   (back to back, or at MPI's displacements).
 //! - **virtual rank**: a rank renumbered so that the root is 0, `v = (r − root) mod p`;
 //!   rooted schedules are written in virtual ranks.
 //! - **step**: one round of messages; the low bits of a message's tag.
@@ -44,6 +46,7 @@ pub mod alltoall;
 pub mod barrier;
 pub mod broadcast;
 pub mod gather;
+pub mod layout;
 pub mod p2p;
 pub mod reduce;
 pub mod reduce_scatter;
@@ -299,17 +302,6 @@ pub(crate) fn exchange_all(
     t.wait_all(&mut ops, deadline)?;
     drop(ops);
     rreq.iter().zip(want).try_for_each(|(r, n)| check_len(r, n))
-}
-
-/// Splits `buf` into the back-to-back pieces of `offsets` (as [`offsets`] returns them).
-pub(crate) fn pieces<'a>(mut buf: &'a mut [u8], offsets: &[usize]) -> Vec<&'a mut [u8]> {
-    let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
-    for w in offsets.windows(2) {
-        let (head, rest) = std::mem::take(&mut buf).split_at_mut(w[1] - w[0]);
-        out.push(head);
-        buf = rest;
-    }
-    out
 }
 
 /// Receives exactly `buf.len()` bytes from `from`.

@@ -7,6 +7,7 @@
 
 use chorus_transport::{Op, Request, Result};
 
+use super::layout::Layout;
 use super::{block, recv_exact, tag};
 use crate::cost::Link;
 use crate::CollCtx;
@@ -69,14 +70,15 @@ pub fn run(ctx: &mut CollCtx<'_>, send: Option<&[u8]>, recv: &mut [u8], root: us
     ctx.transport.wait_all(&mut ops, ctx.deadline)
 }
 
-/// Scatterv (`MPI_Scatterv` with the blocks back to back): the root's `send` holds the
-/// blocks in rank order, rank `j`'s of `counts[j]` bytes (any, zero included), and rank `j`'s
+/// Scatterv (`MPI_Scatterv`): the root's `send` holds rank `j`'s block at
+/// `blocks.block(j)` (blocks of any size, zero included; back to back as
+/// [`Layout::packed`] or where displacements put them, overlapping or not), and rank `j`'s
 /// `recv` gets its block (exactly `recv.len()` bytes: a block of another length is a
-/// mismatch). `send` and `counts` are only needed on the root (`None` elsewhere). The linear
+/// mismatch). `send` and `blocks` are only needed on the root (`None` elsewhere). The linear
 /// schedule of [`run`].
 pub fn run_v(
     ctx: &mut CollCtx<'_>,
-    send: Option<(&[u8], &[usize])>,
+    send: Option<(&[u8], &Layout)>,
     recv: &mut [u8],
     root: usize,
 ) -> Result<()> {
@@ -89,29 +91,26 @@ pub fn run_v(
     if rank != root {
         return recv_exact(&mut *ctx.transport, ctx.deadline, root, t, recv);
     }
-    let Some((send, counts)) = send else {
+    let Some((send, layout)) = send else {
         return bad("the root needs its input and the counts".into());
     };
-    if counts.len() != size {
-        return bad(format!("{} counts for {size} ranks", counts.len()));
+    if layout.len() != size {
+        return bad(format!("{} blocks for {size} ranks", layout.len()));
     }
-    let Some(off) = super::offsets(counts) else {
-        return bad("the counts overflow".into());
-    };
-    if off[size] != send.len() || counts[root] != recv.len() {
+    if let Some(m) = layout.misfit(send.len(), false) {
+        return bad(format!("the root's input: {m}"));
+    }
+    if layout.block(root).len() != recv.len() {
         return bad(format!(
-            "the root's input has {} bytes and output {} where the counts add up to {} and the \
-             root's is {}",
-            send.len(),
+            "the root's output has {} bytes where its block has {}",
             recv.len(),
-            off[size],
-            counts[root]
+            layout.block(root).len()
         ));
     }
-    recv.copy_from_slice(&send[off[root]..off[root + 1]]);
+    recv.copy_from_slice(&send[layout.block(root)]);
     let sends: Vec<_> = (0..size)
         .filter(|&j| j != root)
-        .map(|j| (j, t, &send[off[j]..off[j + 1]]))
+        .map(|j| (j, t, &send[layout.block(j)]))
         .collect();
     super::exchange_all(&mut *ctx.transport, ctx.deadline, &sends, Vec::new())
 }

@@ -472,22 +472,31 @@ class Communicator:
         return self._issue("allgather", (s.ptr, r.ptr, s.count, s.dtype), out, (s, r), async_op)
 
     def allgatherv(
-        self, x: Any, out: Any, counts: Sequence[int], *, async_op: bool = False
+        self,
+        x: Any,
+        out: Any,
+        counts: Sequence[int],
+        *,
+        displs: Optional[Sequence[int]] = None,
+        async_op: bool = False,
     ) -> Any:
-        """Gather every rank's ``x`` into ``out`` back to back in rank order, rank ``j``'s
-        ``x`` holding ``counts[j]`` elements (any, zero included; as ``MPI_Allgatherv``, or
-        torch's ``all_gather`` of tensors of different sizes). Every rank passes the same
-        ``counts``. Returns ``out``."""
+        """Gather every rank's ``x`` into ``out``, rank ``j``'s ``x`` holding ``counts[j]``
+        elements (any, zero included; as ``MPI_Allgatherv``, or torch's ``all_gather`` of
+        tensors of different sizes): back to back in rank order, or, with ``displs``, rank
+        ``j``'s block at element ``displs[j]`` of ``out`` (blocks not overlapping, in any
+        order; the gaps keep their values). Every rank passes the same ``counts``; each lays
+        out its own ``out``. Returns ``out``."""
         s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
         _same_dtype(s, r, "allgatherv")
         c = self._counts(counts, "counts")
-        if s.count != c[self.rank] or r.count != sum(c):
+        d = self._layout(c, displs, "displs", r.count, "out", "allgatherv")
+        if s.count != c[self.rank]:
             raise InvalidArgumentError(
-                f"allgatherv: x has {s.count} elements and out {r.count}, need "
-                f"counts[{self.rank}] = {c[self.rank]} and their sum {sum(c)}"
+                f"allgatherv: x has {s.count} elements, need counts[{self.rank}] = "
+                f"{c[self.rank]}"
             )
         arr = (ctypes.c_size_t * len(c))(*c)
-        return self._issue("allgatherv", (s.ptr, r.ptr, arr, s.dtype), out, (s, r), async_op)
+        return self._issue("allgatherv", (s.ptr, r.ptr, arr, d, s.dtype), out, (s, r), async_op)
 
     def alltoallv(
         self,
@@ -496,24 +505,53 @@ class Communicator:
         out: Any,
         recv_counts: Sequence[int],
         *,
+        send_displs: Optional[Sequence[int]] = None,
+        recv_displs: Optional[Sequence[int]] = None,
         async_op: bool = False,
     ) -> Any:
-        """Send ``send_counts[j]`` elements of ``x`` to rank ``j`` (its blocks back to back in
-        rank order) and receive ``recv_counts[j]`` elements from rank ``j`` into ``out`` (as
-        ``MPI_Alltoallv``, or torch's ``all_to_all_single`` with split sizes). This rank's
-        ``send_counts[j]`` must be rank ``j``'s ``recv_counts[rank]``. Returns ``out``."""
+        """Send ``send_counts[j]`` elements of ``x`` to rank ``j`` and receive
+        ``recv_counts[j]`` elements from rank ``j`` into ``out`` (as ``MPI_Alltoallv``, or
+        torch's ``all_to_all_single`` with split sizes). The blocks lie back to back in rank
+        order, or at ``send_displs[j]`` of ``x`` (they may overlap) and ``recv_displs[j]`` of
+        ``out`` (they may not; the gaps keep their values). This rank's ``send_counts[j]``
+        must be rank ``j``'s ``recv_counts[rank]``. Returns ``out``."""
         s, r = _buffer(x, "x", writable=False), _buffer(out, "out")
         _same_dtype(s, r, "alltoallv")
         sc = self._counts(send_counts, "send_counts")
         rc = self._counts(recv_counts, "recv_counts")
-        if s.count != sum(sc) or r.count != sum(rc):
-            raise InvalidArgumentError(
-                f"alltoallv: x has {s.count} elements and out {r.count}, the counts add up "
-                f"to {sum(sc)} and {sum(rc)}"
-            )
+        sd = self._layout(sc, send_displs, "send_displs", s.count, "x", "alltoallv")
+        rd = self._layout(rc, recv_displs, "recv_displs", r.count, "out", "alltoallv")
         sa = (ctypes.c_size_t * len(sc))(*sc)
         ra = (ctypes.c_size_t * len(rc))(*rc)
-        return self._issue("alltoallv", (s.ptr, sa, r.ptr, ra, s.dtype), out, (s, r), async_op)
+        args = (s.ptr, sa, sd, r.ptr, ra, rd, s.dtype)
+        return self._issue("alltoallv", args, out, (s, r), async_op)
+
+    def _layout(
+        self,
+        counts: List[int],
+        displs: Optional[Sequence[int]],
+        what: str,
+        have: int,
+        buf: str,
+        op: str,
+    ) -> Any:
+        """Checks that a buffer of ``have`` elements holds the blocks of ``counts``: back to
+        back (``displs`` None; exactly their sum) or at ``displs`` (every non-empty block
+        inside it). Returns the displacements for C (None: back to back)."""
+        if displs is None:
+            if have != sum(counts):
+                raise InvalidArgumentError(
+                    f"{op}: {buf} has {have} elements where the counts add up to {sum(counts)}"
+                )
+            return None
+        d = self._counts(displs, what)
+        for j, (c, at) in enumerate(zip(counts, d)):
+            if c and at + c > have:
+                raise InvalidArgumentError(
+                    f"{op}: block {j} ({c} elements at {at}) lies beyond the {have} elements "
+                    f"of {buf}"
+                )
+        return (ctypes.c_size_t * len(d))(*d)
 
     def _counts(self, counts: Sequence[int], what: str) -> List[int]:
         """``counts`` as ``size`` non-negative ints."""
@@ -619,29 +657,31 @@ class Communicator:
         counts: Optional[Sequence[int]] = None,
         root: int = 0,
         *,
+        displs: Optional[Sequence[int]] = None,
         async_op: bool = False,
     ) -> Any:
         """Gather every rank's ``x`` (any size, zero included) into ``out`` on rank ``root``,
-        back to back in rank order, rank ``j``'s of ``counts[j]`` elements (as
-        ``MPI_Gatherv``). ``out`` and ``counts`` are only needed on the root. A rank whose
-        ``x`` is not its count makes the root fail with :class:`MismatchError`. Returns
-        ``out``."""
+        rank ``j``'s of ``counts[j]`` elements (as ``MPI_Gatherv``): back to back in rank
+        order, or at element ``displs[j]`` of ``out`` (blocks not overlapping, in any order;
+        the gaps keep their values). ``out``, ``counts`` and ``displs`` are only needed on the
+        root. A rank whose ``x`` is not its count makes the root fail with
+        :class:`MismatchError`. Returns ``out``."""
         s = _buffer(x, "x", writable=False)
         root = _int(root, "root")
-        ptr, arr, r = None, None, None
+        ptr, arr, d, r = None, None, None, None
         if self.rank == root:
             if out is None or counts is None:
                 raise InvalidArgumentError("gatherv: the root needs out and counts")
             r = _buffer(out, "out")
             _same_dtype(s, r, "gatherv")
             c = self._counts(counts, "counts")
-            if r.count != sum(c) or s.count != c[root]:
+            d = self._layout(c, displs, "displs", r.count, "out", "gatherv")
+            if s.count != c[root]:
                 raise InvalidArgumentError(
-                    f"gatherv: out has {r.count} elements and x {s.count}, need the sum of the "
-                    f"counts {sum(c)} and counts[{root}] = {c[root]}"
+                    f"gatherv: x has {s.count} elements, need counts[{root}] = {c[root]}"
                 )
             ptr, arr = r.ptr, (ctypes.c_size_t * len(c))(*c)
-        args = (s.ptr, s.count, ptr, arr, s.dtype, root)
+        args = (s.ptr, s.count, ptr, arr, d, s.dtype, root)
         return self._issue("gatherv", args, out, (s, r), async_op)
 
     def scatterv(
@@ -651,29 +691,30 @@ class Communicator:
         out: Any,
         root: int = 0,
         *,
+        displs: Optional[Sequence[int]] = None,
         async_op: bool = False,
     ) -> Any:
-        """Block ``j`` of ``x`` on rank ``root`` (blocks back to back in rank order, block
-        ``j`` of ``counts[j]`` elements, any, zero included) goes to ``out`` of rank ``j`` (as
-        ``MPI_Scatterv``). ``x`` and ``counts`` are only needed on the root (pass ``None``
-        elsewhere). A rank whose ``out`` is not its count fails with :class:`MismatchError`.
-        Returns ``out``."""
+        """Block ``j`` of ``x`` on rank ``root`` (``counts[j]`` elements, any, zero included;
+        back to back in rank order, or at element ``displs[j]`` of ``x``, overlapping or not)
+        goes to ``out`` of rank ``j`` (as ``MPI_Scatterv``). ``x``, ``counts`` and ``displs``
+        are only needed on the root (pass ``None`` elsewhere). A rank whose ``out`` is not its
+        count fails with :class:`MismatchError`. Returns ``out``."""
         r = _buffer(out, "out")
         root = _int(root, "root")
-        ptr, arr, s = None, None, None
+        ptr, arr, d, s = None, None, None, None
         if self.rank == root:
             if x is None or counts is None:
                 raise InvalidArgumentError("scatterv: the root needs x and counts")
             s = _buffer(x, "x", writable=False)
             _same_dtype(s, r, "scatterv")
             c = self._counts(counts, "counts")
-            if s.count != sum(c) or r.count != c[root]:
+            d = self._layout(c, displs, "displs", s.count, "x", "scatterv")
+            if r.count != c[root]:
                 raise InvalidArgumentError(
-                    f"scatterv: x has {s.count} elements and out {r.count}, need the sum of the "
-                    f"counts {sum(c)} and counts[{root}] = {c[root]}"
+                    f"scatterv: out has {r.count} elements, need counts[{root}] = {c[root]}"
                 )
             ptr, arr = s.ptr, (ctypes.c_size_t * len(c))(*c)
-        args = (ptr, arr, r.ptr, r.count, r.dtype, root)
+        args = (ptr, arr, d, r.ptr, r.count, r.dtype, root)
         return self._issue("scatterv", args, out, (s, r), async_op)
 
     def scan(

@@ -128,8 +128,11 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
-    "chorus_allgatherv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
-    "chorus_alltoallv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
+    "chorus_allgatherv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
+    "chorus_alltoallv": (
+        c_int32,
+        [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32],
+    ),
     "chorus_sendrecv": (
         c_int32,
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
@@ -137,11 +140,11 @@ _PROTOTYPES = {
     "chorus_p2p_batch": (c_int32, [c_void_p, ctypes.POINTER(P2pOp), c_size_t]),
     "chorus_gatherv": (
         c_int32,
-        [c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_int32, c_int],
+        [c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p, c_int32, c_int],
     ),
     "chorus_scatterv": (
         c_int32,
-        [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int],
+        [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int],
     ),
     "chorus_scan": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32]),
     "chorus_exscan": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int32]),

@@ -133,6 +133,44 @@ def collectives(comm):
         assert comm.alltoallv(x, sc, out, rc) is out
         want = np.concatenate([np.arange(c) + 30 * j + 3 * me for j, c in enumerate(rc)])
         check(f"{tag} alltoallv", b.read(out), want)
+        # The same with displacements: rank j's block in reverse rank order with a gap of 2
+        # before each; the gaps keep their 99. Each rank lays out its own buffers.
+        def reversed_layout(cs, gap):
+            d, at = [0] * p, 0
+            for j in reversed(range(p)):
+                at += gap
+                d[j] = at
+                at += cs[j]
+            return d, at + gap
+
+        def placed(cs, d, n, block):
+            buf = np.full(n, 99)
+            for j, c in enumerate(cs):
+                buf[d[j]:d[j] + c] = block(j)
+            return buf
+
+        counts = [(j * 3 + 1) % 4 for j in range(p)]
+        d, n = reversed_layout(counts, 2 + me)
+        x, out = b.make(np.arange(counts[me]) + 10 * me), b.make(np.full(n, 99))
+        assert comm.allgatherv(x, out, counts, displs=d) is out
+        check(f"{tag} allgatherv displs", b.read(out), placed(counts, d, n, lambda j: np.arange(counts[j]) + 10 * j))
+        sd = [0] * p  # every block read from the start: overlapping send blocks
+        x = b.make(np.arange(4) + 30 * me)
+        rd, n = reversed_layout(rc, 1)
+        out = b.make(np.full(n, 99))
+        req = comm.alltoallv(x, sc, out, rc, send_displs=sd, recv_displs=rd, async_op=True)
+        assert req.wait() is out
+        check(f"{tag} alltoallv displs", b.read(out), placed(rc, rd, n, lambda j: np.arange(rc[j]) + 30 * j))
+        root = 0
+        d, n = reversed_layout(counts, 1)
+        x = b.make(np.arange(counts[me]) + 10 * me)
+        out = b.make(np.full(n, 99)) if me == root else None
+        comm.gatherv(x, out, counts if me == root else None, root=root, displs=d if me == root else None)
+        if me == root:
+            check(f"{tag} gatherv displs", b.read(out), placed(counts, d, n, lambda j: np.arange(counts[j]) + 10 * j))
+        got = b.make(np.zeros(counts[me]))
+        comm.scatterv(out, counts if me == root else None, got, root=root, displs=d if me == root else None)
+        check(f"{tag} scatterv displs", b.read(got), np.arange(counts[me]) + 10 * me)
         # scan and exscan: rank r's value i is r + i + 1
         x = b.make(np.arange(N) + me + 1)
         out = b.make(np.full(N, 7))
@@ -279,6 +317,10 @@ def errors(comm):
     expect(E, lambda: comm.reduce_scatterv(x, np.zeros(8, np.float64), [8] + [0] * (p - 1)), "reduce_scatterv dtypes")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * (p + 1)), "allgatherv counts")
     expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [-1] + [8] * (p - 1)), "negative count")
+    expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * p, displs=[1] * p), "allgatherv displs overlap" if p > 1 else "allgatherv displs beyond out")
+    expect(E, lambda: comm.allgatherv(x, np.zeros(8 * p, np.float32), [8] * p, displs=[8 * p] * p), "allgatherv displs beyond out")
+    expect(E, lambda: comm.alltoallv(x, [8] + [0] * (p - 1), np.zeros(8, np.float32), [8] * p, send_displs=[0] * (p + 1)), "alltoallv displs count")
+    expect(E, lambda: comm.scatterv(x, [4] * p, np.zeros(4, np.float32), root=me, displs=[5] * p), "scatterv displs beyond x")
     expect(E, lambda: comm.alltoallv(x, [True] * p, np.zeros(8, np.float32), [8] * p), "bool counts")
     expect(E, lambda: comm.alltoallv(x, [np.True_] * p, np.zeros(8, np.float32), [8] * p), "numpy bool counts")
     # Still usable after all of that.

@@ -307,15 +307,15 @@ static void collectives(chorus_comm *comm) {
             total += rc[j];
         }
         for (size_t i = 0; i < rc[me]; i++) in[i] = me * 100 + (int32_t)i;
-        OK(chorus_allgatherv(comm, in, out, rc, CHORUS_INT32));
+        OK(chorus_allgatherv(comm, in, out, rc, NULL, CHORUS_INT32));
         for (int j = 0, k = 0; j < p; j++)
             for (size_t i = 0; i < rc[j]; i++, k++)
                 CHECK(out[k] == j * 100 + (int32_t)i, "allgatherv [%d] = %d", k, out[k]);
         /* in place: this rank's block already at its place */
         for (size_t i = 0; i < total; i++) out[i] = -1;
         for (size_t i = 0; i < rc[me]; i++) out[at + i] = me * 100 + (int32_t)i;
-        if (rc[me] > 0) OK(chorus_allgatherv(comm, out + at, out, rc, CHORUS_INT32));
-        else OK(chorus_allgatherv(comm, in, out, rc, CHORUS_INT32));
+        if (rc[me] > 0) OK(chorus_allgatherv(comm, out + at, out, rc, NULL, CHORUS_INT32));
+        else OK(chorus_allgatherv(comm, in, out, rc, NULL, CHORUS_INT32));
         for (int j = 0, k = 0; j < p; j++)
             for (size_t i = 0; i < rc[j]; i++, k++)
                 CHECK(out[k] == j * 100 + (int32_t)i, "allgatherv in place [%d] = %d", k, out[k]);
@@ -329,17 +329,17 @@ static void collectives(chorus_comm *comm) {
         }
         for (int j = 0, k = 0; j < p; j++)
             for (size_t i = 0; i < sc[j]; i++, k++) in[k] = me * 1000 + j * 10 + (int32_t)i;
-        OK(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32));
+        OK(chorus_alltoallv(comm, in, sc, NULL, out, rc, NULL, CHORUS_INT32));
         for (int j = 0, k = 0; j < p; j++)
             for (size_t i = 0; i < rc[j]; i++, k++)
                 CHECK(out[k] == j * 1000 + me * 10 + (int32_t)i, "alltoallv [%d] = %d", k, out[k]);
         /* bad arguments: NULL counts, overlapping buffers, a self count that differs */
-        EXPECT(chorus_allgatherv(comm, in, out, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
-        EXPECT(chorus_alltoallv(comm, in, sc, out, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_allgatherv(comm, in, out, NULL, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_alltoallv(comm, in, sc, NULL, out, NULL, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         if (sn > 0 && rn > 0)
-            EXPECT(chorus_alltoallv(comm, in, sc, in, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+            EXPECT(chorus_alltoallv(comm, in, sc, NULL, in, rc, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         sc[me] += 1;
-        EXPECT(chorus_alltoallv(comm, in, sc, out, rc, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_alltoallv(comm, in, sc, NULL, out, rc, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         /* gatherv and scatterv to and from the last rank: rank j's block of (j + 2) % 4
          * values (zeros included); counts only on the root, NULL elsewhere */
         {
@@ -353,7 +353,7 @@ static void collectives(chorus_comm *comm) {
             for (int j = 0; j < p; j++) gc[j] = (size_t)((j + 2) % 4);
             for (size_t i = 0; i < mine; i++) blk[i] = me * 10 + (int32_t)i;
             OK(chorus_gatherv(comm, blk, mine, me == root ? all : NULL, me == root ? gc : NULL,
-                              CHORUS_INT32, root));
+                              NULL, CHORUS_INT32, root));
             if (me == root)
                 for (int j = 0, k = 0; j < p; j++)
                     for (size_t i = 0; i < gc[j]; i++, k++)
@@ -361,16 +361,85 @@ static void collectives(chorus_comm *comm) {
             if (me == root)
                 for (int j = 0, k = 0; j < p; j++)
                     for (size_t i = 0; i < gc[j]; i++, k++) all[k] = j * 100 + (int32_t)i;
-            OK(chorus_scatterv(comm, me == root ? all : NULL, me == root ? gc : NULL, got, mine,
-                               CHORUS_INT32, root));
+            OK(chorus_scatterv(comm, me == root ? all : NULL, me == root ? gc : NULL, NULL, got,
+                               mine, CHORUS_INT32, root));
             for (size_t i = 0; i < mine; i++)
                 CHECK(got[i] == me * 100 + (int)i, "scatterv [%zu] = %d", i, got[i]);
             if (me == root)
-                EXPECT(chorus_gatherv(comm, blk, mine, all, NULL, CHORUS_INT32, root),
+                EXPECT(chorus_gatherv(comm, blk, mine, all, NULL, NULL, CHORUS_INT32, root),
                        CHORUS_INVALID_ARGUMENT);
             OK(chorus_barrier(comm));
             free(all);
             free(gc);
+        }
+        /* The same with MPI's displacements: rank j's block of (j + 1) % 3 values (zeros
+         * included) at displs[j], the blocks in reverse rank order with a gap of 2 before
+         * each; the gaps keep their -5. The root of gatherv/scatterv is rank 0. */
+        {
+            size_t *cnt = malloc((size_t)p * sizeof(size_t)), *dsp = malloc((size_t)p * sizeof(size_t));
+            size_t *zero = calloc((size_t)p, sizeof(size_t));
+            CHECK(cnt && dsp && zero, "out of memory");
+            size_t len = 0;
+            for (int j = p - 1; j >= 0; j--) {
+                cnt[j] = (size_t)((j + 1) % 3);
+                len += 2;
+                dsp[j] = len;
+                len += cnt[j];
+            }
+            int32_t *buf = malloc(len * 4), *want = malloc(len * 4), mine[2], got[2] = {-1, -1};
+            CHECK(buf && want, "out of memory");
+            for (size_t i = 0; i < len; i++) buf[i] = want[i] = -5;
+            for (int j = 0; j < p; j++)
+                for (size_t i = 0; i < cnt[j]; i++) want[dsp[j] + i] = j * 100 + (int32_t)i;
+            for (size_t i = 0; i < cnt[me]; i++) mine[i] = me * 100 + (int32_t)i;
+            OK(chorus_allgatherv(comm, mine, buf, cnt, dsp, CHORUS_INT32));
+            for (size_t i = 0; i < len; i++) CHECK(buf[i] == want[i], "allgatherv displs [%zu] = %d", i, buf[i]);
+            /* in place: this rank's block already at its displacement */
+            for (size_t i = 0; i < len; i++) buf[i] = -5;
+            for (size_t i = 0; i < cnt[me]; i++) buf[dsp[me] + i] = mine[i];
+            OK(chorus_allgatherv(comm, cnt[me] ? buf + dsp[me] : mine, buf, cnt, dsp, CHORUS_INT32));
+            for (size_t i = 0; i < len; i++) CHECK(buf[i] == want[i], "allgatherv displs in place [%zu]", i);
+            /* gatherv into the layout on rank 0; scatterv back out of it */
+            for (size_t i = 0; i < len; i++) buf[i] = -5;
+            OK(chorus_gatherv(comm, mine, cnt[me], me == 0 ? buf : NULL, me == 0 ? cnt : NULL,
+                              me == 0 ? dsp : NULL, CHORUS_INT32, 0));
+            if (me == 0)
+                for (size_t i = 0; i < len; i++) CHECK(buf[i] == want[i], "gatherv displs [%zu] = %d", i, buf[i]);
+            OK(chorus_scatterv(comm, me == 0 ? want : NULL, me == 0 ? cnt : NULL, me == 0 ? dsp : NULL,
+                               got, cnt[me], CHORUS_INT32, 0));
+            for (size_t i = 0; i < cnt[me]; i++) CHECK(got[i] == mine[i], "scatterv displs [%zu] = %d", i, got[i]);
+            /* alltoallv: every rank sends the same value block (j + 1) % 3 values long to rank
+             * j, all read from offset 0 (overlapping send blocks), into the reversed layout */
+            int32_t src[2] = {me * 7, me * 7 + 1};
+            size_t *rc2 = malloc((size_t)p * sizeof(size_t));
+            CHECK(rc2 != NULL, "out of memory");
+            for (int j = 0; j < p; j++) rc2[j] = cnt[me];
+            size_t rlen = 0;
+            for (int j = p - 1; j >= 0; j--) { dsp[j] = rlen + 1; rlen += 1 + rc2[j]; }
+            int32_t *rb = malloc((rlen + 1) * 4);
+            CHECK(rb != NULL, "out of memory");
+            for (size_t i = 0; i <= rlen; i++) rb[i] = -5;
+            OK(chorus_alltoallv(comm, src, cnt, zero, rb, rc2, dsp, CHORUS_INT32));
+            for (int j = 0; j < p; j++) {
+                CHECK(rb[dsp[j] - 1] == -5, "alltoallv displs gap before %d", j);
+                for (size_t i = 0; i < rc2[j]; i++)
+                    CHECK(rb[dsp[j] + i] == j * 7 + (int32_t)i, "alltoallv displs from %d [%zu] = %d", j, i, rb[dsp[j] + i]);
+            }
+            /* overlapping receive blocks are refused, the communicator usable */
+            if (p > 1) {
+                for (int j = 0; j < p; j++) { cnt[j] = 2; dsp[j] = 0; }
+                int32_t big[16];
+                EXPECT(chorus_allgatherv(comm, mine, big, cnt, dsp, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+                EXPECT(chorus_gatherv(comm, mine, 2, big, cnt, dsp, CHORUS_INT32, me), CHORUS_INVALID_ARGUMENT);
+            }
+            OK(chorus_barrier(comm));
+            free(rb);
+            free(rc2);
+            free(buf);
+            free(want);
+            free(cnt);
+            free(dsp);
+            free(zero);
         }
         /* reduce_scatterv: block j of (3j + 1) % 4 values (zeros included; all 2 in the
          * second round: equal blocks); rank r's value i of block j is (r + 1)(i + j + 1) */
@@ -1062,13 +1131,13 @@ static void nonblocking(chorus_comm *comm) {
         }
         int32_t vin[3];
         for (size_t i = 0; i < rc[me]; i++) vin[i] = me * 100 + (int32_t)i;
-        OK(chorus_iallgatherv(comm, vin, agv, rc, CHORUS_INT32, &req[k++]));
+        OK(chorus_iallgatherv(comm, vin, agv, rc, NULL, CHORUS_INT32, &req[k++]));
         /* The counts are read at issue: scribbling on them afterwards changes nothing. */
         size_t saved[4];
         for (int j = 0; j < p; j++) saved[j] = rc[j], rc[j] = 99;
         for (int j = 0, m = 0; j < p; j++)
             for (size_t i = 0; i < sc[j]; i++, m++) a2av_in[m] = me * 1000 + j * 10 + (int32_t)i;
-        OK(chorus_ialltoallv(comm, a2av_in, sc, a2av_out, rc2, CHORUS_INT32, &req[k++]));
+        OK(chorus_ialltoallv(comm, a2av_in, sc, NULL, a2av_out, rc2, NULL, CHORUS_INT32, &req[k++]));
         /* A batch around the ring; its array is read at issue, so scribbling on it
          * afterwards changes nothing. */
         int32_t ring_out[N], ring_in[N];
@@ -1096,9 +1165,9 @@ static void nonblocking(chorus_comm *comm) {
         int32_t gv_in[4], gv_all[10], sv_out[4];
         for (int i = 0; i <= me; i++) gv_in[i] = me * 10 + i + round;
         for (int j = 0; j < p; j++) rsv_counts[j] = (size_t)j + 1;
-        OK(chorus_igatherv(comm, gv_in, (size_t)me + 1, gv_all, me == 0 ? rsv_counts : NULL,
+        OK(chorus_igatherv(comm, gv_in, (size_t)me + 1, gv_all, me == 0 ? rsv_counts : NULL, NULL,
                            CHORUS_INT32, 0, &req[k++]));
-        OK(chorus_iscatterv(comm, gv_all, me == 0 ? rsv_counts : NULL, sv_out, (size_t)me + 1,
+        OK(chorus_iscatterv(comm, gv_all, me == 0 ? rsv_counts : NULL, NULL, sv_out, (size_t)me + 1,
                             CHORUS_INT32, 0, &req[k++]));
         memset(rsv_counts, 0, sizeof rsv_counts);
         OK(chorus_ibarrier(comm, &req[k++]));
