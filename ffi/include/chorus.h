@@ -751,7 +751,8 @@ int32_t chorus_iallgather(chorus_comm *comm,
  * `comm` is NULL or a live communicator; `recvcounts` (and `displs` unless NULL) are valid
  * for `size` values; `sendbuf` is valid for `recvcounts[rank]` elements and `recvbuf` for
  * writable elements of `dtype` up to the end of the last block, not accessed elsewhere
- * during the call.
+ * during the call (from its start to the end of the last block, gaps between blocks
+ * included: chorus leaves them as they were, but they are part of the buffer).
  */
 int32_t chorus_allgatherv(chorus_comm *comm,
                           const void *sendbuf,
@@ -788,7 +789,8 @@ int32_t chorus_iallgatherv(chorus_comm *comm,
  * `comm` is NULL or a live communicator; the counts (and displacements unless NULL) are
  * valid for `size` values; `sendbuf` is valid for elements of `dtype` up to the end of its
  * last block and `recvbuf` writable up to the end of its last block, not accessed elsewhere
- * during the call.
+ * during the call (gaps between blocks included: left as they were, but part of the
+ * buffers).
  */
 int32_t chorus_alltoallv(chorus_comm *comm,
                          const void *sendbuf,
@@ -996,7 +998,8 @@ int32_t chorus_iscatter(chorus_comm *comm,
  * `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
  * `dtype`; on the root `recvcounts` (and `displs` unless NULL) are valid for `size` values
  * and `recvbuf` for writable elements up to the end of the last block; neither buffer is
- * accessed elsewhere during the call.
+ * accessed elsewhere during the call (gaps between blocks included: left as they were, but
+ * part of the buffer).
  */
 int32_t chorus_gatherv(chorus_comm *comm,
                        const void *sendbuf,
@@ -1038,7 +1041,7 @@ int32_t chorus_igatherv(chorus_comm *comm,
  * `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
  * elements of `dtype`; on the root `sendcounts` (and `displs` unless NULL) are valid for
  * `size` values and `sendbuf` for elements up to the end of the last block; neither buffer is
- * accessed elsewhere during the call.
+ * written elsewhere during the call (gaps between blocks included).
  */
 int32_t chorus_scatterv(chorus_comm *comm,
                         const void *sendbuf,

@@ -1264,7 +1264,8 @@ unsafe fn vblocks(
 /// `comm` is NULL or a live communicator; `recvcounts` (and `displs` unless NULL) are valid
 /// for `size` values; `sendbuf` is valid for `recvcounts[rank]` elements and `recvbuf` for
 /// writable elements of `dtype` up to the end of the last block, not accessed elsewhere
-/// during the call.
+/// during the call (from its start to the end of the last block, gaps between blocks
+/// included: chorus leaves them as they were, but they are part of the buffer).
 #[no_mangle]
 pub unsafe extern "C" fn chorus_allgatherv(
     comm: *mut chorus_comm,
@@ -1357,7 +1358,8 @@ unsafe fn allgatherv_call(
 /// `comm` is NULL or a live communicator; the counts (and displacements unless NULL) are
 /// valid for `size` values; `sendbuf` is valid for elements of `dtype` up to the end of its
 /// last block and `recvbuf` writable up to the end of its last block, not accessed elsewhere
-/// during the call.
+/// during the call (gaps between blocks included: left as they were, but part of the
+/// buffers).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_alltoallv(
@@ -1859,7 +1861,8 @@ unsafe fn scatter_call(
 /// `comm` is NULL or a live communicator; `sendbuf` is valid for `sendcount` elements of
 /// `dtype`; on the root `recvcounts` (and `displs` unless NULL) are valid for `size` values
 /// and `recvbuf` for writable elements up to the end of the last block; neither buffer is
-/// accessed elsewhere during the call.
+/// accessed elsewhere during the call (gaps between blocks included: left as they were, but
+/// part of the buffer).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_gatherv(
@@ -1972,7 +1975,7 @@ unsafe fn gatherv_call(
 /// `comm` is NULL or a live communicator; `recvbuf` is valid for `recvcount` writable
 /// elements of `dtype`; on the root `sendcounts` (and `displs` unless NULL) are valid for
 /// `size` values and `sendbuf` for elements up to the end of the last block; neither buffer is
-/// accessed elsewhere during the call.
+/// written elsewhere during the call (gaps between blocks included).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn chorus_scatterv(

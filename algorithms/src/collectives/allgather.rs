@@ -11,6 +11,11 @@
 //!
 //! Out of place the own block is first copied from the input; in place (`send` `None`) it is
 //! already at block `r` of the output.
+//!
+//! Allgatherv ([`run_v`]) runs the same steps on blocks of their own sizes wherever a
+//! [`Layout`] puts them. A step's blocks always travel as one message; where they do not lie
+//! back to back in this rank's output (recursive doubling's groups under displacements), they
+//! are gathered into a staging buffer to be sent, and received into one to be spread.
 
 use std::ops::Range;
 

@@ -544,7 +544,7 @@ class Communicator:
                     f"{op}: {buf} has {have} elements where the counts add up to {sum(counts)}"
                 )
             return None
-        d = self._counts(displs, what)
+        d = self._counts(displs, what, ignore=[c == 0 for c in counts])
         for j, (c, at) in enumerate(zip(counts, d)):
             if c and at + c > have:
                 raise InvalidArgumentError(
@@ -553,8 +553,11 @@ class Communicator:
                 )
         return (ctypes.c_size_t * len(d))(*d)
 
-    def _counts(self, counts: Sequence[int], what: str) -> List[int]:
-        """``counts`` as ``size`` non-negative ints."""
+    def _counts(
+        self, counts: Sequence[int], what: str, ignore: Optional[List[bool]] = None
+    ) -> List[int]:
+        """``counts`` as ``size`` non-negative ints; entry ``j`` is not range-checked (and
+        passed as 0) where ``ignore[j]`` (the displacement of an empty block, as in MPI)."""
         c = []
         try:
             for v in counts:
@@ -565,6 +568,8 @@ class Communicator:
             raise InvalidArgumentError(f"{what} must be a sequence of ints") from None
         if len(c) != self.size:
             raise InvalidArgumentError(f"{what} has {len(c)} entries for {self.size} ranks")
+        if ignore is not None:
+            c = [0 if skip else v for v, skip in zip(c, ignore)]
         if any(not 0 <= v < 2**62 for v in c):
             raise InvalidArgumentError(f"{what} holds a negative or huge count")
         return c

@@ -386,6 +386,9 @@ static void collectives(chorus_comm *comm) {
                 dsp[j] = len;
                 len += cnt[j];
             }
+            /* an empty block's displacement is ignored, as in MPI: any value will do */
+            for (int j = 0; j < p; j++)
+                if (cnt[j] == 0) dsp[j] = SIZE_MAX;
             int32_t *buf = malloc(len * 4), *want = malloc(len * 4), mine[2], got[2] = {-1, -1};
             CHECK(buf && want, "out of memory");
             for (size_t i = 0; i < len; i++) buf[i] = want[i] = -5;
