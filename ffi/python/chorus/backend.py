@@ -40,7 +40,8 @@ tensors), ``broadcast``, ``reduce``,
 ``all_gather`` (tensors of different sizes too, through allgatherv),
 ``all_gather_into_tensor``, ``reduce_scatter`` (tensors of different sizes too, through
 reduce_scatterv), ``reduce_scatter_tensor``, ``all_to_all``,
-``all_to_all_single`` (with split sizes too, through alltoallv), ``gather``, ``scatter``,
+``all_to_all_single`` (with split sizes too, through alltoallv), ``gather`` and ``scatter``
+(tensors of different sizes too, through gatherv and scatterv),
 ``barrier``, ``send`` and ``recv`` (tag 0: messages between two ranks are matched in order),
 and what is built on them (``all_gather_object``, ``broadcast_object_list``, DDP). Not
 supported, with an error saying so: ``recv`` from any source, ``PREMUL_SUM``, bitwise
@@ -394,31 +395,36 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def gather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
-        root, p = _root(opts), self.comm.size
+        # gatherv always: only the root knows every size, so tensors of different sizes
+        # (rank j's input the size of the root's output j) work as well as equal ones.
+        root = _root(opts)
         for i, x in enumerate(inputs):
             src = _bytes(x, "the input")
             if self.comm.rank == root:
-                outs = self._blocks(outputs[i], x, "gather", "output", same_size=True)
-                flat = torch.empty(src.numel() * p, dtype=torch.uint8)
-                self.comm.gather(src, flat, root=root)
-                for o, part in zip(outs, flat.split(src.numel())):
+                outs = self._blocks(outputs[i], x, "gather", "output", same_size=False)
+                counts = [o.numel() for o in outs]
+                flat = torch.empty(sum(counts), dtype=torch.uint8)
+                self.comm.gatherv(src, flat, counts, root=root)
+                for o, part in zip(outs, flat.split(counts)):
                     o.copy_(part)
             else:
-                self.comm.gather(src, None, root=root)
+                self.comm.gatherv(src, None, None, root=root)
         return _done(outputs)
 
     @_collective
     def scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
+        # scatterv always, as gather above.
         root = _root(opts)
         for i, out in enumerate(outputs):
             dst = _bytes(out, "the output")
             if self.comm.rank == root:
-                src = torch.cat(self._blocks(inputs[i], out, "scatter", "input", same_size=True))
-                self.comm.scatter(src, dst, root=root)
+                ins = self._blocks(inputs[i], out, "scatter", "input", same_size=False)
+                src = torch.cat(ins)
+                self.comm.scatterv(src, [t.numel() for t in ins], dst, root=root)
             else:
-                self.comm.scatter(None, dst, root=root)
+                self.comm.scatterv(None, None, dst, root=root)
         return _done(outputs)
 
     @_collective

@@ -133,6 +133,15 @@ def main():
     got = torch.zeros(3)
     dist.scatter(got, [torch.full((3,), float(j * 7)) for j in range(p)] if me == root else None, src=root)
     check("scatter", got, torch.full((3,), float(me * 7)))
+    # ... and of tensors of different sizes (rank j's of j + 1 rows; Gloo needs equal ones)
+    outs = [torch.zeros(j + 1, 2) for j in range(p)] if me == root else None
+    dist.gather(torch.full((me + 1, 2), float(me)), outs, dst=root)
+    if me == root:
+        check("gather of different sizes", torch.cat(outs), torch.cat([torch.full((j + 1, 2), float(j)) for j in range(p)]))
+    got = torch.zeros(me + 1, 2, dtype=torch.float64)
+    ins = [torch.full((j + 1, 2), j * 0.5, dtype=torch.float64) for j in range(p)] if me == root else None
+    dist.scatter(got, ins, src=root)
+    check("scatter of different sizes", got, torch.full((me + 1, 2), me * 0.5, dtype=torch.float64))
     # send/recv around a ring, even ranks first
     if p > 1:
         right, left = (me + 1) % p, (me - 1) % p
