@@ -84,40 +84,78 @@ impl<'a> P2p<'a> {
 
     /// The tag of the message: a point-to-point message's, which carries the dtype.
     fn tag(&self) -> u64 {
-        tag_base(0, CollKind::SendRecv, self.dtype, NO_OP)
+        p2p_tag(self.dtype)
+    }
+
+    /// The transfer's shape: what [`P2p::check_batch`] looks at.
+    pub fn shape(&self) -> P2pShape {
+        let (len, send) = match &self.buf {
+            P2pBuf::Send(b) => (b.len(), true),
+            P2pBuf::Recv(b) => (b.len(), false),
+        };
+        P2pShape {
+            peer: self.peer,
+            dtype: self.dtype,
+            len,
+            send,
+        }
     }
 
     /// Checks `ops` as [`Communicator::p2p_batch`] does on rank `rank` of `size` before
     /// anything moves (whole elements, peers in range, messages that fit a frame, every send
     /// to this rank paired in order with a receive from it of the same length and dtype): an
-    /// [`ErrorKind::InvalidArgument`] error, the communicator untouched. For callers that
-    /// issue a batch to run later (the C ABI's nonblocking form) and refuse it at once.
+    /// [`ErrorKind::InvalidArgument`] error, the communicator untouched.
     pub fn check_batch(ops: &[P2p<'_>], rank: usize, size: usize) -> Result<(), CommError> {
+        let shapes: Vec<P2pShape> = ops.iter().map(P2p::shape).collect();
+        P2pShape::check_batch(&shapes, rank, size)
+    }
+}
+
+/// A transfer of a batch without its buffer: for callers that check a batch before its
+/// buffers may be touched (the C ABI's nonblocking form, refused at once when it is wrong).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct P2pShape {
+    /// The rank sent to or received from.
+    pub peer: usize,
+    /// The elements' dtype.
+    pub dtype: DType,
+    /// The length in bytes.
+    pub len: usize,
+    /// A send (else a receive).
+    pub send: bool,
+}
+
+impl P2pShape {
+    /// [`P2p::check_batch`] on shapes.
+    pub fn check_batch(ops: &[P2pShape], rank: usize, size: usize) -> Result<(), CommError> {
         const OP: &str = "p2p_batch";
         let invalid = |m: String| CommError::invalid(OP, m).at_rank(rank);
         let mut shapes = Vec::with_capacity(ops.len());
         for (i, o) in ops.iter().enumerate() {
-            let (what, len, send) = match &o.buf {
-                P2pBuf::Send(b) => ("send", b.len(), true),
-                P2pBuf::Recv(b) => ("receive", b.len(), false),
-            };
-            if len % o.dtype.size() != 0 {
+            let what = if o.send { "send" } else { "receive" };
+            if o.len % o.dtype.size() != 0 {
                 return Err(invalid(format!(
-                    "transfer {i} ({what}) of {len} bytes is not a whole number of {} elements \
+                    "transfer {i} ({what}) of {} bytes is not a whole number of {} elements \
                      ({} bytes each)",
+                    o.len,
                     o.dtype.name(),
                     o.dtype.size()
                 )));
             }
             shapes.push(p2p::Shape {
                 peer: o.peer,
-                tag: o.tag(),
-                len,
-                send,
+                tag: p2p_tag(o.dtype),
+                len: o.len,
+                send: o.send,
             });
         }
         p2p::check_batch(rank, size, &shapes).map_err(invalid)
     }
+}
+
+/// The tag of a point-to-point message of `dtype` elements.
+fn p2p_tag(dtype: DType) -> u64 {
+    tag_base(0, CollKind::SendRecv, dtype, NO_OP)
 }
 
 /// The op field of the tags of collectives that do not reduce.

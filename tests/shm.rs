@@ -198,3 +198,51 @@ fn rdma_falls_back_to_tcp_and_says_why() {
         assert!(out.contains("over shm"), "rank {rank}:\n{out}");
     }
 }
+
+/// Two "hosts" on this machine (`CHORUS_HOSTID`), two ranks each: shared memory within a host,
+/// TCP between them, so that ring steps wait on both at once. A rank exits abruptly in the
+/// middle of large allreduces; every survivor gets an error naming it within seconds, not at
+/// the timeout (60 s here), whichever rank it is.
+#[test]
+fn killed_rank_of_a_two_host_job_is_named_quickly() {
+    if is_child() {
+        return kill_test_child("shm+tcp");
+    }
+    for victim in 0..4 {
+        let job = spawn_job_with(
+            4,
+            "killed_rank_of_a_two_host_job_is_named_quickly",
+            |rank| {
+                vec![
+                    ("CHORUS_TEST_VICTIM", victim.to_string()),
+                    ("CHORUS_TRANSPORT", "auto".to_string()),
+                    ("CHORUS_ALGO", "ring".to_string()),
+                    ("CHORUS_TIMEOUT", "60".to_string()),
+                    ("CHORUS_HOSTID", format!("host-{}", rank / 2)),
+                ]
+            },
+        );
+        let start = Instant::now();
+        let res = wait_job(job, Duration::from_secs(150));
+        for (rank, (code, out)) in res.iter().enumerate() {
+            if rank == victim {
+                assert_eq!(*code, Some(17), "victim output:\n{out}");
+                continue;
+            }
+            assert_eq!(*code, Some(0), "victim {victim}, rank {rank}:\n{out}");
+            let line = out
+                .lines()
+                .find(|l| l.contains("ERR after"))
+                .unwrap_or_default();
+            assert!(
+                line.contains(&format!("rank {victim}")),
+                "victim {victim}, rank {rank} does not name it: {line}\n{out}"
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "victim {victim}: errors took {:?}",
+            start.elapsed()
+        );
+    }
+}

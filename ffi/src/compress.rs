@@ -120,11 +120,14 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
         let dtype = dtype.get()?;
         let op = op.get()?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        // SAFETY: valid for `bytes` bytes by the caller's promise.
-        let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
+        let buf = ptr::RawBuf::new(buf, bytes, "buf")?;
         let mut state = lock(comp)?;
+        // The slice is made inside `with`, after the calls issued before this one (which may
+        // use the same memory) have ended.
         c.with(|c| {
-            c.all_reduce_compressed_raw(buf, dtype, op, &mut state)?;
+            // SAFETY: valid for `bytes` writable bytes by the caller's promise, not accessed
+            // elsewhere during the call.
+            c.all_reduce_compressed_raw(unsafe { buf.get_mut() }, dtype, op, &mut state)?;
             Ok(())
         })
     })

@@ -165,6 +165,30 @@ pub struct chorus_comm {
     /// one is: a blocking call may be waiting for the nonblocking ones without holding any
     /// lock yet).
     active: AtomicUsize,
+    /// Threads inside a call that uses the communicator (a blocking call, or the issue of a
+    /// nonblocking one; not an abort): a second one is refused, since calls on one
+    /// communicator must not overlap.
+    callers: AtomicUsize,
+}
+
+/// This thread's turn at a communicator, held while a call uses it; a second caller at once is
+/// refused (`None`).
+struct Turn<'a>(&'a AtomicUsize);
+
+impl<'a> Turn<'a> {
+    fn take(count: &'a AtomicUsize) -> Option<Turn<'a>> {
+        if count.fetch_add(1, Ordering::SeqCst) > 0 {
+            count.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Turn(count))
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// One call counted in `chorus_comm::active` while it lives.
@@ -190,6 +214,7 @@ impl chorus_comm {
             size: c.size(),
             queue: Queue::new(c),
             active: AtomicUsize::new(0),
+            callers: AtomicUsize::new(0),
         }
     }
 
@@ -202,6 +227,7 @@ impl chorus_comm {
         let _entered = Entered::new(&self.active);
         // In a forked child, before anything that the parent's threads may hold at the fork.
         self.queue.check_process()?;
+        let _turn = Turn::take(&self.callers).ok_or_else(|| self.in_use())?;
         self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
     }
 
@@ -627,6 +653,53 @@ pub struct chorus_request {
     inner: Request<()>,
 }
 
+/// The requests handed out and not yet completed or freed, by address. A request pointer that
+/// is not here (completed already, freed, waited through a copy, or never a request) is
+/// refused with `CHORUS_INVALID_ARGUMENT` instead of being used.
+static LIVE_REQUESTS: std::sync::Mutex<std::collections::BTreeSet<usize>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn live_requests() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>> {
+    // Nothing panics while holding it; a poisoned set is still a set.
+    LIVE_REQUESTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The caller's request slot at `request` (NULL and misaligned pointers refused).
+///
+/// # Safety
+/// `request` is NULL, misaligned, or valid for reading and writing a request pointer.
+unsafe fn request_slot<'a>(
+    request: *mut *mut chorus_request,
+) -> Result<&'a mut *mut chorus_request, Failure> {
+    ptr::check_aligned(request, "request")?;
+    // SAFETY: NULL or valid and aligned by the caller's promise (alignment checked).
+    unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))
+}
+
+/// Takes the request out of `slot` (set to NULL): `None` for a NULL one, an error for a
+/// pointer that is not a live request.
+fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_request>>, Failure> {
+    let req = std::mem::replace(slot, std::ptr::null_mut());
+    if req.is_null() {
+        return Ok(None);
+    }
+    if !live_requests().remove(&(req as usize)) {
+        return Err(not_a_request(req));
+    }
+    // SAFETY: made by `Box::into_raw` in `issue` and still in the live set, from which it was
+    // just removed: no other completion can take it.
+    Ok(Some(unsafe { Box::from_raw(req) }))
+}
+
+fn not_a_request(req: *mut chorus_request) -> Failure {
+    Failure::invalid(format!(
+        "request {req:p} is not a live request (completed or freed already, perhaps through \
+         another copy of the pointer)"
+    ))
+}
+
 /// The body of every collective export: check the communicator and the arguments (`make`
 /// builds the call), then run the call (`request` `None`, blocking) or issue it on the
 /// communicator's queue, its request to `*request`.
@@ -656,8 +729,12 @@ unsafe fn issue(
         match request {
             None => c.with(|comm| Ok(call(comm)?)),
             Some(out) => {
+                // Not while another thread is in a call on this communicator: the order of
+                // the two would be this rank's chance, not the program's.
+                let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
                 let inner = c.queue.submit(call);
                 let req = Box::into_raw(Box::new(chorus_request { inner }));
+                live_requests().insert(req as usize);
                 // SAFETY: as above.
                 unsafe { ptr::write_out(out, req, "request") }
             }
@@ -679,16 +756,11 @@ unsafe fn issue(
 pub unsafe extern "C" fn chorus_wait(request: *mut *mut chorus_request) -> i32 {
     guard("chorus_wait", || {
         // SAFETY: NULL or valid by the caller's promise.
-        let slot =
-            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
-        let req = std::mem::replace(slot, std::ptr::null_mut());
-        if req.is_null() {
-            return Ok(());
+        let slot = unsafe { request_slot(request)? };
+        match take_request(slot)? {
+            None => Ok(()),
+            Some(req) => Ok(req.inner.wait()?),
         }
-        // SAFETY: made by `Box::into_raw` in `issue` and completed only here (the pointer is
-        // cleared above), by the caller's promise.
-        let req = unsafe { Box::from_raw(req) };
-        Ok(req.inner.wait()?)
     })
 }
 
@@ -702,26 +774,30 @@ pub unsafe extern "C" fn chorus_wait(request: *mut *mut chorus_request) -> i32 {
 pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *mut c_int) -> i32 {
     guard("chorus_test", || {
         ptr::check_out(done, "done")?;
+        ptr::check_aligned(done, "done")?;
         // SAFETY: NULL or valid by the caller's promise.
-        let slot =
-            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
-        // SAFETY: NULL or live, by the caller's promise.
-        let finished = match unsafe { slot.as_ref() } {
-            None => true,
-            Some(r) => r.inner.test(),
+        let slot = unsafe { request_slot(request)? };
+        let req = *slot;
+        let finished = if req.is_null() {
+            true
+        } else {
+            // Held while looking, so that no other completion frees it meanwhile.
+            let live = live_requests();
+            if !live.contains(&(req as usize)) {
+                return Err(not_a_request(req));
+            }
+            // SAFETY: a live request (in the set, which is locked).
+            unsafe { &*req }.inner.test()
         };
-        // SAFETY: non-NULL and writable by the caller's promise.
+        // SAFETY: non-NULL, aligned and writable by the caller's promise.
         unsafe { ptr::write_out(done, c_int::from(finished), "done")? };
         if !finished {
             return Ok(());
         }
-        let req = std::mem::replace(slot, std::ptr::null_mut());
-        if req.is_null() {
-            return Ok(());
+        match take_request(slot)? {
+            None => Ok(()),
+            Some(req) => Ok(req.inner.wait()?),
         }
-        // SAFETY: as in `chorus_wait`.
-        let req = unsafe { Box::from_raw(req) };
-        Ok(req.inner.wait()?)
     })
 }
 
@@ -740,15 +816,10 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
 pub unsafe extern "C" fn chorus_request_free(request: *mut *mut chorus_request) -> i32 {
     guard("chorus_request_free", || {
         // SAFETY: NULL or valid by the caller's promise.
-        let slot =
-            unsafe { request.as_mut() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
-        let req = std::mem::replace(slot, std::ptr::null_mut());
-        if req.is_null() {
+        let slot = unsafe { request_slot(request)? };
+        let Some(req) = take_request(slot)? else {
             return Ok(());
-        }
-        // SAFETY: set by a `chorus_i*` function and not yet completed, by the caller's
-        // promise.
-        let req = unsafe { Box::from_raw(req) };
+        };
         match req.inner.detach() {
             Some(finished) => Ok(finished?),
             None => Ok(()),
@@ -770,6 +841,9 @@ pub unsafe extern "C" fn chorus_waitall(count: usize, requests: *mut *mut chorus
         return guard("chorus_waitall", || {
             Err(Failure::invalid("requests is NULL"))
         });
+    }
+    if let Err(e) = ptr::check_aligned(requests, "requests") {
+        return guard("chorus_waitall", || Err(e));
     }
     for i in 0..count {
         // SAFETY: inside the caller's array of `count` pointers.
@@ -2218,9 +2292,13 @@ pub unsafe extern "C" fn chorus_send(
         let dtype = dtype.get()?;
         let peer = rank_arg(peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        // SAFETY: valid for `bytes` bytes by the caller's promise.
-        let buf = unsafe { ptr::buf(buf, bytes, "buf")? };
-        c.with(|c| Ok(c.send_raw(buf, dtype, peer)?))
+        let buf = RawBuf::new(buf, bytes, "buf")?;
+        // The slice is made inside `with`, after the calls issued before this one (which may
+        // use the same memory) have ended.
+        c.with(|c| {
+            // SAFETY: valid for `bytes` bytes by the caller's promise.
+            Ok(c.send_raw(unsafe { buf.get() }, dtype, peer)?)
+        })
     })
 }
 
@@ -2244,9 +2322,13 @@ pub unsafe extern "C" fn chorus_recv(
         let dtype = dtype.get()?;
         let peer = rank_arg(peer, "peer")?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        // SAFETY: valid for `bytes` writable bytes by the caller's promise.
-        let buf = unsafe { ptr::buf_mut(buf, bytes, "buf")? };
-        c.with(|c| Ok(c.recv_raw(buf, dtype, peer)?))
+        let buf = RawBuf::new(buf, bytes, "buf")?;
+        // The slice is made inside `with`, after the calls issued before this one.
+        c.with(|c| {
+            // SAFETY: valid for `bytes` writable bytes by the caller's promise, not accessed
+            // elsewhere during the call.
+            Ok(c.recv_raw(unsafe { buf.get_mut() }, dtype, peer)?)
+        })
     })
 }
 
@@ -2384,10 +2466,18 @@ unsafe fn p2p_batch_call(
     }
     ptr::check_receives_apart(ranges)?;
     // What the communicator checks (peers, the sends to this rank paired with receives),
-    // here too, so that a nonblocking batch is refused when issued.
-    // SAFETY: the buffers are valid from now until the call completes by the caller's
-    // promise, and no receive's overlaps another buffer (checked).
-    chorus_core::P2p::check_batch(&unsafe { p2p_views(&checked) }, c.rank, c.size)?;
+    // here too, so that a nonblocking batch is refused when issued: on the shapes, since the
+    // buffers may still be in use by calls issued before this one.
+    let shapes: Vec<chorus_core::P2pShape> = checked
+        .iter()
+        .map(|&(buf, send, dtype, peer)| chorus_core::P2pShape {
+            peer,
+            dtype,
+            len: buf.len(),
+            send,
+        })
+        .collect();
+    chorus_core::P2pShape::check_batch(&shapes, c.rank, c.size)?;
     Ok(Box::new(move |c| {
         // SAFETY: as above, until the call completes.
         let mut batch = unsafe { p2p_views(&checked) };
@@ -2453,11 +2543,15 @@ pub unsafe extern "C" fn chorus_sendrecv(
             recv_bytes,
             "sendbuf and recvbuf",
         )?;
-        // SAFETY: valid for `send_bytes` bytes by the caller's promise, disjoint from `recv`.
-        let send = unsafe { ptr::buf(sendbuf, send_bytes, "sendbuf")? };
-        // SAFETY: valid for `recv_bytes` writable bytes by the caller's promise.
-        let recv = unsafe { ptr::buf_mut(recvbuf, recv_bytes, "recvbuf")? };
-        c.with(|c| Ok(c.send_recv_raw(send, dest, recv, source, dtype)?))
+        let send = RawBuf::new(sendbuf, send_bytes, "sendbuf")?;
+        let recv = RawBuf::new(recvbuf, recv_bytes, "recvbuf")?;
+        // The slices are made inside `with`, after the calls issued before this one.
+        c.with(|c| {
+            // SAFETY: valid by the caller's promise (the receive writable, not accessed
+            // elsewhere during the call), disjoint (checked).
+            let (send, recv) = unsafe { (send.get(), recv.get_mut()) };
+            Ok(c.send_recv_raw(send, dest, recv, source, dtype)?)
+        })
     })
 }
 

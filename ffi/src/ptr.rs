@@ -42,8 +42,21 @@ pub(crate) unsafe fn write_out<T>(p: *mut T, value: T, what: &str) -> Result<(),
     if p.is_null() {
         return Err(Failure::invalid(format!("{what} is NULL")));
     }
-    // SAFETY: non-NULL, and the caller promises it is valid for writes of a `T`.
+    check_aligned(p, what)?;
+    // SAFETY: non-NULL and aligned (checked), and the caller promises it is valid for writes
+    // of a `T`.
     unsafe { p.write(value) };
+    Ok(())
+}
+
+/// Refuses a pointer that is not aligned for `T` (NULL passes: checked where it matters).
+pub(crate) fn check_aligned<T>(p: *const T, what: &str) -> Result<(), Failure> {
+    if p as usize % std::mem::align_of::<T>() != 0 {
+        return Err(Failure::invalid(format!(
+            "{what} ({p:p}) is not aligned for its type ({} bytes)",
+            std::mem::align_of::<T>()
+        )));
+    }
     Ok(())
 }
 
@@ -84,50 +97,10 @@ pub(crate) fn byte_len(count: usize, elem: usize, what: &str) -> Result<usize, F
         })
 }
 
-/// A read-only buffer of `len` bytes at `p`; NULL is accepted only when `len` is 0.
-///
-/// # Safety
-/// Unless NULL, `p` is valid for reading `len` bytes during the call, and nothing writes them
-/// meanwhile (except through a buffer this call also received, which must not overlap it:
-/// see [`check_disjoint`]).
-pub(crate) unsafe fn buf<'a>(
-    p: *const c_void,
-    len: usize,
-    what: &str,
-) -> Result<&'a [u8], Failure> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if p.is_null() {
-        return Err(Failure::invalid(format!("{what} is NULL")));
-    }
-    // SAFETY: non-NULL, `len` ≤ isize::MAX (from `byte_len`), readable by the caller's promise.
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
-}
-
-/// A writable buffer of `len` bytes at `p`; NULL is accepted only when `len` is 0.
-///
-/// # Safety
-/// Unless NULL, `p` is valid for reading and writing `len` bytes during the call and nothing
-/// else accesses them meanwhile.
-pub(crate) unsafe fn buf_mut<'a>(
-    p: *mut c_void,
-    len: usize,
-    what: &str,
-) -> Result<&'a mut [u8], Failure> {
-    if len == 0 {
-        return Ok(&mut []);
-    }
-    if p.is_null() {
-        return Err(Failure::invalid(format!("{what} is NULL")));
-    }
-    // SAFETY: non-NULL, `len` ≤ isize::MAX, exclusively ours for the call by the caller's
-    // promise (overlap with the other buffer of the call is ruled out by `check_disjoint`).
-    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
-}
-
 /// A buffer checked when a call is issued and made into a slice when the call runs, which for
-/// the nonblocking calls is later and on the communicator's queue thread.
+/// the nonblocking calls is later and on the communicator's queue thread, and for the blocking
+/// ones after the nonblocking calls issued before them have ended (they may use the same
+/// memory: no slice of it may exist meanwhile).
 #[derive(Clone, Copy)]
 pub(crate) struct RawBuf {
     ptr: *mut u8,
@@ -149,6 +122,11 @@ impl RawBuf {
             ptr: p.cast::<u8>().cast_mut(),
             len,
         })
+    }
+
+    /// How many bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// The bytes, to read.

@@ -894,6 +894,11 @@ static void busy(chorus_comm *comm) {
             if (round == 0) {
                 EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
                 CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());
+                /* nor may another call start on it, blocking or not */
+                chorus_request *r = NULL;
+                EXPECT(chorus_ibarrier(comm, &r), CHORUS_INVALID_USAGE);
+                CHECK(r == NULL, "a refused nonblocking call set its request");
+                EXPECT(chorus_barrier(comm), CHORUS_INVALID_USAGE);
             } else {
                 EXPECT(chorus_compressor_destroy(c), CHORUS_INVALID_USAGE);
                 CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());
@@ -1261,6 +1266,30 @@ static void nonblocking(chorus_comm *comm) {
     EXPECT(chorus_test(&bad, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_waitall(2, NULL), CHORUS_INVALID_ARGUMENT);
     OK(chorus_waitall(0, NULL));
+    /* A request completed through one copy of its pointer is refused through another (no
+     * double free), also when it appears twice in one waitall; a misaligned slot is refused. */
+    {
+        chorus_request *r = NULL, *copy, *twice[2];
+        OK(chorus_ibarrier(comm, &r));
+        copy = r;
+        OK(chorus_wait(&r));
+        EXPECT(chorus_wait(&copy), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "not a live request") != NULL, "message: %s", chorus_last_error());
+        OK(chorus_ibarrier(comm, &r));
+        copy = r;
+        OK(chorus_wait(&r));
+        EXPECT(chorus_test(&copy, &done), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_request_free(&copy), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_ibarrier(comm, &twice[0]));
+        twice[1] = twice[0];
+        EXPECT(chorus_waitall(2, twice), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "request 1 of 2") != NULL, "waitall message: %s", chorus_last_error());
+        CHECK(twice[0] == NULL && twice[1] == NULL, "waitall left a request set");
+        char raw[2 * sizeof(chorus_request *)];
+        EXPECT(chorus_wait((chorus_request **)(raw + 1)), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "aligned") != NULL, "message: %s", chorus_last_error());
+        OK(chorus_barrier(comm));
+    }
     /* A freed request's call still runs, before the next blocking call returns. */
     {
         chorus_request *gone = NULL;

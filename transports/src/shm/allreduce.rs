@@ -230,7 +230,21 @@ impl ShmTransport {
             let mut stall: Option<Stall> = None;
             loop {
                 let p = self.peers[j].as_ref().expect("member");
-                if p.map.u64_at(H_PROGRESS).load(Ordering::Acquire) >= target {
+                let seen = p.map.u64_at(H_PROGRESS).load(Ordering::Acquire);
+                // Every phase ends in a wait for all: a peer is at most one phase behind
+                // (it has not published this one yet) or ahead (it published the next and
+                // waits for this rank). Any other value is not from the protocol, and trusting
+                // it would read the peer's data while it is still being written.
+                if seen.abs_diff(target) > 1 {
+                    return Err(TransportError::Protocol {
+                        peer: j,
+                        what: format!(
+                            "its progress counter reads {seen} where this rank is at phase \
+                             {target} (±1)"
+                        ),
+                    });
+                }
+                if seen >= target {
                     break;
                 }
                 if let Some((got_tag, got_len, _)) = self.peek_header(j)? {
@@ -465,6 +479,35 @@ mod tests {
                     e,
                     TransportError::PeerClosed { peer: 2 } | TransportError::PeerAborted { .. }
                 ),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_progress_counter_the_protocol_cannot_produce_is_refused() {
+        let done = std::sync::Arc::new(std::sync::Barrier::new(3));
+        let res = on_ranks(3, &ShmOptions::default(), move |rank, t| {
+            let red = Reducer {
+                elem_size: 4,
+                reduce: &sum_u32,
+                finish: &|_| {},
+            };
+            if rank == 2 {
+                // A corrupted peer: far ahead, as if it had finished every phase.
+                t.me.u64_at(H_PROGRESS).store(u64::MAX, Ordering::Release);
+                done.wait();
+                return None;
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut b = vec![0u8; 1 << 16];
+            let e = t.all_reduce(None, &mut b, 7, deadline, &red).unwrap_err();
+            done.wait();
+            Some(e)
+        });
+        for e in res.into_iter().flatten() {
+            assert!(
+                matches!(&e, TransportError::Protocol { peer: 2, what } if what.contains("progress")),
                 "{e}"
             );
         }

@@ -176,8 +176,10 @@ impl Mapping {
     pub fn bytes(&self, off: usize, len: usize) -> &[u8] {
         self.check_range(off, len, 1);
         // SAFETY: in bounds (checked), u8 accepts any bit pattern, and the lifetime is tied to
-        // the mapping. The protocol (counters with acquire/release) ensures nobody writes the
-        // range while the slice is used.
+        // the mapping. The protocol (counters with acquire/release, whose values are checked)
+        // ensures nobody writes the range while the slice is used, provided the peers run this
+        // protocol: the segments are shared only with the ranks of this host, processes of the
+        // same user that could as well write this process's memory directly.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
@@ -187,7 +189,8 @@ impl Mapping {
     pub fn bytes_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
         self.check_range(off, len, 1);
         // SAFETY: in bounds (checked); `&mut self` makes the slice unique within this process,
-        // and the protocol keeps other processes from touching the range meanwhile.
+        // and the protocol keeps other processes from touching the range meanwhile (given peers
+        // that run it; see `bytes`).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
     }
 }
