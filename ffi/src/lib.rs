@@ -448,8 +448,9 @@ pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c
 /// fails at once with `CHORUS_INVALID_USAGE` where it waits (over TCP at once, over shared
 /// memory within 10 ms), and so does every later call. Returns once the peers have been told
 /// (`CHORUS_INVALID_USAGE` if a running call neither waited nor ended within 10 s). Does not
-/// free the communicator: call `chorus_comm_destroy` afterwards. In a child forked from the
-/// process that made it, does nothing.
+/// free the communicator: call `chorus_comm_destroy` afterwards, not during (an abort that
+/// overlaps the destroy may find the communicator freed). In a child forked from the process
+/// that made it, does nothing.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.
@@ -485,7 +486,8 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; no other thread starts a call on it during or after
-/// this one.
+/// this one, `chorus_comm_abort` included (to cut short the wait for calls in flight, abort
+/// first and destroy once the abort has returned).
 #[no_mangle]
 pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_destroy", || {
@@ -746,8 +748,10 @@ unsafe fn issue(
 /// returns the call's status (its message in `chorus_last_error`). A NULL `*request` (a
 /// request already completed) returns `CHORUS_OK` at once, as `MPI_Wait` on
 /// `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
-/// the same request from two threads at once. `chorus_request_free` drops a request without
-/// waiting for it.
+/// the same request from two threads at once. A pointer that is not a live request (one
+/// completed or freed already, e.g. through another copy of the pointer) is refused with
+/// `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`. `chorus_request_free` drops a
+/// request without waiting for it.
 ///
 /// # Safety
 /// `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
