@@ -49,7 +49,8 @@
 //! length out of range, a peer that closes mid-message or takes more than 10 s to finish a
 //! message it started, or one that fails the handshake within 10 s, is dropped with one log
 //! line on stderr (`chorus: store: ...`, rate-limited). The store holds at most 64 MiB in at
-//! most 65 536 keys and serves at most 1024 connections at once; requests beyond those limits
+//! most 65 536 keys and serves at most 1024 connections at once (more of both for a job of more
+//! ranks: [`StoreServer::bind_for_ranks`]); requests beyond those limits
 //! get an ERROR response (or, for connections, are closed at once), and the other clients are
 //! never disturbed.
 
@@ -481,6 +482,18 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The default limits, raised to fit `ranks` ranks: a connection each, and 32 keys each.
+    fn for_ranks(ranks: usize) -> Limits {
+        let d = Limits::default();
+        Limits {
+            max_connections: d.max_connections.max(ranks.saturating_add(64)),
+            max_keys: d.max_keys.max(ranks.saturating_mul(32)),
+            ..d
+        }
+    }
+}
+
 /// The key-value map and its byte count (keys plus values).
 #[derive(Default)]
 struct Store {
@@ -814,6 +827,13 @@ impl StoreServer {
         Self::bind_with(addr, token, Limits::default())
     }
 
+    /// [`StoreServer::bind`] for a job of `ranks` ranks, each of which keeps a connection for
+    /// its communicator's life: room for all of them and some more (splits, stray
+    /// connections) beyond the default 1024 connections and 65 536 keys.
+    pub fn bind_for_ranks(addr: SocketAddr, token: &[u8], ranks: usize) -> Result<StoreServer> {
+        Self::bind_with(addr, token, Limits::for_ranks(ranks))
+    }
+
     fn bind_with(addr: SocketAddr, token: &[u8], limits: Limits) -> Result<StoreServer> {
         let io = |during| move |e| TransportError::io(None, during, e);
         let listener = TcpListener::bind(addr).map_err(|e| {
@@ -1073,6 +1093,12 @@ impl StoreClient {
     /// the I/O timeout later.
     pub fn set_deadline(&mut self, deadline: Instant) {
         self.bound = Some(deadline + DEADLINE_GRACE);
+    }
+
+    /// Undo [`set_deadline`](Self::set_deadline): the requests of a later phase (with
+    /// deadlines of their own) are bounded by those and the I/O timeout only.
+    pub fn clear_deadline(&mut self) {
+        self.bound = None;
     }
 
     /// The server's address.
@@ -1370,6 +1396,27 @@ mod tests {
     }
 
     #[test]
+    fn a_cleared_deadline_no_longer_bounds_later_requests() {
+        watchdog(Duration::from_secs(30), || {
+            let server = StoreServer::bind(localhost(), b"tok").unwrap();
+            let addr = server.local_addr();
+            let mut c = StoreClient::connect(addr, b"tok", secs(10)).unwrap();
+            c.set_deadline(Instant::now() + Duration::from_millis(50));
+            thread::sleep(Duration::from_millis(60) + DEADLINE_GRACE);
+            // Past the bound, a wait for a key set late would fail at once; cleared, it lasts
+            // until its own deadline.
+            c.clear_deadline();
+            let setter = thread::spawn(move || {
+                thread::sleep(Duration::from_millis(300));
+                let mut s = StoreClient::connect(addr, b"tok", secs(10)).unwrap();
+                s.set("late", b"v").unwrap();
+            });
+            assert_eq!(c.get("late", secs(5)).unwrap(), b"v");
+            setter.join().unwrap();
+        });
+    }
+
+    #[test]
     fn set_get_add_from_several_threads() {
         watchdog(Duration::from_secs(60), || {
             let server = StoreServer::bind(localhost(), b"tok").unwrap();
@@ -1610,6 +1657,18 @@ mod tests {
         ] {
             assert!(parse_request_header(&bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_large_job_gets_room_for_every_rank() {
+        let (small, d) = (Limits::for_ranks(8), Limits::default());
+        assert_eq!(
+            (small.max_connections, small.max_keys),
+            (d.max_connections, d.max_keys)
+        );
+        let big = Limits::for_ranks(5000);
+        assert_eq!((big.max_connections, big.max_keys), (5064, 160_000));
+        assert_eq!(big.max_store_bytes, d.max_store_bytes);
     }
 
     #[test]

@@ -139,7 +139,11 @@ pub fn connect_with(
     }
     let server = match server {
         Some(s) => Some(s),
-        None if opts.host_store => Some(StoreServer::bind(opts.store_addr, &opts.token)?),
+        None if opts.host_store => Some(StoreServer::bind_for_ranks(
+            opts.store_addr,
+            &opts.token,
+            size,
+        )?),
         None => None,
     };
     let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
@@ -229,6 +233,9 @@ pub fn connect_with(
     let _ = acceptor.join();
     result?;
     let transport = TcpTransport::from_streams(rank, comm_id, streams, &opts.tcp)?;
+    // The store outlives this rendezvous (settings agreed, shared memory set up, splits): its
+    // later requests carry deadlines of their own, not this one.
+    store.clear_deadline();
     Ok((
         transport,
         Rendezvous {
@@ -249,13 +256,13 @@ fn dial(
     token: &[u8],
     deadline: Instant,
 ) -> Result<TcpStream> {
-    let mut backoff = Duration::from_millis(5);
+    let (mut backoff, start) = (Duration::from_millis(5), Instant::now());
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(TransportError::Timeout {
                 peer: Some(to),
-                waited: Duration::ZERO,
+                waited: start.elapsed(),
             });
         }
         match TcpStream::connect_timeout(&addr, left) {

@@ -310,6 +310,21 @@ impl TcpTransport {
             TransportError::PeerAborted { .. } => e,
             other => self.pending_notice(true).unwrap_or(other),
         };
+        // A notice blaming a rank outside the group (a peer of another release, or a broken
+        // one) blames nobody.
+        let size = self.size;
+        let e = match e {
+            TransportError::PeerAborted {
+                peer,
+                culprit,
+                reason,
+            } => TransportError::PeerAborted {
+                peer,
+                culprit: culprit.filter(|&c| c < size),
+                reason,
+            },
+            other => other,
+        };
         if self.broken.is_none() {
             self.broken = Some(e.to_string());
         }
@@ -1203,6 +1218,26 @@ mod tests {
         match recv_after(&frame_bytes(0, 10, &fake, frame::TRAILER_END)).0 {
             Err(TransportError::Mismatch { got_tag: 10, .. }) => {}
             other => panic!("expected a tag mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_abort_notice_blaming_a_rank_outside_the_group_blames_nobody() {
+        for (blamed, want) in [(Some(1), Some(1)), (Some(5), None), (Some(1 << 40), None)] {
+            let payload = frame::encode_abort(blamed, "made up");
+            let mut notice = header_bytes(0, 0, payload.len(), Kind::Abort).to_vec();
+            notice.extend(payload);
+            match recv_after(&notice).0 {
+                Err(TransportError::PeerAborted {
+                    peer: 1,
+                    culprit,
+                    reason,
+                }) => {
+                    assert_eq!(culprit, want, "{blamed:?}");
+                    assert_eq!(reason, "made up");
+                }
+                other => panic!("expected an abort notice, got {other:?}"),
+            }
         }
     }
 
