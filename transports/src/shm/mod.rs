@@ -260,88 +260,106 @@ pub fn connect(
     }
     let my_slot = slot[rank].expect("member");
     let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
-    for &j in members.iter().filter(|&&j| j != rank) {
-        let v = store.get(&format!("shm/seg/{j}"), deadline)?;
-        let text = String::from_utf8_lossy(&v);
-        let mut it = text.split(' ').map(str::parse::<i64>);
-        let (pid, pfd, ring, arena) = match (it.next(), it.next(), it.next(), it.next(), it.next())
-        {
-            (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
-                if p > 0 && p <= u32::MAX as i64 && f >= 0 =>
-            {
-                (p as u32, f as i32, r, a)
-            }
-            _ => {
+    let mut attach = || -> Result<()> {
+        for &j in members.iter().filter(|&&j| j != rank) {
+            let v = store.get(&format!("shm/seg/{j}"), deadline)?;
+            let text = String::from_utf8_lossy(&v);
+            let mut it = text.split(' ').map(str::parse::<i64>);
+            let (pid, pfd, ring, arena) =
+                match (it.next(), it.next(), it.next(), it.next(), it.next()) {
+                    (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
+                        if p > 0 && p <= u32::MAX as i64 && f >= 0 =>
+                    {
+                        (p as u32, f as i32, r, a)
+                    }
+                    _ => {
+                        return Err(rdv(format!(
+                            "rank {j} published a malformed segment {text:?}"
+                        )))
+                    }
+                };
+            // Options first, from the store: a peer with other sizes is refused before anything
+            // is opened or mapped.
+            if ring != layout.ring as i64 || arena != layout.arena_half as i64 {
                 return Err(rdv(format!(
-                    "rank {j} published a malformed segment {text:?}"
-                )))
-            }
-        };
-        // Options first, from the store: a peer with other sizes is refused before anything
-        // is opened or mapped.
-        if ring != layout.ring as i64 || arena != layout.arena_half as i64 {
-            return Err(rdv(format!(
-                "rank {j}'s shared segment does not match this communicator or its options \
+                    "rank {j}'s shared segment does not match this communicator or its options \
                  (it has ring {ring} B, chunk {arena} B; this rank ring {} B, chunk {} B: \
                  set CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES alike on every rank)",
-                layout.ring, layout.arena_half
-            )));
-        }
-        let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
-            rdv(format!(
-                "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
+                    layout.ring, layout.arena_half
+                )));
+            }
+            let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
+                rdv(format!(
+                    "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
                  (different pid namespace? use CHORUS_TRANSPORT=tcp)"
-            ))
-        })?;
-        // A segment that can shrink could be cut short under this rank's mapping, and the next
-        // access past its end would be SIGBUS instead of an error.
-        if !sys::cannot_shrink(&pfd) {
-            return Err(rdv(format!(
-                "rank {j}'s shared segment is not sealed at its size (another chorus release, or                  not a chorus segment); use CHORUS_TRANSPORT=tcp"
+                ))
+            })?;
+            // A segment that can shrink could be cut short under this rank's mapping, and the next
+            // access past its end would be SIGBUS instead of an error.
+            if !sys::cannot_shrink(&pfd) {
+                return Err(rdv(format!(
+                "rank {j}'s shared segment is not sealed at its size (another chorus release, or \
+                 not a chorus segment); use CHORUS_TRANSPORT=tcp"
             )));
-        }
-        let map = Mapping::map(&pfd, layout.total())
-            .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
-        let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
-            && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
-            && map.u32_at(H_SIZE).load(Ordering::Relaxed) == size as u32
-            && map.u32_at(H_RANK).load(Ordering::Relaxed) == j as u32
-            && map.u32_at(H_PID).load(Ordering::Relaxed) == pid
-            && map.u64_at(H_COMM).load(Ordering::Relaxed) == comm_id
-            && map.u64_at(H_RING).load(Ordering::Relaxed) == layout.ring as u64
-            && map.u64_at(H_ARENA).load(Ordering::Relaxed) == layout.arena_half as u64;
-        if !ok {
-            return Err(rdv(format!(
-                "rank {j}'s shared segment does not match this communicator or its options \
+            }
+            let map = Mapping::map(&pfd, layout.total())
+                .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
+            let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
+                && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
+                && map.u32_at(H_SIZE).load(Ordering::Relaxed) == size as u32
+                && map.u32_at(H_RANK).load(Ordering::Relaxed) == j as u32
+                && map.u32_at(H_PID).load(Ordering::Relaxed) == pid
+                && map.u64_at(H_COMM).load(Ordering::Relaxed) == comm_id
+                && map.u64_at(H_RING).load(Ordering::Relaxed) == layout.ring as u64
+                && map.u64_at(H_ARENA).load(Ordering::Relaxed) == layout.arena_half as u64;
+            if !ok {
+                return Err(rdv(format!(
+                    "rank {j}'s shared segment does not match this communicator or its options \
                  (ring {} B, chunk {} B)",
-                layout.ring, layout.arena_half
-            )));
+                    layout.ring, layout.arena_half
+                )));
+            }
+            peers[j] = Some(Peer {
+                map,
+                out_ring: layout.ring_at(my_slot),
+                live: Liveness::watch(pid),
+                tx: Tx {
+                    next_ticket: 0,
+                    head_ticket: 0,
+                    seq: 0,
+                    pos: 0,
+                    in_record: false,
+                },
+                rx: Rx {
+                    next_ticket: 0,
+                    head_ticket: 0,
+                    seq: 0,
+                    pos: 0,
+                    in_record: false,
+                },
+            });
         }
-        peers[j] = Some(Peer {
-            map,
-            out_ring: layout.ring_at(my_slot),
-            live: Liveness::watch(pid),
-            tx: Tx {
-                next_ticket: 0,
-                head_ticket: 0,
-                seq: 0,
-                pos: 0,
-                in_record: false,
-            },
-            rx: Rx {
-                next_ticket: 0,
-                head_ticket: 0,
-                seq: 0,
-                pos: 0,
-                in_record: false,
-            },
-        });
+        Ok(())
+    };
+    if let Err(e) = attach() {
+        // Tell the others, who would otherwise wait for this rank until their timeout.
+        let _ = store.set(
+            &format!("shm/mapped/{rank}"),
+            format!("error: {e}").as_bytes(),
+        );
+        return Err(e);
     }
     // Once every member mapped every segment, the descriptors can go: the mappings alone keep
     // the memory, and the kernel frees it when the last one is gone.
     store.set(&format!("shm/mapped/{rank}"), b"1")?;
     for &j in members.iter().filter(|&&j| j != rank) {
-        store.get(&format!("shm/mapped/{j}"), deadline)?;
+        let v = store.get(&format!("shm/mapped/{j}"), deadline)?;
+        if let Some(why) = v.strip_prefix(b"error: ") {
+            return Err(rdv(format!(
+                "rank {j} could not attach the shared segments of this host: {}",
+                String::from_utf8_lossy(why)
+            )));
+        }
     }
     drop(fd);
     Ok(ShmTransport {
