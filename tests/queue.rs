@@ -234,6 +234,9 @@ fn a_panic_in_a_call_is_an_error_and_aborts_for_everyone() {
         |q| {
             let r = q.rank();
             let first = q.submit(move |c| {
+                // Every rank past its init first: an abort that reaches a rank still in its
+                // init fails the init instead (as it should, but not what is tested here).
+                c.barrier()?;
                 if r == 2 {
                     panic!("rank 2 fails on purpose");
                 }
@@ -272,6 +275,8 @@ fn a_panic_in_a_blocking_call_aborts_for_everyone() {
             let start = Instant::now();
             let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 q.run(|c| {
+                    // Every rank past its init first (as in the test above).
+                    c.barrier()?;
                     if r == 0 {
                         panic!("rank 0 fails on purpose");
                     }
