@@ -241,10 +241,14 @@ def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
         raise InvalidArgumentError(
             f"{what} has dtype {t.dtype}; supported: {', '.join(str(d) for d in names)}"
         )
-    if writable and t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+    if getattr(t, "is_neg", None) is not None and t.is_neg():
+        # Its memory holds the negation of what it shows (a lazy negation view).
+        raise InvalidArgumentError(f"{what} is a negative view; resolve it first (.resolve_neg())")
+    if writable and t.requires_grad and torch.is_grad_enabled():
+        # chorus writes its memory behind autograd's back: a leaf would change under its
+        # gradient, and a tensor saved for backward would give wrong gradients silently.
         raise InvalidArgumentError(
-            f"{what} is a leaf tensor that requires grad; use it under torch.no_grad() or "
-            "pass .grad / .detach()"
+            f"{what} requires grad; use it under torch.no_grad() or pass .grad / .detach()"
         )
     return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t)
 

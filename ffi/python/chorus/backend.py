@@ -45,7 +45,8 @@ reduce_scatterv), ``reduce_scatter_tensor``, ``all_to_all``,
 ``barrier``, ``send`` and ``recv`` (tag 0: messages between two ranks are matched in order),
 and what is built on them (``all_gather_object``, ``broadcast_object_list``, DDP). Not
 supported, with an error saying so: ``recv`` from any source, ``PREMUL_SUM``, bitwise
-reductions of floating-point tensors, other tags.
+reductions of floating-point tensors, other tags, the multi-device forms
+(``all_reduce_multigpu`` and kin: several tensors per rank).
 """
 
 import functools
@@ -127,6 +128,16 @@ def _flat(t: torch.Tensor, what: str, op: Optional[str] = None) -> torch.Tensor:
 def _bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t``'s memory as a 1-D uint8 view, for the collectives that only move data."""
     return _flat(t, what).view(torch.uint8)
+
+
+def _one_tensor(tensors: List[torch.Tensor], call: str) -> None:
+    """The multi-device forms (``all_reduce_multigpu`` and kin: several tensors per rank,
+    combined across all of them) are not supported: one tensor per rank."""
+    if len(tensors) != 1:
+        raise UnsupportedError(
+            f"chorus backend: {call} of {len(tensors)} tensors per rank (the multi-device form) "
+            "is not supported; pass one tensor"
+        )
 
 
 def _root(opts: Any) -> int:
@@ -223,34 +234,36 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     @_collective
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        _one_tensor(tensors, "all_reduce")
+        return self.allreduce_coalesced(tensors, opts)
+
+    @_collective
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        # Each tensor reduced across the ranks by itself.
         op = _op(opts)
         for i, t in enumerate(tensors):
             self.comm.allreduce(_flat(t, f"tensors[{i}]", op), op=op)
         return _done(tensors)
 
     @_collective
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        return self.allreduce(tensors, opts)
-
-    @_collective
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        for i, t in enumerate(tensors):
-            self.comm.broadcast(_bytes(t, f"tensors[{i}]"), root=_root(opts))
+        _one_tensor(tensors, "broadcast")
+        self.comm.broadcast(_bytes(tensors[0], "the tensor"), root=_root(opts))
         return _done(tensors)
 
     @_collective
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        _one_tensor(tensors, "reduce")
         op = _op(opts)
-        for i, t in enumerate(tensors):
-            self.comm.reduce(_flat(t, f"tensors[{i}]", op), root=_root(opts), op=op)
+        self.comm.reduce(_flat(tensors[0], "the tensor", op), root=_root(opts), op=op)
         return _done(tensors)
 
     @_collective
     def allgather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
-        for out, x in zip(outputs, inputs):
-            self._allgather_list(out, x)
+        _one_tensor(inputs, "all_gather")
+        self._allgather_list(outputs[0], inputs[0])
         return _done(outputs)
 
     @_collective
@@ -312,6 +325,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 raise InvalidArgumentError(
                     f"chorus backend: reduce_scatter needs {self.comm.size} inputs, got {len(ins)}"
                 )
+            if any(t.dtype != out.dtype for t in ins):
+                raise InvalidArgumentError("chorus backend: reduce_scatter needs one dtype")
             o = _flat(out, "the output", op)
             flats = [_flat(t, "an input", op) for t in ins]
             if any(t.dtype != o.dtype for t in flats):
@@ -333,6 +348,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     @_collective
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if input.dtype != output.dtype:
+            raise InvalidArgumentError("chorus backend: reduce_scatter_tensor needs one dtype")
         op = _op(opts)
         self.comm.reduce_scatter(_flat(input, "the input", op), _flat(output, "the output", op), op=op)
         return _done([output])
@@ -370,10 +387,9 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
         send = counts(input, src, input_split_sizes, "the input")
         recv = counts(output, dst, output_split_sizes, "the output")
-        if len(set(send + recv)) == 1:
-            self.comm.alltoall(src, dst)
-        else:
-            self.comm.alltoallv(src, send, dst, recv)
+        # alltoallv always: a rank whose own blocks happen to be equal must make the same call
+        # as a rank whose blocks are not (it runs the same pairwise exchange as alltoall).
+        self.comm.alltoallv(src, send, dst, recv)
         return _done([output])
 
     @_collective

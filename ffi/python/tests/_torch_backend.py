@@ -118,6 +118,13 @@ def main():
     y = torch.zeros(sum(recv), 2)
     dist.all_to_all_single(y, x, recv, send)
     check("all_to_all_single with splits", y, torch.cat([torch.full((recv[j], 2), float(10 * j + me)) for j in range(p)]))
+    # ... where some ranks' own splits happen to be equal and others' not: rank 0 sends and
+    # receives 1 row per rank, the others 1 row to and from rank 0 and 2 rows among themselves.
+    rows = [1 if me == 0 or j == 0 else 2 for j in range(p)]
+    x = torch.cat([torch.full((rows[j],), float(10 * me + j)) for j in range(p)])
+    y = torch.zeros(sum(rows))
+    dist.all_to_all_single(y, x, rows, rows)
+    check("all_to_all_single with equal splits on one rank only", y, torch.cat([torch.full((rows[j],), float(10 * j + me)) for j in range(p)]))
     def a2al(g):
         outs = [torch.zeros(4) for _ in range(p)]
         dist.all_to_all(outs, [torch.full((4,), float(10 * me + j)) for j in range(p)], group=g)
@@ -321,6 +328,9 @@ def main():
         ("tag", lambda: dist.send(torch.ones(2), (me + 1) % p, tag=3)),
         ("any source", lambda: dist.recv(torch.ones(2))),
         ("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t())),
+        ("several tensors", lambda: dist.all_reduce_multigpu([torch.ones(2), torch.ones(2)])),
+        ("reduce_scatter_tensor of two dtypes",
+         lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * p, dtype=torch.float64))),
     ]:
         try:
             f()

@@ -293,6 +293,10 @@ def errors(comm):
     ro.flags.writeable = False
     expect(E, lambda: comm.allreduce(ro), "read-only")
     expect(E, lambda: comm.allreduce(torch.ones(3, requires_grad=True)), "leaf requiring grad")
+    e = expect(E, lambda: comm.allreduce(torch.ones(3, requires_grad=True) * 2), "non-leaf requiring grad")
+    assert "requires grad" in e.message, e.message
+    e = expect(E, lambda: comm.allreduce(torch._neg_view(torch.ones(3))), "negative view")
+    assert "negative view" in e.message, e.message
     expect(E, lambda: comm.allgather(x, np.zeros(8 * p + 1, np.float32)), "allgather size")
     expect(E, lambda: comm.allgather(x, np.zeros(8 * p, np.float64)), "allgather dtype")
     expect(E, lambda: comm.broadcast(x, root=p), "root out of range")
