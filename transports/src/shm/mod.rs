@@ -189,6 +189,9 @@ pub struct ShmTransport {
     /// Peers the current wait depends on (reused buffer).
     involved: Vec<usize>,
     pub(crate) coll: allreduce::State,
+    /// The process that made the transport (kept here, not only in the shared header, which
+    /// the peers could overwrite).
+    maker: u32,
 }
 
 fn rdv(msg: impl Into<String>) -> TransportError {
@@ -381,6 +384,7 @@ pub fn connect(
         abort_request: None,
         involved: Vec::new(),
         coll: allreduce::State::default(),
+        maker: std::process::id(),
     })
 }
 
@@ -907,10 +911,9 @@ impl ShmTransport {
         crate::requested_abort(requested, |n| Transport::abort(self, n))
     }
 
-    /// Whether this is a child forked from the process that made the transport (the header
-    /// keeps the maker's pid).
+    /// Whether this is a child forked from the process that made the transport.
     fn forked(&self) -> bool {
-        self.me.u32_at(H_PID).load(Ordering::Relaxed) != std::process::id()
+        self.maker != std::process::id()
     }
 }
 
