@@ -588,6 +588,36 @@ impl<T> Request<T> {
         }
     }
 
+    /// Wait up to `limit` for the call to finish, without taking its result: whether it has
+    /// (then [`Request::wait`] returns at once).
+    pub fn wait_done(&self, limit: Duration) -> bool {
+        if self
+            .slot
+            .process
+            .check("queued call", self.slot.rank)
+            .is_err()
+        {
+            return true;
+        }
+        let end = Instant::now() + limit;
+        let mut value = lock(&self.slot.value);
+        loop {
+            if value.is_some() || self.slot.unwaitable().is_err() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= end {
+                return false;
+            }
+            value = self
+                .slot
+                .done
+                .wait_timeout(value, end - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Wait up to `limit` for the call: its result, or the request back if it is still running.
     pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
         if let Err(e) = self.slot.process.check("queued call", self.slot.rank) {

@@ -580,6 +580,40 @@ int32_t chorus_request_free(chorus_request **request);
 int32_t chorus_waitall(size_t count, chorus_request **requests);
 
 /**
+ * Wait until one of the `count` requests of `requests` completes (as `MPI_Waitany`): that one
+ * is completed as `chorus_wait` would (freed, its slot set to NULL), its index written to
+ * `*index`, and its status returned. NULL entries are skipped; when every entry is NULL,
+ * `*index` is -1 and `CHORUS_OK` is returned at once. An entry that is not a live request is
+ * refused (`CHORUS_INVALID_ARGUMENT`) before anything completes.
+ *
+ * # Safety
+ * `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`
+ * request pointers, each as `chorus_wait` needs; `index` is NULL or valid for writing an int.
+ */
+int32_t chorus_waitany(size_t count, chorus_request **requests, int *index);
+
+/**
+ * Whether one of the `count` requests has completed (as `MPI_Testany`): if so, `*done` is 1
+ * and that one is completed as `chorus_wait` would, its index in `*index` and its status
+ * returned; else `*done` is 0 and `*index` -1. When every entry is NULL, `*done` is 1 and
+ * `*index` -1.
+ *
+ * # Safety
+ * As `chorus_waitany`; `done` is NULL or valid for writing an int.
+ */
+int32_t chorus_testany(size_t count, chorus_request **requests, int *index, int *done);
+
+/**
+ * Whether all of the `count` requests have completed (as `MPI_Testall`): if so, `*done` is
+ * 1 and they are completed as `chorus_waitall` would (the first failure's status returned);
+ * else `*done` is 0 and none is touched.
+ *
+ * # Safety
+ * As `chorus_waitall`; `done` is NULL or valid for writing an int.
+ */
+int32_t chorus_testall(size_t count, chorus_request **requests, int *done);
+
+/**
  * Allreduce: every rank's `recvbuf` gets the element-wise reduction (`op`) of the `count`
  * elements of `dtype` in every rank's `sendbuf`. In place when `sendbuf == recvbuf`;
  * otherwise the buffers must not overlap. Every rank must call it with the same count, dtype

@@ -870,6 +870,174 @@ pub unsafe extern "C" fn chorus_waitall(count: usize, requests: *mut *mut chorus
     }
 }
 
+/// The live requests among the `count` of `requests` (index and pointer), with their state
+/// (finished or not); an error for a pointer that is not a live request.
+///
+/// # Safety
+/// `requests` is valid for reading `count` request pointers (checked non-NULL and aligned).
+unsafe fn scan_requests(
+    count: usize,
+    requests: *mut *mut chorus_request,
+) -> Result<Vec<(usize, *mut chorus_request, bool)>, Failure> {
+    let live = live_requests();
+    let mut out = Vec::new();
+    for i in 0..count {
+        // SAFETY: inside the caller's array of `count` pointers (aligned: checked).
+        let req = unsafe { *requests.add(i) };
+        if req.is_null() {
+            continue;
+        }
+        if !live.contains(&(req as usize)) {
+            let e = not_a_request(req);
+            return Err(Failure::invalid(format!("requests[{i}]: {}", e.message)));
+        }
+        // SAFETY: a live request (in the set, which is locked).
+        out.push((i, req, unsafe { &*req }.inner.test()));
+    }
+    Ok(out)
+}
+
+/// Checks the request array of the `*any` and `*all` functions.
+fn check_requests(count: usize, requests: *mut *mut chorus_request) -> Result<(), Failure> {
+    if count > 0 && requests.is_null() {
+        return Err(Failure::invalid("requests is NULL"));
+    }
+    if count > isize::MAX as usize / std::mem::size_of::<*mut chorus_request>() {
+        return Err(Failure::invalid(format!(
+            "count = {count} requests is too many"
+        )));
+    }
+    ptr::check_aligned(requests, "requests")
+}
+
+/// Wait until one of the `count` requests of `requests` completes (as `MPI_Waitany`): that one
+/// is completed as `chorus_wait` would (freed, its slot set to NULL), its index written to
+/// `*index`, and its status returned. NULL entries are skipped; when every entry is NULL,
+/// `*index` is -1 and `CHORUS_OK` is returned at once. An entry that is not a live request is
+/// refused (`CHORUS_INVALID_ARGUMENT`) before anything completes.
+///
+/// # Safety
+/// `requests` is NULL (only when `count == 0`) or valid for reading and writing `count`
+/// request pointers, each as `chorus_wait` needs; `index` is NULL or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_waitany(
+    count: usize,
+    requests: *mut *mut chorus_request,
+    index: *mut c_int,
+) -> i32 {
+    guard("chorus_waitany", || {
+        ptr::check_out(index, "index")?;
+        check_requests(count, requests)?;
+        if count > c_int::MAX as usize {
+            return Err(Failure::invalid(format!(
+                "count = {count} does not fit an int index"
+            )));
+        }
+        // Poll every request, then sleep on the first pending one for a while (it wakes as
+        // soon as that one finishes; the others are looked at again at most 1 ms later). Every
+        // call ends, with its result or an error, within its communicator's timeout.
+        let mut nap = Duration::from_micros(20);
+        loop {
+            // SAFETY: valid for `count` pointers by the caller's promise (checked above).
+            let seen = unsafe { scan_requests(count, requests)? };
+            let Some(&(_, first, _)) = seen.first() else {
+                // SAFETY: non-NULL and writable by the caller's promise.
+                return unsafe { ptr::write_out(index, -1, "index") };
+            };
+            if let Some(&(i, _, _)) = seen.iter().find(|s| s.2) {
+                // SAFETY: as above.
+                unsafe { ptr::write_out(index, i as c_int, "index")? };
+                // SAFETY: inside the array (i < count).
+                let slot = unsafe { &mut *requests.add(i) };
+                return match take_request(slot)? {
+                    None => Ok(()),
+                    Some(req) => Ok(req.inner.wait()?),
+                };
+            }
+            // SAFETY: live when scanned; completed only by this thread (the caller's promise).
+            unsafe { &*first }.inner.wait_done(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    })
+}
+
+/// Whether one of the `count` requests has completed (as `MPI_Testany`): if so, `*done` is 1
+/// and that one is completed as `chorus_wait` would, its index in `*index` and its status
+/// returned; else `*done` is 0 and `*index` -1. When every entry is NULL, `*done` is 1 and
+/// `*index` -1.
+///
+/// # Safety
+/// As `chorus_waitany`; `done` is NULL or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_testany(
+    count: usize,
+    requests: *mut *mut chorus_request,
+    index: *mut c_int,
+    done: *mut c_int,
+) -> i32 {
+    guard("chorus_testany", || {
+        ptr::check_out(index, "index")?;
+        ptr::check_out(done, "done")?;
+        check_requests(count, requests)?;
+        if count > c_int::MAX as usize {
+            return Err(Failure::invalid(format!(
+                "count = {count} does not fit an int index"
+            )));
+        }
+        // SAFETY: valid for `count` pointers by the caller's promise (checked above).
+        let seen = unsafe { scan_requests(count, requests)? };
+        let finished = seen.iter().find(|s| s.2).map(|s| s.0);
+        // SAFETY: non-NULL and writable by the caller's promise.
+        unsafe {
+            ptr::write_out(
+                done,
+                c_int::from(seen.is_empty() || finished.is_some()),
+                "done",
+            )?;
+            ptr::write_out(index, finished.map_or(-1, |i| i as c_int), "index")?;
+        }
+        let Some(i) = finished else {
+            return Ok(());
+        };
+        // SAFETY: inside the array (i < count).
+        let slot = unsafe { &mut *requests.add(i) };
+        match take_request(slot)? {
+            None => Ok(()),
+            Some(req) => Ok(req.inner.wait()?),
+        }
+    })
+}
+
+/// Whether all of the `count` requests have completed (as `MPI_Testall`): if so, `*done` is
+/// 1 and they are completed as `chorus_waitall` would (the first failure's status returned);
+/// else `*done` is 0 and none is touched.
+///
+/// # Safety
+/// As `chorus_waitall`; `done` is NULL or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_testall(
+    count: usize,
+    requests: *mut *mut chorus_request,
+    done: *mut c_int,
+) -> i32 {
+    let mut all = false;
+    let st = guard("chorus_testall", || {
+        ptr::check_out(done, "done")?;
+        check_requests(count, requests)?;
+        // SAFETY: valid for `count` pointers by the caller's promise (checked above).
+        let seen = unsafe { scan_requests(count, requests)? };
+        all = seen.iter().all(|s| s.2);
+        // SAFETY: non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(done, c_int::from(all), "done") }
+    });
+    if st != 0 || !all {
+        return st;
+    }
+    // SAFETY: the caller's promise, forwarded; every request has finished, so this does not
+    // wait.
+    unsafe { chorus_waitall(count, requests) }
+}
+
 /// Allreduce: every rank's `recvbuf` gets the element-wise reduction (`op`) of the `count`
 /// elements of `dtype` in every rank's `sendbuf`. In place when `sendbuf == recvbuf`;
 /// otherwise the buffers must not overlap. Every rank must call it with the same count, dtype

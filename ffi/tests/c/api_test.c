@@ -1266,6 +1266,55 @@ static void nonblocking(chorus_comm *comm) {
     EXPECT(chorus_test(&bad, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_waitall(2, NULL), CHORUS_INVALID_ARGUMENT);
     OK(chorus_waitall(0, NULL));
+    /* waitany, testany and testall: three requests and a NULL; waitany returns each index
+     * once, then -1; testall and testany on a finished set complete it. */
+    {
+        chorus_request *rs[4] = {NULL, NULL, NULL, NULL};
+        int32_t w[64];
+        for (int i = 0; i < 64; i++) w[i] = me + i;
+        OK(chorus_iallreduce(comm, w, w, 64, CHORUS_INT32, CHORUS_SUM, NULL, &rs[0]));
+        OK(chorus_ibarrier(comm, &rs[2]));
+        OK(chorus_ibroadcast(comm, w, 64, CHORUS_INT32, 0, &rs[3]));
+        int seen[4] = {0, 0, 0, 0}, idx = -2;
+        for (int n = 0; n < 3; n++) {
+            OK(chorus_waitany(4, rs, &idx));
+            CHECK(idx == 0 || idx == 2 || idx == 3, "waitany index %d", idx);
+            CHECK(!seen[idx] && rs[idx] == NULL, "waitany gave %d twice or left it set", idx);
+            seen[idx] = 1;
+        }
+        OK(chorus_waitany(4, rs, &idx));
+        CHECK(idx == -1, "waitany of NULL requests: index %d", idx);
+        for (int i = 0; i < 64; i++)
+            CHECK(w[i] == p * (p - 1) / 2 + p * i, "waitany's allreduce [%d] = %d", i, w[i]);
+        int fin = -1;
+        OK(chorus_testany(4, rs, &idx, &fin));
+        CHECK(fin == 1 && idx == -1, "testany of NULL requests: done %d index %d", fin, idx);
+        OK(chorus_testall(4, rs, &fin));
+        CHECK(fin == 1, "testall of NULL requests: done %d", fin);
+        /* testall until all are done, then they are completed */
+        OK(chorus_ibarrier(comm, &rs[1]));
+        OK(chorus_ibarrier(comm, &rs[3]));
+        fin = 0;
+        for (int spin = 0; !fin && spin < 200000; spin++) OK(chorus_testall(4, rs, &fin));
+        CHECK(fin == 1 && rs[1] == NULL && rs[3] == NULL, "testall: done %d", fin);
+        /* testany until one is done */
+        OK(chorus_ibarrier(comm, &rs[2]));
+        fin = 0;
+        for (int spin = 0; !fin && spin < 200000; spin++) OK(chorus_testany(4, rs, &idx, &fin));
+        CHECK(fin == 1 && idx == 2 && rs[2] == NULL, "testany: done %d index %d", fin, idx);
+        /* a stale pointer in the array is refused before anything completes */
+        chorus_request *stale = NULL;
+        OK(chorus_ibarrier(comm, &rs[0]));
+        stale = rs[0];
+        OK(chorus_wait(&rs[0]));
+        rs[1] = stale;
+        EXPECT(chorus_waitany(4, rs, &idx), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_testall(4, rs, &fin), CHORUS_INVALID_ARGUMENT);
+        rs[1] = NULL;
+        EXPECT(chorus_waitany(4, rs, NULL), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_waitany(2, NULL, &idx), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_barrier(comm));
+    }
     /* A request completed through one copy of its pointer is refused through another (no
      * double free), also when it appears twice in one waitall; a misaligned slot is refused. */
     {
