@@ -196,7 +196,7 @@ impl Communicator {
         self.selector().link()
     }
 
-    fn invalid(&self, op: &'static str, msg: String) -> CommError {
+    pub(crate) fn invalid(&self, op: &'static str, msg: String) -> CommError {
         CommError::invalid(op, msg).at_rank(self.rank())
     }
 

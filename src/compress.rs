@@ -548,33 +548,36 @@ impl Communicator {
         algo: Option<SparseAlgo>,
     ) -> Result<(SparseResult, sparse::WireStats), CommError> {
         const OP: &str = "sparse_all_reduce";
-        self.check_usable(OP)?;
-        let algo = match algo {
-            Some(a) => a,
-            None => {
-                // Ranks must pick the same algorithm: agree on the densest input first (one
-                // small allreduce; pass `algo` to skip it).
-                let mut nnz = [input.nnz() as u64];
-                self.all_reduce(&mut nnz, ReduceOp::Max)?;
-                self.select_sparse(input.n, nnz[0] as usize)
-            }
-        };
-        self.check_call(
-            Call::new(OP, CollKind::SparseAllReduce, DType::Float32, ReduceOp::Sum),
-            &[input.n as u64],
-        )?;
-        let tag = tag_base(
-            self.next_seq(),
-            CollKind::SparseAllReduce,
-            DType::Float32,
-            ReduceOp::Sum,
-        ) | call_bits(&[input.n as u64]);
-        let mut out = None;
-        self.run_tagged(OP, tag, None, |ctx| {
-            out = Some(sparse::sparse_all_reduce(ctx, input, algo)?);
-            Ok(())
-        })?;
-        Ok(out.expect("set on success"))
+        let call = Call::new(OP, CollKind::SparseAllReduce, DType::Float32, ReduceOp::Sum);
+        self.refusable(call, |c| {
+            c.check_usable(OP)?;
+            // Before anything runs (the agreement on the algorithm included): a bad input is
+            // refused here, and with CHORUS_CHECK_CALLS the other ranks hear of it at once.
+            input.validate().map_err(|m| c.invalid(OP, m))?;
+            let algo = match algo {
+                Some(a) => a,
+                None => {
+                    // Ranks must pick the same algorithm: agree on the densest input first
+                    // (one small allreduce; pass `algo` to skip it).
+                    let mut nnz = [input.nnz() as u64];
+                    c.all_reduce(&mut nnz, ReduceOp::Max)?;
+                    c.select_sparse(input.n, nnz[0] as usize)
+                }
+            };
+            c.check_call(call, &[input.n as u64])?;
+            let tag = tag_base(
+                c.next_seq(),
+                CollKind::SparseAllReduce,
+                DType::Float32,
+                ReduceOp::Sum,
+            ) | call_bits(&[input.n as u64]);
+            let mut out = None;
+            c.run_tagged(OP, tag, None, |ctx| {
+                out = Some(sparse::sparse_all_reduce(ctx, input, algo)?);
+                Ok(())
+            })?;
+            Ok(out.expect("set on success"))
+        })
     }
 
     /// The sparse algorithm the cost model picks for `nnz` non-zeros per rank out of `n` on

@@ -296,19 +296,23 @@ pub(crate) fn balanced_allgatherv(
             cidx.extend_from_slice(&mine.0[r.clone()]);
             cval.extend_from_slice(&mine.1[r]);
         } else if let Some((&(peer, _), &b)) = received.next() {
+            // Owner `j`'s entries lie in its region, so the pieces in owner order are sorted.
             let expect = Expect {
                 region: None,
                 max_entries: c,
             };
             let v = SegView::parse(b, peer, stamp, expect)?;
             v.append_to(&mut cidx, &mut cval, true);
+            let region = bounds[j]..bounds[j + 1];
             let bad = if cidx.len() - before != c as usize {
                 Some(format!(
                     "{} entries where {c} were expected",
                     cidx.len() - before
                 ))
-            } else if before > 0 && cidx.get(before).is_some_and(|&i| i <= cidx[before - 1]) {
-                Some("entries out of order".to_string())
+            } else if let Some(&i) = cidx[before..].iter().find(|&&i| !region.contains(&i)) {
+                Some(format!(
+                    "index {i} outside the region {region:?} of rank {j}, whose entries it sent"
+                ))
             } else {
                 None
             };
@@ -318,6 +322,14 @@ pub(crate) fn balanced_allgatherv(
                     what: format!("two-phase balancing: {what}"),
                 });
             }
+        }
+        // Every piece in order after the one before it (the own piece too: a peer's piece
+        // before it was checked against its owner's region, which lies below this rank's).
+        if before > 0 && cidx.get(before).is_some_and(|&i| i <= cidx[before - 1]) {
+            return Err(TransportError::Protocol {
+                peer: if j == rank { (rank + 1) % size } else { j },
+                what: "two-phase balancing: entries out of order".into(),
+            });
         }
     }
     // 5. Allgatherv.
@@ -361,7 +373,25 @@ pub(crate) fn balanced_allgatherv(
         if j == rank {
             views.push(SegView::parse(&out, rank, stamp, expect)?);
         } else if let Some((&peer, &b)) = received.next() {
-            views.push(SegView::parse(b, peer, stamp, expect)?);
+            let v = SegView::parse(b, peer, stamp, expect)?;
+            // Exactly the chunk's entries, each non-zero by construction (a dense segment's
+            // zeros are positions nobody sent): fewer or more would be accepted alike by
+            // every rank, a wrong result that no one notices.
+            let got = if v.header.dense {
+                v.entries().filter(|&(_, x)| x != 0.0).count() as u64
+            } else {
+                v.count()
+            };
+            if got != c.end - c.start {
+                return Err(TransportError::Protocol {
+                    peer,
+                    what: format!(
+                        "two-phase gather: {got} entries where its chunk holds {}",
+                        c.end - c.start
+                    ),
+                });
+            }
+            views.push(v);
         }
         senders.push(j);
     }
@@ -636,6 +666,76 @@ mod tests {
         assert!(check_counts(&[4, 1], &bounds, 0, 3).is_err());
         let e = check_counts(&[3, u64::MAX], &bounds, 0, 3).unwrap_err();
         assert!(!e.is_recoverable(), "{e}");
+    }
+
+    /// Rank 0 of two, hostile, sends rank 1 a balancing piece outside its own region (which
+    /// would leave rank 1's chunk unsorted), or a gather chunk of the wrong size: rank 1 fails
+    /// with a protocol error naming rank 0, and never panics.
+    #[test]
+    fn a_peer_piece_outside_its_region_or_of_the_wrong_size_is_refused() {
+        use std::time::{Duration, Instant};
+        let bounds = [0u64, 500, 1000];
+        let stamp = Stamp::new(1000, &[7]);
+        for hostile in ["region", "gather"] {
+            let mut g = chorus_transport::tcp::local_group(2).unwrap();
+            let t1 = g.pop().unwrap();
+            let t0 = g.pop().unwrap();
+            let run =
+                |mut t: chorus_transport::tcp::TcpTransport,
+                 f: Box<dyn FnOnce(&mut CollCtx<'_>) -> Result<()> + Send>| {
+                    std::thread::spawn(move || {
+                        let mut scratch = Vec::new();
+                        let mut ctx = CollCtx {
+                            transport: &mut t,
+                            deadline: Instant::now() + Duration::from_secs(20),
+                            tag_base: 5 << 16,
+                            scratch: &mut scratch,
+                        };
+                        f(&mut ctx)
+                    })
+                };
+            // Counts [4, 2]: chunks of 3; rank 1's chunk is rank 0's 4th entry, then its own 2.
+            let evil = run(
+                t0,
+                Box::new(move |ctx| {
+                    let mut out = Vec::new();
+                    if hostile == "region" {
+                        // Index 560 lies in rank 1's region, not in rank 0's (0..500).
+                        stream::encode_sparse(&mut out, stamp, 560, 1, &[560], &[1.0]);
+                        let t = tag(ctx, ALG, BALANCE_STEP);
+                        crate::collectives::send_all(&mut *ctx.transport, ctx.deadline, 1, t, &out)
+                    } else {
+                        // An honest balancing piece, then a gather chunk of 2 entries, not 3.
+                        stream::encode_sparse(&mut out, stamp, 10, 1, &[10], &[1.0]);
+                        let t = tag(ctx, ALG, BALANCE_STEP);
+                        crate::collectives::send_all(
+                            &mut *ctx.transport,
+                            ctx.deadline,
+                            1,
+                            t,
+                            &out,
+                        )?;
+                        out.clear();
+                        stream::encode_sparse(&mut out, stamp, 1, 2, &[1, 2], &[1.0, 1.0]);
+                        let t = tag(ctx, ALG, GATHER_STEP);
+                        crate::collectives::send_all(&mut *ctx.transport, ctx.deadline, 1, t, &out)
+                    }
+                }),
+            );
+            let honest = run(
+                t1,
+                Box::new(move |ctx| {
+                    let (idx, val) = ([559u64, 561], [2.0f32, 3.0]);
+                    balanced_allgatherv(ctx, stamp, (&idx, &val), &[4, 2], &bounds).map(|_| ())
+                }),
+            );
+            let e = honest.join().unwrap().unwrap_err();
+            assert!(
+                matches!(e, TransportError::Protocol { peer: 0, .. }),
+                "{hostile}: {e}"
+            );
+            let _ = evil.join().unwrap();
+        }
     }
 
     #[test]
