@@ -671,6 +671,8 @@ mod tests {
     /// Rank 0 of two, hostile, sends rank 1 a balancing piece outside its own region (which
     /// would leave rank 1's chunk unsorted), or a gather chunk of the wrong size: rank 1 fails
     /// with a protocol error naming rank 0, and never panics.
+    type RankBody = Box<dyn FnOnce(&mut CollCtx<'_>) -> Result<()> + Send>;
+
     #[test]
     fn a_peer_piece_outside_its_region_or_of_the_wrong_size_is_refused() {
         use std::time::{Duration, Instant};
@@ -680,20 +682,18 @@ mod tests {
             let mut g = chorus_transport::tcp::local_group(2).unwrap();
             let t1 = g.pop().unwrap();
             let t0 = g.pop().unwrap();
-            let run =
-                |mut t: chorus_transport::tcp::TcpTransport,
-                 f: Box<dyn FnOnce(&mut CollCtx<'_>) -> Result<()> + Send>| {
-                    std::thread::spawn(move || {
-                        let mut scratch = Vec::new();
-                        let mut ctx = CollCtx {
-                            transport: &mut t,
-                            deadline: Instant::now() + Duration::from_secs(20),
-                            tag_base: 5 << 16,
-                            scratch: &mut scratch,
-                        };
-                        f(&mut ctx)
-                    })
-                };
+            let run = |mut t: chorus_transport::tcp::TcpTransport, f: RankBody| {
+                std::thread::spawn(move || {
+                    let mut scratch = Vec::new();
+                    let mut ctx = CollCtx {
+                        transport: &mut t,
+                        deadline: Instant::now() + Duration::from_secs(20),
+                        tag_base: 5 << 16,
+                        scratch: &mut scratch,
+                    };
+                    f(&mut ctx)
+                })
+            };
             // Counts [4, 2]: chunks of 3; rank 1's chunk is rank 0's 4th entry, then its own 2.
             let evil = run(
                 t0,
