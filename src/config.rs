@@ -215,13 +215,22 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         )
     })?;
     let rank = parse_count(rank_var, &rank)?;
-    let (size_var, size) = env.first(SIZE_VARS).ok_or_else(|| {
-        format!(
-            "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
-            SIZE_VARS[1..].join(", ")
-        )
-    })?;
+    // The size from the launcher that gave the rank; only when it gives none, the first set.
+    let launcher = LAUNCHERS
+        .iter()
+        .find(|l| l.rank == rank_var)
+        .expect("every rank variable is a launcher's");
+    let (size_var, size) = match env.value(launcher.size) {
+        Some(v) => (launcher.size, v),
+        None => env.first(SIZE_VARS).ok_or_else(|| {
+            format!(
+                "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
+                SIZE_VARS[1..].join(", ")
+            )
+        })?,
+    };
     let size = parse_count(size_var, &size)?;
+    check_other_launchers(&env, launcher, (rank_var, rank), (size_var, size))?;
     if size == 0 {
         return Err(format!("{size_var}=0: the world size must be at least 1"));
     }
@@ -276,6 +285,86 @@ fn read_settings(get: &dyn Fn(&str) -> Option<String>, config: &mut Config) -> R
         config.check_calls = parse_switch("CHORUS_CHECK_CALLS", &v)
             .map_err(|e| e.message().to_string())?
             .unwrap_or(false);
+    }
+    Ok(())
+}
+
+/// A launcher's variables: the rank, the world size, and the size of the current launch as
+/// the consistency check reads it (Slurm's step, not its allocation).
+struct Launcher {
+    name: &'static str,
+    rank: &'static str,
+    size: &'static str,
+    launch_size: &'static str,
+}
+
+/// The launchers, in the order of [`RANK_VARS`].
+const LAUNCHERS: &[Launcher] = &[
+    Launcher {
+        name: "chorus",
+        rank: "CHORUS_RANK",
+        size: "CHORUS_WORLD_SIZE",
+        launch_size: "CHORUS_WORLD_SIZE",
+    },
+    Launcher {
+        name: "torchrun",
+        rank: "RANK",
+        size: "WORLD_SIZE",
+        launch_size: "WORLD_SIZE",
+    },
+    Launcher {
+        name: "Open MPI",
+        rank: "OMPI_COMM_WORLD_RANK",
+        size: "OMPI_COMM_WORLD_SIZE",
+        launch_size: "OMPI_COMM_WORLD_SIZE",
+    },
+    Launcher {
+        name: "MPICH/Hydra",
+        rank: "PMI_RANK",
+        size: "PMI_SIZE",
+        launch_size: "PMI_SIZE",
+    },
+    Launcher {
+        name: "Slurm",
+        rank: "SLURM_PROCID",
+        size: "SLURM_NTASKS",
+        launch_size: "SLURM_STEP_NUM_TASKS",
+    },
+];
+
+/// Refuses a rank taken from one launcher's variables while another launcher's say this
+/// process is one of more: left over from another launch (a shell that exported `RANK=0
+/// WORLD_SIZE=1`, then `mpirun -np 4`), they would make every process rank 0 of a job of its
+/// own, silently. Launchers nested the usual way (torchrun under srun or mpirun) give the inner
+/// one at least as many ranks, and the `CHORUS_*` variables are taken as meant.
+fn check_other_launchers(
+    env: &Lookup<'_>,
+    chosen: &Launcher,
+    (rank_var, rank): (&str, usize),
+    (size_var, size): (&str, usize),
+) -> Result<(), String> {
+    if chosen.name == "chorus" {
+        return Ok(());
+    }
+    for other in LAUNCHERS
+        .iter()
+        .filter(|l| l.name != chosen.name && l.name != "chorus")
+    {
+        let (Some(_), Some(v)) = (env.value(other.rank), env.value(other.launch_size)) else {
+            continue;
+        };
+        let Ok(theirs) = v.parse::<usize>() else {
+            continue;
+        };
+        if theirs > size {
+            return Err(format!(
+                "{rank_var}={rank} and {size_var}={size} ({}'s variables) make this process \
+                 rank {rank} of {size}, but {}={theirs} ({}'s) says it is one of {theirs}: \
+                 variables left over from another launch? Unset those that do not belong to \
+                 this one, or set CHORUS_RANK and CHORUS_WORLD_SIZE",
+                chosen.name, other.launch_size, other.name
+            ));
+        }
     }
     Ok(())
 }
@@ -606,6 +695,67 @@ mod tests {
         .unwrap();
         assert_eq!((c.rank, c.size, c.local_rank), (1, 3, Some(1)));
         assert_eq!(c.root_addr, "root:5000");
+    }
+
+    #[test]
+    fn another_launchers_larger_job_is_refused_not_joined_alone() {
+        // torchrun's variables left in the shell, then `mpirun -np 4`: refused, naming both.
+        let e = config(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ADDR,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("WORLD_SIZE=1") && e.contains("OMPI_COMM_WORLD_SIZE=4"),
+            "{e}"
+        );
+        // ... or `srun -n 4` (the step's size).
+        let e = config(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ADDR,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("SLURM_STEP_NUM_TASKS=4"), "{e}");
+        // The rank's own launcher gives the size, not the first size variable set.
+        let e = config(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("WORLD_SIZE", "4"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.size), (5, 8));
+        // Nested the usual way: torchrun under srun (2 tasks, 8 ranks), mpirun in an
+        // allocation of 64 tasks (no step).
+        let c = config(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size), (5, 8));
+        let c = config(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "64"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size), (1, 4));
     }
 
     #[test]

@@ -330,6 +330,37 @@ fn timeout_kills_the_job_with_124() {
     assert!(run.stderr.contains("timeout"), "{}", run.stderr);
 }
 
+/// Started as one of several tasks of another launcher (here, as srun would), chorus-run
+/// refuses rather than start independent jobs, unless told they are meant.
+#[test]
+fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
+    let run = |nested: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
+        cmd.args(["-n", "2", "--", "true"])
+            .env("SLURM_STEP_NUM_TASKS", "2")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(v) = nested {
+            cmd.env("CHORUS_RUN_NESTED", v);
+        }
+        let mut child = cmd.spawn().expect("start chorus-run");
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (wait_watched(&mut child, "nested"), err)
+    };
+    let (status, err) = run(None);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("SLURM_STEP_NUM_TASKS=2"), "{err}");
+    let (status, err) = run(Some("1"));
+    assert!(status.success(), "{err}");
+}
+
 #[test]
 fn command_line_errors_and_help() {
     let run = chorus_run(&["--", "true"]);

@@ -86,8 +86,11 @@ CHORUS_ADDR CHORUS_TOKEN, and RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER
 MASTER_PORT (a second free port, for torch's own store). Stdin goes to rank 0 only.
 
 Exit status: 0 if every rank succeeded; else the first failing rank's exit code
-(128 + signal number if it was killed by a signal); 124 on --timeout; 2 for a bad
-command line; 127 (126) if CMD could not be found (executed).
+(128 + signal number if it was killed by a signal; of ranks that fail together, one killed
+by a signal comes first); 124 on --timeout; 2 for a bad command line, or when chorus-run
+is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
+OMPI_COMM_WORLD_SIZE or PMI_SIZE above 1: each task would run a job of its own; set
+CHORUS_RUN_NESTED=1 if that is meant); 127 (126) if CMD could not be found (executed).
 Ctrl-C reaches all ranks directly (they share chorus-run's process group); other
 signals are not forwarded.
 ";
@@ -395,7 +398,33 @@ fn main() {
             std::process::exit(EXIT_USAGE);
         }
     };
+    if let Some(why) = nested_launch(&|k| std::env::var(k).ok()) {
+        say!("{why}");
+        std::process::exit(EXIT_USAGE);
+    }
     std::process::exit(run(&opts));
+}
+
+/// Why this launcher should not run here: it was itself started as one of several tasks of
+/// another launcher (`srun -N2 chorus-run -n 4 ...`), which would make several independent
+/// jobs, each with a rank 0 of its own. `CHORUS_RUN_NESTED=1` allows it.
+fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    if get("CHORUS_RUN_NESTED").is_some_and(|v| v.trim() == "1") {
+        return None;
+    }
+    ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|&var| {
+            let n: usize = get(var)?.trim().parse().ok()?;
+            (n > 1).then(|| {
+                format!(
+                    "{var}={n}: chorus-run was started as one of {n} tasks of another launcher, \
+                     and each would run a job of its own with a rank 0 of its own; start the \
+                     program under that launcher directly (chorus reads its variables), or set \
+                     CHORUS_RUN_NESTED=1 if independent jobs are meant"
+                )
+            })
+        })
 }
 
 /// Runs the job and returns our exit code.
@@ -530,6 +559,9 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
     // When set, the ranks still running are killed at this instant.
     let mut kill_at: Option<Instant> = None;
     loop {
+        // The failures reaped in this pass: ranks that fail together (one crashed, the others
+        // then lost it) are told apart below, the cause first.
+        let mut fresh: Vec<(usize, ExitStatus)> = Vec::new();
         for (rank, r) in ranks_.iter_mut().enumerate() {
             if r.status.is_some() {
                 continue;
@@ -550,9 +582,15 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
             if status.success() || kill_at.is_some_and(|t| Instant::now() >= t) {
                 continue;
             }
+            fresh.push((rank, status));
+        }
+        // A rank killed by a signal before one that exited with a code: the exit is most
+        // likely its peers' reaction to it.
+        fresh.sort_by_key(|&(rank, status)| (status.signal().is_none(), rank));
+        for (rank, status) in fresh {
             let (code, what) = describe(status);
             if failed {
-                // Another rank failed on its own during the grace period.
+                // Another rank failed too, on its own or because of the first.
                 say!("rank {rank} {what}");
                 continue;
             }
@@ -567,8 +605,6 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
                 say!("rank {rank} {what} (killing the other {running} ranks)");
             }
             kill_at = Some(Instant::now() + KILL_GRACE);
-            // `ranks_` is borrowed by the loop; re-enter it to reap the rest.
-            break;
         }
         let running = ranks_running(ranks_);
         if running == 0 {
