@@ -473,7 +473,7 @@ fn join_host_port(host: &str, port: u16) -> String {
 }
 
 /// Parse `CHORUS_ADDR`: `host:port` or `[ipv6]:port`.
-fn parse_chorus_addr(var: &str, value: &str) -> Result<(String, u16), String> {
+pub fn parse_chorus_addr(var: &str, value: &str) -> Result<(String, u16), String> {
     let (host, port) = if let Some(rest) = value.strip_prefix('[') {
         let (ip, after) = rest
             .split_once(']')

@@ -225,13 +225,13 @@ fn parse_nproc(text: &str) -> Result<usize, String> {
 
 /// Checks `HOST:PORT` (IPv6 as `[addr]:port`) and returns it unchanged.
 fn parse_addr(text: &str) -> Result<String, String> {
-    match text.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0) => {
-            Ok(text.to_string())
-        }
-        _ => Err(format!(
-            "--addr expects HOST:PORT with a port in 1..=65535, got {text:?}"
+    // The ranks' own parser: what it refuses, each rank would refuse at init.
+    match chorus::config::parse_chorus_addr("--addr", text) {
+        Ok((_, 0)) => Err(format!(
+            "--addr {text:?}: port 0 is not a port ranks can meet at"
         )),
+        Ok(_) => Ok(text.to_string()),
+        Err(e) => Err(e),
     }
 }
 
@@ -613,9 +613,14 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
         let now = Instant::now();
         if let Some(limit) = timeout {
             if !failed && now.duration_since(start) >= limit {
+                // Kill first: the message may block on a stalled stderr (a paused terminal, a
+                // stuck ssh session), and the timeout must end the job all the same.
+                for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
+                    let _ = r.child.kill();
+                }
                 say!(
                     "timeout: the job ran longer than {} s (--timeout); \
-                     killing the {} still running",
+                     killed the {} still running",
                     limit.as_secs_f64(),
                     ranks(running)
                 );
@@ -724,6 +729,19 @@ mod tests {
         assert!(parse_args(args(&["-n", "0", "true"])).is_err());
         assert!(parse_args(args(&["-n", "2"])).is_err());
         assert!(parse_args(args(&["--addr", "nohost", "-n", "2", "true"])).is_err());
+        // As the ranks' own parser: bare IPv6, spaces and port 0 are refused here, once.
+        for bad in ["::1:80", "a b:80", "host:0", "host:x"] {
+            assert!(
+                parse_args(args(&["--addr", bad, "-n", "2", "true"])).is_err(),
+                "{bad}"
+            );
+        }
+        for good in ["[::1]:80", "node-1.example:29400", "10.0.0.1:5000"] {
+            assert!(
+                parse_args(args(&["--addr", good, "-n", "2", "true"])).is_ok(),
+                "{good}"
+            );
+        }
         assert!(parse_args(args(&["--bogus", "-n", "2", "true"])).is_err());
     }
 
