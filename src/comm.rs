@@ -915,8 +915,15 @@ impl Communicator {
                 }
             }
             // Compared first (with `check_calls`), before any tuning trial runs and before a tuned
-            // call's clock starts.
-            let args = [recv.len() as u64];
+            // call's clock starts. A forced schedule is part of the call: a rank that forces one
+            // skips the tuner's step, so ranks that differ in it would fall out of step.
+            let forced = opts.algorithm.map_or(0, |a| {
+                1 + allreduce::Algorithm::ALL
+                    .iter()
+                    .position(|&x| x == a)
+                    .unwrap_or(allreduce::Algorithm::ALL.len()) as u64
+            });
+            let args = [recv.len() as u64, forced];
             c.check_call(call, &args)?;
             if opts.algorithm.is_none() && c.direct_shared_memory() {
                 // Every rank on this host: the direct shared-memory allreduce beats any message
@@ -994,7 +1001,7 @@ impl Communicator {
                 _ => CollKind::AllReduce,
             };
             let started = Instant::now();
-            let r = c.run_unchecked(Call { kind, ..call }, &[bytes as u64], |ctx| {
+            let r = c.run_unchecked(Call { kind, ..call }, &args, |ctx| {
                 allreduce::run(algorithm, ctx, send, recv, dtype, op)
             });
             let seconds = started.elapsed().as_secs_f64();

@@ -686,7 +686,7 @@ impl Selector {
 impl Selector {
     /// The selector of a freshly connected communicator: reads `CHORUS_ALPHA_US` /
     /// `CHORUS_BETA_GBPS` (already validated into `env`), probes the link when a figure is
-    /// missing and there is a choice to make, fills the table and logs it at INFO (rank 0).
+    /// missing (and there is more than one rank), fills the table and logs it at INFO (rank 0).
     ///
     /// `crowded`: this rank's host runs more ranks than it has cores; the ranks agree (with an
     /// 8-byte allreduce) on whether any host does.
@@ -698,7 +698,9 @@ impl Selector {
     ) -> Result<Selector, CommError> {
         let ranks = comm.size();
         let (link, source) = match env {
-            _ if ranks == 1 || filter.forced().is_some() => (Link::default(), LinkSource::Default),
+            // Also with the allreduce forced: the other collectives (and the sparse allreduce)
+            // still choose by the link.
+            _ if ranks == 1 => (Link::default(), LinkSource::Default),
             (Some(alpha), Some(beta)) => (Link { alpha, beta }, LinkSource::Configured),
             (alpha, beta) => {
                 let mut measured = Link::default();
@@ -1753,8 +1755,10 @@ pub fn probe(ctx: &mut CollCtx<'_>) -> TResult<Link> {
         tag_base: ctx.tag_base | 0x100,
         scratch: &mut *ctx.scratch,
     };
+    // Recursive doubling: ⌈log₂p⌉ steps, whose tags fit any group (the ring's 2(p−1) would
+    // overflow the step field beyond 32 768 ranks).
     allreduce::run(
-        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
         &mut agree,
         None,
         bytemuck::cast_slice_mut(&mut both),

@@ -105,6 +105,34 @@ fn counts_that_differ_behind_equal_message_lengths_fail_everywhere() {
     );
 }
 
+/// One rank forces the very schedule the other's `auto` picks: the messages agree, but the
+/// rank that forced it skipped the tuner's step, and the ranks would fall out of step at a
+/// later call (one revisiting a rival schedule, the other not). A forced schedule is part of
+/// the call's fingerprint, so the call itself fails, on every rank.
+#[test]
+fn a_schedule_forced_on_one_rank_only_fails_everywhere() {
+    let res = on_threads(2, Duration::from_secs(60), |c| {
+        c.set_tuning(false);
+        let mut v = vec![1.0f32; 1024];
+        let auto = c.selected_algorithm(4096);
+        let opts = AllReduceOptions {
+            algorithm: (c.rank() == 0).then_some(auto),
+            timeout: Some(Duration::from_secs(10)),
+        };
+        c.all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+            .map_err(|e| (e.kind(), e.to_string()))
+    });
+    assert!(
+        res.iter().all(Result::is_err),
+        "a rank returned Ok: {res:?}"
+    );
+    assert!(
+        res.iter()
+            .any(|r| matches!(r, Err((ErrorKind::Mismatch, _)))),
+        "{res:?}"
+    );
+}
+
 /// A rank that never calls the collective: the others time out naming a rank, and the
 /// bad-argument errors before that leave the communicator usable.
 #[test]
