@@ -596,6 +596,10 @@ impl Communicator {
         // once the configuration is known to be good: a rank refused above leaves it to the
         // process's next communicator of the id, and the other ranks can still meet there).
         let server = server.or_else(|| crate::unique_id::take_store(&config.root_addr));
+        if let Some(s) = &server {
+            // Every rank keeps a connection to it for the communicator's life.
+            s.fit_ranks(size);
+        }
         let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
             (Box::new(Lone), None)
         } else {

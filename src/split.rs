@@ -167,7 +167,7 @@ impl Communicator {
         let mut server = None;
         let mut bind_error = None;
         let state = if first == Some(rank) && members.len() > 1 {
-            match self.store_for_split() {
+            match self.store_for_split(members.len()) {
                 Ok(s) => {
                     let st = (STORE_AT, Some(s.local_addr()));
                     server = Some(s);
@@ -347,9 +347,9 @@ impl Communicator {
         }
     }
 
-    /// Bind a store for a split's new group on this rank's data address (any free port),
-    /// authenticated with this communicator's token.
-    fn store_for_split(&self) -> Result<StoreServer, CommError> {
+    /// Bind a store for a split's new group of `ranks` ranks on this rank's data address (any
+    /// free port), authenticated with this communicator's token.
+    fn store_for_split(&self, ranks: usize) -> Result<StoreServer, CommError> {
         let ip = self.data_ip().ok_or_else(|| {
             CommError::new(
                 ErrorKind::Internal,
@@ -358,7 +358,7 @@ impl Communicator {
             )
         })?;
         let token = self.config().token.clone().unwrap_or_default();
-        StoreServer::bind(SocketAddr::new(ip, 0), token.as_bytes()).map_err(|e| {
+        StoreServer::bind_for_ranks(SocketAddr::new(ip, 0), token.as_bytes(), ranks).map_err(|e| {
             CommError::from_transport("split", e)
                 .at_rank(self.rank())
                 .with_usable(true)

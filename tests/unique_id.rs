@@ -84,3 +84,35 @@ fn a_rank_with_another_secret_is_refused() {
         errs[2]
     );
 }
+
+/// Ranks that share an id but pass different numbers of ranks (rank 0 three, the others
+/// four): every rank fails at once saying so, instead of waiting out the init timeout for a
+/// fourth rank that will never come.
+#[test]
+fn ranks_given_different_sizes_fail_at_once() {
+    let id = UniqueId::new_on([127, 0, 0, 1].into()).expect("an id");
+    let start = Instant::now();
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let bytes = id.as_bytes().to_vec();
+            std::thread::spawn(move || {
+                let id = UniqueId::from_bytes(&bytes).expect("well-formed bytes");
+                let size = if rank == 0 { 3 } else { 4 };
+                let mut cfg = Config::from_unique_id(&id, rank, size).expect("a configuration");
+                cfg.transport = Some("tcp".into());
+                cfg.init_timeout = Duration::from_secs(60);
+                Communicator::new(cfg).err().map(|e| e.to_string())
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let e = h.join().expect("rank thread");
+        let e = e.unwrap_or_else(|| panic!("rank {rank} made a communicator"));
+        assert!(e.contains("group of"), "rank {rank}: {e}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+}

@@ -547,7 +547,8 @@ impl LogLimiter {
 
 struct Shared {
     token: Vec<u8>,
-    limits: Limits,
+    /// Raised (never lowered) once a job's size is known ([`StoreServer::fit_ranks`]).
+    limits: Mutex<Limits>,
     store: Mutex<Store>,
     changed: Condvar,
     shutdown: AtomicBool,
@@ -623,17 +624,18 @@ impl Shared {
     /// Insert or replace, within the byte and key limits.
     fn put(&self, store: &mut Store, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
         let old = store.map.get(&key).map(|v| key.len() + v.len());
-        if old.is_none() && store.map.len() >= self.limits.max_keys {
+        let limits = *lock(&self.limits);
+        if old.is_none() && store.map.len() >= limits.max_keys {
             return Err(format!(
                 "store full: it already holds {} keys (the limit)",
                 store.map.len()
             ));
         }
         let bytes = store.bytes - old.unwrap_or(0) + key.len() + value.len();
-        if bytes > self.limits.max_store_bytes {
+        if bytes > limits.max_store_bytes {
             return Err(format!(
                 "store full: {bytes} bytes would exceed the limit of {}",
-                self.limits.max_store_bytes
+                limits.max_store_bytes
             ));
         }
         store.bytes = bytes;
@@ -745,7 +747,7 @@ fn read_request(stream: &mut TcpStream) -> Result<Option<Request>, String> {
 /// One connection's thread: handshake, then requests until the client leaves.
 fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let deadline = Instant::now() + shared.limits.handshake_timeout;
+    let deadline = Instant::now() + lock(&shared.limits).handshake_timeout;
     if let Err(e) = accept_handshake(stream, &shared.token, STORE_CONTEXT, deadline) {
         if !shared.shutdown.load(Ordering::SeqCst) {
             match e {
@@ -827,6 +829,15 @@ impl StoreServer {
         Self::bind_with(addr, token, Limits::default())
     }
 
+    /// Make room for a job of `ranks` ranks (as [`StoreServer::bind_for_ranks`]) in a store
+    /// bound before the size was known (a unique id's).
+    pub fn fit_ranks(&self, ranks: usize) {
+        let fit = Limits::for_ranks(ranks);
+        let mut l = lock(&self.shared.limits);
+        l.max_connections = l.max_connections.max(fit.max_connections);
+        l.max_keys = l.max_keys.max(fit.max_keys);
+    }
+
     /// [`StoreServer::bind`] for a job of `ranks` ranks, each of which keeps a connection for
     /// its communicator's life: room for all of them and some more (splits, stray
     /// connections) beyond the default 1024 connections and 65 536 keys.
@@ -852,7 +863,7 @@ impl StoreServer {
         let waker = mio::Waker::new(poll.registry(), WAKER).map_err(io("store bind"))?;
         let shared = Arc::new(Shared {
             token: token.to_vec(),
-            limits,
+            limits: Mutex::new(limits),
             store: Mutex::new(Store::default()),
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -915,11 +926,11 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         return;
     }
     conns.threads.retain(|t| !t.is_finished());
-    if conns.streams.len() >= shared.limits.max_connections {
+    let max = lock(&shared.limits).max_connections;
+    if conns.streams.len() >= max {
         drop(conns);
         shared.log.log(format_args!(
-            "refused connection from {peer}: already serving {} connections",
-            shared.limits.max_connections
+            "refused connection from {peer}: already serving {max} connections"
         ));
         return;
     }
@@ -1669,6 +1680,12 @@ mod tests {
         let big = Limits::for_ranks(5000);
         assert_eq!((big.max_connections, big.max_keys), (5064, 160_000));
         assert_eq!(big.max_store_bytes, d.max_store_bytes);
+        // A store bound before the size was known (a unique id's) is raised, never lowered.
+        let server = StoreServer::bind(localhost(), b"tok").unwrap();
+        server.fit_ranks(5000);
+        server.fit_ranks(8);
+        let l = *lock(&server.shared.limits);
+        assert_eq!((l.max_connections, l.max_keys), (5064, 160_000));
     }
 
     #[test]

@@ -150,19 +150,36 @@ pub fn connect_with(
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
     store.set_deadline(deadline);
 
+    // Rank 0 publishes the communicator's id and its size; a rank given another size (a
+    // unique id shared by ranks that passed different counts) says so where the others
+    // wait for its address, and every rank fails at once naming it, instead of some forming a
+    // smaller group silently and the rest waiting out their timeout.
     let comm_id = if rank == 0 {
         let mut b = [0u8; 8];
         getrandom::getrandom(&mut b).map_err(|e| rdv(format!("getrandom: {e}")))?;
         let id = u64::from_le_bytes(b);
-        store.set("comm_id", &id.to_le_bytes())?;
+        let mut v = id.to_le_bytes().to_vec();
+        v.extend((size as u64).to_le_bytes());
+        store.set("comm_id", &v)?;
         id
     } else {
         let v = store.get("comm_id", deadline)?;
-        let b: [u8; 8] = v
-            .as_slice()
-            .try_into()
-            .map_err(|_| rdv("malformed communicator id in the store"))?;
-        u64::from_le_bytes(b)
+        let word = |at: usize| -> Result<u64> {
+            v.get(at..at + 8)
+                .filter(|_| v.len() == 16)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .ok_or_else(|| rdv("malformed communicator id in the store"))
+        };
+        let (id, theirs) = (word(0)?, word(8)?);
+        if theirs != size as u64 {
+            let why = format!(
+                "rank {rank} was given a group of {size} ranks, rank 0 one of {theirs}: every \
+                 rank must pass the same number of ranks"
+            );
+            let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
+            return Err(rdv(why));
+        }
+        id
     };
 
     let listener = TcpListener::bind(SocketAddr::new(opts.listen_ip, 0))
@@ -177,6 +194,9 @@ pub fn connect_with(
     let mut hosts = Vec::with_capacity(size);
     for j in 0..size {
         let a = store.get(&format!("addr/{j}"), deadline)?;
+        if let Some(why) = a.strip_prefix(b"error: ") {
+            return Err(rdv(String::from_utf8_lossy(why).into_owned()));
+        }
         let a = std::str::from_utf8(&a)
             .ok()
             .and_then(|s| s.parse::<SocketAddr>().ok())
