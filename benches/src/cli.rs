@@ -542,6 +542,24 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     } else if rounds.is_some() {
         return usage_err("--rounds needs --algo with a list of schedules");
     }
+    if compress.is_some() || sparse.is_some() {
+        // These modes run float32 sum against a dense baseline of the selector's schedule and
+        // report the slowest rank: options that would change that are refused, not ignored.
+        let ignored = [
+            (algo.is_some(), "--algo"),
+            (!datatype.eq_ignore_ascii_case("float"), "-d"),
+            (!op.eq_ignore_ascii_case("sum"), "-o"),
+            (average.is_some(), "-a"),
+            (inplace.is_some(), "--inplace"),
+            (matches!(format, Some(Output::Peers)), "--format peers"),
+        ];
+        if let Some((_, name)) = ignored.iter().find(|(set, _)| *set) {
+            return usage_err(format!(
+                "{name} does not apply with --compress, --topk or --sparse (float32 sum, \
+                 the slowest rank's time)"
+            ));
+        }
+    }
     let placement = match (inplace, peers || compare) {
         (Some(1 | 2), true) => {
             return usage_err("--format peers prints out-of-place rows only (--inplace 0)")

@@ -16,7 +16,6 @@ use chorus::compress::{Compressor, CompressorSpec};
 use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
 use chorus::{CommError, Communicator, ReduceOp};
 
-use crate::calls;
 use crate::cli::{Options, Output};
 use crate::report::{format_time_us, json_gap, json_string};
 
@@ -48,22 +47,6 @@ fn max_over_ranks(comm: &mut Communicator, v: f64) -> Result<f64, Box<CommError>
     let mut t = [v];
     comm.all_reduce(&mut t, ReduceOp::Max)?;
     Ok(t[0])
-}
-
-/// The time of `iters` calls of `f` after `warmup` (max over ranks, as the peers harness);
-/// with a `gap` (`--gap`), each timed call after that sleep and a barrier, timed on its own.
-fn time(
-    comm: &mut Communicator,
-    warmup: u64,
-    iters: u64,
-    gap: Option<Duration>,
-    mut f: impl FnMut(&mut Communicator) -> Result<(), Box<CommError>>,
-) -> Result<f64, Box<CommError>> {
-    for _ in 0..warmup {
-        f(comm)?;
-    }
-    let local = calls::seconds_per_call(comm, iters, gap, f)?;
-    max_over_ranks(comm, local)
 }
 
 /// The time of `call` on a fresh copy of `input` each time (compression consumes its input,
@@ -242,7 +225,9 @@ pub fn run(comm: &mut Communicator, opts: &Options) -> Result<u64, Box<CommError
             let wrong = max_over_ranks(comm, wrong)? as u64;
             wrong_total += wrong;
             let mut sent = 0u64;
-            let seconds = time(comm, warmup, iters, opts.gap, |c| {
+            // Timed as the dense baseline is: a barrier before each call, each on its own (the
+            // sparse call leaves its input as it was: nothing to copy).
+            let seconds = time_fresh(comm, &[], warmup, iters, opts.gap, |c, _| {
                 let (_, s) = c.sparse_all_reduce_stats(&sv, sparse_algo)?;
                 sent = s.bytes_sent;
                 Ok(())

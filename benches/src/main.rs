@@ -70,10 +70,31 @@ fn main() -> ExitCode {
             },
         ))
     })();
-    let (dtypes, mut ops, algorithms) = match resolved {
+    let (mut dtypes, mut ops, algorithms) = match resolved {
         Ok(r) => r,
         Err(e) => return usage_error(&e),
     };
+    if dtypes
+        .iter()
+        .all(|d| opts.grid.points(d.size() as u64).is_empty())
+    {
+        return usage_error(&UsageError(format!(
+            "no size from -b to -e holds a whole element of -d {}",
+            opts.datatype
+        )));
+    }
+    if opts.collective.reduces() && ops.iter().any(|o| o.is_bitwise()) {
+        // Bitwise ops exist for integers only: `-d all` keeps those, a float type is refused
+        // here rather than by every rank at its first call.
+        dtypes.retain(|d| !d.is_float());
+        if dtypes.is_empty() {
+            return usage_error(&UsageError(format!(
+                "-o {}: bitwise ops need an integer -d (int8, uint8, int32, uint32, int64, \
+                 uint64)",
+                opts.op
+            )));
+        }
+    }
     if matches!(
         opts.collective,
         collective::Collective::Scan | collective::Collective::ExScan

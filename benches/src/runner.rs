@@ -293,9 +293,15 @@ impl<'a> Runner<'a> {
         if !self.opts.check {
             data::fill(&mut recv, self.rank, op, self.ranks);
         }
+        let mut previous = None;
         for mut p in points {
-            // The blocked collectives need a multiple of p elements.
+            // The blocked collectives need a multiple of p elements: a size that rounds to the
+            // size before it (zero included) is not measured again.
             p.count = calls::round_count(self.opts.collective, p.count, self.ranks);
+            if previous == Some(p.count) {
+                continue;
+            }
+            previous = Some(p.count);
             p.bytes = p.count * T::DTYPE.size() as u64;
             self.done += 1;
             self.progress.show(&format!(

@@ -80,6 +80,50 @@ fn usage_errors_exit_2() {
     let r = perf("-h");
     assert_eq!(r.code, Some(0));
     assert!(r.stdout.contains("--minbytes"));
+    // Refused before any rank starts: a bitwise op on a float type, no whole element in the
+    // range.
+    let r = perf("allreduce --ranks 2 -o band");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("integer -d"), "{}", r.stderr);
+    for extra in [
+        "--algo ring",
+        "-d double",
+        "-o max",
+        "-a 1",
+        "--inplace 1",
+        "--format peers",
+    ] {
+        let r = perf(&format!("allreduce --ranks 2 --compress int8 {extra}"));
+        assert_eq!(r.code, Some(2), "{extra}: {}", r.stderr);
+        assert!(r.stderr.contains("does not apply"), "{extra}: {}", r.stderr);
+    }
+    let r = perf("allreduce --ranks 2 -d double -b 1 -e 4");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("whole element"), "{}", r.stderr);
+}
+
+#[test]
+fn blocked_collectives_measure_each_rounded_size_once() {
+    // On 8 ranks, allgather of 8..64 bytes of float: 2, 4, 8, 16 elements round to 0, 0, 8,
+    // 16 (whole blocks): rows 0, 32 and 64 bytes, each once.
+    let r = perf("allgather --ranks 8 -b 8 -e 64 -n 1 -w 0");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let sizes: Vec<&str> = rows(&r.stdout).iter().map(|r| r[0]).collect();
+    assert_eq!(sizes, ["0", "32", "64"], "{}", r.stdout);
+    // With -o band and -d all, the integer types run and the float ones are left out.
+    let r = perf("allreduce --ranks 2 -o band -d all -e 64 -n 1 -w 0");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let types: Vec<String> = rows(&r.stdout)
+        .iter()
+        .map(|row| row[2].to_string())
+        .collect();
+    assert!(!types.is_empty(), "{}", r.stdout);
+    assert!(
+        types
+            .iter()
+            .all(|t| !t.contains("float") && t != "half" && t != "double" && t != "bfloat16"),
+        "{types:?}"
+    );
 }
 
 #[test]

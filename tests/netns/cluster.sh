@@ -2,14 +2,16 @@
 # cluster.sh - the chorus multi-host testbed: N emulated hosts as network namespaces.
 #
 #   cluster.sh up N RATE   build hosts PFX-h1..PFX-hN on one switch, links capped at RATE
-#   cluster.sh down        remove every namespace of this prefix (and so every link)
-#   cluster.sh status      list the namespaces of this prefix, their addresses and shapers
+#   cluster.sh down        remove the namespaces `up` made for this prefix (and every link)
+#   cluster.sh status      list those namespaces, their addresses and shapers
 #
 # PFX is $CHORUS_NETNS_PREFIX, default "chorus" (namespaces chorus-sw, chorus-h1, ...).
 # The integration test tests/netns.rs uses a prefix of its own per run, so runs never collide.
 # RATE is a tc rate such as 100mbit, 1gbit or 2.5gbit, or "none" for unshaped links.
-# Needs root (ip netns, tc). `up` replaces a cluster of the same prefix; `down` is a no-op
-# when there is none; both can be repeated.
+# Needs root (ip netns, tc). `up` replaces a cluster it made for the same prefix, and refuses
+# when a namespace of that name exists that it did not make; `down` removes only what `up`
+# made (listed in /run/chorus-netns/PFX) and is a no-op when there is none; both can be
+# repeated.
 #
 # Layout: namespace PFX-sw holds a Linux bridge `br0`, the switch. Host i is namespace PFX-hi
 # with one interface `eth0` = 10.78.0.i/24, a veth whose other end `port<i>` is a bridge
@@ -29,6 +31,7 @@ SUBNET=10.78.0        # the /24 of the hosts; .i is host i
 MIN_BURST=131072      # bytes; see above
 QUEUE_LATENCY=20ms    # how long a packet may wait in tbf's queue before it is dropped
 MAX_HOSTS=250
+MARK_DIR=/run/chorus-netns  # MARK_DIR/PFX lists the namespaces `up` made for PFX
 
 die() {
     echo "cluster.sh: $*" >&2
@@ -67,17 +70,26 @@ limit() {
         rate "$rate" burst "$burst" latency "$QUEUE_LATENCY"
 }
 
-# every namespace that belongs to this prefix, hosts first (deleting a host also removes its
-# switch port)
+# the namespaces `up` made for this prefix that still exist, hosts first (deleting a host also
+# removes its switch port)
 namespaces() {
+    local all
+    [[ -f $MARK_DIR/$PFX ]] || return 0
+    all=$(ip netns list 2>/dev/null | awk '{ print $1 }')
+    grep -Fx -f "$MARK_DIR/$PFX" <<<"$all" | grep -v -- '-sw$' | sort -V || true
+    grep -Fx -f "$MARK_DIR/$PFX" <<<"$all" | grep -- '-sw$' || true
+}
+
+# namespaces of this prefix's names that `up` did not make (someone else's)
+strangers() {
     local all re=${PFX//./\\.}
     all=$(ip netns list 2>/dev/null | awk '{ print $1 }')
-    grep -E "^$re-h[0-9]+$" <<<"$all" | sort -V || true
-    grep -E "^$re-sw$" <<<"$all" || true
+    grep -E "^$re-(h[0-9]+|sw)$" <<<"$all" || true
 }
 
 new_namespace() {
     ip netns add "$1"
+    echo "$1" >>"$MARK_DIR/$PFX"
     ip -n "$1" link set lo up
 }
 
@@ -90,17 +102,24 @@ cmd_down() {
         fi
         ip netns del "$ns"
     done
+    rm -f "$MARK_DIR/$PFX"
 }
 
 cmd_up() {
     (($# == 2)) || usage
     local n=$1 rate=$2 i host port
-    [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= MAX_HOSTS)) || die "N \"$n\": expected 1..$MAX_HOSTS"
+    [[ $n =~ ^[0-9]+$ ]] || die "N \"$n\": expected 1..$MAX_HOSTS"
+    n=$((10#$n)) # 010 is ten hosts, not octal eight
+    ((n >= 1 && n <= MAX_HOSTS)) || die "N \"$n\": expected 1..$MAX_HOSTS"
     [[ $rate == none ]] || rate_bytes_per_s "$rate" >/dev/null
     command -v ip >/dev/null || die "ip (iproute2) not found"
     [[ $rate == none ]] || command -v tc >/dev/null || die "tc (iproute2) not found"
 
     cmd_down
+    local others
+    others=$(strangers | tr '\n' ' ')
+    [[ -z ${others// /} ]] || die "namespaces $others exist and were not made by cluster.sh up for prefix $PFX; remove them, or choose another CHORUS_NETNS_PREFIX"
+    mkdir -p "$MARK_DIR"
     # From here on, a failing step (set -e) removes what was built before exiting.
     building=1
     trap 'if ((building)); then echo "cluster.sh: up failed; removing the partial cluster" >&2; cmd_down; fi' EXIT
