@@ -403,23 +403,42 @@ pub fn kill_test_child(transport: &str) {
 /// `victim` exiting, and checks every survivor reported an error naming the victim, well
 /// within the 30 s timeout.
 pub fn kill_test_parent(test_name: &str, transport: &str, p: usize, victim: usize) {
-    let job = spawn_job(
-        p,
+    kill_test_parent_with(
         test_name,
-        &[
-            ("CHORUS_TEST_VICTIM", victim.to_string()),
-            ("CHORUS_TRANSPORT", transport.to_string()),
-            ("CHORUS_TIMEOUT", "30".to_string()),
-        ],
+        p,
+        victim,
+        |_| {
+            vec![
+                ("CHORUS_TRANSPORT", transport.to_string()),
+                ("CHORUS_TIMEOUT", "30".to_string()),
+            ]
+        },
+        Duration::from_secs(30),
     );
+}
+
+/// [`kill_test_parent`] with each rank's variables from `env_of(rank)` (the victim's number
+/// added), every survivor's error due within `limit`.
+pub fn kill_test_parent_with<'a>(
+    test_name: &str,
+    p: usize,
+    victim: usize,
+    env_of: impl Fn(usize) -> Vec<(&'a str, String)>,
+    limit: Duration,
+) {
+    let job = spawn_job_with(p, test_name, |rank| {
+        let mut env = env_of(rank);
+        env.push(("CHORUS_TEST_VICTIM", victim.to_string()));
+        env
+    });
     let start = Instant::now();
-    let res = wait_job(job, Duration::from_secs(90));
+    let res = wait_job(job, limit + Duration::from_secs(90));
     for (rank, (code, out)) in res.iter().enumerate() {
         if rank == victim {
             assert_eq!(*code, Some(17), "victim output:\n{out}");
             continue;
         }
-        assert_eq!(*code, Some(0), "p={p} rank {rank}:\n{out}");
+        assert_eq!(*code, Some(0), "p={p} victim {victim} rank {rank}:\n{out}");
         let line = out
             .lines()
             .find(|l| l.contains("ERR after"))
@@ -430,8 +449,8 @@ pub fn kill_test_parent(test_name: &str, transport: &str, p: usize, victim: usiz
         );
     }
     assert!(
-        start.elapsed() < Duration::from_secs(30),
-        "errors took {:?}",
+        start.elapsed() < limit,
+        "victim {victim}: errors took {:?}",
         start.elapsed()
     );
 }
