@@ -620,29 +620,11 @@ impl<T> Request<T> {
 
     /// Wait up to `limit` for the call: its result, or the request back if it is still running.
     pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
-        if let Err(e) = self.slot.process.check("queued call", self.slot.rank) {
-            return Ok(Err(e));
-        }
-        let end = Instant::now() + limit;
-        let mut value = lock(&self.slot.value);
-        loop {
-            if let Some(r) = value.take() {
-                return Ok(r);
-            }
-            if let Err(e) = self.slot.unwaitable() {
-                return Ok(Err(e));
-            }
-            let now = Instant::now();
-            if now >= end {
-                drop(value);
-                return Err(self);
-            }
-            value = self
-                .slot
-                .done
-                .wait_timeout(value, end - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        if self.wait_done(limit) {
+            // Finished (or never to finish here: `wait` says why), so this does not block.
+            Ok(self.wait())
+        } else {
+            Err(self)
         }
     }
 }

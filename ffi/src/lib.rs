@@ -1564,17 +1564,9 @@ unsafe fn allgatherv_call(
     dtype: DtypeArg,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
+    let e = dtype.size();
     // SAFETY: valid for `size` values by the caller's promise.
-    let v = unsafe {
-        vblocks(
-            recvcounts,
-            displs,
-            c.size,
-            dtype.size(),
-            "recvcounts",
-            "displs",
-        )?
-    };
+    let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
     let (all, mine) = (v.extent, v.block(c.rank, dtype.size()));
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
@@ -2179,17 +2171,9 @@ unsafe fn gatherv_call(
             c.gather_v_raw(unsafe { send.get() }, None, dtype, root)
         }));
     }
+    let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
-    let v = unsafe {
-        vblocks(
-            recvcounts,
-            displs,
-            c.size,
-            dtype.size(),
-            "recvcounts",
-            "displs",
-        )?
-    };
+    let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
     let all = v.extent;
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
@@ -2292,17 +2276,9 @@ unsafe fn scatterv_call(
             c.scatter_v_raw(None, unsafe { recv.get_mut() }, dtype, root)
         }));
     }
+    let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
-    let v = unsafe {
-        vblocks(
-            sendcounts,
-            displs,
-            c.size,
-            dtype.size(),
-            "sendcounts",
-            "displs",
-        )?
-    };
+    let v = unsafe { vblocks(sendcounts, displs, c.size, e, "sendcounts", "displs")? };
     let all = v.extent;
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
