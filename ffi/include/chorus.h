@@ -534,7 +534,8 @@ int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
  * `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
  * the same request from two threads at once. A pointer that is not a live request (one
  * completed or freed already, e.g. through another copy of the pointer) is refused with
- * `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`. `chorus_request_free` drops a
+ * `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`; this is a safety net, not a
+ * guarantee: once a later request reuses the memory, a stale copy points to that one. `chorus_request_free` drops a
  * request without waiting for it.
  *
  * # Safety

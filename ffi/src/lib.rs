@@ -661,11 +661,33 @@ pub struct chorus_request {
 static LIVE_REQUESTS: std::sync::Mutex<std::collections::BTreeSet<usize>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
-fn live_requests() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>> {
+/// The process that registered requests (0: none yet). A child forked from it does not touch
+/// the set: another thread of the parent may have held its lock at the fork.
+static REQUESTS_MAKER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// The set of live requests, or `None` in a forked child (whose requests are the parent's:
+/// they fail at once when used, without the set).
+fn live_requests() -> Option<std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>>> {
+    let maker = REQUESTS_MAKER.load(Ordering::SeqCst);
+    if maker != 0 && maker != std::process::id() {
+        return None;
+    }
     // Nothing panics while holding it; a poisoned set is still a set.
-    LIVE_REQUESTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    Some(
+        LIVE_REQUESTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+}
+
+/// Whether `req` is a live request (always taken as one in a forked child); with `take`, it
+/// is no longer one after this.
+fn is_live(req: *mut chorus_request, take: bool) -> bool {
+    match live_requests() {
+        None => true,
+        Some(mut live) if take => live.remove(&(req as usize)),
+        Some(live) => live.contains(&(req as usize)),
+    }
 }
 
 /// The caller's request slot at `request` (NULL and misaligned pointers refused).
@@ -687,7 +709,7 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
     if req.is_null() {
         return Ok(None);
     }
-    if !live_requests().remove(&(req as usize)) {
+    if !is_live(req, true) {
         return Err(not_a_request(req));
     }
     // SAFETY: made by `Box::into_raw` in `issue` and still in the live set, from which it was
@@ -736,7 +758,15 @@ unsafe fn issue(
                 let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
                 let inner = c.queue.submit(call);
                 let req = Box::into_raw(Box::new(chorus_request { inner }));
-                live_requests().insert(req as usize);
+                let _ = REQUESTS_MAKER.compare_exchange(
+                    0,
+                    std::process::id(),
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+                if let Some(mut live) = live_requests() {
+                    live.insert(req as usize);
+                }
                 // SAFETY: as above.
                 unsafe { ptr::write_out(out, req, "request") }
             }
@@ -750,7 +780,8 @@ unsafe fn issue(
 /// `MPI_REQUEST_NULL`. A request is completed once, by one thread: do not wait for or test
 /// the same request from two threads at once. A pointer that is not a live request (one
 /// completed or freed already, e.g. through another copy of the pointer) is refused with
-/// `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`. `chorus_request_free` drops a
+/// `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`; this is a safety net, not a
+/// guarantee: once a later request reuses the memory, a stale copy points to that one. `chorus_request_free` drops a
 /// request without waiting for it.
 ///
 /// # Safety
@@ -787,10 +818,11 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
         } else {
             // Held while looking, so that no other completion frees it meanwhile.
             let live = live_requests();
-            if !live.contains(&(req as usize)) {
+            if live.as_ref().is_some_and(|l| !l.contains(&(req as usize))) {
                 return Err(not_a_request(req));
             }
-            // SAFETY: a live request (in the set, which is locked).
+            // SAFETY: a live request (in the set, which is locked; in a forked child, by the
+            // caller's promise).
             unsafe { &*req }.inner.test()
         };
         // SAFETY: non-NULL, aligned and writable by the caller's promise.
@@ -887,11 +919,12 @@ unsafe fn scan_requests(
         if req.is_null() {
             continue;
         }
-        if !live.contains(&(req as usize)) {
+        if live.as_ref().is_some_and(|l| !l.contains(&(req as usize))) {
             let e = not_a_request(req);
             return Err(Failure::invalid(format!("requests[{i}]: {}", e.message)));
         }
-        // SAFETY: a live request (in the set, which is locked).
+        // SAFETY: a live request (in the set, which is locked; in a forked child, by the
+        // caller's promise).
         out.push((i, req, unsafe { &*req }.inner.test()));
     }
     Ok(out)

@@ -31,7 +31,7 @@
 
 use std::ffi::OsString;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -90,7 +90,8 @@ Exit status: 0 if every rank succeeded; else the first failing rank's exit code
 by a signal comes first); 124 on --timeout; 2 for a bad command line, or when chorus-run
 is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
 OMPI_COMM_WORLD_SIZE or PMI_SIZE above 1: each task would run a job of its own; set
-CHORUS_RUN_NESTED=1 if that is meant); 127 (126) if CMD could not be found (executed).
+CHORUS_RUN_NESTED=1 if that is meant; never when stdin is a terminal, as in an interactive
+srun --pty shell); 127 (126) if CMD could not be found (executed).
 Ctrl-C reaches all ranks directly (they share chorus-run's process group); other
 signals are not forwarded.
 ";
@@ -398,7 +399,14 @@ fn main() {
             std::process::exit(EXIT_USAGE);
         }
     };
-    if let Some(why) = nested_launch(&|k| std::env::var(k).ok()) {
+    // An interactive shell of a job step (`srun -n 8 --pty bash`) is one task however many
+    // the step counts: its terminal says so.
+    let interactive =
+        std::io::stdin().is_terminal() || std::env::var_os("SLURM_PTY_PORT").is_some();
+    if let Some(why) = (!interactive)
+        .then(|| nested_launch(&|k| std::env::var(k).ok()))
+        .flatten()
+    {
         say!("{why}");
         std::process::exit(EXIT_USAGE);
     }

@@ -122,7 +122,10 @@ def _flat(t: torch.Tensor, what: str, op: Optional[str] = None) -> torch.Tensor:
         if op not in (None, "sum", "avg"):
             raise UnsupportedError(f"chorus backend: {op} of complex tensors")
         t = torch.view_as_real(t)
-    return t.reshape(-1)
+    # Detached, as c10d's collectives are not differentiable: a tensor that requires grad
+    # (a forward pass's max for a vocabulary-parallel softmax, a loss to log) is reduced as
+    # Gloo reduces it, its memory shared.
+    return t.detach().reshape(-1)
 
 
 def _bytes(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -323,6 +323,10 @@ def main():
         a, b = both(lambda g: (lambda t: (dist.all_reduce(t, op=op, group=g), t)[1])(
             torch.tensor([1 << me, 0xFF ^ me, me * 37, -1 - me], dtype=torch.int64)), torch.int64)
         check(f"all_reduce {op} against Gloo", a, b)
+    # A tensor that requires grad is reduced as Gloo reduces it (in place, not differentiated).
+    w = torch.full((3,), float(me + 1), requires_grad=True) * 1
+    dist.all_reduce(w)
+    check("all_reduce of a tensor that requires grad", w.detach(), torch.full((3,), float(p * (p + 1) // 2)))
     for what, f in [
         ("bitwise and of floats", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
         ("tag", lambda: dist.send(torch.ones(2), (me + 1) % p, tag=3)),
