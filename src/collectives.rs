@@ -647,25 +647,12 @@ impl Communicator {
                 ),
             ));
         }
-        let at: Option<Vec<usize>> = displs
-            .iter()
-            .zip(counts)
-            .map(|(&d, &c)| {
-                if c == 0 {
-                    Some(0)
-                } else {
-                    d.checked_mul(dtype.size())
-                }
-            })
-            .collect();
-        let layout = at
-            .and_then(|at| Layout::displaced(&bytes, &at))
-            .ok_or_else(|| {
-                self.invalid(
-                    op,
-                    format!("the {what}'s displacements reach beyond what memory holds"),
-                )
-            })?;
+        let layout = Layout::of_elements(counts, Some(displs), dtype.size()).ok_or_else(|| {
+            self.invalid(
+                op,
+                format!("the {what}'s displacements reach beyond what memory holds"),
+            )
+        })?;
         match layout.misfit(len, writable) {
             Some(m) => Err(self.invalid(op, format!("{what}: {m}"))),
             None => Ok(layout),

@@ -32,6 +32,7 @@ pub mod tune_file;
 pub mod unique_id;
 
 pub use chorus_algorithms::allreduce::Algorithm;
+pub use chorus_algorithms::collectives::layout::Layout;
 pub use chorus_algorithms::{DType, Element, ReduceOp};
 pub use collectives::{P2p, P2pShape};
 pub use comm::{AbortHandle, AllReduceOptions, Communicator};

@@ -1462,22 +1462,24 @@ fn blocks(counts: &[usize], elem: usize, what: &str) -> Result<Vec<usize>, Failu
     Ok(off)
 }
 
-/// The blocks of a v-collective's buffer as the caller gave them: the counts, the
-/// displacements (NULL: back to back, as MPI's would be with packed blocks), where each block
-/// starts and how many bytes the buffer must have.
+/// The blocks of a v-collective's buffer as the caller gave them: the counts and the
+/// displacements (NULL: back to back, as MPI's would be with packed blocks), and where that
+/// puts each block in bytes.
 struct VBlocks {
     counts: Vec<usize>,
     displs: Option<Vec<usize>>,
-    /// Where block `j` starts, in bytes (0 for an empty block with displacements).
-    starts: Vec<usize>,
-    /// The end of the last byte of any block.
-    extent: usize,
+    layout: chorus_core::Layout,
 }
 
 impl VBlocks {
-    /// The byte range of block `j` of elements of `elem` bytes.
-    fn block(&self, j: usize, elem: usize) -> std::ops::Range<usize> {
-        self.starts[j]..self.starts[j] + self.counts[j] * elem
+    /// The byte range of block `j` (`0..0` for an empty block with displacements).
+    fn block(&self, j: usize) -> std::ops::Range<usize> {
+        self.layout.block(j)
+    }
+
+    /// How many bytes the buffer must have: the end of the last byte of any block.
+    fn extent(&self) -> usize {
+        self.layout.extent()
     }
 }
 
@@ -1496,39 +1498,20 @@ unsafe fn vblocks(
 ) -> Result<VBlocks, Failure> {
     // SAFETY: valid for `size` values by the caller's promise.
     let counts = unsafe { ptr::counts(counts, size, what)? };
-    let off = blocks(&counts, elem, what)?;
-    if displs.is_null() {
-        return Ok(VBlocks {
-            extent: off[size],
-            starts: off[..size].to_vec(),
-            counts,
-            displs: None,
-        });
-    }
-    // SAFETY: as above.
-    let displs = unsafe { ptr::counts(displs, size, dwhat)? };
-    let too_far = || Failure::invalid(format!("{dwhat} reach beyond what memory holds"));
-    let mut starts = Vec::with_capacity(size);
-    let mut extent = 0usize;
-    for (j, &d) in displs.iter().enumerate() {
-        let len = off[j + 1] - off[j];
-        if len == 0 {
-            starts.push(0);
-            continue;
-        }
-        let start = d.checked_mul(elem).ok_or_else(too_far)?;
-        let end = start
-            .checked_add(len)
-            .filter(|&e| e <= isize::MAX as usize)
-            .ok_or_else(too_far)?;
-        starts.push(start);
-        extent = extent.max(end);
-    }
+    // The counts' own errors first (which name them).
+    blocks(&counts, elem, what)?;
+    let displs = if displs.is_null() {
+        None
+    } else {
+        // SAFETY: as above.
+        Some(unsafe { ptr::counts(displs, size, dwhat)? })
+    };
+    let layout = chorus_core::Layout::of_elements(&counts, displs.as_deref(), elem)
+        .ok_or_else(|| Failure::invalid(format!("{dwhat} reach beyond what memory holds")))?;
     Ok(VBlocks {
         counts,
-        displs: Some(displs),
-        starts,
-        extent,
+        displs,
+        layout,
     })
 }
 
@@ -1600,7 +1583,7 @@ unsafe fn allgatherv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
-    let (all, mine) = (v.extent, v.block(c.rank, dtype.size()));
+    let (all, mine) = (v.extent(), v.block(c.rank));
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
         return Ok(Box::new(move |c| {
@@ -1695,7 +1678,7 @@ unsafe fn alltoallv_call(
     let sv = unsafe { vblocks(sendcounts, sdispls, c.size, e, "sendcounts", "sdispls")? };
     // SAFETY: as above.
     let rv = unsafe { vblocks(recvcounts, rdispls, c.size, e, "recvcounts", "rdispls")? };
-    let (s_all, r_all) = (sv.extent, rv.extent);
+    let (s_all, r_all) = (sv.extent(), rv.extent());
     ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
     let send = RawBuf::new(sendbuf, s_all, "sendbuf")?;
     let recv = RawBuf::new(recvbuf, r_all, "recvbuf")?;
@@ -2207,7 +2190,7 @@ unsafe fn gatherv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
-    let all = v.extent;
+    let all = v.extent();
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
     // call runs (after the calls issued before it).
@@ -2312,7 +2295,7 @@ unsafe fn scatterv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(sendcounts, displs, c.size, e, "sendcounts", "displs")? };
-    let all = v.extent;
+    let all = v.extent();
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
     // call runs (after the calls issued before it).

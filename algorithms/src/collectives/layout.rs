@@ -21,7 +21,7 @@ impl Layout {
     /// use chorus_algorithms::collectives::layout::Layout;
     /// let l = Layout::packed(&[3, 0, 2]).unwrap();
     /// assert_eq!((l.block(0), l.block(2), l.extent()), (0..3, 3..5, 5));
-    /// assert!(l.is_packed());
+    /// assert_eq!(l.span(0..3), Some(0..5));
     /// ```
     pub fn packed(counts: &[usize]) -> Option<Layout> {
         let mut at = 0usize;
@@ -42,7 +42,7 @@ impl Layout {
     /// let l = Layout::displaced(&[2, 0, 2], &[4, 99, 0]).unwrap();
     /// assert_eq!((l.block(0), l.block(1), l.block(2)), (4..6, 0..0, 0..2));
     /// assert_eq!((l.extent(), l.total()), (6, 4));
-    /// assert!(!l.is_packed());
+    /// assert_eq!(l.span(0..3), None);
     /// assert!(Layout::displaced(&[2, 2], &[0, 1]).unwrap().overlap().is_some());
     /// ```
     pub fn displaced(counts: &[usize], displs: &[usize]) -> Option<Layout> {
@@ -58,6 +58,37 @@ impl Layout {
             })
             .collect::<Option<Vec<_>>>()?;
         Some(Layout { blocks })
+    }
+
+    /// Blocks of `counts[j]` elements of `elem` bytes, back to back (`displs` `None`) or at
+    /// `displs[j]` elements (an empty block's displacement ignored); `None` when the lists
+    /// differ in length or a byte offset goes beyond what memory can hold (`isize::MAX`).
+    ///
+    /// ```
+    /// use chorus_algorithms::collectives::layout::Layout;
+    /// let l = Layout::of_elements(&[1, 0, 2], Some(&[3, usize::MAX, 0]), 4).unwrap();
+    /// assert_eq!((l.block(0), l.block(1), l.block(2), l.extent()), (12..16, 0..0, 0..8, 16));
+    /// assert_eq!(Layout::of_elements(&[1, 2], None, 4).unwrap().block(1), 4..12);
+    /// assert_eq!(Layout::of_elements(&[1], Some(&[usize::MAX / 2]), 4), None);
+    /// ```
+    pub fn of_elements(counts: &[usize], displs: Option<&[usize]>, elem: usize) -> Option<Layout> {
+        let bytes: Vec<usize> = counts
+            .iter()
+            .map(|c| c.checked_mul(elem))
+            .collect::<Option<_>>()?;
+        let layout = match displs {
+            None => Layout::packed(&bytes)?,
+            Some(d) if d.len() == counts.len() => {
+                let at: Vec<usize> = d
+                    .iter()
+                    .zip(counts)
+                    .map(|(&d, &c)| if c == 0 { Some(0) } else { d.checked_mul(elem) })
+                    .collect::<Option<_>>()?;
+                Layout::displaced(&bytes, &at)?
+            }
+            Some(_) => return None,
+        };
+        (layout.extent() <= isize::MAX as usize).then_some(layout)
     }
 
     /// How many blocks (ranks).
@@ -90,11 +121,6 @@ impl Layout {
     /// The bytes of all blocks (see [`Layout::checked_total`]; saturates).
     pub fn total(&self) -> usize {
         self.checked_total().unwrap_or(usize::MAX)
-    }
-
-    /// Whether the blocks lie back to back in rank order from byte 0 (as [`Layout::packed`]).
-    pub fn is_packed(&self) -> bool {
-        self.span(0..self.blocks.len()) == Some(0..self.total())
     }
 
     /// The bytes of blocks `r` when they lie back to back in rank order (empty blocks
@@ -191,12 +217,12 @@ mod tests {
     #[test]
     fn spans_and_overlaps() {
         let l = Layout::displaced(&[2, 0, 3, 1], &[0, 7, 2, 5]).unwrap();
-        assert!(l.is_packed());
+        assert_eq!(l.span(0..4), Some(0..6));
         assert_eq!(l.span(1..3), Some(2..5));
         let gap = Layout::displaced(&[2, 2], &[0, 3]).unwrap();
         assert_eq!((gap.span(0..2), gap.overlap()), (None, None));
         let back = Layout::displaced(&[2, 2], &[2, 0]).unwrap();
-        assert_eq!((back.span(0..2), back.is_packed()), (None, false));
+        assert_eq!((back.span(0..2), back.span(1..2)), (None, Some(0..2)));
         let over = Layout::displaced(&[3, 1, 2], &[0, 9, 2]).unwrap();
         assert_eq!(over.overlap(), Some((0, 2)));
         assert!(over.misfit(10, true).unwrap().contains("ranks 0 and 2"));
