@@ -208,26 +208,36 @@ impl Config {
 fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
     let env = Lookup(get);
 
-    let (rank_var, rank) = env.first(RANK_VARS).ok_or_else(|| {
-        format!(
-            "no rank: set CHORUS_RANK (launchers set one of {})",
-            RANK_VARS[1..].join(", ")
-        )
-    })?;
+    let names = |field: fn(&Launcher) -> &'static str| {
+        LAUNCHERS[1..]
+            .iter()
+            .map(field)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (launcher, rank) = LAUNCHERS
+        .iter()
+        .find_map(|l| env.value(l.rank).map(|v| (l, v)))
+        .ok_or_else(|| {
+            format!(
+                "no rank: set CHORUS_RANK (launchers set one of {})",
+                names(|l| l.rank)
+            )
+        })?;
+    let rank_var = launcher.rank;
     let rank = parse_count(rank_var, &rank)?;
     // The size from the launcher that gave the rank; only when it gives none, the first set.
-    let launcher = LAUNCHERS
-        .iter()
-        .find(|l| l.rank == rank_var)
-        .expect("every rank variable is a launcher's");
     let (size_var, size) = match env.value(launcher.size) {
         Some(v) => (launcher.size, v),
-        None => env.first(SIZE_VARS).ok_or_else(|| {
-            format!(
-                "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
-                SIZE_VARS[1..].join(", ")
-            )
-        })?,
+        None => LAUNCHERS
+            .iter()
+            .find_map(|l| env.value(l.size).map(|v| (l.size, v)))
+            .ok_or_else(|| {
+                format!(
+                    "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
+                    names(|l| l.size)
+                )
+            })?,
     };
     let size = parse_count(size_var, &size)?;
     check_other_launchers(&env, launcher, (rank_var, rank), (size_var, size))?;
@@ -298,7 +308,7 @@ struct Launcher {
     launch_size: &'static str,
 }
 
-/// The launchers, in the order of [`RANK_VARS`].
+/// The launchers, in order of precedence (the first whose rank variable is set gives the rank).
 const LAUNCHERS: &[Launcher] = &[
     Launcher {
         name: "chorus",
@@ -369,22 +379,6 @@ fn check_other_launchers(
     Ok(())
 }
 
-/// Variables giving the rank, in order of precedence.
-const RANK_VARS: &[&str] = &[
-    "CHORUS_RANK",
-    "RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "SLURM_PROCID",
-];
-/// Variables giving the world size, in order of precedence.
-const SIZE_VARS: &[&str] = &[
-    "CHORUS_WORLD_SIZE",
-    "WORLD_SIZE",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_SIZE",
-    "SLURM_NTASKS",
-];
 /// Variables giving the rank on this host, in order of precedence.
 const LOCAL_RANK_VARS: &[&str] = &[
     "CHORUS_LOCAL_RANK",
