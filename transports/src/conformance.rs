@@ -74,6 +74,7 @@ pub fn run_all(make: MakeGroup<'_>) {
     all_to_all(make);
     ordered_tags(make);
     nonblocking_and_partial(make);
+    poll_ends_without_error(make);
     tag_mismatch(make);
     too_long_for_buffer(make);
     shorter_message(make);
@@ -227,6 +228,47 @@ pub fn nonblocking_and_partial(make: MakeGroup<'_>) {
                 assert_eq!(b[..last], pattern(0, 1, len, 4)[..last]);
             }
             assert_eq!(b, pattern(0, 1, len, 4));
+        }
+    });
+}
+
+/// `Wait::Poll` returns `Ok(false)` at its instant when nothing moved (no timeout, the
+/// transport stays usable), and a loop of polls completes a message sent later.
+pub fn poll_ends_without_error(make: MakeGroup<'_>) {
+    on_group(make, 2, |rank, t| {
+        let len = 100_000;
+        if rank == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+            t.send(1, 9, &pattern(0, 1, len, 6), T).unwrap();
+        } else {
+            let mut b = vec![0u8; len];
+            let mut req = Request::recv(0, 9, len);
+            t.post(&mut req).unwrap();
+            let start = Instant::now();
+            let slice = Duration::from_millis(50);
+            let done = t
+                .progress(&mut [Op::recv(&mut req, &mut b)], Wait::Poll(start + slice))
+                .unwrap();
+            let took = start.elapsed();
+            assert!(!done && req.bytes_done() == 0, "nothing was sent yet");
+            assert!(took >= slice && took < Duration::from_secs(5), "{took:?}");
+            let end = Instant::now() + T;
+            let mut polls = 0;
+            while !t
+                .progress(
+                    &mut [Op::recv(&mut req, &mut b)],
+                    Wait::Poll(Instant::now() + slice),
+                )
+                .unwrap()
+            {
+                polls += 1;
+                assert!(Instant::now() < end, "the receive did not complete");
+            }
+            assert!(
+                polls >= 1,
+                "the first polls ended before the message was sent"
+            );
+            assert_eq!(b, pattern(0, 1, len, 6));
         }
     });
 }

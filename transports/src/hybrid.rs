@@ -160,9 +160,8 @@ impl HybridTransport {
             if done_a && done_b {
                 return Ok(true);
             }
-            let deadline = match wait {
-                Wait::No => return Ok(false),
-                Wait::Until(d) => d,
+            let Some((deadline, poll)) = wait.until() else {
+                return Ok(false);
             };
             if signature(ops) != before {
                 return Ok(false);
@@ -177,6 +176,9 @@ impl HybridTransport {
                 return Ok(false);
             }
             let now = Instant::now();
+            if now >= deadline && poll {
+                return Ok(false);
+            }
             if now >= deadline {
                 let peer = ops
                     .iter()

@@ -325,6 +325,22 @@ pub enum Wait {
     /// Block until at least one op moved bytes or completed, or every op is complete; fail with
     /// [`TransportError::Timeout`] at the deadline.
     Until(Instant),
+    /// As [`Wait::Until`], but at the instant return `Ok(false)` instead of failing, and return
+    /// early when woken through [`AbortHandle::wake`] (TCP; the others at the instant): for a
+    /// progress loop that also has other things to look at, such as new requests to post.
+    Poll(Instant),
+}
+
+impl Wait {
+    /// The instant a blocking wait ends at, and whether it ends there without an error
+    /// ([`Wait::Poll`]); `None` for [`Wait::No`].
+    pub fn until(self) -> Option<(Instant, bool)> {
+        match self {
+            Wait::No => None,
+            Wait::Until(d) => Some((d, false)),
+            Wait::Poll(d) => Some((d, true)),
+        }
+    }
 }
 
 /// Why a rank gives up on a collective; sent to every peer by [`Transport::abort`] so that they
@@ -373,6 +389,12 @@ impl AbortHandle {
         self.inner
             .requested
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Wake the transport from a [`Wait::Poll`] (without requesting anything): TCP returns
+    /// from it at once; the other transports at its instant.
+    pub fn wake(&self) {
         for wake in self
             .inner
             .wakers

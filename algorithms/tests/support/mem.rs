@@ -292,10 +292,13 @@ impl Transport for MemTransport {
             if all_complete || moved {
                 return Ok(all_complete);
             }
-            let Wait::Until(deadline) = wait else {
+            let Some((deadline, poll)) = wait.until() else {
                 return Ok(false);
             };
             let now = Instant::now();
+            if now >= deadline && poll {
+                return Ok(false);
+            }
             if now >= deadline {
                 let peer = ops
                     .iter()

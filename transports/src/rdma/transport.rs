@@ -345,8 +345,8 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             if all_done {
                 return Ok(true);
             }
-            let deadline = match wait {
-                Wait::Until(d) if !moved => d,
+            let (deadline, poll) = match wait.until() {
+                Some(w) if !moved => w,
                 _ => return Ok(false),
             };
             if !blocked {
@@ -358,6 +358,9 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             // What already arrived was delivered; a notice or a closed peer ends the wait.
             if let Some(e) = self.stuck(ops) {
                 return Err(self.fail(e));
+            }
+            if Instant::now() >= deadline && poll {
+                return Ok(false);
             }
             if Instant::now() >= deadline {
                 return Err(self.fail(TransportError::Timeout {

@@ -834,9 +834,8 @@ impl Transport for ShmTransport {
                 self.disarm();
                 return Ok(all_done);
             }
-            let deadline = match wait {
-                Wait::No => return Ok(false),
-                Wait::Until(d) => d,
+            let Some((deadline, poll)) = wait.until() else {
+                return Ok(false);
             };
             if !blocked {
                 self.disarm();
@@ -862,6 +861,10 @@ impl Transport for ShmTransport {
                 Stall::new()
             });
             if let Err(e) = self.stall(w, deadline) {
+                // (Its only timeout is the deadline's: a poll's end, not an error.)
+                if poll && matches!(e, TransportError::Timeout { .. }) {
+                    return Ok(false);
+                }
                 return Err(self.fail(e));
             }
         }

@@ -178,6 +178,8 @@ pub struct TcpTransport {
     aborted: bool,
     /// Aborts requested from other threads (see [`AbortHandle`]).
     abort_request: Option<AbortHandle>,
+    /// A wake ended the last `wait_ready` of a [`Wait::Poll`].
+    woken: bool,
 }
 
 /// The token of the waker an [`AbortHandle`] uses to end a wait (never a peer's index).
@@ -252,6 +254,7 @@ impl TcpTransport {
             broken: None,
             aborted: false,
             abort_request: None,
+            woken: false,
         })
     }
 
@@ -378,7 +381,10 @@ impl TcpTransport {
     }
 
     /// Wait for socket readiness until `deadline`, spinning first. Returns false on timeout.
-    fn wait_ready(&mut self, deadline: Instant) -> Result<bool> {
+    /// Wait for a socket to become ready, until `deadline`: whether one did. With `woken`, a
+    /// wake ([`AbortHandle::wake`]) also ends the wait (returning true, and setting
+    /// `self.woken`).
+    fn wait_ready(&mut self, deadline: Instant, woken: bool) -> Result<bool> {
         let spin_end = Instant::now() + self.spin;
         loop {
             self.check_abort_request()?;
@@ -399,6 +405,10 @@ impl TcpTransport {
             }
             let mut any = false;
             for ev in self.events.iter() {
+                if woken && ev.token() == WAKE_TOKEN {
+                    any = true;
+                    self.woken = true;
+                }
                 if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
                     any = true;
                     if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
@@ -864,6 +874,7 @@ impl Transport for TcpTransport {
         let started = Instant::now();
         let mut refreshed = false;
         let mut notice_check = false;
+        let mut polled = false;
         loop {
             let Swept {
                 moved,
@@ -886,19 +897,19 @@ impl Transport for TcpTransport {
                     return Err(self.fail(e));
                 }
             }
-            let deadline = match wait {
+            let (deadline, poll) = match wait.until() {
                 // Readiness is learnt from epoll: look once, without blocking, before giving
                 // up (otherwise a socket that once would block is never retried under No).
-                Wait::No => {
+                None => {
                     if moved || !socket_bound || refreshed || !self.poll_now()? {
                         return Ok(false);
                     }
                     refreshed = true;
                     continue;
                 }
-                Wait::Until(d) => d,
+                Some(w) => w,
             };
-            if moved {
+            if moved || (poll && polled) {
                 return Ok(false);
             }
             if !socket_bound {
@@ -908,13 +919,18 @@ impl Transport for TcpTransport {
                 }
                 return Err(stuck_behind_others());
             }
-            let ready = self.wait_ready(deadline)?;
+            let ready = self.wait_ready(deadline, poll)?;
             if ready {
                 notice_check = true;
+                // A woken poll sweeps once more, then returns.
+                polled = std::mem::take(&mut self.woken);
                 continue;
             }
             if let Some(e) = self.pending_notice(false) {
                 return Err(self.fail(e));
+            }
+            if poll {
+                return Ok(false);
             }
             return Err(self.fail(TransportError::Timeout {
                 peer: timeout_peer(ops),
@@ -1279,6 +1295,52 @@ mod tests {
         // The largest length the field holds is accepted (posting takes no buffer).
         let mut req = Request::send(1, 9, len - 1);
         t.post(&mut req).unwrap();
+    }
+
+    /// A wake from another thread ends a poll long before its instant, and the transport
+    /// stays usable (nothing was requested).
+    #[test]
+    fn a_wake_ends_a_poll() {
+        let mut group = local_group(2).expect("local tcp group");
+        let handle = AbortHandle::new();
+        group[0].set_abort_handle(handle.clone());
+        let t = &mut group[0];
+        let mut b = [0u8; 4];
+        let mut req = Request::recv(1, 5, 4);
+        t.post(&mut req).unwrap();
+        let waker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            handle.wake();
+        });
+        let start = Instant::now();
+        let done = t
+            .progress(
+                &mut [Op::recv(&mut req, &mut b)],
+                Wait::Poll(start + Duration::from_secs(20)),
+            )
+            .unwrap();
+        let took = start.elapsed();
+        waker.join().unwrap();
+        assert!(!done);
+        assert!(
+            took < Duration::from_secs(10),
+            "the wake did not end the poll: {took:?}"
+        );
+        let mut out = Request::send(0, 5, 4);
+        group[1].post(&mut out).unwrap();
+        group[1]
+            .wait_all(
+                &mut [Op::send(&mut out, b"wake")],
+                Instant::now() + Duration::from_secs(20),
+            )
+            .unwrap();
+        group[0]
+            .wait_all(
+                &mut [Op::recv(&mut req, &mut b)],
+                Instant::now() + Duration::from_secs(20),
+            )
+            .unwrap();
+        assert_eq!(&b, b"wake");
     }
 
     #[test]
