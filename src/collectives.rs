@@ -153,19 +153,20 @@ impl P2pShape {
     }
 }
 
-/// The tag of a point-to-point message of `dtype` elements.
-fn p2p_tag(dtype: DType) -> u64 {
+/// The tag of a point-to-point message of `dtype` elements (send, recv, the batch and the
+/// queue's isend/irecv, which all match each other).
+pub(crate) fn p2p_tag(dtype: DType) -> u64 {
     tag_base(0, CollKind::SendRecv, dtype, NO_OP)
 }
 
 /// The op field of the tags of collectives that do not reduce.
 const NO_OP: ReduceOp = ReduceOp::Sum;
 
-fn bytes<T: Element>(s: &[T]) -> &[u8] {
+pub(crate) fn bytes<T: Element>(s: &[T]) -> &[u8] {
     bytemuck::cast_slice(s)
 }
 
-fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+pub(crate) fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(s)
 }
 
@@ -1274,7 +1275,7 @@ impl Communicator {
         self.check_peer(OP, peer)?;
         self.trace(format_args!("send {} B to {peer}", buf.len()));
         // Only two ranks take part: the collective sequence number must not advance.
-        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        let tag = p2p_tag(dtype);
         self.run_tagged(OP, tag, None, |ctx| p2p::send(ctx, buf, peer))
     }
 
@@ -1336,7 +1337,7 @@ impl Communicator {
             send.len(),
             recv.len()
         ));
-        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        let tag = p2p_tag(dtype);
         self.run_tagged(OP, tag, None, |ctx| {
             p2p::send_recv(ctx, send, to, recv, from)
         })
@@ -1397,7 +1398,7 @@ impl Communicator {
         self.check_whole(OP, "buffer", buf.len(), dtype)?;
         self.check_peer(OP, peer)?;
         self.trace(format_args!("recv {} B from {peer}", buf.len()));
-        let tag = tag_base(0, CollKind::SendRecv, dtype, NO_OP);
+        let tag = p2p_tag(dtype);
         self.run_tagged(OP, tag, None, |ctx| p2p::recv(ctx, buf, peer))
     }
 }

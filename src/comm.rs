@@ -82,6 +82,11 @@ impl AbortHandle {
         self.inner.is_requested()
     }
 
+    /// Wake the transport from a poll (the queue's point-to-point progress), asking nothing.
+    pub(crate) fn wake(&self) {
+        self.inner.wake();
+    }
+
     /// Whether the peers have been told (by a call that noticed the request, or by
     /// [`Communicator::abort`]).
     pub fn is_done(&self) -> bool {
@@ -1560,6 +1565,12 @@ impl Communicator {
                 self.broken.get_or_insert(n.reason);
             }
         }
+    }
+
+    /// The transport, for the queue's point-to-point progress (`queue::p2p`), which posts and
+    /// progresses requests of its own between calls.
+    pub(crate) fn transport_mut(&mut self) -> &mut dyn Transport {
+        &mut *self.transport
     }
 
     pub(crate) fn next_seq(&mut self) -> u32 {

@@ -96,6 +96,25 @@ impl CommError {
         }
     }
 
+    /// The same error without its source: for reporting one failure to several requests.
+    pub(crate) fn copy(&self) -> CommError {
+        CommError {
+            kind: self.kind,
+            rank: self.rank,
+            op: self.op,
+            peer: self.peer,
+            message: self.message.clone(),
+            usable: self.usable,
+            source: None,
+        }
+    }
+
+    /// Set the operation that failed.
+    pub(crate) fn with_op(mut self, op: &'static str) -> Self {
+        self.op = op;
+        self
+    }
+
     /// Set the rank that reports the error.
     pub fn at_rank(mut self, rank: usize) -> Self {
         self.rank = Some(rank);

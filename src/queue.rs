@@ -18,19 +18,54 @@
 //! issued before it. The buffers travel with the calls (moved in, handed back by
 //! [`Request::wait`]), so nothing can touch them while a call runs.
 
+mod p2p;
+
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use chorus_algorithms::{Element, ReduceOp};
+use chorus_algorithms::{DType, Element, ReduceOp};
 
 use crate::comm::{AbortHandle, Communicator, Process};
 use crate::error::{CommError, ErrorKind};
 
 type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
+
+/// What the queue runs, in the order issued.
+enum Item {
+    /// A call: the worker runs it holding the communicator.
+    Call(Job),
+    /// A point-to-point transfer: the worker posts it and progresses it with every other live
+    /// one ([`p2p`]).
+    P2p(p2p::Entry),
+}
+
+/// The bytes of a buffer sent by [`Queue::isend_buffer`].
+pub trait SendBuffer: Send + 'static {
+    /// The bytes to send (the same ones at every call while the transfer is live).
+    fn send_bytes(&self) -> &[u8];
+}
+
+/// The bytes of a buffer received into by [`Queue::irecv_buffer`].
+pub trait RecvBuffer: Send + 'static {
+    /// Where the message goes (the same memory at every call while the transfer is live).
+    fn recv_bytes(&mut self) -> &mut [u8];
+}
+
+impl<T: Element> SendBuffer for Vec<T> {
+    fn send_bytes(&self) -> &[u8] {
+        crate::collectives::bytes(self)
+    }
+}
+
+impl<T: Element> RecvBuffer for Vec<T> {
+    fn recv_bytes(&mut self) -> &mut [u8] {
+        crate::collectives::bytes_mut(self)
+    }
+}
 
 thread_local! {
     /// On a queue's thread: which queue (the address of its `Shared`), so that a call waiting
@@ -46,7 +81,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Calls waiting for the worker, and how many were issued and finished.
 struct Jobs {
-    queue: VecDeque<Job>,
+    queue: VecDeque<Item>,
     /// Calls issued so far.
     issued: u64,
     /// Calls finished so far (they finish in the order issued).
@@ -64,6 +99,8 @@ struct Shared {
     jobs: Mutex<Jobs>,
     /// Signalled when a job is queued, when one finishes and when the queue closes.
     changed: Condvar,
+    /// Point-to-point transfers issued and not finished: calls are refused while there are.
+    transfers: Arc<AtomicUsize>,
 }
 
 /// A communicator whose calls run on a thread of their own, in the order they are issued.
@@ -101,6 +138,7 @@ impl Queue {
                     worker: None,
                 }),
                 changed: Condvar::new(),
+                transfers: Arc::new(AtomicUsize::new(0)),
             }),
             worker: Mutex::new(None),
         }
@@ -156,13 +194,40 @@ impl Queue {
         self.abort.clone()
     }
 
-    /// Calls issued and not yet finished.
+    /// Calls and point-to-point transfers issued and not yet finished.
     pub fn pending(&self) -> usize {
         if self.check_process().is_err() {
             return 0;
         }
         let jobs = lock(&self.shared.jobs);
-        (jobs.issued - jobs.finished) as usize
+        (jobs.issued - jobs.finished) as usize + self.transfers()
+    }
+
+    /// Point-to-point transfers ([`Queue::isend`], [`Queue::irecv`]) issued and not yet
+    /// finished.
+    pub fn transfers(&self) -> usize {
+        self.shared.transfers.load(Ordering::SeqCst)
+    }
+
+    /// The refusal of a call `op` while point-to-point transfers are live: the worker holds
+    /// the communicator until they finish, and a collective would wait behind them (a peer
+    /// that first makes the collective, then receives, would never be reached).
+    fn refuse_calls(&self, op: &'static str) -> Result<(), CommError> {
+        match self.transfers() {
+            0 => Ok(()),
+            n => Err(CommError::new(
+                ErrorKind::InvalidUsage,
+                op,
+                format!(
+                    "{n} point-to-point transfer(s) (isend/irecv) of this queue are still live: \
+                     calls on the communicator are refused until they finish; wait for them \
+                     first, or make the calls on a duplicate of the communicator \
+                     (Communicator::dup) kept for them"
+                ),
+            )
+            .at_rank(self.rank)
+            .with_usable(true)),
+        }
     }
 
     /// Issue `call`: it runs on the queue's thread after every call issued before it, and its
@@ -177,14 +242,7 @@ impl Queue {
         T: Send + 'static,
         F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
     {
-        let slot = Arc::new(Slot {
-            value: Mutex::new(None),
-            done: Condvar::new(),
-            process: Process::this(),
-            rank: self.rank,
-            queue: Arc::as_ptr(&self.shared) as usize,
-            detached: AtomicBool::new(false),
-        });
+        let slot = self.slot();
         if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
             *lock(&slot.value) = Some(Err(e));
@@ -208,29 +266,12 @@ impl Queue {
                     .at_rank(rank))
                 }
             };
-            let mut value = lock(&fill.value);
-            if fill.detached.load(Ordering::SeqCst) {
-                drop(value);
-                if let Err(e) = result {
-                    // Nothing else would report it, and this rank may have skipped a call its
-                    // peers make: abort, so that every rank hears of it.
-                    let why = format!(
-                        "a call whose request was given up failed: {} ({}): {}",
-                        e.op(),
-                        e.kind().as_str(),
-                        e.message()
-                    );
-                    crate::log::log(crate::log::Level::Warn, Some(rank), format_args!("{why}"));
-                    if comm.is_usable() {
-                        comm.abort(&why);
-                    }
-                }
-            } else {
-                *value = Some(result);
-                drop(value);
-                fill.done.notify_all();
-            }
+            fill.fill(result, comm);
         });
+        if let Err(e) = self.refuse_calls("queued call") {
+            *lock(&slot.value) = Some(Err(e));
+            return Request { slot };
+        }
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it.
             self.wait_all();
@@ -241,9 +282,135 @@ impl Queue {
         }
         let mut jobs = lock(&self.shared.jobs);
         jobs.issued += 1;
-        jobs.queue.push_back(job);
+        jobs.queue.push_back(Item::Call(job));
         drop(jobs);
         self.shared.changed.notify_all();
+        Request { slot }
+    }
+
+    /// A new request's slot.
+    fn slot<T>(&self) -> Arc<Slot<T>> {
+        Arc::new(Slot {
+            value: Mutex::new(None),
+            done: Condvar::new(),
+            process: Process::this(),
+            rank: self.rank,
+            queue: Arc::as_ptr(&self.shared) as usize,
+            detached: AtomicBool::new(false),
+        })
+    }
+
+    /// Send `buf` to `peer` without waiting (as `MPI_Isend`); the request hands the buffer
+    /// back once the transport is done with it. See [`Queue::isend_buffer`].
+    pub fn isend<T: Element>(&self, buf: Vec<T>, peer: usize) -> Request<Vec<T>> {
+        self.isend_buffer(buf, T::DTYPE, peer)
+    }
+
+    /// Receive into `buf` from `peer` without waiting (as `MPI_Irecv`); the request hands the
+    /// buffer back filled. See [`Queue::isend_buffer`].
+    pub fn irecv<T: Element>(&self, buf: Vec<T>, peer: usize) -> Request<Vec<T>> {
+        self.irecv_buffer(buf, T::DTYPE, peer)
+    }
+
+    /// Send the bytes of `buf` (elements of `dtype`) to `peer` without waiting.
+    ///
+    /// Point-to-point transfers progress on the queue's thread, all live ones together and
+    /// each on its own: none waits for a later one or for `wait`, so any order of sends and
+    /// receives across the ranks completes (a ring of `isend`s before their `irecv`s, an
+    /// exchange in either order, a send whose peer receives only after a message from this
+    /// rank). Between two ranks, messages are matched in the order issued, with the blocking
+    /// [`Communicator::send`]/[`Communicator::recv`] of a peer that uses no queue too; a
+    /// receive takes exactly its buffer's length and dtype (anything else is an
+    /// [`ErrorKind::Mismatch`], and the communicator is aborted, as for a blocking receive). A
+    /// transfer to this rank itself is copied into its receive from itself, in order.
+    ///
+    /// Each transfer must finish within the communicator's timeout of being issued; the
+    /// transfers are issued after the calls issued before them. While any is live, the
+    /// queue's calls ([`Queue::submit`], [`Queue::run`] and the collectives) are refused with
+    /// [`ErrorKind::InvalidUsage`]: wait for the transfers first, or keep a duplicate of the
+    /// communicator ([`Communicator::dup`]) for point-to-point messages, as MPI keeps them
+    /// apart from collectives by context. Dropping the request leaves the transfer running.
+    pub fn isend_buffer<B: SendBuffer>(&self, buf: B, dtype: DType, peer: usize) -> Request<B> {
+        self.transfer(
+            Box::new(Sending {
+                buf: Some(buf),
+                slot: self.slot(),
+            }),
+            dtype,
+            peer,
+        )
+    }
+
+    /// Receive into the bytes of `buf` (elements of `dtype`) from `peer` without waiting; see
+    /// [`Queue::isend_buffer`].
+    pub fn irecv_buffer<B: RecvBuffer>(&self, buf: B, dtype: DType, peer: usize) -> Request<B> {
+        self.transfer(
+            Box::new(Receiving {
+                buf: Some(buf),
+                slot: self.slot(),
+            }),
+            dtype,
+            peer,
+        )
+    }
+
+    /// Issue a transfer (its request is in `t`), after checking what can be checked here.
+    fn transfer<B: Send + 'static, X: Holds<B> + 'static>(
+        &self,
+        mut t: Box<X>,
+        dtype: DType,
+        peer: usize,
+    ) -> Request<B> {
+        let slot = Arc::clone(t.slot());
+        let op = match t.buf() {
+            p2p::Buf::Send(_) => "isend",
+            p2p::Buf::Recv(_) => "irecv",
+        };
+        let len = match t.buf() {
+            p2p::Buf::Send(b) => b.len(),
+            p2p::Buf::Recv(b) => b.len(),
+        };
+        let refused = if let Err(e) = self.shared.process.check(op, self.rank) {
+            Some(e)
+        } else if peer >= self.size {
+            Some(CommError::invalid(
+                op,
+                format!("peer {peer} is not a rank of this group of {}", self.size),
+            ))
+        } else if len % dtype.size() != 0 {
+            Some(CommError::invalid(
+                op,
+                format!(
+                    "a buffer of {len} bytes is not a whole number of {} elements",
+                    dtype.name()
+                ),
+            ))
+        } else if !self.start_worker() {
+            Some(CommError::new(
+                ErrorKind::System,
+                op,
+                "the queue's thread could not be started",
+            ))
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            *lock(&slot.value) = Some(Err(e.at_rank(self.rank)));
+            return Request { slot };
+        }
+        let entry = p2p::Entry {
+            peer,
+            dtype,
+            transfer: t,
+            issued: Instant::now(),
+        };
+        let mut jobs = lock(&self.shared.jobs);
+        self.shared.transfers.fetch_add(1, Ordering::SeqCst);
+        jobs.queue.push_back(Item::P2p(entry));
+        drop(jobs);
+        self.shared.changed.notify_all();
+        // The worker may be waiting on the transport for the live transfers.
+        self.abort.wake();
         Request { slot }
     }
 
@@ -305,6 +472,7 @@ impl Queue {
     ) -> Result<T, CommError> {
         // In a forked child the lock may have been held by the parent's worker at the fork.
         self.shared.process.check("queued call", self.rank)?;
+        self.refuse_calls("call")?;
         self.wait_all();
         guarded(lock_comm(&self.shared.comm), f)
     }
@@ -473,18 +641,42 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// The worker: run queued calls in order until the queue closes.
 fn work(shared: &Shared) {
     RUNNING_QUEUE.with(|q| q.set(shared as *const Shared as usize));
+    let mut engine = p2p::Engine::new(Arc::clone(&shared.transfers));
     loop {
         let mut jobs = lock(&shared.jobs);
-        let job = loop {
-            if let Some(job) = jobs.queue.pop_front() {
-                break job;
+        let item = loop {
+            if let Some(item) = jobs.queue.pop_front() {
+                break item;
             }
             if jobs.closing {
+                drop(jobs);
+                // Transfers to itself still missing their other half never will have it.
+                let mut comm = lock_comm(&shared.comm);
+                let _ = catch_unwind(AssertUnwindSafe(|| engine.drop_unmatched(&mut comm)));
                 return;
             }
             jobs = shared.changed.wait(jobs).unwrap_or_else(|p| p.into_inner());
         };
         drop(jobs);
+        let job = match item {
+            Item::Call(job) => job,
+            Item::P2p(entry) => {
+                let mut comm = lock_comm(&shared.comm);
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    transfers(shared, &mut engine, &mut comm, entry)
+                }));
+                if r.is_err() {
+                    // The transfers' state is unknown: abort; their requests stay unfilled
+                    // (the communicator's next calls fail saying why).
+                    let _ = catch_unwind(AssertUnwindSafe(|| {
+                        comm.abort("internal error in a point-to-point transfer")
+                    }));
+                    engine = p2p::Engine::new(Arc::clone(&shared.transfers));
+                }
+                comm.settle_abort();
+                continue;
+            }
+        };
         {
             let mut comm = lock_comm(&shared.comm);
             // The job fills its request whatever happens in the call; this keeps the worker
@@ -497,6 +689,89 @@ fn work(shared: &Shared) {
         }
         lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();
+    }
+}
+
+/// Post `first` and every transfer issued after it, progressing them all until none is
+/// live (the worker holds the communicator meanwhile).
+fn transfers(
+    shared: &Shared,
+    engine: &mut p2p::Engine,
+    comm: &mut Communicator,
+    first: p2p::Entry,
+) {
+    let mut next = Some(first);
+    loop {
+        while let Some(e) = next.take() {
+            engine.admit(comm, e);
+            next = next_transfer(shared);
+        }
+        engine.step(comm);
+        if !engine.has_live() {
+            return;
+        }
+        next = next_transfer(shared);
+    }
+}
+
+/// The transfer at the head of the queue, if one is.
+fn next_transfer(shared: &Shared) -> Option<p2p::Entry> {
+    let mut jobs = lock(&shared.jobs);
+    match jobs.queue.front() {
+        Some(Item::P2p(_)) => match jobs.queue.pop_front() {
+            Some(Item::P2p(e)) => Some(e),
+            _ => unreachable!("the head was a transfer"),
+        },
+        _ => None,
+    }
+}
+
+/// A transfer's buffer and request, as its type knows them.
+trait Holds<B>: p2p::Transfer {
+    fn slot(&self) -> &Arc<Slot<B>>;
+}
+
+/// An `isend`'s buffer, held until the transfer finishes.
+struct Sending<B> {
+    buf: Option<B>,
+    slot: Arc<Slot<B>>,
+}
+
+/// An `irecv`'s buffer.
+struct Receiving<B> {
+    buf: Option<B>,
+    slot: Arc<Slot<B>>,
+}
+
+impl<B: SendBuffer> p2p::Transfer for Sending<B> {
+    fn buf(&mut self) -> p2p::Buf<'_> {
+        p2p::Buf::Send(self.buf.as_ref().expect("held until finished").send_bytes())
+    }
+    fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
+        let buf = self.buf.take().expect("finished once");
+        self.slot.fill(result.map(|()| buf), comm);
+    }
+}
+
+impl<B: SendBuffer> Holds<B> for Sending<B> {
+    fn slot(&self) -> &Arc<Slot<B>> {
+        &self.slot
+    }
+}
+
+impl<B: RecvBuffer> p2p::Transfer for Receiving<B> {
+    fn buf(&mut self) -> p2p::Buf<'_> {
+        p2p::Buf::Recv(self.buf.as_mut().expect("held until finished").recv_bytes())
+    }
+    fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
+        let buf = self.buf.take().expect("finished once");
+        self.slot.fill(result.map(|()| buf), comm);
+    }
+}
+
+impl<B: RecvBuffer> Holds<B> for Receiving<B> {
+    fn slot(&self) -> &Arc<Slot<B>> {
+        &self.slot
     }
 }
 
@@ -514,6 +789,36 @@ struct Slot<T> {
 }
 
 impl<T> Slot<T> {
+    /// Give the request its result (on the worker). A request given up whose call failed
+    /// aborts the communicator: nothing else would report it, and this rank may have skipped
+    /// a call its peers make.
+    fn fill(&self, result: Result<T, CommError>, comm: &mut Communicator) {
+        let mut value = lock(&self.value);
+        if self.detached.load(Ordering::SeqCst) {
+            drop(value);
+            if let Err(e) = result {
+                let why = format!(
+                    "a call whose request was given up failed: {} ({}): {}",
+                    e.op(),
+                    e.kind().as_str(),
+                    e.message()
+                );
+                crate::log::log(
+                    crate::log::Level::Warn,
+                    Some(self.rank),
+                    format_args!("{why}"),
+                );
+                if comm.is_usable() {
+                    comm.abort(&why);
+                }
+            }
+        } else {
+            *value = Some(result);
+            drop(value);
+            self.done.notify_all();
+        }
+    }
+
     /// An error when waiting would never end: in a forked child, or on the queue's own thread
     /// (a later call, which cannot run before the current one ends).
     fn unwaitable(&self) -> Result<(), CommError> {

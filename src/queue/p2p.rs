@@ -1,0 +1,267 @@
+//! The queue's point-to-point transfers ([`Queue::isend`](super::Queue::isend) and
+//! [`Queue::irecv`](super::Queue::irecv)): the worker posts each as it reaches the head of the
+//! queue and progresses every live one together, taking new ones as they are issued, until
+//! none is left. A transfer never waits for a later one, so any order of sends and receives
+//! across the ranks completes, as `MPI_Isend`/`MPI_Irecv` do.
+//!
+//! The worker holds the communicator while transfers are live: calls that need it (the
+//! collectives, blocking calls) are refused meanwhile (see `Queue::refuse_calls`).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus_algorithms::DType;
+use chorus_transport::{Direction, Op, Request as TReq, TransportError, Wait};
+
+use crate::collectives::p2p_tag;
+use crate::comm::Communicator;
+use crate::error::{CommError, ErrorKind};
+
+/// How long one wait of the worker lasts before it looks for new transfers. TCP is woken at
+/// once when one is issued; shared memory has no such wake, and notices within this.
+const SLICE: Duration = Duration::from_millis(2);
+
+/// A transfer's buffer, lent to the transport while the transfer is live.
+pub(crate) enum Buf<'a> {
+    Send(&'a [u8]),
+    Recv(&'a mut [u8]),
+}
+
+/// One transfer: its buffer and where its result goes (type-erased over the buffer's type).
+pub(crate) trait Transfer: Send {
+    /// The buffer (always the same memory, for sends the same bytes).
+    fn buf(&mut self) -> Buf<'_>;
+    /// Hand the buffer back with the result; `comm` aborts when a given-up transfer fails.
+    fn finish(self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator);
+}
+
+/// A transfer as issued: what the worker needs to post it.
+pub(crate) struct Entry {
+    pub(crate) peer: usize,
+    pub(crate) dtype: DType,
+    pub(crate) transfer: Box<dyn Transfer>,
+    /// When it was issued: it must complete within the communicator's timeout of this.
+    pub(crate) issued: Instant,
+}
+
+impl Entry {
+    fn op(&mut self) -> &'static str {
+        match self.transfer.buf() {
+            Buf::Send(_) => "isend",
+            Buf::Recv(_) => "irecv",
+        }
+    }
+}
+
+/// A posted transfer.
+struct Live {
+    entry: Entry,
+    req: TReq,
+    deadline: Instant,
+}
+
+/// The transfers the worker holds, and those between this rank and itself (matched in order,
+/// copied without the transport).
+pub(crate) struct Engine {
+    live: Vec<Live>,
+    self_sends: VecDeque<Entry>,
+    self_recvs: VecDeque<Entry>,
+    /// Transfers issued and not finished (shared with the queue, which counts them in).
+    unfinished: Arc<AtomicUsize>,
+}
+
+impl Engine {
+    pub(crate) fn new(unfinished: Arc<AtomicUsize>) -> Engine {
+        Engine {
+            live: Vec::new(),
+            self_sends: VecDeque::new(),
+            self_recvs: VecDeque::new(),
+            unfinished,
+        }
+    }
+
+    /// Whether transfers are posted to the transport.
+    pub(crate) fn has_live(&self) -> bool {
+        !self.live.is_empty()
+    }
+
+    /// Finish `e`: counted out first, so that a caller who sees its result may make a call at
+    /// once.
+    fn finish(&self, e: Entry, result: Result<(), CommError>, comm: &mut Communicator) {
+        self.unfinished.fetch_sub(1, Ordering::SeqCst);
+        e.transfer.finish(result, comm);
+    }
+
+    /// Post `e`, or finish it with the error that refuses it.
+    pub(crate) fn admit(&mut self, comm: &mut Communicator, mut e: Entry) {
+        let op = e.op();
+        if let Err(err) = comm.check_usable(op) {
+            return self.finish(e, Err(err), comm);
+        }
+        if e.peer == comm.rank() {
+            match e.transfer.buf() {
+                Buf::Send(_) => self.self_sends.push_back(e),
+                Buf::Recv(_) => self.self_recvs.push_back(e),
+            }
+            return self.match_self(comm);
+        }
+        let tag = p2p_tag(e.dtype);
+        let mut req = match e.transfer.buf() {
+            Buf::Send(b) => TReq::send(e.peer, tag, b.len()),
+            Buf::Recv(b) => TReq::recv(e.peer, tag, b.len()),
+        };
+        if let Err(te) = comm.transport_mut().post(&mut req) {
+            let err = comm.fail(op, te);
+            return self.finish(e, Err(err), comm);
+        }
+        let deadline = e.issued + comm.config().timeout;
+        self.live.push(Live {
+            entry: e,
+            req,
+            deadline,
+        });
+    }
+
+    /// Pair sends to this rank with its receives from itself, in order.
+    fn match_self(&mut self, comm: &mut Communicator) {
+        while !self.self_sends.is_empty() && !self.self_recvs.is_empty() {
+            let (mut s, mut r) = (
+                self.self_sends.pop_front().expect("checked"),
+                self.self_recvs.pop_front().expect("checked"),
+            );
+            let result = match (s.transfer.buf(), r.transfer.buf()) {
+                (Buf::Send(a), Buf::Recv(b)) if a.len() == b.len() && s.dtype == r.dtype => {
+                    b.copy_from_slice(a);
+                    Ok(())
+                }
+                (Buf::Send(a), Buf::Recv(b)) => Err(format!(
+                    "a send of {} bytes of {} to this rank met a receive of {} bytes of {}",
+                    a.len(),
+                    s.dtype.name(),
+                    b.len(),
+                    r.dtype.name()
+                )),
+                _ => unreachable!("sends and receives are kept apart"),
+            };
+            let mismatch = |op, m: &String| {
+                CommError::new(ErrorKind::Mismatch, op, m.clone())
+                    .at_rank(comm.rank())
+                    .with_usable(true)
+            };
+            let (rs, rr) = match &result {
+                Ok(()) => (Ok(()), Ok(())),
+                Err(m) => (Err(mismatch("isend", m)), Err(mismatch("irecv", m))),
+            };
+            self.finish(s, rs, comm);
+            self.finish(r, rr, comm);
+        }
+    }
+
+    /// Progress the live transfers for one slice. A transport error fails every transfer
+    /// held (the communicator is then aborted as a blocking call's error would).
+    pub(crate) fn step(&mut self, comm: &mut Communicator) {
+        if self.live.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let first_deadline = self.live.iter().map(|l| l.deadline).min().expect("live");
+        if now >= first_deadline {
+            let late = self
+                .live
+                .iter()
+                .filter(|l| l.deadline <= now)
+                .min_by_key(|l| l.deadline)
+                .expect("one is late");
+            let e = TransportError::Timeout {
+                peer: Some(late.req.peer()),
+                waited: now - late.entry.issued,
+            };
+            return self.fail_all(comm, e);
+        }
+        let until = (now + SLICE).min(first_deadline);
+        let progress = {
+            let mut ops: Vec<Op<'_, '_>> = self
+                .live
+                .iter_mut()
+                .map(|l| match l.entry.transfer.buf() {
+                    Buf::Send(b) => Op::send(&mut l.req, b),
+                    Buf::Recv(b) => Op::recv(&mut l.req, b),
+                })
+                .collect();
+            comm.transport_mut().progress(&mut ops, Wait::Poll(until))
+        };
+        if let Err(e) = progress {
+            return self.fail_all(comm, e);
+        }
+        // A receive must take exactly its buffer (as a blocking one): another length is a
+        // mismatch, which leaves the byte streams in an unknown state.
+        let short = self.live.iter().find(|l| {
+            l.req.is_complete()
+                && l.req.direction() == Direction::Recv
+                && l.req.bytes_done() != l.req.len()
+        });
+        if let Some(l) = short {
+            let e = TransportError::Mismatch {
+                peer: l.req.peer(),
+                expected_tag: l.req.tag(),
+                got_tag: l.req.tag(),
+                expected_len: l.req.len(),
+                got_len: l.req.bytes_done(),
+            };
+            return self.fail_all(comm, e);
+        }
+        let mut k = 0;
+        while k < self.live.len() {
+            if self.live[k].req.is_complete() {
+                let l = self.live.remove(k);
+                self.finish(l.entry, Ok(()), comm);
+            } else {
+                k += 1;
+            }
+        }
+    }
+
+    /// Fail every transfer held with `e` (reported through the communicator, which aborts).
+    fn fail_all(&mut self, comm: &mut Communicator, e: TransportError) {
+        let op = match self.live.first().map(|l| l.req.direction()) {
+            Some(Direction::Send) => "isend",
+            _ => "irecv",
+        };
+        let err = comm.fail(op, e);
+        let all = self
+            .live
+            .drain(..)
+            .map(|l| l.entry)
+            .chain(self.self_sends.drain(..))
+            .chain(self.self_recvs.drain(..))
+            .collect::<Vec<_>>();
+        for mut entry in all {
+            let mine = err.copy().with_op(entry.op());
+            self.finish(entry, Err(mine), comm);
+        }
+    }
+
+    /// Fail what is held because the queue closes or the process is not the one that issued
+    /// it: transfers to itself still waiting for their other half.
+    pub(crate) fn drop_unmatched(&mut self, comm: &mut Communicator) {
+        let held: Vec<Entry> = self
+            .self_sends
+            .drain(..)
+            .chain(self.self_recvs.drain(..))
+            .collect();
+        for mut entry in held {
+            let op = entry.op();
+            let err = CommError::new(
+                ErrorKind::InvalidUsage,
+                op,
+                "a transfer between this rank and itself had no other half (a send to itself \
+                 needs a receive from itself) when the queue was closed",
+            )
+            .at_rank(comm.rank())
+            .with_usable(true);
+            self.finish(entry, Err(err), comm);
+        }
+    }
+}

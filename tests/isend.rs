@@ -1,0 +1,264 @@
+//! Point-to-point transfers that progress on their own ([`chorus::Queue::isend`] and
+//! [`chorus::Queue::irecv`], as `MPI_Isend`/`MPI_Irecv`), ranks as threads over TCP loopback
+//! and shared memory: patterns that deadlock when transfers run one batch at a time or at
+//! `wait` (a ring of large sends before their receives; a receive posted before a send that
+//! the peer answers only after receiving; a large send with a collective on another
+//! communicator before its `wait`), exact data at sizes 0, 1, odd and large, order between two
+//! ranks, transfers to itself, interplay with a peer's blocking calls, the refusal of calls
+//! while transfers are live, and errors (a wrong length, a receive never sent) on every rank
+//! within the timeout.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use chorus::{Communicator, ErrorKind, Queue, ReduceOp};
+
+use common::*;
+
+const WATCHDOG: Duration = Duration::from_secs(120);
+
+/// Run `f` on `size` threads, each with its own communicator on `transport` (call timeout
+/// `timeout`).
+fn ranks<R: Send + 'static>(
+    size: usize,
+    transport: &'static str,
+    timeout: Duration,
+    f: impl Fn(Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let make = move |rank, addr| {
+        let mut cfg = config_on(rank, size, addr, transport);
+        cfg.timeout = timeout;
+        cfg
+    };
+    on_threads_owned(size, WATCHDOG, make, f)
+}
+
+/// The `k`-th message from `from` to `to`, of `n` elements.
+fn msg(from: usize, to: usize, k: usize, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (from as u32) << 24 ^ (to as u32) << 16 ^ (k as u32) << 12 ^ i as u32)
+        .collect()
+}
+
+/// Every rank sends three messages of each size to each rank (itself included) before it
+/// receives any; the receives are issued in an order unlike the sends', and waited in
+/// reverse. Large messages exceed what the kernel buffers, so a send completes only while
+/// its peer's receive is live.
+#[test]
+fn sends_before_receives_complete_in_any_order() {
+    for transport in ["tcp", "shm"] {
+        for p in [1usize, 2, 3, 5] {
+            let out = ranks(p, transport, Duration::from_secs(60), move |c| {
+                let q = Queue::new(c);
+                let r = q.rank();
+                let sizes = [0usize, 1, 1001, 1 << 20];
+                let mut sends = Vec::new();
+                for (s, &n) in sizes.iter().enumerate() {
+                    for k in 0..3 {
+                        for d in 0..p {
+                            let to = (r + d) % p;
+                            sends.push(q.isend(msg(r, to, 3 * s + k, n), to));
+                        }
+                    }
+                }
+                let mut recvs = Vec::new();
+                for (s, &n) in sizes.iter().enumerate() {
+                    for k in 0..3 {
+                        for d in 0..p {
+                            let from = (r + p - d) % p;
+                            recvs.push((from, 3 * s + k, n, q.irecv(vec![0u32; n], from)));
+                        }
+                    }
+                }
+                let mut bad = Vec::new();
+                for (from, k, n, req) in recvs.into_iter().rev() {
+                    let got = req.wait().expect("irecv");
+                    if got != msg(from, r, k, n) {
+                        bad.push(format!("message {k} from {from} ({n} elements)"));
+                    }
+                }
+                for s in sends {
+                    s.wait().expect("isend");
+                }
+                assert_eq!(q.transfers(), 0);
+                // Calls are accepted again once the transfers are done.
+                let mut one = vec![1u32];
+                q.run(|c| c.all_reduce(&mut one, ReduceOp::Sum)).unwrap();
+                assert_eq!(one, [p as u32]);
+                bad
+            });
+            for (r, bad) in out.iter().enumerate() {
+                assert!(bad.is_empty(), "{transport} p={p} rank {r}: wrong {bad:?}");
+            }
+        }
+    }
+}
+
+/// Rank 0 posts a receive, then a large send, and waits for the send first; rank 1 answers
+/// the send, and only then sends what rank 0 receives. A transfer that waited for an
+/// earlier one (transfers run one batch at a time) would deadlock here.
+#[test]
+fn a_send_does_not_wait_for_an_earlier_receive() {
+    for transport in ["tcp", "shm"] {
+        ranks(2, transport, Duration::from_secs(30), |c| {
+            let q = Queue::new(c);
+            let big = 4 << 20;
+            if q.rank() == 0 {
+                let r = q.irecv(vec![0u8; 5], 1);
+                let s = q.isend(vec![7u8; big], 1);
+                assert_eq!(s.wait().unwrap().len(), big);
+                assert_eq!(r.wait().unwrap(), b"later");
+            } else {
+                let got = q.irecv(vec![0u8; big], 0).wait().unwrap();
+                assert!(got.iter().all(|&b| b == 7));
+                q.isend(b"later".to_vec(), 0).wait().unwrap();
+            }
+        });
+    }
+}
+
+/// The torch backend's pattern: point-to-point messages on a duplicate of the communicator,
+/// a collective on the original between a large `isend` and its `wait`, and a peer that makes
+/// the collective before it receives. Transfers that waited for `wait` deadlock here.
+#[test]
+fn a_collective_between_isend_and_wait_on_another_communicator() {
+    for transport in ["tcp", "shm"] {
+        ranks(3, transport, Duration::from_secs(30), |mut c| {
+            let q = Queue::new(c.dup().expect("dup"));
+            let big = 4 << 20;
+            let mut sum = vec![c.rank() as f64 + 1.0; 1000];
+            match c.rank() {
+                0 => {
+                    let s = q.isend(vec![3i32; big / 4], 1);
+                    c.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                    s.wait().unwrap();
+                }
+                1 => {
+                    c.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                    let got = q.irecv(vec![0i32; big / 4], 0).wait().unwrap();
+                    assert!(got.iter().all(|&x| x == 3));
+                }
+                _ => c.all_reduce(&mut sum, ReduceOp::Sum).unwrap(),
+            }
+            assert!(sum.iter().all(|&x| x == 6.0));
+        });
+    }
+}
+
+/// Transfers match a peer's blocking calls, in order, both ways.
+#[test]
+fn transfers_meet_a_peers_blocking_calls() {
+    ranks(2, "tcp", Duration::from_secs(30), |mut c| {
+        if c.rank() == 0 {
+            let q = Queue::new(c);
+            let a = q.isend(msg(0, 1, 0, 3000), 1);
+            let b = q.isend(msg(0, 1, 1, 5), 1);
+            let back = q.irecv(vec![0u32; 70_000], 1);
+            assert_eq!(back.wait().unwrap(), msg(1, 0, 2, 70_000));
+            a.wait().unwrap();
+            b.wait().unwrap();
+        } else {
+            let mut x = vec![0u32; 3000];
+            let mut y = vec![0u32; 5];
+            c.recv(&mut x, 0).unwrap();
+            c.recv(&mut y, 0).unwrap();
+            assert_eq!((x, y), (msg(0, 1, 0, 3000), msg(0, 1, 1, 5)));
+            c.send(&msg(1, 0, 2, 70_000), 0).unwrap();
+        }
+    });
+}
+
+/// While transfers are live, the queue refuses calls (the communicator stays usable); a
+/// transfer to itself without its other half keeps them refused, and the half completes it.
+#[test]
+fn calls_are_refused_while_transfers_are_live() {
+    ranks(2, "tcp", Duration::from_secs(30), |c| {
+        let q = Queue::new(c);
+        let r = q.rank();
+        let mine = q.isend(vec![r as u8; 10], r);
+        let e = q
+            .all_reduce(vec![1.0f32], ReduceOp::Sum)
+            .wait()
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert!(
+            e.is_usable() && e.to_string().contains("isend/irecv"),
+            "{e}"
+        );
+        let e = q.run(|c| c.barrier()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert_eq!(q.transfers(), 1);
+        // The other half: a receive from itself (of another length first is a mismatch).
+        assert_eq!(q.irecv(vec![0u8; 10], r).wait().unwrap(), vec![r as u8; 10]);
+        mine.wait().unwrap();
+        let bad = q.isend(vec![1u8; 4], r);
+        let e = q.irecv(vec![0u8; 3], r).wait().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+        assert_eq!(bad.wait().unwrap_err().kind(), ErrorKind::Mismatch);
+        // A peer outside the group is refused at once.
+        let e = q.isend(vec![0u8; 1], 2).wait().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert_eq!(q.transfers(), 0);
+        q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait().unwrap()
+    });
+}
+
+/// A receive of the wrong length fails on the receiver as a mismatch, and the sender (whose
+/// peer aborted) fails too, both well within the timeout.
+#[test]
+fn a_wrong_length_fails_both_ranks() {
+    for transport in ["tcp", "shm"] {
+        let out = ranks(2, transport, Duration::from_secs(20), |c| {
+            let q = Queue::new(c);
+            let start = Instant::now();
+            let e = if q.rank() == 0 {
+                let first = q.isend(vec![1u8; 100], 1).wait();
+                first
+                    .and_then(|_| q.irecv(vec![0u8; 1], 1).wait())
+                    .unwrap_err()
+            } else {
+                q.irecv(vec![0u8; 64], 0).wait().unwrap_err()
+            };
+            (e.kind(), e.to_string(), start.elapsed())
+        });
+        assert_eq!(out[1].0, ErrorKind::Mismatch, "{}", out[1].1);
+        assert!(
+            out[1].1.contains("100") || out[1].1.contains("64"),
+            "{}",
+            out[1].1
+        );
+        for (r, (_, m, took)) in out.iter().enumerate() {
+            assert!(
+                *took < Duration::from_secs(10),
+                "{transport} rank {r}: {took:?} {m}"
+            );
+        }
+    }
+}
+
+/// A receive that nothing will match times out after the communicator's timeout, naming the
+/// peer, and later transfers are refused (the communicator is unusable).
+#[test]
+fn an_unmatched_receive_times_out() {
+    let out = ranks(2, "tcp", Duration::from_millis(600), |c| {
+        let q = Queue::new(c);
+        if q.rank() == 0 {
+            let start = Instant::now();
+            let e = q.irecv(vec![0u8; 8], 1).wait().unwrap_err();
+            let took = start.elapsed();
+            let later = q.isend(vec![0u8; 8], 1).wait().unwrap_err();
+            Some((e.kind(), e.peer(), took, later.is_usable()))
+        } else {
+            // Keep the connection open until rank 0 has given up.
+            std::thread::sleep(Duration::from_millis(1500));
+            None
+        }
+    });
+    let (kind, peer, took, usable) = out[0].unwrap();
+    assert_eq!((kind, peer, usable), (ErrorKind::Timeout, Some(1), false));
+    assert!(
+        took >= Duration::from_millis(600) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+}
