@@ -90,6 +90,8 @@ struct Jobs {
     closing: bool,
     /// The worker thread, once started.
     worker: Option<ThreadId>,
+    /// The worker is progressing transfers (and holds the communicator, or is about to).
+    in_transfers: bool,
 }
 
 struct Shared {
@@ -136,6 +138,7 @@ impl Queue {
                     finished: 0,
                     closing: false,
                     worker: None,
+                    in_transfers: false,
                 }),
                 changed: Condvar::new(),
                 transfers: Arc::new(AtomicUsize::new(0)),
@@ -209,10 +212,11 @@ impl Queue {
         self.shared.transfers.load(Ordering::SeqCst)
     }
 
-    /// The refusal of a call `op` while point-to-point transfers are live: the worker holds
-    /// the communicator until they finish, and a collective would wait behind them (a peer
-    /// that first makes the collective, then receives, would never be reached).
-    fn refuse_calls(&self, op: &'static str) -> Result<(), CommError> {
+    /// The refusal of a call `op` while point-to-point transfers are live (an
+    /// [`ErrorKind::InvalidUsage`] that leaves the communicator usable): the queue's thread
+    /// holds the communicator until they finish, and a collective would wait behind them (a
+    /// peer that first makes the collective, then receives, would never be reached).
+    pub fn calls_allowed(&self, op: &'static str) -> Result<(), CommError> {
         match self.transfers() {
             0 => Ok(()),
             n => Err(CommError::new(
@@ -268,7 +272,7 @@ impl Queue {
             };
             fill.fill(result, comm);
         });
-        if let Err(e) = self.refuse_calls("queued call") {
+        if let Err(e) = self.calls_allowed("queued call") {
             *lock(&slot.value) = Some(Err(e));
             return Request { slot };
         }
@@ -442,8 +446,9 @@ impl Queue {
     }
 
     /// Wait until every call issued before this one has finished (calls issued meanwhile by
-    /// other threads are not waited for). Panics on the queue's own thread, where it would
-    /// wait for itself.
+    /// other threads are not waited for; nor are live point-to-point transfers, which have
+    /// requests of their own). Panics on the queue's own thread, where it would wait for
+    /// itself.
     pub fn wait_all(&self) {
         if self.shared.process.check("queued call", self.rank).is_err() {
             // The calls in flight at the fork ran in the parent; none will finish here.
@@ -455,7 +460,9 @@ impl Queue {
             "a call on a chorus Queue's thread waited for that queue (it would wait for itself)"
         );
         let ticket = jobs.issued;
-        while jobs.finished < ticket {
+        // Also while the worker leaves transfers that have all finished: it may still hold
+        // the communicator for a moment.
+        while jobs.finished < ticket || (jobs.in_transfers && self.transfers() == 0) {
             jobs = self
                 .shared
                 .changed
@@ -472,7 +479,7 @@ impl Queue {
     ) -> Result<T, CommError> {
         // In a forked child the lock may have been held by the parent's worker at the fork.
         self.shared.process.check("queued call", self.rank)?;
-        self.refuse_calls("call")?;
+        self.calls_allowed("call")?;
         self.wait_all();
         guarded(lock_comm(&self.shared.comm), f)
     }
@@ -661,6 +668,7 @@ fn work(shared: &Shared) {
         let job = match item {
             Item::Call(job) => job,
             Item::P2p(entry) => {
+                lock(&shared.jobs).in_transfers = true;
                 let mut comm = lock_comm(&shared.comm);
                 let r = catch_unwind(AssertUnwindSafe(|| {
                     transfers(shared, &mut engine, &mut comm, entry)
@@ -674,6 +682,9 @@ fn work(shared: &Shared) {
                     engine = p2p::Engine::new(Arc::clone(&shared.transfers));
                 }
                 comm.settle_abort();
+                drop(comm);
+                lock(&shared.jobs).in_transfers = false;
+                shared.changed.notify_all();
                 continue;
             }
         };

@@ -1192,6 +1192,54 @@ int32_t chorus_send(chorus_comm *comm, const void *buf, size_t count, chorus_dty
 int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dtype, int peer);
 
 /**
+ * Start sending `count` elements of `buf` to rank `peer` (as `MPI_Isend`); the request goes
+ * to `*request`, to complete with `chorus_wait` and its kin.
+ *
+ * The transfer progresses on the communicator's thread, with every other live transfer and
+ * on its own: none waits for a later one or for `chorus_wait`, so any order of sends and
+ * receives across the ranks completes. Between two ranks, messages are matched in the order
+ * issued, with `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly
+ * its count and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator
+ * is aborted). `peer` may be this rank: the send is copied into this rank's receive from
+ * itself of the same order. A transfer must complete within the communicator's timeout of
+ * being issued, after the nonblocking calls issued before it.
+ *
+ * While transfers are live, the communicator's collectives, blocking and nonblocking, and
+ * `chorus_p2p_batch` are refused with `CHORUS_INVALID_USAGE` (the communicator stays
+ * usable); `chorus_send` and `chorus_recv` are accepted and take their place among the
+ * transfers. To run collectives meanwhile, keep a duplicate of the communicator
+ * (`chorus_comm_dup`) for point-to-point messages, as MPI keeps them apart by context.
+ * `chorus_comm_destroy` waits for live transfers (each ends within the timeout).
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `buf` is valid for `count` elements of `dtype`
+ * and not written until the request completes; `request` is NULL or valid for writing a
+ * request pointer.
+ */
+int32_t chorus_isend(chorus_comm *comm,
+                     const void *buf,
+                     size_t count,
+                     chorus_dtype dtype,
+                     int peer,
+                     chorus_request **request);
+
+/**
+ * Start receiving exactly `count` elements of `dtype` from rank `peer` into `buf` (as
+ * `MPI_Irecv`); see `chorus_isend`.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `buf` is valid for `count` writable elements of
+ * `dtype` and not accessed until the request completes; `request` is NULL or valid for
+ * writing a request pointer.
+ */
+int32_t chorus_irecv(chorus_comm *comm,
+                     void *buf,
+                     size_t count,
+                     chorus_dtype dtype,
+                     int peer,
+                     chorus_request **request);
+
+/**
  * Run the `n` sends and receives of `ops` at once, as torch's `batch_isend_irecv`, NCCL's
  * grouped `ncclSend`/`ncclRecv` or `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`: all posted
  * together and progressed together until all complete, so the order of a batch's sends and

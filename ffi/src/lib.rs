@@ -35,7 +35,7 @@ use std::time::Duration;
 use chorus_core::{
     Algorithm, AllReduceOptions, CommError, Communicator, Config, DType, Queue, ReduceOp, Request,
 };
-use ptr::RawBuf;
+use ptr::{Incoming, Outgoing, RawBuf};
 
 pub use compress::{
     chorus_allreduce_compressed, chorus_compression_report, chorus_compressor,
@@ -228,7 +228,32 @@ impl chorus_comm {
         // In a forked child, before anything that the parent's threads may hold at the fork.
         self.queue.check_process()?;
         let _turn = Turn::take(&self.callers).ok_or_else(|| self.in_use())?;
+        self.queue.calls_allowed("call")?;
         self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
+    }
+
+    /// A blocking send or receive: as [`chorus_comm::with`] (`direct`), or, while transfers
+    /// (`chorus_isend`/`chorus_irecv`) are live, as a transfer of its own waited for at once
+    /// (`queued`), which keeps its place in the order of messages to that peer.
+    fn point_to_point(
+        &self,
+        peer: usize,
+        direct: impl FnOnce(&mut Communicator) -> Result<(), Failure>,
+        queued: impl FnOnce(&Queue) -> Result<(), CommError>,
+    ) -> Result<(), Failure> {
+        if self.queue.transfers() == 0 {
+            return self.with(direct);
+        }
+        let _entered = Entered::new(&self.active);
+        self.queue.check_process()?;
+        let _turn = Turn::take(&self.callers).ok_or_else(|| self.in_use())?;
+        if peer == self.rank || peer >= self.size {
+            return Err(Failure::invalid(format!(
+                "peer {peer} is not another rank of this group of {}",
+                self.size
+            )));
+        }
+        Ok(queued(&self.queue)?)
     }
 
     fn in_use(&self) -> Failure {
@@ -652,7 +677,49 @@ type Call = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
 /// A nonblocking call in progress: returned by the `chorus_i*` functions, completed and freed
 /// by `chorus_wait`, `chorus_test` or `chorus_waitall`. Opaque.
 pub struct chorus_request {
-    inner: Request<()>,
+    inner: Pending,
+}
+
+/// What a request waits for: a call on the communicator's queue, or a point-to-point
+/// transfer (`chorus_isend`, `chorus_irecv`).
+enum Pending {
+    Call(Request<()>),
+    Send(Request<Outgoing>),
+    Recv(Request<Incoming>),
+}
+
+impl Pending {
+    fn wait(self) -> Result<(), CommError> {
+        match self {
+            Pending::Call(r) => r.wait(),
+            Pending::Send(r) => r.wait().map(drop),
+            Pending::Recv(r) => r.wait().map(drop),
+        }
+    }
+
+    fn test(&self) -> bool {
+        match self {
+            Pending::Call(r) => r.test(),
+            Pending::Send(r) => r.test(),
+            Pending::Recv(r) => r.test(),
+        }
+    }
+
+    fn wait_done(&self, limit: Duration) -> bool {
+        match self {
+            Pending::Call(r) => r.wait_done(limit),
+            Pending::Send(r) => r.wait_done(limit),
+            Pending::Recv(r) => r.wait_done(limit),
+        }
+    }
+
+    fn detach(self) -> Option<Result<(), CommError>> {
+        match self {
+            Pending::Call(r) => r.detach(),
+            Pending::Send(r) => r.detach().map(|x| x.map(drop)),
+            Pending::Recv(r) => r.detach().map(|x| x.map(drop)),
+        }
+    }
 }
 
 /// The requests handed out and not yet completed or freed, by address. A request pointer that
@@ -732,7 +799,7 @@ fn not_a_request(req: *mut chorus_request) -> Failure {
 /// `comm` is NULL or a live communicator; `request` is `None`, or `Some` of NULL or a pointer
 /// valid for writing a request pointer.
 unsafe fn issue(
-    name: &str,
+    name: &'static str,
     comm: *mut chorus_comm,
     request: Option<*mut *mut chorus_request>,
     make: impl FnOnce(&chorus_comm) -> Result<Call, Failure>,
@@ -756,22 +823,27 @@ unsafe fn issue(
                 // Not while another thread is in a call on this communicator: the order of
                 // the two would be this rank's chance, not the program's.
                 let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
-                let inner = c.queue.submit(call);
-                let req = Box::into_raw(Box::new(chorus_request { inner }));
-                let _ = REQUESTS_MAKER.compare_exchange(
-                    0,
-                    std::process::id(),
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                );
-                if let Some(mut live) = live_requests() {
-                    live.insert(req as usize);
-                }
+                c.queue.calls_allowed(name)?;
                 // SAFETY: as above.
-                unsafe { ptr::write_out(out, req, "request") }
+                unsafe { hand_out(out, Pending::Call(c.queue.submit(call))) }
             }
         }
     })
+}
+
+/// Register a new request and write it to `*out`.
+///
+/// # Safety
+/// `out` is non-NULL, aligned and valid for writing a request pointer.
+unsafe fn hand_out(out: *mut *mut chorus_request, inner: Pending) -> Result<(), Failure> {
+    let req = Box::into_raw(Box::new(chorus_request { inner }));
+    let _ =
+        REQUESTS_MAKER.compare_exchange(0, std::process::id(), Ordering::SeqCst, Ordering::SeqCst);
+    if let Some(mut live) = live_requests() {
+        live.insert(req as usize);
+    }
+    // SAFETY: as the caller promised.
+    unsafe { ptr::write_out(out, req, "request") }
 }
 
 /// Wait for the call of `*request` to complete, free the request and set `*request` to NULL;
@@ -2459,10 +2531,14 @@ pub unsafe extern "C" fn chorus_send(
         let buf = RawBuf::new(buf, bytes, "buf")?;
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
-        c.with(|c| {
-            // SAFETY: valid for `bytes` bytes by the caller's promise.
-            Ok(c.send_raw(unsafe { buf.get() }, dtype, peer)?)
-        })
+        c.point_to_point(
+            peer,
+            |c| {
+                // SAFETY: valid for `bytes` bytes by the caller's promise.
+                Ok(c.send_raw(unsafe { buf.get() }, dtype, peer)?)
+            },
+            |q| q.isend_buffer(Outgoing(buf), dtype, peer).wait().map(drop),
+        )
     })
 }
 
@@ -2488,11 +2564,136 @@ pub unsafe extern "C" fn chorus_recv(
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
         let buf = RawBuf::new(buf, bytes, "buf")?;
         // The slice is made inside `with`, after the calls issued before this one.
-        c.with(|c| {
-            // SAFETY: valid for `bytes` writable bytes by the caller's promise, not accessed
-            // elsewhere during the call.
-            Ok(c.recv_raw(unsafe { buf.get_mut() }, dtype, peer)?)
-        })
+        c.point_to_point(
+            peer,
+            |c| {
+                // SAFETY: valid for `bytes` writable bytes by the caller's promise, not
+                // accessed elsewhere during the call.
+                Ok(c.recv_raw(unsafe { buf.get_mut() }, dtype, peer)?)
+            },
+            |q| q.irecv_buffer(Incoming(buf), dtype, peer).wait().map(drop),
+        )
+    })
+}
+
+/// Start sending `count` elements of `buf` to rank `peer` (as `MPI_Isend`); the request goes
+/// to `*request`, to complete with `chorus_wait` and its kin.
+///
+/// The transfer progresses on the communicator's thread, with every other live transfer and
+/// on its own: none waits for a later one or for `chorus_wait`, so any order of sends and
+/// receives across the ranks completes. Between two ranks, messages are matched in the order
+/// issued, with `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly
+/// its count and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator
+/// is aborted). `peer` may be this rank: the send is copied into this rank's receive from
+/// itself of the same order. A transfer must complete within the communicator's timeout of
+/// being issued, after the nonblocking calls issued before it.
+///
+/// While transfers are live, the communicator's collectives, blocking and nonblocking, and
+/// `chorus_p2p_batch` are refused with `CHORUS_INVALID_USAGE` (the communicator stays
+/// usable); `chorus_send` and `chorus_recv` are accepted and take their place among the
+/// transfers. To run collectives meanwhile, keep a duplicate of the communicator
+/// (`chorus_comm_dup`) for point-to-point messages, as MPI keeps them apart by context.
+/// `chorus_comm_destroy` waits for live transfers (each ends within the timeout).
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `buf` is valid for `count` elements of `dtype`
+/// and not written until the request completes; `request` is NULL or valid for writing a
+/// request pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_isend(
+    comm: *mut chorus_comm,
+    buf: *const c_void,
+    count: usize,
+    dtype: DtypeArg,
+    peer: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: as the caller promised.
+    unsafe {
+        start_transfer(
+            "chorus_isend",
+            comm,
+            buf,
+            count,
+            dtype,
+            peer,
+            request,
+            |q, b, d, p| Pending::Send(q.isend_buffer(Outgoing(b), d, p)),
+        )
+    }
+}
+
+/// Start receiving exactly `count` elements of `dtype` from rank `peer` into `buf` (as
+/// `MPI_Irecv`); see `chorus_isend`.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `buf` is valid for `count` writable elements of
+/// `dtype` and not accessed until the request completes; `request` is NULL or valid for
+/// writing a request pointer.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_irecv(
+    comm: *mut chorus_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: DtypeArg,
+    peer: c_int,
+    request: *mut *mut chorus_request,
+) -> i32 {
+    // SAFETY: as the caller promised.
+    unsafe {
+        start_transfer(
+            "chorus_irecv",
+            comm,
+            buf,
+            count,
+            dtype,
+            peer,
+            request,
+            |q, b, d, p| Pending::Recv(q.irecv_buffer(Incoming(b), d, p)),
+        )
+    }
+}
+
+/// The body of `chorus_isend` and `chorus_irecv`: check the arguments, issue the transfer
+/// (`start`) and hand its request out.
+///
+/// # Safety
+/// As `chorus_isend`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn start_transfer(
+    name: &'static str,
+    comm: *mut chorus_comm,
+    buf: *const c_void,
+    count: usize,
+    dtype: DtypeArg,
+    peer: c_int,
+    request: *mut *mut chorus_request,
+    start: impl FnOnce(&Queue, RawBuf, DType, usize) -> Pending,
+) -> i32 {
+    guard(name, || {
+        ptr::check_out(request, "request")?;
+        // SAFETY: non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(request, std::ptr::null_mut(), "request")? };
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let _entered = Entered::new(&c.active);
+        c.queue.check_process()?;
+        let dtype = dtype.get()?;
+        let peer = rank_arg(peer, "peer")?;
+        if peer >= c.size {
+            return Err(Failure::invalid(format!(
+                "peer {peer} is not a rank of this group of {}",
+                c.size
+            )));
+        }
+        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+        let buf = RawBuf::new(buf, bytes, "buf")?;
+        // Not while another thread is in a call on this communicator (the order of the two
+        // would be chance). The queue's thread starts here, inside `guard`, with `SIGPIPE`
+        // blocked (see `sigpipe`).
+        let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
+        // SAFETY: checked non-NULL and writable above.
+        unsafe { hand_out(request, start(&c.queue, buf, dtype, peer)) }
     })
 }
 

@@ -157,6 +157,31 @@ impl RawBuf {
     }
 }
 
+/// The buffer of a `chorus_isend`, read by the communicator's thread until the transfer
+/// completes.
+pub(crate) struct Outgoing(pub(crate) RawBuf);
+
+/// The buffer of a `chorus_irecv`, written by the communicator's thread until the transfer
+/// completes.
+pub(crate) struct Incoming(pub(crate) RawBuf);
+
+impl chorus_core::SendBuffer for Outgoing {
+    fn send_bytes(&self) -> &[u8] {
+        // SAFETY: the caller of `chorus_isend` promised the memory stays valid and unwritten
+        // until the request completes; the queue reads it only while the transfer is live.
+        unsafe { self.0.get() }
+    }
+}
+
+impl chorus_core::RecvBuffer for Incoming {
+    fn recv_bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the caller of `chorus_irecv` promised the memory stays valid and untouched
+        // until the request completes; the queue writes it only while the transfer is live,
+        // through this one slice at a time (`&mut self`).
+        unsafe { self.0.get_mut() }
+    }
+}
+
 /// `send` to read and `recv` to write, for a call running now; when they `overlap`, `send` is
 /// read from a copy made first in `copy` (the shared slice of it gone before `recv`'s mutable
 /// one is made).

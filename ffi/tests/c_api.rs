@@ -261,6 +261,11 @@ fn nonblocking_collectives_on_1_to_4_ranks() {
 }
 
 #[test]
+fn isend_and_irecv_on_1_to_4_ranks() {
+    api_test_on_1_to_4_ranks("transfers");
+}
+
+#[test]
 fn split_and_dup_on_1_to_4_ranks() {
     api_test_on_1_to_4_ranks("split");
 }

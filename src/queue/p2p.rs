@@ -5,7 +5,7 @@
 //! across the ranks completes, as `MPI_Isend`/`MPI_Irecv` do.
 //!
 //! The worker holds the communicator while transfers are live: calls that need it (the
-//! collectives, blocking calls) are refused meanwhile (see `Queue::refuse_calls`).
+//! collectives, blocking calls) are refused meanwhile (see `Queue::calls_allowed`).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};

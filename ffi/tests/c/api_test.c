@@ -24,6 +24,12 @@
  *   api_test uniqueid         rank 0 makes a unique id, broadcasts it over the first communicator
  *                             (as MPI_Bcast would), every rank joins a second one through it
  *                             and runs an allreduce on it; a garbled id and bad ranks refused
+ *   api_test transfers        chorus_isend/chorus_irecv: a ring of 4 MiB sends issued before
+ *                             their receives, waited in reverse; messages to itself; a
+ *                             blocking recv among live transfers; collectives refused while
+ *                             transfers are live (the communicator still usable), allowed on a
+ *                             dup meanwhile; a transfer whose request was freed, finished by
+ *                             chorus_comm_destroy; bad arguments
  *   api_test busy             2 ranks: while a thread of rank 0 waits in a call for rank 1,
  *                             destroying (or aborting) the communicator or the compressor it
  *                             uses is refused with CHORUS_INVALID_USAGE, and works after
@@ -1373,9 +1379,87 @@ static void nonblocking(chorus_comm *comm) {
     free(rc); free(sc); free(rc2);
 }
 
+static void transfers(chorus_comm *comm) {
+    const int me = g_rank, p = g_size;
+    const int right = (me + 1) % p, left = (me + p - 1) % p;
+    const size_t n = 1 << 20; /* 4 MiB of int32: more than the kernel buffers */
+    int32_t *out = malloc(n * sizeof *out), *in = malloc(n * sizeof *in);
+    int32_t *out2 = malloc(n * sizeof *out2), *in2 = malloc(n * sizeof *in2);
+    CHECK(out && in && out2 && in2, "malloc");
+    for (size_t i = 0; i < n; i++) {
+        out[i] = me * 1000003 + (int32_t)i;
+        out2[i] = -out[i];
+    }
+    /* Both sends around the ring before any receive, the receives waited in reverse. */
+    chorus_request *rq[4] = {NULL, NULL, NULL, NULL};
+    OK(chorus_isend(comm, out, n, CHORUS_INT32, right, &rq[0]));
+    OK(chorus_isend(comm, out2, n, CHORUS_INT32, right, &rq[1]));
+    OK(chorus_irecv(comm, in, n, CHORUS_INT32, left, &rq[2]));
+    OK(chorus_irecv(comm, in2, n, CHORUS_INT32, left, &rq[3]));
+    OK(chorus_wait(&rq[3]));
+    OK(chorus_wait(&rq[2]));
+    OK(chorus_waitall(2, rq));
+    for (size_t i = 0; i < n; i++) {
+        CHECK(in[i] == left * 1000003 + (int32_t)i, "first message [%zu] = %d", i, in[i]);
+        CHECK(in2[i] == -(left * 1000003 + (int32_t)i), "second message [%zu] = %d", i, in2[i]);
+    }
+    /* To itself, matched in order; a blocking recv among live transfers keeps its place. */
+    int64_t a = 11, b = 22, x = 0, y = 0;
+    OK(chorus_isend(comm, &a, 1, CHORUS_INT64, me, &rq[0]));
+    OK(chorus_isend(comm, &b, 1, CHORUS_INT64, me, &rq[1]));
+    OK(chorus_irecv(comm, &x, 1, CHORUS_INT64, me, &rq[2]));
+    OK(chorus_irecv(comm, &y, 1, CHORUS_INT64, me, &rq[3]));
+    OK(chorus_waitall(4, rq));
+    CHECK(x == 11 && y == 22, "to itself: %lld %lld", (long long)x, (long long)y);
+    if (p > 1) {
+        int32_t first = 0, second = 0, v1 = me + 100, v2 = me + 200;
+        OK(chorus_irecv(comm, &first, 1, CHORUS_INT32, left, &rq[0]));
+        OK(chorus_isend(comm, &v1, 1, CHORUS_INT32, right, &rq[1]));
+        OK(chorus_send(comm, &v2, 1, CHORUS_INT32, right));
+        OK(chorus_recv(comm, &second, 1, CHORUS_INT32, left));
+        OK(chorus_waitall(2, rq));
+        CHECK(first == left + 100 && second == left + 200, "in order: %d %d", first, second);
+    }
+    /* Collectives are refused while a transfer is live (the communicator stays usable); a dup
+     * made before runs them meanwhile. */
+    chorus_comm *dup = NULL;
+    OK(chorus_comm_dup(comm, &dup));
+    int64_t pending = -1, one = 1, sum = 0;
+    OK(chorus_irecv(comm, &pending, 1, CHORUS_INT64, me, &rq[0]));
+    EXPECT(chorus_allreduce(comm, &one, &sum, 1, CHORUS_INT64, CHORUS_SUM), CHORUS_INVALID_USAGE);
+    CHECK(strstr(chorus_last_error(), "isend/irecv") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_ibarrier(comm, &rq[1]), CHORUS_INVALID_USAGE);
+    CHECK(rq[1] == NULL, "a refused call left a request");
+    OK(chorus_allreduce(dup, &one, &sum, 1, CHORUS_INT64, CHORUS_SUM));
+    CHECK(sum == p, "sum on the dup: %lld", (long long)sum);
+    OK(chorus_isend(comm, &a, 1, CHORUS_INT64, me, &rq[1]));
+    OK(chorus_waitall(2, rq));
+    CHECK(pending == 11, "late receive from itself: %lld", (long long)pending);
+    OK(chorus_allreduce(comm, &one, &sum, 1, CHORUS_INT64, CHORUS_SUM));
+    CHECK(sum == p, "sum after the transfers: %lld", (long long)sum);
+    /* Bad arguments, refused at once. */
+    EXPECT(chorus_isend(comm, &a, 1, CHORUS_INT64, p, &rq[0]), CHORUS_INVALID_ARGUMENT);
+    CHECK(rq[0] == NULL, "a refused transfer left a request");
+    EXPECT(chorus_irecv(comm, NULL, 1, CHORUS_INT64, me, &rq[0]), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_irecv(comm, &x, 1, CHORUS_INT64, me, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_isend(NULL, &a, 1, CHORUS_INT64, me, &rq[0]), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_isend(comm, &a, 1, (chorus_dtype)99, me, &rq[0]), CHORUS_INVALID_ARGUMENT);
+    /* A freed request's transfer goes on; destroying the communicator waits for it. */
+    for (size_t i = 0; i < n; i++) in[i] = 0;
+    OK(chorus_isend(comm, out, n, CHORUS_INT32, right, &rq[0]));
+    OK(chorus_irecv(comm, in, n, CHORUS_INT32, left, &rq[1]));
+    OK(chorus_request_free(&rq[0]));
+    OK(chorus_request_free(&rq[1]));
+    OK(chorus_comm_destroy(comm));
+    for (size_t i = 0; i < n; i++)
+        CHECK(in[i] == left * 1000003 + (int32_t)i, "freed transfer [%zu] = %d", i, in[i]);
+    OK(chorus_comm_destroy(dup));
+    free(out); free(in); free(out2); free(in2);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking|transfers\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -1396,6 +1480,10 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
     else if (strcmp(mode, "busy") == 0) busy(comm);
     else if (strcmp(mode, "uniqueid") == 0) uniqueid(comm);
+    else if (strcmp(mode, "transfers") == 0) {
+        transfers(comm); /* destroys the communicator itself */
+        comm = NULL;
+    }
     else if (strcmp(mode, "nonblocking") == 0) {
         nonblocking(comm); /* destroys the communicator itself */
         comm = NULL;
