@@ -765,6 +765,35 @@ class Communicator:
         self._call(lib.chorus_recv, b.ptr, b.count, b.dtype, _int(peer, "peer"))
         return x
 
+    def isend(self, x: Any, peer: int) -> "Request":
+        """Start sending ``x`` to rank ``peer`` (as ``MPI_Isend``); returns a :class:`Request`
+        whose :meth:`~Request.wait` returns ``x``. Do not write ``x`` until then.
+
+        Transfers started with :meth:`isend` and :meth:`irecv` progress on the communicator's
+        thread, all live ones together and each on its own: none waits for a later one or for
+        ``wait``, so any order of sends and receives across the ranks completes. Between two
+        ranks messages are matched in the order issued (with :meth:`send` and :meth:`recv`
+        too); a receive takes exactly its buffer's size and dtype. ``peer`` may be this rank.
+        Each transfer must complete within the communicator's timeout. While any is live, the
+        communicator's collectives are refused (:class:`InvalidUsageError`): keep a
+        :meth:`dup` of it for point-to-point messages to run both at once."""
+        b = _buffer(x, "x", writable=False)
+        return self._transfer(lib.chorus_isend, b, x, peer)
+
+    def irecv(self, x: Any, peer: int) -> "Request":
+        """Start receiving into ``x`` exactly what rank ``peer`` sends (as ``MPI_Irecv``);
+        returns a :class:`Request` whose :meth:`~Request.wait` returns ``x`` filled. Do not
+        touch ``x`` until then. See :meth:`isend`."""
+        b = _buffer(x, "x")
+        return self._transfer(lib.chorus_irecv, b, x, peer)
+
+    def _transfer(self, fn: Any, b: Any, x: Any, peer: int) -> "Request":
+        # Made first, holding the buffer, so that nothing can free it once the transfer runs.
+        req = Request(x, (b, x), self._completer)
+        self._call(fn, b.ptr, b.count, b.dtype, _int(peer, "peer"), ctypes.byref(req._h))
+        self._inflight.add(req)
+        return req
+
     def sendrecv(self, x: Any, dest: int, out: Any, source: int) -> Any:
         """Send ``x`` to rank ``dest`` while receiving into ``out`` exactly what rank
         ``source`` sends, both at once (as ``MPI_Sendrecv``): a ring of these cannot
@@ -954,12 +983,13 @@ class Communicator:
 
 
 class Request:
-    """A collective issued with ``async_op=True``, running on its communicator's thread (as
-    an MPI request or a torch ``Work``). The buffers belong to the call until it completes:
-    do not read or write them before :meth:`wait` returns (or :meth:`test` says True).
+    """A collective issued with ``async_op=True``, or a transfer of :meth:`Communicator.isend`
+    or :meth:`Communicator.irecv`, running on its communicator's thread (as an MPI request or
+    a torch ``Work``). The buffers belong to the call until it completes: do not read or write
+    them before :meth:`wait` returns (or :meth:`test` says True).
 
     The calls of a communicator run in the order they were issued, and a blocking call waits
-    for those issued before it. A request dropped without :meth:`wait` waits in its finaliser,
+    for those issued before it; transfers run on their own (see :meth:`Communicator.isend`). A request dropped without :meth:`wait` waits in its finaliser,
     so that the buffers it holds outlive the call; its error, if any, is then lost.
     """
 

@@ -128,6 +128,8 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
+    "chorus_isend": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, c_void_p]),
+    "chorus_irecv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, c_void_p]),
     "chorus_allgatherv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
     "chorus_alltoallv": (
         c_int32,

@@ -27,13 +27,12 @@ point-to-point messages move bytes, so they take any dtype (bool, int16, complex
 reductions take chorus's dtypes.
 
 Point-to-point messages travel on a copy of the group's communicator (``dup``), so they
-never meet its collectives, and as bytes (Gloo does not check dtypes either). A send of up to
-64 KiB with nothing before it goes at once (the transport holds it until the peer receives);
-other ``isend``/``irecv`` calls wait in a queue until ``wait()`` is called on any of them
-(``send``/``recv`` wait at once), and then the queue runs as a batch. A batch
-(``batch_isend_irecv``, or the queue) is one ``p2p_batch``: every send and receive posted
-and progressed together, so that exchanges of any size and pattern complete, each link busy
-at once. A large ``isend`` that is never waited for is therefore never sent.
+never meet its collectives, and as bytes (Gloo does not check dtypes either). Each
+``isend``/``irecv`` (and each op of ``batch_isend_irecv``, started together when the batch
+closes) is a chorus transfer that runs on its own on the copy's thread: it never waits for
+``wait()``, for a later transfer or for a collective, so exchanges of any size and pattern
+complete, with collectives between a transfer and its ``wait()`` too, as with Gloo.
+``send``/``recv`` are the same, waited for at once.
 
 Supported: ``all_reduce`` (sum, product, min, max, avg; band, bor and bxor on integer
 tensors), ``broadcast``, ``reduce``,
@@ -70,8 +69,6 @@ __all__ = ["ProcessGroupChorus", "communicator", "register"]
 
 NAME = "chorus"
 _STORE_KEY = "chorus/unique_id"
-# Sends up to this size go at once: the transport holds them until the peer receives.
-_EAGER_BYTES = 64 << 10
 
 _OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -148,50 +145,80 @@ def _root(opts: Any) -> int:
 
 
 class _P2P:
-    """One queued send or receive."""
+    """One send or receive of the backend: its tensors' bytes and, once started, a chorus
+    transfer (``isend``/``irecv``) per tensor."""
 
-    __slots__ = ("is_send", "data", "peer", "fut", "tensors")
+    __slots__ = ("is_send", "data", "peer", "tensors", "reqs", "error", "fut")
 
     def __init__(self, is_send: bool, data: List[torch.Tensor], peer: int, tensors: Any):
         self.is_send, self.data, self.peer, self.tensors = is_send, data, peer, tensors
-        self.fut: torch.futures.Future = torch.futures.Future()
+        self.reqs: List[Any] = []
+        # Set instead of reqs when the op could not start (its batch failed).
+        self.error: Optional[BaseException] = None
+        self.fut: Optional[torch.futures.Future] = None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.data)
+    def wait(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        for r in self.reqs:
+            r.wait()  # raises the transfer's error
+        return self.tensors
+
+    def done(self) -> bool:
+        return self.error is not None or all(r.test() for r in self.reqs)
+
+    def future(self) -> torch.futures.Future:
+        """A future completed with the tensors (or the error) when every transfer is done."""
+        if self.fut is None:
+            if self.error is not None or not self.reqs:
+                fut: torch.futures.Future = torch.futures.Future()
+                if self.error is not None:
+                    fut.set_exception(self.error)
+                else:
+                    fut.set_result(self.tensors)
+                self.fut = fut
+            else:
+                tensors = self.tensors
+
+                def result(f: torch.futures.Future) -> Any:
+                    for one in f.value():
+                        one.value()  # raises its error
+                    return tensors
+
+                all_done = torch.futures.collect_all([r.get_future() for r in self.reqs])
+                self.fut = all_done.then(result)
+        return self.fut
 
 
-class _QueuedWork(dist._Work):
-    """The work of a queued ``isend``/``irecv``: ``wait()`` runs the group's queue."""
+class _TransferWork(dist._Work):
+    """The work of a backend ``isend``/``irecv``: its transfers run on their own, and
+    ``wait()`` waits for them."""
 
-    def __init__(self, group: "ProcessGroupChorus", op: _P2P):
+    def __init__(self, op: _P2P):
         super().__init__()
-        self._group, self._op = group, op
+        self._op = op
 
     def wait(self, timeout: Any = None) -> bool:
-        if not self._op.fut.done():
-            self._group._flush()
-        self._op.fut.wait()  # raises the batch's error, if it failed
+        self._op.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._op.fut.done()
+        return self._op.done()
 
     def is_success(self) -> bool:
-        if not self._op.fut.done():
+        if not self._op.done():
             return False
         try:
-            self._op.fut.value()
-        except Exception:  # noqa: BLE001 - a failed batch
+            self._op.wait()
+        except Exception:  # noqa: BLE001 - a failed transfer
             return False
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._op.fut
+        return self._op.future()
 
     def result(self) -> Any:
-        self.wait()
-        return self._op.tensors
+        return self._op.wait()
 
 
 def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -224,8 +251,6 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # Point-to-point messages travel on a copy of their own, so that a message a peer has
         # not received yet never meets the collectives (Gloo keeps them apart by tags).
         self.p2p = comm.dup()
-        # isend/irecv waiting for a wait() (under _p2p_lock).
-        self._pending: List[_P2P] = []
         # Each thread's batch between _start_coalescing and _end_coalescing
         # (batch_isend_irecv): .batch, a list of _P2P, and .failed, an error while queuing.
         self._tls = threading.local()
@@ -481,19 +506,9 @@ class ProcessGroupChorus(dist.ProcessGroup):
         op = _P2P(is_send, data, peer, tensors)
         if batch is not None:
             batch.append(op)
-            return torch._C._distributed_c10d._create_work_from_future(op.fut)
-        with self._p2p_lock:
-            if is_send and not self._pending and op.nbytes <= _EAGER_BYTES and peer != self.p2p.rank:
-                # Small enough for the transport to hold until the peer receives it.
-                self._run([op])
-                return _done(tensors)
-            self._pending.append(op)
-        return _QueuedWork(self, op)
-
-    def _flush(self) -> None:
-        with self._p2p_lock:
-            ops, self._pending = self._pending, []
-            self._run(ops)
+        else:
+            self._start([op])
+        return _TransferWork(op)
 
     def _start_coalescing(self) -> None:
         if getattr(self._tls, "batch", None) is not None:
@@ -506,19 +521,15 @@ class ProcessGroupChorus(dist.ProcessGroup):
         tls.batch, tls.failed = None, None
         if failed is not None:
             for op in batch:
-                op.fut.set_exception(failed)
+                op.error = failed
             return
-        with self._p2p_lock:
-            # Queued isend/irecv go first, in the order they were made.
-            ops, self._pending = self._pending + batch, []
-            self._run(ops)
+        self._start(batch)
 
-    def _run(self, ops: List[_P2P]) -> None:
-        """Run sends and receives (the caller holds ``_p2p_lock``) as one batch, all posted
-        and progressed together (``p2p_batch``): no order of them across the ranks can
-        deadlock. Completes every op's future, with the error if the batch fails."""
-        if not ops:
-            return
+    def _start(self, ops: List[_P2P]) -> None:
+        """Start the transfers of ``ops``, in order, on the group's point-to-point
+        communicator: each runs on its own (chorus ``isend``/``irecv``), so no order of sends
+        and receives across the ranks, and no collective before a ``wait()``, can deadlock
+        them. An op that cannot start fails, with the ops after it."""
         def span(t: torch.Tensor) -> Tuple[int, int]:
             return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
@@ -526,24 +537,22 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
         def apart(t: torch.Tensor) -> torch.Tensor:
             # A tensor both sent and received into in one batch is sent from a copy (the
-            # batch refuses overlapping buffers; Gloo accepts this).
+            # send would read what the receive writes; Gloo accepts this).
             a, b = span(t)
             return t.clone() if any(a < e and s < b for s, e in receives) else t
 
-        batch = [
-            ("send", apart(t), op.peer) if op.is_send else ("recv", t, op.peer)
-            for op in ops
-            for t in op.data
-        ]
-        try:
-            self.p2p.p2p_batch(batch)
-        except Exception as e:
-            for op in ops:
-                if not op.fut.done():
-                    op.fut.set_exception(e)
-            raise
-        for op in ops:
-            op.fut.set_result(op.tensors)
+        with self._p2p_lock:
+            for k, op in enumerate(ops):
+                try:
+                    for t in op.data:
+                        if op.is_send:
+                            op.reqs.append(self.p2p.isend(apart(t), op.peer))
+                        else:
+                            op.reqs.append(self.p2p.irecv(t, op.peer))
+                except Exception as e:
+                    for rest in ops[k:]:
+                        rest.error = e
+                    raise
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")

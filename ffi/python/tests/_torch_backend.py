@@ -227,6 +227,32 @@ def main():
         for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, shared, right), dist.P2POp(dist.irecv, shared, left)]):
             q.wait()
         check("one tensor sent and received into", shared, torch.full((8,), float(left)))
+        # a collective between a large isend and its wait, the receiver taking the message
+        # before it reduces (a transfer that ran only at wait() deadlocked here); and the
+        # mirror image, a receive posted before the collective, the sender sending first
+        t = torch.ones(5)
+        if me ^ 1 >= p:  # no partner: the collectives alone
+            dist.all_reduce(t)
+            dist.all_reduce(t)
+        else:
+            peer = me ^ 1
+            if me % 2 == 0:
+                w = dist.isend(torch.full((big,), 3.0 + me), peer)
+                dist.all_reduce(t)
+                w.wait()
+                got = torch.zeros(big)
+                w = dist.irecv(got, peer)
+                dist.all_reduce(t)
+                w.wait()
+                check("irecv across an all_reduce", got, torch.full((big,), 5.0 + peer))
+            else:
+                got = torch.zeros(big)
+                dist.recv(got, peer)
+                check("isend across an all_reduce", got, torch.full((big,), 3.0 + peer))
+                dist.all_reduce(t)
+                dist.send(torch.full((big,), 5.0 + me), peer)
+                dist.all_reduce(t)
+        check("the all_reduces between", t, torch.full((5,), float(p * p)))
         # a message not yet received does not meet the collectives: rank 0 sends, then
         # everyone reduces, then rank 1 receives
         m = torch.tensor([42.0])

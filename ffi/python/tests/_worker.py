@@ -642,6 +642,68 @@ def nonblocking(comm):
     check("the parent after its dup failed", x, [p * p * p] * 4)
 
 
+def transfers(comm):
+    """isend/irecv: a ring of 4 MiB sends before their receives, waited in reverse; to itself;
+    a collective on a dup between a large isend and its wait while the peer reduces first;
+    collectives refused while transfers are live; a wrong length fails both ranks."""
+    me, p = comm.rank, comm.size
+    right, left = (me + 1) % p, (me - 1) % p
+    n = 1 << 20
+    outs = [np.arange(n, dtype=np.int32) + 1000 * me + k for k in range(2)]
+    ins = [np.zeros(n, dtype=np.int32) for _ in range(2)]
+    sends = [comm.isend(o, right) for o in outs]
+    recvs = [comm.irecv(x, left) for x in ins]
+    for r in reversed(recvs):
+        r.wait()
+    for s in sends:
+        assert s.wait() is not None
+    for k in range(2):
+        check(f"ring message {k}", ins[k][:4], list(np.arange(4) + 1000 * left + k))
+        assert (ins[k] == np.arange(n, dtype=np.int32) + 1000 * left + k).all()
+    back = np.zeros(3, dtype=np.float64)
+    w = comm.isend(np.array([1.5, 2.5, 3.5]), me)
+    assert comm.irecv(back, me).wait() is back
+    w.wait()
+    check("to itself", back, [1.5, 2.5, 3.5])
+    # A collective on a dup between an isend and its wait, the peer reducing first.
+    d = comm.dup()
+    if p > 1:
+        big = np.full(n, float(me))
+        x = np.ones(8)
+        if me == 0:
+            w = comm.isend(big, 1)
+            d.allreduce(x)
+            w.wait()
+        elif me == 1:
+            d.allreduce(x)
+            got = comm.irecv(np.zeros(n), 0)
+            assert (got.wait() == 0.0).all()
+        else:
+            d.allreduce(x)
+        check("the dup's allreduce", x, [float(p)] * 8)
+    # Collectives are refused while a transfer is live; the communicator stays usable.
+    pending = comm.irecv(np.zeros(2), me)
+    expect(chorus.InvalidUsageError, lambda: comm.allreduce(np.ones(2)), "allreduce while live")
+    comm.isend(np.array([7.0, 8.0]), me).wait()
+    check("the late receive from itself", pending.wait(), [7.0, 8.0])
+    y = np.ones(2)
+    comm.allreduce(y)
+    check("allreduce after the transfers", y, [float(p)] * 2)
+    expect(chorus.InvalidArgumentError, lambda: comm.isend(np.ones(1), p), "a peer outside")
+    # A wrong length fails both ranks (their communicator is aborted; the dup goes on).
+    if p > 1 and me < 2:
+        if me == 0:
+            expect(chorus.ChorusError, lambda: (comm.isend(np.ones(5), 1).wait(),
+                                                comm.irecv(np.ones(1), 1).wait()), "sender")
+        else:
+            e = expect(chorus.MismatchError, lambda: comm.irecv(np.zeros(4), 0).wait(), "receiver")
+            print(f"rank {me}: transfer {type(e).__name__}: {e.message}", flush=True)
+    y = np.ones(2)
+    d.allreduce(y)
+    check("the dup after a failed transfer", y, [float(p)] * 2)
+    d.close()
+
+
 def forked(comm):
     """A child forked from a rank (as a DataLoader worker is) cannot use the communicator: every
     call fails at once, nothing hangs, and closing it there leaves the parent's untouched."""
@@ -725,7 +787,8 @@ def main():
     mode = sys.argv[1]
     comm = chorus.init()
     modes = {"collectives": collectives, "errors": errors, "compression": compression,
-             "groups": groups, "nonblocking": nonblocking, "fork": forked}
+             "groups": groups, "nonblocking": nonblocking, "fork": forked,
+             "transfers": transfers}
     modes[mode](comm)
     comm.close()
     print(f"ok {mode} rank {comm.rank}", flush=True)

@@ -52,6 +52,15 @@ def test_nonblocking_collectives(n):
         assert "async MismatchError" in out, out
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_isend_and_irecv(n):
+    code, out = launch(n, [PYTHON, str(HERE / "_worker.py"), "transfers"], env={"CHORUS_TIMEOUT": "10"})
+    assert code == 0, out
+    assert out.count("ok transfers") == n, out
+    if n > 1:
+        assert "transfer MismatchError" in out, out
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_forked_child_cannot_disturb_its_parent(transport):
     code, out = launch(
