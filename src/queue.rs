@@ -90,9 +90,33 @@ struct Jobs {
     closing: bool,
     /// The worker thread, once started.
     worker: Option<ThreadId>,
-    /// The worker is progressing transfers (and holds the communicator, or is about to).
-    in_transfers: bool,
+    /// A thread (the worker, or one waiting for a transfer, or one issuing one) is
+    /// progressing transfers: it holds the communicator, or is about to.
+    driving: bool,
+    /// Live transfers that no thread progresses, since this instant: the worker takes them
+    /// over after [`GRACE`] (a thread that waits for one progresses them itself meanwhile).
+    unattended: Option<Instant>,
+    /// The worker has taken an item from the queue and not finished it: a transfer issued
+    /// now must wait its turn behind it.
+    busy: bool,
+    /// Transfers were live when the last thread driving them stopped.
+    live: bool,
+    /// The worker sleeps until it is woken (with transfers issued lately, it looks at
+    /// `unattended` every [`GRACE`] instead, unwoken).
+    napping: bool,
+    /// Threads in [`Queue::wait_all`] (woken when a driving thread stops).
+    waiting_all: usize,
 }
+
+/// How long live transfers wait, unattended, for a thread that waits for one of them to
+/// progress them in its own time (no hand-over between threads) before the worker takes them
+/// over (progress in the background), and how often the worker looks while transfers are
+/// issued (it is not woken for each).
+const GRACE: Duration = Duration::from_millis(2);
+
+/// How long after the last live transfer the worker goes on looking every [`GRACE`] before it
+/// sleeps until woken.
+const STAY_AWAKE: Duration = Duration::from_millis(200);
 
 struct Shared {
     comm: Mutex<Communicator>,
@@ -103,6 +127,9 @@ struct Shared {
     changed: Condvar,
     /// Point-to-point transfers issued and not finished: calls are refused while there are.
     transfers: Arc<AtomicUsize>,
+    /// The transfers posted and not finished, locked after `comm` by whoever holds that: the
+    /// worker, or a thread issuing a transfer while the worker is idle.
+    engine: Mutex<p2p::Engine>,
 }
 
 /// A communicator whose calls run on a thread of their own, in the order they are issued.
@@ -125,6 +152,7 @@ pub struct Queue {
 impl Queue {
     /// A queue over `comm`.
     pub fn new(comm: Communicator) -> Queue {
+        let transfers = Arc::new(AtomicUsize::new(0));
         Queue {
             abort: comm.abort_handle(),
             rank: comm.rank(),
@@ -138,10 +166,16 @@ impl Queue {
                     finished: 0,
                     closing: false,
                     worker: None,
-                    in_transfers: false,
+                    driving: false,
+                    unattended: None,
+                    busy: false,
+                    live: false,
+                    napping: false,
+                    waiting_all: 0,
                 }),
                 changed: Condvar::new(),
-                transfers: Arc::new(AtomicUsize::new(0)),
+                engine: Mutex::new(p2p::Engine::new(Arc::clone(&transfers))),
+                transfers,
             }),
             worker: Mutex::new(None),
         }
@@ -250,7 +284,7 @@ impl Queue {
         if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
             *lock(&slot.value) = Some(Err(e));
-            return Request { slot };
+            return Request { slot, driver: None };
         }
         let fill = Arc::clone(&slot);
         let rank = self.rank;
@@ -274,7 +308,7 @@ impl Queue {
         });
         if let Err(e) = self.calls_allowed("queued call") {
             *lock(&slot.value) = Some(Err(e));
-            return Request { slot };
+            return Request { slot, driver: None };
         }
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it.
@@ -282,14 +316,14 @@ impl Queue {
             let mut comm = lock_comm(&self.shared.comm);
             job(&mut comm);
             comm.settle_abort();
-            return Request { slot };
+            return Request { slot, driver: None };
         }
         let mut jobs = lock(&self.shared.jobs);
         jobs.issued += 1;
         jobs.queue.push_back(Item::Call(job));
         drop(jobs);
         self.shared.changed.notify_all();
-        Request { slot }
+        Request { slot, driver: None }
     }
 
     /// A new request's slot.
@@ -400,7 +434,7 @@ impl Queue {
         };
         if let Some(e) = refused {
             *lock(&slot.value) = Some(Err(e.at_rank(self.rank)));
-            return Request { slot };
+            return Request { slot, driver: None };
         }
         let entry = p2p::Entry {
             peer,
@@ -408,14 +442,31 @@ impl Queue {
             transfer: t,
             issued: Instant::now(),
         };
+        let driver = Some(Arc::downgrade(&self.shared));
         let mut jobs = lock(&self.shared.jobs);
         self.shared.transfers.fetch_add(1, Ordering::SeqCst);
+        if jobs.queue.is_empty() && !jobs.busy && !jobs.driving {
+            // Nothing issued before it is waiting or running: this thread posts it and moves
+            // what it can at once (a small send completes here), without waking the worker.
+            // The communicator is free unless a blocking call of another thread holds it.
+            let comm = match self.shared.comm.try_lock() {
+                Ok(g) => Some(g),
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
+            if let Some(comm) = comm {
+                jobs.driving = true;
+                drop(jobs);
+                drive(&self.shared, comm, Some(entry), Drive::Step);
+                return Request { slot, driver };
+            }
+        }
         jobs.queue.push_back(Item::P2p(entry));
         drop(jobs);
         self.shared.changed.notify_all();
         // The worker may be waiting on the transport for the live transfers.
         self.abort.wake();
-        Request { slot }
+        Request { slot, driver }
     }
 
     /// Start the worker thread if it is not running; false if no thread can be started.
@@ -462,12 +513,14 @@ impl Queue {
         let ticket = jobs.issued;
         // Also while the worker leaves transfers that have all finished: it may still hold
         // the communicator for a moment.
-        while jobs.finished < ticket || (jobs.in_transfers && self.transfers() == 0) {
+        while jobs.finished < ticket || (jobs.driving && self.transfers() == 0) {
+            jobs.waiting_all += 1;
             jobs = self
                 .shared
                 .changed
                 .wait(jobs)
                 .unwrap_or_else(|p| p.into_inner());
+            jobs.waiting_all -= 1;
         }
     }
     /// Run `f` on this thread after every call issued before it (a blocking call, in order).
@@ -512,12 +565,20 @@ impl Queue {
         }
         self.wait_all();
         self.close();
-        let shared = Arc::clone(&self.shared);
+        let mut shared = Arc::clone(&self.shared);
         drop(self);
-        match Arc::try_unwrap(shared) {
-            Ok(s) => s.comm.into_inner().unwrap_or_else(|p| p.into_inner()),
-            // The worker has been joined and the queue is gone: nothing else holds it.
-            Err(_) => unreachable!("the queue's state outlived its thread"),
+        // The worker has been joined and the queue is gone; a thread that waited for a
+        // transfer may still hold the state for a moment after its transfer finished.
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Arc::try_unwrap(shared) {
+                Ok(s) => return s.comm.into_inner().unwrap_or_else(|p| p.into_inner()),
+                Err(back) if Instant::now() < end => {
+                    shared = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => panic!("the queue's state is still held 60 s after its thread ended"),
+            }
         }
     }
 
@@ -648,46 +709,71 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// The worker: run queued calls in order until the queue closes.
 fn work(shared: &Shared) {
     RUNNING_QUEUE.with(|q| q.set(shared as *const Shared as usize));
-    let mut engine = p2p::Engine::new(Arc::clone(&shared.transfers));
+    let mut last_transfer = Instant::now()
+        .checked_sub(STAY_AWAKE)
+        .unwrap_or_else(Instant::now);
     loop {
         let mut jobs = lock(&shared.jobs);
+        jobs.busy = false;
         let item = loop {
-            if let Some(item) = jobs.queue.pop_front() {
-                break item;
-            }
-            if jobs.closing {
-                drop(jobs);
-                // Transfers to itself still missing their other half never will have it.
-                let mut comm = lock_comm(&shared.comm);
-                let _ = catch_unwind(AssertUnwindSafe(|| engine.drop_unmatched(&mut comm)));
-                return;
-            }
-            jobs = shared.changed.wait(jobs).unwrap_or_else(|p| p.into_inner());
-        };
-        drop(jobs);
-        let job = match item {
-            Item::Call(job) => job,
-            Item::P2p(entry) => {
-                lock(&shared.jobs).in_transfers = true;
-                let mut comm = lock_comm(&shared.comm);
-                let r = catch_unwind(AssertUnwindSafe(|| {
-                    transfers(shared, &mut engine, &mut comm, entry)
-                }));
-                if r.is_err() {
-                    // The transfers' state is unknown: abort; their requests stay unfilled
-                    // (the communicator's next calls fail saying why).
-                    let _ = catch_unwind(AssertUnwindSafe(|| {
-                        comm.abort("internal error in a point-to-point transfer")
-                    }));
-                    engine = p2p::Engine::new(Arc::clone(&shared.transfers));
+            let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
+            if !(transfer_next && jobs.driving) {
+                if let Some(item) = jobs.queue.pop_front() {
+                    jobs.busy = true;
+                    break Some(item);
                 }
-                comm.settle_abort();
-                drop(comm);
-                lock(&shared.jobs).in_transfers = false;
-                shared.changed.notify_all();
+            }
+            if !jobs.driving {
+                let due = jobs
+                    .unattended
+                    .is_some_and(|since| since.elapsed() >= GRACE);
+                // Closing: every live transfer is finished first.
+                if due || (jobs.closing && jobs.live) {
+                    jobs.busy = true;
+                    break None;
+                }
+                if jobs.closing && jobs.queue.is_empty() {
+                    drop(jobs);
+                    // Transfers to itself still missing their other half never will have it.
+                    let mut comm = lock_comm(&shared.comm);
+                    let mut engine = lock(&shared.engine);
+                    let _ = catch_unwind(AssertUnwindSafe(|| engine.drop_unmatched(&mut comm)));
+                    return;
+                }
+            }
+            if shared.transfers.load(Ordering::SeqCst) > 0 {
+                last_transfer = Instant::now();
+            }
+            // Looking every GRACE for a while after the last transfer, so that a program
+            // that issues transfers in a loop does not wake it each time.
+            if last_transfer.elapsed() < STAY_AWAKE {
+                jobs = shared
+                    .changed
+                    .wait_timeout(jobs, GRACE)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            } else {
+                jobs.napping = true;
+                jobs = shared.changed.wait(jobs).unwrap_or_else(|p| p.into_inner());
+                jobs.napping = false;
+            }
+        };
+        let first = match item {
+            Some(Item::Call(job)) => Ok(job),
+            Some(Item::P2p(entry)) => Err(Some(entry)),
+            None => Err(None),
+        };
+        let job = match first {
+            Ok(job) => job,
+            Err(first) => {
+                jobs.driving = true;
+                jobs.unattended = None;
+                drop(jobs);
+                drive(shared, lock_comm(&shared.comm), first, Drive::ToTheEnd);
                 continue;
             }
         };
+        drop(jobs);
         {
             let mut comm = lock_comm(&shared.comm);
             // The job fills its request whatever happens in the call; this keeps the worker
@@ -703,25 +789,123 @@ fn work(shared: &Shared) {
     }
 }
 
-/// Post `first` and every transfer issued after it, progressing them all until none is
-/// live (the worker holds the communicator meanwhile).
-fn transfers(
+/// After a panic while transfers were progressed, their state is unknown: abort the
+/// communicator and fail every transfer held (its later calls fail saying why).
+fn abandon(comm: &mut Communicator, engine: &mut p2p::Engine) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        comm.abort("internal error in a point-to-point transfer")
+    }));
+    let _ = catch_unwind(AssertUnwindSafe(|| engine.abandon(comm)));
+}
+
+/// How far [`drive`] goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drive {
+    /// Post, and push a send without blocking (a thread issuing a transfer).
+    Step,
+    /// One slice (a thread waiting for a transfer).
+    Slice,
+    /// Until no transfer is live (the worker).
+    ToTheEnd,
+}
+
+/// Progress transfers as the thread that set `jobs.driving` (and now holds `comm`): post
+/// `first` and every transfer at the head of the queue, then move bytes, with every live
+/// transfer. The worker (`to_the_end`) goes on until none is live; another thread makes one
+/// step without blocking (issuing) or one slice (waiting), and leaves what is still live
+/// unattended (the worker takes it over after [`GRACE`] unless a waiting thread does).
+/// Clears `driving` when done.
+fn drive(
     shared: &Shared,
-    engine: &mut p2p::Engine,
-    comm: &mut Communicator,
-    first: p2p::Entry,
+    mut comm: MutexGuard<'_, Communicator>,
+    first: Option<p2p::Entry>,
+    how: Drive,
 ) {
-    let mut next = Some(first);
-    loop {
-        while let Some(e) = next.take() {
-            engine.admit(comm, e);
+    let to_the_end = how == Drive::ToTheEnd;
+    let mut engine = lock(&shared.engine);
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let mut next = first.or_else(|| next_transfer(shared));
+        loop {
+            while let Some(e) = next.take() {
+                engine.admit(&mut comm, e);
+                next = next_transfer(shared);
+            }
+            if how == Drive::Step {
+                engine.push_last_send(&mut comm);
+            } else {
+                engine.step(&mut comm, true);
+            }
+            if !to_the_end || !engine.has_live() {
+                return;
+            }
             next = next_transfer(shared);
         }
-        engine.step(comm);
-        if !engine.has_live() {
-            return;
+    }));
+    if r.is_err() {
+        abandon(&mut comm, &mut engine);
+    }
+    let live = engine.has_live();
+    comm.settle_abort();
+    drop(engine);
+    drop(comm);
+    let mut jobs = lock(&shared.jobs);
+    jobs.driving = false;
+    jobs.live = live;
+    // A waiting thread goes on driving after its slice: it leaves the transfers unattended
+    // only when it stops waiting (`drive_until`).
+    let leave = live && how != Drive::Slice && jobs.unattended.is_none();
+    if leave {
+        jobs.unattended = Some(Instant::now());
+    }
+    // Wake the worker (and `wait_all`) only when there is something for them: waking it at
+    // every step costs a context switch each. It looks at unattended transfers every
+    // `GRACE` by itself, unless it sleeps.
+    let wake = (leave && jobs.napping) || !jobs.queue.is_empty() || (jobs.waiting_all > 0 && !live);
+    drop(jobs);
+    if wake {
+        shared.changed.notify_all();
+    }
+}
+
+/// As a thread waiting for a transfer (`slot`) until `end`: progress every transfer while no
+/// other thread does (the worker is busy with nothing, and no call is queued ahead), else
+/// sleep on the request for a while; whether it finished.
+fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool {
+    let done = |finished: bool| {
+        // Stopping: what this thread drove and left live is now unattended.
+        let mut jobs = lock(&shared.jobs);
+        if jobs.live && !jobs.driving && jobs.unattended.is_none() {
+            jobs.unattended = Some(Instant::now());
+            if jobs.napping {
+                drop(jobs);
+                shared.changed.notify_all();
+            }
         }
-        next = next_transfer(shared);
+        finished
+    };
+    loop {
+        if lock(&slot.value).is_some() {
+            return done(true);
+        }
+        let now = Instant::now();
+        if end.is_some_and(|e| now >= e) {
+            return done(false);
+        }
+        let mut jobs = lock(&shared.jobs);
+        let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
+        if !jobs.driving && !jobs.busy && !call_next {
+            jobs.driving = true;
+            jobs.unattended = None;
+            drop(jobs);
+            drive(shared, lock_comm(&shared.comm), None, Drive::Slice);
+            continue;
+        }
+        drop(jobs);
+        let nap = Duration::from_millis(1).min(end.map_or(Duration::MAX, |e| e - now));
+        let value = lock(&slot.value);
+        if value.is_none() {
+            let _ = slot.done.wait_timeout(value, nap);
+        }
     }
 }
 
@@ -851,6 +1035,8 @@ impl<T> Slot<T> {
 #[must_use = "a request's result (and error) is only seen through wait"]
 pub struct Request<T> {
     slot: Arc<Slot<T>>,
+    /// For a transfer: its queue, whose transfers a thread waiting for it progresses.
+    driver: Option<std::sync::Weak<Shared>>,
 }
 
 impl<T> Request<T> {
@@ -886,10 +1072,13 @@ impl<T> Request<T> {
         value.take()
     }
 
-    /// Wait for the call and take its result.
+    /// Wait for the call and take its result. For a transfer, this thread progresses the
+    /// queue's transfers meanwhile, unless another thread does.
     pub fn wait(self) -> Result<T, CommError> {
         // First: in a forked child the parent's worker may have held the lock at the fork.
         self.slot.process.check("queued call", self.slot.rank)?;
+        self.slot.unwaitable()?;
+        self.drive_until(None);
         let mut value = lock(&self.slot.value);
         loop {
             if let Some(r) = value.take() {
@@ -916,6 +1105,10 @@ impl<T> Request<T> {
             return true;
         }
         let end = Instant::now() + limit;
+        if self.slot.unwaitable().is_err() {
+            return true;
+        }
+        self.drive_until(Some(end));
         let mut value = lock(&self.slot.value);
         loop {
             if value.is_some() || self.slot.unwaitable().is_err() {
@@ -931,6 +1124,13 @@ impl<T> Request<T> {
                 .wait_timeout(value, end - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+        }
+    }
+
+    /// For a transfer: progress its queue's transfers until it finishes or `end`.
+    fn drive_until(&self, end: Option<Instant>) {
+        if let Some(shared) = self.driver.as_ref().and_then(std::sync::Weak::upgrade) {
+            drive_until(&shared, &self.slot, end);
         }
     }
 

@@ -262,3 +262,34 @@ fn an_unmatched_receive_times_out() {
         "{took:?}"
     );
 }
+
+/// Transfers waited for by several threads at once, and by none: a thread waiting for one
+/// progresses all of them, the others wait their turn, and transfers nobody waits for
+/// complete in the background.
+#[test]
+fn transfers_waited_from_several_threads_or_none() {
+    ranks(3, "tcp", Duration::from_secs(30), |c| {
+        let q = std::sync::Arc::new(Queue::new(c));
+        let (r, p) = (q.rank(), q.size());
+        let big = 1 << 20;
+        let sends: Vec<_> = (1..p)
+            .map(|d| q.isend(msg(r, (r + d) % p, 0, big), (r + d) % p))
+            .collect();
+        let waiters: Vec<_> = (1..p)
+            .map(|d| {
+                let from = (r + p - d) % p;
+                let req = q.irecv(vec![0u32; big], from);
+                std::thread::spawn(move || (from, req.wait().expect("irecv")))
+            })
+            .collect();
+        for w in waiters {
+            let (from, got) = w.join().expect("waiter");
+            assert!(got == msg(from, r, 0, big), "from {from}");
+        }
+        // Nobody waits for these sends: they complete on their own (the requests are
+        // dropped), and the queue's drop waits for them.
+        drop(sends);
+        let q = std::sync::Arc::try_unwrap(q).ok().expect("one owner");
+        q.into_inner().barrier().unwrap();
+    });
+}

@@ -1,11 +1,15 @@
 //! The queue's point-to-point transfers ([`Queue::isend`](super::Queue::isend) and
-//! [`Queue::irecv`](super::Queue::irecv)): the worker posts each as it reaches the head of the
-//! queue and progresses every live one together, taking new ones as they are issued, until
-//! none is left. A transfer never waits for a later one, so any order of sends and receives
-//! across the ranks completes, as `MPI_Isend`/`MPI_Irecv` do.
+//! [`Queue::irecv`](super::Queue::irecv)): every live transfer is progressed together with the
+//! others, and none waits for a later one, so any order of sends and receives across the ranks
+//! completes, as `MPI_Isend`/`MPI_Irecv` do.
 //!
-//! The worker holds the communicator while transfers are live: calls that need it (the
-//! collectives, blocking calls) are refused meanwhile (see `Queue::calls_allowed`).
+//! Who progresses them (the queue's `drive`): the thread that issues a transfer posts it and
+//! pushes a send as far as the socket takes it; a thread waiting for a transfer progresses all
+//! of them in its own time (no hand-over between threads, as MPI progresses in `MPI_Wait`);
+//! transfers that no thread waits for are taken over by the queue's thread after a short
+//! grace, so that they complete in the background (a collective on another communicator
+//! between an `isend` and its `wait`). Whoever progresses them holds the communicator, so the
+//! queue refuses calls while transfers are live (`Queue::calls_allowed`).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -159,9 +163,38 @@ impl Engine {
         }
     }
 
-    /// Progress the live transfers for one slice. A transport error fails every transfer
-    /// held (the communicator is then aborted as a blocking call's error would).
-    pub(crate) fn step(&mut self, comm: &mut Communicator) {
+    /// Move the bytes of the transfer admitted last, if it is a send, as far as the transport
+    /// takes them without blocking (a small send completes here): what the thread that issues
+    /// a transfer does, without sweeping the other live ones (receives wait for a waiting
+    /// thread or the worker).
+    pub(crate) fn push_last_send(&mut self, comm: &mut Communicator) {
+        let Some(l) = self.live.last_mut() else {
+            return;
+        };
+        if l.req.direction() != Direction::Send {
+            return;
+        }
+        let progress = {
+            let op = match l.entry.transfer.buf() {
+                Buf::Send(b) => Op::send(&mut l.req, b),
+                Buf::Recv(_) => unreachable!("a send"),
+            };
+            comm.transport_mut().progress(&mut [op], Wait::No)
+        };
+        match progress {
+            Err(e) => self.fail_all(comm, e),
+            Ok(true) => {
+                let l = self.live.pop().expect("the last");
+                self.finish(l.entry, Ok(()), comm);
+            }
+            Ok(false) => {}
+        }
+    }
+
+    /// Progress the live transfers: for one slice (`block`), or without blocking. A
+    /// transport error fails every transfer held (the communicator is then aborted as a
+    /// blocking call's error would).
+    pub(crate) fn step(&mut self, comm: &mut Communicator, block: bool) {
         if self.live.is_empty() {
             return;
         }
@@ -190,7 +223,8 @@ impl Engine {
                     Buf::Recv(b) => Op::recv(&mut l.req, b),
                 })
                 .collect();
-            comm.transport_mut().progress(&mut ops, Wait::Poll(until))
+            let wait = if block { Wait::Poll(until) } else { Wait::No };
+            comm.transport_mut().progress(&mut ops, wait)
         };
         if let Err(e) = progress {
             return self.fail_all(comm, e);
@@ -240,6 +274,29 @@ impl Engine {
         for mut entry in all {
             let mine = err.copy().with_op(entry.op());
             self.finish(entry, Err(mine), comm);
+        }
+    }
+
+    /// After a panic while progressing: fail every transfer still held with an internal
+    /// error (the caller aborts the communicator).
+    pub(crate) fn abandon(&mut self, comm: &mut Communicator) {
+        let held: Vec<Entry> = self
+            .live
+            .drain(..)
+            .map(|l| l.entry)
+            .chain(self.self_sends.drain(..))
+            .chain(self.self_recvs.drain(..))
+            .collect();
+        for mut entry in held {
+            let op = entry.op();
+            let err = CommError::new(
+                ErrorKind::Internal,
+                op,
+                "a panic while point-to-point transfers progressed; the communicator was aborted",
+            )
+            .at_rank(comm.rank())
+            .with_usable(false);
+            self.finish(entry, Err(err), comm);
         }
     }
 
