@@ -45,19 +45,28 @@ enum Item {
 
 /// The bytes of a buffer sent by [`Queue::isend_buffer`].
 pub trait SendBuffer: Send + 'static {
-    /// The bytes to send (the same ones at every call while the transfer is live).
+    /// The bytes to send (the same ones at every call while the transfer is live; asked
+    /// for only once the calls issued before the transfer have ended).
     fn send_bytes(&self) -> &[u8];
+    /// How many bytes, without making a slice of them.
+    fn send_len(&self) -> usize;
 }
 
 /// The bytes of a buffer received into by [`Queue::irecv_buffer`].
 pub trait RecvBuffer: Send + 'static {
-    /// Where the message goes (the same memory at every call while the transfer is live).
+    /// Where the message goes (the same memory at every call while the transfer is live;
+    /// asked for only once the calls issued before the transfer have ended).
     fn recv_bytes(&mut self) -> &mut [u8];
+    /// How many bytes, without making a slice of them.
+    fn recv_len(&self) -> usize;
 }
 
 impl<T: Element> SendBuffer for Vec<T> {
     fn send_bytes(&self) -> &[u8] {
         crate::collectives::bytes(self)
+    }
+    fn send_len(&self) -> usize {
+        std::mem::size_of_val(self.as_slice())
     }
 }
 
@@ -65,12 +74,18 @@ impl<T: Element> RecvBuffer for Vec<T> {
     fn recv_bytes(&mut self) -> &mut [u8] {
         crate::collectives::bytes_mut(self)
     }
+    fn recv_len(&self) -> usize {
+        std::mem::size_of_val(self.as_slice())
+    }
 }
 
 thread_local! {
     /// On a queue's thread: which queue (the address of its `Shared`), so that a call waiting
     /// for a request of its own queue fails instead of waiting for itself.
     static RUNNING_QUEUE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// On a thread inside a blocking call ([`Queue::run`], [`Queue::try_run`]): which queue.
+    /// It holds the communicator, so waiting there for a transfer would wait for itself.
+    static IN_CALL: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Lock `m`, taking the data of a poisoned lock as it is (nothing here panics while holding
@@ -127,8 +142,8 @@ struct Shared {
     changed: Condvar,
     /// Point-to-point transfers issued and not finished: calls are refused while there are.
     transfers: Arc<AtomicUsize>,
-    /// The transfers posted and not finished, locked after `comm` by whoever holds that: the
-    /// worker, or a thread issuing a transfer while the worker is idle.
+    /// The transfers posted and not finished, locked after `comm` by the thread driving them
+    /// (`Jobs::driving`): one issuing a transfer, one waiting for one, or the worker.
     engine: Mutex<p2p::Engine>,
 }
 
@@ -352,11 +367,15 @@ impl Queue {
 
     /// Send the bytes of `buf` (elements of `dtype`) to `peer` without waiting.
     ///
-    /// Point-to-point transfers progress on the queue's thread, all live ones together and
-    /// each on its own: none waits for a later one or for `wait`, so any order of sends and
-    /// receives across the ranks completes (a ring of `isend`s before their `irecv`s, an
-    /// exchange in either order, a send whose peer receives only after a message from this
-    /// rank). Between two ranks, messages are matched in the order issued, with the blocking
+    /// Point-to-point transfers progress all live ones together and each on its own: none
+    /// waits for a later one or for `wait`, so any order of sends and receives across the
+    /// ranks completes (a ring of `isend`s before their `irecv`s, an exchange in either order,
+    /// a send whose peer receives only after a message from this rank). The thread that
+    /// issues a transfer posts it (and pushes a send as far as the socket takes it); a thread
+    /// waiting for one progresses them all, as `MPI_Wait` does; transfers that no thread
+    /// waits for are taken over by the queue's thread within a few milliseconds, so that they
+    /// complete in the background (while this thread runs a collective on another
+    /// communicator, say). Buffers of live transfers must not overlap, except sends'. Between two ranks, messages are matched in the order issued, with the blocking
     /// [`Communicator::send`]/[`Communicator::recv`] of a peer that uses no queue too; a
     /// receive takes exactly its buffer's length and dtype (anything else is an
     /// [`ErrorKind::Mismatch`], and the communicator is aborted, as for a blocking receive). A
@@ -368,6 +387,8 @@ impl Queue {
     /// [`ErrorKind::InvalidUsage`]: wait for the transfers first, or keep a duplicate of the
     /// communicator ([`Communicator::dup`]) for point-to-point messages, as MPI keeps them
     /// apart from collectives by context. Dropping the request leaves the transfer running.
+    /// Waiting for a transfer inside [`Queue::run`] on the same queue is refused (the call
+    /// holds the communicator the transfer needs).
     pub fn isend_buffer<B: SendBuffer>(&self, buf: B, dtype: DType, peer: usize) -> Request<B> {
         self.transfer(
             Box::new(Sending {
@@ -395,19 +416,14 @@ impl Queue {
     /// Issue a transfer (its request is in `t`), after checking what can be checked here.
     fn transfer<B: Send + 'static, X: Holds<B> + 'static>(
         &self,
-        mut t: Box<X>,
+        t: Box<X>,
         dtype: DType,
         peer: usize,
     ) -> Request<B> {
         let slot = Arc::clone(t.slot());
-        let op = match t.buf() {
-            p2p::Buf::Send(_) => "isend",
-            p2p::Buf::Recv(_) => "irecv",
-        };
-        let len = match t.buf() {
-            p2p::Buf::Send(b) => b.len(),
-            p2p::Buf::Recv(b) => b.len(),
-        };
+        // No slice of the buffer is made here: calls issued before may still use its memory.
+        let op = if t.is_send() { "isend" } else { "irecv" };
+        let len = t.byte_len();
         let refused = if let Err(e) = self.shared.process.check(op, self.rank) {
             Some(e)
         } else if peer >= self.size {
@@ -534,13 +550,30 @@ impl Queue {
         self.shared.process.check("queued call", self.rank)?;
         self.calls_allowed("call")?;
         self.wait_all();
-        guarded(lock_comm(&self.shared.comm), f)
+        self.in_call(|| guarded(lock_comm(&self.shared.comm), f))
+    }
+
+    /// Run `f` marked as inside a call of this queue (see `IN_CALL`).
+    fn in_call<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Restore(usize);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                IN_CALL.with(|c| c.set(self.0));
+            }
+        }
+        let me = Arc::as_ptr(&self.shared) as usize;
+        let _restore = Restore(IN_CALL.with(|c| c.replace(me)));
+        f()
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
-    /// blocking call on the communicator. A panic in `f` aborts the communicator (its state is
+    /// blocking call on the communicator, or while transfers are live
+    /// ([`Queue::calls_allowed`]). A panic in `f` aborts the communicator (its state is
     /// unknown) and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
+        if self.transfers() > 0 {
+            return None;
+        }
         self.wait_all();
         self.try_now(f)
     }
@@ -553,7 +586,7 @@ impl Queue {
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return None,
         };
-        Some(guarded(guard, f))
+        Some(self.in_call(|| guarded(guard, f)))
     }
 
     /// Wait for every call issued, stop the thread and hand back the communicator.
@@ -845,7 +878,7 @@ fn drive(
         abandon(&mut comm, &mut engine);
     }
     let live = engine.has_live();
-    comm.settle_abort();
+    let _ = catch_unwind(AssertUnwindSafe(|| comm.settle_abort()));
     drop(engine);
     drop(comm);
     let mut jobs = lock(&shared.jobs);
@@ -853,8 +886,10 @@ fn drive(
     jobs.live = live;
     // A waiting thread goes on driving after its slice: it leaves the transfers unattended
     // only when it stops waiting (`drive_until`).
-    let leave = live && how != Drive::Slice && jobs.unattended.is_none();
-    if leave {
+    let leave = live && how != Drive::Slice;
+    if !live {
+        jobs.unattended = None;
+    } else if leave && jobs.unattended.is_none() {
         jobs.unattended = Some(Instant::now());
     }
     // Wake the worker (and `wait_all`) only when there is something for them: waking it at
@@ -874,8 +909,8 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
     let done = |finished: bool| {
         // Stopping: what this thread drove and left live is now unattended.
         let mut jobs = lock(&shared.jobs);
-        if jobs.live && !jobs.driving && jobs.unattended.is_none() {
-            jobs.unattended = Some(Instant::now());
+        if jobs.live && !jobs.driving {
+            jobs.unattended.get_or_insert_with(Instant::now);
             if jobs.napping {
                 drop(jobs);
                 shared.changed.notify_all();
@@ -893,14 +928,31 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
         }
         let mut jobs = lock(&shared.jobs);
         let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
-        if !jobs.driving && !jobs.busy && !call_next {
+        let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
+        if !jobs.driving && !jobs.busy && !call_next && (jobs.live || transfer_next) {
             jobs.driving = true;
             jobs.unattended = None;
             drop(jobs);
             drive(shared, lock_comm(&shared.comm), None, Drive::Slice);
             continue;
         }
-        drop(jobs);
+        // Someone else drives, or nothing is posted (a transfer to this rank itself waits for
+        // its other half): sleep on the request for a while.
+        let idle = !jobs.driving && !jobs.busy && !call_next;
+        if idle {
+            // Transfers to itself time out like the others.
+            jobs.driving = true;
+            drop(jobs);
+            let mut comm = lock_comm(&shared.comm);
+            let mut engine = lock(&shared.engine);
+            let _ = catch_unwind(AssertUnwindSafe(|| engine.expire_unmatched(&mut comm)));
+            drop(engine);
+            drop(comm);
+            lock(&shared.jobs).driving = false;
+            shared.changed.notify_all();
+        } else {
+            drop(jobs);
+        }
         let nap = Duration::from_millis(1).min(end.map_or(Duration::MAX, |e| e - now));
         let value = lock(&slot.value);
         if value.is_none() {
@@ -942,6 +994,12 @@ impl<B: SendBuffer> p2p::Transfer for Sending<B> {
     fn buf(&mut self) -> p2p::Buf<'_> {
         p2p::Buf::Send(self.buf.as_ref().expect("held until finished").send_bytes())
     }
+    fn is_send(&self) -> bool {
+        true
+    }
+    fn byte_len(&self) -> usize {
+        self.buf.as_ref().expect("held until finished").send_len()
+    }
     fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
         let buf = self.buf.take().expect("finished once");
         self.slot.fill(result.map(|()| buf), comm);
@@ -957,6 +1015,12 @@ impl<B: SendBuffer> Holds<B> for Sending<B> {
 impl<B: RecvBuffer> p2p::Transfer for Receiving<B> {
     fn buf(&mut self) -> p2p::Buf<'_> {
         p2p::Buf::Recv(self.buf.as_mut().expect("held until finished").recv_bytes())
+    }
+    fn is_send(&self) -> bool {
+        false
+    }
+    fn byte_len(&self) -> usize {
+        self.buf.as_ref().expect("held until finished").recv_len()
     }
     fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
         let buf = self.buf.take().expect("finished once");
@@ -1018,6 +1082,15 @@ impl<T> Slot<T> {
     /// (a later call, which cannot run before the current one ends).
     fn unwaitable(&self) -> Result<(), CommError> {
         self.process.check("queued call", self.rank)?;
+        if IN_CALL.with(|q| q.get()) == self.queue {
+            return Err(CommError::new(
+                ErrorKind::InvalidUsage,
+                "queued call",
+                "waited for a request of a chorus Queue inside a blocking call on that queue \
+                 (Queue::run), which holds the communicator the request needs",
+            )
+            .at_rank(self.rank));
+        }
         if RUNNING_QUEUE.with(|q| q.get()) == self.queue {
             return Err(CommError::new(
                 ErrorKind::Internal,

@@ -200,6 +200,14 @@ fn calls_are_refused_while_transfers_are_live() {
         let e = q.isend(vec![0u8; 1], 2).wait().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
         assert_eq!(q.transfers(), 0);
+        // Waiting for a transfer inside a blocking call on the queue (which holds the
+        // communicator) is refused rather than waiting for itself.
+        let e = q
+            .run(|_| q.isend(vec![5u8; 2], r).wait().map(drop))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        assert_eq!(q.irecv(vec![0u8; 2], r).wait().unwrap(), [5, 5]);
+        assert_eq!(q.transfers(), 0);
         q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait().unwrap()
     });
 }
@@ -235,6 +243,26 @@ fn a_wrong_length_fails_both_ranks() {
             );
         }
     }
+}
+
+/// A transfer to this rank itself without its other half times out like any other, and the
+/// communicator stays usable (nothing went on the wire).
+#[test]
+fn an_unmatched_transfer_to_itself_times_out() {
+    ranks(2, "tcp", Duration::from_millis(500), |c| {
+        let q = Queue::new(c);
+        let start = Instant::now();
+        let e = q.isend(vec![1u8; 4], q.rank()).wait().unwrap_err();
+        let took = start.elapsed();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.is_usable(), "{e}");
+        assert!(
+            took >= Duration::from_millis(500) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+        assert_eq!(q.transfers(), 0);
+        q.barrier().wait().unwrap();
+    });
 }
 
 /// A receive that nothing will match times out after the communicator's timeout, naming the

@@ -562,7 +562,9 @@ int32_t chorus_test(chorus_request **request, int *done);
  * communicator is aborted (its peers told, since nothing else would report it), and the next
  * call on it fails saying why. The buffers must stay valid and untouched until the call has
  * ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
- * guarantees: both wait for the calls issued before them.
+ * guarantees: both wait for the calls issued before them. For a transfer (`chorus_isend`,
+ * `chorus_irecv`) only `chorus_comm_destroy` does: blocking collectives are refused while
+ * transfers are live, and `chorus_send`/`chorus_recv` wait for their own message only.
  *
  * # Safety
  * As `chorus_wait`.
@@ -1195,21 +1197,24 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * Start sending `count` elements of `buf` to rank `peer` (as `MPI_Isend`); the request goes
  * to `*request`, to complete with `chorus_wait` and its kin.
  *
- * The transfer progresses on the communicator's thread, with every other live transfer and
- * on its own: none waits for a later one or for `chorus_wait`, so any order of sends and
- * receives across the ranks completes. Between two ranks, messages are matched in the order
+ * The transfer progresses with every other live transfer and on its own: none waits for a
+ * later one or for `chorus_wait`, so any order of sends and receives across the ranks
+ * completes. A thread waiting for a transfer (`chorus_wait` and kin) progresses them all;
+ * transfers that no thread waits for are progressed by the communicator's thread within a few
+ * milliseconds, in the background. Buffers of live transfers must not overlap (sends' may). Between two ranks, messages are matched in the order
  * issued, with `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly
  * its count and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator
  * is aborted). `peer` may be this rank: the send is copied into this rank's receive from
  * itself of the same order. A transfer must complete within the communicator's timeout of
  * being issued, after the nonblocking calls issued before it.
  *
- * While transfers are live, the communicator's collectives, blocking and nonblocking, and
- * `chorus_p2p_batch` are refused with `CHORUS_INVALID_USAGE` (the communicator stays
- * usable); `chorus_send` and `chorus_recv` are accepted and take their place among the
+ * While transfers are live, the communicator's collectives, blocking and nonblocking,
+ * `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup` and `chorus_comm_split` are
+ * refused with `CHORUS_INVALID_USAGE` (the communicator stays usable); `chorus_send` and `chorus_recv` are accepted and take their place among the
  * transfers. To run collectives meanwhile, keep a duplicate of the communicator
  * (`chorus_comm_dup`) for point-to-point messages, as MPI keeps them apart by context.
- * `chorus_comm_destroy` waits for live transfers (each ends within the timeout).
+ * `chorus_comm_destroy` waits for live transfers (each ends within the timeout), also for
+ * those whose requests were freed (`chorus_request_free`).
  *
  * # Safety
  * `comm` is NULL or a live communicator; `buf` is valid for `count` elements of `dtype`

@@ -171,6 +171,9 @@ impl chorus_core::SendBuffer for Outgoing {
         // until the request completes; the queue reads it only while the transfer is live.
         unsafe { self.0.get() }
     }
+    fn send_len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 impl chorus_core::RecvBuffer for Incoming {
@@ -179,6 +182,9 @@ impl chorus_core::RecvBuffer for Incoming {
         // until the request completes; the queue writes it only while the transfer is live,
         // through this one slice at a time (`&mut self`).
         unsafe { self.0.get_mut() }
+    }
+    fn recv_len(&self) -> usize {
+        self.0.len()
     }
 }
 

@@ -35,8 +35,13 @@ pub(crate) enum Buf<'a> {
 
 /// One transfer: its buffer and where its result goes (type-erased over the buffer's type).
 pub(crate) trait Transfer: Send {
-    /// The buffer (always the same memory, for sends the same bytes).
+    /// The buffer (always the same memory, for sends the same bytes); asked for only by the
+    /// thread driving the transfers, once the calls issued before it have ended.
     fn buf(&mut self) -> Buf<'_>;
+    /// Whether it sends.
+    fn is_send(&self) -> bool;
+    /// The buffer's length in bytes, without making a slice of it.
+    fn byte_len(&self) -> usize;
     /// Hand the buffer back with the result; `comm` aborts when a given-up transfer fails.
     fn finish(self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator);
 }
@@ -51,10 +56,11 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    fn op(&mut self) -> &'static str {
-        match self.transfer.buf() {
-            Buf::Send(_) => "isend",
-            Buf::Recv(_) => "irecv",
+    fn op(&self) -> &'static str {
+        if self.transfer.is_send() {
+            "isend"
+        } else {
+            "irecv"
         }
     }
 }
@@ -66,8 +72,8 @@ struct Live {
     deadline: Instant,
 }
 
-/// The transfers the worker holds, and those between this rank and itself (matched in order,
-/// copied without the transport).
+/// The transfers posted to the transport, and those between this rank and itself (matched in
+/// order, copied without the transport); held by the thread driving them.
 pub(crate) struct Engine {
     live: Vec<Live>,
     self_sends: VecDeque<Entry>,
@@ -105,9 +111,10 @@ impl Engine {
             return self.finish(e, Err(err), comm);
         }
         if e.peer == comm.rank() {
-            match e.transfer.buf() {
-                Buf::Send(_) => self.self_sends.push_back(e),
-                Buf::Recv(_) => self.self_recvs.push_back(e),
+            if e.transfer.is_send() {
+                self.self_sends.push_back(e);
+            } else {
+                self.self_recvs.push_back(e);
             }
             return self.match_self(comm);
         }
@@ -271,9 +278,41 @@ impl Engine {
             .chain(self.self_sends.drain(..))
             .chain(self.self_recvs.drain(..))
             .collect::<Vec<_>>();
-        for mut entry in all {
+        for entry in all {
             let mine = err.copy().with_op(entry.op());
             self.finish(entry, Err(mine), comm);
+        }
+    }
+
+    /// Fail the transfers to this rank itself that have waited for their other half longer
+    /// than the communicator's timeout (the communicator stays usable: nothing went on the
+    /// wire).
+    pub(crate) fn expire_unmatched(&mut self, comm: &mut Communicator) {
+        let timeout = comm.config().timeout;
+        for sends in [true, false] {
+            loop {
+                let queue = if sends {
+                    &mut self.self_sends
+                } else {
+                    &mut self.self_recvs
+                };
+                if !queue.front().is_some_and(|e| e.issued.elapsed() >= timeout) {
+                    break;
+                }
+                let entry = queue.pop_front().expect("checked");
+                let err = CommError::new(
+                    ErrorKind::Timeout,
+                    entry.op(),
+                    format!(
+                        "a transfer to this rank itself found no {} from itself within {:.1} s",
+                        if sends { "receive" } else { "send" },
+                        timeout.as_secs_f64()
+                    ),
+                )
+                .at_rank(comm.rank())
+                .with_usable(true);
+                self.finish(entry, Err(err), comm);
+            }
         }
     }
 
@@ -287,7 +326,7 @@ impl Engine {
             .chain(self.self_sends.drain(..))
             .chain(self.self_recvs.drain(..))
             .collect();
-        for mut entry in held {
+        for entry in held {
             let op = entry.op();
             let err = CommError::new(
                 ErrorKind::Internal,
@@ -308,7 +347,7 @@ impl Engine {
             .drain(..)
             .chain(self.self_recvs.drain(..))
             .collect();
-        for mut entry in held {
+        for entry in held {
             let op = entry.op();
             let err = CommError::new(
                 ErrorKind::InvalidUsage,

@@ -769,9 +769,11 @@ class Communicator:
         """Start sending ``x`` to rank ``peer`` (as ``MPI_Isend``); returns a :class:`Request`
         whose :meth:`~Request.wait` returns ``x``. Do not write ``x`` until then.
 
-        Transfers started with :meth:`isend` and :meth:`irecv` progress on the communicator's
-        thread, all live ones together and each on its own: none waits for a later one or for
-        ``wait``, so any order of sends and receives across the ranks completes. Between two
+        Transfers started with :meth:`isend` and :meth:`irecv` progress all live ones together
+        and each on its own: none waits for a later one or for ``wait``, so any order of sends
+        and receives across the ranks completes (a thread in ``wait`` drives them; the
+        communicator's thread does in the background). Buffers of live transfers must not
+        overlap, except sends'. Between two
         ranks messages are matched in the order issued (with :meth:`send` and :meth:`recv`
         too); a receive takes exactly its buffer's size and dtype. ``peer`` may be this rank.
         Each transfer must complete within the communicator's timeout. While any is live, the

@@ -29,10 +29,11 @@ reductions take chorus's dtypes.
 Point-to-point messages travel on a copy of the group's communicator (``dup``), so they
 never meet its collectives, and as bytes (Gloo does not check dtypes either). Each
 ``isend``/``irecv`` (and each op of ``batch_isend_irecv``, started together when the batch
-closes) is a chorus transfer that runs on its own on the copy's thread: it never waits for
-``wait()``, for a later transfer or for a collective, so exchanges of any size and pattern
-complete, with collectives between a transfer and its ``wait()`` too, as with Gloo.
-``send``/``recv`` are the same, waited for at once.
+closes) is a chorus transfer that runs on its own: it never waits for ``wait()``, for a
+later transfer or for a collective, so exchanges of any size and pattern complete, with
+collectives between a transfer and its ``wait()`` too, as with Gloo. ``send``/``recv`` are
+the same, waited for at once. The group keeps the transfers it started until they finish, so
+dropping a work neither waits nor frees a tensor in use.
 
 Supported: ``all_reduce`` (sum, product, min, max, avg; band, bor and bxor on integer
 tensors), ``broadcast``, ``reduce``,
@@ -251,6 +252,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # Point-to-point messages travel on a copy of their own, so that a message a peer has
         # not received yet never meets the collectives (Gloo keeps them apart by tags).
         self.p2p = comm.dup()
+        # Point-to-point ops started and maybe not finished (under _p2p_lock).
+        self._started: List[_P2P] = []
         # Each thread's batch between _start_coalescing and _end_coalescing
         # (batch_isend_irecv): .batch, a list of _P2P, and .failed, an error while queuing.
         self._tls = threading.local()
@@ -542,6 +545,10 @@ class ProcessGroupChorus(dist.ProcessGroup):
             return t.clone() if any(a < e and s < b for s, e in receives) else t
 
         with self._p2p_lock:
+            # Kept until they finish: dropping a work must not wait for its transfers (a
+            # chorus Request's finaliser would) nor free what they use.
+            self._started = [o for o in self._started if not o.done()]
+            self._started.extend(ops)
             for k, op in enumerate(ops):
                 try:
                     for t in op.data:
