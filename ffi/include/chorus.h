@@ -1200,21 +1200,23 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * The transfer progresses with every other live transfer and on its own: none waits for a
  * later one or for `chorus_wait`, so any order of sends and receives across the ranks
  * completes. A thread waiting for a transfer (`chorus_wait` and kin) progresses them all;
- * transfers that no thread waits for are progressed by the communicator's thread within a few
- * milliseconds, in the background. Buffers of live transfers must not overlap (sends' may). Between two ranks, messages are matched in the order
- * issued, with `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly
- * its count and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator
- * is aborted). `peer` may be this rank: the send is copied into this rank's receive from
- * itself of the same order. A transfer must complete within the communicator's timeout of
- * being issued, after the nonblocking calls issued before it.
+ * transfers that no thread waits for are progressed by the communicator's thread within a
+ * few milliseconds, in the background. Buffers of live transfers must not overlap (sends'
+ * may). Between two ranks, messages are matched in the order issued, with
+ * `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
+ * and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
+ * aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
+ * of the same order. A transfer must complete within the communicator's timeout of being
+ * issued, after the nonblocking calls issued before it.
  *
  * While transfers are live, the communicator's collectives, blocking and nonblocking,
  * `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup` and `chorus_comm_split` are
- * refused with `CHORUS_INVALID_USAGE` (the communicator stays usable); `chorus_send` and `chorus_recv` are accepted and take their place among the
- * transfers. To run collectives meanwhile, keep a duplicate of the communicator
- * (`chorus_comm_dup`) for point-to-point messages, as MPI keeps them apart by context.
- * `chorus_comm_destroy` waits for live transfers (each ends within the timeout), also for
- * those whose requests were freed (`chorus_request_free`).
+ * refused with `CHORUS_INVALID_USAGE` (the communicator stays usable); `chorus_send` and
+ * `chorus_recv` are accepted and take their place among the transfers. To run collectives
+ * meanwhile, keep a duplicate of the communicator (`chorus_comm_dup`) for point-to-point
+ * messages, as MPI keeps them apart by context. `chorus_comm_destroy` waits for live
+ * transfers (each ends within the timeout), also for those whose requests were freed
+ * (`chorus_request_free`).
  *
  * # Safety
  * `comm` is NULL or a live communicator; `buf` is valid for `count` elements of `dtype`

@@ -289,30 +289,46 @@ impl Engine {
     /// wire).
     pub(crate) fn expire_unmatched(&mut self, comm: &mut Communicator) {
         let timeout = comm.config().timeout;
-        for sends in [true, false] {
-            loop {
-                let queue = if sends {
-                    &mut self.self_sends
-                } else {
-                    &mut self.self_recvs
-                };
-                if !queue.front().is_some_and(|e| e.issued.elapsed() >= timeout) {
-                    break;
-                }
-                let entry = queue.pop_front().expect("checked");
-                let err = CommError::new(
-                    ErrorKind::Timeout,
-                    entry.op(),
-                    format!(
-                        "a transfer to this rank itself found no {} from itself within {:.1} s",
-                        if sends { "receive" } else { "send" },
-                        timeout.as_secs_f64()
-                    ),
-                )
+        let late = |q: &mut VecDeque<Entry>| {
+            let n = q
+                .iter()
+                .take_while(|e| e.issued.elapsed() >= timeout)
+                .count();
+            q.drain(..n).collect::<Vec<_>>()
+        };
+        let mut held = late(&mut self.self_sends);
+        held.extend(late(&mut self.self_recvs));
+        self.fail_each(held, comm, |e| {
+            let other = if e.transfer.is_send() {
+                "receive"
+            } else {
+                "send"
+            };
+            (
+                ErrorKind::Timeout,
+                format!(
+                    "a transfer to this rank itself found no {other} from itself within {:.1} s",
+                    timeout.as_secs_f64()
+                ),
+                true,
+            )
+        });
+    }
+
+    /// Finish each of `held` with the error `why` describes (kind, message, whether the
+    /// communicator stays usable).
+    fn fail_each(
+        &self,
+        held: Vec<Entry>,
+        comm: &mut Communicator,
+        why: impl Fn(&Entry) -> (ErrorKind, String, bool),
+    ) {
+        for entry in held {
+            let (kind, message, usable) = why(&entry);
+            let err = CommError::new(kind, entry.op(), message)
                 .at_rank(comm.rank())
-                .with_usable(true);
-                self.finish(entry, Err(err), comm);
-            }
+                .with_usable(usable);
+            self.finish(entry, Err(err), comm);
         }
     }
 
@@ -326,38 +342,33 @@ impl Engine {
             .chain(self.self_sends.drain(..))
             .chain(self.self_recvs.drain(..))
             .collect();
-        for entry in held {
-            let op = entry.op();
-            let err = CommError::new(
+        self.fail_each(held, comm, |_| {
+            (
                 ErrorKind::Internal,
-                op,
-                "a panic while point-to-point transfers progressed; the communicator was aborted",
+                "a panic while point-to-point transfers progressed; the communicator was \
+                 aborted"
+                    .into(),
+                false,
             )
-            .at_rank(comm.rank())
-            .with_usable(false);
-            self.finish(entry, Err(err), comm);
-        }
+        });
     }
 
-    /// Fail what is held because the queue closes or the process is not the one that issued
-    /// it: transfers to itself still waiting for their other half.
+    /// Fail what is held because the queue closes: transfers to itself still waiting for
+    /// their other half.
     pub(crate) fn drop_unmatched(&mut self, comm: &mut Communicator) {
         let held: Vec<Entry> = self
             .self_sends
             .drain(..)
             .chain(self.self_recvs.drain(..))
             .collect();
-        for entry in held {
-            let op = entry.op();
-            let err = CommError::new(
+        self.fail_each(held, comm, |_| {
+            (
                 ErrorKind::InvalidUsage,
-                op,
                 "a transfer between this rank and itself had no other half (a send to itself \
-                 needs a receive from itself) when the queue was closed",
+                 needs a receive from itself) when the queue was closed"
+                    .into(),
+                true,
             )
-            .at_rank(comm.rank())
-            .with_usable(true);
-            self.finish(entry, Err(err), comm);
-        }
+        });
     }
 }
