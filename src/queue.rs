@@ -85,7 +85,7 @@ thread_local! {
     static RUNNING_QUEUE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     /// On a thread inside a blocking call ([`Queue::run`], [`Queue::try_run`]): which queue.
     /// It holds the communicator, so waiting there for a transfer would wait for itself.
-    static IN_CALL: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static IN_CALL: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Lock `m`, taking the data of a poisoned lock as it is (nothing here panics while holding
@@ -121,6 +121,9 @@ struct Jobs {
     napping: bool,
     /// Threads in [`Queue::wait_all`] (woken when a driving thread stops).
     waiting_all: usize,
+    /// When the oldest transfer to this rank itself, waiting for its other half, times out:
+    /// a waiting thread or the worker then drives, which fails it.
+    unmatched_due: Option<Instant>,
 }
 
 /// How long live transfers wait, unattended, for a thread that waits for one of them to
@@ -187,6 +190,7 @@ impl Queue {
                     live: false,
                     napping: false,
                     waiting_all: 0,
+                    unmatched_due: None,
                 }),
                 changed: Condvar::new(),
                 engine: Mutex::new(p2p::Engine::new(Arc::clone(&transfers))),
@@ -473,7 +477,7 @@ impl Queue {
             if let Some(comm) = comm {
                 jobs.driving = true;
                 drop(jobs);
-                drive(&self.shared, comm, Some(entry), Drive::Step);
+                drive(&self.shared, comm, Some(entry), Drive::Step, None);
                 return Request { slot, driver };
             }
         }
@@ -555,14 +559,14 @@ impl Queue {
 
     /// Run `f` marked as inside a call of this queue (see `IN_CALL`).
     fn in_call<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Restore(usize);
+        struct Restore;
         impl Drop for Restore {
             fn drop(&mut self) {
-                IN_CALL.with(|c| c.set(self.0));
+                IN_CALL.with(|c| c.borrow_mut().pop());
             }
         }
-        let me = Arc::as_ptr(&self.shared) as usize;
-        let _restore = Restore(IN_CALL.with(|c| c.replace(me)));
+        IN_CALL.with(|c| c.borrow_mut().push(Arc::as_ptr(&self.shared) as usize));
+        let _restore = Restore;
         f()
     }
 
@@ -759,7 +763,8 @@ fn work(shared: &Shared) {
             if !jobs.driving {
                 let due = jobs
                     .unattended
-                    .is_some_and(|since| since.elapsed() >= GRACE);
+                    .is_some_and(|since| since.elapsed() >= GRACE)
+                    || jobs.unmatched_due.is_some_and(|t| t <= Instant::now());
                 // Closing: every live transfer is finished first.
                 if due || (jobs.closing && jobs.live) {
                     jobs.busy = true;
@@ -802,7 +807,13 @@ fn work(shared: &Shared) {
                 jobs.driving = true;
                 jobs.unattended = None;
                 drop(jobs);
-                drive(shared, lock_comm(&shared.comm), first, Drive::ToTheEnd);
+                drive(
+                    shared,
+                    lock_comm(&shared.comm),
+                    first,
+                    Drive::ToTheEnd,
+                    None,
+                );
                 continue;
             }
         };
@@ -853,6 +864,7 @@ fn drive(
     mut comm: MutexGuard<'_, Communicator>,
     first: Option<p2p::Entry>,
     how: Drive,
+    end: Option<Instant>,
 ) {
     let to_the_end = how == Drive::ToTheEnd;
     let mut engine = lock(&shared.engine);
@@ -866,9 +878,11 @@ fn drive(
             if how == Drive::Step {
                 engine.push_last_send(&mut comm);
             } else {
-                engine.step(&mut comm, true);
+                engine.step(&mut comm, true, end);
             }
             if !to_the_end || !engine.has_live() {
+                // Transfers to itself time out like the others.
+                engine.expire_unmatched(&mut comm);
                 return;
             }
             next = next_transfer(shared);
@@ -878,12 +892,14 @@ fn drive(
         abandon(&mut comm, &mut engine);
     }
     let live = engine.has_live();
+    let unmatched_due = engine.unmatched_due(comm.config().timeout);
     let _ = catch_unwind(AssertUnwindSafe(|| comm.settle_abort()));
     drop(engine);
     drop(comm);
     let mut jobs = lock(&shared.jobs);
     jobs.driving = false;
     jobs.live = live;
+    jobs.unmatched_due = unmatched_due;
     // A waiting thread goes on driving after its slice: it leaves the transfers unattended
     // only when it stops waiting (`drive_until`).
     let leave = live && how != Drive::Slice;
@@ -929,30 +945,17 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
         let mut jobs = lock(&shared.jobs);
         let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
         let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
-        if !jobs.driving && !jobs.busy && !call_next && (jobs.live || transfer_next) {
+        let expiring = jobs.unmatched_due.is_some_and(|t| t <= now);
+        if !jobs.driving && !jobs.busy && !call_next && (jobs.live || transfer_next || expiring) {
             jobs.driving = true;
             jobs.unattended = None;
             drop(jobs);
-            drive(shared, lock_comm(&shared.comm), None, Drive::Slice);
+            drive(shared, lock_comm(&shared.comm), None, Drive::Slice, end);
             continue;
         }
         // Someone else drives, or nothing is posted (a transfer to this rank itself waits for
         // its other half): sleep on the request for a while.
-        let idle = !jobs.driving && !jobs.busy && !call_next;
-        if idle {
-            // Transfers to itself time out like the others.
-            jobs.driving = true;
-            drop(jobs);
-            let mut comm = lock_comm(&shared.comm);
-            let mut engine = lock(&shared.engine);
-            let _ = catch_unwind(AssertUnwindSafe(|| engine.expire_unmatched(&mut comm)));
-            drop(engine);
-            drop(comm);
-            lock(&shared.jobs).driving = false;
-            shared.changed.notify_all();
-        } else {
-            drop(jobs);
-        }
+        drop(jobs);
         let nap = Duration::from_millis(1).min(end.map_or(Duration::MAX, |e| e - now));
         let value = lock(&slot.value);
         if value.is_none() {
@@ -1082,7 +1085,7 @@ impl<T> Slot<T> {
     /// (a later call, which cannot run before the current one ends).
     fn unwaitable(&self) -> Result<(), CommError> {
         self.process.check("queued call", self.rank)?;
-        if IN_CALL.with(|q| q.get()) == self.queue {
+        if IN_CALL.with(|q| q.borrow().contains(&self.queue)) {
             return Err(CommError::new(
                 ErrorKind::InvalidUsage,
                 "queued call",
@@ -1150,6 +1153,9 @@ impl<T> Request<T> {
     pub fn wait(self) -> Result<T, CommError> {
         // First: in a forked child the parent's worker may have held the lock at the fork.
         self.slot.process.check("queued call", self.slot.rank)?;
+        if let Some(r) = lock(&self.slot.value).take() {
+            return r;
+        }
         self.slot.unwaitable()?;
         self.drive_until(None);
         let mut value = lock(&self.slot.value);
@@ -1178,7 +1184,7 @@ impl<T> Request<T> {
             return true;
         }
         let end = Instant::now() + limit;
-        if self.slot.unwaitable().is_err() {
+        if lock(&self.slot.value).is_some() || self.slot.unwaitable().is_err() {
             return true;
         }
         self.drive_until(Some(end));

@@ -261,7 +261,20 @@ fn an_unmatched_transfer_to_itself_times_out() {
             "{took:?}"
         );
         assert_eq!(q.transfers(), 0);
+        // One nobody waits for times out too (the queue's thread fails it), and calls are
+        // accepted again.
+        drop(q.irecv(vec![0u8; 4], q.rank()));
+        let start = Instant::now();
+        while q.transfers() > 0 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(q.transfers(), 0, "the unmatched receive did not time out");
         q.barrier().wait().unwrap();
+        // A call that has finished is taken inside a blocking call on the queue (only a
+        // request still running would wait for itself there).
+        let done = q.all_reduce(vec![1i32], chorus::ReduceOp::Sum);
+        let got = q.run(|_| done.wait()).unwrap();
+        assert_eq!(got, [2]);
     });
 }
 

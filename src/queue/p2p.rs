@@ -201,7 +201,7 @@ impl Engine {
     /// Progress the live transfers: for one slice (`block`), or without blocking. A
     /// transport error fails every transfer held (the communicator is then aborted as a
     /// blocking call's error would).
-    pub(crate) fn step(&mut self, comm: &mut Communicator, block: bool) {
+    pub(crate) fn step(&mut self, comm: &mut Communicator, block: bool, end: Option<Instant>) {
         if self.live.is_empty() {
             return;
         }
@@ -220,7 +220,9 @@ impl Engine {
             };
             return self.fail_all(comm, e);
         }
-        let until = (now + SLICE).min(first_deadline);
+        let until = (now + SLICE)
+            .min(first_deadline)
+            .min(end.unwrap_or(first_deadline).max(now));
         let progress = {
             let mut ops: Vec<Op<'_, '_>> = self
                 .live
@@ -313,6 +315,16 @@ impl Engine {
                 true,
             )
         });
+    }
+
+    /// When the oldest transfer to this rank itself that waits for its other half times out
+    /// (`None`: none waits).
+    pub(crate) fn unmatched_due(&self, timeout: Duration) -> Option<Instant> {
+        let oldest = |q: &VecDeque<Entry>| q.front().map(|e| e.issued);
+        match (oldest(&self.self_sends), oldest(&self.self_recvs)) {
+            (Some(a), Some(b)) => Some(a.min(b) + timeout),
+            (a, b) => a.or(b).map(|t| t + timeout),
+        }
     }
 
     /// Finish each of `held` with the error `why` describes (kind, message, whether the
