@@ -17,6 +17,20 @@
 //! keeps that order on its thread. A blocking call through [`Queue::run`] waits for the calls
 //! issued before it. The buffers travel with the calls (moved in, handed back by
 //! [`Request::wait`]), so nothing can touch them while a call runs.
+//!
+//! A queue also runs point-to-point transfers ([`Queue::isend`], [`Queue::irecv`], as
+//! `MPI_Isend`/`MPI_Irecv`), which progress on their own rather than in turn:
+//!
+//! ```no_run
+//! # use chorus::{Communicator, Queue};
+//! # let queue = Queue::new(Communicator::from_env()?);
+//! let (r, p) = (queue.rank(), queue.size());
+//! // Around a ring, sends before receives, of any size: they cannot deadlock.
+//! let sent = queue.isend(vec![r as f32; 1 << 20], (r + 1) % p);
+//! let got = queue.irecv(vec![0f32; 1 << 20], (r + p - 1) % p);
+//! let (_, halo) = (sent.wait()?, got.wait()?);
+//! # Ok::<(), chorus::CommError>(())
+//! ```
 
 mod p2p;
 
