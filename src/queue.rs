@@ -863,6 +863,8 @@ enum Drive {
     Step,
     /// One slice (a thread waiting for a transfer).
     Slice,
+    /// One step without blocking over every live transfer (a thread testing one).
+    Peek,
     /// Until no transfer is live (the worker).
     ToTheEnd,
 }
@@ -889,10 +891,10 @@ fn drive(
                 engine.admit(&mut comm, e);
                 next = next_transfer(shared);
             }
-            if how == Drive::Step {
-                engine.push_last_send(&mut comm);
-            } else {
-                engine.step(&mut comm, true, end);
+            match how {
+                Drive::Step => engine.push_last_send(&mut comm),
+                Drive::Peek => engine.step(&mut comm, false, end),
+                Drive::Slice | Drive::ToTheEnd => engine.step(&mut comm, true, end),
             }
             if !to_the_end || !engine.has_live() {
                 // Transfers to itself time out like the others.
@@ -976,6 +978,27 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
             let _ = slot.done.wait_timeout(value, nap);
         }
     }
+}
+
+/// As a thread testing a transfer: one step without blocking over every transfer, when no
+/// other thread progresses them (see [`drive_until`]).
+fn peek(shared: &Shared) {
+    let mut jobs = lock(&shared.jobs);
+    let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
+    let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
+    let expiring = jobs.unmatched_due.is_some_and(|t| t <= Instant::now());
+    if jobs.driving || jobs.busy || call_next || !(jobs.live || transfer_next || expiring) {
+        return;
+    }
+    // Never blocks on the communicator: a blocking call of another thread may hold it.
+    let comm = match shared.comm.try_lock() {
+        Ok(g) => g,
+        Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(TryLockError::WouldBlock) => return,
+    };
+    jobs.driving = true;
+    drop(jobs);
+    drive(shared, comm, None, Drive::Peek, None);
 }
 
 /// The transfer at the head of the queue, if one is.
@@ -1131,13 +1154,27 @@ pub struct Request<T> {
 
 impl<T> Request<T> {
     /// Whether the call has finished (its result is ready for [`Request::wait`]).
+    ///
+    /// For a transfer not yet finished, it first moves what the transport has without
+    /// blocking, for every transfer of the queue, as `MPI_Test` does (unless another thread
+    /// is progressing them).
     pub fn test(&self) -> bool {
         // In a forked child it is as done as it will get: `wait` gives the error.
-        self.slot
+        if self
+            .slot
             .process
             .check("queued call", self.slot.rank)
             .is_err()
             || lock(&self.slot.value).is_some()
+        {
+            return true;
+        }
+        if self.slot.unwaitable().is_ok() {
+            if let Some(shared) = self.driver.as_ref().and_then(std::sync::Weak::upgrade) {
+                peek(&shared);
+            }
+        }
+        lock(&self.slot.value).is_some()
     }
 
     /// Give the request up without waiting (as `MPI_Request_free`): the result of the call if

@@ -334,3 +334,25 @@ fn transfers_waited_from_several_threads_or_none() {
         q.into_inner().barrier().unwrap();
     });
 }
+
+/// Transfers completed by polling `test` alone (as `MPI_Test` loops do), then collected.
+#[test]
+fn polling_test_completes_transfers() {
+    for transport in ["tcp", "shm"] {
+        ranks(2, transport, Duration::from_secs(30), |c| {
+            let q = Queue::new(c);
+            let (r, other) = (q.rank(), 1 - q.rank());
+            let n = 1 << 20;
+            let s = q.isend(msg(r, other, 0, n), other);
+            let g = q.irecv(vec![0u32; n], other);
+            let end = Instant::now() + Duration::from_secs(20);
+            let mut polls = 0u64;
+            while !(s.test() && g.test()) {
+                assert!(Instant::now() < end, "not done after {polls} polls");
+                polls += 1;
+            }
+            s.wait().unwrap();
+            assert!(g.wait().unwrap() == msg(other, r, 0, n));
+        });
+    }
+}
