@@ -157,8 +157,12 @@ struct Shared {
     jobs: Mutex<Jobs>,
     /// Signalled when a job is queued, when one finishes and when the queue closes.
     changed: Condvar,
-    /// Point-to-point transfers issued and not finished: calls are refused while there are.
+    /// Point-to-point transfers issued and not finished.
     transfers: Arc<AtomicUsize>,
+    /// Requests of transfers the caller holds (issued, not yet waited for, given up or
+    /// dropped): calls are refused while there are, which depends on the program's order
+    /// only, alike on every rank.
+    held: Arc<AtomicUsize>,
     /// The transfers posted and not finished, locked after `comm` by the thread driving them
     /// (`Jobs::driving`): one issuing a transfer, one waiting for one, or the worker.
     engine: Mutex<p2p::Engine>,
@@ -209,6 +213,7 @@ impl Queue {
                 changed: Condvar::new(),
                 engine: Mutex::new(p2p::Engine::new(Arc::clone(&transfers))),
                 transfers,
+                held: Arc::new(AtomicUsize::new(0)),
             }),
             worker: Mutex::new(None),
         }
@@ -279,26 +284,66 @@ impl Queue {
         self.shared.transfers.load(Ordering::SeqCst)
     }
 
-    /// The refusal of a call `op` while point-to-point transfers are live (an
-    /// [`ErrorKind::InvalidUsage`] that leaves the communicator usable): the queue's thread
-    /// holds the communicator until they finish, and a collective would wait behind them (a
-    /// peer that first makes the collective, then receives, would never be reached).
+    /// Requests of transfers that the caller holds: issued, and not yet waited for, given up
+    /// ([`Request::detach`]) or dropped. Calls are refused while there are
+    /// ([`Queue::calls_allowed`]).
+    pub fn transfer_requests(&self) -> usize {
+        self.shared.held.load(Ordering::SeqCst)
+    }
+
+    /// The refusal of a call `op` while the caller holds requests of transfers not yet
+    /// waited for (an [`ErrorKind::InvalidUsage`] that leaves the communicator usable). The
+    /// thread progressing transfers holds the communicator, and a collective would wait
+    /// behind them (a peer that first makes the collective, then receives, would never be
+    /// reached). The rule follows the program's order (a request is held until it is waited
+    /// for, given up or dropped, however soon its transfer ended), so ranks running the same
+    /// program refuse alike. Transfers whose requests were given up or dropped are waited for
+    /// by the call instead (each ends within the timeout).
     pub fn calls_allowed(&self, op: &'static str) -> Result<(), CommError> {
-        match self.transfers() {
+        match self.shared.held.load(Ordering::SeqCst) {
             0 => Ok(()),
             n => Err(CommError::new(
                 ErrorKind::InvalidUsage,
                 op,
                 format!(
-                    "{n} point-to-point transfer(s) (isend/irecv) of this queue are still live: \
-                     calls on the communicator are refused until they finish; wait for them \
-                     first, or make the calls on a duplicate of the communicator \
-                     (Communicator::dup) kept for them"
+                    "{n} request(s) of point-to-point transfers (isend/irecv) of this queue are \
+                     not yet waited for: calls on the communicator are refused until they are \
+                     (or dropped); wait for them first, or make the calls on a duplicate of the \
+                     communicator (Communicator::dup) kept for them"
                 ),
             )
             .at_rank(self.rank)
             .with_usable(true)),
         }
+    }
+
+    /// Wait until no transfer is left: those whose requests were given up or dropped finish
+    /// in the background, each within the communicator's timeout. An error inside a blocking
+    /// call of this queue, which holds the communicator they need.
+    fn settle_transfers(&self, op: &'static str) -> Result<(), CommError> {
+        let me = Arc::as_ptr(&self.shared) as usize;
+        if self.transfers() > 0 && IN_CALL.with(|q| q.borrow().contains(&me)) {
+            return Err(CommError::new(
+                ErrorKind::InvalidUsage,
+                op,
+                "point-to-point transfers are live, and this thread is inside a blocking call on \
+                 the same queue, which holds the communicator they need",
+            )
+            .at_rank(self.rank)
+            .with_usable(true));
+        }
+        let mut jobs = lock(&self.shared.jobs);
+        while self.transfers() > 0 || jobs.driving {
+            jobs.waiting_all += 1;
+            jobs = self
+                .shared
+                .changed
+                .wait_timeout(jobs, GRACE)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            jobs.waiting_all -= 1;
+        }
+        Ok(())
     }
 
     /// Issue `call`: it runs on the queue's thread after every call issued before it, and its
@@ -317,7 +362,11 @@ impl Queue {
         if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
             *lock(&slot.value) = Some(Err(e));
-            return Request { slot, driver: None };
+            return Request {
+                slot,
+                driver: None,
+                held: None,
+            };
         }
         let fill = Arc::clone(&slot);
         let rank = self.rank;
@@ -341,7 +390,11 @@ impl Queue {
         });
         if let Err(e) = self.calls_allowed("queued call") {
             *lock(&slot.value) = Some(Err(e));
-            return Request { slot, driver: None };
+            return Request {
+                slot,
+                driver: None,
+                held: None,
+            };
         }
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it.
@@ -349,14 +402,22 @@ impl Queue {
             let mut comm = lock_comm(&self.shared.comm);
             job(&mut comm);
             comm.settle_abort();
-            return Request { slot, driver: None };
+            return Request {
+                slot,
+                driver: None,
+                held: None,
+            };
         }
         let mut jobs = lock(&self.shared.jobs);
         jobs.issued += 1;
         jobs.queue.push_back(Item::Call(job));
         drop(jobs);
         self.shared.changed.notify_all();
-        Request { slot, driver: None }
+        Request {
+            slot,
+            driver: None,
+            held: None,
+        }
     }
 
     /// A new request's slot.
@@ -400,11 +461,13 @@ impl Queue {
     /// transfer to this rank itself is copied into its receive from itself, in order.
     ///
     /// Each transfer must finish within the communicator's timeout of being issued; the
-    /// transfers are issued after the calls issued before them. While any is live, the
-    /// queue's calls ([`Queue::submit`], [`Queue::run`] and the collectives) are refused with
-    /// [`ErrorKind::InvalidUsage`]: wait for the transfers first, or keep a duplicate of the
-    /// communicator ([`Communicator::dup`]) for point-to-point messages, as MPI keeps them
-    /// apart from collectives by context. Dropping the request leaves the transfer running.
+    /// transfers are issued after the calls issued before them. While the caller holds a
+    /// request of a transfer (not yet waited for, given up or dropped), the queue's calls
+    /// ([`Queue::submit`], [`Queue::run`] and the collectives) are refused with
+    /// [`ErrorKind::InvalidUsage`] ([`Queue::calls_allowed`]; a call made after the requests
+    /// were given up waits for their transfers): wait for the transfers first, or keep a
+    /// duplicate of the communicator ([`Communicator::dup`]) for point-to-point messages, as
+    /// MPI keeps them apart from collectives by context. Dropping the request leaves the transfer running.
     /// Waiting for a transfer inside [`Queue::run`] on the same queue is refused (the call
     /// holds the communicator the transfer needs).
     pub fn isend_buffer<B: SendBuffer>(&self, buf: B, dtype: DType, peer: usize) -> Request<B> {
@@ -468,7 +531,11 @@ impl Queue {
         };
         if let Some(e) = refused {
             *lock(&slot.value) = Some(Err(e.at_rank(self.rank)));
-            return Request { slot, driver: None };
+            return Request {
+                slot,
+                driver: None,
+                held: None,
+            };
         }
         let entry = p2p::Entry {
             peer,
@@ -477,6 +544,9 @@ impl Queue {
             issued: Instant::now(),
         };
         let driver = Some(Arc::downgrade(&self.shared));
+        // Counted as held by the caller until its request is waited for, given up or dropped.
+        self.shared.held.fetch_add(1, Ordering::SeqCst);
+        let held = Some(Arc::clone(&self.shared.held));
         let mut jobs = lock(&self.shared.jobs);
         self.shared.transfers.fetch_add(1, Ordering::SeqCst);
         if jobs.queue.is_empty() && !jobs.busy && !jobs.driving {
@@ -492,7 +562,7 @@ impl Queue {
                 jobs.driving = true;
                 drop(jobs);
                 drive(&self.shared, comm, Some(entry), Drive::Step, None);
-                return Request { slot, driver };
+                return Request { slot, driver, held };
             }
         }
         jobs.queue.push_back(Item::P2p(entry));
@@ -500,7 +570,7 @@ impl Queue {
         self.shared.changed.notify_all();
         // The worker may be waiting on the transport for the live transfers.
         self.abort.wake();
-        Request { slot, driver }
+        Request { slot, driver, held }
     }
 
     /// Start the worker thread if it is not running; false if no thread can be started.
@@ -568,6 +638,7 @@ impl Queue {
         self.shared.process.check("queued call", self.rank)?;
         self.calls_allowed("call")?;
         self.wait_all();
+        self.settle_transfers("call")?;
         self.in_call(|| guarded(lock_comm(&self.shared.comm), f))
     }
 
@@ -589,10 +660,11 @@ impl Queue {
     /// ([`Queue::calls_allowed`]). A panic in `f` aborts the communicator (its state is
     /// unknown) and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
-        if self.transfers() > 0 {
+        if self.calls_allowed("call").is_err() {
             return None;
         }
         self.wait_all();
+        self.settle_transfers("call").ok()?;
         self.try_now(f)
     }
 
@@ -816,7 +888,31 @@ fn work(shared: &Shared) {
             None => Err(None),
         };
         let job = match first {
-            Ok(job) => job,
+            Ok(job) => {
+                // Transfers whose requests were given up may still be posted: they finish
+                // first (a call cannot run behind them).
+                loop {
+                    let due = jobs.unmatched_due.is_some_and(|t| t <= Instant::now());
+                    if !jobs.driving && (jobs.live || due) {
+                        jobs.driving = true;
+                        jobs.unattended = None;
+                        drop(jobs);
+                        drive(shared, lock_comm(&shared.comm), None, Drive::ToTheEnd, None);
+                        jobs = lock(&shared.jobs);
+                        continue;
+                    }
+                    if !jobs.driving && !jobs.live && jobs.unmatched_due.is_none() {
+                        break;
+                    }
+                    jobs = shared
+                        .changed
+                        .wait_timeout(jobs, GRACE)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                drop(jobs);
+                job
+            }
             Err(first) => {
                 jobs.driving = true;
                 jobs.unattended = None;
@@ -831,7 +927,6 @@ fn work(shared: &Shared) {
                 continue;
             }
         };
-        drop(jobs);
         {
             let mut comm = lock_comm(&shared.comm);
             // The job fills its request whatever happens in the call; this keeps the worker
@@ -1150,6 +1245,17 @@ pub struct Request<T> {
     slot: Arc<Slot<T>>,
     /// For a transfer: its queue, whose transfers a thread waiting for it progresses.
     driver: Option<std::sync::Weak<Shared>>,
+    /// For a transfer: the queue's count of requests the caller holds, counted out when this
+    /// one is waited for, given up or dropped.
+    held: Option<Arc<AtomicUsize>>,
+}
+
+impl<T> Drop for Request<T> {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            held.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 impl<T> Request<T> {

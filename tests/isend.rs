@@ -196,6 +196,21 @@ fn calls_are_refused_while_transfers_are_live() {
         let e = q.irecv(vec![0u8; 3], r).wait().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
         assert_eq!(bad.wait().unwrap_err().kind(), ErrorKind::Mismatch);
+        // The refusal follows the program's order, not the transfer's progress: a request not
+        // yet waited for refuses calls even when its transfer is done (a small send to the
+        // other rank completes as it is issued), and dropping the request gives it up.
+        let other = 1 - r;
+        let small = q.isend(vec![9u8; 4], other);
+        let start = Instant::now();
+        while q.transfers() > 0 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!((q.transfers(), q.transfer_requests()), (0, 1));
+        let e = q.run(|c| c.barrier()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+        drop(small);
+        assert_eq!(q.transfer_requests(), 0);
+        assert_eq!(q.irecv(vec![0u8; 4], other).wait().unwrap(), [9u8; 4]);
         // A peer outside the group is refused at once.
         let e = q.isend(vec![0u8; 1], 2).wait().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");

@@ -1209,10 +1209,14 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * of the same order. A transfer must complete within the communicator's timeout of being
  * issued, after the nonblocking calls issued before it.
  *
- * While transfers are live, the communicator's collectives, blocking and nonblocking,
- * `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup` and `chorus_comm_split` are
- * refused with `CHORUS_INVALID_USAGE` (the communicator stays usable); `chorus_send` and
- * `chorus_recv` are accepted and take their place among the transfers. To run collectives
+ * While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its
+ * kin, nor freed), the communicator's other calls (collectives, blocking and nonblocking,
+ * `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup`, the splits, the compressed
+ * allreduce) are refused with `CHORUS_INVALID_USAGE`, and the communicator stays usable. The
+ * rule follows the program's order, not the transfers' progress, so ranks running the same
+ * program refuse alike. A call made after the requests were freed waits for their transfers
+ * first. `chorus_send` and `chorus_recv` are accepted and take their place among the
+ * transfers. To run collectives
  * meanwhile, keep a duplicate of the communicator (`chorus_comm_dup`) for point-to-point
  * messages, as MPI keeps them apart by context. `chorus_comm_destroy` waits for live
  * transfers (each ends within the timeout), also for those whose requests were freed

@@ -355,6 +355,9 @@ class Communicator:
         # Requests issued and maybe still running: close() waits for them while abort() can
         # still reach the communicator.
         self._inflight: Any = weakref.WeakSet()
+        # Buffers of transfers whose requests were dropped unwaited (given up, as
+        # chorus_request_free): kept until close(), which waits for every transfer.
+        self._given_up: List[Any] = []
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -776,9 +779,11 @@ class Communicator:
         overlap, except sends'. Between two
         ranks messages are matched in the order issued (with :meth:`send` and :meth:`recv`
         too); a receive takes exactly its buffer's size and dtype. ``peer`` may be this rank.
-        Each transfer must complete within the communicator's timeout. While any is live, the
-        communicator's collectives are refused (:class:`InvalidUsageError`): keep a
-        :meth:`dup` of it for point-to-point messages to run both at once."""
+        Each transfer must complete within the communicator's timeout. While a request of a
+        transfer is held (not yet waited for, or dropped), the communicator's collectives are
+        refused (:class:`InvalidUsageError`): keep a :meth:`dup` of it for point-to-point
+        messages to run both at once. A request dropped unwaited gives its transfer up (it
+        goes on; its buffers are kept until :meth:`close`)."""
         b = _buffer(x, "x", writable=False)
         return self._transfer(lib.chorus_isend, b, x, peer)
 
@@ -792,6 +797,9 @@ class Communicator:
     def _transfer(self, fn: Any, b: Any, x: Any, peer: int) -> "Request":
         # Made first, holding the buffer, so that nothing can free it once the transfer runs.
         req = Request(x, (b, x), self._completer)
+        # Dropped unwaited, it gives the transfer up (which goes on) rather than waiting for
+        # it: its buffers move to the communicator until close().
+        req._given_up = self._given_up
         self._call(fn, b.ptr, b.count, b.dtype, _int(peer, "peer"), ctypes.byref(req._h))
         self._inflight.add(req)
         return req
@@ -958,6 +966,8 @@ class Communicator:
         if h is not None:
             try:
                 _check(lib.chorus_comm_destroy(h))
+                # Destroy waited for every transfer, those given up too.
+                self._given_up.clear()
             finally:
                 # The futures thread completes what it holds (destroy waited for the calls),
                 # then ends.
@@ -1005,6 +1015,8 @@ class Request:
         self._busy = False  # a thread is waiting in chorus_wait
         self._completer = completer
         self._pid = os.getpid()
+        # For a transfer: where its buffers go if it is dropped unwaited (see __del__).
+        self._given_up: Optional[List[Any]] = None
 
     def _check_process(self) -> None:
         """Refuse in a child forked after the call was issued: it runs in the parent (and a
@@ -1090,7 +1102,13 @@ class Request:
     def __del__(self) -> None:
         try:
             if self._h.value is not None:
-                lib.chorus_wait(ctypes.byref(self._h))
+                if self._given_up is not None and os.getpid() == self._pid:
+                    # A transfer: given up, not waited for (a ring of dropped isends followed
+                    # by receives must not wait here); its buffers stay with the communicator.
+                    self._given_up.append(self._keep)
+                    lib.chorus_request_free(ctypes.byref(self._h))
+                else:
+                    lib.chorus_wait(ctypes.byref(self._h))
         except BaseException:  # noqa: BLE001 - never raise from a finaliser
             # The call may still be running (e.g. at interpreter exit): keep its buffers
             # alive for good rather than free memory it may write.

@@ -128,8 +128,8 @@ _PROTOTYPES = {
     "chorus_scatter": (c_int32, [c_void_p, c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_send": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
     "chorus_recv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int]),
-    "chorus_isend": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, c_void_p]),
-    "chorus_irecv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, c_void_p]),
+    "chorus_isend": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, _comm_pp]),
+    "chorus_irecv": (c_int32, [c_void_p, c_void_p, c_size_t, c_int32, c_int, _comm_pp]),
     "chorus_allgatherv": (c_int32, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int32]),
     "chorus_alltoallv": (
         c_int32,
@@ -185,6 +185,7 @@ for _name in (
     _PROTOTYPES["chorus_i" + _name] = (c_int32, _PROTOTYPES["chorus_" + _name][1] + [_comm_pp])
 _PROTOTYPES["chorus_iallreduce"] = (c_int32, _PROTOTYPES["chorus_allreduce_opts"][1] + [_comm_pp])
 _PROTOTYPES["chorus_wait"] = (c_int32, [_comm_pp])
+_PROTOTYPES["chorus_request_free"] = (c_int32, [_comm_pp])
 _PROTOTYPES["chorus_test"] = (c_int32, [_comm_pp, ctypes.POINTER(c_int)])
 
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():

@@ -500,6 +500,10 @@ class ProcessGroupChorus(dist.ProcessGroup):
         batch = getattr(tls, "batch", None)
         try:
             self._tag(tag)
+            if not 0 <= peer < self.p2p.size:
+                raise InvalidArgumentError(
+                    f"chorus backend: peer {peer} is not a rank of this group of {self.p2p.size}"
+                )
             data = [_bytes(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         except Exception as e:
             if batch is not None:

@@ -212,6 +212,16 @@ def main():
             assert "tag" in e.message, e.message
         else:
             raise AssertionError("a batch with tag 3 ran")
+        # likewise a peer outside the group (torch does not check it)
+        try:
+            dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, to_l, left), dist.P2POp(dist.irecv, from_l, left),
+                dist.P2POp(dist.isend, to_l, p),
+            ])
+        except chorus.ChorusError as e:
+            assert "peer" in e.message, e.message
+        else:
+            raise AssertionError("a batch with a peer outside the group ran")
         fresh_out, fresh_in = torch.full((16,), 1000.0 + me), torch.zeros(16)
         for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, fresh_out, right), dist.P2POp(dist.irecv, fresh_in, left)]):
             q.wait()

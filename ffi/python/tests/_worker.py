@@ -665,22 +665,29 @@ def transfers(comm):
     assert comm.irecv(back, me).wait() is back
     w.wait()
     check("to itself", back, [1.5, 2.5, 3.5])
-    # A collective on a dup between an isend and its wait, the peer reducing first.
+    # A collective on a dup between a large isend and its wait, the peer receiving first
+    # (a send that waited for its wait() would never reach it).
     d = comm.dup()
     if p > 1:
-        big = np.full(n, float(me))
+        big = np.full(n, float(me + 7))
         x = np.ones(8)
         if me == 0:
             w = comm.isend(big, 1)
             d.allreduce(x)
             w.wait()
         elif me == 1:
+            got = comm.irecv(np.zeros(n), 0).wait()
+            assert (got == 7.0).all(), got[:4]
             d.allreduce(x)
-            got = comm.irecv(np.zeros(n), 0)
-            assert (got.wait() == 0.0).all()
         else:
             d.allreduce(x)
         check("the dup's allreduce", x, [float(p)] * 8)
+    # A dropped isend gives its transfer up rather than waiting: a ring of dropped large
+    # sends, then the receives, completes.
+    if p > 1:
+        comm.isend(np.full(n, float(me)), right)  # dropped at once
+        got = comm.recv(np.zeros(n), left)
+        assert (got == float(left)).all(), got[:4]
     # Collectives are refused while a transfer is live; the communicator stays usable.
     pending = comm.irecv(np.zeros(2), me)
     expect(chorus.InvalidUsageError, lambda: comm.allreduce(np.ones(2)), "allreduce while live")

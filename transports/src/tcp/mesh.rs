@@ -130,6 +130,32 @@ pub fn connect_with(
     opts: &MeshOptions,
     server: Option<StoreServer>,
 ) -> Result<(TcpTransport, Rendezvous)> {
+    let mut kept = server;
+    let r = connect_keeping(opts, &mut kept);
+    if let (Err(_), Some(server)) = (&r, kept.take()) {
+        // This rank hosts the store and failed (a group size that differs from another
+        // rank's, say): the store stays up a little longer, so that ranks still connecting
+        // read why in it and fail saying so, rather than with a connection closed under them.
+        let linger = opts.timeout.min(STORE_LINGER);
+        let _ = std::thread::Builder::new()
+            .name("chorus-store-linger".into())
+            .spawn(move || {
+                std::thread::sleep(linger);
+                drop(server);
+            });
+    }
+    r
+}
+
+/// How long a store whose host failed to connect stays up for the ranks still connecting.
+const STORE_LINGER: Duration = Duration::from_secs(3);
+
+/// [`connect_with`], the store it hosts (if any) in `server` until it is handed to the
+/// rendezvous.
+fn connect_keeping(
+    opts: &MeshOptions,
+    server: &mut Option<StoreServer>,
+) -> Result<(TcpTransport, Rendezvous)> {
     let deadline = Instant::now() + opts.timeout;
     let (rank, size) = (opts.rank, opts.size);
     if size == 0 || rank >= size {
@@ -137,15 +163,13 @@ pub fn connect_with(
             "rank {rank} of size {size}"
         )));
     }
-    let server = match server {
-        Some(s) => Some(s),
-        None if opts.host_store => Some(StoreServer::bind_for_ranks(
+    if server.is_none() && opts.host_store {
+        *server = Some(StoreServer::bind_for_ranks(
             opts.store_addr,
             &opts.token,
             size,
-        )?),
-        None => None,
-    };
+        )?);
+    }
     let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
     store.set_deadline(deadline);
@@ -259,7 +283,7 @@ pub fn connect_with(
     Ok((
         transport,
         Rendezvous {
-            server,
+            server: server.take(),
             store,
             comm_id,
             hosts,
