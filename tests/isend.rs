@@ -26,12 +26,7 @@ fn ranks<R: Send + 'static>(
     timeout: Duration,
     f: impl Fn(Communicator) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
-    let make = move |rank, addr| {
-        let mut cfg = config_on(rank, size, addr, transport);
-        cfg.timeout = timeout;
-        cfg
-    };
-    on_threads_owned(size, WATCHDOG, make, f)
+    on_threads_timed(size, transport, timeout, WATCHDOG, f)
 }
 
 /// The `k`-th message from `from` to `to`, of `n` elements.

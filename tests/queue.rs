@@ -23,12 +23,9 @@ fn queues<R: Send + 'static>(
     watchdog: Duration,
     f: impl Fn(Queue) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {
-    let make = move |rank, addr| {
-        let mut cfg = config_on(rank, size, addr, transport);
-        cfg.timeout = timeout;
-        cfg
-    };
-    on_threads_owned(size, watchdog, make, move |c| f(Queue::new(c)))
+    on_threads_timed(size, transport, timeout, watchdog, move |c| {
+        f(Queue::new(c))
+    })
 }
 
 /// Rank `r`'s element `i` of call `k` (integer-valued, so sums are exact in f64).

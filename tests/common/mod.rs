@@ -79,6 +79,22 @@ pub fn on_threads_cfg<R: Send + 'static>(
     on_threads_owned(size, watchdog, make, move |mut c| f(&mut c))
 }
 
+/// [`on_threads_owned`] over the named transport with a call timeout of `timeout`.
+pub fn on_threads_timed<R: Send + 'static>(
+    size: usize,
+    transport: &'static str,
+    timeout: Duration,
+    watchdog: Duration,
+    f: impl Fn(Communicator) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let make = move |rank, addr| {
+        let mut cfg = config_on(rank, size, addr, transport);
+        cfg.timeout = timeout;
+        cfg
+    };
+    on_threads_owned(size, watchdog, make, f)
+}
+
 /// [`on_threads_cfg`] handing each rank its communicator to own (to move into a
 /// [`chorus::Queue`], say).
 pub fn on_threads_owned<R: Send + 'static>(
