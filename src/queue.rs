@@ -317,10 +317,13 @@ impl Queue {
         }
     }
 
-    /// Wait until no transfer is left: those whose requests were given up or dropped finish
-    /// in the background, each within the communicator's timeout. An error inside a blocking
-    /// call of this queue, which holds the communicator they need.
+    /// Wait until no transfer is posted or queued before the call `op` (those whose requests
+    /// were given up or dropped finish in the background, each within the communicator's
+    /// timeout; transfers to this rank itself do not use the transport and are not waited
+    /// for). An error inside a blocking call of this queue, which holds the communicator they
+    /// need.
     fn settle_transfers(&self, op: &'static str) -> Result<(), CommError> {
+        self.shared.process.check(op, self.rank)?;
         let me = Arc::as_ptr(&self.shared) as usize;
         if self.transfers() > 0 && IN_CALL.with(|q| q.borrow().contains(&me)) {
             return Err(CommError::new(
@@ -332,8 +335,13 @@ impl Queue {
             .at_rank(self.rank)
             .with_usable(true));
         }
+        // Posted transfers, and those queued before this call; not transfers to itself still
+        // waiting for their other half (they do not use the transport).
+        let pending = |jobs: &Jobs| {
+            jobs.driving || jobs.live || jobs.queue.iter().any(|i| matches!(i, Item::P2p(_)))
+        };
         let mut jobs = lock(&self.shared.jobs);
-        while self.transfers() > 0 || jobs.driving {
+        while pending(&jobs) {
             jobs.waiting_all += 1;
             jobs = self
                 .shared
@@ -656,11 +664,12 @@ impl Queue {
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
-    /// blocking call on the communicator, or while transfers are live
-    /// ([`Queue::calls_allowed`]). A panic in `f` aborts the communicator (its state is
-    /// unknown) and goes on.
+    /// blocking call on the communicator, while the caller holds transfer requests
+    /// ([`Queue::calls_allowed`]), or in a forked child. Transfers given up are waited for,
+    /// as by [`Queue::run`]. A panic in `f` aborts the communicator (its state is unknown)
+    /// and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
-        if self.calls_allowed("call").is_err() {
+        if self.check_process().is_err() || self.calls_allowed("call").is_err() {
             return None;
         }
         self.wait_all();
@@ -890,18 +899,18 @@ fn work(shared: &Shared) {
         let job = match first {
             Ok(job) => {
                 // Transfers whose requests were given up may still be posted: they finish
-                // first (a call cannot run behind them).
+                // first (a call cannot run behind them on the transport). Those issued after
+                // the call stay queued; transfers to itself do not use the transport.
                 loop {
-                    let due = jobs.unmatched_due.is_some_and(|t| t <= Instant::now());
-                    if !jobs.driving && (jobs.live || due) {
+                    if !jobs.driving && jobs.live {
                         jobs.driving = true;
                         jobs.unattended = None;
                         drop(jobs);
-                        drive(shared, lock_comm(&shared.comm), None, Drive::ToTheEnd, None);
+                        drive(shared, lock_comm(&shared.comm), None, Drive::Posted, None);
                         jobs = lock(&shared.jobs);
                         continue;
                     }
-                    if !jobs.driving && !jobs.live && jobs.unmatched_due.is_none() {
+                    if !jobs.driving && !jobs.live {
                         break;
                     }
                     jobs = shared
@@ -962,6 +971,9 @@ enum Drive {
     Peek,
     /// Until no transfer is live (the worker).
     ToTheEnd,
+    /// Until none of the transfers already posted is live, posting none of those queued (the
+    /// worker before a call: transfers issued after the call wait for it).
+    Posted,
 }
 
 /// Progress transfers as the thread that set `jobs.driving` (and now holds `comm`): post
@@ -977,26 +989,34 @@ fn drive(
     how: Drive,
     end: Option<Instant>,
 ) {
-    let to_the_end = how == Drive::ToTheEnd;
+    let to_the_end = matches!(how, Drive::ToTheEnd | Drive::Posted);
+    let take_queued = how != Drive::Posted;
+    let queued = || {
+        if take_queued {
+            next_transfer(shared)
+        } else {
+            None
+        }
+    };
     let mut engine = lock(&shared.engine);
     let r = catch_unwind(AssertUnwindSafe(|| {
-        let mut next = first.or_else(|| next_transfer(shared));
+        let mut next = first.or_else(queued);
         loop {
             while let Some(e) = next.take() {
                 engine.admit(&mut comm, e);
-                next = next_transfer(shared);
+                next = queued();
             }
             match how {
                 Drive::Step => engine.push_last_send(&mut comm),
                 Drive::Peek => engine.step(&mut comm, false, end),
-                Drive::Slice | Drive::ToTheEnd => engine.step(&mut comm, true, end),
+                Drive::Slice | Drive::ToTheEnd | Drive::Posted => engine.step(&mut comm, true, end),
             }
             if !to_the_end || !engine.has_live() {
                 // Transfers to itself time out like the others.
                 engine.expire_unmatched(&mut comm);
                 return;
             }
-            next = next_transfer(shared);
+            next = queued();
         }
     }));
     if r.is_err() {

@@ -366,3 +366,40 @@ fn polling_test_completes_transfers() {
         });
     }
 }
+
+/// A transfer given up (its request dropped) is finished before a call issued after it, and
+/// transfers issued after that call wait for it: here rank 1 sends what rank 0 receives only
+/// after the allreduce, so a receive posted ahead of the allreduce would hold it until the
+/// timeout.
+#[test]
+fn a_call_after_a_given_up_transfer_keeps_its_place() {
+    ranks(2, "tcp", Duration::from_secs(20), |c| {
+        let q = Queue::new(c);
+        // More than the kernel buffers: the send is still live when the allreduce is issued.
+        let big = 64 << 20;
+        let start = Instant::now();
+        if q.rank() == 0 {
+            drop(q.isend(vec![1u8; big], 1));
+            let sum = q.all_reduce(vec![1i32; 4], chorus::ReduceOp::Sum);
+            let late = q.irecv(vec![0u8; 3], 1);
+            assert_eq!(sum.wait().unwrap(), [2; 4]);
+            assert_eq!(late.wait().unwrap(), [7u8; 3]);
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(q
+                .irecv(vec![0u8; big], 0)
+                .wait()
+                .unwrap()
+                .iter()
+                .all(|&b| b == 1));
+            let sum = q.all_reduce(vec![1i32; 4], chorus::ReduceOp::Sum);
+            assert_eq!(sum.wait().unwrap(), [2; 4]);
+            q.isend(vec![7u8; 3], 0).wait().unwrap();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+    });
+}

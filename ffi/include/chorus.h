@@ -563,8 +563,9 @@ int32_t chorus_test(chorus_request **request, int *done);
  * call on it fails saying why. The buffers must stay valid and untouched until the call has
  * ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
  * guarantees: both wait for the calls issued before them. For a transfer (`chorus_isend`,
- * `chorus_irecv`) only `chorus_comm_destroy` does: blocking collectives are refused while
- * transfers are live, and `chorus_send`/`chorus_recv` wait for their own message only.
+ * `chorus_irecv`), a later blocking collective waits for it too (a peer that receives only
+ * after that collective then waits for its timeout), and `chorus_send`/`chorus_recv` wait
+ * for their own message only.
  *
  * # Safety
  * As `chorus_wait`.

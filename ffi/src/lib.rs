@@ -917,8 +917,9 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
 /// call on it fails saying why. The buffers must stay valid and untouched until the call has
 /// ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
 /// guarantees: both wait for the calls issued before them. For a transfer (`chorus_isend`,
-/// `chorus_irecv`) only `chorus_comm_destroy` does: blocking collectives are refused while
-/// transfers are live, and `chorus_send`/`chorus_recv` wait for their own message only.
+/// `chorus_irecv`), a later blocking collective waits for it too (a peer that receives only
+/// after that collective then waits for its timeout), and `chorus_send`/`chorus_recv` wait
+/// for their own message only.
 ///
 /// # Safety
 /// As `chorus_wait`.

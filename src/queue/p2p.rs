@@ -9,7 +9,8 @@
 //! transfers that no thread waits for are taken over by the queue's thread after a short
 //! grace, so that they complete in the background (a collective on another communicator
 //! between an `isend` and its `wait`). Whoever progresses them holds the communicator, so the
-//! queue refuses calls while transfers are live (`Queue::calls_allowed`).
+//! queue refuses calls while the caller holds transfer requests (`Queue::calls_allowed`), and
+//! a call made after requests were given up waits for their transfers.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -779,11 +779,14 @@ class Communicator:
         overlap, except sends'. Between two
         ranks messages are matched in the order issued (with :meth:`send` and :meth:`recv`
         too); a receive takes exactly its buffer's size and dtype. ``peer`` may be this rank.
-        Each transfer must complete within the communicator's timeout. While a request of a
-        transfer is held (not yet waited for, or dropped), the communicator's collectives are
+        Each transfer must complete within the communicator's timeout. While a transfer's
+        request is held (neither waited for nor dropped), the communicator's collectives are
         refused (:class:`InvalidUsageError`): keep a :meth:`dup` of it for point-to-point
         messages to run both at once. A request dropped unwaited gives its transfer up (it
-        goes on; its buffers are kept until :meth:`close`)."""
+        goes on; its buffers are kept until :meth:`close`), and a later collective waits for
+        it first: a peer that receives only after that collective would wait for its timeout.
+        A request kept alive by something else (an interactive shell's ``_``, a traceback)
+        is still held."""
         b = _buffer(x, "x", writable=False)
         return self._transfer(lib.chorus_isend, b, x, peer)
 
@@ -1001,7 +1004,10 @@ class Request:
     them before :meth:`wait` returns (or :meth:`test` says True).
 
     The calls of a communicator run in the order they were issued, and a blocking call waits
-    for those issued before it; transfers run on their own (see :meth:`Communicator.isend`). A request dropped without :meth:`wait` waits in its finaliser,
+    for those issued before it; transfers run on their own (see :meth:`Communicator.isend`).
+    A transfer's request dropped without :meth:`wait` gives the transfer up (it goes on, its
+    buffers kept by the communicator until :meth:`Communicator.close`; should it fail, the
+    communicator is aborted); a collective's waits in its finaliser. A request dropped without :meth:`wait` waits in its finaliser,
     so that the buffers it holds outlive the call; its error, if any, is then lost.
     """
 
@@ -1104,9 +1110,13 @@ class Request:
             if self._h.value is not None:
                 if self._given_up is not None and os.getpid() == self._pid:
                     # A transfer: given up, not waited for (a ring of dropped isends followed
-                    # by receives must not wait here); its buffers stay with the communicator.
-                    self._given_up.append(self._keep)
-                    lib.chorus_request_free(ctypes.byref(self._h))
+                    # by receives must not wait here); if it is still running, its buffers
+                    # stay with the communicator until close().
+                    done = ctypes.c_int(0)
+                    lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
+                    if self._h.value is not None:
+                        self._given_up.append(self._keep)
+                        lib.chorus_request_free(ctypes.byref(self._h))
                 else:
                     lib.chorus_wait(ctypes.byref(self._h))
         except BaseException:  # noqa: BLE001 - never raise from a finaliser
