@@ -403,3 +403,48 @@ fn a_call_after_a_given_up_transfer_keeps_its_place() {
         );
     });
 }
+
+/// Four ranks as processes on two "hosts" (`CHORUS_HOSTID`): shared memory within a host, TCP
+/// between them. Every rank sends 4 MiB to each other rank before receiving (the waits
+/// progress both transports at once), and the exchange is exact.
+#[test]
+fn transfers_over_shared_memory_and_tcp_at_once() {
+    if is_child() {
+        let c = child_comm();
+        let transport = c.transport_name();
+        let q = Queue::new(c);
+        let (r, p) = (q.rank(), q.size());
+        let n = 1 << 20;
+        let sends: Vec<_> = (1..p)
+            .map(|d| q.isend(msg(r, (r + d) % p, 0, n), (r + d) % p))
+            .collect();
+        let recvs: Vec<_> = (1..p)
+            .map(|d| {
+                let from = (r + p - d) % p;
+                (from, q.irecv(vec![0u32; n], from))
+            })
+            .collect();
+        for (from, req) in recvs.into_iter().rev() {
+            assert!(
+                req.wait().expect("irecv") == msg(from, r, 0, n),
+                "from {from}"
+            );
+        }
+        for s in sends {
+            s.wait().expect("isend");
+        }
+        println!("CHILD-OK rank {r} over {transport}");
+        return;
+    }
+    let job = spawn_job_with(4, "transfers_over_shared_memory_and_tcp_at_once", |rank| {
+        vec![
+            ("CHORUS_HOSTID", format!("host-{}", rank / 2)),
+            ("CHORUS_TRANSPORT", "auto".to_string()),
+        ]
+    });
+    for (rank, (code, out)) in wait_job(job, Duration::from_secs(120)).iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank} failed:\n{out}");
+        assert!(out.contains("CHILD-OK"), "rank {rank}:\n{out}");
+        assert!(out.contains("over shm+tcp"), "rank {rank}:\n{out}");
+    }
+}
