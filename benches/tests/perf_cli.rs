@@ -236,12 +236,12 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
                 assert_eq!(size % (3.0 * 4.0), 0.0, "{l}");
             }
             let (algbw, busbw) = (field("algbw"), field("busbw"));
-            if algbw > 0.0 {
-                assert!(
-                    (busbw / algbw - factor).abs() < 0.02 * factor + 1e-3,
-                    "{coll}: {l}"
-                );
-            }
+            // Both are printed to 1e-6 GB/s: at these sizes a slow call (a busy host) makes
+            // them small enough for that rounding to matter, so it is allowed for.
+            assert!(
+                (busbw - factor * algbw).abs() <= 0.02 * factor * algbw + 1.5e-6,
+                "{coll}: {l}"
+            );
         }
     }
 }
