@@ -140,6 +140,21 @@ struct Jobs {
     unmatched_due: Option<Instant>,
 }
 
+impl Jobs {
+    /// Whether a thread that waits for or tests a transfer may drive the transfers now:
+    /// nobody drives, the worker is idle, no call is queued ahead, and something is there to
+    /// move (posted, queued, or a transfer to this rank itself due to expire).
+    fn free_to_drive(&self, now: Instant) -> bool {
+        let (call_next, transfer_next) = match self.queue.front() {
+            Some(Item::Call(_)) => (true, false),
+            Some(Item::P2p(_)) => (false, true),
+            None => (false, false),
+        };
+        let expiring = self.unmatched_due.is_some_and(|t| t <= now);
+        !self.driving && !self.busy && !call_next && (self.live || transfer_next || expiring)
+    }
+}
+
 /// How long live transfers wait, unattended, for a thread that waits for one of them to
 /// progress them in its own time (no hand-over between threads) before the worker takes them
 /// over (progress in the background), and how often the worker looks while transfers are
@@ -561,12 +576,7 @@ impl Queue {
             // Nothing issued before it is waiting or running: this thread posts it and moves
             // what it can at once (a small send completes here), without waking the worker.
             // The communicator is free unless a blocking call of another thread holds it.
-            let comm = match self.shared.comm.try_lock() {
-                Ok(g) => Some(g),
-                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-                Err(TryLockError::WouldBlock) => None,
-            };
-            if let Some(comm) = comm {
+            if let Some(comm) = try_lock_comm(&self.shared.comm) {
                 jobs.driving = true;
                 drop(jobs);
                 drive(&self.shared, comm, Some(entry), Drive::Step, None);
@@ -680,11 +690,7 @@ impl Queue {
     /// As [`Queue::try_run`], but without waiting for the calls issued before: `None` also
     /// while one of them runs. For what must not wait, such as [`Communicator::abort`].
     pub fn try_now<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
-        let guard = match self.shared.comm.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
+        let guard = try_lock_comm(&self.shared.comm)?;
         Some(self.in_call(|| guarded(guard, f)))
     }
 
@@ -807,6 +813,15 @@ impl Drop for Queue {
 /// own state.
 fn lock_comm(m: &Mutex<Communicator>) -> MutexGuard<'_, Communicator> {
     lock(m)
+}
+
+/// [`lock_comm`] without waiting: `None` while another thread holds the communicator.
+fn try_lock_comm(m: &Mutex<Communicator>) -> Option<MutexGuard<'_, Communicator>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 /// Run `f` on the locked communicator. A panic leaves the communicator's state unknown: it is
@@ -1074,10 +1089,7 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
             return done(false);
         }
         let mut jobs = lock(&shared.jobs);
-        let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
-        let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
-        let expiring = jobs.unmatched_due.is_some_and(|t| t <= now);
-        if !jobs.driving && !jobs.busy && !call_next && (jobs.live || transfer_next || expiring) {
+        if jobs.free_to_drive(now) {
             jobs.driving = true;
             jobs.unattended = None;
             drop(jobs);
@@ -1099,17 +1111,12 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
 /// other thread progresses them (see [`drive_until`]).
 fn peek(shared: &Shared) {
     let mut jobs = lock(&shared.jobs);
-    let call_next = matches!(jobs.queue.front(), Some(Item::Call(_)));
-    let transfer_next = matches!(jobs.queue.front(), Some(Item::P2p(_)));
-    let expiring = jobs.unmatched_due.is_some_and(|t| t <= Instant::now());
-    if jobs.driving || jobs.busy || call_next || !(jobs.live || transfer_next || expiring) {
+    if !jobs.free_to_drive(Instant::now()) {
         return;
     }
     // Never blocks on the communicator: a blocking call of another thread may hold it.
-    let comm = match shared.comm.try_lock() {
-        Ok(g) => g,
-        Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(TryLockError::WouldBlock) => return,
+    let Some(comm) = try_lock_comm(&shared.comm) else {
+        return;
     };
     jobs.driving = true;
     drop(jobs);

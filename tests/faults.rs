@@ -94,15 +94,7 @@ fn counts_that_differ_behind_equal_message_lengths_fail_everywhere() {
             .map(|()| v)
             .map_err(|e| (e.kind(), e.to_string()))
     });
-    assert!(
-        res.iter().all(Result::is_err),
-        "a rank returned Ok: {res:?}"
-    );
-    assert!(
-        res.iter()
-            .any(|r| matches!(r, Err((ErrorKind::Mismatch, m)) if m.contains("different counts"))),
-        "{res:?}"
-    );
+    every_rank_failed_one_with_a_mismatch(&res, "different counts");
 }
 
 /// One rank forces the very schedule the other's `auto` picks: the messages agree, but the
@@ -122,13 +114,22 @@ fn a_schedule_forced_on_one_rank_only_fails_everywhere() {
         c.all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
             .map_err(|e| (e.kind(), e.to_string()))
     });
+    every_rank_failed_one_with_a_mismatch(&res, "");
+}
+
+/// Every rank's call failed, and at least one rank's with a mismatch whose message contains
+/// `text`.
+fn every_rank_failed_one_with_a_mismatch<T: std::fmt::Debug>(
+    res: &[Result<T, (ErrorKind, String)>],
+    text: &str,
+) {
     assert!(
         res.iter().all(Result::is_err),
         "a rank returned Ok: {res:?}"
     );
     assert!(
         res.iter()
-            .any(|r| matches!(r, Err((ErrorKind::Mismatch, _)))),
+            .any(|r| matches!(r, Err((ErrorKind::Mismatch, m)) if m.contains(text))),
         "{res:?}"
     );
 }

@@ -2528,10 +2528,7 @@ pub unsafe extern "C" fn chorus_send(
     guard("chorus_send", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let peer = rank_arg(peer, "peer")?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        let buf = RawBuf::new(buf, bytes, "buf")?;
+        let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
         c.point_to_point(
@@ -2562,10 +2559,7 @@ pub unsafe extern "C" fn chorus_recv(
     guard("chorus_recv", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        let dtype = dtype.get()?;
-        let peer = rank_arg(peer, "peer")?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        let buf = RawBuf::new(buf, bytes, "buf")?;
+        let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         // The slice is made inside `with`, after the calls issued before this one.
         c.point_to_point(
             peer,
@@ -2666,6 +2660,20 @@ pub unsafe extern "C" fn chorus_irecv(
     }
 }
 
+/// The checked arguments of a single send or receive: the dtype, the peer and the buffer of
+/// `count` elements.
+fn p2p_args(
+    buf: *const c_void,
+    count: usize,
+    dtype: DtypeArg,
+    peer: c_int,
+) -> Result<(DType, usize, RawBuf), Failure> {
+    let dtype = dtype.get()?;
+    let peer = rank_arg(peer, "peer")?;
+    let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+    Ok((dtype, peer, RawBuf::new(buf, bytes, "buf")?))
+}
+
 /// The body of `chorus_isend` and `chorus_irecv`: check the arguments, issue the transfer
 /// (`start`) and hand its request out.
 ///
@@ -2690,16 +2698,13 @@ unsafe fn start_transfer(
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
         c.queue.check_process()?;
-        let dtype = dtype.get()?;
-        let peer = rank_arg(peer, "peer")?;
+        let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         if peer >= c.size {
             return Err(Failure::invalid(format!(
                 "peer {peer} is not a rank of this group of {}",
                 c.size
             )));
         }
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        let buf = RawBuf::new(buf, bytes, "buf")?;
         // Not while another thread is in a call on this communicator (the order of the two
         // would be chance). The queue's thread starts here, inside `guard`, with `SIGPIPE`
         // blocked (see `sigpipe`).
