@@ -36,7 +36,7 @@ mod p2p;
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -46,7 +46,10 @@ use chorus_algorithms::{DType, Element, ReduceOp};
 use crate::comm::{AbortHandle, Communicator, Process};
 use crate::error::{CommError, ErrorKind};
 
-type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
+/// A queued call: it runs holding the communicator, and calls its second argument just
+/// before its request gets the result (so [`Queue::pending`] no longer counts a call whose
+/// request a waiter already has).
+type Job = Box<dyn FnOnce(&mut Communicator, &mut dyn FnMut()) + Send>;
 
 /// What the queue runs, in the order issued.
 enum Item {
@@ -172,6 +175,10 @@ struct Shared {
     jobs: Mutex<Jobs>,
     /// Signalled when a job is queued, when one finishes and when the queue closes.
     changed: Condvar,
+    /// Calls whose requests have their results (or were given up): counted just before the
+    /// result is handed over, while `Jobs::finished` waits for the worker to let go of the
+    /// communicator.
+    answered: AtomicU64,
     /// Point-to-point transfers issued and not finished.
     transfers: Arc<AtomicUsize>,
     /// Requests of transfers the caller holds (issued, not yet waited for, given up or
@@ -227,6 +234,7 @@ impl Queue {
                 }),
                 changed: Condvar::new(),
                 engine: Mutex::new(p2p::Engine::new(Arc::clone(&transfers))),
+                answered: AtomicU64::new(0),
                 transfers,
                 held: Arc::new(AtomicUsize::new(0)),
             }),
@@ -289,8 +297,10 @@ impl Queue {
         if self.check_process().is_err() {
             return 0;
         }
-        let jobs = lock(&self.shared.jobs);
-        (jobs.issued - jobs.finished) as usize + self.transfers()
+        let issued = lock(&self.shared.jobs).issued;
+        // (Read after `issued`: a call is counted as answered only once it was issued.)
+        let answered = self.shared.answered.load(Ordering::SeqCst);
+        issued.saturating_sub(answered) as usize + self.transfers()
     }
 
     /// Point-to-point transfers ([`Queue::isend`], [`Queue::irecv`]) issued and not yet
@@ -393,7 +403,7 @@ impl Queue {
         }
         let fill = Arc::clone(&slot);
         let rank = self.rank;
-        let job: Job = Box::new(move |comm: &mut Communicator| {
+        let job: Job = Box::new(move |comm: &mut Communicator, answered: &mut dyn FnMut()| {
             let result = match catch_unwind(AssertUnwindSafe(|| call(&mut *comm))) {
                 Ok(r) => r,
                 Err(panic) => {
@@ -409,6 +419,7 @@ impl Queue {
                     .at_rank(rank))
                 }
             };
+            answered();
             fill.fill(result, comm);
         });
         if let Err(e) = self.calls_allowed("queued call") {
@@ -423,7 +434,7 @@ impl Queue {
             // No thread to be had: run the call here, after those issued before it.
             self.wait_all();
             let mut comm = lock_comm(&self.shared.comm);
-            job(&mut comm);
+            job(&mut comm, &mut || {});
             comm.settle_abort();
             return Request {
                 slot,
@@ -955,11 +966,18 @@ fn work(shared: &Shared) {
             let mut comm = lock_comm(&shared.comm);
             // The job fills its request whatever happens in the call; this keeps the worker
             // (and the count of finished calls) going even if telling the peers panics.
+            let mut answered = false;
+            let mut answer = || {
+                if !std::mem::replace(&mut answered, true) {
+                    shared.answered.fetch_add(1, Ordering::SeqCst);
+                }
+            };
             let _ = catch_unwind(AssertUnwindSafe(|| {
-                job(&mut comm);
+                job(&mut comm, &mut answer);
                 // An abort requested after the call's last wait: the peers are told now.
                 comm.settle_abort();
             }));
+            answer();
         }
         lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();

@@ -511,3 +511,31 @@ fn a_failure_of_a_given_up_request_aborts_for_everyone() {
         );
     }
 }
+
+#[test]
+fn a_waited_call_is_no_longer_pending() {
+    // The worker hands a request its result before it lets go of the communicator; a waiter
+    // that then asks how many calls are pending must not count the call it just waited for.
+    let got = queues(
+        2,
+        "tcp",
+        Duration::from_secs(30),
+        Duration::from_secs(120),
+        |q| {
+            let mut late = 0;
+            for _ in 0..300 {
+                let req = q.all_reduce(vec![1u32; 4], ReduceOp::Sum);
+                assert_eq!(req.wait().expect("all_reduce"), vec![2u32; 4]);
+                if q.pending() != 0 {
+                    late += 1;
+                }
+            }
+            late
+        },
+    );
+    assert_eq!(
+        got,
+        vec![0, 0],
+        "calls still pending after their requests were waited for"
+    );
+}
