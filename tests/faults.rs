@@ -6,6 +6,8 @@ mod common;
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chorus::{AllReduceOptions, Communicator, ErrorKind, ReduceOp};
@@ -138,7 +140,9 @@ fn every_rank_failed_one_with_a_mismatch<T: std::fmt::Debug>(
 /// bad-argument errors before that leave the communicator usable.
 #[test]
 fn absent_rank_times_out() {
-    let res = on_threads(3, Duration::from_secs(60), |c| {
+    // Survivors that have their error (rank 2 stays until then, bounded).
+    let failed = Arc::new(AtomicUsize::new(0));
+    let res = on_threads(3, Duration::from_secs(60), move |c| {
         // A bad argument first: usable afterwards.
         let e = c
             .all_reduce_into(&[1.0f32; 3], &mut [0.0f32; 4], ReduceOp::Sum)
@@ -146,7 +150,10 @@ fn absent_rank_times_out() {
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert!(e.is_usable());
         if c.rank() == 2 {
-            std::thread::sleep(Duration::from_millis(2500));
+            let start = Instant::now();
+            while failed.load(Ordering::SeqCst) < 2 && start.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             return None;
         }
         let mut v = vec![1.0f32; 100];
@@ -158,7 +165,9 @@ fn absent_rank_times_out() {
         let e = c
             .all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
             .unwrap_err();
-        Some((e.kind(), e.to_string(), start.elapsed()))
+        let took = start.elapsed();
+        failed.fetch_add(1, Ordering::SeqCst);
+        Some((e.kind(), e.to_string(), took))
     });
     let errors: Vec<_> = res.into_iter().flatten().collect();
     assert_eq!(errors.len(), 2, "{errors:?}");

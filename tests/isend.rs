@@ -10,6 +10,8 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chorus::{Communicator, ErrorKind, Queue, ReduceOp};
@@ -259,7 +261,10 @@ fn a_wrong_length_fails_both_ranks() {
 /// communicator stays usable (nothing went on the wire).
 #[test]
 fn an_unmatched_transfer_to_itself_times_out() {
-    ranks(2, "tcp", Duration::from_millis(500), |c| {
+    // The ranks meet before their collectives: each spent about a second on its timers, and
+    // one running late on a busy machine must not make the other's barrier time out.
+    let met = Arc::new(std::sync::Barrier::new(2));
+    ranks(2, "tcp", Duration::from_millis(500), move |c| {
         let q = Queue::new(c);
         let start = Instant::now();
         let e = q.isend(vec![1u8; 4], q.rank()).wait().unwrap_err();
@@ -279,6 +284,7 @@ fn an_unmatched_transfer_to_itself_times_out() {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(q.transfers(), 0, "the unmatched receive did not time out");
+        met.wait();
         q.barrier().wait().unwrap();
         // A call that has finished is taken inside a blocking call on the queue (only a
         // request still running would wait for itself there).
@@ -292,17 +298,22 @@ fn an_unmatched_transfer_to_itself_times_out() {
 /// peer, and later transfers are refused (the communicator is unusable).
 #[test]
 fn an_unmatched_receive_times_out() {
-    let out = ranks(2, "tcp", Duration::from_millis(600), |c| {
+    let given_up = Arc::new(AtomicBool::new(false));
+    let out = ranks(2, "tcp", Duration::from_millis(600), move |c| {
         let q = Queue::new(c);
         if q.rank() == 0 {
             let start = Instant::now();
             let e = q.irecv(vec![0u8; 8], 1).wait().unwrap_err();
             let took = start.elapsed();
             let later = q.isend(vec![0u8; 8], 1).wait().unwrap_err();
+            given_up.store(true, Ordering::SeqCst);
             Some((e.kind(), e.peer(), took, later.is_usable()))
         } else {
-            // Keep the connection open until rank 0 has given up.
-            std::thread::sleep(Duration::from_millis(1500));
+            // Keep the connection open until rank 0 has given up (bounded).
+            let start = Instant::now();
+            while !given_up.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             None
         }
     });

@@ -297,12 +297,24 @@ fn ranks_do_not_outlive_a_killed_launcher() {
             pids.retain(|&p| p != launcher);
             pids
         };
+        // Up only once each runs `sleep`: `setpriv` sets the death signal just before it
+        // execs, and until then (or while a fresh child still shows the launcher's command
+        // line) a rank killed with the launcher would be orphaned by the test's timing.
+        let execed = || {
+            let mut pids = ranks();
+            pids.retain(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim_end() == "sleep")
+            });
+            pids
+        };
         let started = Instant::now();
-        while ranks().len() < 3 && started.elapsed() < WATCHDOG {
+        while execed().len() < 3 && started.elapsed() < WATCHDOG {
             thread::sleep(Duration::from_millis(20));
         }
-        let up = ranks();
+        let up = execed();
         if up.len() != 3 {
+            let up = ranks();
             let _ = child.kill();
             let _ = child.wait();
             for pid in &up {

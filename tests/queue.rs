@@ -463,12 +463,14 @@ fn an_abort_from_another_thread_ends_a_waiting_call() {
 /// next call instead of waiting for a collective this rank skipped.
 #[test]
 fn a_failure_of_a_given_up_request_aborts_for_everyone() {
+    // Ranks 1 and 2 join rank 0's barrier only once its bad call was given up.
+    let given_up = Arc::new(std::sync::Barrier::new(3));
     let got = queues(
         3,
         "tcp",
         Duration::from_secs(30),
         Duration::from_secs(90),
-        |q| {
+        move |q| {
             let done = q.barrier();
             let start = Instant::now();
             while !done.test() && start.elapsed() < Duration::from_secs(20) {
@@ -486,13 +488,15 @@ fn a_failure_of_a_given_up_request_aborts_for_everyone() {
                 // still queued when its request is given up.
                 let first = q.barrier();
                 let bad = q.submit(|c| c.broadcast(&mut [1i32; 3], 99));
-                assert!(bad.detach().is_none(), "the call ran before its barrier");
+                let detached = bad.detach();
+                given_up.wait();
+                assert!(detached.is_none(), "the call ran before its barrier");
                 first
                     .wait()
                     .expect("rank 0's barrier ends before the bad call runs");
                 Ok(())
             } else {
-                std::thread::sleep(Duration::from_millis(200));
+                given_up.wait();
                 // May already fail: an abort ends the peers' calls at once, even one that
                 // still waits for a third rank.
                 q.barrier().wait()

@@ -258,7 +258,42 @@ fn host_of(addr: &str) -> &str {
 
 /// Two distinct TCP ports that were free on 127.0.0.1 a moment ago (both are bound at
 /// once, so they differ, then released for the ranks to use).
+///
+/// They are drawn below the kernel's ephemeral range where it leaves room: the kernel hands
+/// ports of that range to every `bind(0)` and outgoing connection on the machine, and one
+/// of those could take a port between its release here and the ranks' bind. A port below
+/// it is taken only by a program that names it.
 fn free_ports() -> io::Result<(u16, u16)> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const LOW: u16 = 20000;
+    if ephemeral_low > LOW + 1000 {
+        let span = u32::from(ephemeral_low - LOW);
+        let mut seed = [0u8; 4];
+        if File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut seed))
+            .is_ok()
+        {
+            let mut x = u32::from_le_bytes(seed);
+            for _ in 0..64 {
+                // A small linear congruential step is plenty to spread the tries.
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let a = LOW + ((x >> 8) % span) as u16;
+                let b = LOW + ((x >> 8).wrapping_add(1 + (x & 0xff)) % span) as u16;
+                if a == b {
+                    continue;
+                }
+                if let (Ok(_la), Ok(_lb)) = (
+                    TcpListener::bind(("127.0.0.1", a)),
+                    TcpListener::bind(("127.0.0.1", b)),
+                ) {
+                    return Ok((a, b));
+                }
+            }
+        }
+    }
     let a = TcpListener::bind("127.0.0.1:0")?;
     let b = TcpListener::bind("127.0.0.1:0")?;
     Ok((a.local_addr()?.port(), b.local_addr()?.port()))

@@ -235,12 +235,26 @@ pub fn nonblocking_and_partial(make: MakeGroup<'_>) {
 /// `Wait::Poll` returns `Ok(false)` at its instant when nothing moved (no timeout, the
 /// transport stays usable), and a loop of polls completes a message sent later.
 pub fn poll_ends_without_error(make: MakeGroup<'_>) {
-    on_group(make, 2, |rank, t| {
+    // Rank 1's polls that ended with nothing (usize::MAX once it is done or has failed):
+    // rank 0 sends only after two, whatever the machine's load.
+    let empty = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    on_group(make, 2, move |rank, t| {
+        use std::sync::atomic::Ordering::SeqCst;
+        struct MaxOnDrop(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for MaxOnDrop {
+            fn drop(&mut self) {
+                self.0.store(usize::MAX, SeqCst);
+            }
+        }
         let len = 100_000;
         if rank == 0 {
-            std::thread::sleep(Duration::from_millis(300));
+            let start = Instant::now();
+            while empty.load(SeqCst) < 2 && start.elapsed() < T {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             t.send(1, 9, &pattern(0, 1, len, 6), T).unwrap();
         } else {
+            let _done = MaxOnDrop(empty.clone());
             let mut b = vec![0u8; len];
             let mut req = Request::recv(0, 9, len);
             t.post(&mut req).unwrap();
@@ -252,6 +266,7 @@ pub fn poll_ends_without_error(make: MakeGroup<'_>) {
             let took = start.elapsed();
             assert!(!done && req.bytes_done() == 0, "nothing was sent yet");
             assert!(took >= slice && took < Duration::from_secs(5), "{took:?}");
+            empty.store(1, SeqCst);
             let end = Instant::now() + T;
             let mut polls = 0;
             while !t
@@ -262,6 +277,7 @@ pub fn poll_ends_without_error(make: MakeGroup<'_>) {
                 .unwrap()
             {
                 polls += 1;
+                empty.store(1 + polls, SeqCst);
                 assert!(Instant::now() < end, "the receive did not complete");
             }
             assert!(

@@ -1045,6 +1045,13 @@ fn retryable(e: &io::Error) -> bool {
     )
 }
 
+/// Whether a connected socket is joined to itself (same address at both ends): a client
+/// that retries connecting to a local port nobody listens on yet can get this when the
+/// kernel gives it that port as its own.
+fn is_self_connected(stream: &TcpStream) -> bool {
+    matches!((stream.local_addr(), stream.peer_addr()), (Ok(a), Ok(b)) if a == b)
+}
+
 impl StoreClient {
     /// Connect (retrying until `deadline` while the server is not up yet) and authenticate.
     ///
@@ -1068,6 +1075,16 @@ impl StoreClient {
             };
             attempts += 1;
             match TcpStream::connect_timeout(&addr, left.min(CONNECT_ATTEMPT_TIMEOUT)) {
+                Ok(stream) if is_self_connected(&stream) => {
+                    // Nobody listened yet, and the kernel picked the very port it called as
+                    // this side's port: TCP's simultaneous open joined the socket to itself.
+                    // Not the store: let the port go and retry.
+                    drop(stream);
+                    if let Some(left) = remaining(deadline) {
+                        thread::sleep(backoff.min(left));
+                    }
+                    backoff = (backoff * 2).min(CONNECT_BACKOFF_MAX);
+                }
                 Ok(mut stream) => {
                     let _ = stream.set_nodelay(true);
                     let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
@@ -1734,15 +1751,25 @@ mod tests {
         });
     }
 
+    /// A port free on 127.0.0.1 below the kernel's ephemeral range (20000–32000): no
+    /// `bind(0)` elsewhere takes it once released, and a client retrying to connect there
+    /// cannot meet itself (a connect from an ephemeral port equal to the one it calls).
+    fn quiet_port() -> u16 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let start = std::process::id() as usize * 7919 + nanos as usize;
+        (0..12000)
+            .map(|i| 20000 + ((start + i * 613) % 12000) as u16)
+            .find(|&p| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok())
+            .expect("a free port in 20000-32000")
+    }
+
     #[test]
     fn connect_retries_until_the_server_starts() {
         watchdog(Duration::from_secs(30), || {
             // Find a free port, release it, and start the server there a little later.
-            let port = TcpListener::bind(localhost())
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = quiet_port();
             let addr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
             let client = thread::spawn(move || {
                 let mut c = StoreClient::connect(addr, b"tok", secs(10))?;

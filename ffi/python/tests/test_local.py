@@ -184,6 +184,17 @@ def test_two_ranks_on_threads_and_the_gil_is_released():
     assert ticks > 50, f"the main thread ran only {ticks} times while the ranks blocked"
 
 
+def _until_inside(handle) -> None:
+    """Wait until another thread is in a call with ``handle`` (its Python wrapper counts it
+    just before the C call), then give that call a moment to be inside the library: no hook
+    says when it is, and starting a thread is the slow part on a busy machine."""
+    deadline = time.monotonic() + 10
+    while handle._calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert handle._calls == 1, "the other thread did not start its call within 10 s"
+    time.sleep(0.3)
+
+
 def test_one_communicator_from_two_threads_at_once_is_refused():
     import socket
 
@@ -203,9 +214,9 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     # c0 meanwhile must be refused, not interleaved.
     a = threading.Thread(target=c0.barrier)
     a.start()
-    # No hook says when thread A is inside its call: give it time, and bound the main
-    # thread's call, so that a late start fails the test in seconds instead of hanging it.
-    time.sleep(0.5)
+    # Bound the main thread's call, so that a late start fails the test in seconds instead
+    # of hanging it.
+    _until_inside(c0._handle)
     with pytest.raises(chorus.InvalidUsageError, match="another thread"):
         c0.allreduce(np.ones(2), timeout=10)
     # Nor may it be freed under the call (ctypes released the GIL): close is refused and the
@@ -221,7 +232,7 @@ def test_one_communicator_from_two_threads_at_once_is_refused():
     x0, x1 = np.ones(4096, dtype=np.float32), np.ones(4096, dtype=np.float32)
     a = threading.Thread(target=c0.allreduce, args=(x0,), kwargs={"compressor": k0})
     a.start()
-    time.sleep(0.5)
+    _until_inside(k0._handle)
     with pytest.raises(chorus.InvalidUsageError, match="compressor is in use"):
         k0.close()
     c1.allreduce(x1, compressor=k1)

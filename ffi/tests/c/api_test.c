@@ -40,6 +40,7 @@
 #include <chorus.h>
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -858,10 +859,12 @@ struct busy_call {
     float *buf;
     int count;
     int32_t status;
+    atomic_int calling; /* set just before the call */
 };
 
 static int busy_thread(void *arg) {
     struct busy_call *b = arg;
+    atomic_store(&b->calling, 1);
     b->status = b->comp == NULL
                     ? chorus_barrier(b->comm)
                     : chorus_allreduce_compressed(b->comm, b->buf, b->count, CHORUS_FLOAT32,
@@ -873,6 +876,15 @@ static double now_s(void) {
     struct timespec t; /* C11's clock (wall time; the test measures about a second) */
     timespec_get(&t, TIME_UTC);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Wait (at most 10 s) until `b`'s thread is about to make its call, then give it 300 ms to be
+ * inside (no hook says when it is; starting a thread is the slow part on a busy machine). */
+static void wait_calling(struct busy_call *b) {
+    double until = now_s() + 10.0;
+    while (!atomic_load(&b->calling) && now_s() < until) sleep_ms(5);
+    CHECK(atomic_load(&b->calling), "the thread did not start its call within 10 s");
+    sleep_ms(300);
 }
 
 /* Rank 0 starts a call in a thread; rank 1 joins it 1.5 s later. Meanwhile rank 0's main
@@ -887,16 +899,14 @@ static void busy(chorus_comm *comm) {
     OK(chorus_compressor_create(&c, "int8,min_bytes=0"));
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < N; i++) a[i] = 1.0f;
-        struct busy_call b = {comm, round == 0 ? NULL : c, a, N, -1};
+        struct busy_call b = {comm, round == 0 ? NULL : c, a, N, -1, 0};
         if (g_rank == 1) {
             sleep_ms(1500);
             busy_thread(&b);
         } else {
             thrd_t t;
             CHECK(thrd_create(&t, busy_thread, &b) == thrd_success, "thrd_create");
-            /* No hook says when the thread is inside its call: give it most of the time rank
-             * 1 stays away (a busy machine can be slow to start a thread). */
-            sleep_ms(800);
+            wait_calling(&b);
             if (round == 0) {
                 EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
                 CHECK(strstr(chorus_last_error(), "in use") != NULL, "message: %s", chorus_last_error());
@@ -920,7 +930,7 @@ static void busy(chorus_comm *comm) {
     /* Abort from another thread while a blocking call waits (on a copy of the communicator). */
     chorus_comm *d = NULL;
     OK(chorus_comm_dup(comm, &d));
-    struct busy_call b = {d, NULL, a, N, -1};
+    struct busy_call b = {d, NULL, a, N, -1, 0};
     if (g_rank == 1) {
         sleep_ms(3000);
         /* Rank 0 entered this barrier before it aborted: it may complete. Then the next call
@@ -934,7 +944,7 @@ static void busy(chorus_comm *comm) {
     } else {
         thrd_t t;
         CHECK(thrd_create(&t, busy_thread, &b) == thrd_success, "thrd_create");
-        sleep_ms(800);
+        wait_calling(&b);
         double t0 = now_s();
         OK(chorus_comm_abort(d));
         CHECK(thrd_join(t, NULL) == thrd_success, "thrd_join");
@@ -948,7 +958,7 @@ static void busy(chorus_comm *comm) {
      * blocking barrier waits behind it: destroy is refused meanwhile (a call is inside), abort
      * goes through, and both calls fail at once. */
     chorus_request *r = NULL;
-    struct busy_call q = {comm, NULL, a, N, -1};
+    struct busy_call q = {comm, NULL, a, N, -1, 0};
     if (g_rank == 1) {
         sleep_ms(3000);
         /* As above: the barrier rank 0 entered may complete; then the next one meets the
@@ -967,7 +977,7 @@ static void busy(chorus_comm *comm) {
         OK(chorus_ibarrier(comm, &r));
         thrd_t t;
         CHECK(thrd_create(&t, busy_thread, &q) == thrd_success, "thrd_create");
-        sleep_ms(800);
+        wait_calling(&q);
         EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_USAGE);
         double t0 = now_s();
         OK(chorus_comm_abort(comm));
@@ -1301,12 +1311,21 @@ static void nonblocking(chorus_comm *comm) {
         OK(chorus_ibarrier(comm, &rs[1]));
         OK(chorus_ibarrier(comm, &rs[3]));
         fin = 0;
-        for (int spin = 0; !fin && spin < 200000; spin++) OK(chorus_testall(4, rs, &fin));
+        /* Bounded in time, not in calls: the peers may be descheduled for a while. */
+        double until = now_s() + 20.0;
+        while (!fin && now_s() < until) {
+            OK(chorus_testall(4, rs, &fin));
+            if (!fin) sleep_ms(1);
+        }
         CHECK(fin == 1 && rs[1] == NULL && rs[3] == NULL, "testall: done %d", fin);
         /* testany until one is done */
         OK(chorus_ibarrier(comm, &rs[2]));
         fin = 0;
-        for (int spin = 0; !fin && spin < 200000; spin++) OK(chorus_testany(4, rs, &idx, &fin));
+        until = now_s() + 20.0;
+        while (!fin && now_s() < until) {
+            OK(chorus_testany(4, rs, &idx, &fin));
+            if (!fin) sleep_ms(1);
+        }
         CHECK(fin == 1 && idx == 2 && rs[2] == NULL, "testany: done %d index %d", fin, idx);
         /* a stale pointer in the array is refused before anything completes */
         chorus_request *stale = NULL;
