@@ -1291,6 +1291,32 @@ int32_t chorus_ip2p_batch(chorus_comm *comm,
                           chorus_request **request);
 
 /**
+ * Start the `n` sends and receives of `ops` as `chorus_isend` and `chorus_irecv` would, in
+ * their order, with one call (as torch's `batch_isend_irecv` or a run of `MPI_Isend` and
+ * `MPI_Irecv`); the request of `ops[i]` goes to `requests[i]`, each completed by itself with
+ * `chorus_wait` and its kin (`chorus_waitall` for all). Every transfer behaves as one started
+ * by `chorus_isend`/`chorus_irecv` (see there): it progresses on its own, between two ranks
+ * messages match in issue order, and while the caller holds its request the communicator's
+ * collectives are refused.
+ *
+ * Every op is checked before any starts: on an error (`CHORUS_INVALID_ARGUMENT` for a bad
+ * op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
+ * started and every `requests[i]` is NULL. A receive's buffer must not overlap any other
+ * buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
+ * that is the caller's care. `ops` is read during the call only.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`
+ * entries, each entry's `buf` valid for `count` elements of `dtype` (writable for a receive)
+ * and not accessed (a send's: not written) until its request completes; `requests` is NULL
+ * (with `n` 0) or valid for writing `n` request pointers.
+ */
+int32_t chorus_batch_isend_irecv(chorus_comm *comm,
+                                 const chorus_p2p_op *ops,
+                                 size_t n,
+                                 chorus_request **requests);
+
+/**
  * Send `sendcount` elements of `sendbuf` to rank `dest` while receiving exactly
  * `recvcount` elements of `dtype` from rank `source` into `recvbuf`, both at once (as
  * `MPI_Sendrecv`): a ring of these cannot deadlock, unlike blocking `chorus_send` calls that

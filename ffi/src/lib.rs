@@ -2809,13 +2809,86 @@ pub unsafe extern "C" fn chorus_ip2p_batch(
     }
 }
 
+/// Start the `n` sends and receives of `ops` as `chorus_isend` and `chorus_irecv` would, in
+/// their order, with one call (as torch's `batch_isend_irecv` or a run of `MPI_Isend` and
+/// `MPI_Irecv`); the request of `ops[i]` goes to `requests[i]`, each completed by itself with
+/// `chorus_wait` and its kin (`chorus_waitall` for all). Every transfer behaves as one started
+/// by `chorus_isend`/`chorus_irecv` (see there): it progresses on its own, between two ranks
+/// messages match in issue order, and while the caller holds its request the communicator's
+/// collectives are refused.
+///
+/// Every op is checked before any starts: on an error (`CHORUS_INVALID_ARGUMENT` for a bad
+/// op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
+/// started and every `requests[i]` is NULL. A receive's buffer must not overlap any other
+/// buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
+/// that is the caller's care. `ops` is read during the call only.
+///
 /// # Safety
-/// The contract of `chorus_p2p_batch` (the buffers valid until the call completes).
-unsafe fn p2p_batch_call(
-    c: &chorus_comm,
+/// `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`
+/// entries, each entry's `buf` valid for `count` elements of `dtype` (writable for a receive)
+/// and not accessed (a send's: not written) until its request completes; `requests` is NULL
+/// (with `n` 0) or valid for writing `n` request pointers.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_batch_isend_irecv(
+    comm: *mut chorus_comm,
     ops: *const chorus_p2p_op,
     n: usize,
-) -> Result<Call, Failure> {
+    requests: *mut *mut chorus_request,
+) -> i32 {
+    guard("chorus_batch_isend_irecv", || {
+        if n > MAX_P2P_OPS {
+            return Err(Failure::invalid(format!(
+                "n = {n} transfers: at most {MAX_P2P_OPS} in one batch"
+            )));
+        }
+        // Every request NULL first, so that an error leaves none set.
+        // SAFETY: valid for `n` pointers by the caller's promise (checked for NULL and
+        // alignment).
+        unsafe { ptr::array(requests.cast_const(), n, "requests")? };
+        for i in 0..n {
+            // SAFETY: inside the caller's array of `n` pointers, checked above.
+            unsafe { ptr::write_out(requests.add(i), std::ptr::null_mut(), "requests")? };
+        }
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let _entered = Entered::new(&c.active);
+        c.queue.check_process()?;
+        // SAFETY: valid for `n` entries by the caller's promise.
+        let checked = unsafe { p2p_ops(ops, n)? };
+        if let Some((i, &(_, _, _, peer))) = checked
+            .iter()
+            .enumerate()
+            .find(|(_, &(_, _, _, peer))| peer >= c.size)
+        {
+            return Err(Failure::invalid(format!(
+                "ops[{i}].peer {peer} is not a rank of this group of {}",
+                c.size
+            )));
+        }
+        // As `start_transfer`: not while another thread is in a call on this communicator.
+        let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
+        for (i, &(buf, is_send, dtype, peer)) in checked.iter().enumerate() {
+            let pending = if is_send {
+                Pending::Send(c.queue.isend_buffer(Outgoing(buf), dtype, peer))
+            } else {
+                Pending::Recv(c.queue.irecv_buffer(Incoming(buf), dtype, peer))
+            };
+            // SAFETY: inside the caller's array of `n` pointers, checked above.
+            unsafe { hand_out(requests.add(i), pending)? };
+        }
+        Ok(())
+    })
+}
+
+/// The checked entries of a `chorus_p2p_op` array (buffer, send?, dtype, peer): each op's
+/// kind, dtype, peer and buffer, and no receive's buffer overlapping another buffer.
+///
+/// # Safety
+/// `ops` is NULL (with `n` 0) or valid for reading `n` entries during the call.
+unsafe fn p2p_ops(
+    ops: *const chorus_p2p_op,
+    n: usize,
+) -> Result<Vec<(RawBuf, bool, DType, usize)>, Failure> {
     if n > MAX_P2P_OPS {
         return Err(Failure::invalid(format!(
             "n = {n} transfers: at most {MAX_P2P_OPS} in one batch"
@@ -2847,6 +2920,18 @@ unsafe fn p2p_batch_call(
         checked.push((buf, is_send, dtype, peer));
     }
     ptr::check_receives_apart(ranges)?;
+    Ok(checked)
+}
+
+/// # Safety
+/// The contract of `chorus_p2p_batch` (the buffers valid until the call completes).
+unsafe fn p2p_batch_call(
+    c: &chorus_comm,
+    ops: *const chorus_p2p_op,
+    n: usize,
+) -> Result<Call, Failure> {
+    // SAFETY: valid for `n` entries by the caller's promise.
+    let checked = unsafe { p2p_ops(ops, n)? };
     // What the communicator checks (peers, the sends to this rank paired with receives),
     // here too, so that a nonblocking batch is refused when issued: on the shapes, since the
     // buffers may still be in use by calls issued before this one.

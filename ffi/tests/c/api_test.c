@@ -1439,6 +1439,52 @@ static void transfers(chorus_comm *comm) {
         OK(chorus_waitall(2, rq));
         CHECK(first == left + 100 && second == left + 200, "in order: %d %d", first, second);
     }
+    /* A batch started with one call: both sends before the receives (4 MiB each, more than
+     * the kernel buffers), each request completed by itself, the receives first. */
+    for (size_t i = 0; i < n; i++) in[i] = in2[i] = 0;
+    chorus_p2p_op ops[4] = {
+        {out, n, CHORUS_INT32, right, CHORUS_P2P_SEND},
+        {out2, n, CHORUS_INT32, left, CHORUS_P2P_SEND},
+        {in, n, CHORUS_INT32, left, CHORUS_P2P_RECV},
+        {in2, n, CHORUS_INT32, right, CHORUS_P2P_RECV},
+    };
+    chorus_request *br[4] = {NULL, NULL, NULL, NULL};
+    OK(chorus_batch_isend_irecv(comm, ops, 4, br));
+    for (int i = 0; i < 4; i++) CHECK(br[i] != NULL, "batch request %d not set", i);
+    OK(chorus_wait(&br[3]));
+    OK(chorus_wait(&br[2]));
+    OK(chorus_waitall(4, br));
+    for (size_t i = 0; i < n; i++) {
+        CHECK(in[i] == left * 1000003 + (int32_t)i, "batch from the left [%zu] = %d", i, in[i]);
+        CHECK(in2[i] == -(right * 1000003 + (int32_t)i), "batch from the right [%zu] = %d", i,
+              in2[i]);
+    }
+    /* A bad op refuses the whole batch: nothing starts, every request stays NULL. */
+    br[0] = br[1] = (chorus_request *)&ops[0]; /* garbage the call must overwrite */
+    chorus_p2p_op bad[2] = {
+        {&a, 1, CHORUS_INT64, me, CHORUS_P2P_SEND},
+        {&x, 1, CHORUS_INT64, p, CHORUS_P2P_RECV},
+    };
+    EXPECT(chorus_batch_isend_irecv(comm, bad, 2, br), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "ops[1].peer") != NULL, "message: %s", chorus_last_error());
+    CHECK(br[0] == NULL && br[1] == NULL, "a refused batch left requests");
+    bad[1].peer = me;
+    bad[1].buf = &a; /* a receive overlapping the send */
+    EXPECT(chorus_batch_isend_irecv(comm, bad, 2, br), CHORUS_INVALID_ARGUMENT);
+    bad[1].kind = (chorus_p2p_kind)7;
+    EXPECT(chorus_batch_isend_irecv(comm, bad, 2, br), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_batch_isend_irecv(comm, bad, 2, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_batch_isend_irecv(comm, NULL, 2, br), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_batch_isend_irecv(comm, NULL, 0, NULL));
+    /* The refused batches sent nothing, and a batch's transfers start in its order: these two
+     * to itself are matched first, in turn, by receives issued one by one. */
+    bad[1] = (chorus_p2p_op){&b, 1, CHORUS_INT64, me, CHORUS_P2P_SEND};
+    x = y = 0;
+    OK(chorus_batch_isend_irecv(comm, bad, 2, br));
+    OK(chorus_irecv(comm, &x, 1, CHORUS_INT64, me, &br[2]));
+    OK(chorus_irecv(comm, &y, 1, CHORUS_INT64, me, &br[3]));
+    OK(chorus_waitall(4, br));
+    CHECK(x == 11 && y == 22, "batch to itself: %lld %lld", (long long)x, (long long)y);
     /* Collectives are refused while a transfer is live (the communicator stays usable); a dup
      * made before runs them meanwhile. */
     chorus_comm *dup = NULL;
