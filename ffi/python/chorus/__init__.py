@@ -262,14 +262,22 @@ def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
     if writable and not a.flags.writeable:
         raise InvalidArgumentError(f"{what} is read-only")
     dt = a.dtype
-    name = dt.name
-    if name not in DTYPES or (dt.byteorder not in ("=", "|") and dt.itemsize > 1):
-        if name not in DTYPES:
-            raise InvalidArgumentError(
-                f"{what} has dtype {dt}; supported: {', '.join(DTYPES)}"
-            )
-        raise InvalidArgumentError(f"{what} has non-native byte order ({dt.str})")
-    return _Buffer(a.ctypes.data, a.size, DTYPES[name], dt.itemsize, a)
+    code = _NUMPY_CODES.get(dt)
+    if code is None:
+        name = dt.name  # (computed by numpy in Python, about 1 us: hence the cache)
+        if name not in DTYPES or (dt.byteorder not in ("=", "|") and dt.itemsize > 1):
+            if name not in DTYPES:
+                raise InvalidArgumentError(
+                    f"{what} has dtype {dt}; supported: {', '.join(DTYPES)}"
+                )
+            raise InvalidArgumentError(f"{what} has non-native byte order ({dt.str})")
+        code = _NUMPY_CODES[dt] = DTYPES[name]
+    return _Buffer(a.ctypes.data, a.size, code, dt.itemsize, a)
+
+
+#: The chorus dtype code of each numpy dtype accepted so far (only supported, native-order
+#: ones: as many entries as DTYPES at most).
+_NUMPY_CODES: Dict[Any, int] = {}
 
 
 def _buffer(x: Any, what: str, writable: bool = True) -> _Buffer:
@@ -291,6 +299,37 @@ def _same_dtype(a: _Buffer, b: _Buffer, call: str) -> None:
         raise InvalidArgumentError(
             f"{call}: input is {names[a.dtype]} but output is {names[b.dtype]}"
         )
+
+
+def _p2p_ops(ops: Any, call: str) -> Tuple[Any, List[Tuple[_Buffer, Any, bool]]]:
+    """The ``chorus_p2p_op`` array of ``ops`` (each ``("send", x, peer)`` or ``("recv", out,
+    peer)``), checked, and per op its buffer, the array or tensor and whether it is a send."""
+    try:
+        n = len(ops)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{call}: ops must be a sequence of (kind, buffer, peer), not {type(ops).__name__}"
+        ) from None
+    arr = (_lib.P2pOp * max(n, 1))()
+    parsed: List[Tuple[_Buffer, Any, bool]] = []
+    for i, op in enumerate(ops):
+        if not isinstance(op, (tuple, list)) or len(op) != 3:
+            raise InvalidArgumentError(
+                f"{call}: ops[{i}] must be (\"send\" or \"recv\", buffer, peer), not {op!r}"
+            )
+        kind, x, peer = op
+        if kind not in ("send", "recv"):
+            raise InvalidArgumentError(
+                f"{call}: ops[{i}] kind {kind!r} must be \"send\" or \"recv\""
+            )
+        is_send = kind == "send"
+        b = _buffer(x, f"{call}: ops[{i}] buffer", writable=not is_send)
+        e = arr[i]
+        e.buf, e.count, e.dtype = b.ptr, b.count, b.dtype
+        e.peer = _int(peer, f"{call}: ops[{i}] peer")
+        e.kind = _lib.P2P_SEND if is_send else _lib.P2P_RECV
+        parsed.append((b, x, is_send))
+    return arr, parsed
 
 
 class _Handle:
@@ -839,36 +878,39 @@ class Communicator:
         the same order in the batch. Sends may share a buffer; a receive's buffer must not
         overlap any other. Returns the receive buffers, in order (with ``async_op``, a
         :class:`Request` whose ``wait()`` returns them)."""
+        arr, parsed = _p2p_ops(ops, "p2p_batch")
+        keep = tuple(b for b, _, _ in parsed)
+        received = [x for _, x, is_send in parsed if not is_send]
+        return self._issue("p2p_batch", (arr, len(parsed)), received, keep, async_op)
+
+    def batch_isend_irecv(self, ops: Sequence[Tuple[str, Any, int]]) -> List["Request"]:
+        """Start every send and receive of ``ops`` as :meth:`isend` and :meth:`irecv` would,
+        in their order, with one call into the library (as torch's ``batch_isend_irecv``):
+        each op is ``("send", x, peer)`` or ``("recv", out, peer)``. Returns their
+        :class:`Request` objects, in order; a send's ``wait()`` returns its buffer, a
+        receive's the filled one. Every op is checked before any starts (an error starts
+        none). A receive's buffer must not overlap any other buffer of the batch; sends may
+        share one. The transfers behave as :meth:`isend`'s: each progresses on its own and
+        completes by itself, and while their requests are held the communicator's
+        collectives are refused. Unlike :meth:`p2p_batch`, which waits for (or returns one
+        request for) the whole batch on the communicator's queue."""
+        arr, parsed = _p2p_ops(ops, "batch_isend_irecv")
+        n = len(parsed)
+        # Made first, holding the buffers, so that nothing can free them once the
+        # transfers run.
+        reqs = [Request(x, (b, x), self._completer) for b, x, _ in parsed]
+        for r in reqs:
+            r._given_up = self._given_up
+        handles = (ctypes.c_void_p * max(n, 1))()
         try:
-            n = len(ops)
-        except TypeError:
-            raise InvalidArgumentError(
-                f"p2p_batch: ops must be a sequence of (kind, buffer, peer), not "
-                f"{type(ops).__name__}"
-            ) from None
-        arr = (_lib.P2pOp * max(n, 1))()
-        keep: List[_Buffer] = []
-        received: List[Any] = []
-        for i, op in enumerate(ops):
-            if not isinstance(op, (tuple, list)) or len(op) != 3:
-                raise InvalidArgumentError(
-                    f"p2p_batch: ops[{i}] must be (\"send\" or \"recv\", buffer, peer), not {op!r}"
-                )
-            kind, x, peer = op
-            if kind not in ("send", "recv"):
-                raise InvalidArgumentError(
-                    f"p2p_batch: ops[{i}] kind {kind!r} must be \"send\" or \"recv\""
-                )
-            is_send = kind == "send"
-            b = _buffer(x, f"p2p_batch: ops[{i}] buffer", writable=not is_send)
-            e = arr[i]
-            e.buf, e.count, e.dtype = b.ptr, b.count, b.dtype
-            e.peer = _int(peer, f"p2p_batch: ops[{i}] peer")
-            e.kind = _lib.P2P_SEND if is_send else _lib.P2P_RECV
-            keep.append(b)
-            if not is_send:
-                received.append(x)
-        return self._issue("p2p_batch", (arr, n), received, tuple(keep), async_op)
+            self._call(lib.chorus_batch_isend_irecv, arr, n, handles)
+        finally:
+            # Also when an exception arrives as the call returns: the transfers started.
+            for r, h in zip(reqs, handles):
+                r._h.value = h
+        for r in reqs:
+            self._inflight.add(r)
+        return reqs
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Split into disjoint communicators, as ``MPI_Comm_split`` and ``ncclCommSplit``:

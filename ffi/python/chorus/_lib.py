@@ -140,6 +140,10 @@ _PROTOTYPES = {
         [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t, c_int, c_int32],
     ),
     "chorus_p2p_batch": (c_int32, [c_void_p, ctypes.POINTER(P2pOp), c_size_t]),
+    "chorus_batch_isend_irecv": (
+        c_int32,
+        [c_void_p, ctypes.POINTER(P2pOp), c_size_t, ctypes.POINTER(c_void_p)],
+    ),
     "chorus_gatherv": (
         c_int32,
         [c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p, c_int32, c_int],

@@ -534,9 +534,9 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     def _start(self, ops: List[_P2P]) -> None:
         """Start the transfers of ``ops``, in order, on the group's point-to-point
-        communicator: each runs on its own (chorus ``isend``/``irecv``), so no order of sends
-        and receives across the ranks, and no collective before a ``wait()``, can deadlock
-        them. An op that cannot start fails, with the ops after it."""
+        communicator, with one call (chorus ``batch_isend_irecv``): each runs on its own, so
+        no order of sends and receives across the ranks, and no collective before a
+        ``wait()``, can deadlock them. If they cannot start, none does, and every op fails."""
         def span(t: torch.Tensor) -> Tuple[int, int]:
             return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
@@ -553,17 +553,21 @@ class ProcessGroupChorus(dist.ProcessGroup):
             # chorus Request's finaliser would) nor free what they use.
             self._started = [o for o in self._started if not o.done()]
             self._started.extend(ops)
-            for k, op in enumerate(ops):
-                try:
-                    for t in op.data:
-                        if op.is_send:
-                            op.reqs.append(self.p2p.isend(apart(t), op.peer))
-                        else:
-                            op.reqs.append(self.p2p.irecv(t, op.peer))
-                except Exception as e:
-                    for rest in ops[k:]:
-                        rest.error = e
-                    raise
+            batch = [
+                ("send", apart(t), op.peer) if op.is_send else ("recv", t, op.peer)
+                for op in ops
+                for t in op.data
+            ]
+            try:
+                reqs = self.p2p.batch_isend_irecv(batch)
+            except Exception as e:
+                for op in ops:
+                    op.error = e
+                raise
+            k = 0
+            for op in ops:
+                op.reqs = reqs[k : k + len(op.data)]
+                k += len(op.data)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")

@@ -660,6 +660,36 @@ def transfers(comm):
     for k in range(2):
         check(f"ring message {k}", ins[k][:4], list(np.arange(4) + 1000 * left + k))
         assert (ins[k] == np.arange(n, dtype=np.int32) + 1000 * left + k).all()
+    # The same ring as one batch (sends first), and a batch's sends to itself matched in
+    # its order by receives issued one by one.
+    ins = [np.zeros(n, dtype=np.int32) for _ in range(2)]
+    reqs = comm.batch_isend_irecv(
+        [("send", outs[0], right), ("send", outs[1], right), ("recv", ins[0], left),
+         ("recv", ins[1], left)]
+    )
+    assert len(reqs) == 4 and all(isinstance(r, chorus.Request) for r in reqs)
+    assert reqs[3].wait() is ins[1] and reqs[2].wait() is ins[0]
+    assert reqs[0].wait() is outs[0] and reqs[1].wait() is outs[1]
+    for k in range(2):
+        assert (ins[k] == np.arange(n, dtype=np.int32) + 1000 * left + k).all(), ins[k][:4]
+    first, second = np.zeros(2), np.zeros(2)
+    sent = comm.batch_isend_irecv([("send", np.array([1.0, 2.0]), me),
+                                   ("send", np.array([3.0, 4.0]), me)])
+    comm.irecv(first, me).wait()
+    comm.irecv(second, me).wait()
+    [r.wait() for r in sent]
+    check("a batch to itself, in order", list(first) + list(second), [1.0, 2.0, 3.0, 4.0])
+    # A bad op starts none of the batch: the receive from itself after it gets what follows.
+    expect(chorus.InvalidArgumentError,
+           lambda: comm.batch_isend_irecv([("send", np.ones(2), me), ("recv", np.ones(2), p)]),
+           "a batch with a peer outside")
+    expect(chorus.InvalidArgumentError,
+           lambda: comm.batch_isend_irecv([("send", first, me), ("recv", first, me)]),
+           "a receive overlapping a send")
+    assert comm.batch_isend_irecv([]) == []
+    got = comm.irecv(np.zeros(2), me)
+    comm.isend(np.array([5.0, 6.0]), me).wait()
+    check("nothing started by refused batches", got.wait(), [5.0, 6.0])
     back = np.zeros(3, dtype=np.float64)
     w = comm.isend(np.array([1.5, 2.5, 3.5]), me)
     assert comm.irecv(back, me).wait() is back
