@@ -297,9 +297,10 @@ impl Queue {
         if self.check_process().is_err() {
             return 0;
         }
-        let issued = lock(&self.shared.jobs).issued;
-        // (Read after `issued`: a call is counted as answered only once it was issued.)
+        // `answered` first: a call is answered only after it was issued, so the two read in
+        // this order never undercount (calls issued in between count as pending).
         let answered = self.shared.answered.load(Ordering::SeqCst);
+        let issued = lock(&self.shared.jobs).issued;
         issued.saturating_sub(answered) as usize + self.transfers()
     }
 
@@ -419,8 +420,7 @@ impl Queue {
                     .at_rank(rank))
                 }
             };
-            answered();
-            fill.fill(result, comm);
+            fill.fill(result, comm, answered);
         });
         if let Err(e) = self.calls_allowed("queued call") {
             *lock(&slot.value) = Some(Err(e));
@@ -1075,7 +1075,11 @@ fn drive(
     // Wake the worker (and `wait_all`) only when there is something for them: waking it at
     // every step costs a context switch each. It looks at unattended transfers every
     // `GRACE` by itself, unless it sleeps.
-    let wake = (leave && jobs.napping) || !jobs.queue.is_empty() || (jobs.waiting_all > 0 && !live);
+    // A transfer to this rank itself waiting for its other half is not live, but the worker
+    // must be awake to fail it when due, should nobody wait for it.
+    let wake = ((leave || unmatched_due.is_some()) && jobs.napping)
+        || !jobs.queue.is_empty()
+        || (jobs.waiting_all > 0 && !live);
     drop(jobs);
     if wake {
         shared.changed.notify_all();
@@ -1089,8 +1093,12 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
     let done = |finished: bool| {
         // Stopping: what this thread drove and left live is now unattended.
         let mut jobs = lock(&shared.jobs);
-        if jobs.live && !jobs.driving {
-            jobs.unattended.get_or_insert_with(Instant::now);
+        if !jobs.driving && (jobs.live || jobs.unmatched_due.is_some()) {
+            if jobs.live {
+                jobs.unattended.get_or_insert_with(Instant::now);
+            }
+            // (A transfer to itself waiting for its other half needs the worker awake too,
+            // to fail it when due.)
             if jobs.napping {
                 drop(jobs);
                 shared.changed.notify_all();
@@ -1182,7 +1190,7 @@ impl<B: SendBuffer> p2p::Transfer for Sending<B> {
     }
     fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm);
+        self.slot.fill(result.map(|()| buf), comm, &mut || {});
     }
 }
 
@@ -1204,7 +1212,7 @@ impl<B: RecvBuffer> p2p::Transfer for Receiving<B> {
     }
     fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm);
+        self.slot.fill(result.map(|()| buf), comm, &mut || {});
     }
 }
 
@@ -1231,7 +1239,16 @@ impl<T> Slot<T> {
     /// Give the request its result (on the worker). A request given up whose call failed
     /// aborts the communicator: nothing else would report it, and this rank may have skipped
     /// a call its peers make.
-    fn fill(&self, result: Result<T, CommError>, comm: &mut Communicator) {
+    ///
+    /// `answered` is called once the result is as good as handed over: under the request's
+    /// lock just before it is stored (a thread that then sees [`Queue::pending`] without the
+    /// call finds the result there), or, for a request given up, after the abort.
+    fn fill(
+        &self,
+        result: Result<T, CommError>,
+        comm: &mut Communicator,
+        answered: &mut dyn FnMut(),
+    ) {
         let mut value = lock(&self.value);
         if self.detached.load(Ordering::SeqCst) {
             drop(value);
@@ -1251,7 +1268,9 @@ impl<T> Slot<T> {
                     comm.abort(&why);
                 }
             }
+            answered();
         } else {
+            answered();
             *value = Some(result);
             drop(value);
             self.done.notify_all();

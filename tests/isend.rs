@@ -294,6 +294,28 @@ fn an_unmatched_transfer_to_itself_times_out() {
     });
 }
 
+/// A transfer to itself given up while the queue's thread sleeps (nothing happened for a
+/// while) still times out: nothing else would wake that thread to fail it.
+#[test]
+fn a_given_up_transfer_to_itself_wakes_the_sleeping_worker() {
+    let left = ranks(1, "tcp", Duration::from_millis(300), |c| {
+        let q = Queue::new(c);
+        q.barrier().wait().unwrap(); // the queue's thread runs, then sleeps
+        std::thread::sleep(Duration::from_millis(600));
+        drop(q.irecv(vec![0u8; 4], 0));
+        let start = Instant::now();
+        while q.transfers() > 0 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        q.transfers()
+    });
+    assert_eq!(
+        left,
+        [0],
+        "the given-up receive from itself never timed out"
+    );
+}
+
 /// A receive that nothing will match times out after the communicator's timeout, naming the
 /// peer, and later transfers are refused (the communicator is unusable).
 #[test]

@@ -1301,7 +1301,8 @@ int32_t chorus_ip2p_batch(chorus_comm *comm,
  *
  * Every op is checked before any starts: on an error (`CHORUS_INVALID_ARGUMENT` for a bad
  * op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
- * started and every `requests[i]` is NULL. A receive's buffer must not overlap any other
+ * started, and every `requests[i]` is NULL unless `requests` itself or `n` (at most 2^20)
+ * was refused, when the array is left as it was. A receive's buffer must not overlap any other
  * buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
  * that is the caller's care. `ops` is read during the call only.
  *

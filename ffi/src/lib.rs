@@ -2819,7 +2819,8 @@ pub unsafe extern "C" fn chorus_ip2p_batch(
 ///
 /// Every op is checked before any starts: on an error (`CHORUS_INVALID_ARGUMENT` for a bad
 /// op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
-/// started and every `requests[i]` is NULL. A receive's buffer must not overlap any other
+/// started, and every `requests[i]` is NULL unless `requests` itself or `n` (at most 2^20)
+/// was refused, when the array is left as it was. A receive's buffer must not overlap any other
 /// buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
 /// that is the caller's care. `ops` is read during the call only.
 ///
@@ -2841,10 +2842,11 @@ pub unsafe extern "C" fn chorus_batch_isend_irecv(
                 "n = {n} transfers: at most {MAX_P2P_OPS} in one batch"
             )));
         }
-        // Every request NULL first, so that an error leaves none set.
-        // SAFETY: valid for `n` pointers by the caller's promise (checked for NULL and
-        // alignment).
-        unsafe { ptr::array(requests.cast_const(), n, "requests")? };
+        // Every request NULL first, so that a later error leaves none set.
+        if n > 0 {
+            ptr::check_out(requests, "requests")?;
+            ptr::check_aligned(requests, "requests")?;
+        }
         for i in 0..n {
             // SAFETY: inside the caller's array of `n` pointers, checked above.
             unsafe { ptr::write_out(requests.add(i), std::ptr::null_mut(), "requests")? };

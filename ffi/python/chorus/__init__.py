@@ -899,15 +899,15 @@ class Communicator:
         # Made first, holding the buffers, so that nothing can free them once the
         # transfers run.
         reqs = [Request(x, (b, x), self._completer) for b, x, _ in parsed]
-        for r in reqs:
-            r._given_up = self._given_up
         handles = (ctypes.c_void_p * max(n, 1))()
-        try:
-            self._call(lib.chorus_batch_isend_irecv, arr, n, handles)
-        finally:
-            # Also when an exception arrives as the call returns: the transfers started.
-            for r, h in zip(reqs, handles):
-                r._h.value = h
+        size = ctypes.sizeof(ctypes.c_void_p)
+        for i, r in enumerate(reqs):
+            r._given_up = self._given_up
+            # Each request's handle is its entry of the array the library fills (the view
+            # keeps the array alive): no copying afterwards, which an exception could cut
+            # short and leave a started transfer without its request.
+            r._h = ctypes.c_void_p.from_buffer(handles, i * size)
+        self._call(lib.chorus_batch_isend_irecv, arr, n, handles)
         for r in reqs:
             self._inflight.add(r)
         return reqs

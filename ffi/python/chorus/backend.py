@@ -558,16 +558,31 @@ class ProcessGroupChorus(dist.ProcessGroup):
                 for op in ops
                 for t in op.data
             ]
+            # Receives into overlapping tensors (Gloo takes them, the last message winning)
+            # go in consecutive sub-batches, in order: chorus refuses overlapping receives
+            # within one.
+            parts: List[List[Any]] = [[]]
+            spans: List[Tuple[int, int]] = []
+            for kind, t, peer in batch:
+                if kind == "recv" and t.numel():
+                    a, b = span(t)
+                    if any(a < e and s < b for s, e in spans):
+                        parts.append([])
+                        spans = []
+                    spans.append((a, b))
+                parts[-1].append((kind, t, peer))
             try:
-                reqs = self.p2p.batch_isend_irecv(batch)
-            except Exception as e:
+                reqs = [r for part in parts for r in self.p2p.batch_isend_irecv(part)]
+                k = 0
                 for op in ops:
-                    op.error = e
+                    op.reqs = reqs[k : k + len(op.data)]
+                    k += len(op.data)
+            except BaseException as e:
+                # (Ctrl-C too: an op must not look done with its tensors unfilled.)
+                for op in ops:
+                    if not op.reqs:
+                        op.error = e
                 raise
-            k = 0
-            for op in ops:
-                op.reqs = reqs[k : k + len(op.data)]
-                k += len(op.data)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")

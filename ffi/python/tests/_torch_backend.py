@@ -237,6 +237,18 @@ def main():
         for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, shared, right), dist.P2POp(dist.irecv, shared, left)]):
             q.wait()
         check("one tensor sent and received into", shared, torch.full((8,), float(left)))
+        # two receives into one tensor in a batch (Gloo takes them; the last message wins),
+        # with a receive into another tensor between them
+        into, other = torch.zeros(6), torch.zeros(6)
+        firsts = [torch.full((6,), 10.0 * me + k) for k in range(3)]
+        for q in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, f, right) for f in firsts]
+            + [dist.P2POp(dist.irecv, into, left), dist.P2POp(dist.irecv, other, left),
+               dist.P2POp(dist.irecv, into, left)]
+        ):
+            q.wait()
+        check("the last of two receives into one tensor", into, torch.full((6,), 10.0 * left + 2))
+        check("the receive between them", other, torch.full((6,), 10.0 * left + 1))
         # a collective between a large isend and its wait, the receiver taking the message
         # before it reduces (a transfer that ran only at wait() deadlocked here); and the
         # mirror image, a receive posted before the collective, the sender sending first
