@@ -153,6 +153,7 @@ impl HybridTransport {
                 .sum()
         };
         let before = signature(ops);
+        let mut gone_seen = false;
         loop {
             let (a, b) = ops.split_at_mut(k);
             let done_a = shm.progress(a, Wait::No)?;
@@ -174,6 +175,21 @@ impl HybridTransport {
             });
             if waiting_for_caller {
                 return Ok(false);
+            }
+            // A shm peer of this wait that stopped (closed, aborted, or dead once the spinning
+            // is over) fails it now, as a wait on shm peers alone does, rather than at the
+            // deadline: at the second look, after one more poll, so that what the peer sent
+            // before it stopped is taken first.
+            let involved = ops[..k]
+                .iter()
+                .filter(|o| !o.req.is_complete())
+                .map(|o| o.req.peer());
+            if let Some(e) = shm.gone_among(involved, sleep >= Duration::from_micros(20)) {
+                if gone_seen {
+                    return Err(e);
+                }
+                gone_seen = true;
+                continue;
             }
             let now = Instant::now();
             if now >= deadline && poll {
@@ -349,6 +365,56 @@ mod tests {
                 .map(|t| Box::new(t) as Box<dyn Transport>)
                 .collect()
         });
+    }
+
+    #[test]
+    fn a_mixed_wait_fails_at_once_when_its_shm_peer_stops() {
+        // Ranks 0 and 1 share a host, rank 2 is elsewhere. Rank 1 waits to hear from both;
+        // rank 0 goes away (its transport dropped, or aborted), rank 2 stays silent: rank 1
+        // fails naming rank 0 at once, not at the deadline.
+        for abort in [false, true] {
+            let mut g = local_group(&["a", "a", "b"], Choice::Auto).unwrap();
+            let t2 = g.pop().unwrap();
+            let mut t1 = g.pop().unwrap();
+            let mut t0 = g.pop().unwrap();
+            assert!(t1.uses_shm(0) && !t1.uses_shm(2));
+            let leaver = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                if abort {
+                    t0.abort(&crate::AbortNotice {
+                        culprit: None,
+                        reason: "on purpose".into(),
+                    });
+                }
+                drop(t0);
+            });
+            let (mut r0, mut r2) = (crate::Request::recv(0, 1, 8), crate::Request::recv(2, 1, 8));
+            t1.post(&mut r0).unwrap();
+            t1.post(&mut r2).unwrap();
+            let (mut b0, mut b2) = ([0u8; 8], [0u8; 8]);
+            let start = Instant::now();
+            let e = t1
+                .wait_all(
+                    &mut [Op::recv(&mut r0, &mut b0), Op::recv(&mut r2, &mut b2)],
+                    start + Duration::from_secs(30),
+                )
+                .unwrap_err();
+            let took = start.elapsed();
+            leaver.join().unwrap();
+            assert!(
+                took < Duration::from_secs(5),
+                "abort {abort}: {e} after {took:?}"
+            );
+            assert!(
+                matches!(
+                    e,
+                    TransportError::PeerClosed { peer: 0 }
+                        | TransportError::PeerAborted { peer: 0, .. }
+                ),
+                "abort {abort}: {e}"
+            );
+            drop(t2);
+        }
     }
 
     #[test]

@@ -458,6 +458,19 @@ impl ShmTransport {
         }
     }
 
+    /// For a wait that polls this transport without blocking in it (the hybrid transport's
+    /// waits on shm and TCP peers at once): the error of the first of `peers` that stopped
+    /// (closed, aborted, or, with `check_process`, dead), if one did.
+    pub(crate) fn gone_among(
+        &self,
+        peers: impl IntoIterator<Item = usize>,
+        check_process: bool,
+    ) -> Option<TransportError> {
+        peers
+            .into_iter()
+            .find_map(|j| self.peer_gone(j, check_process))
+    }
+
     /// The error for a peer that stopped: closed, aborted (with its notice) or dead.
     fn peer_gone(&self, j: usize, check_process: bool) -> Option<TransportError> {
         let p = self.peers.get(j)?.as_ref()?;
