@@ -611,6 +611,28 @@ fn ranks_that_disagree_fail_everywhere() {
                 out.iter().any(|o| o.contains("bytes where")),
                 "{algo} p={p}: {out:?}"
             );
+            // Lengths large enough that the ranks first agree on a bound for their buffers:
+            // the disagreement is found there, naming the rank, before any buffer is sized.
+            let big = 1usize << 33;
+            let out = outcomes(p, |rank, c| {
+                let n = if rank == p - 1 { big + 1 } else { big };
+                let x = SparseVec::new(n, vec![1, 7, 500], vec![1.0, 2.0, 3.0]).unwrap();
+                sparse::sparse_all_reduce(c, &x, algo).map(|_| ())
+            });
+            assert!(out.iter().all(|o| o != "ok"), "{algo} p={p}: {out:?}");
+            let named = format!(
+                "rank {} sent an invalid frame: it passed a sparse vector of length {}",
+                p - 1,
+                big + 1
+            );
+            assert!(out[0].contains(&named), "{algo} p={p}: {out:?}");
+            assert!(
+                out[p - 1].contains(&format!(
+                    "length {big}, this rank one of length {}",
+                    big + 1
+                )),
+                "{algo} p={p}: {out:?}"
+            );
             // Another top-k ratio on one rank.
             let out = outcomes(p, |rank, c| {
                 let mut data = gradient(rank, 0, 4000, false);

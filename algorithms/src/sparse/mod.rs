@@ -332,20 +332,49 @@ pub fn sparse_all_reduce(
 pub const BOUND_ENTRIES_ABOVE_BYTES: u64 = 16 << 20;
 
 /// Entries of any rank, at most: `n`, or for large `n` the maximum over ranks (a small
-/// allreduce; ranks that disagree on `n` fail on their next message).
+/// allreduce, which also checks that every rank passed this `n` before anything is sized by
+/// another rank's count; ranks that skip it, with a small `n`, fail on their next message).
 fn entry_bound(ctx: &mut CollCtx<'_>, e: Entries<'_>) -> Result<u64> {
     if ctx.transport.size() == 1 || e.n.saturating_mul(4) <= BOUND_ENTRIES_ABOVE_BYTES {
         return Ok(e.n);
     }
-    let mut m = [e.idx.len() as u64];
-    crate::allreduce::run(
-        crate::allreduce::Algorithm::RecursiveDoubling,
-        ctx,
-        None,
-        bytemuck::cast_slice_mut(&mut m),
-        crate::DType::Uint64,
-        crate::ReduceOp::Max,
-    )?;
+    let max = |ctx: &mut CollCtx<'_>, m: &mut [u64]| {
+        crate::allreduce::run(
+            crate::allreduce::Algorithm::RecursiveDoubling,
+            ctx,
+            None,
+            bytemuck::cast_slice_mut(m),
+            crate::DType::Uint64,
+            crate::ReduceOp::Max,
+        )
+    };
+    // The largest count, the largest n and the smallest n (as the largest !n).
+    let mut m = [e.idx.len() as u64, e.n, !e.n];
+    max(ctx, &mut m)?;
+    let (largest, smallest) = (m[1], !m[2]);
+    if largest != smallest {
+        // Every rank sees the disagreement: name a rank whose n differs from this one's
+        // (one more allreduce, on this failing path only).
+        let rank = ctx.transport.rank() as u64;
+        let mut who = [
+            if e.n == smallest { rank } else { 0 },
+            if e.n == largest { rank } else { 0 },
+        ];
+        max(ctx, &mut who)?;
+        let (peer, theirs) = if e.n == largest {
+            (who[0], smallest)
+        } else {
+            (who[1], largest)
+        };
+        return Err(TransportError::Protocol {
+            peer: peer as usize,
+            what: format!(
+                "it passed a sparse vector of length {theirs}, this rank one of length {} \
+                 (every rank must pass the same length)",
+                e.n
+            ),
+        });
+    }
     Ok(m[0].min(e.n))
 }
 
