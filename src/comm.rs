@@ -649,8 +649,13 @@ impl Communicator {
             // with more ranks than cores: a yielding spinner hands its core to the peer that
             // must send, and skips a wake-up (8 B allreduce, 4 ranks on 2 cores: ~45 µs spinning
             // against ~70 µs sleeping, on loopback and across namespaces alike).
+            // One deadline for every step of the rendezvous (the mesh keeps to its own of the
+            // same length, taken as it starts): a store host that stops answering after the
+            // mesh must not stretch init past CHORUS_INIT_TIMEOUT by each step's own timeout.
+            let init_deadline = Instant::now() + config.init_timeout;
             let (t, mut r) = tcp::connect_with(&opts, server)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            r.store.set_deadline(init_deadline);
             // Settings every rank must share to pick the same schedules (each rank reads its
             // own environment): told apart here, naming the setting, rather than as a
             // mismatch or a timeout at some later call.
@@ -689,20 +694,16 @@ impl Communicator {
                 rank,
                 size,
                 &settings,
-                Instant::now() + config.init_timeout,
+                init_deadline,
             )
             .map_err(fail)?;
             // Peers on this host through shared memory, the others through TCP.
             let shm_opts = shm_options().map_err(fail)?;
-            let t = hybrid::connect(
-                t,
-                &mut r.store,
-                &r.hosts,
-                choice,
-                &shm_opts,
-                Instant::now() + config.init_timeout,
-            )
-            .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            let t = hybrid::connect(t, &mut r.store, &r.hosts, choice, &shm_opts, init_deadline)
+                .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            // The store outlives init (splits, duplicates): its later requests carry deadlines
+            // of their own.
+            r.store.clear_deadline();
             let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
             let mut distinct = r.hosts.clone();
             distinct.sort();
