@@ -121,3 +121,55 @@ fn ranks_given_different_sizes_fail_at_once() {
         start.elapsed()
     );
 }
+
+/// Two processes given the same rank (here ranks 0, 1 and 1 of 3): the second to join is
+/// refused at once, saying so, rather than both writing over each other's rendezvous and
+/// the group failing later with a closed connection or a timeout.
+#[test]
+fn a_rank_given_twice_is_refused_at_once() {
+    let id = UniqueId::new_on([127, 0, 0, 1].into()).expect("an id");
+    let start = Instant::now();
+    let handles: Vec<_> = [0usize, 1, 1]
+        .into_iter()
+        .enumerate()
+        .map(|(k, rank)| {
+            let bytes = id.as_bytes().to_vec();
+            std::thread::spawn(move || {
+                let id = UniqueId::from_bytes(&bytes).expect("well-formed bytes");
+                if k > 0 {
+                    // Rank 0 takes the id's store first (see above).
+                    std::thread::sleep(Duration::from_millis(300 * k as u64));
+                }
+                let mut cfg = Config::from_unique_id(&id, rank, 3).expect("a configuration");
+                cfg.transport = Some("tcp".into());
+                cfg.init_timeout = Duration::from_secs(4);
+                let r = Communicator::new(cfg).err().map(|e| e.to_string());
+                (r, start.elapsed())
+            })
+        })
+        .collect();
+    let got: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect();
+    let (dup, took) = &got[2];
+    let dup = dup
+        .as_deref()
+        .expect("the second rank 1 made a communicator");
+    assert!(
+        dup.contains("rank 1 has joined this group already"),
+        "{dup}"
+    );
+    assert!(
+        *took < Duration::from_secs(3),
+        "refused after {took:?}: {dup}"
+    );
+    // Rank 2 never came: the others fail within their timeout.
+    for (k, (e, took)) in got.iter().take(2).enumerate() {
+        assert!(
+            e.is_some(),
+            "process {k} made a communicator of 3 without rank 2"
+        );
+        assert!(*took < Duration::from_secs(20), "process {k}: {took:?}");
+    }
+}

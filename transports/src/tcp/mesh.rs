@@ -174,6 +174,16 @@ fn connect_keeping(
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
     store.set_deadline(deadline);
 
+    // Each rank joins once. A second process given the same rank (a launcher misconfigured,
+    // or two jobs sharing one store address) is refused here, saying so, before it publishes
+    // anything the others would take for the first one's (rank 0's id, an address).
+    if store.add(&format!("claim/{rank}"), 1)? != 1 {
+        return Err(rdv(format!(
+            "rank {rank} has joined this group already: two processes were given rank {rank} \
+             (or two jobs share the store at {store_addr})"
+        )));
+    }
+
     // Rank 0 publishes the communicator's id and its size; a rank given another size (a
     // unique id shared by ranks that passed different counts) says so where the others
     // wait for its address, and every rank fails at once naming it, instead of some forming a
