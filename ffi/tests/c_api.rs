@@ -4,7 +4,6 @@
 //! multi-process jobs (ranks spawned here with the CHORUS_* environment; rank 0 hosts the
 //! rendezvous store). Every job runs under a watchdog.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -133,18 +132,10 @@ fn built() -> &'static Built {
     })
 }
 
-/// A port free on 127.0.0.1 a moment ago, below the kernel's ephemeral range (20000–32000),
-/// so that no `bind(0)` or outgoing connection elsewhere takes it before the job's root
-/// binds it.
+/// A port free on 127.0.0.1 a moment ago, where no `bind(0)` elsewhere takes it before the
+/// job's root binds it.
 fn free_port() -> u16 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let start = std::process::id() as usize * 7919 + nanos as usize;
-    (0..12000)
-        .map(|i| 20000 + ((start + i * 613) % 12000) as u16)
-        .find(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok())
-        .expect("a free port in 20000-32000")
+    chorus_transport::rendezvous::free_local_ports(1).expect("a free port")[0]
 }
 
 /// Run `exe args` as `size` ranks; returns (exit code, output) per rank.

@@ -32,7 +32,6 @@
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
-use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -256,47 +255,12 @@ fn host_of(addr: &str) -> &str {
         .unwrap_or(host)
 }
 
-/// Two distinct TCP ports that were free on 127.0.0.1 a moment ago (both are bound at
-/// once, so they differ, then released for the ranks to use).
-///
-/// They are drawn below the kernel's ephemeral range where it leaves room: the kernel hands
-/// ports of that range to every `bind(0)` and outgoing connection on the machine, and one
-/// of those could take a port between its release here and the ranks' bind. A port below
-/// it is taken only by a program that names it.
+/// Two distinct TCP ports that were free on 127.0.0.1 a moment ago, for the ranks to use
+/// (drawn where no other program's `bind(0)` takes them meanwhile: see
+/// [`chorus_transport::rendezvous::free_local_ports`]).
 fn free_ports() -> io::Result<(u16, u16)> {
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    const LOW: u16 = 20000;
-    if ephemeral_low > LOW + 1000 {
-        let span = u32::from(ephemeral_low - LOW);
-        let mut seed = [0u8; 4];
-        if File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut seed))
-            .is_ok()
-        {
-            let mut x = u32::from_le_bytes(seed);
-            for _ in 0..64 {
-                // A small linear congruential step is plenty to spread the tries.
-                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                let a = LOW + ((x >> 8) % span) as u16;
-                let b = LOW + ((x >> 8).wrapping_add(1 + (x & 0xff)) % span) as u16;
-                if a == b {
-                    continue;
-                }
-                if let (Ok(_la), Ok(_lb)) = (
-                    TcpListener::bind(("127.0.0.1", a)),
-                    TcpListener::bind(("127.0.0.1", b)),
-                ) {
-                    return Ok((a, b));
-                }
-            }
-        }
-    }
-    let a = TcpListener::bind("127.0.0.1:0")?;
-    let b = TcpListener::bind("127.0.0.1:0")?;
-    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+    let p = chorus_transport::rendezvous::free_local_ports(2)?;
+    Ok((p[0], p[1]))
 }
 
 /// 16 bytes from `/dev/urandom` as 32 lowercase hex digits.

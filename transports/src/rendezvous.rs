@@ -57,7 +57,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -1045,6 +1045,52 @@ fn retryable(e: &io::Error) -> bool {
     )
 }
 
+/// `count` distinct TCP ports that were free on 127.0.0.1 a moment ago (bound all at once,
+/// then released for the caller to bind), drawn below the kernel's ephemeral range where it
+/// leaves room (20000 up to its start). The kernel hands ports of that range to every
+/// `bind(0)` and outgoing connection on the machine, and one of those could take a port
+/// between its release here and the caller's bind; a client retrying to connect to a port
+/// there before its server listens could also be joined to itself. Where there is no such
+/// room, ports the kernel picks.
+pub fn free_local_ports(count: usize) -> io::Result<Vec<u16>> {
+    const LOW: u16 = 20000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut seed = [0u8; 8];
+    if ephemeral_low > LOW + 1000 && getrandom::getrandom(&mut seed).is_ok() {
+        let span = u64::from(ephemeral_low - LOW);
+        let mut x = u64::from_le_bytes(seed);
+        for _ in 0..64 {
+            let mut held: Vec<(u16, TcpListener)> = Vec::with_capacity(count);
+            while held.len() < count {
+                // A linear congruential step is plenty to spread the tries.
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let port = LOW + ((x >> 33) % span) as u16;
+                if held.iter().any(|&(p, _)| p == port) {
+                    continue;
+                }
+                match TcpListener::bind((Ipv4Addr::LOCALHOST, port)) {
+                    Ok(l) => held.push((port, l)),
+                    Err(_) => break,
+                }
+            }
+            if held.len() == count {
+                return Ok(held.into_iter().map(|(p, _)| p).collect());
+            }
+        }
+    }
+    let held = (0..count)
+        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .collect::<io::Result<Vec<_>>>()?;
+    held.iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
 /// Whether a connected socket is joined to itself (same address at both ends): a client
 /// that retries connecting to a local port nobody listens on yet can get this when the
 /// kernel gives it that port as its own.
@@ -1751,25 +1797,28 @@ mod tests {
         });
     }
 
-    /// A port free on 127.0.0.1 below the kernel's ephemeral range (20000–32000): no
-    /// `bind(0)` elsewhere takes it once released, and a client retrying to connect there
-    /// cannot meet itself (a connect from an ephemeral port equal to the one it calls).
-    fn quiet_port() -> u16 {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let start = std::process::id() as usize * 7919 + nanos as usize;
-        (0..12000)
-            .map(|i| 20000 + ((start + i * 613) % 12000) as u16)
-            .find(|&p| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok())
-            .expect("a free port in 20000-32000")
+    #[test]
+    fn free_local_ports_are_distinct_and_below_the_ephemeral_range() {
+        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok());
+        for _ in 0..20 {
+            let ports = free_local_ports(3).unwrap();
+            assert_eq!(ports.len(), 3);
+            assert!(ports[0] != ports[1] && ports[1] != ports[2] && ports[0] != ports[2]);
+            for &p in &ports {
+                if let Some(low) = low.filter(|&l| l > 21000) {
+                    assert!((20000..low).contains(&p), "{p} (ephemeral from {low})");
+                }
+            }
+        }
     }
 
     #[test]
     fn connect_retries_until_the_server_starts() {
         watchdog(Duration::from_secs(30), || {
             // Find a free port, release it, and start the server there a little later.
-            let port = quiet_port();
+            let port = free_local_ports(1).unwrap()[0];
             let addr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
             let client = thread::spawn(move || {
                 let mut c = StoreClient::connect(addr, b"tok", secs(10))?;
