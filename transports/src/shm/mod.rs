@@ -231,9 +231,21 @@ pub fn connect(
             0
         },
     };
-    let fd = sys::memfd(&format!("chorus-{comm_id:016x}-{rank}"), layout.total())
-        .map_err(|e| io("memfd_create", e))?;
-    let me = Mapping::map(&fd, layout.total()).map_err(|e| io("mmap", e))?;
+    let made = sys::memfd(&format!("chorus-{comm_id:016x}-{rank}"), layout.total())
+        .map_err(|e| io("memfd_create", e))
+        .and_then(|fd| {
+            let me = Mapping::map(&fd, layout.total()).map_err(|e| io("mmap", e))?;
+            Ok((fd, me))
+        });
+    let (fd, me) = match made {
+        Ok(m) => m,
+        Err(e) => {
+            // Where the others wait for this rank's segment: they fail at once, saying why,
+            // rather than at their deadline.
+            let _ = store.set(&format!("shm/seg/{rank}"), format!("error: {e}").as_bytes());
+            return Err(e);
+        }
+    };
     me.u64_at(H_MAGIC).store(MAGIC, Ordering::Relaxed);
     me.u32_at(H_VERSION).store(VERSION, Ordering::Relaxed);
     me.u32_at(H_SIZE).store(size as u32, Ordering::Relaxed);
@@ -266,12 +278,18 @@ pub fn connect(
     let mut attach = || -> Result<()> {
         for &j in members.iter().filter(|&&j| j != rank) {
             let v = store.get(&format!("shm/seg/{j}"), deadline)?;
+            if let Some(why) = v.strip_prefix(b"error: ") {
+                return Err(rdv(format!(
+                    "rank {j} could not set up its shared memory: {}",
+                    String::from_utf8_lossy(why)
+                )));
+            }
             let text = String::from_utf8_lossy(&v);
             let mut it = text.split(' ').map(str::parse::<i64>);
             let (pid, pfd, ring, arena) =
                 match (it.next(), it.next(), it.next(), it.next(), it.next()) {
                     (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
-                        if p > 0 && p <= u32::MAX as i64 && f >= 0 =>
+                        if p > 0 && p <= u32::MAX as i64 && (0..=i32::MAX as i64).contains(&f) =>
                     {
                         (p as u32, f as i32, r, a)
                     }
@@ -1043,6 +1061,38 @@ mod tests {
             errs.iter().any(|e| e.contains("does not match")),
             "{errs:?}"
         );
+    }
+
+    #[test]
+    fn a_rank_that_cannot_make_its_segment_fails_the_others_at_once() {
+        use crate::rendezvous::StoreServer;
+        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+        let server =
+            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
+        let addr = server.local_addr();
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let start = Instant::now();
+                    let deadline = start + Duration::from_secs(30);
+                    let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
+                    // Rank 0 asks for rings no address space holds (256 TiB).
+                    let opts = ShmOptions {
+                        ring_bytes: if rank == 0 { 1 << 47 } else { 4096 },
+                        ..ShmOptions::default()
+                    };
+                    let r = connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ());
+                    (r.unwrap_err().to_string(), start.elapsed())
+                })
+            })
+            .collect();
+        let got: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let (e1, took) = &got[1];
+        assert!(
+            e1.contains("rank 0 could not set up its shared memory"),
+            "{got:?}"
+        );
+        assert!(*took < Duration::from_secs(10), "{got:?}");
     }
 
     #[test]

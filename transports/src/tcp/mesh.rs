@@ -216,8 +216,19 @@ fn connect_keeping(
         id
     };
 
-    let listener = TcpListener::bind(SocketAddr::new(opts.listen_ip, 0))
-        .map_err(|e| TransportError::io(None, "bind data listener", e))?;
+    let listener = match TcpListener::bind(SocketAddr::new(opts.listen_ip, 0)) {
+        Ok(l) => l,
+        Err(e) => {
+            // Where the others wait for this rank's address: they fail at once, saying why.
+            let why = format!(
+                "rank {rank} could not listen on {} for its data connections: {e} \
+                 (CHORUS_SOCKET_IFNAME picks the interface)",
+                opts.listen_ip
+            );
+            let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
+            return Err(TransportError::io(None, "bind data listener", e));
+        }
+    };
     let my_addr = listener
         .local_addr()
         .map_err(|e| TransportError::io(None, "getsockname", e))?;
@@ -485,4 +496,49 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
     }
     drop(server);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_that_cannot_listen_fails_the_others_at_once() {
+        // Rank 1 is told to listen on an address of no interface here (TEST-NET-1, which
+        // nothing routes): it cannot, and rank 0 hears why from the store at once.
+        let server =
+            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
+        let addr = server.local_addr();
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let start = Instant::now();
+                    let listen_ip = if rank == 1 {
+                        IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1))
+                    } else {
+                        IpAddr::V4(Ipv4Addr::LOCALHOST)
+                    };
+                    let r = connect(&MeshOptions {
+                        rank,
+                        size: 2,
+                        store_addr: addr,
+                        token: b"t".to_vec(),
+                        listen_ip,
+                        host_store: false,
+                        timeout: Duration::from_secs(30),
+                        tcp: TcpOptions::default(),
+                    });
+                    (r.err().map(|e| e.to_string()), start.elapsed())
+                })
+            })
+            .collect();
+        let got: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let (e0, took) = &got[0];
+        let e0 = e0.as_deref().expect("rank 0 connected alone");
+        assert!(
+            e0.contains("rank 1 could not listen on 192.0.2.1"),
+            "{got:?}"
+        );
+        assert!(*took < Duration::from_secs(10), "{got:?}");
+    }
 }
