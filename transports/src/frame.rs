@@ -155,7 +155,7 @@ pub fn encode_abort(culprit: Option<usize>, reason: &str) -> Vec<u8> {
 /// Decode an abort notice payload.
 pub fn decode_abort(p: &[u8]) -> (Option<usize>, String) {
     if p.len() < 8 {
-        return (None, String::from_utf8_lossy(p).into_owned());
+        return (None, peer_text(p));
     }
     let c = u64::from_le_bytes(p[..8].try_into().expect("8 bytes"));
     let culprit = if c == u64::MAX {
@@ -163,7 +163,26 @@ pub fn decode_abort(p: &[u8]) -> (Option<usize>, String) {
     } else {
         usize::try_from(c).ok()
     };
-    (culprit, String::from_utf8_lossy(&p[8..]).into_owned())
+    (culprit, peer_text(&p[8..]))
+}
+
+/// Text a peer sent (an abort notice's reason), as this rank shows it in errors and logs:
+/// invalid UTF-8 replaced, and control characters (newlines, terminal escapes) escaped, so
+/// that a peer's bytes cannot forge log lines or drive a terminal.
+pub fn peer_text(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    if !text.chars().any(char::is_control) {
+        return text.into_owned();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -235,6 +254,8 @@ mod tests {
     fn abort_payload() {
         let p = encode_abort(Some(3), "rank 3 died");
         assert_eq!(decode_abort(&p), (Some(3), "rank 3 died".to_string()));
+        assert_eq!(peer_text(b"a\nb\x1b[31mc\xff"), "a\\nb\\u{1b}[31mc\u{fffd}");
+        assert_eq!(peer_text("ünïcode ok".as_bytes()), "ünïcode ok");
         let p = encode_abort(None, &"x".repeat(10_000));
         assert_eq!(p.len(), MAX_ABORT_PAYLOAD);
         assert_eq!(decode_abort(&p).0, None);

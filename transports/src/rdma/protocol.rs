@@ -628,7 +628,7 @@ impl Receiver {
                 });
             }
             let culprit = u64::from_le_bytes(ring[slot..slot + 8].try_into().unwrap());
-            let reason = String::from_utf8_lossy(&ring[slot + 8..slot + len]).into_owned();
+            let reason = crate::frame::peer_text(&ring[slot + 8..slot + len]);
             return Ok(Arrival::Abort {
                 culprit: usize::try_from(culprit)
                     .ok()

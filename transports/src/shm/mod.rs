@@ -503,7 +503,7 @@ impl ShmTransport {
                 return Some(TransportError::PeerAborted {
                     peer: j,
                     culprit: usize::try_from(c).ok().filter(|&c| c < self.size),
-                    reason: String::from_utf8_lossy(&r).into_owned(),
+                    reason: crate::frame::peer_text(&r),
                 });
             }
             _ => return Some(TransportError::PeerClosed { peer: j }),
