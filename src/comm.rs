@@ -165,6 +165,18 @@ struct TuneState {
     warned: bool,
 }
 
+/// A store this rank hosts during init: dropped while still held (a step failed), it stays
+/// up a few seconds on a thread of its own (`tcp::linger_store`).
+struct Lingering(Option<chorus_transport::rendezvous::StoreServer>, Duration);
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        if let Some(server) = self.0.take() {
+            tcp::linger_store(server, self.1);
+        }
+    }
+}
+
 /// Checks that every rank has the same `settings` at init, through the rendezvous store (keys
 /// of this communicator, `comm_id`): each rank publishes its values, rank 0 compares them all
 /// and publishes a verdict that every rank reads (O(p) store traffic). A setting is (name,
@@ -656,6 +668,9 @@ impl Communicator {
             let (t, mut r) = tcp::connect_with(&opts, server)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
             r.store.set_deadline(init_deadline);
+            // Should a step below fail on this rank while it hosts the store, the store stays
+            // up a few seconds, so that the others read the error it left there.
+            let mut hosted = Lingering(r.server.take(), config.init_timeout);
             // Settings every rank must share to pick the same schedules (each rank reads its
             // own environment): told apart here, naming the setting, rather than as a
             // mismatch or a timeout at some later call.
@@ -704,6 +719,7 @@ impl Communicator {
             // The store outlives init (splits, duplicates): its later requests carry deadlines
             // of their own.
             r.store.clear_deadline();
+            r.server = hosted.0.take();
             let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
             let mut distinct = r.hosts.clone();
             distinct.sort();

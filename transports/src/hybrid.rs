@@ -22,6 +22,10 @@ use crate::{
 /// Longest pause between two polls of a wait that involves both shm and TCP peers.
 pub const MIXED_MAX_SLEEP: Duration = Duration::from_micros(200);
 
+/// How often a wait on shm and TCP peers at once looks whether its shm peers' processes
+/// still live (a dead one that did not close its segment).
+const PROCESS_CHECK: Duration = Duration::from_millis(10);
+
 /// Which transport to use for peers on this host (`CHORUS_TRANSPORT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
@@ -154,6 +158,10 @@ impl HybridTransport {
         };
         let before = signature(ops);
         let mut gone_seen = false;
+        // Whether a peer process still lives costs a system call: looked at once the wait
+        // has settled into sleeping, at most every `PROCESS_CHECK` (the shared states, which
+        // say closed and aborted, are read at every round).
+        let mut process_checked = start;
         loop {
             let (a, b) = ops.split_at_mut(k);
             let done_a = shm.progress(a, Wait::No)?;
@@ -184,7 +192,12 @@ impl HybridTransport {
                 .iter()
                 .filter(|o| !o.req.is_complete())
                 .map(|o| o.req.peer());
-            if let Some(e) = shm.gone_among(involved, sleep >= Duration::from_micros(20)) {
+            let check_process =
+                sleep >= MIXED_MAX_SLEEP && process_checked.elapsed() >= PROCESS_CHECK;
+            if check_process {
+                process_checked = Instant::now();
+            }
+            if let Some(e) = shm.gone_among(involved, check_process) {
                 if gone_seen {
                     return Err(e);
                 }

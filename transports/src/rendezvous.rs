@@ -1059,8 +1059,9 @@ pub fn free_local_ports(count: usize) -> io::Result<Vec<u16>> {
         .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
     let mut seed = [0u8; 8];
-    if ephemeral_low > LOW + 1000 && getrandom::getrandom(&mut seed).is_ok() {
-        let span = u64::from(ephemeral_low - LOW);
+    let span = u64::from(ephemeral_low.saturating_sub(LOW));
+    // (Room for many more than asked: else tries would mostly meet ports already drawn.)
+    if span > 1000 && count as u64 <= span / 8 && getrandom::getrandom(&mut seed).is_ok() {
         let mut x = u64::from_le_bytes(seed);
         for _ in 0..64 {
             let mut held: Vec<(u16, TcpListener)> = Vec::with_capacity(count);

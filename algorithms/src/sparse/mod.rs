@@ -299,7 +299,9 @@ pub struct WireStats {
 ///
 /// Errors: [`TransportError::InvalidArgument`] (nothing sent; the transport is still usable)
 /// when `input` fails [`SparseVec::validate`]; [`TransportError::Mismatch`] when another rank
-/// passed another `n`, [`TransportError::Protocol`] when it chose another schedule or sent
+/// passed another `n` (for `n` above [`BOUND_ENTRIES_ABOVE_BYTES`] / 4, a
+/// [`TransportError::Protocol`] naming that rank, found before any buffer is sized),
+/// [`TransportError::Protocol`] when it chose another schedule or sent
 /// bytes that are not a valid stream; otherwise the transport's errors. After those the
 /// transport must be aborted.
 pub fn sparse_all_reduce(

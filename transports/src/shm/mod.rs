@@ -281,7 +281,7 @@ pub fn connect(
             if let Some(why) = v.strip_prefix(b"error: ") {
                 return Err(rdv(format!(
                     "rank {j} could not set up its shared memory: {}",
-                    String::from_utf8_lossy(why)
+                    crate::frame::peer_text(why)
                 )));
             }
             let text = String::from_utf8_lossy(&v);
