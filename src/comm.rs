@@ -245,7 +245,7 @@ fn agree_on_settings(
     Err(CommError::new(
         ErrorKind::Mismatch,
         "init",
-        String::from_utf8_lossy(&verdict).into_owned(),
+        chorus_transport::frame::peer_text(&verdict),
     ))
 }
 

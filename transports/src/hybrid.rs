@@ -92,7 +92,7 @@ pub fn connect(
             return Err(TransportError::Rendezvous(format!(
                 "rank {j} uses CHORUS_TRANSPORT={}, rank {rank} uses {}: set the same value on \
                  every rank",
-                String::from_utf8_lossy(&theirs),
+                crate::frame::peer_text(&theirs),
                 choice.name()
             )));
         }

@@ -378,7 +378,7 @@ pub fn connect(
         if let Some(why) = v.strip_prefix(b"error: ") {
             return Err(rdv(format!(
                 "rank {j} could not attach the shared segments of this host: {}",
-                String::from_utf8_lossy(why)
+                crate::frame::peer_text(why)
             )));
         }
     }
