@@ -1122,17 +1122,7 @@ impl StoreClient {
             };
             attempts += 1;
             match TcpStream::connect_timeout(&addr, left.min(CONNECT_ATTEMPT_TIMEOUT)) {
-                Ok(stream) if is_self_connected(&stream) => {
-                    // Nobody listened yet, and the kernel picked the very port it called as
-                    // this side's port: TCP's simultaneous open joined the socket to itself.
-                    // Not the store: let the port go and retry.
-                    drop(stream);
-                    if let Some(left) = remaining(deadline) {
-                        thread::sleep(backoff.min(left));
-                    }
-                    backoff = (backoff * 2).min(CONNECT_BACKOFF_MAX);
-                }
-                Ok(mut stream) => {
+                Ok(mut stream) if !is_self_connected(&stream) => {
                     let _ = stream.set_nodelay(true);
                     let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
                     connect_handshake(&mut stream, token, STORE_CONTEXT, hs_deadline)?;
@@ -1144,14 +1134,17 @@ impl StoreClient {
                         broken: None,
                     });
                 }
-                Err(e) if retryable(&e) => {
-                    if let Some(left) = remaining(deadline) {
-                        thread::sleep(backoff.min(left));
-                    }
-                    backoff = (backoff * 2).min(CONNECT_BACKOFF_MAX);
-                }
+                // Nobody listened yet, and the kernel picked the very port it called as this
+                // side's port: TCP's simultaneous open joined the socket to itself. Not the
+                // store: the socket is dropped, and the connect retried.
+                Ok(_) => {}
+                Err(e) if retryable(&e) => {}
                 Err(e) => return Err(TransportError::io(None, "connecting to the store", e)),
             }
+            if let Some(left) = remaining(deadline) {
+                thread::sleep(backoff.min(left));
+            }
+            backoff = (backoff * 2).min(CONNECT_BACKOFF_MAX);
         }
     }
 
