@@ -1092,6 +1092,24 @@ pub fn free_local_ports(count: usize) -> io::Result<Vec<u16>> {
         .collect()
 }
 
+/// For tests: `f(rank, store)` for ranks `0..n`, each on a thread of its own, around a fresh
+/// store on loopback (token `b"t"`); the results in rank order.
+#[cfg(test)]
+pub(crate) fn on_local_store<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(usize, SocketAddr) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let server = StoreServer::bind((Ipv4Addr::LOCALHOST, 0).into(), b"t").unwrap();
+    let addr = server.local_addr();
+    let hs: Vec<_> = (0..n)
+        .map(|rank| {
+            let f = f.clone();
+            thread::spawn(move || f(rank, addr))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// Whether a connected socket is joined to itself (same address at both ends): a client
 /// that retries connecting to a local port nobody listens on yet can get this when the
 /// kernel gives it that port as its own.

@@ -1033,29 +1033,20 @@ mod tests {
 
     #[test]
     fn mismatched_options_are_refused() {
-        use crate::rendezvous::StoreServer;
-        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-        let server =
-            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
-        let addr = server.local_addr();
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let deadline = Instant::now() + Duration::from_secs(5);
-                    let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
-                    let opts = ShmOptions {
-                        ring_bytes: 4096 * (rank + 1),
-                        ..ShmOptions::default()
-                    };
-                    connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ())
-                })
-            })
-            .collect();
+        let results = crate::rendezvous::on_local_store(2, |rank, addr| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
+            let opts = ShmOptions {
+                ring_bytes: 4096 * (rank + 1),
+                ..ShmOptions::default()
+            };
+            connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ())
+        });
         // Each rank fails: the first to check reports the mismatch and drops its segment, so
         // the other may instead find nothing to open.
-        let errs: Vec<String> = hs
+        let errs: Vec<String> = results
             .into_iter()
-            .map(|h| h.join().unwrap().unwrap_err().to_string())
+            .map(|r| r.unwrap_err().to_string())
             .collect();
         assert!(
             errs.iter().any(|e| e.contains("does not match")),
@@ -1065,28 +1056,18 @@ mod tests {
 
     #[test]
     fn a_rank_that_cannot_make_its_segment_fails_the_others_at_once() {
-        use crate::rendezvous::StoreServer;
-        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-        let server =
-            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
-        let addr = server.local_addr();
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let start = Instant::now();
-                    let deadline = start + Duration::from_secs(30);
-                    let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
-                    // Rank 0 asks for rings no address space holds (256 TiB).
-                    let opts = ShmOptions {
-                        ring_bytes: if rank == 0 { 1 << 47 } else { 4096 },
-                        ..ShmOptions::default()
-                    };
-                    let r = connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ());
-                    (r.unwrap_err().to_string(), start.elapsed())
-                })
-            })
-            .collect();
-        let got: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let got = crate::rendezvous::on_local_store(2, |rank, addr| {
+            let start = Instant::now();
+            let deadline = start + Duration::from_secs(30);
+            let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
+            // Rank 0 asks for rings no address space holds (256 TiB).
+            let opts = ShmOptions {
+                ring_bytes: if rank == 0 { 1 << 47 } else { 4096 },
+                ..ShmOptions::default()
+            };
+            let r = connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ());
+            (r.unwrap_err().to_string(), start.elapsed())
+        });
         let (e1, took) = &got[1];
         assert!(
             e1.contains("rank 0 could not set up its shared memory"),

@@ -517,33 +517,25 @@ mod tests {
             eprintln!("note: 192.0.2.1 can be bound here (ip_nonlocal_bind?); nothing to test");
             return;
         }
-        let server =
-            StoreServer::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), b"t").unwrap();
-        let addr = server.local_addr();
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let start = Instant::now();
-                    let listen_ip = if rank == 1 {
-                        IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1))
-                    } else {
-                        IpAddr::V4(Ipv4Addr::LOCALHOST)
-                    };
-                    let r = connect(&MeshOptions {
-                        rank,
-                        size: 2,
-                        store_addr: addr,
-                        token: b"t".to_vec(),
-                        listen_ip,
-                        host_store: false,
-                        timeout: Duration::from_secs(30),
-                        tcp: TcpOptions::default(),
-                    });
-                    (r.err().map(|e| e.to_string()), start.elapsed())
-                })
-            })
-            .collect();
-        let got: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let got = crate::rendezvous::on_local_store(2, |rank, addr| {
+            let start = Instant::now();
+            let listen_ip = if rank == 1 {
+                IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1))
+            } else {
+                IpAddr::V4(Ipv4Addr::LOCALHOST)
+            };
+            let r = connect(&MeshOptions {
+                rank,
+                size: 2,
+                store_addr: addr,
+                token: b"t".to_vec(),
+                listen_ip,
+                host_store: false,
+                timeout: Duration::from_secs(30),
+                tcp: TcpOptions::default(),
+            });
+            (r.err().map(|e| e.to_string()), start.elapsed())
+        });
         let (e0, took) = &got[0];
         let e0 = e0.as_deref().expect("rank 0 connected alone");
         assert!(
