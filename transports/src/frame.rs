@@ -167,22 +167,46 @@ pub fn decode_abort(p: &[u8]) -> (Option<usize>, String) {
 }
 
 /// Text a peer sent (an abort notice's reason), as this rank shows it in errors and logs:
-/// invalid UTF-8 replaced, and control characters (newlines, terminal escapes) escaped, so
-/// that a peer's bytes cannot forge log lines or drive a terminal.
+/// invalid UTF-8 replaced, and control characters (newlines, terminal escapes), line and
+/// paragraph separators and invisible format characters (bidirectional overrides and
+/// isolates, zero-width characters, tag characters) escaped, so that a peer's bytes cannot
+/// forge log lines, drive a terminal or make a message read otherwise than it is.
 pub fn peer_text(bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
-    if !text.chars().any(char::is_control) {
+    if !text.chars().any(hidden) {
         return text.into_owned();
     }
     text.chars()
         .map(|c| {
-            if c.is_control() {
+            if hidden(c) {
                 c.escape_default().collect()
             } else {
                 c.to_string()
             }
         })
         .collect()
+}
+
+/// Whether `peer_text` escapes `c`: control characters, and the characters of Unicode's
+/// format category (Cf) and line and paragraph separators (Zl, Zp) that change how the text
+/// around them is shown, or are not shown at all.
+fn hidden(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{00AD}'
+                | '\u{0600}'..='\u{0605}'
+                | '\u{061C}'
+                | '\u{06DD}'
+                | '\u{070F}'
+                | '\u{180E}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{2028}'..='\u{202E}'
+                | '\u{2060}'..='\u{206F}'
+                | '\u{FEFF}'
+                | '\u{FFF9}'..='\u{FFFB}'
+                | '\u{E0000}'..='\u{E007F}'
+        )
 }
 
 #[cfg(test)]
@@ -255,6 +279,11 @@ mod tests {
         let p = encode_abort(Some(3), "rank 3 died");
         assert_eq!(decode_abort(&p), (Some(3), "rank 3 died".to_string()));
         assert_eq!(peer_text(b"a\nb\x1b[31mc\xff"), "a\\nb\\u{1b}[31mc\u{fffd}");
+        // A right-to-left override, a line separator, a zero-width space, a tag character.
+        assert_eq!(
+            peer_text("x\u{202E}y\u{2028}z\u{200B}w\u{E0041}".as_bytes()),
+            "x\\u{202e}y\\u{2028}z\\u{200b}w\\u{e0041}"
+        );
         assert_eq!(peer_text("ünïcode ok".as_bytes()), "ünïcode ok");
         let p = encode_abort(None, &"x".repeat(10_000));
         assert_eq!(p.len(), MAX_ABORT_PAYLOAD);
