@@ -13,7 +13,7 @@
 use std::collections::HashSet;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -371,6 +371,22 @@ fn dial(
     }
 }
 
+/// Incoming data connections not yet authenticated, oldest first: each with its id and a
+/// handle to shut it down. At most [`pending_limit`] of them; a connection arriving when
+/// they are all taken shuts the oldest down, so that connections that stay silent (or stall
+/// mid-handshake) cannot keep a peer out, however many there are: a peer sends its hello as
+/// soon as it connects and authenticates in one round trip.
+type Pending = std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>;
+
+fn lock(p: &Pending) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, TcpStream)>> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How many incoming data connections may be mid-handshake at once (one thread each).
+fn pending_limit(size: usize) -> usize {
+    4 * size + 64
+}
+
 #[allow(clippy::too_many_arguments)]
 fn accept_loop(
     listener: TcpListener,
@@ -383,23 +399,44 @@ fn accept_loop(
     deadline: Instant,
 ) {
     let token = Arc::new(token);
-    let live = Arc::new(AtomicUsize::new(0));
+    let pending: Arc<Pending> = Arc::default();
+    let mut next_id = 0u64;
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         match listener.accept() {
             Ok((stream, from_addr)) => {
-                if live.load(Ordering::Relaxed) > 4 * size + 64 {
-                    crate::note!("rank {rank}: too many pending connections, dropping {from_addr}");
+                let Ok(handle) = stream.try_clone() else {
+                    crate::note!("rank {rank}: cannot keep a handle of {from_addr}, dropped");
                     continue;
+                };
+                let id = next_id;
+                next_id += 1;
+                {
+                    let mut p = lock(&pending);
+                    if p.len() >= pending_limit(size) {
+                        if let Some((_, oldest)) = p.pop_front() {
+                            let who = oldest.peer_addr().map(|a| a.to_string());
+                            crate::note!(
+                                "rank {rank}: {} connections mid-handshake, shutting down the \
+                                 oldest ({}) for {from_addr}",
+                                pending_limit(size),
+                                who.unwrap_or_else(|_| "?".into())
+                            );
+                            let _ = oldest.shutdown(std::net::Shutdown::Both);
+                        }
+                    }
+                    p.push_back((id, handle));
                 }
-                live.fetch_add(1, Ordering::Relaxed);
-                let live_c = live.clone();
                 let tx = tx.clone();
                 let token = token.clone();
+                let pending_c = pending.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("chorus-hs-{rank}"))
                     .spawn(move || {
                         let hs_deadline = (Instant::now() + HANDSHAKE_BUDGET).min(deadline);
-                        match check_incoming(stream, rank, size, comm_id, &token, hs_deadline) {
+                        let result =
+                            check_incoming(stream, rank, size, comm_id, &token, hs_deadline);
+                        lock(&pending_c).retain(|(i, _)| *i != id);
+                        match result {
                             Ok((j, s)) => {
                                 let _ = tx.send((j, s));
                             }
@@ -407,10 +444,9 @@ fn accept_loop(
                                 "rank {rank}: dropped data connection from {from_addr}: {e}"
                             ),
                         }
-                        live_c.fetch_sub(1, Ordering::Relaxed);
                     });
                 if spawned.is_err() {
-                    live.fetch_sub(1, Ordering::Relaxed);
+                    lock(&pending).retain(|(i, _)| *i != id);
                     crate::note!("rank {rank}: cannot spawn handshake thread");
                 }
             }
@@ -508,6 +544,42 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn silent_connections_do_not_keep_a_peer_out() {
+        // Before rank 1 dials rank 0, more connections than rank 0 handshakes at once reach
+        // its data port and say nothing. Rank 1 must still get in, long before they would
+        // time out (HANDSHAKE_BUDGET).
+        let got = crate::rendezvous::on_local_store(2, |rank, addr| {
+            let start = Instant::now();
+            let mut silent = Vec::new();
+            if rank == 1 {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
+                let a = store.get("addr/0", deadline).unwrap();
+                let a: SocketAddr = std::str::from_utf8(&a).unwrap().parse().unwrap();
+                for _ in 0..pending_limit(2) + 8 {
+                    silent.push(TcpStream::connect(a).unwrap());
+                }
+            }
+            let r = connect(&MeshOptions {
+                rank,
+                size: 2,
+                store_addr: addr,
+                token: b"t".to_vec(),
+                listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                host_store: false,
+                timeout: Duration::from_secs(30),
+                tcp: TcpOptions::default(),
+            });
+            drop(silent);
+            (r.err().map(|e| e.to_string()), start.elapsed())
+        });
+        for (e, took) in &got {
+            assert!(e.is_none(), "{got:?}");
+            assert!(*took < HANDSHAKE_BUDGET / 2, "{got:?}");
+        }
+    }
 
     #[test]
     fn a_rank_that_cannot_listen_fails_the_others_at_once() {
