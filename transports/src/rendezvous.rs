@@ -51,10 +51,11 @@
 //! line on stderr (`chorus: store: ...`, rate-limited). The store holds at most 64 MiB in at
 //! most 65 536 keys and serves at most 1024 connections at once (more of both for a job of more
 //! ranks: [`StoreServer::bind_for_ranks`]); requests beyond those limits
-//! get an ERROR response (or, for connections, are closed at once), and the other clients are
-//! never disturbed.
+//! get an ERROR response, and the other clients are never disturbed. A connection beyond the
+//! limit shuts down the oldest one still in its handshake, or is closed at once when every
+//! connection is authenticated, so silent connections cannot keep clients out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -507,6 +508,10 @@ struct Conns {
     closed: bool,
     next_id: u64,
     streams: HashMap<u64, TcpStream>,
+    /// Connections not yet through the handshake, oldest first: at the connection limit the
+    /// oldest of them is shut down for a newcomer, so that connections that stay silent
+    /// cannot keep clients out (an authenticated client is never dropped for one).
+    unproven: VecDeque<u64>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -745,7 +750,7 @@ fn read_request(stream: &mut TcpStream) -> Result<Option<Request>, String> {
 }
 
 /// One connection's thread: handshake, then requests until the client leaves.
-fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) {
+fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr, id: u64) {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + lock(&shared.limits).handshake_timeout;
     if let Err(e) = accept_handshake(stream, &shared.token, STORE_CONTEXT, deadline) {
@@ -762,6 +767,7 @@ fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) {
         }
         return;
     }
+    lock(&shared.conns).unproven.retain(|i| *i != id);
     loop {
         let req = match read_request(stream) {
             Ok(Some(req)) => req,
@@ -928,11 +934,24 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     conns.threads.retain(|t| !t.is_finished());
     let max = lock(&shared.limits).max_connections;
     if conns.streams.len() >= max {
-        drop(conns);
-        shared.log.log(format_args!(
-            "refused connection from {peer}: already serving {max} connections"
-        ));
-        return;
+        match conns.unproven.pop_front() {
+            Some(oldest) => {
+                if let Some(s) = conns.streams.remove(&oldest) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                shared.log.log(format_args!(
+                    "serving {max} connections: shut down the oldest one still in its \
+                     handshake for {peer}"
+                ));
+            }
+            None => {
+                drop(conns);
+                shared.log.log(format_args!(
+                    "refused connection from {peer}: already serving {max} connections"
+                ));
+                return;
+            }
+        }
     }
     // mio accepts sockets in non-blocking mode; this thread-per-connection server blocks.
     let clone = match stream
@@ -951,20 +970,24 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let id = conns.next_id;
     conns.next_id += 1;
     conns.streams.insert(id, clone);
+    conns.unproven.push_back(id);
     let sh = Arc::clone(shared);
     let spawned = thread::Builder::new()
         .name("chorus-store-conn".into())
         .stack_size(CONN_STACK_SIZE)
         .spawn(move || {
             let mut stream = stream;
-            serve_connection(&sh, &mut stream, peer);
+            serve_connection(&sh, &mut stream, peer, id);
             let _ = stream.shutdown(Shutdown::Both);
-            lock(&sh.conns).streams.remove(&id);
+            let mut conns = lock(&sh.conns);
+            conns.streams.remove(&id);
+            conns.unproven.retain(|i| *i != id);
         });
     match spawned {
         Ok(t) => conns.threads.push(t),
         Err(e) => {
             conns.streams.remove(&id);
+            conns.unproven.retain(|i| *i != id);
             drop(conns);
             shared.log.log(format_args!(
                 "dropped connection from {peer}: cannot start a thread: {e}"
@@ -1761,6 +1784,31 @@ mod tests {
         server.fit_ranks(8);
         let l = *lock(&server.shared.limits);
         assert_eq!((l.max_connections, l.max_keys), (5064, 160_000));
+    }
+
+    #[test]
+    fn silent_connections_at_the_limit_make_way_for_clients() {
+        watchdog(Duration::from_secs(30), || {
+            let limits = Limits {
+                max_connections: 3,
+                handshake_timeout: Duration::from_secs(20),
+                ..Limits::default()
+            };
+            let server = StoreServer::bind_with(localhost(), b"k", limits).unwrap();
+            let addr = server.local_addr();
+            let mut first = StoreClient::connect(addr, b"k", secs(10)).unwrap();
+            first.set("a", b"1").unwrap();
+            // More silent connections than the server serves, each wanting 20 s to time out.
+            let silent: Vec<_> = (0..5).map(|_| TcpStream::connect(addr).unwrap()).collect();
+            let t0 = Instant::now();
+            let mut second = StoreClient::connect(addr, b"k", secs(10)).unwrap();
+            assert_eq!(second.get("a", secs(5)).unwrap(), b"1");
+            assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+            // The authenticated client was not the one made way for.
+            first.set("b", b"2").unwrap();
+            assert_eq!(second.get("b", secs(5)).unwrap(), b"2");
+            drop(silent);
+        });
     }
 
     #[test]
