@@ -14,8 +14,8 @@
 //!
 //! Everything is checked at init, so that a typo fails there, naming itself, rather than being
 //! ignored: an unknown collective, a later section without one, a name no collective (or not
-//! the named one) knows, a name given to a collective that has a single schedule, and a value
-//! that leaves a collective no schedule.
+//! the named one) knows, a name given to a collective that has a single schedule, a `^`
+//! followed by no name, and a value that leaves a collective no schedule.
 
 use chorus_algorithms::allreduce::Algorithm;
 use chorus_algorithms::collectives::{
@@ -92,6 +92,7 @@ impl AlgoSpec {
     /// assert!(AlgoSpec::parse("allreduc:ring").is_err());
     /// assert!(AlgoSpec::parse("allreduce:tree;ring").is_err());
     /// assert!(AlgoSpec::parse("broadcast:rnig").is_err());
+    /// assert!(AlgoSpec::parse("allreduce:^").is_err());
     /// ```
     pub fn parse(spec: &str) -> Result<AlgoSpec, String> {
         let bad = |msg: String| format!("CHORUS_ALGO={spec:?}: {msg}");
@@ -122,6 +123,11 @@ impl AlgoSpec {
                 .filter(|n| !n.is_empty())
                 .map(squash)
                 .collect();
+            if exclude && names.is_empty() {
+                return Err(bad(format!(
+                    "section {part:?} excludes no name after '^' (a variable left empty?)"
+                )));
+            }
             match &coll {
                 Some(c) => {
                     if let Some(known) = schedule_names(c) {
@@ -338,6 +344,9 @@ mod tests {
             ("alltoall:^linear,pairwise", "no alltoall schedule is left"),
             ("broadcast:^tree,ring", "no broadcast schedule is left"),
             ("broadcast:", "no broadcast schedule is left"),
+            ("allreduce:^", "excludes no name"),
+            ("^", "excludes no name"),
+            ("ring;allreduce:^ , ", "excludes no name"),
         ] {
             let e = AlgoSpec::parse(spec).unwrap_err();
             assert!(e.contains(says) && e.contains(spec), "{spec}: {e}");

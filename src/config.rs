@@ -3,8 +3,10 @@
 //! Variables (explicit `CHORUS_*` wins over the launchers' ones):
 //! - rank: `CHORUS_RANK`, else `RANK` (torchrun), `OMPI_COMM_WORLD_RANK` (Open MPI),
 //!   `PMI_RANK` (MPICH/Hydra), `SLURM_PROCID` (Slurm).
-//! - size: `CHORUS_WORLD_SIZE`, else `WORLD_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`,
-//!   `SLURM_NTASKS`.
+//! - size: from the launcher that gave the rank: `CHORUS_WORLD_SIZE`, `WORLD_SIZE`,
+//!   `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `SLURM_STEP_NUM_TASKS` (the tasks of the srun step;
+//!   a batch script, which has none, is rank 0 of 1 in an allocation of one task and refused
+//!   in a larger one).
 //! - local rank: `CHORUS_LOCAL_RANK`, else `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
 //!   `MPI_LOCALRANKID`, `SLURM_LOCALID`.
 //! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
@@ -129,16 +131,7 @@ impl Config {
     /// Read the process environment. A `CHORUS_*` variable whose value is not UTF-8 is an
     /// error (read as unset, a `CHORUS_TOKEN` of other bytes would turn authentication off).
     pub fn from_env() -> Result<Config, CommError> {
-        let garbled = std::env::vars_os().find_map(|(k, v)| {
-            let k = k.to_str()?;
-            (k.starts_with("CHORUS_") && v.to_str().is_none()).then(|| k.to_string())
-        });
-        if let Some(k) = garbled {
-            return Err(CommError::invalid(
-                "init",
-                format!("{k} is not valid UTF-8"),
-            ));
-        }
+        refuse_garbled_env()?;
         Config::from_lookup(|k| std::env::var(k).ok())
     }
 
@@ -192,6 +185,7 @@ impl Config {
         size: usize,
         root_addr: impl Into<String>,
     ) -> Result<Config, CommError> {
+        refuse_garbled_env()?;
         let mut config = Config::new(rank, size, root_addr);
         read_settings(&|k| std::env::var(k).ok(), &mut config)
             .map_err(|message| CommError::invalid("init", message))?;
@@ -201,6 +195,23 @@ impl Config {
     /// Whether this rank hosts the store.
     pub fn hosts_store(&self) -> bool {
         self.host_store.unwrap_or(self.rank == 0)
+    }
+}
+
+/// An error naming the first `CHORUS_*` variable of the process environment whose value is
+/// not UTF-8: read as unset, a `CHORUS_TOKEN` of other bytes would turn authentication off,
+/// and a garbled setting would be ignored silently.
+fn refuse_garbled_env() -> Result<(), CommError> {
+    let garbled = std::env::vars_os().find_map(|(k, v)| {
+        let k = k.to_str()?;
+        (k.starts_with("CHORUS_") && v.to_str().is_none()).then(|| k.to_string())
+    });
+    match garbled {
+        Some(k) => Err(CommError::invalid(
+            "init",
+            format!("{k} is not valid UTF-8"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -226,18 +237,32 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         })?;
     let rank_var = launcher.rank;
     let rank = parse_count(rank_var, &rank)?;
-    // The size from the launcher that gave the rank; only when it gives none, the first set.
+    // The size from the launcher that gave the rank, never another's: a rank and a size of
+    // two launchers (a stale `RANK=0` in the shell, then `mpirun -np 4`) would make every
+    // process rank 0 of 4.
     let (size_var, size) = match env.value(launcher.size) {
         Some(v) => (launcher.size, v),
-        None => LAUNCHERS
-            .iter()
-            .find_map(|l| env.value(l.size).map(|v| (l.size, v)))
-            .ok_or_else(|| {
-                format!(
-                    "no world size: set CHORUS_WORLD_SIZE (launchers set one of {})",
-                    names(|l| l.size)
-                )
-            })?,
+        // Slurm's batch script (one process, whatever the allocation's task count) has no
+        // step size: alone in an allocation of one task it is rank 0 of 1; in a larger one,
+        // the ranks were meant to be started with srun.
+        None if launcher.name == "Slurm" => match env.value("SLURM_NTASKS") {
+            Some(n) if n != "1" => {
+                return Err(format!(
+                    "{rank_var} is set but not SLURM_STEP_NUM_TASKS: this process runs the \
+                     batch script of an allocation of SLURM_NTASKS={n} tasks, not a task of \
+                     srun; start the ranks with srun (or set CHORUS_RANK and \
+                     CHORUS_WORLD_SIZE)"
+                ))
+            }
+            _ => ("SLURM_NTASKS", "1".to_string()),
+        },
+        None => {
+            return Err(format!(
+                "{rank_var} is set but not {}: set both ({} sets them together), or \
+                 CHORUS_RANK and CHORUS_WORLD_SIZE",
+                launcher.size, launcher.name
+            ))
+        }
     };
     let size = parse_count(size_var, &size)?;
     check_other_launchers(&env, launcher, (rank_var, rank), (size_var, size))?;
@@ -337,7 +362,7 @@ const LAUNCHERS: &[Launcher] = &[
     Launcher {
         name: "Slurm",
         rank: "SLURM_PROCID",
-        size: "SLURM_NTASKS",
+        size: "SLURM_STEP_NUM_TASKS",
         launch_size: "SLURM_STEP_NUM_TASKS",
     },
 ];
@@ -807,6 +832,7 @@ mod tests {
         let c = config(&[
             ("SLURM_PROCID", "6"),
             ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "16"),
             ("SLURM_LOCALID", "2"),
             ("MASTER_ADDR", "10.1.2.3"),
             ("MASTER_PORT", "1234"),
@@ -814,6 +840,79 @@ mod tests {
         .unwrap();
         assert_eq!((c.rank, c.size, c.local_rank), (6, 16, Some(2)));
         assert_eq!(c.root_addr, "10.1.2.3:1235");
+        // srun -n 4 inside an allocation of 16 tasks: the step's size.
+        let c = config(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size), (3, 4));
+        // The batch script itself (no srun step) of an allocation of 8 tasks: refused, not
+        // rank 0 of 8 waiting for 7 ranks nobody starts.
+        let e = error_naming(
+            &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8"), ADDR],
+            "SLURM_NTASKS=8",
+        );
+        assert!(e.contains("srun"), "{e}");
+        // ... and of an allocation of one task: rank 0 of 1.
+        let c = config(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]).unwrap();
+        assert_eq!((c.rank, c.size), (0, 1));
+    }
+
+    #[test]
+    fn garbled_chorus_variables_are_refused_by_every_env_reader() {
+        // In a child process (the environment is the process's): a CHORUS_TOKEN that is not
+        // UTF-8 must not read as "no token" when the caller gives rank, size and address.
+        const CHILD: &str = "CHORUS_TEST_GARBLED_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let e = Config::with_env_settings(0, 2, "127.0.0.1:1").unwrap_err();
+            println!("REFUSED: {e}");
+            let e = Config::from_env().unwrap_err();
+            println!("REFUSED: {e}");
+            return;
+        }
+        use std::os::unix::ffi::OsStrExt;
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "config::tests::garbled_chorus_variables_are_refused_by_every_env_reader",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("CHORUS_TOKEN", std::ffi::OsStr::from_bytes(b"se\xffcret"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(text.matches("REFUSED: ").count(), 2, "{text}");
+        assert!(text.contains("CHORUS_TOKEN is not valid UTF-8"), "{text}");
+    }
+
+    #[test]
+    fn rank_and_size_come_from_one_launcher() {
+        // A stale `RANK=0` in the shell (no WORLD_SIZE), then `mpirun -np 4`: refused, not
+        // rank 0 of 4 in every process.
+        let e = error_naming(
+            &[
+                ("RANK", "0"),
+                ("OMPI_COMM_WORLD_RANK", "2"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+                ADDR,
+            ],
+            "WORLD_SIZE",
+        );
+        assert!(e.contains("RANK is set"), "{e}");
+        error_naming(
+            &[("CHORUS_RANK", "1"), ("WORLD_SIZE", "4"), ADDR],
+            "CHORUS_WORLD_SIZE",
+        );
     }
 
     #[test]
