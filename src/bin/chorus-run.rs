@@ -158,6 +158,9 @@ fn parse_args(args: Vec<OsString>) -> Result<Parsed, String> {
                 None => Err(format!("{name} needs {what}")),
             }
         };
+        if inline.is_some() && matches!(name.as_str(), "--help" | "--version" | "--no-prefix") {
+            return Err(format!("{name} takes no value (got {text:?})"));
+        }
         match name.as_str() {
             "-h" | "--help" => return Ok(Parsed::Print(USAGE.to_string())),
             "--version" => {
@@ -750,6 +753,14 @@ mod tests {
             );
         }
         assert!(parse_args(args(&["--bogus", "-n", "2", "true"])).is_err());
+        // Switches take no value: `--no-prefix=false` must not turn prefixing off.
+        for bad in ["--no-prefix=false", "--help=1", "--version=x"] {
+            let e = parse_args(args(&[bad, "-n", "2", "true"])).err();
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("takes no value")),
+                "{bad}: {e:?}"
+            );
+        }
     }
 
     #[test]
