@@ -664,7 +664,7 @@ impl Communicator {
             // One deadline for every step of the rendezvous (the mesh keeps to its own of the
             // same length, taken as it starts): a store host that stops answering after the
             // mesh must not stretch init past CHORUS_INIT_TIMEOUT by each step's own timeout.
-            let init_deadline = Instant::now() + config.init_timeout;
+            let init_deadline = chorus_transport::deadline_after(config.init_timeout);
             let (t, mut r) = tcp::connect_with(&opts, server)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
             r.store.set_deadline(init_deadline);
@@ -1511,7 +1511,7 @@ impl Communicator {
         let timeout = timeout.unwrap_or(self.config.timeout);
         let mut ctx = CollCtx {
             transport: &mut *self.transport,
-            deadline: Instant::now() + timeout,
+            deadline: chorus_transport::deadline_after(timeout),
             tag_base: tag,
             scratch: &mut self.scratch,
         };

@@ -275,7 +275,7 @@ impl Queue {
             // waits, or tells the peers when it ends.
             return false;
         }
-        let end = Instant::now() + limit;
+        let end = chorus_transport::deadline_after(limit);
         loop {
             if self.abort.is_done() || self.try_now(|c| c.abort(reason)).is_some() {
                 return true;
@@ -1404,7 +1404,7 @@ impl<T> Request<T> {
         {
             return true;
         }
-        let end = Instant::now() + limit;
+        let end = chorus_transport::deadline_after(limit);
         if lock(&self.slot.value).is_some() || self.slot.unwaitable().is_err() {
             return true;
         }

@@ -543,3 +543,34 @@ fn a_waited_call_is_no_longer_pending() {
         "calls still pending after their requests were waited for"
     );
 }
+
+#[test]
+fn a_timeout_of_duration_max_means_no_limit() {
+    // A caller's "wait for ever" (Duration::MAX) as the communicator's init and call
+    // timeouts, a call's own timeout, and the limits of a queue's waits: none panics adding
+    // it to the clock, and the calls work.
+    for transport in ["tcp", "shm"] {
+        let make = move |rank, addr| {
+            let mut cfg = config_on(rank, 2, addr, transport);
+            cfg.timeout = Duration::MAX;
+            cfg.init_timeout = Duration::MAX;
+            cfg
+        };
+        let got = on_threads_owned(2, Duration::from_secs(60), make, |mut c| {
+            let mut x = vec![c.rank() as f64 + 1.0; 5];
+            let opts = chorus::AllReduceOptions {
+                timeout: Some(Duration::MAX),
+                ..Default::default()
+            };
+            c.all_reduce_with(None, &mut x, ReduceOp::Sum, &opts)
+                .unwrap();
+            let q = Queue::new(c);
+            let r = q.all_reduce(x, ReduceOp::Sum);
+            assert!(r.wait_done(Duration::MAX));
+            r.wait().unwrap()
+        });
+        for y in got {
+            assert_eq!(y, vec![6.0; 5], "{transport}");
+        }
+    }
+}

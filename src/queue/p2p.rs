@@ -128,7 +128,7 @@ impl Engine {
             let err = comm.fail(op, te);
             return self.finish(e, Err(err), comm);
         }
-        let deadline = e.issued + comm.config().timeout;
+        let deadline = chorus_transport::deadline_from(e.issued, comm.config().timeout);
         self.live.push(Live {
             entry: e,
             req,
@@ -323,8 +323,8 @@ impl Engine {
     pub(crate) fn unmatched_due(&self, timeout: Duration) -> Option<Instant> {
         let oldest = |q: &VecDeque<Entry>| q.front().map(|e| e.issued);
         match (oldest(&self.self_sends), oldest(&self.self_recvs)) {
-            (Some(a), Some(b)) => Some(a.min(b) + timeout),
-            (a, b) => a.or(b).map(|t| t + timeout),
+            (Some(a), Some(b)) => Some(chorus_transport::deadline_from(a.min(b), timeout)),
+            (a, b) => a.or(b).map(|t| chorus_transport::deadline_from(t, timeout)),
         }
     }
 

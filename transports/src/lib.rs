@@ -61,6 +61,19 @@ use std::time::{Duration, Instant};
 pub use error::TransportError;
 pub use shm::sys::fork_generation;
 
+/// `from + d`, saturating about 136 years on where the sum does not fit an [`Instant`]: a
+/// caller's `Duration::MAX` ("no limit") is a deadline never reached, not a panic.
+pub fn deadline_from(from: Instant, d: Duration) -> Instant {
+    from.checked_add(d)
+        .or_else(|| from.checked_add(Duration::from_secs(1 << 32)))
+        .unwrap_or(from)
+}
+
+/// [`deadline_from`] now: the deadline of a wait of `d`.
+pub fn deadline_after(d: Duration) -> Instant {
+    deadline_from(Instant::now(), d)
+}
+
 /// Writes `chorus: MSG` as one line to stderr, ignoring a stderr that is closed or broken
 /// (`eprintln!` would panic, here inside a transport's acceptor and store threads).
 macro_rules! note {
@@ -529,14 +542,14 @@ pub trait Transport: Send {
     fn send(&mut self, peer: usize, tag: Tag, buf: &[u8], timeout: Duration) -> Result<()> {
         let mut req = Request::send(peer, tag, buf.len());
         self.post(&mut req)?;
-        self.wait_all(&mut [Op::send(&mut req, buf)], Instant::now() + timeout)
+        self.wait_all(&mut [Op::send(&mut req, buf)], deadline_after(timeout))
     }
 
     /// Blocking receive from `peer` into `buf`; returns the message length.
     fn recv(&mut self, peer: usize, tag: Tag, buf: &mut [u8], timeout: Duration) -> Result<usize> {
         let mut req = Request::recv(peer, tag, buf.len());
         self.post(&mut req)?;
-        self.wait_all(&mut [Op::recv(&mut req, buf)], Instant::now() + timeout)?;
+        self.wait_all(&mut [Op::recv(&mut req, buf)], deadline_after(timeout))?;
         Ok(req.bytes_done())
     }
 
@@ -559,7 +572,7 @@ pub trait Transport: Send {
         self.post(&mut r)?;
         self.wait_all(
             &mut [Op::send(&mut s, sbuf), Op::recv(&mut r, rbuf)],
-            Instant::now() + timeout,
+            deadline_after(timeout),
         )?;
         Ok(r.bytes_done())
     }

@@ -163,7 +163,7 @@ fn connect_keeping(
     opts: &MeshOptions,
     server: &mut Option<StoreServer>,
 ) -> Result<(TcpTransport, Rendezvous)> {
-    let deadline = Instant::now() + opts.timeout;
+    let deadline = crate::deadline_after(opts.timeout);
     let (rank, size) = (opts.rank, opts.size);
     if size == 0 || rank >= size {
         return Err(TransportError::InvalidArgument(format!(

@@ -386,7 +386,7 @@ impl TcpTransport {
     /// wake ([`AbortHandle::wake`]) also ends the wait (returning true, and setting
     /// `self.woken`).
     fn wait_ready(&mut self, deadline: Instant, woken: bool) -> Result<bool> {
-        let spin_end = Instant::now() + self.spin;
+        let spin_end = crate::deadline_after(self.spin);
         loop {
             self.check_abort_request()?;
             let now = Instant::now();
