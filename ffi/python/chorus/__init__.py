@@ -954,15 +954,25 @@ class Communicator:
         whatever the order listed, as ``torch.distributed.new_group(ranks)``; None on the
         ranks not listed. Every rank must call it with the same ranks. The members check that
         they got exactly those ranks (a rank that passed others gives :class:`MismatchError`
-        on every member of the group it landed in)."""
+        on every member of the group it landed in; a rank whose list is refused makes the
+        others fail at once, as :meth:`split` does)."""
         try:
-            listed = sorted(_int(r, "ranks[i]") for r in ranks)
-        except TypeError:
-            raise InvalidArgumentError("new_group: ranks must be a sequence of ints") from None
-        if len(set(listed)) != len(listed) or not all(0 <= r < self.size for r in listed):
-            raise InvalidArgumentError(
-                f"new_group: ranks {listed} must be distinct ranks of 0..{self.size - 1}"
-            )
+            try:
+                listed = sorted(_int(r, "ranks[i]") for r in ranks)
+            except TypeError:
+                raise InvalidArgumentError(
+                    "new_group: ranks must be a sequence of ints"
+                ) from None
+            if len(set(listed)) != len(listed) or not all(0 <= r < self.size for r in listed):
+                raise InvalidArgumentError(
+                    f"new_group: ranks {listed} must be distinct ranks of 0..{self.size - 1}"
+                )
+        except InvalidArgumentError:
+            # Still take part in the split with a color the library refuses, as split()
+            # does, so that the other ranks fail at once instead of waiting out their timeout.
+            with contextlib.suppress(ChorusError):
+                self._call(lib.chorus_comm_split, -2, 0, ctypes.byref(ctypes.c_void_p()))
+            raise
         # Ranks that pass different lists get different colors (a digest of the list), so
         # they never join one group by accident; a collision is caught by the check below.
         color = zlib.crc32(repr(listed).encode()) & 0x7FFFFFFF

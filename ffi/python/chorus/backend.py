@@ -588,22 +588,32 @@ class ProcessGroupChorus(dist.ProcessGroup):
         raise UnsupportedError("chorus backend: recv from any source is not supported; name the source")
 
 
+def _group_key(store: Any, size: int) -> str:
+    """The store key of the unique id of a group of ``size`` ranks made on ``store`` (torch's
+    store of that group, under the group's name). The key carries the group's size and a
+    generation: every member counts itself in among the groups of its size made on this
+    store, so a group made again there (``destroy_process_group``, then
+    ``init_process_group`` and ``new_group`` on torchrun's agent store, which outlives them)
+    gets a new key on every member, also when groups of other sizes were made there in
+    between. (A member of an earlier group of the same size that never counted itself in,
+    one that died first, would shift the count: the group then fails at init.)"""
+    generation = (store.add(f"{_STORE_KEY}/joined/{size}", 1) - 1) // size
+    return f"{_STORE_KEY}/{size}/{generation}"
+
+
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupChorus:
     """torch's backend constructor: the group's first rank makes a unique id and shares it
     through the group's store.
 
-    The key carries a generation: every member counts itself in (``store.add``), so a group
-    made again on a store that outlives it (``destroy_process_group``, then
-    ``init_process_group`` on torchrun's agent store) never reads the last one's id. When
-    the first rank cannot make an id, it leaves an error there instead, and every member
-    fails with it at once."""
+    The key is the group's (:func:`_group_key`), so a group made again on a store that
+    outlives it never reads the last one's id. When the first rank cannot make an id, it
+    leaves an error there instead, and every member fails with it at once."""
     if not isinstance(rank, int) or not isinstance(size, int) or not 0 <= rank < size:
         # torch 1.13 takes new_group([]) for the default group, with no rank and size 0.
         raise InvalidArgumentError(
             f"chorus backend: rank {rank} of a group of {size}: a group needs at least one rank"
         )
-    generation = (store.add(_STORE_KEY + "/joined", 1) - 1) // size
-    key = f"{_STORE_KEY}/{generation}"
+    key = _group_key(store, size)
     if rank == 0:
         try:
             uid = unique_id()

@@ -455,6 +455,15 @@ def groups(comm):
         e = expect(chorus.MismatchError, lambda: comm.split(0), "another rank's bad color")
         assert "color" in e.message, e.message
     comm.barrier()
+    # A list refused on the last rank only: the others fail at once too.
+    if me == p - 1:
+        expect(E, lambda: comm.new_group([0, p]), "rank out of range, one rank")
+    else:
+        began = time.monotonic()
+        e = expect(chorus.MismatchError, lambda: comm.new_group([0, 1]), "a rank's bad list")
+        assert "color" in e.message, e.message
+        assert time.monotonic() - began < 20, "not at once"
+    comm.barrier()
     # Bad arguments, alike on every rank.
     expect(E, lambda: comm.split(-2), "negative color")
     expect(E, lambda: comm.split(True), "bool color")

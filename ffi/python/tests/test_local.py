@@ -322,3 +322,26 @@ def test_compressed_hook_keeps_a_compressor_per_bucket_and_its_parameters():
     for seen in _on_two_ranks(run).values():
         assert seen[0] is seen[1], "the same bucket got a new compressor"
         assert seen[2] is not seen[1], "a rebuilt bucket kept another bucket's compressor"
+
+
+def test_backend_group_keys_agree_across_group_sizes_on_one_store():
+    """Groups made one after another on one store (torchrun's agent store outlives
+    ``destroy_process_group``): every member of a group reads the key its first rank writes,
+    and never an earlier group's, also when the sizes differ in between."""
+    import chorus.backend as backend
+
+    class Store:  # the part of torch's Store the backend uses to pick the key
+        def __init__(self):
+            self.counts = {}
+
+        def add(self, key, n):
+            self.counts[key] = self.counts.get(key, 0) + n
+            return self.counts[key]
+
+    store = Store()
+    seen = set()
+    for size in [3, 2, 3, 4, 2, 1, 3]:
+        keys = {backend._group_key(store, size) for _ in range(size)}
+        assert len(keys) == 1, (size, keys)
+        assert not keys & seen, (size, keys, seen)
+        seen |= keys
