@@ -453,6 +453,18 @@ int32_t chorus_comm_rank(const chorus_comm *comm, int *rank);
 int32_t chorus_comm_size(const chorus_comm *comm, int *size);
 
 /**
+ * The number of point-to-point transfers of this communicator (`chorus_isend`, `chorus_irecv`,
+ * `chorus_batch_isend_irecv`) issued and not yet finished, through `*count`; those whose
+ * requests were freed unwaited (`chorus_request_free`) count until they finish. When it reads
+ * 0, no transfer issued before is using its buffers: those of transfers given up may be
+ * reused or freed. It may be called from any thread, also while a call runs.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator; `count` is NULL or valid for writing a `size_t`.
+ */
+int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
+
+/**
  * Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
  * rank) and make this communicator unusable. It may be called from another thread while a
  * call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call

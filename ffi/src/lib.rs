@@ -467,6 +467,24 @@ pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c
     })
 }
 
+/// The number of point-to-point transfers of this communicator (`chorus_isend`, `chorus_irecv`,
+/// `chorus_batch_isend_irecv`) issued and not yet finished, through `*count`; those whose
+/// requests were freed unwaited (`chorus_request_free`) count until they finish. When it reads
+/// 0, no transfer issued before is using its buffers: those of transfers given up may be
+/// reused or freed. It may be called from any thread, also while a call runs.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `count` is NULL or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: *mut usize) -> i32 {
+    guard("chorus_comm_transfers", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or writable by the caller's promise.
+        unsafe { ptr::write_out(count, c.queue.transfers(), "count") }
+    })
+}
+
 /// Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
 /// rank) and make this communicator unusable. It may be called from another thread while a
 /// call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call

@@ -395,8 +395,10 @@ class Communicator:
         # still reach the communicator.
         self._inflight: Any = weakref.WeakSet()
         # Buffers of transfers whose requests were dropped unwaited (given up, as
-        # chorus_request_free): kept until close(), which waits for every transfer.
+        # chorus_request_free): kept until no transfer runs (looked at as each transfer is
+        # issued) or close(), which waits for every transfer.
         self._given_up: List[Any] = []
+        self._given_up_mu = threading.Lock()
         r, s = ctypes.c_int(-1), ctypes.c_int(-1)
         _check(lib.chorus_comm_rank(handle, ctypes.byref(r)))
         _check(lib.chorus_comm_size(handle, ctypes.byref(s)))
@@ -836,7 +838,27 @@ class Communicator:
         b = _buffer(x, "x")
         return self._transfer(lib.chorus_irecv, b, x, peer)
 
+    def _release_given_up(self) -> None:
+        """Let go of the buffers of given-up transfers once none runs any more (a loop of
+        dropped isends must not keep every buffer until close())."""
+        if not self._given_up:
+            return
+        with self._given_up_mu:
+            # Buffers are only ever appended: the first `k` are of transfers issued before
+            # the count is read, so all finished if it reads 0. Those appended meanwhile (a
+            # transfer issued and dropped on another thread) are kept.
+            k = len(self._given_up)
+            n = ctypes.c_size_t(1)
+            try:
+                with self._handle.use() as h:
+                    status = lib.chorus_comm_transfers(h, ctypes.byref(n))
+            except InvalidUsageError:  # closed: the call about to be made says so
+                return
+            if status == 0 and n.value == 0:
+                del self._given_up[:k]
+
     def _transfer(self, fn: Any, b: Any, x: Any, peer: int) -> "Request":
+        self._release_given_up()
         # Made first, holding the buffer, so that nothing can free it once the transfer runs.
         req = Request(x, (b, x), self._completer)
         # Dropped unwaited, it gives the transfer up (which goes on) rather than waiting for
@@ -894,6 +916,7 @@ class Communicator:
         completes by itself, and while their requests are held the communicator's
         collectives are refused. Unlike :meth:`p2p_batch`, which waits for (or returns one
         request for) the whole batch on the communicator's queue."""
+        self._release_given_up()
         arr, parsed = _p2p_ops(ops, "batch_isend_irecv")
         n = len(parsed)
         # Made first, holding the buffers, so that nothing can free them once the

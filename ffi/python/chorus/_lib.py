@@ -104,6 +104,7 @@ _PROTOTYPES = {
     "chorus_comm_init": (c_int32, [_comm_pp, c_int, c_int, c_char_p, c_char_p]),
     "chorus_comm_rank": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
     "chorus_comm_size": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
+    "chorus_comm_transfers": (c_int32, [c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "chorus_comm_abort": (c_int32, [c_void_p]),
     "chorus_comm_destroy": (c_int32, [c_void_p]),
     "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),

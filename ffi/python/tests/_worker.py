@@ -736,6 +736,26 @@ def transfers(comm):
     comm.allreduce(y)
     check("allreduce after the transfers", y, [float(p)] * 2)
     expect(chorus.InvalidArgumentError, lambda: comm.isend(np.ones(1), p), "a peer outside")
+    # The buffers of dropped transfers are let go once no transfer runs, not kept to close().
+    if p > 1 and me < 2:
+        if me == 0:
+            for _ in range(4):
+                comm.isend(np.full(n, 3.0), 1)  # dropped at once; rank 1 receives later
+            assert len(comm._given_up) == 4, len(comm._given_up)
+            d.barrier()
+            comm.barrier()  # waits for the given-up transfers
+        else:
+            d.barrier()
+            for _ in range(4):
+                assert (comm.recv(np.zeros(n), 0) == 3.0).all()
+            comm.barrier()
+        w = comm.isend(np.ones(1), me)
+        comm.irecv(np.ones(1), me).wait()
+        w.wait()
+        assert not comm._given_up, len(comm._given_up)
+    elif p > 1:
+        d.barrier()
+        comm.barrier()
     # A wrong length fails both ranks (their communicator is aborted; the dup goes on).
     if p > 1 and me < 2:
         if me == 0:

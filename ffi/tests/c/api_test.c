@@ -1502,6 +1502,23 @@ static void transfers(chorus_comm *comm) {
     CHECK(pending == 11, "late receive from itself: %lld", (long long)pending);
     OK(chorus_allreduce(comm, &one, &sum, 1, CHORUS_INT64, CHORUS_SUM));
     CHECK(sum == p, "sum after the transfers: %lld", (long long)sum);
+    /* chorus_comm_transfers counts the transfers not yet finished, given-up ones included. */
+    size_t live = 99;
+    OK(chorus_comm_transfers(comm, &live));
+    CHECK(live == 0, "transfers after waitall: %zu", live);
+    OK(chorus_isend(comm, &a, 1, CHORUS_INT64, me, &rq[0]));
+    OK(chorus_request_free(&rq[0]));
+    OK(chorus_comm_transfers(comm, &live));
+    CHECK(live == 1, "a given-up send to itself, unmatched: %zu", live);
+    OK(chorus_irecv(comm, &x, 1, CHORUS_INT64, me, &rq[1]));
+    OK(chorus_wait(&rq[1]));
+    for (int i = 0; i < 5000 && live != 0; i++) {
+        OK(chorus_comm_transfers(comm, &live));
+        if (live != 0) sleep_ms(1);
+    }
+    CHECK(live == 0, "transfers once the send to itself is matched: %zu", live);
+    EXPECT(chorus_comm_transfers(comm, NULL), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_transfers(NULL, &live), CHORUS_INVALID_ARGUMENT);
     /* Bad arguments, refused at once. */
     EXPECT(chorus_isend(comm, &a, 1, CHORUS_INT64, p, &rq[0]), CHORUS_INVALID_ARGUMENT);
     CHECK(rq[0] == NULL, "a refused transfer left a request");
