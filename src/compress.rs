@@ -331,6 +331,20 @@ impl Compressor {
 /// The name of the compressed allreduce in errors.
 const OP_COMPRESSED: &str = "all_reduce_compressed";
 
+/// The report of a tensor below `min_bytes`, sent by the plain allreduce: a ring-like
+/// allreduce sends and receives about 2(p−1)/p of its `dense_bytes`.
+fn plain_report(dense_bytes: u64, p: u64) -> CompressionReport {
+    let moved = dense_bytes * 2 * p.saturating_sub(1) / p.max(1);
+    CompressionReport {
+        compressed: false,
+        bytes_sent: moved,
+        bytes_received: moved,
+        dense_bytes,
+        k: None,
+        result_nnz: None,
+    }
+}
+
 impl Communicator {
     /// Allreduce of an f32 tensor through `comp` (sum or avg), in place. Every rank must
     /// pass a compressor of the same spec. Tensors below the spec's `min_bytes` go through the
@@ -383,17 +397,10 @@ impl Communicator {
         let dense_bytes = std::mem::size_of_val(buf) as u64;
         let p = self.size() as u64;
         if std::mem::size_of_val(buf) < comp.spec.min_bytes {
+            // (Only float32 here: `all_reduce_compressed_raw` sends other dtypes' small
+            // tensors through the plain allreduce in their own dtype.)
             self.all_reduce_with(None, buf, op, &AllReduceOptions::default())?;
-            // A ring-like allreduce sends about 2(p−1)/p of the tensor.
-            let moved = dense_bytes * 2 * (p - 1) / p.max(1);
-            comp.last = CompressionReport {
-                compressed: false,
-                bytes_sent: moved,
-                bytes_received: moved,
-                dense_bytes,
-                k: None,
-                result_nnz: None,
-            };
+            comp.last = plain_report(dense_bytes, p);
             return Ok(comp.last);
         }
         let rank = self.rank() as u64;
@@ -492,6 +499,14 @@ impl Communicator {
                 .at_rank(c.rank()));
             }
             let n = buf.len() / elem;
+            if dtype != DType::Float32 && 4 * n < comp.spec.min_bytes {
+                // Below min_bytes: the plain allreduce, in the caller's dtype, whose tag
+                // carries it, so ranks passing float16 and float32 tensors of one length
+                // fail here too instead of returning results rounded differently.
+                c.all_reduce_raw(None, buf, dtype, op, &AllReduceOptions::default())?;
+                comp.last = plain_report(buf.len() as u64, c.size() as u64);
+                return Ok(comp.last);
+            }
             if dtype == DType::Float32 {
                 // Aligned f32 (what C, numpy and torch hand over): in place, no staging copy.
                 if let Ok(floats) = bytemuck::try_cast_slice_mut::<u8, f32>(buf) {

@@ -228,11 +228,16 @@ fn ranks_disagreeing_fail_everywhere() {
             .map_err(|e| e.kind())
     });
     assert!(res.iter().all(|r| r.is_err()), "{res:?}");
-    // Different dtypes of one length: float16 on rank 0, float32 elsewhere.
-    for spec in ["int8,min_bytes=0", "topk:0.1,min_bytes=0"] {
+    // Different dtypes of one length: float16 on rank 0, float32 elsewhere; also below
+    // min_bytes (16 KiB by default), where the plain allreduce runs.
+    for (spec, n) in [
+        ("int8,min_bytes=0", 4096),
+        ("topk:0.1,min_bytes=0", 4096),
+        ("int8", 1000),
+    ] {
         let res = on_threads(3, WATCHDOG, move |c| {
             let mut comp = Compressor::new(spec).unwrap();
-            let g = gradient(c.rank(), 4096, 11);
+            let g = gradient(c.rank(), n, 11);
             let (mut bytes, dtype): (Vec<u8>, _) = if c.rank() == 0 {
                 let b = g.iter().flat_map(|v| half::f16::from_f32(*v).to_ne_bytes());
                 (b.collect(), DType::Float16)
@@ -288,5 +293,44 @@ fn sparse_all_reduce_is_exact_with_auto_and_every_algorithm() {
         });
         let bad: Vec<String> = bad.into_iter().flatten().collect();
         assert!(bad.is_empty(), "{bad:#?}");
+    }
+}
+
+#[test]
+fn an_fp16_sum_beyond_its_range_reads_infinity_everywhere() {
+    // 40000 on each of 2 ranks: each input fits fp16, their sum (80000) does not. It must not
+    // come back as fp16's largest value (65504) with Ok, a finite wrong gradient no loss
+    // scaler notices: it reads +inf on every rank, as in an fp16 allreduce. Their average
+    // (40000) fits and is exact.
+    for transport in ["tcp", "shm"] {
+        let res = on_threads_on(transport, 2, WATCHDOG, |c| {
+            let n = 5000;
+            let mut comp = Compressor::new("fp16,min_bytes=0").unwrap();
+            let mut sum = vec![40000.0f32; n];
+            sum[7] = -40000.0;
+            c.all_reduce_compressed(&mut sum, ReduceOp::Sum, &mut comp)
+                .unwrap();
+            let mut avg = vec![40000.0f32; n];
+            c.all_reduce_compressed(&mut avg, ReduceOp::Avg, &mut comp)
+                .unwrap();
+            (sum, avg)
+        });
+        for (sum, avg) in res {
+            assert!(
+                sum.iter().enumerate().all(|(i, v)| *v
+                    == if i == 7 {
+                        f32::NEG_INFINITY
+                    } else {
+                        f32::INFINITY
+                    }),
+                "{transport}: {:?}",
+                &sum[..10]
+            );
+            assert!(
+                avg.iter().all(|v| *v == 40000.0),
+                "{transport}: {:?}",
+                &avg[..4]
+            );
+        }
     }
 }

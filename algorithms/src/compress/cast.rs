@@ -1,8 +1,12 @@
 //! fp16 and bf16: each value rounded to the nearest half-precision value, 2 bytes
 //! little-endian, no scales (the chunk size plays no part).
 //!
-//! Finite values beyond the format's range saturate at its largest finite value instead of
-//! becoming infinite; infinities and NaNs pass through as themselves, as in a dense allreduce.
+//! Values are rounded as a cast rounds them (torch's `.half()`, the fp16 compression of torch's
+//! DDP hook and Horovod): an fp16 value beyond ±65504 (after rounding) becomes ±∞, so a sum
+//! that overflows the format reads ±∞ on every rank, as in an fp16 allreduce, where a loss
+//! scaler sees it, rather than a finite wrong value; infinities and NaNs pass through as
+//! themselves. bf16 keeps f32's range: only a value that rounds past f32's largest steps back
+//! to bf16's largest finite value.
 //! Bounds: fp16 keeps 11 significant bits for `6.1e-5 ≤ |x| ≤ 65504` (error ≤ `|x|·2⁻¹¹`) and
 //! is absolute below (error ≤ `2⁻²⁵`); bf16 keeps 8 bits over f32's whole range (error ≤
 //! `|x|·2⁻⁸`, absolute `2⁻¹³⁴` among f32 subnormals).
@@ -11,9 +15,6 @@ use half::{f16, slice::HalfFloatSliceExt};
 
 use super::{apply, Mode, BLOCK};
 use crate::halfconv::{bf16_to_f32, f32_to_bf16};
-
-/// The largest finite fp16 value.
-const F16_MAX: f32 = 65504.0;
 
 /// Which half-precision format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,16 +28,10 @@ pub(crate) fn encode(h: Half, x: &[f32], out: &mut [u8]) {
     debug_assert_eq!(out.len(), 2 * x.len());
     match h {
         Half::F16 => {
-            let mut wide = [0f32; BLOCK];
             let mut narrow = [f16::ZERO; BLOCK];
             for (xs, os) in x.chunks(BLOCK).zip(out.chunks_mut(2 * BLOCK)) {
                 let m = xs.len();
-                for (w, &v) in wide.iter_mut().zip(xs) {
-                    // Saturate finite values; keep ±inf (and NaN: min/max would drop it).
-                    let c = v.clamp(-F16_MAX, F16_MAX);
-                    *w = if v.is_finite() { c } else { v };
-                }
-                narrow[..m].convert_from_f32_slice(&wide[..m]);
+                narrow[..m].convert_from_f32_slice(xs);
                 for (o, v) in os.chunks_exact_mut(2).zip(&narrow[..m]) {
                     o.copy_from_slice(&v.to_bits().to_le_bytes());
                 }

@@ -169,7 +169,8 @@ impl From<CodecError> for TransportError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Codec {
-    /// IEEE half precision, round to nearest; saturates at ±65504.
+    /// IEEE half precision, round to nearest, as a cast: beyond ±65504 is ±∞ (a sum that
+    /// overflows reads ±∞ on every rank, as in an fp16 allreduce).
     F16,
     /// bfloat16, round to nearest even.
     Bf16,
