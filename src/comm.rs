@@ -1,6 +1,6 @@
 //! The communicator users hold.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use chorus_algorithms::allreduce::{self, Algorithm};
@@ -488,6 +488,20 @@ impl Transport for Lone {
     fn abort(&mut self, _notice: &AbortNotice) {}
 }
 
+/// Whether the host of `addr` (`host:port`, `[v6]:port`) is a name other than localhost's,
+/// not an address: a name that may resolve to loopback on its own host only.
+pub(crate) fn names_a_host(addr: &str) -> bool {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let lower = host.to_ascii_lowercase();
+    host.parse::<IpAddr>().is_err()
+        && !matches!(
+            lower.as_str(),
+            "localhost" | "localhost.localdomain" | "ip6-localhost" | "ip6-loopback"
+        )
+        && !lower.ends_with(".localhost")
+}
+
 fn resolve(addr: &str) -> Result<SocketAddr, CommError> {
     let mut addrs = addr.to_socket_addrs().map_err(|e| {
         CommError::invalid("init", format!("cannot resolve root address {addr:?}: {e}"))
@@ -623,6 +637,28 @@ impl Communicator {
             let root = resolve(&config.root_addr).map_err(fail)?;
             let listen_ip = chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
+            // The root's name resolves to a loopback address here (Debian maps a host's own
+            // name to 127.0.1.1: torchrun's MASTER_ADDR on the first node) and the launcher
+            // did not say the job stays on this host: the ranks of other hosts reach the
+            // root by another address. The store listens on every address, and the data
+            // connections on the interface that reaches the other hosts, if any.
+            let beyond = root.ip().is_loopback()
+                && names_a_host(&config.root_addr)
+                && config.socket_ifname.is_none()
+                && config.local_size != Some(size);
+            if beyond && config.hosts_store() {
+                log::log(
+                    Level::Info,
+                    Some(rank),
+                    format_args!(
+                        "the rendezvous root {} resolves to {} here: its store listens on every \
+                         address, for ranks of other hosts (LOCAL_WORLD_SIZE or \
+                         CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback)",
+                        config.root_addr,
+                        root.ip()
+                    ),
+                );
+            }
             let mut tcp_opts = TcpOptions::default();
             let spin_override = env_parse::<u64>("CHORUS_TCP_SPIN_US").map_err(fail)?;
             if let Some(us) = spin_override {
@@ -644,7 +680,16 @@ impl Communicator {
                 store_addr: root,
                 token: config.token.clone().unwrap_or_default().into_bytes(),
                 listen_ip,
+                listen_beyond_host: beyond,
                 host_store: config.hosts_store(),
+                store_bind: beyond.then(|| {
+                    let any: IpAddr = if root.is_ipv4() {
+                        Ipv4Addr::UNSPECIFIED.into()
+                    } else {
+                        Ipv6Addr::UNSPECIFIED.into()
+                    };
+                    SocketAddr::new(any, root.port())
+                }),
                 timeout: config.init_timeout,
                 tcp: tcp_opts,
             };
@@ -1742,6 +1787,25 @@ impl std::fmt::Debug for Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn root_names_that_may_be_loopback_on_their_host_only() {
+        for named in ["node0:29501", "gpu-7.cluster:1", "NODE0:2", "[node0]:3"] {
+            assert!(names_a_host(named), "{named}");
+        }
+        for not in [
+            "127.0.0.1:1",
+            "127.0.1.1:1",
+            "[::1]:1",
+            "10.0.0.1:5",
+            "localhost:1",
+            "LocalHost:1",
+            "ip6-localhost:1",
+            "a.localhost:1",
+        ] {
+            assert!(!names_a_host(not), "{not}");
+        }
+    }
 
     #[test]
     fn tcp_congestion_names() {

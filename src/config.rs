@@ -8,7 +8,8 @@
 //!   a batch script, which has none, is rank 0 of 1 in an allocation of one task and refused
 //!   in a larger one).
 //! - local rank: `CHORUS_LOCAL_RANK`, else `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
-//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`.
+//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host: `CHORUS_LOCAL_SIZE`, else
+//!   `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`.
 //! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
 //!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`).
 //!   With none of them and a single rank, `127.0.0.1:0` (one rank needs no rendezvous).
@@ -45,6 +46,10 @@ pub struct Config {
     pub size: usize,
     /// Rank on this host, if the launcher said.
     pub local_rank: Option<usize>,
+    /// Ranks on this host, if the launcher said (`CHORUS_LOCAL_SIZE`, `LOCAL_WORLD_SIZE`,
+    /// ...). Fewer than `size`: the job spans hosts, which init needs to know when the root's
+    /// name resolves to a loopback address here (see [`crate::Communicator::new`]).
+    pub local_size: Option<usize>,
     /// `host:port` of the rendezvous store.
     pub root_addr: String,
     /// Shared secret authenticating every connection (`None`: protocol check only).
@@ -90,6 +95,7 @@ impl std::fmt::Debug for Config {
             .field("rank", &self.rank)
             .field("size", &self.size)
             .field("local_rank", &self.local_rank)
+            .field("local_size", &self.local_size)
             .field("root_addr", &self.root_addr)
             .field("token", &self.token.as_ref().map(|_| "<secret>"))
             .field("timeout", &self.timeout)
@@ -113,6 +119,7 @@ impl Config {
             rank,
             size,
             local_rank: None,
+            local_size: None,
             root_addr: root_addr.into(),
             token: None,
             timeout: DEFAULT_TIMEOUT,
@@ -290,10 +297,24 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         }
     };
 
+    let local_size = match env.first(LOCAL_SIZE_VARS) {
+        None => None,
+        Some((var, v)) => {
+            let local = parse_count(var, &v)?;
+            if local == 0 || local > size {
+                return Err(format!(
+                    "{var}={local} is not a number of ranks on this host (1..={size})"
+                ));
+            }
+            Some(local)
+        }
+    };
+
     let root_addr = root_addr(&env, size)?;
 
     let mut config = Config::new(rank, size, root_addr);
     config.local_rank = local_rank;
+    config.local_size = local_size;
     read_settings(get, &mut config)?;
     Ok(config)
 }
@@ -411,6 +432,13 @@ const LOCAL_RANK_VARS: &[&str] = &[
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
     "SLURM_LOCALID",
+];
+/// Variables giving the number of ranks on this host, in order of precedence.
+const LOCAL_SIZE_VARS: &[&str] = &[
+    "CHORUS_LOCAL_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
 ];
 /// The largest world size accepted, from the environment and by [`crate::Communicator::new`]
 /// (a guard against a garbled variable or argument, which would otherwise size per-rank
@@ -788,7 +816,30 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((c.rank, c.size, c.local_rank), (3, 4, Some(1)));
+        assert_eq!(c.local_size, None);
         assert_eq!(c.root_addr, "node0:29501");
+        // Two hosts of two ranks.
+        let c = config(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(c.local_size, Some(2));
+        for bad in ["0", "5", "x"] {
+            error_naming(
+                &[
+                    ("RANK", "3"),
+                    ("WORLD_SIZE", "4"),
+                    ("LOCAL_WORLD_SIZE", bad),
+                    ADDR,
+                ],
+                "LOCAL_WORLD_SIZE",
+            );
+        }
         // CHORUS_PORT overrides MASTER_PORT + 1.
         let c = config(&[
             ("RANK", "0"),

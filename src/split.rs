@@ -202,6 +202,7 @@ impl Communicator {
         config.size = members.len();
         config.host_store = Some(false);
         config.local_rank = None;
+        config.local_size = None;
         if members.len() > 1 {
             let rec = &all[WHERE * first..WHERE * (first + 1)];
             let addr = match rec[0] {

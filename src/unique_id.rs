@@ -136,7 +136,8 @@ impl std::fmt::Debug for UniqueId {
 
 /// Where [`UniqueId::new`] hosts its store: the interface `CHORUS_SOCKET_IFNAME` names; else
 /// the one that routes to the launcher's rendezvous host (`CHORUS_ADDR`, `MASTER_ADDR`), which
-/// every rank reaches; else the first that is neither loopback nor docker.
+/// every rank reaches, unless that is a name resolving to loopback here; else the first that
+/// is neither loopback nor docker.
 fn store_ip() -> Result<IpAddr, CommError> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     let spec = var("CHORUS_SOCKET_IFNAME");
@@ -151,7 +152,15 @@ fn store_ip() -> Result<IpAddr, CommError> {
                 }
             })
         });
-        let root = host.and_then(|h| h.trim().to_socket_addrs().ok()?.next());
+        // A name that resolves to loopback here (Debian's 127.0.1.1 for the host's own name)
+        // says nothing of the hosts of the job: the other ranks may reach this one by
+        // another address, so the store goes where an outside one would.
+        let root = host
+            .filter(|h| {
+                let r = h.trim().to_socket_addrs().ok().and_then(|mut a| a.next());
+                !(r.is_some_and(|r| r.ip().is_loopback()) && crate::comm::names_a_host(h.trim()))
+            })
+            .and_then(|h| h.trim().to_socket_addrs().ok()?.next());
         if let Some(ip) = root.and_then(|r| chorus_transport::ifaddr::select(None, r).ok()) {
             return Ok(ip);
         }

@@ -16,7 +16,10 @@
 //!    on `lo` either; these hosts have no other interface than eth0, so this does not tell
 //!    the route to `CHORUS_ADDR` from the first interface that is not loopback);
 //! 3. `CHORUS_SOCKET_IFNAME=lo` across hosts: every rank fails with an error within the
-//!    rendezvous timeout instead of hanging.
+//!    rendezvous timeout instead of hanging;
+//! 4. torchrun's variables with `MASTER_ADDR` a name the root host resolves to 127.0.1.1 (as
+//!    Debian maps a host's own name; `/etc/netns/<host>/hosts`, written and removed by the
+//!    test) and the others to its eth0 address: the job forms, data over eth0.
 //!
 //! It needs root (`ip netns`, `tc`). Where namespaces cannot be made it fails and says why;
 //! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIP` line). Every job runs under a watchdog.
@@ -140,6 +143,19 @@ fn remove_stale_clusters() {
             (is_ours && dead).then(|| format!("chorus-t{pid}"))
         })
         .collect();
+    // Hosts files of scenario 4 left by a killed run.
+    if let Ok(dirs) = std::fs::read_dir("/etc/netns") {
+        for d in dirs.flatten() {
+            let name = d.file_name().to_string_lossy().into_owned();
+            let pid = name
+                .strip_prefix("chorus-t")
+                .and_then(|r| r.split_once('-'))
+                .and_then(|(pid, _)| pid.parse::<u32>().ok());
+            if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = std::fs::remove_dir_all(d.path());
+            }
+        }
+    }
     for prefix in stale {
         eprintln!("netns test: removing cluster {prefix} left by an earlier run");
         if let Err(e) = cluster_sh(&prefix, &["down"]) {
@@ -384,6 +400,108 @@ fn loopback_scenario(cluster: &Cluster) -> Result<(), String> {
     Ok(())
 }
 
+/// The name scenario 4 gives the root host.
+const ROOT_NAME: &str = "chorus-test-root";
+
+/// `/etc/netns/<host>/hosts` files, which `ip netns exec` mounts over `/etc/hosts` in each
+/// host; removed when dropped.
+struct HostsFiles(Vec<PathBuf>);
+
+impl HostsFiles {
+    /// Host `i` resolves [`ROOT_NAME`] to `ip(i)`.
+    fn write(cluster: &Cluster, ip: impl Fn(usize) -> String) -> Result<HostsFiles, String> {
+        let mut made = HostsFiles(Vec::new());
+        for i in 1..=HOSTS {
+            let dir = PathBuf::from("/etc/netns").join(cluster.host(i));
+            if dir.exists() {
+                return Err(format!("{} exists already", dir.display()));
+            }
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            made.0.push(dir.clone());
+            let text = format!("127.0.0.1 localhost\n{} {ROOT_NAME}\n", ip(i));
+            std::fs::write(dir.join("hosts"), text)
+                .map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        Ok(made)
+    }
+}
+
+impl Drop for HostsFiles {
+    fn drop(&mut self) {
+        for dir in &self.0 {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Scenario 4: torchrun's variables, `MASTER_ADDR` a name that the root host resolves to
+/// 127.0.1.1 (as Debian's /etc/hosts maps a host's own name) and the others to its eth0
+/// address, `LOCAL_WORLD_SIZE=1`: the root's store must listen beyond loopback and every
+/// rank's data connections on eth0, or the other hosts never get in.
+fn named_root_scenario(cluster: &Cluster) -> Result<(), String> {
+    let _hosts = HostsFiles::write(cluster, |i| {
+        if i == 1 {
+            "127.0.1.1".to_string()
+        } else {
+            host_ip(1).to_string()
+        }
+    })?;
+    let (exe, args, child_env) = child_args("named-root");
+    let mut started = Vec::new();
+    for rank in 0..HOSTS {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &cluster.host(rank + 1)])
+            .arg(&exe)
+            .args(&args)
+            .env(child_env.0, &child_env.1)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", HOSTS.to_string())
+            .env("LOCAL_RANK", "0")
+            .env("LOCAL_WORLD_SIZE", "1")
+            .env("MASTER_ADDR", ROOT_NAME)
+            .env("MASTER_PORT", "29504")
+            .env("CHORUS_TOKEN", TOKEN)
+            .env("CHORUS_TIMEOUT", "30")
+            .env("CHORUS_INIT_TIMEOUT", "20")
+            .env("CHORUS_DEBUG", "INFO");
+        for k in [
+            "CHORUS_RANK",
+            "CHORUS_WORLD_SIZE",
+            "CHORUS_ADDR",
+            "CHORUS_SOCKET_IFNAME",
+            "CHORUS_LOCAL_SIZE",
+        ] {
+            cmd.env_remove(k);
+        }
+        match start(cmd) {
+            Ok(s) => started.push(s),
+            Err(e) => {
+                let finished = wait_all(started);
+                return Err(format!(
+                    "{e} (rank {rank}); {} started before",
+                    finished.len()
+                ));
+            }
+        }
+    }
+    let ranks = wait_all(started);
+    for (rank, f) in ranks.iter().enumerate() {
+        let ip = host_ip(rank + 1);
+        if !f.status.is_some_and(|s| s.success())
+            || !f.output.contains(&format!("RANK-OK {rank} eth0={ip}"))
+        {
+            return Err(format!("named root: rank {rank} failed\n{}", dump(&ranks)));
+        }
+        if !f.output.contains(&format!("listening on {ip}:")) {
+            return Err(format!(
+                "named root: rank {rank} does not log listening on {ip}\n{}",
+                dump(&ranks)
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn allreduce_across_four_namespace_hosts() {
     if let Ok(kind) = std::env::var(CHILD_ENV) {
@@ -401,10 +519,11 @@ fn allreduce_across_four_namespace_hosts() {
         )
     });
     let mut failures = Vec::new();
-    let scenarios: [(&str, Scenario); 3] = [
+    let scenarios: [(&str, Scenario); 4] = [
         ("eth0", eth0_scenario),
         ("default interface", default_interface_scenario),
         ("lo", loopback_scenario),
+        ("root name on loopback", named_root_scenario),
     ];
     for (name, scenario) in scenarios {
         let began = Instant::now();
@@ -425,7 +544,10 @@ fn allreduce_across_four_namespace_hosts() {
 /// The body of a child rank.
 fn child(kind: &str) {
     match kind {
-        "check" | "check-small" => check_rank(kind == "check"),
+        "check" | "check-small" => check_rank(kind == "check", true),
+        // Rank 0's store listens on every address and its own store connection runs over
+        // loopback: the data sockets are checked through the log line instead.
+        "named-root" => check_rank(false, false),
         "lo" => {
             let config = Config::from_env().expect("configuration from the environment");
             let rank = config.rank;
@@ -444,9 +566,16 @@ fn child(kind: &str) {
     }
 }
 
-/// Builds the communicator, checks where its sockets are, then allreduces (all of [`COUNTS`]
+/// Builds the communicator, checks where its sockets are (all on eth0 when `strict_sockets`,
+/// all but those of rank 0's store otherwise), then allreduces (all of [`COUNTS`]
 /// with several dtypes and ops when `full`, fewer otherwise) against the reference.
-fn check_rank(full: bool) {
+fn check_rank(full: bool, strict_sockets: bool) {
+    // Where not strict, rank 0's rendezvous store (MASTER_PORT + 1) may listen on every
+    // address and be reached over loopback by rank 0 itself; every other socket is checked.
+    let store_port: Option<u16> = (!strict_sockets).then(|| {
+        let master: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
+        master + 1
+    });
     let mut c = Communicator::from_env().unwrap_or_else(|e| panic!("communicator: {e}"));
     let rank = c.rank();
     let eth0 = eth0_address();
@@ -455,7 +584,7 @@ fn check_rank(full: bool) {
         host_ip(rank + 1),
         "rank {rank} runs on the wrong host"
     );
-    check_sockets(rank, eth0);
+    check_sockets(rank, eth0, store_port);
     // The hosts share only the network: no other transport may carry their data.
     assert_eq!(
         c.transport_name(),
@@ -572,7 +701,7 @@ fn check_rank(full: bool) {
     );
     // Sockets again, now that data has flowed and the pair and the joined communicator have
     // their own: still only on eth0.
-    check_sockets(rank, eth0);
+    check_sockets(rank, eth0, store_port);
     drop(joined);
     drop(pair);
     c.barrier().unwrap_or_else(|e| panic!("final barrier: {e}"));
@@ -634,12 +763,19 @@ fn tcp_sockets(file: &str) -> Vec<(u8, SocketAddrV4, SocketAddrV4)> {
 }
 
 /// Every listening or connected socket of this rank is on its eth0 address (none on `lo`),
-/// and it is connected to every other host.
-fn check_sockets(rank: usize, eth0: Ipv4Addr) {
+/// and it is connected to every other host. With `store_port`, sockets of the store there
+/// on rank 0's own side of it (listening on every address, or over loopback) are let be.
+fn check_sockets(rank: usize, eth0: Ipv4Addr, store_port: Option<u16>) {
     let sockets = tcp_sockets("/proc/net/tcp");
     let mut peers = BTreeSet::new();
     for &(state, local, remote) in &sockets {
         if state != TCP_ESTABLISHED && state != TCP_LISTEN {
+            continue;
+        }
+        let own_store = |a: SocketAddrV4| {
+            Some(a.port()) == store_port && (a.ip().is_unspecified() || a.ip().is_loopback())
+        };
+        if rank == 0 && (own_store(local) || own_store(remote)) {
             continue;
         }
         assert_eq!(

@@ -45,8 +45,17 @@ pub struct MeshOptions {
     pub token: Vec<u8>,
     /// Local address to listen on for data connections.
     pub listen_ip: IpAddr,
+    /// Whether `listen_ip` (then loopback) holds only when every rank runs on this host
+    /// (the root's name resolved to a loopback address here, and the launcher did not say
+    /// that the job stays on one host): otherwise the rank listens on the address of its
+    /// route to a rank on another host, learnt from the store.
+    pub listen_beyond_host: bool,
     /// Whether this rank starts the store at `store_addr`.
     pub host_store: bool,
+    /// Where a store this rank hosts listens, when not at `store_addr` (the unspecified
+    /// address and its port: every interface, for a root whose name resolves to loopback
+    /// here and that other hosts reach by another address).
+    pub store_bind: Option<SocketAddr>,
     /// Deadline for the whole rendezvous.
     pub timeout: Duration,
     /// Tunables of the resulting transport.
@@ -172,12 +181,21 @@ fn connect_keeping(
     }
     if server.is_none() && opts.host_store {
         *server = Some(StoreServer::bind_for_ranks(
-            opts.store_addr,
+            opts.store_bind.unwrap_or(opts.store_addr),
             &opts.token,
             size,
         )?);
     }
-    let store_addr = server.as_ref().map_or(opts.store_addr, |s| s.local_addr());
+    // The hosted store's own address (its port, when asked for port 0), or the root's where
+    // it listens on every address.
+    let store_addr = server.as_ref().map_or(opts.store_addr, |s| {
+        let at = s.local_addr();
+        if at.ip().is_unspecified() {
+            SocketAddr::new(opts.store_addr.ip(), at.port())
+        } else {
+            at
+        }
+    });
     let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
     store.set_deadline(deadline);
 
@@ -217,20 +235,59 @@ fn connect_keeping(
                 "rank {rank} was given a group of {size} ranks, rank 0 one of {theirs}: every \
                  rank must pass the same number of ranks"
             );
+            // (Also where ranks that learn the hosts first wait.)
+            let _ = store.set(&format!("host/{rank}"), format!("error: {why}").as_bytes());
             let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
             return Err(rdv(why));
         }
         id
     };
 
-    let listener = match TcpListener::bind(SocketAddr::new(opts.listen_ip, 0)) {
+    let me = host_identity();
+    store.set(&format!("host/{rank}"), me.as_bytes())?;
+    let mut hosts = Vec::with_capacity(size);
+    if opts.listen_beyond_host {
+        for j in 0..size {
+            let h = store.get(&format!("host/{j}"), deadline)?;
+            if let Some(why) = h.strip_prefix(b"error: ") {
+                return Err(rdv(crate::frame::peer_text(why)));
+            }
+            hosts.push(String::from_utf8_lossy(&h).into_owned());
+        }
+    }
+    let listen_ip = match hosts.iter().position(|h| *h != me) {
+        // A rank on another host: listen where this host's route to it leaves from (that
+        // rank reached the root by another address than this host's loopback one).
+        Some(j) => {
+            let a = peer_addr(&mut store, j, deadline)?;
+            match crate::ifaddr::select(None, a) {
+                Ok(ip) if !ip.is_loopback() => ip,
+                Ok(_) => {
+                    return Err(rdv(format!(
+                        "rank {j} on another host listens on {a}, a loopback address: the \
+                         root's name resolves to a loopback address on its host too; set \
+                         CHORUS_ADDR (or MASTER_ADDR) to an address every host reaches, or \
+                         CHORUS_SOCKET_IFNAME"
+                    )))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        None => opts.listen_ip,
+    };
+    if opts.listen_beyond_host && listen_ip != opts.listen_ip {
+        crate::note!(
+            "rank {rank}: the rendezvous root's name resolves to a loopback address here and \
+             other ranks run on other hosts: listening on {listen_ip}"
+        );
+    }
+    let listener = match TcpListener::bind(SocketAddr::new(listen_ip, 0)) {
         Ok(l) => l,
         Err(e) => {
             // Where the others wait for this rank's address: they fail at once, saying why.
             let why = format!(
-                "rank {rank} could not listen on {} for its data connections: {e} \
-                 (CHORUS_SOCKET_IFNAME picks the interface)",
-                opts.listen_ip
+                "rank {rank} could not listen on {listen_ip} for its data connections: {e} \
+                 (CHORUS_SOCKET_IFNAME picks the interface)"
             );
             let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
             return Err(TransportError::io(None, "bind data listener", e));
@@ -240,22 +297,14 @@ fn connect_keeping(
         .local_addr()
         .map_err(|e| TransportError::io(None, "getsockname", e))?;
     store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
-    store.set(&format!("host/{rank}"), host_identity().as_bytes())?;
 
     let mut addrs = Vec::with_capacity(size);
-    let mut hosts = Vec::with_capacity(size);
     for j in 0..size {
-        let a = store.get(&format!("addr/{j}"), deadline)?;
-        if let Some(why) = a.strip_prefix(b"error: ") {
-            return Err(rdv(crate::frame::peer_text(why)));
+        addrs.push(peer_addr(&mut store, j, deadline)?);
+        if !opts.listen_beyond_host {
+            let h = store.get(&format!("host/{j}"), deadline)?;
+            hosts.push(String::from_utf8_lossy(&h).into_owned());
         }
-        let a = std::str::from_utf8(&a)
-            .ok()
-            .and_then(|s| s.parse::<SocketAddr>().ok())
-            .ok_or_else(|| rdv(format!("rank {j} published a malformed address")))?;
-        addrs.push(a);
-        let h = store.get(&format!("host/{j}"), deadline)?;
-        hosts.push(String::from_utf8_lossy(&h).into_owned());
     }
 
     // Accept from higher ranks on a background thread while connecting to lower ones.
@@ -318,6 +367,19 @@ fn connect_keeping(
             addrs,
         },
     ))
+}
+
+/// The data address rank `j` published (waiting for it until `deadline`), or the error it
+/// left there instead.
+fn peer_addr(store: &mut StoreClient, j: usize, deadline: Instant) -> Result<SocketAddr> {
+    let a = store.get(&format!("addr/{j}"), deadline)?;
+    if let Some(why) = a.strip_prefix(b"error: ") {
+        return Err(rdv(crate::frame::peer_text(why)));
+    }
+    std::str::from_utf8(&a)
+        .ok()
+        .and_then(|s| s.parse::<SocketAddr>().ok())
+        .ok_or_else(|| rdv(format!("rank {j} published a malformed address")))
 }
 
 fn dial(
@@ -525,7 +587,9 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
                     store_addr: addr,
                     token: b"test".to_vec(),
                     listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                    listen_beyond_host: false,
                     host_store: false,
+                    store_bind: None,
                     timeout: Duration::from_secs(30),
                     tcp: TcpOptions::default(),
                 })
@@ -544,6 +608,38 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_that_learn_the_hosts_first_stay_on_loopback_on_one_host() {
+        // What init asks for when the root's name resolves to loopback here and the job may
+        // span hosts: rank 0's store on every address, each rank's listener chosen after the
+        // hosts are known. All ranks on this host: loopback, and the mesh forms.
+        let port = crate::rendezvous::free_local_ports(1).unwrap()[0];
+        let root = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    connect(&MeshOptions {
+                        rank,
+                        size: 3,
+                        store_addr: root,
+                        token: b"t".to_vec(),
+                        listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                        listen_beyond_host: true,
+                        host_store: rank == 0,
+                        store_bind: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)),
+                        timeout: Duration::from_secs(30),
+                        tcp: TcpOptions::default(),
+                    })
+                    .map(|(_, r)| r.addrs)
+                })
+            })
+            .collect();
+        for h in hs {
+            let addrs = h.join().unwrap().unwrap();
+            assert!(addrs.iter().all(|a| a.ip().is_loopback()), "{addrs:?}");
+        }
+    }
 
     #[test]
     fn silent_connections_do_not_keep_a_peer_out() {
@@ -568,7 +664,9 @@ mod tests {
                 store_addr: addr,
                 token: b"t".to_vec(),
                 listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                listen_beyond_host: false,
                 host_store: false,
+                store_bind: None,
                 timeout: Duration::from_secs(30),
                 tcp: TcpOptions::default(),
             });
@@ -602,7 +700,9 @@ mod tests {
                 store_addr: addr,
                 token: b"t".to_vec(),
                 listen_ip,
+                listen_beyond_host: false,
                 host_store: false,
+                store_bind: None,
                 timeout: Duration::from_secs(30),
                 tcp: TcpOptions::default(),
             });
