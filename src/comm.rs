@@ -494,10 +494,20 @@ pub(crate) fn names_a_host(addr: &str) -> bool {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let lower = host.to_ascii_lowercase();
+    // Digits and dots only: an address in a short form (`127.1`), as the resolver reads it.
+    let numeric = host.bytes().all(|b| b.is_ascii_digit() || b == b'.');
     host.parse::<IpAddr>().is_err()
+        && !numeric
         && !matches!(
             lower.as_str(),
-            "localhost" | "localhost.localdomain" | "ip6-localhost" | "ip6-loopback"
+            "localhost"
+                | "localhost.localdomain"
+                | "localhost4"
+                | "localhost4.localdomain4"
+                | "localhost6"
+                | "localhost6.localdomain6"
+                | "ip6-localhost"
+                | "ip6-loopback"
         )
         && !lower.ends_with(".localhost")
 }
@@ -647,15 +657,27 @@ impl Communicator {
                 && config.socket_ifname.is_none()
                 && config.local_size != Some(size);
             if beyond && config.hosts_store() {
+                // Without a token, anyone who reaches the host could write to the store.
+                let level = if config.token.is_none() {
+                    Level::Warn
+                } else {
+                    Level::Info
+                };
                 log::log(
-                    Level::Info,
+                    level,
                     Some(rank),
                     format_args!(
                         "the rendezvous root {} resolves to {} here: its store listens on every \
                          address, for ranks of other hosts (LOCAL_WORLD_SIZE or \
-                         CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback)",
+                         CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback){}",
                         config.root_addr,
-                        root.ip()
+                        root.ip(),
+                        if config.token.is_none() {
+                            "; CHORUS_TOKEN is not set, so its connections are not \
+                             authenticated"
+                        } else {
+                            ""
+                        }
                     ),
                 );
             }
@@ -1800,6 +1822,8 @@ mod tests {
             "10.0.0.1:5",
             "localhost:1",
             "LocalHost:1",
+            "localhost6.localdomain6:1",
+            "127.1:1",
             "ip6-localhost:1",
             "a.localhost:1",
         ] {

@@ -8,8 +8,9 @@
 //!   a batch script, which has none, is rank 0 of 1 in an allocation of one task and refused
 //!   in a larger one).
 //! - local rank: `CHORUS_LOCAL_RANK`, else `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
-//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host: `CHORUS_LOCAL_SIZE`, else
-//!   `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`.
+//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host: `CHORUS_LOCAL_SIZE`, else the
+//!   rank's launcher's `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`
+//!   (Slurm: all of them when `SLURM_STEP_NUM_NODES=1`).
 //! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
 //!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`).
 //!   With none of them and a single rank, `127.0.0.1:0` (one rank needs no rendezvous).
@@ -263,6 +264,12 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             }
             _ => ("SLURM_NTASKS", "1".to_string()),
         },
+        None if launcher.name == "chorus" => {
+            return Err(format!(
+                "{rank_var} is set but not {}: set it too",
+                launcher.size
+            ))
+        }
         None => {
             return Err(format!(
                 "{rank_var} is set but not {}: set both ({} sets them together), or \
@@ -297,10 +304,16 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         }
     };
 
-    let local_size = match env.first(LOCAL_SIZE_VARS) {
-        None => None,
-        Some((var, v)) => {
-            let local = parse_count(var, &v)?;
+    // From `CHORUS_LOCAL_SIZE` or the launcher that gave the rank (another's count, left in
+    // the environment of a process that launched this one, says nothing of this job). Slurm
+    // gives none per host, but a step on one node is on one host.
+    let local_var = ["CHORUS_LOCAL_SIZE"]
+        .into_iter()
+        .chain(launcher.local_size)
+        .find(|v| env.value(v).is_some());
+    let local_size = match local_var {
+        Some(var) => {
+            let local = parse_count(var, &env.value(var).unwrap_or_default())?;
             if local == 0 || local > size {
                 return Err(format!(
                     "{var}={local} is not a number of ranks on this host (1..={size})"
@@ -308,6 +321,12 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             }
             Some(local)
         }
+        None if launcher.name == "Slurm"
+            && env.value("SLURM_STEP_NUM_NODES").as_deref() == Some("1") =>
+        {
+            Some(size)
+        }
+        None => None,
     };
 
     let root_addr = root_addr(&env, size)?;
@@ -352,6 +371,8 @@ struct Launcher {
     rank: &'static str,
     size: &'static str,
     launch_size: &'static str,
+    /// Its count of ranks on this host, if it gives one.
+    local_size: Option<&'static str>,
 }
 
 /// The launchers, in order of precedence (the first whose rank variable is set gives the rank).
@@ -361,30 +382,35 @@ const LAUNCHERS: &[Launcher] = &[
         rank: "CHORUS_RANK",
         size: "CHORUS_WORLD_SIZE",
         launch_size: "CHORUS_WORLD_SIZE",
+        local_size: Some("CHORUS_LOCAL_SIZE"),
     },
     Launcher {
         name: "torchrun",
         rank: "RANK",
         size: "WORLD_SIZE",
         launch_size: "WORLD_SIZE",
+        local_size: Some("LOCAL_WORLD_SIZE"),
     },
     Launcher {
         name: "Open MPI",
         rank: "OMPI_COMM_WORLD_RANK",
         size: "OMPI_COMM_WORLD_SIZE",
         launch_size: "OMPI_COMM_WORLD_SIZE",
+        local_size: Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
     },
     Launcher {
         name: "MPICH/Hydra",
         rank: "PMI_RANK",
         size: "PMI_SIZE",
         launch_size: "PMI_SIZE",
+        local_size: Some("MPI_LOCALNRANKS"),
     },
     Launcher {
         name: "Slurm",
         rank: "SLURM_PROCID",
         size: "SLURM_STEP_NUM_TASKS",
         launch_size: "SLURM_STEP_NUM_TASKS",
+        local_size: None,
     },
 ];
 
@@ -432,13 +458,6 @@ const LOCAL_RANK_VARS: &[&str] = &[
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
     "SLURM_LOCALID",
-];
-/// Variables giving the number of ranks on this host, in order of precedence.
-const LOCAL_SIZE_VARS: &[&str] = &[
-    "CHORUS_LOCAL_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "MPI_LOCALNRANKS",
 ];
 /// The largest world size accepted, from the environment and by [`crate::Communicator::new`]
 /// (a guard against a garbled variable or argument, which would otherwise size per-rank
@@ -829,6 +848,24 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.local_size, Some(2));
+        // Another launcher's count (a torchrun worker's environment, inherited by a process
+        // that runs a job of its own) is not read.
+        let c = config(&[
+            ("CHORUS_RANK", "0"),
+            ("CHORUS_WORLD_SIZE", "1"),
+            ("LOCAL_WORLD_SIZE", "8"),
+        ])
+        .unwrap();
+        assert_eq!(c.local_size, None);
+        // A Slurm step on one node is on one host.
+        let c = config(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_STEP_NUM_NODES", "1"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!(c.local_size, Some(4));
         for bad in ["0", "5", "x"] {
             error_naming(
                 &[

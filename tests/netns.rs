@@ -19,7 +19,8 @@
 //!    rendezvous timeout instead of hanging;
 //! 4. torchrun's variables with `MASTER_ADDR` a name the root host resolves to 127.0.1.1 (as
 //!    Debian maps a host's own name; `/etc/netns/<host>/hosts`, written and removed by the
-//!    test) and the others to its eth0 address: the job forms, data over eth0.
+//!    test) and the others to its eth0 address: the job forms, data over eth0;
+//! 5. the same name, all ranks in one namespace but given two host ids: the job forms.
 //!
 //! It needs root (`ip netns`, `tc`). Where namespaces cannot be made it fails and says why;
 //! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIP` line). Every job runs under a watchdog.
@@ -502,6 +503,58 @@ fn named_root_scenario(cluster: &Cluster) -> Result<(), String> {
     Ok(())
 }
 
+/// Scenario 5: the same name resolving to 127.0.1.1, all four ranks in host 1's namespace
+/// but told they are two hosts (`CHORUS_HOSTID`), no local size: ranks that learn the hosts
+/// first must not wait for one another, and stay on loopback.
+fn one_network_scenario(cluster: &Cluster) -> Result<(), String> {
+    let _hosts = HostsFiles::write(cluster, |_| "127.0.1.1".to_string())?;
+    let (exe, args, child_env) = child_args("one-network");
+    let mut started = Vec::new();
+    for rank in 0..HOSTS {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &cluster.host(1)])
+            .arg(&exe)
+            .args(&args)
+            .env(child_env.0, &child_env.1)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", HOSTS.to_string())
+            .env("MASTER_ADDR", ROOT_NAME)
+            .env("MASTER_PORT", "29506")
+            .env("CHORUS_HOSTID", format!("host-{}", rank / 2))
+            .env("CHORUS_TIMEOUT", "30")
+            .env("CHORUS_INIT_TIMEOUT", "20");
+        for k in [
+            "CHORUS_RANK",
+            "CHORUS_WORLD_SIZE",
+            "CHORUS_ADDR",
+            "CHORUS_SOCKET_IFNAME",
+            "CHORUS_LOCAL_SIZE",
+            "LOCAL_WORLD_SIZE",
+        ] {
+            cmd.env_remove(k);
+        }
+        match start(cmd) {
+            Ok(s) => started.push(s),
+            Err(e) => {
+                let finished = wait_all(started);
+                return Err(format!(
+                    "{e} (rank {rank}); {} started before",
+                    finished.len()
+                ));
+            }
+        }
+    }
+    let ranks = wait_all(started);
+    for (rank, f) in ranks.iter().enumerate() {
+        if !f.status.is_some_and(|s| s.success())
+            || !f.output.contains(&format!("ONE-NETWORK-OK {rank}"))
+        {
+            return Err(format!("one network: rank {rank} failed\n{}", dump(&ranks)));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn allreduce_across_four_namespace_hosts() {
     if let Ok(kind) = std::env::var(CHILD_ENV) {
@@ -519,11 +572,12 @@ fn allreduce_across_four_namespace_hosts() {
         )
     });
     let mut failures = Vec::new();
-    let scenarios: [(&str, Scenario); 4] = [
+    let scenarios: [(&str, Scenario); 5] = [
         ("eth0", eth0_scenario),
         ("default interface", default_interface_scenario),
         ("lo", loopback_scenario),
         ("root name on loopback", named_root_scenario),
+        ("root name on loopback, one network", one_network_scenario),
     ];
     for (name, scenario) in scenarios {
         let began = Instant::now();
@@ -548,6 +602,14 @@ fn child(kind: &str) {
         // Rank 0's store listens on every address and its own store connection runs over
         // loopback: the data sockets are checked through the log line instead.
         "named-root" => check_rank(false, false),
+        "one-network" => {
+            let mut c = Communicator::from_env().unwrap_or_else(|e| panic!("communicator: {e}"));
+            let rank = c.rank();
+            let n = check_one::<f32>(&mut c, 1001, ReduceOp::Sum, false);
+            assert_eq!(n, 0, "rank {rank}: {n} wrong");
+            c.barrier().unwrap_or_else(|e| panic!("barrier: {e}"));
+            println!("ONE-NETWORK-OK {rank}");
+        }
         "lo" => {
             let config = Config::from_env().expect("configuration from the environment");
             let rank = config.rank;

@@ -356,6 +356,21 @@ pub fn accept_handshake(
     context: Context<'_>,
     deadline: Instant,
 ) -> Result<()> {
+    accept_handshake_admitting(stream, token, context, deadline, || true)
+}
+
+/// [`accept_handshake`], asking `admit` once the peer has proven itself, before telling it
+/// so: false (the connection was shut down meanwhile to make way for newer ones, see
+/// [`StoreServer`]) fails the handshake instead. Whoever shuts connections down does so only
+/// to those `admit` has not answered true for (both under one lock), so a peer told it is in
+/// never finds its connection closed for that.
+pub(crate) fn accept_handshake_admitting(
+    stream: &mut TcpStream,
+    token: &[u8],
+    context: Context<'_>,
+    deadline: Instant,
+    admit: impl FnOnce() -> bool,
+) -> Result<()> {
     check_context(context)?;
     let started = Instant::now();
     with_saved_timeouts(stream, |stream| {
@@ -385,6 +400,13 @@ pub fn accept_handshake(
                 "authentication failed: the peer's proof does not match; CHORUS_TOKEN (or the \
                  unique id) differs between ranks, or the peer belongs to another job or \
                  communicator"
+                    .into(),
+            ));
+        }
+        if !admit() {
+            return Err(TransportError::Rendezvous(
+                "the connection was shut down during its handshake to make way for newer ones \
+                 (too many connections at once)"
                     .into(),
             ));
         }
@@ -753,7 +775,16 @@ fn read_request(stream: &mut TcpStream) -> Result<Option<Request>, String> {
 fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr, id: u64) {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + lock(&shared.limits).handshake_timeout;
-    if let Err(e) = accept_handshake(stream, &shared.token, STORE_CONTEXT, deadline) {
+    // Proven: no longer one of those shut down for a newcomer (unless it already was).
+    let admit = || {
+        let mut conns = lock(&shared.conns);
+        let before = conns.unproven.len();
+        conns.unproven.retain(|i| *i != id);
+        conns.unproven.len() < before
+    };
+    if let Err(e) =
+        accept_handshake_admitting(stream, &shared.token, STORE_CONTEXT, deadline, admit)
+    {
         if !shared.shutdown.load(Ordering::SeqCst) {
             match e {
                 TransportError::Timeout { waited, .. } => shared.log.log(format_args!(
@@ -767,7 +798,6 @@ fn serve_connection(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr, i
         }
         return;
     }
-    lock(&shared.conns).unproven.retain(|i| *i != id);
     loop {
         let req = match read_request(stream) {
             Ok(Some(req)) => req,

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::{TcpOptions, TcpTransport};
 use crate::rendezvous::{
-    accept_handshake, connect_handshake, read_exact_before, StoreClient, StoreServer,
+    accept_handshake_admitting, connect_handshake, read_exact_before, StoreClient, StoreServer,
 };
 use crate::{Result, TransportError};
 
@@ -86,6 +86,13 @@ pub fn host_identity() -> String {
             return id.trim().to_string();
         }
     }
+    network_identity()
+}
+
+/// This machine's network: [`machine_identity`] and the network namespace, whatever
+/// `CHORUS_HOSTID` says (ranks given different host ids on one machine still share its
+/// loopback).
+pub fn network_identity() -> String {
     let netns = std::fs::read_link("/proc/self/ns/net")
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -180,11 +187,24 @@ fn connect_keeping(
         )));
     }
     if server.is_none() && opts.host_store {
-        *server = Some(StoreServer::bind_for_ranks(
-            opts.store_bind.unwrap_or(opts.store_addr),
-            &opts.token,
-            size,
-        )?);
+        let bind = |at| StoreServer::bind_for_ranks(at, &opts.token, size);
+        *server = Some(match opts.store_bind {
+            // Every address, else (a socket already listens on one address at that port)
+            // the root's own, as without it: a job on this host alone still forms.
+            Some(wide) => match bind(wide) {
+                Ok(s) => s,
+                Err(e) => {
+                    let narrow = bind(opts.store_addr).map_err(|_| e.to_string());
+                    let narrow = narrow.map_err(rdv)?;
+                    crate::note!(
+                        "rank {rank}: the store listens on {} only, not on every address: {e}",
+                        opts.store_addr
+                    );
+                    narrow
+                }
+            },
+            None => bind(opts.store_addr)?,
+        });
     }
     // The hosted store's own address (its port, when asked for port 0), or the root's where
     // it listens on every address.
@@ -236,61 +256,36 @@ fn connect_keeping(
                  rank must pass the same number of ranks"
             );
             // (Also where ranks that learn the hosts first wait.)
-            let _ = store.set(&format!("host/{rank}"), format!("error: {why}").as_bytes());
+            let _ = store.set(&format!("net/{rank}"), format!("error: {why}").as_bytes());
             let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
             return Err(rdv(why));
         }
         id
     };
 
-    let me = host_identity();
-    store.set(&format!("host/{rank}"), me.as_bytes())?;
-    let mut hosts = Vec::with_capacity(size);
-    if opts.listen_beyond_host {
-        for j in 0..size {
-            let h = store.get(&format!("host/{j}"), deadline)?;
-            if let Some(why) = h.strip_prefix(b"error: ") {
-                return Err(rdv(crate::frame::peer_text(why)));
-            }
-            hosts.push(String::from_utf8_lossy(&h).into_owned());
-        }
-    }
-    let listen_ip = match hosts.iter().position(|h| *h != me) {
-        // A rank on another host: listen where this host's route to it leaves from (that
-        // rank reached the root by another address than this host's loopback one).
-        Some(j) => {
-            let a = peer_addr(&mut store, j, deadline)?;
-            match crate::ifaddr::select(None, a) {
-                Ok(ip) if !ip.is_loopback() => ip,
-                Ok(_) => {
-                    return Err(rdv(format!(
-                        "rank {j} on another host listens on {a}, a loopback address: the \
-                         root's name resolves to a loopback address on its host too; set \
-                         CHORUS_ADDR (or MASTER_ADDR) to an address every host reaches, or \
-                         CHORUS_SOCKET_IFNAME"
-                    )))
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        None => opts.listen_ip,
-    };
-    if opts.listen_beyond_host && listen_ip != opts.listen_ip {
-        crate::note!(
-            "rank {rank}: the rendezvous root's name resolves to a loopback address here and \
-             other ranks run on other hosts: listening on {listen_ip}"
-        );
-    }
-    let listener = match TcpListener::bind(SocketAddr::new(listen_ip, 0)) {
+    store.set(&format!("host/{rank}"), host_identity().as_bytes())?;
+    // Where this machine's network is (CHORUS_HOSTID aside): ranks that learn the hosts first
+    // listen on loopback only if every rank shares it.
+    let net = network_identity();
+    store.set(&format!("net/{rank}"), net.as_bytes())?;
+    let listener = listen_ip(opts, &mut store, &net, deadline).and_then(|ip| {
+        TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+            rdv(format!(
+                "rank {rank} could not listen on {ip} for its data connections: {e} \
+                 (CHORUS_SOCKET_IFNAME picks the interface)"
+            ))
+        })
+    });
+    let listener = match listener {
         Ok(l) => l,
         Err(e) => {
             // Where the others wait for this rank's address: they fail at once, saying why.
-            let why = format!(
-                "rank {rank} could not listen on {listen_ip} for its data connections: {e} \
-                 (CHORUS_SOCKET_IFNAME picks the interface)"
-            );
+            let why = match &e {
+                TransportError::Rendezvous(m) => m.clone(),
+                other => format!("rank {rank}: {other}"),
+            };
             let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
-            return Err(TransportError::io(None, "bind data listener", e));
+            return Err(e);
         }
     };
     let my_addr = listener
@@ -298,13 +293,12 @@ fn connect_keeping(
         .map_err(|e| TransportError::io(None, "getsockname", e))?;
     store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
 
+    let mut hosts = Vec::with_capacity(size);
     let mut addrs = Vec::with_capacity(size);
     for j in 0..size {
         addrs.push(peer_addr(&mut store, j, deadline)?);
-        if !opts.listen_beyond_host {
-            let h = store.get(&format!("host/{j}"), deadline)?;
-            hosts.push(String::from_utf8_lossy(&h).into_owned());
-        }
+        let h = store.get(&format!("host/{j}"), deadline)?;
+        hosts.push(String::from_utf8_lossy(&h).into_owned());
     }
 
     // Accept from higher ranks on a background thread while connecting to lower ones.
@@ -367,6 +361,51 @@ fn connect_keeping(
             addrs,
         },
     ))
+}
+
+/// The address this rank listens on for data connections: `opts.listen_ip`, unless
+/// `opts.listen_beyond_host` and some rank's network (`net/{j}` in the store) is not this
+/// one's (`net`): then the address of this host's route to that rank. (Ranks that learn the
+/// networks first all reached the root through its loopback name, so they share the root's
+/// network, and the rank waited for here does not wait for them.)
+fn listen_ip(
+    opts: &MeshOptions,
+    store: &mut StoreClient,
+    net: &str,
+    deadline: Instant,
+) -> Result<IpAddr> {
+    if !opts.listen_beyond_host {
+        return Ok(opts.listen_ip);
+    }
+    let mut elsewhere = None;
+    for j in 0..opts.size {
+        let n = store.get(&format!("net/{j}"), deadline)?;
+        if let Some(why) = n.strip_prefix(b"error: ") {
+            return Err(rdv(crate::frame::peer_text(why)));
+        }
+        if n != net.as_bytes() {
+            elsewhere = Some(j);
+            break;
+        }
+    }
+    let Some(j) = elsewhere else {
+        return Ok(opts.listen_ip);
+    };
+    let a = peer_addr(store, j, deadline)?;
+    let ip = crate::ifaddr::select(None, a)?;
+    if ip.is_loopback() {
+        return Err(rdv(format!(
+            "rank {j}, on another host, listens on {a}, a loopback address: the root's name \
+             resolves to a loopback address there too; set CHORUS_ADDR (or MASTER_ADDR) to an \
+             address every host reaches, or CHORUS_SOCKET_IFNAME"
+        )));
+    }
+    crate::note!(
+        "rank {}: the rendezvous root's name resolves to a loopback address here and rank {j} \
+         runs on another host: listening on {ip}",
+        opts.rank
+    );
+    Ok(ip)
 }
 
 /// The data address rank `j` published (waiting for it until `deadline`), or the error it
@@ -437,7 +476,9 @@ fn dial(
 /// handle to shut it down. At most [`pending_limit`] of them; a connection arriving when
 /// they are all taken shuts the oldest down, so that connections that stay silent (or stall
 /// mid-handshake) cannot keep a peer out, however many there are: a peer sends its hello as
-/// soon as it connects and authenticates in one round trip.
+/// soon as it connects and authenticates in one round trip. A connection leaves the registry
+/// (under its lock) once its peer has proven itself and before it is told so, so no peer
+/// told it is in finds its connection shut down.
 type Pending = std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>;
 
 fn lock(p: &Pending) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, TcpStream)>> {
@@ -495,8 +536,21 @@ fn accept_loop(
                     .name(format!("chorus-hs-{rank}"))
                     .spawn(move || {
                         let hs_deadline = (Instant::now() + HANDSHAKE_BUDGET).min(deadline);
-                        let result =
-                            check_incoming(stream, rank, size, comm_id, &token, hs_deadline);
+                        // Proven: out of the registry, so never shut down for a newcomer
+                        // (unless it was already, then the handshake fails).
+                        let admit = || {
+                            let mut p = lock(&pending_c);
+                            let before = p.len();
+                            p.retain(|(i, _)| *i != id);
+                            p.len() < before
+                        };
+                        let result = check_incoming(
+                            stream,
+                            (rank, size, comm_id),
+                            &token,
+                            hs_deadline,
+                            admit,
+                        );
                         lock(&pending_c).retain(|(i, _)| *i != id);
                         match result {
                             Ok((j, s)) => {
@@ -525,11 +579,10 @@ fn accept_loop(
 
 fn check_incoming(
     mut s: TcpStream,
-    rank: usize,
-    size: usize,
-    comm_id: u64,
+    (rank, size, comm_id): (usize, usize, u64),
     token: &[u8],
     deadline: Instant,
+    admit: impl FnOnce() -> bool,
 ) -> Result<(usize, TcpStream)> {
     let io = |e| TransportError::io(None, "handshake", e);
     s.set_nonblocking(false).map_err(io)?;
@@ -562,11 +615,12 @@ fn check_incoming(
             "hello from {from} to {to} is not expected here"
         )));
     }
-    accept_handshake(
+    accept_handshake_admitting(
         &mut s,
         token,
         context(comm_id, from, to).as_bytes(),
         deadline,
+        admit,
     )?;
     s.set_read_timeout(None).map_err(io)?;
     s.set_write_timeout(None).map_err(io)?;
