@@ -12,7 +12,10 @@
 //!   rank's launcher's `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`
 //!   (Slurm: all of them when `SLURM_STEP_NUM_NODES=1`).
 //! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
-//!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`).
+//!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`);
+//!   for a rank srun started (`SLURM_PROCID`), else the first node of `SLURM_STEP_NODELIST`
+//!   (where task 0 runs) with `CHORUS_PORT`, else a port made from `SLURM_JOB_ID` and
+//!   `SLURM_STEP_ID` (20000..32000), so `srun -N2 -n8 prog` needs no variable.
 //!   With none of them and a single rank, `127.0.0.1:0` (one rank needs no rendezvous).
 //! - `CHORUS_TOKEN`, `CHORUS_TIMEOUT` (seconds, float; collectives), `CHORUS_INIT_TIMEOUT`
 //!   (seconds; rendezvous), `CHORUS_SOCKET_IFNAME`, `CHORUS_TRANSPORT`, `CHORUS_ALGO`,
@@ -329,7 +332,7 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         None => None,
     };
 
-    let root_addr = root_addr(&env, size)?;
+    let root_addr = root_addr(&env, size, launcher.name == "Slurm")?;
 
     let mut config = Config::new(rank, size, root_addr);
     config.local_rank = local_rank;
@@ -588,9 +591,52 @@ fn parse_master_addr(value: &str) -> Result<String, String> {
     ))
 }
 
+/// The first host of a Slurm node list (`node[01-03,07],gpu5` gives `node01`), where
+/// Slurm starts task 0 of a step (block and cyclic distributions); `None` for a list it
+/// cannot read.
+fn first_slurm_host(list: &str) -> Option<String> {
+    let mut depth = 0usize;
+    let mut end = list.len();
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.checked_sub(1)?,
+            ',' if depth == 0 => {
+                end = i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let (mut host, mut rest) = (String::new(), list[..end].trim());
+    while let Some(open) = rest.find('[') {
+        host.push_str(&rest[..open]);
+        let close = open + rest[open..].find(']')?;
+        // The first number of the first range, zero padding kept.
+        let first = rest[open + 1..close].split(',').next()?.split('-').next()?;
+        if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        host.push_str(first);
+        rest = &rest[close + 1..];
+    }
+    host.push_str(rest);
+    is_host_name(&host).then_some(host)
+}
+
+/// The port of a Slurm step's rendezvous when none is given: the same on every task of the
+/// step, different for other steps and jobs (mostly), below the kernel's usual ephemeral
+/// range (32768 up), from `SLURM_JOB_ID` and `SLURM_STEP_ID`.
+fn slurm_port(job: u64, step: u64) -> u16 {
+    let mix = job.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    20000 + ((mix >> 32) % 12000) as u16
+}
+
 /// The rendezvous address from `CHORUS_ADDR`, or `MASTER_ADDR` with `CHORUS_PORT` /
-/// `MASTER_PORT + 1`, or loopback port 0 for a single rank.
-fn root_addr(env: &Lookup<'_>, size: usize) -> Result<String, String> {
+/// `MASTER_PORT + 1`; for a rank Slurm gave (`slurm`), else the first node of the step
+/// with `CHORUS_PORT` or a port made from the job and step ids; or loopback port 0 for a
+/// single rank.
+fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, String> {
     let (var, host, port) = if let Some(v) = env.value("CHORUS_ADDR") {
         let (host, port) = parse_chorus_addr("CHORUS_ADDR", &v)?;
         ("CHORUS_ADDR", host, port)
@@ -621,12 +667,40 @@ fn root_addr(env: &Lookup<'_>, size: usize) -> Result<String, String> {
             );
         };
         (port.0, host, port.1)
+    } else if let Some(list) = env
+        .value("SLURM_STEP_NODELIST")
+        .filter(|_| slurm && size > 1)
+    {
+        let host = first_slurm_host(&list).ok_or_else(|| {
+            format!(
+                "SLURM_STEP_NODELIST={list:?}: cannot read its first host; set CHORUS_ADDR or \
+                 MASTER_ADDR"
+            )
+        })?;
+        let port = match env.value("CHORUS_PORT") {
+            Some(p) => ("CHORUS_PORT", parse_port("CHORUS_PORT", &p)?),
+            None => {
+                let id = |var: &str| -> Result<u64, String> {
+                    let v = env.value(var).ok_or_else(|| {
+                        format!("{var} is not set: set CHORUS_PORT (or CHORUS_ADDR)")
+                    })?;
+                    v.parse::<u64>()
+                        .map_err(|_| format!("{var}={v:?} is not a number; set CHORUS_PORT"))
+                };
+                (
+                    "SLURM_JOB_ID",
+                    slurm_port(id("SLURM_JOB_ID")?, id("SLURM_STEP_ID")?),
+                )
+            }
+        };
+        (port.0, host, port.1)
     } else if size == 1 {
         return Ok("127.0.0.1:0".to_string());
     } else {
         return Err(format!(
             "no rendezvous address for {size} ranks: set CHORUS_ADDR=host:port (rank 0's \
-             host and a free port), or MASTER_ADDR and MASTER_PORT"
+             host and a free port), or MASTER_ADDR and MASTER_PORT (under srun, the first \
+             node of the step is taken)"
         ));
     };
     if port == 0 && size > 1 {
@@ -981,6 +1055,75 @@ mod tests {
         );
         assert_eq!(text.matches("REFUSED: ").count(), 2, "{text}");
         assert!(text.contains("CHORUS_TOKEN is not valid UTF-8"), "{text}");
+    }
+
+    #[test]
+    fn slurm_steps_meet_at_their_first_node() {
+        for (list, first) in [
+            ("node01", Some("node01")),
+            ("node[01-03,07]", Some("node01")),
+            ("gpu[007],cpu[1-2]", Some("gpu007")),
+            ("rack[1-2]-n[3-4],x", Some("rack1-n3")),
+            ("a,b", Some("a")),
+            ("n[x-y]", None),
+            ("n[1", None),
+            ("n]1[", None),
+            ("", None),
+        ] {
+            assert_eq!(first_slurm_host(list).as_deref(), first, "{list:?}");
+        }
+        let step = |list: &str, step: &str| {
+            config(&[
+                ("SLURM_PROCID", "3"),
+                ("SLURM_STEP_NUM_TASKS", "8"),
+                ("SLURM_STEP_NODELIST", list),
+                ("SLURM_JOB_ID", "123456"),
+                ("SLURM_STEP_ID", step),
+            ])
+        };
+        let a = step("node[04-05]", "0").unwrap().root_addr;
+        let (host, port) = a.split_once(':').unwrap();
+        assert_eq!(host, "node04");
+        let port: u16 = port.parse().unwrap();
+        assert!((20000..32000).contains(&port), "{port}");
+        // The same on every task; another step of the job meets elsewhere.
+        assert_eq!(step("node[04-05]", "0").unwrap().root_addr, a);
+        assert_ne!(step("node[04-05]", "1").unwrap().root_addr, a);
+        // CHORUS_PORT and MASTER_ADDR win; an unreadable list is an error naming it.
+        let c = config(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_NODELIST", "n[1-2]"),
+            ("CHORUS_PORT", "4000"),
+        ])
+        .unwrap();
+        assert_eq!(c.root_addr, "n1:4000");
+        let c = config(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_NODELIST", "n[1-2]"),
+            ("MASTER_ADDR", "head"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(c.root_addr, "head:29501");
+        error_naming(
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_STEP_NUM_TASKS", "2"),
+                ("SLURM_STEP_NODELIST", "n[a]"),
+            ],
+            "SLURM_STEP_NODELIST",
+        );
+        // Only for ranks Slurm gave: torchrun under srun brings its own MASTER_ADDR.
+        error_naming(
+            &[
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ("SLURM_STEP_NODELIST", "n[1-2]"),
+            ],
+            "CHORUS_ADDR",
+        );
     }
 
     #[test]
