@@ -781,3 +781,43 @@ fn infinities_do_not_outlive_their_call() {
         }
     }
 }
+
+/// A union schedule applies every selected entry, also one whose sum cancels to exactly zero:
+/// each rank's residual there is cleared whatever the result's format (a sparse result leaves
+/// zero sums out, and the residual must not depend on that).
+#[test]
+fn a_selection_that_cancels_clears_its_residual() {
+    let n = 4000;
+    for algo in [SparseAlgo::RecursiveDoubling, SparseAlgo::SplitAllgather] {
+        // Both ranks select elements 0..1100 (the first region travels dense, the result,
+        // of fewer than n/2 entries, sparse), element 5 as +100 and -100: its sum is 0.
+        let k = 1100;
+        let opts = TopkOptions {
+            ratio: k as f64 / n as f64,
+            error_feedback: true,
+            algo,
+            exact_every: 1,
+            rebalance_every: 2,
+        };
+        let got = run_group(mem::group(2, 1 << 18, 16384), move |rank, t| {
+            let mut scratch = Vec::new();
+            let mut state = TopkState::default();
+            let mut data = vec![0.0f32; n];
+            for (i, x) in data[..k].iter_mut().enumerate() {
+                *x = 10.0 + i as f32 / 64.0;
+            }
+            data[5] = if rank == 0 { 100.0 } else { -100.0 };
+            let mut c = ctx(t, &mut scratch, 0);
+            let r = topk_all_reduce(&mut c, &mut data, ReduceOp::Sum, &opts, &mut state);
+            abort_on_error(t, r).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            (data[5], state.residual[5])
+        });
+        for (rank, (value, residual)) in got.into_iter().enumerate() {
+            assert_eq!(value, 0.0, "{algo} rank {rank}");
+            assert_eq!(
+                residual, 0.0,
+                "{algo} rank {rank}: the residual kept what was sent"
+            );
+        }
+    }
+}

@@ -811,6 +811,13 @@ pub fn topk_all_reduce(
     if opts.error_feedback {
         let t = out.threshold;
         match &out.result {
+            // No threshold (the union schedules): every selected entry went into the sum,
+            // also where it cancelled to zero, which a sparse result leaves out.
+            _ if t == 0 => {
+                for &i in sel_idx.iter() {
+                    residual[i as usize] = 0.0;
+                }
+            }
             SparseResult::Dense(d) => {
                 for &i in sel_idx.iter() {
                     if mag(d[i as usize]) >= t {
