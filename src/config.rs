@@ -307,6 +307,11 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         }
     };
 
+    // Started by srun: Slurm gave the rank, or srun's MPI plugin did (`--mpi=pmi2` sets
+    // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree.
+    let srun = launcher.name == "Slurm"
+        || (env.value("SLURM_PROCID") == Some(rank.to_string())
+            && env.value("SLURM_STEP_NUM_TASKS") == Some(size.to_string()));
     // From `CHORUS_LOCAL_SIZE` or the launcher that gave the rank (another's count, left in
     // the environment of a process that launched this one, says nothing of this job). Slurm
     // gives none per host, but a step on one node is on one host.
@@ -324,20 +329,22 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             }
             Some(local)
         }
-        None if launcher.name == "Slurm"
-            && env.value("SLURM_STEP_NUM_NODES").as_deref() == Some("1") =>
-        {
-            Some(size)
-        }
+        None if srun && env.value("SLURM_STEP_NUM_NODES").as_deref() == Some("1") => Some(size),
         None => None,
     };
 
-    let root_addr = root_addr(&env, size, launcher.name == "Slurm")?;
+    let (root_addr, slurm_token) = root_addr(&env, size, srun.then_some(rank))?;
 
     let mut config = Config::new(rank, size, root_addr);
     config.local_rank = local_rank;
     config.local_size = local_size;
     read_settings(get, &mut config)?;
+    if config.token.is_none() {
+        // The port srun's ranks meet at is made from the job and step ids, and another job's
+        // step may land on it: ranks authenticate with those ids, so that such a collision
+        // fails the handshake instead of mixing two jobs.
+        config.token = slurm_token;
+    }
     Ok(config)
 }
 
@@ -636,7 +643,12 @@ fn slurm_port(job: u64, step: u64) -> u16 {
 /// `MASTER_PORT + 1`; for a rank Slurm gave (`slurm`), else the first node of the step
 /// with `CHORUS_PORT` or a port made from the job and step ids; or loopback port 0 for a
 /// single rank.
-fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, String> {
+fn root_addr(
+    env: &Lookup<'_>,
+    size: usize,
+    srun_rank: Option<usize>,
+) -> Result<(String, Option<String>), String> {
+    let mut token = None;
     let (var, host, port) = if let Some(v) = env.value("CHORUS_ADDR") {
         let (host, port) = parse_chorus_addr("CHORUS_ADDR", &v)?;
         ("CHORUS_ADDR", host, port)
@@ -667,9 +679,10 @@ fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, Strin
             );
         };
         (port.0, host, port.1)
-    } else if let Some(list) = env
+    } else if let Some((list, rank)) = env
         .value("SLURM_STEP_NODELIST")
-        .filter(|_| slurm && size > 1)
+        .zip(srun_rank)
+        .filter(|_| size > 1)
     {
         let host = first_slurm_host(&list).ok_or_else(|| {
             format!(
@@ -677,6 +690,17 @@ fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, Strin
                  MASTER_ADDR"
             )
         })?;
+        // Task 0 hosts the store there; on another node (srun -m arbitrary) it could not.
+        if let Some(node) = env
+            .value("SLURMD_NODENAME")
+            .filter(|n| rank == 0 && *n != host)
+        {
+            return Err(format!(
+                "task 0 runs on {node}, not on the first node {host} of \
+                 SLURM_STEP_NODELIST={list:?}, where the ranks would meet: set CHORUS_ADDR \
+                 (or MASTER_ADDR and MASTER_PORT) to {node} and a free port"
+            ));
+        }
         let port = match env.value("CHORUS_PORT") {
             Some(p) => ("CHORUS_PORT", parse_port("CHORUS_PORT", &p)?),
             None => {
@@ -687,15 +711,14 @@ fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, Strin
                     v.parse::<u64>()
                         .map_err(|_| format!("{var}={v:?} is not a number; set CHORUS_PORT"))
                 };
-                (
-                    "SLURM_JOB_ID",
-                    slurm_port(id("SLURM_JOB_ID")?, id("SLURM_STEP_ID")?),
-                )
+                let (job, step) = (id("SLURM_JOB_ID")?, id("SLURM_STEP_ID")?);
+                token = Some(format!("chorus-slurm-job-{job}-step-{step}"));
+                ("SLURM_JOB_ID", slurm_port(job, step))
             }
         };
         (port.0, host, port.1)
     } else if size == 1 {
-        return Ok("127.0.0.1:0".to_string());
+        return Ok(("127.0.0.1:0".to_string(), None));
     } else {
         return Err(format!(
             "no rendezvous address for {size} ranks: set CHORUS_ADDR=host:port (rank 0's \
@@ -708,7 +731,7 @@ fn root_addr(env: &Lookup<'_>, size: usize, slurm: bool) -> Result<String, Strin
             "{var} gives port 0, which the other ranks cannot find; choose a fixed free port"
         ));
     }
-    Ok(join_host_port(&host, port))
+    Ok((join_host_port(&host, port), token))
 }
 
 #[cfg(test)]
@@ -1115,7 +1138,37 @@ mod tests {
             ],
             "SLURM_STEP_NODELIST",
         );
-        // Only for ranks Slurm gave: torchrun under srun brings its own MASTER_ADDR.
+        // The derived port comes with a token of the job and step (another job's step that
+        // lands on the port fails to authenticate); CHORUS_TOKEN wins.
+        let c = step("node[04-05]", "0").unwrap();
+        assert_eq!(c.token.as_deref(), Some("chorus-slurm-job-123456-step-0"));
+        assert_ne!(step("node[04-05]", "1").unwrap().token, c.token);
+        // Task 0 on another node than the list's first: refused, naming both.
+        let e = error_naming(
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_STEP_NUM_TASKS", "2"),
+                ("SLURM_STEP_NODELIST", "n[1-2]"),
+                ("SLURMD_NODENAME", "n2"),
+                ("SLURM_JOB_ID", "7"),
+                ("SLURM_STEP_ID", "0"),
+            ],
+            "SLURM_STEP_NODELIST",
+        );
+        assert!(e.contains("task 0 runs on n2"), "{e}");
+        // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE too: still srun's ranks.
+        let c = config(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_NODELIST", "n[1-2]"),
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap();
+        assert!(c.root_addr.starts_with("n1:"), "{}", c.root_addr);
+        // Only for ranks srun started: torchrun under srun brings its own MASTER_ADDR.
         error_naming(
             &[
                 ("OMPI_COMM_WORLD_RANK", "0"),

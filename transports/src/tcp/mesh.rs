@@ -86,17 +86,20 @@ pub fn host_identity() -> String {
             return id.trim().to_string();
         }
     }
-    network_identity()
-}
-
-/// This machine's network: [`machine_identity`] and the network namespace, whatever
-/// `CHORUS_HOSTID` says (ranks given different host ids on one machine still share its
-/// loopback).
-pub fn network_identity() -> String {
     let netns = std::fs::read_link("/proc/self/ns/net")
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
     format!("{}|{netns}", machine_identity())
+}
+
+/// This machine's network: the boot id and the network namespace, whatever `CHORUS_HOSTID`
+/// or the host name (a UTS namespace's) say: ranks that share it share a loopback.
+pub fn network_identity() -> String {
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}|{netns}", boot.trim())
 }
 
 /// The physical machine: hostname and boot id (equal across network namespaces). Used to
@@ -189,20 +192,9 @@ fn connect_keeping(
     if server.is_none() && opts.host_store {
         let bind = |at| StoreServer::bind_for_ranks(at, &opts.token, size);
         *server = Some(match opts.store_bind {
-            // Every address, else (a socket already listens on one address at that port)
-            // the root's own, as without it: a job on this host alone still forms.
-            Some(wide) => match bind(wide) {
-                Ok(s) => s,
-                Err(e) => {
-                    let narrow = bind(opts.store_addr).map_err(|_| e.to_string());
-                    let narrow = narrow.map_err(rdv)?;
-                    crate::note!(
-                        "rank {rank}: the store listens on {} only, not on every address: {e}",
-                        opts.store_addr
-                    );
-                    narrow
-                }
-            },
+            // (No fallback to the root's loopback address where this fails: ranks of other
+            // hosts could not reach it, and would wait out their timeout.)
+            Some(wide) => bind(wide)?,
             None => bind(opts.store_addr)?,
         });
     }
@@ -267,7 +259,8 @@ fn connect_keeping(
     // Where this machine's network is (CHORUS_HOSTID aside): ranks that learn the hosts first
     // listen on loopback only if every rank shares it.
     let net = network_identity();
-    store.set(&format!("net/{rank}"), net.as_bytes())?;
+    let mine = format!("{net}#{}", u8::from(opts.listen_beyond_host));
+    store.set(&format!("net/{rank}"), mine.as_bytes())?;
     let listener = listen_ip(opts, &mut store, &net, deadline).and_then(|ip| {
         TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
             rdv(format!(
@@ -364,10 +357,11 @@ fn connect_keeping(
 }
 
 /// The address this rank listens on for data connections: `opts.listen_ip`, unless
-/// `opts.listen_beyond_host` and some rank's network (`net/{j}` in the store) is not this
-/// one's (`net`): then the address of this host's route to that rank. (Ranks that learn the
-/// networks first all reached the root through its loopback name, so they share the root's
-/// network, and the rank waited for here does not wait for them.)
+/// `opts.listen_beyond_host` and some rank's network (`net/{j}` in the store: its network
+/// identity, `#1` if it chooses this way too) is not this one's (`net`): then the address of
+/// this host's route to the first such rank that does not choose this way (it publishes its
+/// address without waiting). Ranks of other networks that all choose this way (they too
+/// reached the root through a loopback name) are an error at once.
 fn listen_ip(
     opts: &MeshOptions,
     store: &mut StoreClient,
@@ -378,18 +372,33 @@ fn listen_ip(
         return Ok(opts.listen_ip);
     }
     let mut elsewhere = None;
+    let mut waiting = Vec::new();
     for j in 0..opts.size {
         let n = store.get(&format!("net/{j}"), deadline)?;
         if let Some(why) = n.strip_prefix(b"error: ") {
             return Err(rdv(crate::frame::peer_text(why)));
         }
-        if n != net.as_bytes() {
+        let n = String::from_utf8_lossy(&n);
+        let (theirs, chooses) = n.rsplit_once('#').unwrap_or((&n, "0"));
+        if theirs == net {
+            continue;
+        }
+        if chooses == "1" {
+            waiting.push(j);
+        } else {
             elsewhere = Some(j);
             break;
         }
     }
     let Some(j) = elsewhere else {
-        return Ok(opts.listen_ip);
+        if waiting.is_empty() {
+            return Ok(opts.listen_ip);
+        }
+        return Err(rdv(format!(
+            "ranks {waiting:?}, on other hosts, also reached the rendezvous root through a name \
+             that resolves to a loopback address: set CHORUS_ADDR (or MASTER_ADDR) to an \
+             address every host reaches, or CHORUS_SOCKET_IFNAME"
+        )));
     };
     let a = peer_addr(store, j, deadline)?;
     let ip = crate::ifaddr::select(None, a)?;
