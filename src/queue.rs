@@ -105,6 +105,15 @@ thread_local! {
     static IN_CALL: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Whether this thread is inside a blocking call of the queue at `queue` (`IN_CALL`). After
+/// the thread's locals are destroyed (a call from an `atexit` handler), never: no call can
+/// have been marked since.
+fn in_call_on(queue: usize) -> bool {
+    IN_CALL
+        .try_with(|q| q.borrow().contains(&queue))
+        .unwrap_or(false)
+}
+
 /// Lock `m`, taking the data of a poisoned lock as it is (nothing here panics while holding
 /// one; the communicator's own lock is handled apart).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -351,7 +360,7 @@ impl Queue {
     fn settle_transfers(&self, op: &'static str) -> Result<(), CommError> {
         self.shared.process.check(op, self.rank)?;
         let me = Arc::as_ptr(&self.shared) as usize;
-        if self.transfers() > 0 && IN_CALL.with(|q| q.borrow().contains(&me)) {
+        if self.transfers() > 0 && in_call_on(me) {
             return Err(CommError::new(
                 ErrorKind::InvalidUsage,
                 op,
@@ -676,10 +685,10 @@ impl Queue {
         struct Restore;
         impl Drop for Restore {
             fn drop(&mut self) {
-                IN_CALL.with(|c| c.borrow_mut().pop());
+                let _ = IN_CALL.try_with(|c| c.borrow_mut().pop());
             }
         }
-        IN_CALL.with(|c| c.borrow_mut().push(Arc::as_ptr(&self.shared) as usize));
+        let _ = IN_CALL.try_with(|c| c.borrow_mut().push(Arc::as_ptr(&self.shared) as usize));
         let _restore = Restore;
         f()
     }
@@ -1281,7 +1290,7 @@ impl<T> Slot<T> {
     /// (a later call, which cannot run before the current one ends).
     fn unwaitable(&self) -> Result<(), CommError> {
         self.process.check("queued call", self.rank)?;
-        if IN_CALL.with(|q| q.borrow().contains(&self.queue)) {
+        if in_call_on(self.queue) {
             return Err(CommError::new(
                 ErrorKind::InvalidUsage,
                 "queued call",

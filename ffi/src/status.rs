@@ -138,13 +138,18 @@ thread_local! {
 fn set_last_error(message: &str) {
     // An interior NUL would cut the message short in C; it never comes from chorus itself.
     let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    // After this thread's locals are destroyed (a call from an `atexit` handler or a C++
+    // static destructor: glibc's `exit` destroys the main thread's first), the message is
+    // lost rather than the call panicking outside its guard.
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }
 
 /// A pointer to this thread's last error message, valid until this thread's next call into
 /// chorus (other than `chorus_last_error`, `chorus_status_string` and `chorus_version`).
 pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// The text of a panic payload.

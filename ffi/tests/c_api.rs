@@ -244,6 +244,20 @@ fn every_dtype_and_op_on_1_to_4_ranks() {
 }
 
 #[test]
+fn calls_from_an_exit_handler_do_not_abort() {
+    let b = built();
+    for size in [1, 3] {
+        let r = job(&b.api_test, &["atexit"], size);
+        assert_all_ok(&r, &format!("atexit p={size}"));
+        assert!(
+            r.iter()
+                .all(|(_, o)| o.contains("ok atexit") && o.contains("exit handler done")),
+            "atexit p={size}: {r:#?}"
+        );
+    }
+}
+
+#[test]
 fn every_other_collective_on_1_to_4_ranks() {
     api_test_on_1_to_4_ranks("collectives");
 }

@@ -1539,9 +1539,28 @@ static void transfers(chorus_comm *comm) {
     free(out); free(in); free(out2); free(in2);
 }
 
+/* The communicator `atexit_mode` leaves to the exit handler. */
+static chorus_comm *g_exit_comm = NULL;
+
+/* An exit handler that uses the library (as a C++ static's destructor would): glibc's `exit`
+   has destroyed the main thread's thread locals by then, and no call may abort the process. */
+static void at_exit_destroy(void) {
+    int r = -1;
+    int st = chorus_comm_rank(g_exit_comm, &r);
+    const char *msg = chorus_last_error();
+    int st2 = chorus_comm_destroy(g_exit_comm);
+    if (st != CHORUS_OK || r != g_rank || msg == NULL || st2 != CHORUS_OK) {
+        fprintf(stderr, "rank %d: calls from an exit handler: %d %d %d\n", g_rank, st, r, st2);
+        fflush(stderr);
+        _Exit(3);
+    }
+    printf("exit handler done\n");
+    fflush(stdout);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking|transfers\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking|transfers|atexit\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -1569,6 +1588,15 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "nonblocking") == 0) {
         nonblocking(comm); /* destroys the communicator itself */
         comm = NULL;
+    }
+    else if (strcmp(mode, "atexit") == 0) {
+        int64_t v = 1;
+        OK(chorus_allreduce(comm, &v, &v, 1, CHORUS_INT64, CHORUS_SUM));
+        CHECK(v == g_size, "sum of ones: %lld", (long long)v);
+        OK(chorus_barrier(comm));
+        g_exit_comm = comm;
+        comm = NULL;
+        CHECK(atexit(at_exit_destroy) == 0, "atexit");
     }
     else if (strcmp(mode, "split") == 0) {
         /* The half needs nothing of the parent: free the parent first, then use the half. */
