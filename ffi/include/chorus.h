@@ -1214,8 +1214,10 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * later one or for `chorus_wait`, so any order of sends and receives across the ranks
  * completes. A thread waiting for a transfer (`chorus_wait` and kin) progresses them all;
  * transfers that no thread waits for are progressed by the communicator's thread within a
- * few milliseconds, in the background. Buffers of live transfers must not overlap (sends'
- * may). Between two ranks, messages are matched in the order issued, with
+ * few milliseconds, in the background. Buffers of live transfers (issued, not yet waited
+ * for or, given up, not yet ended) must not overlap, except sends': a receive into memory
+ * another live transfer uses, or a send from memory a live receive writes, is refused with
+ * `CHORUS_INVALID_ARGUMENT`. Between two ranks, messages are matched in the order issued, with
  * `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
  * and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
  * aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
@@ -1315,8 +1317,8 @@ int32_t chorus_ip2p_batch(chorus_comm *comm,
  * op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
  * started, and every `requests[i]` is NULL unless `requests` itself or `n` (at most 2^20)
  * was refused, when the array is left as it was. A receive's buffer must not overlap any other
- * buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
- * that is the caller's care. `ops` is read during the call only.
+ * buffer of the batch or of a live transfer, nor a send's a live receive's (sends may share
+ * one), as for `chorus_isend`. `ops` is read during the call only.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`

@@ -169,6 +169,8 @@ pub struct chorus_comm {
     /// nonblocking one; not an abort): a second one is refused, since calls on one
     /// communicator must not overlap.
     callers: AtomicUsize,
+    /// The buffers of its live transfers (see `ptr::LiveBuffers`).
+    live: ptr::Live,
 }
 
 /// This thread's turn at a communicator, held while a call uses it; a second caller at once is
@@ -215,6 +217,7 @@ impl chorus_comm {
             queue: Queue::new(c),
             active: AtomicUsize::new(0),
             callers: AtomicUsize::new(0),
+            live: ptr::Live::default(),
         }
     }
 
@@ -239,7 +242,7 @@ impl chorus_comm {
         &self,
         peer: usize,
         direct: impl FnOnce(&mut Communicator) -> Result<(), Failure>,
-        queued: impl FnOnce(&Queue) -> Result<(), CommError>,
+        queued: impl FnOnce(&Queue) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         if self.queue.transfers() == 0 && self.queue.transfer_requests() == 0 {
             return self.with(direct);
@@ -253,7 +256,7 @@ impl chorus_comm {
                 self.size
             )));
         }
-        Ok(queued(&self.queue)?)
+        queued(&self.queue)
     }
 
     fn in_use(&self) -> Failure {
@@ -2555,7 +2558,12 @@ pub unsafe extern "C" fn chorus_send(
                 // SAFETY: valid for `bytes` bytes by the caller's promise.
                 Ok(c.send_raw(unsafe { buf.get() }, dtype, peer)?)
             },
-            |q| q.isend_buffer(Outgoing(buf), dtype, peer).wait().map(drop),
+            |q| {
+                let lease = ptr::lease(&c.live, buf, false)?;
+                Ok(q.isend_buffer(Outgoing::new(buf, lease), dtype, peer)
+                    .wait()
+                    .map(drop)?)
+            },
         )
     })
 }
@@ -2586,7 +2594,12 @@ pub unsafe extern "C" fn chorus_recv(
                 // accessed elsewhere during the call.
                 Ok(c.recv_raw(unsafe { buf.get_mut() }, dtype, peer)?)
             },
-            |q| q.irecv_buffer(Incoming(buf), dtype, peer).wait().map(drop),
+            |q| {
+                let lease = ptr::lease(&c.live, buf, true)?;
+                Ok(q.irecv_buffer(Incoming::new(buf, lease), dtype, peer)
+                    .wait()
+                    .map(drop)?)
+            },
         )
     })
 }
@@ -2598,8 +2611,10 @@ pub unsafe extern "C" fn chorus_recv(
 /// later one or for `chorus_wait`, so any order of sends and receives across the ranks
 /// completes. A thread waiting for a transfer (`chorus_wait` and kin) progresses them all;
 /// transfers that no thread waits for are progressed by the communicator's thread within a
-/// few milliseconds, in the background. Buffers of live transfers must not overlap (sends'
-/// may). Between two ranks, messages are matched in the order issued, with
+/// few milliseconds, in the background. Buffers of live transfers (issued, not yet waited
+/// for or, given up, not yet ended) must not overlap, except sends': a receive into memory
+/// another live transfer uses, or a send from memory a live receive writes, is refused with
+/// `CHORUS_INVALID_ARGUMENT`. Between two ranks, messages are matched in the order issued, with
 /// `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
 /// and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
 /// aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
@@ -2642,7 +2657,8 @@ pub unsafe extern "C" fn chorus_isend(
             dtype,
             peer,
             request,
-            |q, b, d, p| Pending::Send(q.isend_buffer(Outgoing(b), d, p)),
+            false,
+            |q, b, lease, d, p| Pending::Send(q.isend_buffer(Outgoing::new(b, lease), d, p)),
         )
     }
 }
@@ -2673,7 +2689,8 @@ pub unsafe extern "C" fn chorus_irecv(
             dtype,
             peer,
             request,
-            |q, b, d, p| Pending::Recv(q.irecv_buffer(Incoming(b), d, p)),
+            true,
+            |q, b, lease, d, p| Pending::Recv(q.irecv_buffer(Incoming::new(b, lease), d, p)),
         )
     }
 }
@@ -2706,7 +2723,8 @@ unsafe fn start_transfer(
     dtype: DtypeArg,
     peer: c_int,
     request: *mut *mut chorus_request,
-    start: impl FnOnce(&Queue, RawBuf, DType, usize) -> Pending,
+    written: bool,
+    start: impl FnOnce(&Queue, RawBuf, Option<ptr::Lease>, DType, usize) -> Pending,
 ) -> i32 {
     guard(name, || {
         ptr::check_out(request, "request")?;
@@ -2727,8 +2745,9 @@ unsafe fn start_transfer(
         // would be chance). The queue's thread starts here, inside `guard`, with `SIGPIPE`
         // blocked (see `sigpipe`).
         let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
+        let lease = ptr::lease(&c.live, buf, written)?;
         // SAFETY: checked non-NULL and writable above.
-        unsafe { hand_out(request, start(&c.queue, buf, dtype, peer)) }
+        unsafe { hand_out(request, start(&c.queue, buf, lease, dtype, peer)) }
     })
 }
 
@@ -2839,8 +2858,8 @@ pub unsafe extern "C" fn chorus_ip2p_batch(
 /// op, `CHORUS_INVALID_USAGE` while another thread is in a call on the communicator), nothing
 /// started, and every `requests[i]` is NULL unless `requests` itself or `n` (at most 2^20)
 /// was refused, when the array is left as it was. A receive's buffer must not overlap any other
-/// buffer of the batch (sends may share one); across batches, as across `chorus_irecv`s,
-/// that is the caller's care. `ops` is read during the call only.
+/// buffer of the batch or of a live transfer, nor a send's a live receive's (sends may share
+/// one), as for `chorus_isend`. `ops` is read during the call only.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `ops` is NULL (with `n` 0) or valid for `n`
@@ -2887,11 +2906,20 @@ pub unsafe extern "C" fn chorus_batch_isend_irecv(
         }
         // As `start_transfer`: not while another thread is in a call on this communicator.
         let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
-        for (i, &(buf, is_send, dtype, peer)) in checked.iter().enumerate() {
+        // Every buffer against the live transfers' (and the batch's earlier ones) before any
+        // transfer starts.
+        let mut leases = Vec::with_capacity(n);
+        for (i, &(buf, is_send, _, _)) in checked.iter().enumerate() {
+            leases.push(
+                ptr::lease(&c.live, buf, !is_send)
+                    .map_err(|f| Failure::invalid(format!("ops[{i}]: {}", f.message)))?,
+            );
+        }
+        for (i, (&(buf, is_send, dtype, peer), lease)) in checked.iter().zip(leases).enumerate() {
             let pending = if is_send {
-                Pending::Send(c.queue.isend_buffer(Outgoing(buf), dtype, peer))
+                Pending::Send(c.queue.isend_buffer(Outgoing::new(buf, lease), dtype, peer))
             } else {
-                Pending::Recv(c.queue.irecv_buffer(Incoming(buf), dtype, peer))
+                Pending::Recv(c.queue.irecv_buffer(Incoming::new(buf, lease), dtype, peer))
             };
             // SAFETY: inside the caller's array of `n` pointers, checked above.
             unsafe { hand_out(requests.add(i), pending)? };

@@ -157,22 +157,102 @@ impl RawBuf {
     }
 }
 
+/// The byte ranges of a communicator's live transfers (`chorus_isend`, `chorus_irecv`, their
+/// batches, and `chorus_send`/`chorus_recv` while transfers run): no receive's may overlap
+/// another transfer's, as the transport holds a read or write view of each until its request
+/// is waited for (or, given up, until it ends). Each is `(id, start, end, written)`.
+#[derive(Default)]
+pub(crate) struct LiveBuffers {
+    next: u64,
+    list: Vec<(u64, usize, usize, bool)>,
+}
+
+/// [`LiveBuffers`], shared by a communicator and the leases of its transfers.
+pub(crate) type Live = std::sync::Arc<std::sync::Mutex<LiveBuffers>>;
+
+fn lock_live(live: &Live) -> std::sync::MutexGuard<'_, LiveBuffers> {
+    live.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A transfer's hold on its buffer's range in [`LiveBuffers`], let go when dropped (with the
+/// buffer, once the request is waited for or the given-up transfer ends).
+pub(crate) struct Lease {
+    live: Live,
+    id: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        lock_live(&self.live).list.retain(|e| e.0 != self.id);
+    }
+}
+
+/// A lease on `buf` for a transfer that writes it (`written`) or reads it; refused when the
+/// range overlaps a live transfer's and either of the two writes (sends may share memory).
+/// An empty buffer takes no lease.
+pub(crate) fn lease(live: &Live, buf: RawBuf, written: bool) -> Result<Option<Lease>, Failure> {
+    if buf.len == 0 {
+        return Ok(None);
+    }
+    let (start, end) = (buf.ptr as usize, buf.ptr as usize + buf.len);
+    let mut l = lock_live(live);
+    if let Some(&(_, _, _, theirs)) = l
+        .list
+        .iter()
+        .find(|&&(_, a, b, w)| start < b && a < end && (written || w))
+    {
+        return Err(Failure::invalid(format!(
+            "the buffer of this {} overlaps that of a live {} (issued and not yet waited for): \
+             wait for that request first",
+            if written { "receive" } else { "send" },
+            if theirs { "receive" } else { "send" }
+        )));
+    }
+    let id = l.next;
+    l.next += 1;
+    l.list.push((id, start, end, written));
+    Ok(Some(Lease {
+        live: std::sync::Arc::clone(live),
+        id,
+    }))
+}
+
 /// The buffer of a `chorus_isend`, read by the communicator's thread until the transfer
-/// completes.
-pub(crate) struct Outgoing(pub(crate) RawBuf);
+/// completes, and its lease.
+pub(crate) struct Outgoing {
+    buf: RawBuf,
+    /// Held for its `Drop`.
+    _lease: Option<Lease>,
+}
+
+impl Outgoing {
+    pub(crate) fn new(buf: RawBuf, lease: Option<Lease>) -> Outgoing {
+        Outgoing { buf, _lease: lease }
+    }
+}
 
 /// The buffer of a `chorus_irecv`, written by the communicator's thread until the transfer
-/// completes.
-pub(crate) struct Incoming(pub(crate) RawBuf);
+/// completes, and its lease.
+pub(crate) struct Incoming {
+    buf: RawBuf,
+    /// Held for its `Drop`.
+    _lease: Option<Lease>,
+}
+
+impl Incoming {
+    pub(crate) fn new(buf: RawBuf, lease: Option<Lease>) -> Incoming {
+        Incoming { buf, _lease: lease }
+    }
+}
 
 impl chorus_core::SendBuffer for Outgoing {
     fn send_bytes(&self) -> &[u8] {
         // SAFETY: the caller of `chorus_isend` promised the memory stays valid and unwritten
         // until the request completes; the queue reads it only while the transfer is live.
-        unsafe { self.0.get() }
+        unsafe { self.buf.get() }
     }
     fn send_len(&self) -> usize {
-        self.0.len()
+        self.buf.len()
     }
 }
 
@@ -181,10 +261,10 @@ impl chorus_core::RecvBuffer for Incoming {
         // SAFETY: the caller of `chorus_irecv` promised the memory stays valid and untouched
         // until the request completes; the queue writes it only while the transfer is live,
         // through this one slice at a time (`&mut self`).
-        unsafe { self.0.get_mut() }
+        unsafe { self.buf.get_mut() }
     }
     fn recv_len(&self) -> usize {
-        self.0.len()
+        self.buf.len()
     }
 }
 

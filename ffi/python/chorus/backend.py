@@ -95,6 +95,11 @@ def _op(opts: Any) -> str:
     )
 
 
+#: Guards the hand-over of each op's pending copies (`_P2P._settle`), which a waiting thread
+#: and the futures thread may both attempt.
+_SETTLE_MU = threading.Lock()
+
+
 def _done(value: Any) -> Any:
     """A completed ``Work`` whose future holds ``value``. (A C++ work made from a future: a
     Python subclass of ``Work`` handed to C++, as DDP's reducer does, can be collected before
@@ -149,7 +154,7 @@ class _P2P:
     """One send or receive of the backend: its tensors' bytes and, once started, a chorus
     transfer (``isend``/``irecv``) per tensor."""
 
-    __slots__ = ("is_send", "data", "peer", "tensors", "reqs", "error", "fut")
+    __slots__ = ("is_send", "data", "peer", "tensors", "reqs", "error", "fut", "bufs", "copies")
 
     def __init__(self, is_send: bool, data: List[torch.Tensor], peer: int, tensors: Any):
         self.is_send, self.data, self.peer, self.tensors = is_send, data, peer, tensors
@@ -157,16 +162,34 @@ class _P2P:
         # Set instead of reqs when the op could not start (its batch failed).
         self.error: Optional[BaseException] = None
         self.fut: Optional[torch.futures.Future] = None
+        # What chorus moves, per tensor: the tensor itself, or a copy where its memory is
+        # another live transfer's (see `_start`).
+        self.bufs: List[torch.Tensor] = list(data)
+        # (received into, the tensor it belongs in): copied over once the transfer is done.
+        self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _settle(self) -> None:
+        """Copy what was received into stand-ins to the tensors they stand for (once)."""
+        with _SETTLE_MU:
+            copies, self.copies = self.copies, []
+        for got, target in copies:
+            target.copy_(got)
 
     def wait(self) -> Any:
         if self.error is not None:
             raise self.error
         for r in self.reqs:
             r.wait()  # raises the transfer's error
+        self._settle()
         return self.tensors
 
     def done(self) -> bool:
-        return self.error is not None or all(r.test() for r in self.reqs)
+        if self.error is not None:
+            return True
+        if all(r.test() for r in self.reqs):
+            self._settle()
+            return True
+        return False
 
     def future(self) -> torch.futures.Future:
         """A future completed with the tensors (or the error) when every transfer is done."""
@@ -181,9 +204,12 @@ class _P2P:
             else:
                 tensors = self.tensors
 
+                settle = self._settle
+
                 def result(f: torch.futures.Future) -> Any:
                     for one in f.value():
                         one.value()  # raises its error
+                    settle()
                     return tensors
 
                 all_done = torch.futures.collect_all([r.get_future() for r in self.reqs])
@@ -536,43 +562,42 @@ class ProcessGroupChorus(dist.ProcessGroup):
         """Start the transfers of ``ops``, in order, on the group's point-to-point
         communicator, with one call (chorus ``batch_isend_irecv``): each runs on its own, so
         no order of sends and receives across the ranks, and no collective before a
-        ``wait()``, can deadlock them. If they cannot start, none does, and every op fails."""
+        ``wait()``, can deadlock them. If they cannot start, none does, and every op fails.
+
+        chorus refuses a receive into memory another live transfer uses, and a send from
+        memory a live receive writes; Gloo takes both (the data race is the caller's). So a
+        receive into such memory goes into a stand-in, copied over once it is done (as if
+        its message arrived then), and such a send goes from a copy taken now."""
         def span(t: torch.Tensor) -> Tuple[int, int]:
             return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-        receives = [span(t) for op in ops if not op.is_send for t in op.data if t.numel()]
-
-        def apart(t: torch.Tensor) -> torch.Tensor:
-            # A tensor both sent and received into in one batch is sent from a copy (the
-            # send would read what the receive writes; Gloo accepts this).
-            a, b = span(t)
-            return t.clone() if any(a < e and s < b for s, e in receives) else t
 
         with self._p2p_lock:
             # Kept until they finish: dropping a work must not wait for its transfers (a
             # chorus Request's finaliser would) nor free what they use.
             self._started = [o for o in self._started if not o.done()]
-            self._started.extend(ops)
-            batch = [
-                ("send", apart(t), op.peer) if op.is_send else ("recv", t, op.peer)
-                for op in ops
-                for t in op.data
+            # (start, end, written) of what chorus moves for live transfers and this batch.
+            held = [
+                span(b) + (not o.is_send,) for o in self._started for b in o.bufs if b.numel()
             ]
-            # Receives into overlapping tensors (Gloo takes them, the last message winning)
-            # go in consecutive sub-batches, in order: chorus refuses overlapping receives
-            # within one.
-            parts: List[List[Any]] = [[]]
-            spans: List[Tuple[int, int]] = []
-            for kind, t, peer in batch:
-                if kind == "recv" and t.numel():
-                    a, b = span(t)
-                    if any(a < e and s < b for s, e in spans):
-                        parts.append([])
-                        spans = []
-                    spans.append((a, b))
-                parts[-1].append((kind, t, peer))
+            batch = []
+            for op in ops:
+                op.bufs = []
+                for t in op.data:
+                    b = t
+                    if t.numel():
+                        s, e = span(t)
+                        clash = [w for hs, he, w in held if s < he and hs < e]
+                        if not op.is_send and clash:
+                            b = torch.empty_like(t)
+                            op.copies.append((b, t))
+                        elif op.is_send and any(clash):
+                            b = t.clone()
+                        held.append(span(b) + (not op.is_send,))
+                    op.bufs.append(b)
+                    batch.append(("send" if op.is_send else "recv", b, op.peer))
+            self._started.extend(ops)
             try:
-                reqs = [r for part in parts for r in self.p2p.batch_isend_irecv(part)]
+                reqs = self.p2p.batch_isend_irecv(batch)
                 k = 0
                 for op in ops:
                     op.reqs = reqs[k : k + len(op.data)]

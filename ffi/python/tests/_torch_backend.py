@@ -237,6 +237,15 @@ def main():
         for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, shared, right), dist.P2POp(dist.irecv, shared, left)]):
             q.wait()
         check("one tensor sent and received into", shared, torch.full((8,), float(left)))
+        # a receive into a tensor that a live send still reads, in a later call (Gloo takes
+        # it): the send goes out as it was, the receive lands once done
+        # (16 MiB: the send cannot have finished when the receive is issued)
+        buf = torch.full((1 << 22,), float(me))
+        w1 = dist.isend(buf, right)
+        w2 = dist.irecv(buf, left)
+        w1.wait()
+        w2.wait()
+        check("a receive into a live send's tensor", buf, torch.full((1 << 22,), float(left)))
         # two receives into one tensor in a batch (Gloo takes them; the last message wins),
         # with a receive into another tensor between them
         into, other = torch.zeros(6), torch.zeros(6)

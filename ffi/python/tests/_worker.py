@@ -736,6 +736,14 @@ def transfers(comm):
     comm.allreduce(y)
     check("allreduce after the transfers", y, [float(p)] * 2)
     expect(chorus.InvalidArgumentError, lambda: comm.isend(np.ones(1), p), "a peer outside")
+    # A receive into memory a live transfer uses is refused (the send goes on).
+    o = np.arange(8.0)
+    s1 = comm.isend(o[:4], me)
+    e = expect(chorus.InvalidArgumentError, lambda: comm.irecv(o[2:6], me), "overlapping receive")
+    assert "overlaps" in e.message, e.message
+    got = comm.irecv(np.zeros(4), me).wait()
+    s1.wait()
+    check("the send beside a refused receive", got, [0.0, 1.0, 2.0, 3.0])
     # The buffers of dropped transfers are let go once no transfer runs, not kept to close().
     if p > 1 and me < 2:
         if me == 0:

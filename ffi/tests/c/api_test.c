@@ -1519,6 +1519,34 @@ static void transfers(chorus_comm *comm) {
     CHECK(live == 0, "transfers once the send to itself is matched: %zu", live);
     EXPECT(chorus_comm_transfers(comm, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_comm_transfers(NULL, &live), CHORUS_INVALID_ARGUMENT);
+    /* Buffers of live transfers: a receive may overlap no other live transfer's buffer
+       (sends may share theirs); the hold ends when the request is waited for. */
+    int32_t ov[8] = {1, 2, 3, 4, 5, 6, 7, 8}, got[8] = {0};
+    OK(chorus_isend(comm, ov, 4, CHORUS_INT32, me, &rq[0]));
+    EXPECT(chorus_irecv(comm, ov + 3, 2, CHORUS_INT32, me, &rq[1]), CHORUS_INVALID_ARGUMENT);
+    CHECK(rq[1] == NULL, "a refused receive left a request");
+    CHECK(strstr(chorus_last_error(), "overlaps") != NULL, "message: %s", chorus_last_error());
+    EXPECT(chorus_recv(comm, ov, 1, CHORUS_INT32, right), CHORUS_INVALID_ARGUMENT);
+    OK(chorus_isend(comm, ov + 2, 4, CHORUS_INT32, me, &rq[1]));
+    OK(chorus_irecv(comm, got, 4, CHORUS_INT32, me, &rq[2]));
+    {
+        chorus_p2p_op bad[2] = {
+            {got + 4, 4, CHORUS_INT32, me, CHORUS_P2P_RECV},
+            {got + 2, 1, CHORUS_INT32, me, CHORUS_P2P_RECV}, /* into the live receive's */
+        };
+        chorus_request *br[2] = {NULL, NULL};
+        EXPECT(chorus_batch_isend_irecv(comm, bad, 2, br), CHORUS_INVALID_ARGUMENT);
+        CHECK(br[0] == NULL && br[1] == NULL, "a refused batch left requests");
+        CHECK(strstr(chorus_last_error(), "ops[1]") != NULL, "message: %s", chorus_last_error());
+    }
+    OK(chorus_irecv(comm, got + 4, 4, CHORUS_INT32, me, &rq[3]));
+    OK(chorus_waitall(4, rq));
+    for (int i = 0; i < 8; i++)
+        CHECK(got[i] == (i < 4 ? i + 1 : i - 1), "to itself from shared sends [%d] = %d", i, got[i]);
+    OK(chorus_isend(comm, got + 6, 2, CHORUS_INT32, me, &rq[0]));
+    OK(chorus_irecv(comm, ov, 2, CHORUS_INT32, me, &rq[1])); /* free again once waited for */
+    OK(chorus_waitall(2, rq));
+    CHECK(ov[0] == 5 && ov[1] == 6, "into a buffer no longer held: %d %d", ov[0], ov[1]);
     /* Bad arguments, refused at once. */
     EXPECT(chorus_isend(comm, &a, 1, CHORUS_INT64, p, &rq[0]), CHORUS_INVALID_ARGUMENT);
     CHECK(rq[0] == NULL, "a refused transfer left a request");
