@@ -5,7 +5,8 @@ run_with_chorus.sh --algorithms (raw outputs of the peers harness, one file per 
 For every scenario folder of RAW_DIR (loopback-np4, netns4-1gbit, ...; or only those named)
 it prints one markdown table: per message size the median over launches of every chorus
 schedule, of chorus `auto` and of every peer (time in us up to 128 B, busbw in MB/s above),
-then two ratios of those medians:
+then two ratios of the medians of their times (at every size; a launch's rows that counted
+wrong results are left out):
   auto / best schedule : auto against the fastest chorus schedule at that size
   chorus / best peer   : auto against the fastest peer (Open MPI default and forced ring,
                          Gloo, the reference ring; shared-memory peers are left out of the
@@ -53,12 +54,13 @@ def human(n):
 
 
 def parse(path):
-    """{size: (time_us, busbw)} of one launch"""
+    """{size: (time_us, busbw)} of one launch; rows that counted wrong results are left out
+    (their launch measured something else than a correct allreduce)"""
     rows = {}
     with open(path, errors="replace") as f:
         for line in f:
             m = ROW_RE.match(line)
-            if m:
+            if m and m.group(7) in ("0", "N/A"):
                 rows[int(m.group(1))] = (float(m.group(4)), float(m.group(6)))
     return rows
 
@@ -86,21 +88,22 @@ def pick_counts(launches, s):
 
 
 def fastest(s):
-    """min or max: how the fastest of several values at size s is found (times up to
-    LATENCY_MAX, busbw above)"""
-    return min if s <= LATENCY_MAX else max
+    """How the fastest of several times at size s is found. (Comparisons use the time at
+    every size: the busbw column of the files is rounded to 4 decimals of GB/s, 1 % of its
+    value at a few hundred bytes on a 1 gbit link.)"""
+    return min
 
 
 def ratio(a, b, s):
-    """a's speed over b's at size s (times up to LATENCY_MAX, busbw above), or None"""
+    """a's speed over b's at size s, from their times, or None"""
     if a is None or b is None or a == 0 or b == 0:
         return None
-    return b / a if s <= LATENCY_MAX else a / b
+    return b / a
 
 
 def boot_interval(auto_vals, rival_vals, s, seed):
     """(low, high): the bootstrap interval of auto / the best of rival_vals at size s (the best
-    schedule, or the best peer). auto_vals: auto's value (time or busbw) per launch;
+    schedule, or the best peer). auto_vals: auto's time per launch;
     rival_vals: {schedule or peer: values per launch}. Each list is
     resampled with replacement and the ratio of the medians taken again, BOOT_SAMPLES times;
     the interval leaves BOOT_TAIL out at each end. None without launches."""
@@ -162,13 +165,17 @@ def table(name, folder):
     scale = 1000.0  # the benchmarks print GB/s
     cols = list(scheds.values()) + [auto] + ([again] if again else []) + ([cached] if cached else []) + others
 
-    def values(peer, s):  # per launch: time (us) up to LATENCY_MAX, busbw (MB/s) above
-        col = 0 if s <= LATENCY_MAX else 1
-        unit = 1.0 if s <= LATENCY_MAX else scale
-        return [r[s][col] * unit for r in reps[peer] if s in r]
+    def values(peer, s):  # per launch: time (us), what the ratios compare
+        return [r[s][0] for r in reps[peer] if s in r]
 
     def med(peer, s):
         v = values(peer, s)
+        return statistics.median(v) if v else None
+
+    def shown(peer, s):  # the median the table shows: time (us) up to LATENCY_MAX, busbw above
+        if s <= LATENCY_MAX:
+            return med(peer, s)
+        v = [r[s][1] * scale for r in reps[peer] if s in r]
         return statistics.median(v) if v else None
 
     def label(c):
@@ -202,7 +209,7 @@ def table(name, folder):
         m = {c: med(c, s) for c in cols}
         cells = []
         for c in cols:
-            v = m[c]
+            v = shown(c, s)
             cells.append("—" if v is None else (f"{v:.1f}" if s <= LATENCY_MAX else f"{v:.0f}"))
         def best_of(names):
             v = [(c, m[c]) for c in names if m[c] is not None]

@@ -18,6 +18,12 @@ def write(folder, peer, rep, rows):
             f.write(f"{size:>15} {size // 4:>12}  float    sum    200 {t:>12.2f} {bw:>12.4f} {bw:>12.4f}        0\n")
 
 
+def at_busbw(bw):
+    """(time, busbw) of a 1 MiB-class row whose busbw is bw GB/s: the time follows from it
+    (the table compares times, and shows busbw above 128 B)."""
+    return 1000.0 / bw, bw
+
+
 def scenario(tmp_path, again):
     folder = tmp_path / "loopback-np4"
     folder.mkdir()
@@ -36,7 +42,7 @@ def scenario(tmp_path, again):
         launches["chorus-tcp-again"] = [(43.0, 1.21), (43.0, 1.21), (43.0, 1.21)]
     for peer, rows in launches.items():
         for k, (t, bw) in enumerate(rows, 1):
-            write(folder, peer, k, {8: (t, 0.0), big: (t * 100, bw)})
+            write(folder, peer, k, {8: (t, 0.0), big: at_busbw(bw)})
     return folder
 
 
@@ -62,6 +68,24 @@ def test_ratios_against_the_best_schedule_and_peer(tmp_path):
     assert large["auto"] == "979" and large["ring"] == "1100"
     assert large["auto / best schedule"] == "89 %"
     assert "0 of 2 sizes >= 90 %" in text
+
+
+def test_rows_with_wrong_results_are_left_out(tmp_path):
+    folder = tmp_path / "loopback-np4"
+    folder.mkdir()
+    for peer, times in [("chorus-tcp-ring", [50.0] * 3), ("chorus-tcp", [40.0, 42.0, 44.0]),
+                        ("ompi-tcp", [50.0] * 3)]:
+        for k, t in enumerate(times, 1):
+            write(folder, peer, k, {8: (t, 0.0)})
+    # A fourth launch of auto, far faster, with wrong results: not in the medians.
+    with open(folder / "chorus-tcp.rep4.txt", "w") as f:
+        f.write(HEADER)
+        f.write(f"{8:>15} {2:>12}  float    sum    200 {1.0:>12.2f} {0.0:>12.4f} {0.0:>12.4f}        3\n")
+    text = table_mod.table("loopback-np4", str(folder))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    small = dict(zip(header, cells(text, "8 B")))
+    assert small["auto"] == "42.0", small
+    assert small["auto / best peer (which)"] == "119.0 % (ompi-tcp)", small
 
 
 def test_null_column(tmp_path):
@@ -103,13 +127,14 @@ def test_no_picks_column_without_comments(tmp_path):
 
 
 def test_bootstrap_interval():
-    # Launches that never vary give a point: auto at 80 % of the best schedule (busbw).
-    assert table_mod.boot_interval([8.0] * 5, {"ring": [10.0] * 5, "tree": [2.0] * 5}, 1 << 20, 1) == (0.8, 0.8)
+    # Launches that never vary give a point: auto at 80 % of the best schedule (times, at
+    # every size).
+    assert table_mod.boot_interval([10.0] * 5, {"ring": [8.0] * 5, "tree": [50.0] * 5}, 1 << 20, 1) == (0.8, 0.8)
     # Times up to 128 B: auto 50 us against the fastest schedule's 40 us.
     assert table_mod.boot_interval([50.0] * 3, {"rd": [40.0] * 3, "ring": [90.0] * 3}, 8, 1) == (0.8, 0.8)
     # A noisy auto: its launches run either as fast as the schedule or half as fast, so the
     # resampled medians reach both ends and the interval spans them.
-    lo, hi = table_mod.boot_interval([10.0, 5.0, 10.0, 5.0, 10.0, 5.0], {"ring": [10.0] * 6}, 1 << 20, 1)
+    lo, hi = table_mod.boot_interval([10.0, 20.0, 10.0, 20.0, 10.0, 20.0], {"ring": [10.0] * 6}, 1 << 20, 1)
     assert lo == 0.5 and hi == 1.0
     # The same seed gives the same interval; no launches give none.
     noisy = ([9.0, 7.0, 10.0, 8.0], {"ring": [10.0, 9.5, 11.0]})
@@ -144,7 +169,7 @@ def test_peer_interval_column_and_summary(tmp_path):
     }
     for peer, rows in launches.items():
         for k, (t, bw) in enumerate(rows, 1):
-            write(folder, peer, k, {8: (t, 0.0), big: (t * 10, bw)})
+            write(folder, peer, k, {8: (t, 0.0), big: at_busbw(bw)})
     text = table_mod.table("netns4-1gbit", str(folder))
     header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
     assert header[header.index("auto / best peer (which)") + 1] == "90 % interval (peer)"
@@ -172,7 +197,7 @@ def test_cached_auto_column_and_ratio(tmp_path):
     }
     for peer, rows in launches.items():
         for k, (t, bw) in enumerate(rows, 1):
-            write(folder, peer, k, {8: (t, 0.0), big: (t * 10, bw)})
+            write(folder, peer, k, {8: (t, 0.0), big: at_busbw(bw)})
     text = table_mod.table("netns4-1gbit", str(folder))
     header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
     assert header[header.index("auto") + 1] == "auto cached"
