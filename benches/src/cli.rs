@@ -31,7 +31,8 @@ Without --ranks the process is one rank of a job described by the environment (C
 CHORUS_WORLD_SIZE, CHORUS_ADDR, ... or what torchrun, mpirun, srun set); rank 0 prints.
 
 OPTIONS:
-    -b, --minbytes SIZE      smallest size in bytes per rank, K/M/G = 1024 powers [8]
+    -b, --minbytes SIZE      smallest size in bytes (per rank; the whole p-rank buffer for
+                             the collectives that split one), K/M/G = 1024 powers [8]
     -e, --maxbytes SIZE      largest size [32M]
     -f, --stepfactor N       multiply the size by N each step [2]
     -i, --stepbytes SIZE     add SIZE each step instead of multiplying
@@ -515,10 +516,12 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         }
     }
     if let Some(total) = host_memory_bytes() {
-        if max_bytes > total / 2 {
+        // A send and a receive buffer of -e per rank, times the ranks started here.
+        let local = ranks.unwrap_or(1) as u64;
+        if max_bytes.saturating_mul(2).saturating_mul(local) > total {
             return usage_err(format!(
-                "-e {max_bytes}: a send and a receive buffer of that size do not fit in this \
-                 host's {total} bytes of memory"
+                "-e {max_bytes}: a send and a receive buffer of that size for each of {local} \
+                 rank(s) here do not fit in this host's {total} bytes of memory"
             ));
         }
     }

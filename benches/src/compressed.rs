@@ -17,7 +17,7 @@ use chorus::sparse::{SparseAlgo, SparseResult, SparseVec};
 use chorus::{CommError, Communicator, ReduceOp};
 
 use crate::cli::{Options, Output};
-use crate::report::{format_time_us, json_gap, json_string};
+use crate::report::{format_time_us, json_gap, json_number, json_string};
 
 /// splitmix64's finaliser: a well-mixed hash of `x`.
 fn mix(x: u64) -> u64 {
@@ -292,21 +292,22 @@ fn print_row(
             ("nnz_per_rank", "result_nnz")
         };
         println!(
-            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"gap_ms\":{},\"size\":{},\"count\":{},\"time_us\":{:.3},\"algbw\":{:.4},\"busbw\":{:.4},\"wire_bytes_per_rank\":{:.0},\"{k3}\":{:.6},\"{k4}\":{:.6},\"dense_time_us\":{:.3},\"speedup\":{:.4},\"result_density\":{:.6}}}",
+            "{{\"collective\":\"allreduce\",\"mode\":{},\"ranks\":{p},\"transport\":{},\"gap_ms\":{},\"size\":{},\"count\":{},\"time_us\":{},\"algbw\":{},\"busbw\":{},\"wire_bytes_per_rank\":{},\"{k3}\":{},\"{k4}\":{},\"dense_time_us\":{},\"speedup\":{},\"result_density\":{}}}",
             json_string(mode),
             json_string(transport),
             json_gap(opts.gap),
             r.bytes,
             r.count,
-            r.seconds * 1e6,
-            algbw,
-            algbw * factor,
-            r.wire,
-            r.third,
-            r.fourth,
-            r.dense_seconds * 1e6,
-            speedup,
-            r.density
+            // (A NaN relative error, an overflowing codec's, is `null`: JSON has no NaN.)
+            json_number(r.seconds * 1e6, 3),
+            json_number(algbw, 4),
+            json_number(algbw * factor, 4),
+            json_number(r.wire, 0),
+            json_number(r.third, 6),
+            json_number(r.fourth, 6),
+            json_number(r.dense_seconds * 1e6, 3),
+            json_number(speedup, 4),
+            json_number(r.density, 6)
         );
         return;
     }

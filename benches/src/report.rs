@@ -50,9 +50,11 @@ pub struct Groups {
 /// The key columns of a row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowKey<'a> {
-    /// Bytes per rank (a whole number of elements).
+    /// Bytes: per rank, or the whole p-rank buffer for the collectives that split it into
+    /// blocks (as nccl-tests counts them).
     pub size: u64,
-    /// Elements.
+    /// Elements: of `size`, or of one rank's block where `size` is the whole buffer (as
+    /// nccl-tests prints them).
     pub count: u64,
     /// Data type name.
     pub dtype: &'a str,
@@ -315,7 +317,7 @@ pub fn json_string(s: &str) -> String {
 }
 
 /// A JSON number (`null` for NaN and infinities, which JSON cannot hold).
-fn json_number(x: f64, decimals: usize) -> String {
+pub fn json_number(x: f64, decimals: usize) -> String {
     if x.is_finite() {
         format!("{x:.decimals$}")
     } else {

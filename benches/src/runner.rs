@@ -459,7 +459,13 @@ impl<'a> Runner<'a> {
     fn report(&mut self, dtype: DType, op: ReduceOp, p: SizePoint, measures: &[(bool, Measure)]) {
         let key = RowKey {
             size: p.bytes,
-            count: p.count,
+            // As nccl-tests prints it: the elements of one rank's block where the size is the
+            // whole p-rank buffer (allgather, reduce-scatter, all-to-all, gather, scatter).
+            count: if calls::blocked(self.opts.collective) {
+                p.count / self.ranks as u64
+            } else {
+                p.count
+            },
             dtype: dtype.name(),
             op: if self.opts.collective.reduces() {
                 op.name()
@@ -487,7 +493,13 @@ impl<'a> Runner<'a> {
                 }
             }
             Output::Peers => {
-                for (_, m) in measures.iter().filter(|(inplace, _)| !inplace) {
+                // Out-of-place rows, as the peers print theirs; a collective that runs in
+                // place only (broadcast) prints those.
+                let only_in_place = measures.iter().all(|(inplace, _)| *inplace);
+                for (_, m) in measures
+                    .iter()
+                    .filter(|(inplace, _)| !inplace || only_in_place)
+                {
                     self.print(&report::peers_row(&key, m));
                 }
                 // What the selector ran, as a comment the harness skips: its launches keep

@@ -230,10 +230,14 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
                 let rest = &l[at..];
                 rest[..rest.find([',', '}']).unwrap()].parse().expect(name)
             };
-            let size = field("size");
+            let (size, count) = (field("size"), field("count"));
             if !["broadcast", "reduce", "sendrecv", "scan", "exscan"].contains(&coll) {
-                // The whole p-rank buffer: a multiple of p int32 elements.
+                // The whole p-rank buffer: a multiple of p int32 elements; the count is one
+                // rank's block, as nccl-tests prints it.
                 assert_eq!(size % (3.0 * 4.0), 0.0, "{l}");
+                assert_eq!(count * 3.0 * 4.0, size, "{l}");
+            } else {
+                assert_eq!(count * 4.0, size, "{l}");
             }
             let (algbw, busbw) = (field("algbw"), field("busbw"));
             // Both are printed to 1e-6 GB/s: at these sizes a slow call (a busy host) makes
@@ -429,4 +433,30 @@ fn garbled_chorus_variables_are_refused() {
         stderr.contains("CHORUS_TOKEN is not valid UTF-8"),
         "{stderr}"
     );
+}
+
+#[test]
+fn peers_rows_of_broadcast_are_its_in_place_ones() {
+    // Broadcast runs in place only: --format peers prints those rows rather than none.
+    let r = perf("broadcast --ranks 2 --format peers -b 8 -e 64 -f 8 -n 2 -w 1");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let sizes: Vec<&str> = rows(&r.stdout).iter().map(|r| r[0]).collect();
+    assert_eq!(sizes, ["8", "64"], "{}", r.stdout);
+}
+
+#[test]
+fn the_memory_check_counts_the_local_ranks() {
+    // Each of the ranks started here holds a send and a receive buffer of -e: a size one
+    // rank's buffers fit (a sixth of the memory) is refused for four.
+    let total_kb: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemTotal:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .expect("MemTotal in /proc/meminfo");
+    let e = total_kb * 1024 / 6;
+    let r = perf(&format!("allreduce --ranks 4 -b {e} -e {e}"));
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("4 rank(s)"), "{}", r.stderr);
 }
