@@ -179,11 +179,16 @@ fn lock_live(live: &Live) -> std::sync::MutexGuard<'_, LiveBuffers> {
 pub(crate) struct Lease {
     live: Live,
     id: u64,
+    /// The process that took it: in a child forked since, the list is the parent's copy,
+    /// whose lock a parent's thread may have held at the fork, and is left alone.
+    pid: u32,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        lock_live(&self.live).list.retain(|e| e.0 != self.id);
+        if std::process::id() == self.pid {
+            lock_live(&self.live).list.retain(|e| e.0 != self.id);
+        }
     }
 }
 
@@ -214,6 +219,7 @@ pub(crate) fn lease(live: &Live, buf: RawBuf, written: bool) -> Result<Option<Le
     Ok(Some(Lease {
         live: std::sync::Arc::clone(live),
         id,
+        pid: std::process::id(),
     }))
 }
 

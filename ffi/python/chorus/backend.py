@@ -95,11 +95,6 @@ def _op(opts: Any) -> str:
     )
 
 
-#: Guards the hand-over of each op's pending copies (`_P2P._settle`), which a waiting thread
-#: and the futures thread may both attempt.
-_SETTLE_MU = threading.Lock()
-
-
 def _done(value: Any) -> Any:
     """A completed ``Work`` whose future holds ``value``. (A C++ work made from a future: a
     Python subclass of ``Work`` handed to C++, as DDP's reducer does, can be collected before
@@ -154,7 +149,10 @@ class _P2P:
     """One send or receive of the backend: its tensors' bytes and, once started, a chorus
     transfer (``isend``/``irecv``) per tensor."""
 
-    __slots__ = ("is_send", "data", "peer", "tensors", "reqs", "error", "fut", "bufs", "copies")
+    __slots__ = (
+        "is_send", "data", "peer", "tensors", "reqs", "error", "fut", "bufs", "copies", "deps",
+        "mu",
+    )
 
     def __init__(self, is_send: bool, data: List[torch.Tensor], peer: int, tensors: Any):
         self.is_send, self.data, self.peer, self.tensors = is_send, data, peer, tensors
@@ -165,31 +163,58 @@ class _P2P:
         # What chorus moves, per tensor: the tensor itself, or a copy where its memory is
         # another live transfer's (see `_start`).
         self.bufs: List[torch.Tensor] = list(data)
-        # (received into, the tensor it belongs in): copied over once the transfer is done.
+        # (received into, the tensor it belongs in): copied over once the transfer is done,
+        # after the earlier ops `deps` that use that memory (their copies first).
         self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.deps: List["_P2P"] = []
+        self.mu = threading.Lock()
 
-    def _settle(self) -> None:
-        """Copy what was received into stand-ins to the tensors they stand for (once)."""
-        with _SETTLE_MU:
-            copies, self.copies = self.copies, []
-        for got, target in copies:
-            target.copy_(got)
+    def _settle(self, ok: bool) -> None:
+        """Once the op's transfers are done: the copies over the tensors received into
+        through stand-ins, after the ops they depend on have ended (none after a failure,
+        which leaves the tensors as they were). Once; a second caller returns only after
+        the first has copied."""
+        with self.mu:
+            if not self.copies:
+                return
+            for d in self.deps:
+                d._finish_quietly()
+            if ok:
+                for got, target in self.copies:
+                    target.copy_(got)
+            self.copies, self.deps = [], []
+
+    def _finish_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - its own waiter reports it
+            pass
 
     def wait(self) -> Any:
         if self.error is not None:
             raise self.error
-        for r in self.reqs:
-            r.wait()  # raises the transfer's error
-        self._settle()
+        try:
+            for r in self.reqs:
+                r.wait()  # raises the transfer's error
+        except BaseException:
+            self._settle(False)
+            raise
+        self._settle(True)
         return self.tensors
 
     def done(self) -> bool:
         if self.error is not None:
             return True
-        if all(r.test() for r in self.reqs):
-            self._settle()
-            return True
-        return False
+        if not all(r.test() for r in self.reqs) or not all(d.done() for d in self.deps):
+            return False
+        ok = True
+        try:
+            for r in self.reqs:
+                r.wait()  # done: returns at once, or raises its error
+        except Exception:  # noqa: BLE001 - reported by wait()
+            ok = False
+        self._settle(ok)
+        return True
 
     def future(self) -> torch.futures.Future:
         """A future completed with the tensors (or the error) when every transfer is done."""
@@ -207,9 +232,13 @@ class _P2P:
                 settle = self._settle
 
                 def result(f: torch.futures.Future) -> Any:
-                    for one in f.value():
-                        one.value()  # raises its error
-                    settle()
+                    try:
+                        for one in f.value():
+                            one.value()  # raises its error
+                    except BaseException:
+                        settle(False)
+                        raise
+                    settle(True)
                     return tensors
 
                 all_done = torch.futures.collect_all([r.get_future() for r in self.reqs])
@@ -575,10 +604,12 @@ class ProcessGroupChorus(dist.ProcessGroup):
             # Kept until they finish: dropping a work must not wait for its transfers (a
             # chorus Request's finaliser would) nor free what they use.
             self._started = [o for o in self._started if not o.done()]
-            # (start, end, written) of what chorus moves for live transfers and this batch.
-            held = [
-                span(b) + (not o.is_send,) for o in self._started for b in o.bufs if b.numel()
-            ]
+            # (start, end, written, op) of the memory live ops use: what chorus moves for
+            # them, and the tensors their stand-ins are still to be copied over.
+            held = []
+            for o in self._started:
+                held += [span(b) + (not o.is_send, o) for b in o.bufs if b.numel()]
+                held += [span(t) + (True, o) for _, t in o.copies if t.numel()]
             batch = []
             for op in ops:
                 op.bufs = []
@@ -586,13 +617,15 @@ class ProcessGroupChorus(dist.ProcessGroup):
                     b = t
                     if t.numel():
                         s, e = span(t)
-                        clash = [w for hs, he, w in held if s < he and hs < e]
+                        clash = [(w, o) for hs, he, w, o in held if s < he and hs < e]
                         if not op.is_send and clash:
                             b = torch.empty_like(t)
                             op.copies.append((b, t))
-                        elif op.is_send and any(clash):
+                            op.deps += [o for _, o in clash if o is not op and o not in op.deps]
+                            held.append((s, e, True, op))
+                        elif op.is_send and any(w for w, _ in clash):
                             b = t.clone()
-                        held.append(span(b) + (not op.is_send,))
+                        held.append(span(b) + (not op.is_send, op))
                     op.bufs.append(b)
                     batch.append(("send" if op.is_send else "recv", b, op.peer))
             self._started.extend(ops)

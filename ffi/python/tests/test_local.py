@@ -345,3 +345,39 @@ def test_backend_group_keys_agree_across_group_sizes_on_one_store():
         assert len(keys) == 1, (size, keys)
         assert not keys & seen, (size, keys, seen)
         seen |= keys
+
+
+def test_backend_stand_ins_are_copied_in_issue_order_and_never_after_a_failure():
+    """A receive the torch backend took into a stand-in (its tensor was another live
+    transfer's) is copied over once done: after the earlier ops on that memory (the later
+    receive wins, whichever is waited first), and not at all when it failed."""
+    import chorus.backend as backend
+
+    class Req:  # what _P2P uses of a chorus.Request
+        def __init__(self, error=None):
+            self.error = error
+
+        def test(self):
+            return True
+
+        def wait(self):
+            if self.error is not None:
+                raise self.error
+
+    target = torch.zeros(4)
+    first = backend._P2P(False, [target], 1, [target])
+    first.copies, first.reqs = [(torch.full((4,), 1.0), target)], [Req()]
+    second = backend._P2P(False, [target], 2, [target])
+    second.copies, second.reqs, second.deps = [(torch.full((4,), 2.0), target)], [Req()], [first]
+    second.wait()  # waited first: the first's copy still goes first
+    assert (target == 2.0).all(), target
+    first.wait()
+    assert (target == 2.0).all(), target  # copied once, already
+    failed = backend._P2P(False, [target], 1, [target])
+    failed.copies = [(torch.full((4,), 7.0), target)]
+    failed.reqs = [Req(chorus.ChorusError("lost the peer"))]
+    assert failed.done()
+    assert (target == 2.0).all(), target
+    with pytest.raises(chorus.ChorusError):
+        failed.wait()
+    assert (target == 2.0).all(), target
