@@ -435,6 +435,52 @@ impl Drop for HostsFiles {
     }
 }
 
+/// Starts one rank per host as torchrun would (`RANK`, `WORLD_SIZE`, `MASTER_ADDR` the
+/// root's name [`ROOT_NAME`]; none of chorus's own placement variables), rank r in host
+/// `host_of(r)` with the variables `env_of(r)` besides, and waits for them.
+fn torchrun_ranks(
+    cluster: &Cluster,
+    kind: &str,
+    host_of: impl Fn(usize) -> usize,
+    env_of: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Result<Vec<Finished>, String> {
+    let (exe, args, child_env) = child_args(kind);
+    let mut started = Vec::new();
+    for rank in 0..HOSTS {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &cluster.host(host_of(rank))])
+            .arg(&exe)
+            .args(&args)
+            .env(child_env.0, &child_env.1)
+            .env("WORLD_SIZE", HOSTS.to_string())
+            .env("MASTER_ADDR", ROOT_NAME)
+            .env("CHORUS_TIMEOUT", "30")
+            .env("CHORUS_INIT_TIMEOUT", "20");
+        for k in [
+            "CHORUS_RANK",
+            "CHORUS_WORLD_SIZE",
+            "CHORUS_ADDR",
+            "CHORUS_SOCKET_IFNAME",
+            "CHORUS_LOCAL_SIZE",
+            "LOCAL_WORLD_SIZE",
+        ] {
+            cmd.env_remove(k);
+        }
+        cmd.envs(env_of(rank));
+        match start(cmd) {
+            Ok(s) => started.push(s),
+            Err(e) => {
+                let finished = wait_all(started);
+                return Err(format!(
+                    "{e} (rank {rank}); {} started before",
+                    finished.len()
+                ));
+            }
+        }
+    }
+    Ok(wait_all(started))
+}
+
 /// Scenario 4: torchrun's variables, `MASTER_ADDR` a name that the root host resolves to
 /// 127.0.1.1 (as Debian's /etc/hosts maps a host's own name) and the others to its eth0
 /// address, `LOCAL_WORLD_SIZE=1`: the root's store must listen beyond loopback and every
@@ -447,45 +493,21 @@ fn named_root_scenario(cluster: &Cluster) -> Result<(), String> {
             host_ip(1).to_string()
         }
     })?;
-    let (exe, args, child_env) = child_args("named-root");
-    let mut started = Vec::new();
-    for rank in 0..HOSTS {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &cluster.host(rank + 1)])
-            .arg(&exe)
-            .args(&args)
-            .env(child_env.0, &child_env.1)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", HOSTS.to_string())
-            .env("LOCAL_RANK", "0")
-            .env("LOCAL_WORLD_SIZE", "1")
-            .env("MASTER_ADDR", ROOT_NAME)
-            .env("MASTER_PORT", "29504")
-            .env("CHORUS_TOKEN", TOKEN)
-            .env("CHORUS_TIMEOUT", "30")
-            .env("CHORUS_INIT_TIMEOUT", "20")
-            .env("CHORUS_DEBUG", "INFO");
-        for k in [
-            "CHORUS_RANK",
-            "CHORUS_WORLD_SIZE",
-            "CHORUS_ADDR",
-            "CHORUS_SOCKET_IFNAME",
-            "CHORUS_LOCAL_SIZE",
-        ] {
-            cmd.env_remove(k);
-        }
-        match start(cmd) {
-            Ok(s) => started.push(s),
-            Err(e) => {
-                let finished = wait_all(started);
-                return Err(format!(
-                    "{e} (rank {rank}); {} started before",
-                    finished.len()
-                ));
-            }
-        }
-    }
-    let ranks = wait_all(started);
+    let ranks = torchrun_ranks(
+        cluster,
+        "named-root",
+        |rank| rank + 1,
+        |rank| {
+            vec![
+                ("LOCAL_RANK", "0".to_string()),
+                ("LOCAL_WORLD_SIZE", "1".to_string()),
+                ("MASTER_PORT", "29504".to_string()),
+                ("CHORUS_TOKEN", TOKEN.to_string()),
+                ("CHORUS_DEBUG", "INFO".to_string()),
+                ("RANK", rank.to_string()),
+            ]
+        },
+    )?;
     for (rank, f) in ranks.iter().enumerate() {
         let ip = host_ip(rank + 1);
         if !f.status.is_some_and(|s| s.success())
@@ -508,43 +530,18 @@ fn named_root_scenario(cluster: &Cluster) -> Result<(), String> {
 /// first must not wait for one another, and stay on loopback.
 fn one_network_scenario(cluster: &Cluster) -> Result<(), String> {
     let _hosts = HostsFiles::write(cluster, |_| "127.0.1.1".to_string())?;
-    let (exe, args, child_env) = child_args("one-network");
-    let mut started = Vec::new();
-    for rank in 0..HOSTS {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &cluster.host(1)])
-            .arg(&exe)
-            .args(&args)
-            .env(child_env.0, &child_env.1)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", HOSTS.to_string())
-            .env("MASTER_ADDR", ROOT_NAME)
-            .env("MASTER_PORT", "29506")
-            .env("CHORUS_HOSTID", format!("host-{}", rank / 2))
-            .env("CHORUS_TIMEOUT", "30")
-            .env("CHORUS_INIT_TIMEOUT", "20");
-        for k in [
-            "CHORUS_RANK",
-            "CHORUS_WORLD_SIZE",
-            "CHORUS_ADDR",
-            "CHORUS_SOCKET_IFNAME",
-            "CHORUS_LOCAL_SIZE",
-            "LOCAL_WORLD_SIZE",
-        ] {
-            cmd.env_remove(k);
-        }
-        match start(cmd) {
-            Ok(s) => started.push(s),
-            Err(e) => {
-                let finished = wait_all(started);
-                return Err(format!(
-                    "{e} (rank {rank}); {} started before",
-                    finished.len()
-                ));
-            }
-        }
-    }
-    let ranks = wait_all(started);
+    let ranks = torchrun_ranks(
+        cluster,
+        "one-network",
+        |_| 1,
+        |rank| {
+            vec![
+                ("MASTER_PORT", "29506".to_string()),
+                ("CHORUS_HOSTID", format!("host-{}", rank / 2)),
+                ("RANK", rank.to_string()),
+            ]
+        },
+    )?;
     for (rank, f) in ranks.iter().enumerate() {
         if !f.status.is_some_and(|s| s.success())
             || !f.output.contains(&format!("ONE-NETWORK-OK {rank}"))

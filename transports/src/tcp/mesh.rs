@@ -62,6 +62,25 @@ pub struct MeshOptions {
     pub tcp: TcpOptions,
 }
 
+impl MeshOptions {
+    /// Rank `rank` of `size` on this host: the store at `store_addr` (hosted elsewhere),
+    /// listening on 127.0.0.1, 30 s to connect, the default TCP options.
+    pub fn loopback(rank: usize, size: usize, store_addr: SocketAddr, token: &[u8]) -> Self {
+        MeshOptions {
+            rank,
+            size,
+            store_addr,
+            token: token.to_vec(),
+            listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            listen_beyond_host: false,
+            host_store: false,
+            store_bind: None,
+            timeout: Duration::from_secs(30),
+            tcp: TcpOptions::default(),
+        }
+    }
+}
+
 /// What the rendezvous leaves behind besides the transport.
 pub struct Rendezvous {
     /// The store server, if this rank hosts it (kept alive with the communicator).
@@ -644,19 +663,7 @@ pub fn local_group(n: usize) -> Result<Vec<TcpTransport>> {
     let handles: Vec<_> = (0..n)
         .map(|rank| {
             std::thread::spawn(move || {
-                connect(&MeshOptions {
-                    rank,
-                    size: n,
-                    store_addr: addr,
-                    token: b"test".to_vec(),
-                    listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-                    listen_beyond_host: false,
-                    host_store: false,
-                    store_bind: None,
-                    timeout: Duration::from_secs(30),
-                    tcp: TcpOptions::default(),
-                })
-                .map(|(t, _)| t)
+                connect(&MeshOptions::loopback(rank, n, addr, b"test")).map(|(t, _)| t)
             })
         })
         .collect();
@@ -683,16 +690,10 @@ mod tests {
             .map(|rank| {
                 std::thread::spawn(move || {
                     connect(&MeshOptions {
-                        rank,
-                        size: 3,
-                        store_addr: root,
-                        token: b"t".to_vec(),
-                        listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
                         listen_beyond_host: true,
                         host_store: rank == 0,
                         store_bind: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)),
-                        timeout: Duration::from_secs(30),
-                        tcp: TcpOptions::default(),
+                        ..MeshOptions::loopback(rank, 3, root, b"t")
                     })
                     .map(|(_, r)| r.addrs)
                 })
@@ -721,18 +722,7 @@ mod tests {
                     silent.push(TcpStream::connect(a).unwrap());
                 }
             }
-            let r = connect(&MeshOptions {
-                rank,
-                size: 2,
-                store_addr: addr,
-                token: b"t".to_vec(),
-                listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-                listen_beyond_host: false,
-                host_store: false,
-                store_bind: None,
-                timeout: Duration::from_secs(30),
-                tcp: TcpOptions::default(),
-            });
+            let r = connect(&MeshOptions::loopback(rank, 2, addr, b"t"));
             drop(silent);
             (r.err().map(|e| e.to_string()), start.elapsed())
         });
@@ -758,16 +748,8 @@ mod tests {
                 IpAddr::V4(Ipv4Addr::LOCALHOST)
             };
             let r = connect(&MeshOptions {
-                rank,
-                size: 2,
-                store_addr: addr,
-                token: b"t".to_vec(),
                 listen_ip,
-                listen_beyond_host: false,
-                host_store: false,
-                store_bind: None,
-                timeout: Duration::from_secs(30),
-                tcp: TcpOptions::default(),
+                ..MeshOptions::loopback(rank, 2, addr, b"t")
             });
             (r.err().map(|e| e.to_string()), start.elapsed())
         });
