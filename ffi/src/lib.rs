@@ -2908,13 +2908,11 @@ pub unsafe extern "C" fn chorus_batch_isend_irecv(
         let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
         // Every buffer against the live transfers' (and the batch's earlier ones) before any
         // transfer starts.
-        let mut leases = Vec::with_capacity(n);
-        for (i, &(buf, is_send, _, _)) in checked.iter().enumerate() {
-            leases.push(
-                ptr::lease(&c.live, buf, !is_send)
-                    .map_err(|f| Failure::invalid(format!("ops[{i}]: {}", f.message)))?,
-            );
-        }
+        let bufs: Vec<(RawBuf, bool)> = checked
+            .iter()
+            .map(|&(buf, is_send, _, _)| (buf, !is_send))
+            .collect();
+        let leases = ptr::lease_all(&c.live, &bufs)?;
         for (i, (&(buf, is_send, dtype, peer), lease)) in checked.iter().zip(leases).enumerate() {
             let pending = if is_send {
                 Pending::Send(c.queue.isend_buffer(Outgoing::new(buf, lease), dtype, peer))

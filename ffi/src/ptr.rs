@@ -196,31 +196,59 @@ impl Drop for Lease {
 /// range overlaps a live transfer's and either of the two writes (sends may share memory).
 /// An empty buffer takes no lease.
 pub(crate) fn lease(live: &Live, buf: RawBuf, written: bool) -> Result<Option<Lease>, Failure> {
-    if buf.len == 0 {
-        return Ok(None);
-    }
-    let (start, end) = (buf.ptr as usize, buf.ptr as usize + buf.len);
+    lease_all(live, &[(buf, written)]).map(|mut l| l.pop().flatten())
+}
+
+/// [`lease`] for every buffer of a batch, all or none: each is checked against the
+/// transfers live before the batch only (its buffers among themselves were checked apart
+/// already, by [`check_receives_apart`]), so a batch of n against L live transfers costs
+/// n·L, not n².
+pub(crate) fn lease_all(
+    live: &Live,
+    bufs: &[(RawBuf, bool)],
+) -> Result<Vec<Option<Lease>>, Failure> {
     let mut l = lock_live(live);
-    if let Some(&(_, _, _, theirs)) = l
-        .list
-        .iter()
-        .find(|&&(_, a, b, w)| start < b && a < end && (written || w))
-    {
-        return Err(Failure::invalid(format!(
-            "the buffer of this {} overlaps that of a live {} (issued and not yet waited for): \
-             wait for that request first",
-            if written { "receive" } else { "send" },
-            if theirs { "receive" } else { "send" }
-        )));
+    for (i, &(buf, written)) in bufs.iter().enumerate() {
+        let (start, end) = (buf.ptr as usize, buf.ptr as usize + buf.len);
+        if buf.len == 0 {
+            continue;
+        }
+        if let Some(&(_, _, _, theirs)) = l
+            .list
+            .iter()
+            .find(|&&(_, a, b, w)| start < b && a < end && (written || w))
+        {
+            let which = if bufs.len() > 1 {
+                format!("ops[{i}]: ")
+            } else {
+                String::new()
+            };
+            return Err(Failure::invalid(format!(
+                "{which}the buffer of this {} overlaps that of a live {} (issued and not yet \
+                 waited for): wait for that request first",
+                if written { "receive" } else { "send" },
+                if theirs { "receive" } else { "send" }
+            )));
+        }
     }
-    let id = l.next;
-    l.next += 1;
-    l.list.push((id, start, end, written));
-    Ok(Some(Lease {
-        live: std::sync::Arc::clone(live),
-        id,
-        pid: std::process::id(),
-    }))
+    let pid = std::process::id();
+    let mut out = Vec::with_capacity(bufs.len());
+    for &(buf, written) in bufs {
+        if buf.len == 0 {
+            out.push(None);
+            continue;
+        }
+        let id = l.next;
+        l.next += 1;
+        l.list
+            .push((id, buf.ptr as usize, buf.ptr as usize + buf.len, written));
+        out.push(Some(Lease {
+            live: std::sync::Arc::clone(live),
+            id,
+            pid,
+        }));
+    }
+    Ok(out)
 }
 
 /// The buffer of a `chorus_isend`, read by the communicator's thread until the transfer
