@@ -1171,8 +1171,9 @@ class Request:
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`wait`'s result (or error) when the
         call completes: what a DDP communication hook returns. A thread of the communicator's
-        completes these futures, waiting for its requests in the order ``get_future`` was
-        called."""
+        completes these futures: those of collectives in the order ``get_future`` was called
+        (they complete in that order), those of transfers as each completes (one may need
+        what a later future's callback does)."""
         torch = sys.modules.get("torch")
         if torch is None:
             raise UnsupportedError("get_future needs PyTorch (import torch first)")
@@ -1220,7 +1221,7 @@ def _error_of(status: int) -> Optional["ChorusError"]:
 
 class _Completer:
     """A daemon thread that completes the futures of (request, future) pairs put on its
-    queue, in turn. :meth:`stop` ends it after what it holds; every one still running is
+    queue: a collective's by waiting for it, transfers' as they complete. :meth:`stop` ends it after what it holds; every one still running is
     stopped at interpreter exit, its communicator aborted if a call still runs after 5 s (a
     daemon thread still inside torch's ``set_result`` when the interpreter finalises is
     killed there, and the process aborts). Futures asked for after it stopped fail."""
@@ -1280,29 +1281,70 @@ class _Completer:
             _COMPLETERS.discard(self)
 
     def _run(self) -> None:
-        q = self.q
-
         import queue
+        import time
 
+        q = self.q
+        # (request, future) pairs not yet completed, in the order they came.
+        pending: List[Any] = []
+        nap = _NAP_MIN
         while True:
-            item = q.get()
-            if item is None:
-                # Pairs put while stop() ran (after `stopped` was read) fail rather than wait
-                # for good.
-                while True:
-                    try:
-                        late = q.get_nowait()
-                    except queue.Empty:
-                        return
-                    if late is not None:
+            # What has arrived; blocking for it only with nothing pending.
+            while True:
+                try:
+                    item = q.get_nowait() if pending else q.get()
+                except queue.Empty:
+                    break
+                if item is None:
+                    # stop(): what is pending completes (each call ends within its timeout);
+                    # pairs put while stop() ran (after `stopped` was read) fail rather than
+                    # wait for good.
+                    for p in pending:
+                        self._complete(*p)
+                    while True:
                         try:
-                            late[1].set_exception(
-                                InvalidUsageError("the communicator's futures thread has stopped")
-                            )
-                        except Exception:  # noqa: BLE001 - completed already
-                            pass
-            self._complete(*item)
-            del item
+                            late = q.get_nowait()
+                        except queue.Empty:
+                            return
+                        if late is not None:
+                            try:
+                                late[1].set_exception(
+                                    InvalidUsageError(
+                                        "the communicator's futures thread has stopped"
+                                    )
+                                )
+                            except Exception:  # noqa: BLE001 - completed already
+                                pass
+                pending.append(item)
+                del item
+            if len(pending) == 1 and pending[0][0]._given_up is None:
+                # One collective: waited for (they complete in the order issued).
+                self._complete(*pending.pop())
+                nap = _NAP_MIN
+                continue
+            # Transfers complete in any order, and one may wait for what a later future's
+            # callback does: whichever are done complete first, looked at again after a
+            # short nap (doubling up to _NAP_MAX) while none is.
+            still = []
+            for req, fut in pending:
+                try:
+                    done = req.test()
+                except Exception:  # noqa: BLE001 - wait() raises it into the future
+                    done = True
+                if done:
+                    self._complete(req, fut)
+                else:
+                    still.append((req, fut))
+            if len(still) < len(pending):
+                nap = _NAP_MIN
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, _NAP_MAX)
+            pending = still
+
+
+#: The completer's first and longest naps while transfers it holds are running (seconds).
+_NAP_MIN, _NAP_MAX = 0.0001, 0.002
 
 
 _COMPLETERS: "set[_Completer]" = set()

@@ -764,6 +764,22 @@ def transfers(comm):
     elif p > 1:
         d.barrier()
         comm.barrier()
+    # A transfer's future completes when the transfer does, not after an earlier one's:
+    # rank 0's receive waits for what its send's future callback sends (a futures thread
+    # that waited for the receive first would wait for good).
+    if p > 1 and me < 2:
+        if me == 0:
+            a = np.zeros(3)
+            f_a = comm.irecv(a, 1).get_future()
+            r_b = comm.isend(np.full(3, 5.0), 1)
+            r_b.get_future().then(lambda _: comm.isend(np.ones(1), 1))
+            f_a.wait()
+            r_b.wait()
+            check("a receive after a later future's callback", a, [7.0] * 3)
+        else:
+            check("the send before it", comm.recv(np.zeros(3), 0), [5.0] * 3)
+            comm.recv(np.zeros(1), 0)  # sent by rank 0's callback
+            comm.send(np.full(3, 7.0), 0)
     # A wrong length fails both ranks (their communicator is aborted; the dup goes on).
     if p > 1 and me < 2:
         if me == 0:
