@@ -483,6 +483,8 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
     guard("chorus_comm_transfers", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
+        // Counted as a call (a monitor thread's): `chorus_comm_destroy` refuses meanwhile.
+        let _entered = Entered::new(&c.active);
         // SAFETY: NULL or writable by the caller's promise.
         unsafe { ptr::write_out(count, c.queue.transfers(), "count") }
     })
@@ -1611,6 +1613,18 @@ unsafe fn vblocks(
     })
 }
 
+/// `v` as a receive layout: no two blocks may share memory. Checked when the call is made,
+/// so that a nonblocking one is refused at once (a request freed unwaited would otherwise
+/// abort the communicator when its call fails later).
+fn receive_blocks_apart(v: &VBlocks, dwhat: &str) -> Result<(), Failure> {
+    match v.layout.overlap() {
+        Some((a, b)) => Err(Failure::invalid(format!(
+            "{dwhat}: the receive blocks of ranks {a} and {b} overlap"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Allgatherv (as `MPI_Allgatherv`): rank `j` contributes `recvcounts[j]` elements (any,
 /// zero included) from `sendbuf`, and every rank's `recvbuf` gets rank `j`'s block at element
 /// `displs[j]`, or, with `displs` NULL, every block back to back in rank order (the sum of
@@ -1679,6 +1693,7 @@ unsafe fn allgatherv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
+    receive_blocks_apart(&v, "displs")?;
     let (all, mine) = (v.extent(), v.block(c.rank));
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     if !mine.is_empty() && sendbuf == offset(recvbuf, mine.start) {
@@ -1774,6 +1789,7 @@ unsafe fn alltoallv_call(
     let sv = unsafe { vblocks(sendcounts, sdispls, c.size, e, "sendcounts", "sdispls")? };
     // SAFETY: as above.
     let rv = unsafe { vblocks(recvcounts, rdispls, c.size, e, "recvcounts", "rdispls")? };
+    receive_blocks_apart(&rv, "rdispls")?;
     let (s_all, r_all) = (sv.extent(), rv.extent());
     ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
     let send = RawBuf::new(sendbuf, s_all, "sendbuf")?;
@@ -2286,6 +2302,7 @@ unsafe fn gatherv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
+    receive_blocks_apart(&v, "displs")?;
     let all = v.extent();
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the

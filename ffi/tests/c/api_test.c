@@ -441,6 +441,11 @@ static void collectives(chorus_comm *comm) {
                 int32_t big[16];
                 EXPECT(chorus_allgatherv(comm, mine, big, cnt, dsp, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
                 EXPECT(chorus_gatherv(comm, mine, 2, big, cnt, dsp, CHORUS_INT32, me), CHORUS_INVALID_ARGUMENT);
+                /* ... also a nonblocking one, at once (its request would fail later) */
+                chorus_request *vr = NULL;
+                EXPECT(chorus_iallgatherv(comm, mine, big, cnt, dsp, CHORUS_INT32, &vr), CHORUS_INVALID_ARGUMENT);
+                CHECK(vr == NULL, "a refused iallgatherv set its request");
+                CHECK(strstr(chorus_last_error(), "overlap") != NULL, "message: %s", chorus_last_error());
             }
             OK(chorus_barrier(comm));
             free(rb);
