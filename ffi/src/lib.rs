@@ -1790,6 +1790,15 @@ unsafe fn alltoallv_call(
     // SAFETY: as above.
     let rv = unsafe { vblocks(recvcounts, rdispls, c.size, e, "recvcounts", "rdispls")? };
     receive_blocks_apart(&rv, "rdispls")?;
+    // This rank's block to itself is copied: it must be as long on both sides.
+    let me = c.rank;
+    if sv.counts[me] != rv.counts[me] {
+        return Err(Failure::invalid(format!(
+            "sendcounts[{me}] = {} but recvcounts[{me}] = {}: the block this rank sends itself \
+             is received by it",
+            sv.counts[me], rv.counts[me]
+        )));
+    }
     let (s_all, r_all) = (sv.extent(), rv.extent());
     ptr::check_apart(sendbuf, s_all, recvbuf, r_all, "sendbuf and recvbuf")?;
     let send = RawBuf::new(sendbuf, s_all, "sendbuf")?;

@@ -347,6 +347,13 @@ static void collectives(chorus_comm *comm) {
             EXPECT(chorus_alltoallv(comm, in, sc, NULL, in, rc, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
         sc[me] += 1;
         EXPECT(chorus_alltoallv(comm, in, sc, NULL, out, rc, NULL, CHORUS_INT32), CHORUS_INVALID_ARGUMENT);
+        {
+            /* ... refused when issued too, nonblocking */
+            chorus_request *vr = NULL;
+            EXPECT(chorus_ialltoallv(comm, in, sc, NULL, out, rc, NULL, CHORUS_INT32, &vr), CHORUS_INVALID_ARGUMENT);
+            CHECK(vr == NULL, "a refused ialltoallv set its request");
+            CHECK(strstr(chorus_last_error(), "sendcounts") != NULL, "message: %s", chorus_last_error());
+        }
         /* gatherv and scatterv to and from the last rank: rank j's block of (j + 2) % 4
          * values (zeros included); counts only on the root, NULL elsewhere */
         {
