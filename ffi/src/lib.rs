@@ -2932,13 +2932,13 @@ pub unsafe extern "C" fn chorus_batch_isend_irecv(
         }
         // As `start_transfer`: not while another thread is in a call on this communicator.
         let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
-        // Every buffer against the live transfers' (and the batch's earlier ones) before any
-        // transfer starts.
+        // Every buffer against the live transfers' before any transfer starts (the batch's
+        // among themselves were checked apart above).
         let bufs: Vec<(RawBuf, bool)> = checked
             .iter()
             .map(|&(buf, is_send, _, _)| (buf, !is_send))
             .collect();
-        let leases = ptr::lease_all(&c.live, &bufs)?;
+        let leases = ptr::lease_all(&c.live, &bufs, true)?;
         for (i, (&(buf, is_send, dtype, peer), lease)) in checked.iter().zip(leases).enumerate() {
             let pending = if is_send {
                 Pending::Send(c.queue.isend_buffer(Outgoing::new(buf, lease), dtype, peer))

@@ -196,16 +196,17 @@ impl Drop for Lease {
 /// range overlaps a live transfer's and either of the two writes (sends may share memory).
 /// An empty buffer takes no lease.
 pub(crate) fn lease(live: &Live, buf: RawBuf, written: bool) -> Result<Option<Lease>, Failure> {
-    lease_all(live, &[(buf, written)]).map(|mut l| l.pop().flatten())
+    lease_all(live, &[(buf, written)], false).map(|mut l| l.pop().flatten())
 }
 
 /// [`lease`] for every buffer of a batch, all or none: each is checked against the
 /// transfers live before the batch only (its buffers among themselves were checked apart
 /// already, by [`check_receives_apart`]), so a batch of n against L live transfers costs
-/// n·L, not n².
+/// n·L, not n². With `batch`, an error names the op (`ops[i]`).
 pub(crate) fn lease_all(
     live: &Live,
     bufs: &[(RawBuf, bool)],
+    batch: bool,
 ) -> Result<Vec<Option<Lease>>, Failure> {
     let mut l = lock_live(live);
     for (i, &(buf, written)) in bufs.iter().enumerate() {
@@ -218,7 +219,7 @@ pub(crate) fn lease_all(
             .iter()
             .find(|&&(_, a, b, w)| start < b && a < end && (written || w))
         {
-            let which = if bufs.len() > 1 {
+            let which = if batch {
                 format!("ops[{i}]: ")
             } else {
                 String::new()

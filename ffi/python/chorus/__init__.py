@@ -1287,46 +1287,52 @@ class _Completer:
         q = self.q
         # (request, future) pairs not yet completed, in the order they came.
         pending: List[Any] = []
+        stopping = False
         nap = _NAP_MIN
         while True:
             # What has arrived; blocking for it only with nothing pending.
-            while True:
+            while not stopping:
                 try:
                     item = q.get_nowait() if pending else q.get()
                 except queue.Empty:
                     break
                 if item is None:
-                    # stop(): what is pending completes (each call ends within its timeout);
-                    # pairs put while stop() ran (after `stopped` was read) fail rather than
-                    # wait for good.
-                    for p in pending:
-                        self._complete(*p)
-                    while True:
-                        try:
-                            late = q.get_nowait()
-                        except queue.Empty:
-                            return
-                        if late is not None:
-                            try:
-                                late[1].set_exception(
-                                    InvalidUsageError(
-                                        "the communicator's futures thread has stopped"
-                                    )
-                                )
-                            except Exception:  # noqa: BLE001 - completed already
-                                pass
+                    stopping = True
+                    break
                 pending.append(item)
                 del item
-            if len(pending) == 1 and pending[0][0]._given_up is None:
-                # One collective: waited for (they complete in the order issued).
-                self._complete(*pending.pop())
+            if not pending:
+                # stop(): pairs put while it ran (after `stopped` was read) fail rather than
+                # wait for good.
+                while True:
+                    try:
+                        late = q.get_nowait()
+                    except queue.Empty:
+                        return
+                    if late is not None:
+                        try:
+                            late[1].set_exception(
+                                InvalidUsageError("the communicator's futures thread has stopped")
+                            )
+                        except Exception:  # noqa: BLE001 - completed already
+                            pass
+            if all(req._given_up is None for req, _ in pending):
+                # Collectives only: the first is waited for (they complete, and their futures
+                # are completed, in the order issued: a hook whose callbacks issue
+                # collectives issues them in the same order on every rank).
+                self._complete(*pending.pop(0))
                 nap = _NAP_MIN
                 continue
             # Transfers complete in any order, and one may wait for what a later future's
-            # callback does: whichever are done complete first, looked at again after a
-            # short nap (doubling up to _NAP_MAX) while none is.
+            # callback does: whichever are done complete first; collectives still in order
+            # (none after the first not done). Looked at again after a short nap (doubling
+            # up to _NAP_MAX) while none is done.
             still = []
+            collective_waiting = False
             for req, fut in pending:
+                if req._given_up is None and collective_waiting:
+                    still.append((req, fut))
+                    continue
                 try:
                     done = req.test()
                 except Exception:  # noqa: BLE001 - wait() raises it into the future
@@ -1335,6 +1341,7 @@ class _Completer:
                     self._complete(req, fut)
                 else:
                     still.append((req, fut))
+                    collective_waiting = collective_waiting or req._given_up is None
             if len(still) < len(pending):
                 nap = _NAP_MIN
             else:

@@ -381,3 +381,45 @@ def test_backend_stand_ins_are_copied_in_issue_order_and_never_after_a_failure()
     with pytest.raises(chorus.ChorusError):
         failed.wait()
     assert (target == 2.0).all(), target
+
+
+def test_futures_of_collectives_complete_in_order_among_transfers():
+    """With transfers pending too, the futures thread completes transfers' futures as they
+    finish, but collectives' only in the order issued (a DDP hook's callbacks may issue
+    collectives, which must come in the same order on every rank)."""
+    order = []
+
+    class Req:  # what the futures thread uses of a chorus.Request
+        def __init__(self, name, transfer, ready_after):
+            self.name, self.calls, self.ready_after = name, 0, ready_after
+            self._given_up = [] if transfer else None
+
+        def test(self):
+            self.calls += 1
+            return self.calls > self.ready_after
+
+        def wait(self):
+            while not self.test():
+                time.sleep(0.001)
+            order.append(self.name)
+            return self.name
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    done = chorus._Completer(owner)
+    futs = []
+    try:
+        # A transfer that takes a while keeps the thread polling; then a slow collective, a
+        # ready one behind it, and a ready transfer arrive together.
+        for name, transfer, after in [("X", True, 30), ("A", False, 10), ("B", False, 0), ("T", True, 0)]:
+            f = torch.futures.Future()
+            done.put((Req(name, transfer, after), f))
+            futs.append(f)
+        for f in futs:
+            f.wait()
+    finally:
+        done.stop()
+    assert order.index("B") > order.index("A"), order
+    assert order.index("T") < order.index("X"), order
