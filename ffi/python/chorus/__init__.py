@@ -1233,6 +1233,7 @@ class _Completer:
         self.q: Any = queue.SimpleQueue()
         self.owner = weakref.ref(owner)
         self.stopped = False
+        self.mu = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="chorus-futures", daemon=True)
         with _COMPLETERS_MU:
             _COMPLETERS.add(self)
@@ -1244,10 +1245,14 @@ class _Completer:
             # in hand, it would wait for itself. Completed here instead.
             self._complete(*item)
             return
-        if self.stopped:
+        # Under the lock stop() takes to mark the end: a pair is either queued before the
+        # end marker (and completed) or refused, never queued after the thread has gone.
+        with self.mu:
+            refused = self.stopped
+            if not refused:
+                self.q.put(item)
+        if refused:
             item[1].set_exception(InvalidUsageError("the communicator's futures thread has stopped"))
-            return
-        self.q.put(item)
 
     @staticmethod
     def _complete(req: Any, fut: Any) -> None:
@@ -1266,8 +1271,9 @@ class _Completer:
         """End the thread after the pairs it holds (their calls finish within their
         timeout), waiting up to ``timeout`` seconds; with ``abort_if_stuck``, a call still
         running then is aborted (from this thread) and waited for a little longer."""
-        self.stopped = True
-        self.q.put(None)
+        with self.mu:
+            self.stopped = True
+            self.q.put(None)
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
             owner = self.owner()
