@@ -315,13 +315,13 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
     // From `CHORUS_LOCAL_SIZE` or the launcher that gave the rank (another's count, left in
     // the environment of a process that launched this one, says nothing of this job). Slurm
     // gives none per host, but a step on one node is on one host.
-    let local_var = ["CHORUS_LOCAL_SIZE"]
+    let local_vars: Vec<&'static str> = ["CHORUS_LOCAL_SIZE"]
         .into_iter()
         .chain(launcher.local_size)
-        .find(|v| env.value(v).is_some());
-    let local_size = match local_var {
-        Some(var) => {
-            let local = parse_count(var, &env.value(var).unwrap_or_default())?;
+        .collect();
+    let local_size = match env.first(&local_vars) {
+        Some((var, v)) => {
+            let local = parse_count(var, &v)?;
             if local == 0 || local > size {
                 return Err(format!(
                     "{var}={local} is not a number of ranks on this host (1..={size})"

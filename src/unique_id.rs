@@ -155,12 +155,10 @@ fn store_ip() -> Result<IpAddr, CommError> {
         // A name that resolves to loopback here (Debian's 127.0.1.1 for the host's own name)
         // says nothing of the hosts of the job: the other ranks may reach this one by
         // another address, so the store goes where an outside one would.
-        let root = host
-            .filter(|h| {
-                let r = h.trim().to_socket_addrs().ok().and_then(|mut a| a.next());
-                !(r.is_some_and(|r| r.ip().is_loopback()) && crate::comm::names_a_host(h.trim()))
-            })
-            .and_then(|h| h.trim().to_socket_addrs().ok()?.next());
+        let root = host.and_then(|h| {
+            let r = h.trim().to_socket_addrs().ok()?.next()?;
+            (!(r.ip().is_loopback() && crate::comm::names_a_host(h.trim()))).then_some(r)
+        });
         if let Some(ip) = root.and_then(|r| chorus_transport::ifaddr::select(None, r).ok()) {
             return Ok(ip);
         }

@@ -105,34 +105,40 @@ pub fn host_identity() -> String {
             return id.trim().to_string();
         }
     }
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    format!("{}|{netns}", machine_identity())
+    format!("{}|{}", machine_identity(), netns())
 }
 
 /// This machine's network: the boot id and the network namespace, whatever `CHORUS_HOSTID`
 /// or the host name (a UTS namespace's) say: ranks that share it share a loopback.
 pub fn network_identity() -> String {
-    let netns = std::fs::read_link("/proc/self/ns/net")
+    format!(
+        "{}|{}",
+        proc_text("/proc/sys/kernel/random/boot_id"),
+        netns()
+    )
+}
+
+/// This process's network namespace (`net:[inode]`), or "" where it cannot be read.
+fn netns() -> String {
+    std::fs::read_link("/proc/self/ns/net")
         .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}|{netns}", boot.trim())
+        .unwrap_or_default()
+}
+
+/// The trimmed text of a `/proc` file, or "" where it cannot be read.
+fn proc_text(path: &str) -> String {
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// The physical machine: hostname and boot id (equal across network namespaces). Used to
 /// count the ranks that share this machine's cores.
 pub fn machine_identity() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default()
-    };
     format!(
         "{}/{}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
+        proc_text("/proc/sys/kernel/hostname"),
+        proc_text("/proc/sys/kernel/random/boot_id")
     )
 }
 
