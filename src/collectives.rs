@@ -9,7 +9,12 @@
 //! get an [`ErrorKind::Mismatch`](crate::ErrorKind::Mismatch) error on the rank that notices
 //! (a receiving rank), and every other rank fails at the latest at its next call, because the
 //! communicator is aborted. A rank that only sends in a collective (the root of a broadcast,
-//! a leaf of a reduce or gather) can return before the mismatch is seen.
+//! a leaf of a reduce or gather) can return before the mismatch is seen. Ranks that disagree
+//! on the root can also find nothing wrong in what arrives: two ranks that both take
+//! themselves for the root of a gather or reduce wait for each other, which ends at the
+//! timeout, and when every rank takes itself for the root of a broadcast or scatter, none
+//! receives and each returns its own buffer. `CHORUS_CHECK_CALLS=1` compares every call's
+//! arguments across the ranks first and names the disagreement.
 //!
 //! In place means: `broadcast` always; `reduce` with `send` `None` (the input is `recv`);
 //! `all_gather` (and `all_gather_v`) with `send` `None` (this rank's block is already at its
@@ -1148,8 +1153,9 @@ impl Communicator {
 
     /// Scan (`MPI_Scan`, an inclusive prefix reduction): `recv` of rank `r` gets the
     /// element-wise reduction (`op`) of `send` of ranks `0..=r` (same length everywhere).
-    /// Recursive doubling (`⌈log₂p⌉` steps) for small buffers, a pipelined chain (each rank
-    /// sends the buffer once) for large ones, by the cost model; `CHORUS_ALGO`
+    /// Recursive doubling (`⌈log₂p⌉` steps) or a pipelined chain (each rank sends the buffer
+    /// once), by the cost model: recursive doubling for small buffers on many ranks (from
+    /// p = 8 on loopback's costs), the chain for large ones and for few ranks; `CHORUS_ALGO`
     /// (`scan:chain`, `exscan:recursive_doubling`) overrides it. `Avg` is refused (it has no
     /// prefix meaning).
     pub fn scan<T: Element>(

@@ -528,6 +528,32 @@ fn mismatches_across_ranks_are_errors_on_every_rank() {
     });
 }
 
+/// A scan whose first rank has nothing to reduce while the others have elements: the chain
+/// (p = 4 takes it at every size) sends even an empty segment, so rank 1 reports the
+/// mismatch at once rather than waiting for segments that never come. Rank 0 sends nothing
+/// after its scan, so the mismatch can only come from the scan itself.
+#[test]
+fn an_empty_scan_against_a_longer_one_is_a_mismatch() {
+    let kinds = group(
+        4,
+        "auto",
+        Some("scan:chain"),
+        Duration::from_secs(20),
+        Duration::from_secs(120),
+        |c| {
+            let n = if c.rank() == 0 { 0 } else { 8 };
+            let mut buf = vec![1u32; n];
+            let r = c.scan_in_place(&mut buf, ReduceOp::Sum);
+            if c.rank() == 0 {
+                // Keep the connections open while the others run into the mismatch.
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            r.err().map(|e| e.kind())
+        },
+    );
+    assert_eq!(kinds[1], Some(ErrorKind::Mismatch), "{kinds:?}");
+}
+
 /// Bad arguments are reported on the calling rank before anything is sent, and leave the
 /// communicator usable.
 #[test]

@@ -251,7 +251,9 @@ fn run_slice(
     let count = recv.len() / dtype.size();
     let plan = plan(rank, size, count, dtype.size());
     let tags: Vec<Tag> = (0..plan.steps.len() as u64)
-        .map(|k| ctx.tag(tag0 + k))
+        // Beyond 2^16 steps (p > 32768) the steps' tags wrap too: each step's messages come
+        // from one rank, in order.
+        .map(|k| ctx.tag((tag0 + k) % (1 << 16)))
         .collect();
     let deadline = ctx.deadline;
     let (transport, scratch) = ctx.transport_and_scratch(plan.max_chunk);

@@ -210,7 +210,10 @@ fn chain(
     let next = (rank + 1 < size).then_some(rank + 1);
     // Segments of whole elements.
     let seg = (SEGMENT_BYTES / dtype.size()).max(1) * dtype.size();
-    let segments = n.div_ceil(seg);
+    // At least one segment, empty for an empty buffer: every link of the chain carries a
+    // message, so a rank called with a different count hears of it instead of waiting for
+    // segments that never come.
+    let segments = n.div_ceil(seg).max(1);
     let part = |k: usize| k * seg..((k + 1) * seg).min(n);
     // A segment's tag is its index: sent at step k + 1, received at step k.
     let tags: Vec<_> = (0..segments)
