@@ -254,7 +254,7 @@ impl Communicator {
     /// The ranks on this rank's host, as a communicator of their own, in their order here
     /// (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`; a node-local group for
     /// hierarchical schemes). A host is what shared memory goes by: `CHORUS_HOSTID` when set,
-    /// else hostname, boot id and network namespace. Every rank calls it
+    /// else hostname, boot id, network and PID namespaces. Every rank calls it
     /// ([`Communicator::split`] with the host's place among the distinct hosts as color).
     pub fn split_by_host(&mut self) -> Result<Communicator, CommError> {
         let color = match self.host_identities() {

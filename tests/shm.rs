@@ -118,6 +118,38 @@ fn direct_allreduce_processes() {
     }
 }
 
+/// Ranks of one machine and network namespace but different PID namespaces (containers that
+/// share the host's network, `docker --network host`) cannot open each other's segments
+/// through `/proc/<pid>/fd`: they are different hosts to chorus and talk over TCP. (Before,
+/// `auto` chose shared memory and init failed on every rank.) Needs root for `unshare`.
+#[test]
+fn ranks_in_different_pid_namespaces_use_tcp() {
+    if is_child() {
+        let mut c = child_comm();
+        let bad = sweep(&mut c, &[0, 1, 7, 1023, 70_001]);
+        assert!(bad.is_empty(), "{bad:?}");
+        println!("CHILD-OK rank {} over {}", c.rank(), c.transport_name());
+        return;
+    }
+    let job = spawn_job_wrapped(
+        3,
+        "ranks_in_different_pid_namespaces_use_tcp",
+        |_| vec![("CHORUS_TRANSPORT", "auto".to_string())],
+        |rank| match rank {
+            1 => vec!["unshare", "--pid", "--fork"],
+            _ => Vec::new(),
+        },
+    );
+    let done = wait_job(job, Duration::from_secs(120));
+    for (rank, (code, out)) in done.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank} failed:\n{out}");
+        assert!(out.contains("CHILD-OK"), "rank {rank}:\n{out}");
+    }
+    // Ranks 0 and 2 share a PID namespace: shared memory between them, TCP to rank 1.
+    assert!(done[0].1.contains("over shm+tcp"), "{}", done[0].1);
+    assert!(done[1].1.contains("over tcp"), "{}", done[1].1);
+}
+
 fn dev_shm() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {

@@ -521,8 +521,8 @@ int32_t chorus_comm_split(chorus_comm *comm, int color, int key, chorus_comm **n
  * The ranks on this rank's host, as a communicator of their own, in their order in `comm`
  * (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`): `chorus_comm_split` with the host as
  * color. A host is what shared memory goes by: `CHORUS_HOSTID` when set, else hostname, boot
- * id and network namespace. Every rank of `comm` must call it. On failure `*newcomm` is set
- * to NULL.
+ * id, network and PID namespaces. Every rank of `comm` must call it. On failure `*newcomm`
+ * is set to NULL.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.

@@ -293,12 +293,31 @@ pub fn spawn_job_with<'a>(
     test_name: &str,
     env_of: impl Fn(usize) -> Vec<(&'a str, String)>,
 ) -> Job {
+    spawn_job_wrapped(size, test_name, env_of, |_| Vec::new())
+}
+
+/// [`spawn_job_with`], rank `r` started through the command `wrap(r)` (empty: directly), e.g.
+/// `unshare --pid --fork`, which runs the test binary as its last argument.
+pub fn spawn_job_wrapped<'a>(
+    size: usize,
+    test_name: &str,
+    env_of: impl Fn(usize) -> Vec<(&'a str, String)>,
+    wrap: impl Fn(usize) -> Vec<&'a str>,
+) -> Job {
     let server = store();
     let addr = server.local_addr();
     let exe = std::env::current_exe().expect("test binary path");
     let children = (0..size)
         .map(|rank| {
-            let mut cmd = Command::new(&exe);
+            let wrapper = wrap(rank);
+            let mut cmd = match wrapper.split_first() {
+                Some((program, args)) => {
+                    let mut c = Command::new(program);
+                    c.args(args).arg(&exe);
+                    c
+                }
+                None => Command::new(&exe),
+            };
             cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1"])
                 .env("CHORUS_TEST_CHILD", "1")
                 .env("CHORUS_RANK", rank.to_string())

@@ -2,9 +2,10 @@
 //! ([`crate::shm`]), every other peer through TCP ([`crate::tcp`]), behind one [`Transport`].
 //!
 //! The choice is made at rendezvous ([`connect`]): the TCP mesh publishes each rank's host
-//! identity (hostname + boot id); ranks with equal identities are on one host. `Choice::Tcp`
-//! keeps everything on TCP; `Choice::Shm` requires every rank on this host. Every rank publishes
-//! its choice and all must agree, otherwise every rank fails with the same clear error.
+//! identity ([`host_identity`](crate::tcp::host_identity): hostname, boot id, network and PID
+//! namespaces); ranks with equal identities are on one host. `Choice::Tcp` keeps everything
+//! on TCP; `Choice::Shm` requires every rank on this host. Every rank publishes its choice and
+//! all must agree, otherwise every rank fails with the same clear error.
 //!
 //! Waits that involve only one kind of peer are handed to that transport as they are (its own
 //! spin-then-sleep); a wait mixing both polls each without blocking and backs off up to

@@ -9,8 +9,10 @@
 //! Steps of a round over chunk `c` in half `h` (large buffers):
 //! 1. copy-in: copy my input chunk into my half `h`; publish (progress + 1); wait until every
 //!    peer's progress reached mine;
-//! 2. reduce: my slice `r` of my half `h` ⊕= slice `r` of every peer's half `h`, in ascending
-//!    rank order, then `finish` (Avg's division); publish; wait for every peer;
+//! 2. reduce: my slice `r` of my half `h` ⊕= slice `r` of every peer's half `h`, the peers in
+//!    ascending rank order (my own input first, so a float's rounding can depend on which
+//!    rank owns its slice; every rank copies out the same result), then `finish` (Avg's
+//!    division); publish; wait for every peer;
 //! 3. copy-out: slice `k` of chunk `c` of my output = slice `k` of rank `k`'s half `h`.
 //!
 //! Small buffers (at most [`SMALL_BYTES`]) use one round of one phase: copy-in, publish, wait,

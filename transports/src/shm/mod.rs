@@ -37,7 +37,7 @@
 pub mod allreduce;
 #[cfg(test)]
 mod model;
-pub mod sys;
+pub(crate) mod sys;
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{fence, Ordering};

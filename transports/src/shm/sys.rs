@@ -61,11 +61,15 @@ pub fn cannot_shrink(fd: &OwnedFd) -> bool {
     seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
 }
 
-/// Opens the descriptor `fd` of process `pid` (a memfd it created) read-write.
+/// Opens the descriptor `fd` of process `pid` (a memfd it created) read-write. Whatever the
+/// path names instead (a FIFO, a terminal) neither blocks the open nor becomes this process's
+/// terminal; it fails the seal check that follows.
 pub fn open_peer_fd(pid: u32, fd: i32) -> io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
         .open(format!("/proc/{pid}/fd/{fd}"))?;
     Ok(OwnedFd::from(f))
 }
@@ -77,10 +81,12 @@ pub struct Mapping {
     len: usize,
 }
 
-// SAFETY: the mapping is plain shared memory; every access goes through atomics or through byte
-// copies whose exclusivity the transport's protocol guarantees (see the module docs of `shm`).
+// SAFETY: the mapping is plain shared memory; every access goes through atomics, byte copies
+// or slices whose exclusivity the transport's protocol guarantees (see the module docs of
+// `shm`). The type is private to this crate, whose only users run that protocol.
 unsafe impl Send for Mapping {}
-// SAFETY: as above; shared references only hand out atomics and byte copies.
+// SAFETY: as above; shared references hand out atomics, byte copies and read-only slices of
+// ranges the protocol keeps unwritten while they live (`bytes`).
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
@@ -113,16 +119,6 @@ impl Mapping {
         }
         let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
         Ok(Mapping { ptr, len })
-    }
-
-    /// Size in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the mapping is empty (never: [`Mapping::map`] refuses zero bytes).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     fn check_range(&self, off: usize, len: usize, align: usize) {

@@ -89,23 +89,31 @@ pub struct Rendezvous {
     pub store: StoreClient,
     /// The communicator id.
     pub comm_id: u64,
-    /// Host identity of every rank (hostname + boot id), for same-host detection.
+    /// Host identity of every rank ([`host_identity`]), for same-host detection.
     pub hosts: Vec<String>,
     /// The data address every rank listens on.
     pub addrs: Vec<SocketAddr>,
 }
 
-/// This host's identity: `CHORUS_HOSTID` if set, else hostname, boot id and network
-/// namespace. Ranks with equal identities may share memory; the network namespace is part of
-/// it because separate namespaces stand for separate hosts (containers, the namespace
-/// testbed), whose traffic must cross their links.
+/// This host's identity: `CHORUS_HOSTID` if set, else hostname, boot id, network namespace
+/// and PID namespace. Ranks with equal identities may share memory. The network namespace is
+/// part of it because separate namespaces stand for separate hosts (containers, the namespace
+/// testbed), whose traffic must cross their links; the PID namespace because a peer's
+/// segment is opened through `/proc/<pid>/fd`, which names another process in another PID
+/// namespace (containers that share the host's network, `docker --network host`, still
+/// talk over TCP).
 pub fn host_identity() -> String {
     if let Ok(id) = std::env::var("CHORUS_HOSTID") {
         if !id.trim().is_empty() {
             return id.trim().to_string();
         }
     }
-    format!("{}|{}", machine_identity(), netns())
+    format!(
+        "{}|{}|{}",
+        machine_identity(),
+        namespace("net"),
+        namespace("pid")
+    )
 }
 
 /// This machine's network: the boot id and the network namespace, whatever `CHORUS_HOSTID`
@@ -114,13 +122,14 @@ pub fn network_identity() -> String {
     format!(
         "{}|{}",
         proc_text("/proc/sys/kernel/random/boot_id"),
-        netns()
+        namespace("net")
     )
 }
 
-/// This process's network namespace (`net:[inode]`), or "" where it cannot be read.
-fn netns() -> String {
-    std::fs::read_link("/proc/self/ns/net")
+/// This process's namespace of `kind` (`net` gives `net:[inode]`), or "" where it cannot be
+/// read.
+fn namespace(kind: &str) -> String {
+    std::fs::read_link(format!("/proc/self/ns/{kind}"))
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default()
 }
