@@ -641,7 +641,8 @@ impl Queue {
     /// Wait until every call issued before this one has finished (calls issued meanwhile by
     /// other threads are not waited for; nor are live point-to-point transfers, which have
     /// requests of their own). Panics on the queue's own thread, where it would wait for
-    /// itself.
+    /// itself, and inside a blocking call on this queue ([`Queue::run`]) when there is
+    /// something to wait for: the call holds the communicator the others need.
     pub fn wait_all(&self) {
         if self.shared.process.check("queued call", self.rank).is_err() {
             // The calls in flight at the fork ran in the parent; none will finish here.
@@ -655,7 +656,16 @@ impl Queue {
         let ticket = jobs.issued;
         // Also while the worker leaves transfers that have all finished: it may still hold
         // the communicator for a moment.
-        while jobs.finished < ticket || (jobs.driving && self.transfers() == 0) {
+        let pending =
+            |jobs: &Jobs| jobs.finished < ticket || (jobs.driving && self.transfers() == 0);
+        if pending(&jobs) && self.in_own_call() {
+            drop(jobs);
+            panic!(
+                "Queue::wait_all inside a blocking call on the same chorus Queue (Queue::run) \
+                 would wait for calls that need the communicator that call holds"
+            );
+        }
+        while pending(&jobs) {
             jobs.waiting_all += 1;
             jobs = self
                 .shared
@@ -666,6 +676,8 @@ impl Queue {
         }
     }
     /// Run `f` on this thread after every call issued before it (a blocking call, in order).
+    /// Refused (`InvalidUsage`) inside another blocking call on this queue: `f` is given the
+    /// communicator to make its calls on.
     ///
     /// A panic in `f` aborts the communicator (its state is unknown) and goes on.
     pub fn run<T>(
@@ -674,10 +686,25 @@ impl Queue {
     ) -> Result<T, CommError> {
         // In a forked child the lock may have been held by the parent's worker at the fork.
         self.shared.process.check("queued call", self.rank)?;
+        if self.in_own_call() {
+            return Err(CommError::new(
+                ErrorKind::InvalidUsage,
+                "call",
+                "a blocking call on a chorus Queue inside another on the same queue (Queue::run), \
+                 which holds the communicator; make the call on the communicator the closure is \
+                 given",
+            )
+            .at_rank(self.rank));
+        }
         self.calls_allowed("call")?;
         self.wait_all();
         self.settle_transfers("call")?;
         self.in_call(|| guarded(lock_comm(&self.shared.comm), f))
+    }
+
+    /// Whether this thread is inside a blocking call of this queue (see `IN_CALL`).
+    fn in_own_call(&self) -> bool {
+        in_call_on(Arc::as_ptr(&self.shared) as usize)
     }
 
     /// Run `f` marked as inside a call of this queue (see `IN_CALL`).
@@ -694,12 +721,15 @@ impl Queue {
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
-    /// blocking call on the communicator, while the caller holds transfer requests
-    /// ([`Queue::calls_allowed`]), or in a forked child. Transfers given up are waited for,
+    /// blocking call on the communicator, inside a blocking call on this queue, while the
+    /// caller holds transfer requests ([`Queue::calls_allowed`]), or in a forked child. Transfers given up are waited for,
     /// as by [`Queue::run`]. A panic in `f` aborts the communicator (its state is unknown)
     /// and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
-        if self.check_process().is_err() || self.calls_allowed("call").is_err() {
+        if self.check_process().is_err()
+            || self.in_own_call()
+            || self.calls_allowed("call").is_err()
+        {
             return None;
         }
         self.wait_all();

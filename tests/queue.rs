@@ -574,3 +574,55 @@ fn a_timeout_of_duration_max_means_no_limit() {
         }
     }
 }
+
+/// Inside a blocking call on a queue (`Queue::run`), which holds the communicator: another
+/// blocking call on that queue is refused (`run`: an error, `try_run`: `None`) instead of
+/// deadlocking on the communicator's lock, and `wait_all` with a call pending panics with a
+/// message instead of waiting forever for a call that needs the lock. (Before, the nested
+/// `run` and the `wait_all` hung; the watchdog ends such a run.)
+#[test]
+fn nested_blocking_calls_on_one_queue_are_refused() {
+    let out = queues(
+        1,
+        "tcp",
+        Duration::from_secs(20),
+        Duration::from_secs(60),
+        |q| {
+            let nested = q
+                .run(|_| {
+                    let inner = q.run(|c| c.barrier()).map(|()| "ran");
+                    let tried = q.try_run(|c| c.barrier());
+                    // Nothing pending: wait_all returns.
+                    q.wait_all();
+                    Ok((inner, tried.is_none()))
+                })
+                .expect("outer call");
+            let e = nested.0.expect_err("nested run");
+            assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+            assert!(nested.1, "try_run inside run ran");
+            // The queue still works.
+            q.run(|c| c.barrier()).expect("a call after the refusals");
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                q.run(|_| {
+                    let pending = q.barrier();
+                    q.wait_all();
+                    drop(pending);
+                    Ok(())
+                })
+            }));
+            let payload = panicked.expect_err("wait_all with a pending call inside run");
+            let text = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            assert!(text.contains("Queue::wait_all inside"), "{text}");
+            e.to_string()
+        },
+    );
+    assert!(
+        out[0].contains("inside another on the same queue"),
+        "{}",
+        out[0]
+    );
+}
