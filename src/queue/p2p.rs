@@ -190,7 +190,7 @@ impl Engine {
             comm.transport_mut().progress(&mut [op], Wait::No)
         };
         match progress {
-            Err(e) => self.fail_all(comm, e),
+            Err(e) => self.fail_all(comm, Direction::Send, e),
             Ok(true) => {
                 let l = self.live.pop().expect("the last");
                 self.finish(l.entry, Ok(()), comm);
@@ -219,7 +219,8 @@ impl Engine {
                 peer: Some(late.req.peer()),
                 waited: now - late.entry.issued,
             };
-            return self.fail_all(comm, e);
+            let dir = late.req.direction();
+            return self.fail_all(comm, dir, e);
         }
         let until = (now + SLICE)
             .min(first_deadline)
@@ -237,7 +238,8 @@ impl Engine {
             comm.transport_mut().progress(&mut ops, wait)
         };
         if let Err(e) = progress {
-            return self.fail_all(comm, e);
+            let dir = self.direction_of(&e);
+            return self.fail_all(comm, dir, e);
         }
         // A receive must take exactly its buffer (as a blocking one): another length is a
         // mismatch, which leaves the byte streams in an unknown state.
@@ -254,7 +256,7 @@ impl Engine {
                 expected_len: l.req.len(),
                 got_len: l.req.bytes_done(),
             };
-            return self.fail_all(comm, e);
+            return self.fail_all(comm, Direction::Recv, e);
         }
         let mut k = 0;
         while k < self.live.len() {
@@ -267,11 +269,32 @@ impl Engine {
         }
     }
 
-    /// Fail every transfer held with `e` (reported through the communicator, which aborts).
-    fn fail_all(&mut self, comm: &mut Communicator, e: TransportError) {
-        let op = match self.live.first().map(|l| l.req.direction()) {
-            Some(Direction::Send) => "isend",
-            _ => "irecv",
+    /// Which kind of transfer a transport error of [`Self::step`] most likely came from: a
+    /// malformed or mismatched message from a receive; otherwise the first live transfer with
+    /// the rank the error names (the first one of all if it names none).
+    fn direction_of(&self, e: &TransportError) -> Direction {
+        let peer = match e {
+            TransportError::Protocol { .. } | TransportError::Mismatch { .. } => {
+                return Direction::Recv
+            }
+            TransportError::PeerClosed { peer } | TransportError::PeerAborted { peer, .. } => {
+                Some(*peer)
+            }
+            TransportError::Timeout { peer, .. } | TransportError::Io { peer, .. } => *peer,
+            _ => None,
+        };
+        peer.and_then(|p| self.live.iter().find(|l| l.req.peer() == p))
+            .or(self.live.first())
+            .map_or(Direction::Recv, |l| l.req.direction())
+    }
+
+    /// Fail every transfer held with `e` (reported through the communicator, which aborts;
+    /// the failure is named after a transfer in direction `dir`, each request's error after
+    /// its own).
+    fn fail_all(&mut self, comm: &mut Communicator, dir: Direction, e: TransportError) {
+        let op = match dir {
+            Direction::Send => "isend",
+            Direction::Recv => "irecv",
         };
         let err = comm.fail(op, e);
         let all = self

@@ -148,11 +148,17 @@ impl fmt::Display for TransportError {
                         "rank {peer} sent message tag {got_tag:#x} where tag {expected_tag:#x} was expected \
                          (ranks called different collectives, or in a different order)"
                     )
+                } else if got_len > expected_len {
+                    write!(
+                        f,
+                        "rank {peer} sent {got_len} bytes, more than the {expected_len} expected \
+                         (ranks made the call with different counts or dtypes)"
+                    )
                 } else {
                     write!(
                         f,
-                        "rank {peer} sent {got_len} bytes where at most {expected_len} were expected \
-                         (ranks called the collective with different counts or dtypes)"
+                        "rank {peer} sent {got_len} bytes where {expected_len} were expected \
+                         (ranks made the call with different counts or dtypes)"
                     )
                 }
             }
