@@ -879,7 +879,8 @@ impl Communicator {
         &self.config
     }
 
-    /// Name of the transport in use ("tcp"; "none" for a group of one).
+    /// Name of the transport in use: "tcp", "shm" (every peer on this host), "shm+tcp" (some
+    /// of each), "none" for a group of one.
     pub fn transport_name(&self) -> &'static str {
         self.transport.name()
     }

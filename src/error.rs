@@ -55,7 +55,9 @@ pub struct CommError {
 }
 
 impl CommError {
-    /// A new error. `usable` says whether the communicator survives it.
+    /// A new error. Whether the communicator survives it follows from `kind` (an invalid
+    /// argument or an unsupported request leaves it usable); [`CommError::with_usable`]
+    /// changes that.
     pub fn new(kind: ErrorKind, op: &'static str, message: impl Into<String>) -> Self {
         CommError {
             kind,
@@ -183,10 +185,11 @@ impl fmt::Display for CommError {
             self.kind.as_str(),
             self.message
         )?;
-        if self.usable {
-            write!(f, " [communicator still usable]")
-        } else {
-            write!(f, " [communicator unusable: abort it and create a new one]")
+        match self.op {
+            // No communicator yet (or none involved): nothing to say about one.
+            "init" | "unique_id" | "compressor" => Ok(()),
+            _ if self.usable => write!(f, " [communicator still usable]"),
+            _ => write!(f, " [communicator unusable: abort it and create a new one]"),
         }
     }
 }
@@ -217,5 +220,10 @@ mod tests {
         let e = CommError::invalid("all_reduce", "recv buffer too short");
         assert!(e.is_usable());
         assert!(e.to_string().contains("still usable"));
+        // Before a communicator exists there is none to speak of.
+        let e = CommError::from_transport("init", TransportError::PeerClosed { peer: 3 });
+        assert!(!e.to_string().contains("communicator"), "{e}");
+        let e = CommError::invalid("unique_id", "no address");
+        assert!(e.to_string().ends_with("no address"), "{e}");
     }
 }

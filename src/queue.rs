@@ -343,8 +343,8 @@ impl Queue {
                 format!(
                     "{n} request(s) of point-to-point transfers (isend/irecv) of this queue are \
                      not yet waited for: calls on the communicator are refused until they are \
-                     (or dropped); wait for them first, or make the calls on a duplicate of the \
-                     communicator (Communicator::dup) kept for them"
+                     (or freed); wait for them first, or make the calls on a duplicate of the \
+                     communicator (dup; chorus_comm_dup in C) kept for them"
                 ),
             )
             .at_rank(self.rank)

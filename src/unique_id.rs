@@ -6,7 +6,8 @@
 //! Making an id starts a rendezvous store in the making process, on a free port of an address
 //! other hosts can reach (the interface of `CHORUS_SOCKET_IFNAME`, else the one that routes to
 //! `CHORUS_ADDR` or `MASTER_ADDR` when a launcher set one, else the first that is neither
-//! loopback nor docker: [`chorus_transport::ifaddr::select_unrooted`]), with a fresh
+//! loopback nor docker, and loopback where there is no other:
+//! [`chorus_transport::ifaddr::select_unrooted`]), with a fresh
 //! random secret that authenticates every connection of the job. The id carries the store's
 //! address and the secret. A rank of the job built in the making process takes the store over
 //! (it lives as long as that communicator); otherwise the store stays until the process exits,

@@ -34,7 +34,12 @@
  * reused. `CHORUS_INVALID_ARGUMENT` and `CHORUS_UNSUPPORTED` leave the communicator usable;
  * after `CHORUS_SYSTEM_ERROR`, `CHORUS_REMOTE_ERROR`, `CHORUS_TIMEOUT` and `CHORUS_MISMATCH`
  * raised by a collective the communicator is unusable: call `chorus_comm_abort`, then
- * `chorus_comm_destroy`, and build a new one. `chorus_last_error()` tells the details.
+ * `chorus_comm_destroy`, and build a new one. `chorus_last_error()` tells the details, and
+ * whether the communicator survived: the message of a call on one ends in
+ * `[communicator still usable]` or `[communicator unusable: ...]`. It survives the
+ * refusals (`CHORUS_INVALID_USAGE`) and a few failures that moved nothing on the wire: a
+ * mismatch `CHORUS_CHECK_CALLS` finds before the call runs, a split's invalid color on some
+ * rank, a transfer to this rank itself that found no partner.
  */
 enum chorus_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -226,8 +231,9 @@ typedef int32_t chorus_p2p_kind;
 /**
  * A communicator: a group of ranks that run collectives together. Opaque.
  *
- * Create it with `chorus_comm_init_env` or `chorus_comm_init`, free it with
- * `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
+ * Create it with `chorus_comm_init_env`, `chorus_comm_init` or `chorus_comm_init_rank` (or
+ * from another one: `chorus_comm_split`, `chorus_comm_split_host`, `chorus_comm_dup`), free
+ * it with `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
  * thread's call fails with `CHORUS_INVALID_USAGE`); different communicators are independent.
  * Its nonblocking calls (`chorus_i*`) run on a thread of its own, in the order issued.
  */
@@ -244,7 +250,8 @@ typedef struct chorus_compressor chorus_compressor;
 
 /**
  * A nonblocking call in progress: returned by the `chorus_i*` functions, completed and freed
- * by `chorus_wait`, `chorus_test` or `chorus_waitall`. Opaque.
+ * by `chorus_wait`, `chorus_test` and their kin (`chorus_waitall`, `chorus_waitany`,
+ * `chorus_testall`, `chorus_testany`), or freed unwaited by `chorus_request_free`. Opaque.
  */
 typedef struct chorus_request chorus_request;
 

@@ -152,8 +152,9 @@ pub struct chorus_options {
 
 /// A communicator: a group of ranks that run collectives together. Opaque.
 ///
-/// Create it with `chorus_comm_init_env` or `chorus_comm_init`, free it with
-/// `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
+/// Create it with `chorus_comm_init_env`, `chorus_comm_init` or `chorus_comm_init_rank` (or
+/// from another one: `chorus_comm_split`, `chorus_comm_split_host`, `chorus_comm_dup`), free
+/// it with `chorus_comm_destroy`. Calls on one communicator must not overlap in time (a second
 /// thread's call fails with `CHORUS_INVALID_USAGE`); different communicators are independent.
 /// Its nonblocking calls (`chorus_i*`) run on a thread of its own, in the order issued.
 pub struct chorus_comm {
@@ -698,7 +699,8 @@ fn call_options(opts: Option<chorus_options>) -> Result<CallOptions, Failure> {
 type Call = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
 
 /// A nonblocking call in progress: returned by the `chorus_i*` functions, completed and freed
-/// by `chorus_wait`, `chorus_test` or `chorus_waitall`. Opaque.
+/// by `chorus_wait`, `chorus_test` and their kin (`chorus_waitall`, `chorus_waitany`,
+/// `chorus_testall`, `chorus_testany`), or freed unwaited by `chorus_request_free`. Opaque.
 pub struct chorus_request {
     inner: Pending,
 }

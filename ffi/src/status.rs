@@ -13,7 +13,12 @@ use chorus_core::{CommError, ErrorKind};
 /// reused. `CHORUS_INVALID_ARGUMENT` and `CHORUS_UNSUPPORTED` leave the communicator usable;
 /// after `CHORUS_SYSTEM_ERROR`, `CHORUS_REMOTE_ERROR`, `CHORUS_TIMEOUT` and `CHORUS_MISMATCH`
 /// raised by a collective the communicator is unusable: call `chorus_comm_abort`, then
-/// `chorus_comm_destroy`, and build a new one. `chorus_last_error()` tells the details.
+/// `chorus_comm_destroy`, and build a new one. `chorus_last_error()` tells the details, and
+/// whether the communicator survived: the message of a call on one ends in
+/// `[communicator still usable]` or `[communicator unusable: ...]`. It survives the
+/// refusals (`CHORUS_INVALID_USAGE`) and a few failures that moved nothing on the wire: a
+/// mismatch `CHORUS_CHECK_CALLS` finds before the call runs, a split's invalid color on some
+/// rank, a transfer to this rank itself that found no partner.
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,7 +166,8 @@ fn panic_message(p: &(dyn Any + Send)) -> &str {
 }
 
 /// The panic boundary: runs `body` for the export `name`, records the message of a failure as
-/// this thread's last error (prefixed with `name` when it does not already name chorus), and
+/// this thread's last error (named after `name`: a library error's leading `chorus: ` becomes
+/// `name: `, a message naming no chorus function gets `name: ` in front), and
 /// turns a panic into `CHORUS_INTERNAL_ERROR`. Every export that can fail goes through here.
 /// `SIGPIPE` is blocked in this thread meanwhile (see [`crate::sigpipe`]).
 pub(crate) fn guard(name: &str, body: impl FnOnce() -> Result<(), Failure>) -> i32 {
@@ -170,7 +176,11 @@ pub(crate) fn guard(name: &str, body: impl FnOnce() -> Result<(), Failure>) -> i
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => chorus_status::CHORUS_OK as i32,
         Ok(Err(f)) => {
-            if f.message.starts_with("chorus") {
+            if let Some(rest) = f.message.strip_prefix("chorus: ") {
+                // A library error ("chorus: rank 0: all_reduce failed ..."): named after the
+                // C function called instead.
+                set_last_error(&format!("{name}: {rest}"));
+            } else if f.message.starts_with("chorus") {
                 set_last_error(&f.message);
             } else {
                 set_last_error(&format!("{name}: {}", f.message));
@@ -236,5 +246,13 @@ mod tests {
         assert_eq!(last(), "", "a successful call clears the message");
         guard("f", || Err(Failure::invalid("nul\0inside")));
         assert_eq!(last(), "f: nul\\0inside");
+        // A library error is named after the C function instead of "chorus".
+        let e = CommError::invalid("all_reduce", "recv buffer too short").at_rank(2);
+        assert_eq!(guard("chorus_allreduce", || Err(e.into())), 1);
+        assert!(
+            last().starts_with("chorus_allreduce: rank 2: all_reduce failed"),
+            "{}",
+            last()
+        );
     }
 }
