@@ -744,6 +744,15 @@ impl Communicator {
             // (name, what is compared, what a message shows): CHORUS_ALGO by its effect, so
             // that `Ring` and `ring;` agree.
             let shown = |v: String| (v.clone(), v);
+            // The shared-memory options are read here, so that a rank with an invalid value
+            // is named to the others (which would otherwise wait for its segments until the
+            // init timeout); ranks whose values differ but are valid are told apart when the
+            // segments are attached.
+            let shm_opts = shm_options();
+            let shm_setting = match &shm_opts {
+                Ok(_) => ("valid".to_string(), "valid values".to_string()),
+                Err(e) => ("invalid".to_string(), e.message().to_string()),
+            };
             let settings = [
                 (
                     "CHORUS_ALGO",
@@ -769,6 +778,10 @@ impl Communicator {
                     "CHORUS_TUNE_FILE (set or not)",
                     shown(format!("{}", config.tune_file.is_some())),
                 ),
+                (
+                    "CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES",
+                    shm_setting,
+                ),
             ];
             agree_on_settings(
                 &mut r.store,
@@ -780,7 +793,7 @@ impl Communicator {
             )
             .map_err(fail)?;
             // Peers on this host through shared memory, the others through TCP.
-            let shm_opts = shm_options().map_err(fail)?;
+            let shm_opts = shm_opts.map_err(fail)?;
             let t = hybrid::connect(t, &mut r.store, &r.hosts, choice, &shm_opts, init_deadline)
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
             // The store outlives init (splits, duplicates): its later requests carry deadlines

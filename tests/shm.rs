@@ -150,6 +150,47 @@ fn ranks_in_different_pid_namespaces_use_tcp() {
     assert!(done[1].1.contains("over tcp"), "{}", done[1].1);
 }
 
+/// A rank with an invalid shared-memory setting is named to the others at init, which fail
+/// at once instead of waiting for its segments until the init timeout (30 s here).
+#[test]
+fn an_invalid_shm_setting_on_one_rank_fails_every_rank_at_once() {
+    if is_child() {
+        let mut cfg = chorus::Config::from_env().expect("config from env");
+        cfg.host_store = Some(false);
+        match Communicator::new(cfg) {
+            Ok(_) => println!("JOINED"),
+            Err(e) => println!("INIT-ERROR {e}"),
+        }
+        return;
+    }
+    let start = Instant::now();
+    let job = spawn_job_with(
+        3,
+        "an_invalid_shm_setting_on_one_rank_fails_every_rank_at_once",
+        |rank| {
+            let mut env = vec![
+                ("CHORUS_TRANSPORT", "auto".to_string()),
+                ("CHORUS_INIT_TIMEOUT", "30".to_string()),
+            ];
+            if rank == 2 {
+                env.push(("CHORUS_SHM_RING_BYTES", "lots".to_string()));
+            }
+            env
+        },
+    );
+    let done = wait_job(job, Duration::from_secs(120));
+    for (rank, (code, out)) in done.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank}:\n{out}");
+        assert!(out.contains("INIT-ERROR"), "rank {rank}:\n{out}");
+        assert!(out.contains("CHORUS_SHM_RING_BYTES"), "rank {rank}:\n{out}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 fn dev_shm() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
