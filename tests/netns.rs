@@ -390,10 +390,18 @@ fn loopback_scenario(cluster: &Cluster) -> Result<(), String> {
         ],
     );
     for (rank, f) in ranks.iter().enumerate() {
-        let reported = f.output.contains(&format!("EXPECTED-ERROR rank {rank}:"));
-        if !f.status.is_some_and(|s| s.success()) || !reported {
+        let prefix = format!("EXPECTED-ERROR rank {rank}: after ");
+        // The seconds the rank took to fail: within a few seconds of the init timeout (the
+        // 30 s of the collectives would mean the init timeout was not applied).
+        let took = f.output.lines().find_map(|l| {
+            let rest = &l[l.find(&prefix)? + prefix.len()..];
+            rest.split(" s:").next()?.parse::<f64>().ok()
+        });
+        let in_time = took.is_some_and(|s| s < SHORT_INIT_TIMEOUT_SECS as f64 + 5.0);
+        if !f.status.is_some_and(|s| s.success()) || !in_time {
             return Err(format!(
-                "lo: rank {rank} did not fail cleanly\n{}",
+                "lo: rank {rank} did not fail cleanly within {} s ({took:?})\n{}",
+                SHORT_INIT_TIMEOUT_SECS + 5,
                 dump(&ranks)
             ));
         }

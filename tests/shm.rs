@@ -202,9 +202,11 @@ fn dev_shm() -> BTreeSet<String> {
 }
 
 /// A rank exits abruptly in the middle of large shared-memory allreduces: every survivor gets
-/// an error naming it, and nothing of the job is left in /dev/shm. (The segments are memfds,
-/// which the kernel frees with their last mapping and which never appear there: the check
-/// guards against a change to named segments, which a killed rank would leave behind.)
+/// an error naming it, and nothing of the job is left: each survivor, having dropped its
+/// communicator, holds no memfd open or mapped (`kill_test_child`), and nothing is in
+/// /dev/shm. (The segments are memfds, which the kernel frees with their last mapping and
+/// which never appear there: that check guards against a change to named segments, which a
+/// killed rank would leave behind.)
 #[test]
 fn killed_rank_is_named_and_leaves_nothing() {
     if is_child() {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chorus::{Algorithm, AllReduceOptions, Communicator, ErrorKind, ReduceOp};
 use common::*;
@@ -181,6 +181,7 @@ fn forced_and_disabled_paths_are_not_tuned() {
 
 #[test]
 fn ranks_that_disagree_about_tuning_fail_instead_of_mixing() {
+    let start = Instant::now();
     let out = on_threads_cfg(
         3,
         WATCHDOG,
@@ -199,12 +200,15 @@ fn ranks_that_disagree_about_tuning_fail_instead_of_mixing() {
     for (rank, (r, usable)) in out.iter().enumerate() {
         let kind = r.expect_err("a rank that disagrees about tuning must fail, not mix data");
         assert!(
-            matches!(
-                kind,
-                ErrorKind::Mismatch | ErrorKind::Remote | ErrorKind::Timeout
-            ),
+            matches!(kind, ErrorKind::Mismatch | ErrorKind::Remote),
             "rank {rank}: {kind:?}"
         );
         assert!(!usable, "rank {rank}");
     }
+    // Told by what arrived, not by waiting out the 20 s timeout.
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
 }

@@ -139,6 +139,10 @@ def test_bootstrap_interval():
     # The same seed gives the same interval; no launches give none.
     noisy = ([9.0, 7.0, 10.0, 8.0], {"ring": [10.0, 9.5, 11.0]})
     assert table_mod.boot_interval(*noisy, 1 << 20, 7) == table_mod.boot_interval(*noisy, 1 << 20, 7)
+    # Its ends lie between the ratios the resampled medians can make: the ring's 9.5-11 us
+    # against auto's 7-10 us (times: auto is ahead), i.e. 0.95 to 11/7, and not at one point.
+    lo, hi = table_mod.boot_interval(*noisy, 1 << 20, 7)
+    assert 0.95 <= lo < hi <= 11 / 7, (lo, hi)
     assert table_mod.boot_interval([], {"ring": [1.0]}, 8, 1) is None
 
 

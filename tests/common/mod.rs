@@ -427,6 +427,18 @@ pub fn kill_test_child(transport: &str) {
             );
             assert!(!e.is_usable());
             assert!(c.all_reduce(&mut small, chorus::ReduceOp::Sum).is_err());
+            // The failed communicator, once dropped, keeps no shared segment: no memfd left
+            // open or mapped in this process.
+            drop(c);
+            let fds = std::fs::read_dir("/proc/self/fd")
+                .expect("/proc/self/fd")
+                .flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter(|l| l.to_string_lossy().starts_with("/memfd:"))
+                .count();
+            let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+            let mapped = maps.lines().filter(|l| l.contains("/memfd:")).count();
+            assert_eq!((fds, mapped), (0, 0), "memfds left (open, mapped)");
             return;
         }
     }

@@ -476,7 +476,8 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
         /// A peer whose NIC writes whatever it likes (immediates, lengths, bytes, credit
-        /// words): every receive and send ends, within its deadline, with data or an error.
+        /// words) and then goes away: every receive and send ends at once with data or an
+        /// error other than a timeout (their deadlines are 20 s away), never a hang.
         #[test]
         fn a_lying_peer_gets_an_error_not_a_hang(
             writes in proptest::collection::vec(
@@ -499,16 +500,21 @@ mod tests {
                 let _ = liar.write_imm(0, slot, &[&data], imm);
                 let _ = liar.write_credit(0, *credit);
             }
+            drop(liar);
             let start = Instant::now();
             let mut b = vec![0u8; 100];
-            let r = t.recv(1, 7, &mut b, Duration::from_millis(200));
-            let s = t.send(1, 8, &[1u8; 300], Duration::from_millis(200));
-            proptest::prop_assert!(start.elapsed() < Duration::from_secs(2));
-            if let Ok(n) = r {
-                proptest::prop_assert!(n <= 100);
+            let r = t.recv(1, 7, &mut b, Duration::from_secs(20));
+            let s = t.send(1, 8, &[1u8; 300], Duration::from_secs(20));
+            proptest::prop_assert!(start.elapsed() < Duration::from_secs(5));
+            match r {
+                Ok(n) => proptest::prop_assert!(n <= 100),
+                Err(e) => proptest::prop_assert!(
+                    !matches!(e, TransportError::Timeout { .. }), "receive: {}", e
+                ),
             }
-            let _ = s;
-            drop(liar);
+            if let Err(e) = s {
+                proptest::prop_assert!(!matches!(e, TransportError::Timeout { .. }), "send: {}", e);
+            }
         }
     }
 

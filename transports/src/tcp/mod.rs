@@ -1108,7 +1108,12 @@ mod tests {
     #[test]
     fn quickack_acknowledges_the_last_message_at_once() {
         let limit = Duration::from_millis(300);
-        let prompt = last_ack_after(true, limit);
+        // The best of three: a thread of this test descheduled for 25 ms on a busy machine
+        // delays one measurement, not all three; the delayed ACK would delay every one.
+        let prompt = (0..3)
+            .map(|_| last_ack_after(true, limit))
+            .min()
+            .expect("three measurements");
         // (25 ms: well below the 40 ms minimum of Linux's delayed-ACK timer, with room for a
         // busy machine's scheduling.)
         assert!(
