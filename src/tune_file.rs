@@ -272,9 +272,22 @@ impl TuneFile {
         self.sections.iter().find(|s| s.key == *key)
     }
 
-    /// Replaces the section of `section.key` (or adds it, dropping the oldest beyond
-    /// [`MAX_SECTIONS`]: all of them, since a file read from disk may hold more than that).
-    pub fn put(&mut self, section: Section) {
+    /// Puts `section` in as the newest section of its key (or adds it, dropping the oldest
+    /// beyond [`MAX_SECTIONS`]: all of them, since a file read from disk may hold more than
+    /// that). The file's section of that key, if its link matches, keeps the buckets
+    /// `section` has no decision for: two communicators of one kind that write the file in
+    /// turn (a communicator and its duplicate, two jobs alike) each add their buckets rather
+    /// than drop the other's. On another link the section is replaced.
+    pub fn put(&mut self, mut section: Section) {
+        if let Some(old) = self.section(&section.key) {
+            if old.link_mismatch(section.link).is_none() {
+                for b in &old.buckets {
+                    if !section.buckets.iter().any(|d| d.bytes == b.bytes) {
+                        section.set(b.clone());
+                    }
+                }
+            }
+        }
         self.sections.retain(|s| s.key != section.key);
         self.sections.push(section);
         let excess = self.sections.len().saturating_sub(MAX_SECTIONS);
@@ -640,6 +653,42 @@ mod tests {
         f.put(section());
         assert_eq!(f.sections.len(), 2);
         assert_eq!(f.sections[1].key, key());
+    }
+
+    /// Two writers of one kind of communicator on one link, in turn, each with some buckets:
+    /// the file keeps both's, the newer decision where both have one; on another link the
+    /// newer section replaces the older.
+    #[test]
+    fn put_keeps_the_buckets_of_an_earlier_writer_on_the_same_link() {
+        let mut f = TuneFile::default();
+        let mut first = section();
+        first.buckets.truncate(1); // 8 B
+        f.put(first);
+        let mut second = section();
+        second.buckets.remove(0); // 32 KiB
+        let mut big = second.buckets[0].clone();
+        big.bytes = 1 << 20;
+        big.chosen = Algorithm::Ring;
+        second.buckets.push(big.clone());
+        f.put(second.clone());
+        let sizes: Vec<usize> = f.sections[0].buckets.iter().map(|b| b.bytes).collect();
+        assert_eq!((f.sections.len(), sizes), (1, vec![8, 32768, 1 << 20]));
+        // The newer decision of a bucket both have wins.
+        let mut third = section();
+        third.buckets = vec![Decision {
+            chosen: Algorithm::Ring,
+            ..section().buckets[1].clone()
+        }];
+        f.put(third);
+        let s = &f.sections[0];
+        assert_eq!(s.buckets.len(), 3);
+        assert_eq!(s.buckets[1].chosen, Algorithm::Ring);
+        // Another link (10x the latency): only the new section's buckets.
+        let mut elsewhere = section();
+        elsewhere.link.alpha *= 10.0;
+        elsewhere.buckets.truncate(1);
+        f.put(elsewhere);
+        assert_eq!(f.sections[0].buckets.len(), 1);
     }
 
     #[test]
