@@ -161,8 +161,77 @@ struct TuneState {
     /// Its section for this communicator, as this communicator's decisions leave it (rank 0
     /// writes it after every change).
     section: Section,
-    /// A write failed and was reported (later failures are not).
+    /// Rank 0's writer, which keeps the file's reads, writes and syncs out of the calls.
+    writer: Option<TuneWriter>,
+    /// Without a writer (its thread did not start): a write in the call failed and was
+    /// reported (later failures are not).
     warned: bool,
+}
+
+/// Rank 0's writes of the tuning file, on a thread of their own: a decision is made inside a
+/// call whose peers wait for it, and a slow or hung file system (NFS) must not hold them up.
+/// The thread writes the newest section it has been given (older ones waiting are skipped);
+/// dropping the writer waits (up to [`TUNE_WRITE_GRACE`]) for what was given, so that a
+/// program's last decisions reach the file before it exits.
+struct TuneWriter {
+    tx: Option<std::sync::mpsc::Sender<Section>>,
+    done: std::sync::mpsc::Receiver<()>,
+    /// The process that started the thread (a forked child has no such thread).
+    pid: u32,
+}
+
+/// How long dropping a communicator waits for its tuning file's last write.
+const TUNE_WRITE_GRACE: Duration = Duration::from_secs(10);
+
+impl TuneWriter {
+    /// The writer of `path`, or `None` if its thread cannot start (rank 0 then writes in
+    /// the call).
+    fn start(path: std::path::PathBuf) -> Option<TuneWriter> {
+        let (tx, rx) = std::sync::mpsc::channel::<Section>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("chorus-tune-file".into())
+            .spawn(move || {
+                let mut warned = false;
+                while let Ok(mut section) = rx.recv() {
+                    while let Ok(newer) = rx.try_recv() {
+                        section = newer;
+                    }
+                    store_section(&path, section, &mut warned);
+                }
+                let _ = done_tx.send(());
+            })
+            .ok()?;
+        Some(TuneWriter {
+            tx: Some(tx),
+            done,
+            pid: std::process::id(),
+        })
+    }
+}
+
+impl Drop for TuneWriter {
+    fn drop(&mut self) {
+        self.tx.take();
+        if std::process::id() == self.pid {
+            let _ = self.done.recv_timeout(TUNE_WRITE_GRACE);
+        }
+    }
+}
+
+/// Writes rank 0's `section` into the tuning file at `path`; a failure is reported once
+/// (`warned`) and fails nothing.
+fn store_section(path: &std::path::Path, section: Section, warned: &mut bool) {
+    if let Err(e) = TuneFile::store(path, section) {
+        if !*warned {
+            *warned = true;
+            log::log(
+                Level::Warn,
+                Some(0),
+                format_args!("tuning file {}: decisions not kept: {e}", path.display()),
+            );
+        }
+    }
 }
 
 /// A store this rank hosts during init: dropped while still held (a step failed), it stays
@@ -1381,6 +1450,11 @@ impl Communicator {
         if !decisions.is_empty() {
             self.log_tuning(|| select::describe_restored(&path, &decisions));
         }
+        let writer = if self.rank == 0 {
+            TuneWriter::start(path.clone())
+        } else {
+            None
+        };
         self.tune_file = Some(TuneState {
             path,
             section: Section {
@@ -1388,13 +1462,14 @@ impl Communicator {
                 link,
                 buckets: decisions,
             },
+            writer,
             warned: false,
         });
         Ok(())
     }
 
-    /// Keeps a bucket's decision in the tuning file, if there is one (rank 0 writes it; a
-    /// failure is reported once and does not fail the call).
+    /// Keeps a bucket's decision in the tuning file, if there is one (rank 0's writer thread
+    /// writes it; a failure is reported once and does not fail the call).
     fn remember(&mut self, d: Decision) {
         let Some(state) = self.tune_file.as_mut() else {
             return;
@@ -1406,18 +1481,9 @@ impl Communicator {
         if self.rank != 0 {
             return;
         }
-        if let Err(e) = TuneFile::store(&state.path, state.section.clone()) {
-            if !state.warned {
-                state.warned = true;
-                log::log(
-                    Level::Warn,
-                    Some(0),
-                    format_args!(
-                        "tuning file {}: decisions not kept: {e}",
-                        state.path.display()
-                    ),
-                );
-            }
+        match state.writer.as_ref().and_then(|w| w.tx.as_ref()) {
+            Some(tx) if tx.send(state.section.clone()).is_ok() => {}
+            _ => store_section(&state.path, state.section.clone(), &mut state.warned),
         }
     }
 
