@@ -17,12 +17,14 @@ use chorus_algorithms::reference::{expected, expected_prefix, is_correct, test_v
 use crate::collective::Collective;
 use crate::data;
 
-/// This rank's seconds per call of `iters` timed calls of `f`: back to back after one barrier,
-/// or, with a `gap` (`--gap`), each after a sleep of the gap and a barrier, timed on its own.
+/// This rank's seconds per call of `iters` timed calls of `f`: back to back after one barrier
+/// (and, with `settle` (`--settle`), a sleep of it), or, with a `gap` (`--gap`), each after a
+/// sleep of the gap and a barrier, timed on its own.
 pub fn seconds_per_call<E>(
     comm: &mut Communicator,
     iters: u64,
     gap: Option<Duration>,
+    settle: Option<Duration>,
     mut f: impl FnMut(&mut Communicator) -> Result<(), E>,
 ) -> Result<f64, E>
 where
@@ -31,6 +33,9 @@ where
     let iters = iters.max(1);
     let Some(gap) = gap else {
         comm.barrier()?;
+        if let Some(settle) = settle {
+            std::thread::sleep(settle);
+        }
         let start = Instant::now();
         for _ in 0..iters {
             f(comm)?;

@@ -64,6 +64,10 @@ OPTIONS:
         --gap MS             before every timed call sleep MS milliseconds (a training step's
                              compute between its collectives), then a barrier, and time each
                              call on its own; warm-up calls stay back to back [no gap]
+        --settle MS          after the barrier before each size's timed calls, every rank
+                             idles MS milliseconds first (a rate-capped link's token bucket
+                             fills up again; for studying shapers, see
+                             benches/results/2026-11-27-tbf-credit.md) [0]
         --compress SPEC      allreduce: compressed float allreduce (a chorus::Compressor spec:
                              fp16 bf16 int8 int4 sign ternary topk:R, options ef=on|off ...);
                              adds wire bytes per rank, compression ratio, relative error against
@@ -169,6 +173,8 @@ pub struct Options {
     pub timeout: Option<Duration>,
     /// `--gap`: idle time before every timed call.
     pub gap: Option<Duration>,
+    /// `--settle`: idle time between the barrier and a size's timed calls.
+    pub settle: Option<Duration>,
     /// `--compress` / `--topk`: a compressor spec.
     pub compress: Option<String>,
     /// `--sparse`: density of the sparse inputs.
@@ -209,6 +215,7 @@ enum Opt {
     Ranks,
     Timeout,
     Gap,
+    Settle,
     Compress,
     Topk,
     Sparse,
@@ -238,6 +245,7 @@ const SPECS: &[(Opt, Option<char>, &str, bool)] = &[
     (Opt::Ranks, None, "ranks", true),
     (Opt::Timeout, Some('t'), "timeout", true),
     (Opt::Gap, None, "gap", true),
+    (Opt::Settle, None, "settle", true),
     (Opt::Compress, None, "compress", true),
     (Opt::Topk, None, "topk", true),
     (Opt::Sparse, None, "sparse", true),
@@ -391,6 +399,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut ranks = None;
     let mut timeout = None;
     let mut gap = None;
+    let mut settle = None;
     let mut compress: Option<String> = None;
     let mut sparse = None;
     let mut sparse_algo = None;
@@ -463,6 +472,16 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 _ => {
                     return usage_err(format!(
                         "--gap: '{v}' is not a number of milliseconds in (0, 60000]"
+                    ))
+                }
+            },
+            Opt::Settle => match v.trim().parse::<f64>() {
+                Ok(ms) if ms > 0.0 && ms <= 1000.0 => {
+                    settle = Some(Duration::from_secs_f64(ms / 1e3))
+                }
+                _ => {
+                    return usage_err(format!(
+                        "--settle: '{v}' is not a number of milliseconds in (0, 1000]"
                     ))
                 }
             },
@@ -545,6 +564,9 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     } else if rounds.is_some() {
         return usage_err("--rounds needs --algo with a list of schedules");
     }
+    if settle.is_some() && gap.is_some() {
+        return usage_err("--settle and --gap: --gap already idles before every timed call");
+    }
     if compress.is_some() || sparse.is_some() {
         // These modes run float32 sum against a dense baseline of the selector's schedule and
         // report the slowest rank: options that would change that are refused, not ignored.
@@ -555,6 +577,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             (average.is_some(), "-a"),
             (inplace.is_some(), "--inplace"),
             (matches!(format, Some(Output::Peers)), "--format peers"),
+            (settle.is_some(), "--settle"),
         ];
         if let Some((_, name)) = ignored.iter().find(|(set, _)| *set) {
             return usage_err(format!(
@@ -600,6 +623,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         ranks,
         timeout,
         gap,
+        settle,
         compress,
         sparse,
         sparse_algo,
@@ -770,6 +794,17 @@ mod tests {
         for bad in ["0", "-1", "nan", "60001", "x"] {
             assert!(
                 err(&format!("allreduce --gap {bad}")).contains("--gap"),
+                "{bad}"
+            );
+        }
+        assert_eq!(o.settle, None);
+        assert_eq!(
+            run("allreduce --settle 0.3").settle,
+            Some(Duration::from_micros(300))
+        );
+        for bad in ["0", "1001", "x", "0.3 --gap 1", "0.3 --compress int8"] {
+            assert!(
+                err(&format!("allreduce --settle {bad}")).contains("--settle"),
                 "{bad}"
             );
         }

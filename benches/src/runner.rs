@@ -401,9 +401,10 @@ impl<'a> Runner<'a> {
         for _ in 0..untimed {
             calls::call(self.comm, coll, send, buf, op, call, &counts)?;
         }
-        let local = calls::seconds_per_call(self.comm, iters, self.opts.gap, |c| {
-            calls::call(c, coll, send, buf, op, call, &counts)
-        })?;
+        let local =
+            calls::seconds_per_call(self.comm, iters, self.opts.gap, self.opts.settle, |c| {
+                calls::call(c, coll, send, buf, op, call, &counts)
+            })?;
         self.over_ranks(local)
     }
 
