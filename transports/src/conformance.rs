@@ -84,6 +84,7 @@ pub fn run_all(make: MakeGroup<'_>) {
     abort_propagates(make);
     abort_mid_message(make);
     abort_from_another_thread(make);
+    waiting_for_the_callers_bytes(make);
 }
 
 pub fn ping_pong(make: MakeGroup<'_>) {
@@ -486,6 +487,31 @@ pub fn abort_from_another_thread(make: MakeGroup<'_>) {
                 other => panic!("expected an abort notice, got {other:?}"),
             }
         }
+    });
+}
+
+/// A blocking wait on a partial send whose available bytes have all gone out is refused at
+/// once (only the caller can make more bytes available), not a spin until the deadline.
+pub fn waiting_for_the_callers_bytes(make: MakeGroup<'_>) {
+    on_group(make, 2, |rank, t| {
+        if rank == 1 {
+            return;
+        }
+        let len = 1000;
+        let data = pattern(0, 1, len, 6);
+        let mut req = Request::send_partial(1, 5, len, len / 2);
+        t.post(&mut req).unwrap();
+        let start = Instant::now();
+        let r = t.wait_all(&mut [Op::send(&mut req, &data)], start + T);
+        assert!(
+            matches!(r, Err(TransportError::InvalidUsage(_))),
+            "expected a refusal, got {r:?}"
+        );
+        assert!(
+            start.elapsed() < T / 2,
+            "refused after {:?}",
+            start.elapsed()
+        );
     });
 }
 

@@ -532,9 +532,35 @@ pub trait Transport: Send {
         None
     }
 
-    /// Block until every op completes or the deadline passes.
+    /// Block until every op completes or the deadline passes. Ops that only the caller can
+    /// move on (partial sends whose available bytes are all sent) are an error: nothing in
+    /// this wait would make more bytes available.
     fn wait_all(&mut self, ops: &mut [Op<'_, '_>], deadline: Instant) -> Result<()> {
-        while !self.progress(ops, Wait::Until(deadline))? {}
+        let start = Instant::now();
+        while !self.progress(ops, Wait::Until(deadline))? {
+            let waits_for_caller = |op: &Op<'_, '_>| {
+                op.req.direction() == Direction::Send
+                    && !op.req.is_complete()
+                    && op.req.available() == op.req.bytes_done()
+                    && op.req.bytes_done() < op.req.len()
+            };
+            if ops
+                .iter()
+                .all(|op| op.req.is_complete() || waits_for_caller(op))
+            {
+                return Err(TransportError::InvalidUsage(
+                    "wait_all on partial sends whose available bytes are all sent: only the \
+                     caller can make more available"
+                        .into(),
+                ));
+            }
+            if Instant::now() >= deadline {
+                return Err(TransportError::Timeout {
+                    peer: sweep::timeout_peer(ops),
+                    waited: start.elapsed(),
+                });
+            }
+        }
         Ok(())
     }
 

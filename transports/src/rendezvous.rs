@@ -1320,7 +1320,7 @@ impl StoreClient {
             // A refusal by the server; the connection is still in a known state.
             return TransportError::Rendezvous(format!(
                 "the store refused the request for key {key:?}: {}",
-                String::from_utf8_lossy(body)
+                crate::frame::peer_text(body)
             ));
         }
         let msg = format!(

@@ -3,7 +3,10 @@
 //! Two operations:
 //! - [`sparse_all_reduce`]: the exact sum of sparse f32 vectors given by the user
 //!   (embedding-style gradients); the result is the union of the entries, dense where it fills
-//!   in ([`SparseResult`]).
+//!   in ([`SparseResult`]). The values are the same whichever schedule runs; which entries of
+//!   a sparse result are listed is not: entries whose sum is zero (explicit zeros included)
+//!   may be left out (two-phase leaves them out, a region that went dense on the way lists
+//!   only its non-zeros), as a dense result shows them.
 //! - [`topk_all_reduce`]: a dense gradient in, the approximate global top-k sum out, with the
 //!   residual of error feedback kept in a [`TopkState`].
 //!

@@ -215,39 +215,56 @@ fn keep(acc: &Acc, start: u64, t: u32) -> (Vec<u64>, Vec<f32>) {
     (idx, val)
 }
 
-/// Checks the allreduced per-owner counts: this rank's own, and no owner above its region's
-/// length (they size buffers). Garbage from a peer is a [`TransportError::Protocol`] error
-/// (naming the next rank: the allreduce does not tell which one sent it).
-fn check_counts(counts: &[u64], bounds: &[u64], rank: usize, mine: usize) -> Result<()> {
+/// Checks the allreduced per-owner counts: this rank's own, no owner above its region's
+/// length, and all of them together at most `max_count` (the entries of every rank: they
+/// size buffers, so a peer's garbage must not make a rank allocate for a vector of `n`
+/// entries when a few were passed). Garbage from a peer is a [`TransportError::Protocol`]
+/// error (naming the next rank: the allreduce does not tell which one sent it).
+fn check_counts(
+    counts: &[u64],
+    bounds: &[u64],
+    rank: usize,
+    mine: usize,
+    max_count: u64,
+) -> Result<()> {
     let bad = counts
         .iter()
         .enumerate()
         .find(|&(j, &c)| c > bounds[j + 1] - bounds[j] || (j == rank && c != mine as u64));
-    match bad {
-        None => Ok(()),
-        Some((j, &c)) => Err(TransportError::Protocol {
-            peer: (rank + 1) % counts.len(),
-            what: format!(
-                "two-phase: the allreduced count of rank {j} is {c} (region of {}, this rank \
-                 kept {mine}): a peer sent garbage",
-                bounds[j + 1] - bounds[j]
-            ),
-        }),
+    let garbage = |what: String| TransportError::Protocol {
+        peer: (rank + 1) % counts.len(),
+        what,
+    };
+    if let Some((j, &c)) = bad {
+        return Err(garbage(format!(
+            "two-phase: the allreduced count of rank {j} is {c} (region of {}, this rank kept \
+             {mine}): a peer sent garbage",
+            bounds[j + 1] - bounds[j]
+        )));
     }
+    let total = counts.iter().fold(0u64, |a, &c| a.saturating_add(c));
+    if total > max_count {
+        return Err(garbage(format!(
+            "two-phase: the allreduced counts add up to {total} entries, more than the \
+             {max_count} the ranks passed: a peer sent garbage"
+        )));
+    }
+    Ok(())
 }
 
 /// Steps 3–5 for `mine`, this rank's kept entries, every owner's count being `counts` (owner
-/// `j` of region `bounds[j]..bounds[j+1]`).
+/// `j` of region `bounds[j]..bounds[j+1]`), at most `max_count` in all.
 pub(crate) fn balanced_allgatherv(
     ctx: &mut CollCtx<'_>,
     stamp: Stamp,
     mine: (&[u64], &[f32]),
     counts: &[u64],
     bounds: &[u64],
+    max_count: u64,
 ) -> Result<SparseResult> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let n = stamp.n;
-    check_counts(counts, bounds, rank, mine.0.len())?;
+    check_counts(counts, bounds, rank, mine.0.len(), max_count)?;
     let plan = balance_plan(counts, rank);
     // 4. Balance.
     let t = tag(ctx, ALG, BALANCE_STEP);
@@ -436,8 +453,9 @@ pub(crate) fn run(
     // 3. Keep every non-zero sum.
     let (idx, val) = keep(&acc, bounds[rank], 1);
     let counts = count_vector(ctx, idx.len() as u64)?;
-    // 4, 5.
-    balanced_allgatherv(ctx, stamp, (&idx, &val), &counts, &bounds)
+    // 4, 5. The union holds at most `bound` entries of each rank.
+    let max_count = bound.saturating_mul(size as u64);
+    balanced_allgatherv(ctx, stamp, (&idx, &val), &counts, &bounds, max_count)
 }
 
 /// What top-k keeps between steps.
@@ -603,7 +621,9 @@ pub(crate) fn topk(
     st.threshold = Some(t.max(1));
     let (idx, val) = keep(&acc, bounds[rank], t);
     // 4, 5.
-    let result = balanced_allgatherv(ctx, stamp, (&idx, &val), &counts, &bounds)?;
+    // At most the k entries each rank passed in.
+    let max_count = k.saturating_mul(size as u64);
+    let result = balanced_allgatherv(ctx, stamp, (&idx, &val), &counts, &bounds, max_count)?;
     Ok(TopkOutcome {
         result,
         threshold: t.max(1),
@@ -661,11 +681,16 @@ mod tests {
     #[test]
     fn garbage_counts_are_refused() {
         let bounds = [0, 10, 20];
-        assert!(check_counts(&[3, 10], &bounds, 0, 3).is_ok());
-        assert!(check_counts(&[3, 11], &bounds, 0, 3).is_err());
-        assert!(check_counts(&[4, 1], &bounds, 0, 3).is_err());
-        let e = check_counts(&[3, u64::MAX], &bounds, 0, 3).unwrap_err();
+        assert!(check_counts(&[3, 10], &bounds, 0, 3, u64::MAX).is_ok());
+        assert!(check_counts(&[3, 11], &bounds, 0, 3, u64::MAX).is_err());
+        assert!(check_counts(&[4, 1], &bounds, 0, 3, u64::MAX).is_err());
+        let e = check_counts(&[3, u64::MAX], &bounds, 0, 3, u64::MAX).unwrap_err();
         assert!(!e.is_recoverable(), "{e}");
+        // Within every region, but more entries in all than the ranks passed (two ranks of at
+        // most 5 each): a huge region must not size a buffer by a peer's word.
+        assert!(check_counts(&[3, 7], &bounds, 0, 3, 10).is_ok());
+        let e = check_counts(&[3, 8], &bounds, 0, 3, 10).unwrap_err();
+        assert!(e.to_string().contains("add up to 11"), "{e}");
     }
 
     /// Rank 0 of two, hostile, sends rank 1 a balancing piece outside its own region (which
@@ -726,7 +751,8 @@ mod tests {
                 t1,
                 Box::new(move |ctx| {
                     let (idx, val) = ([559u64, 561], [2.0f32, 3.0]);
-                    balanced_allgatherv(ctx, stamp, (&idx, &val), &[4, 2], &bounds).map(|_| ())
+                    balanced_allgatherv(ctx, stamp, (&idx, &val), &[4, 2], &bounds, u64::MAX)
+                        .map(|_| ())
                 }),
             );
             let e = honest.join().unwrap().unwrap_err();

@@ -39,6 +39,8 @@ pub enum NicError {
 /// every WRITE WITH IMMEDIATE consumes a posted receive, so the receive queue is refilled as
 /// completions are polled.
 pub trait Nic: Send {
+    /// The number of ranks of the group whose queue pairs it holds (this rank's included).
+    fn group_size(&self) -> usize;
     /// The endpoint this rank published for `peer` (its ring and credit word).
     fn local(&self, peer: usize) -> &Endpoint;
     /// The endpoint `peer` published for this rank (the ring this rank writes into).
@@ -179,6 +181,10 @@ impl Drop for MemNic {
 }
 
 impl Nic for MemNic {
+    fn group_size(&self) -> usize {
+        self.endpoints.len()
+    }
+
     fn local(&self, peer: usize) -> &Endpoint {
         &self.endpoints[peer]
     }

@@ -97,7 +97,8 @@ fn list_devices(library: &str) -> Result<Vec<Device>, Unavailable> {
     if list.is_null() {
         let err = std::io::Error::last_os_error();
         return Err(Unavailable::NoDevice(format!(
-            "the kernel has no RDMA support ({err})"
+            "listing RDMA devices failed: {err} (no RDMA support in the kernel, or no \
+             permission to its devices)"
         )));
     }
     let mut devices = Vec::new();

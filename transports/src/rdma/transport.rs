@@ -49,6 +49,12 @@ impl<N: Nic> RdmaTransport<N> {
     /// The transport of `rank` in a group of `size` whose queue pairs `nic` holds; checks
     /// every endpoint it was given.
     pub fn new(rank: usize, size: usize, nic: N) -> Result<RdmaTransport<N>> {
+        if rank >= size || nic.group_size() != size {
+            return Err(TransportError::InvalidArgument(format!(
+                "rank {rank} of a group of {size} over a NIC that holds a group of {}",
+                nic.group_size()
+            )));
+        }
         let mut peers = Vec::with_capacity(size);
         for j in 0..size {
             if j == rank {
@@ -519,12 +525,27 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_or_size_the_nic_does_not_hold_is_refused() {
+        for (rank, size) in [(0, 3), (2, 2), (1, 1)] {
+            let nic = mem_group(2, 4, 64).remove(0);
+            match RdmaTransport::new(rank, size, nic) {
+                Err(TransportError::InvalidArgument(m)) => assert!(m.contains("group of 2"), "{m}"),
+                Err(e) => panic!("rank {rank} of {size}: {e}"),
+                Ok(_) => panic!("rank {rank} of {size}: accepted"),
+            }
+        }
+    }
+
+    #[test]
     fn bad_endpoints_are_refused() {
         let mut nics = mem_group(2, 4, 64);
         let nic = nics.remove(0);
         // A ring of 3 slots is not a power of two.
         struct Bad(MemNic, super::super::protocol::Endpoint);
         impl Nic for Bad {
+            fn group_size(&self) -> usize {
+                self.0.group_size()
+            }
             fn local(&self, p: usize) -> &super::super::protocol::Endpoint {
                 self.0.local(p)
             }

@@ -972,6 +972,11 @@ impl Transport for TcpTransport {
             // Finish a frame cut in the middle: zeros for the rest, then the abort trailer,
             // so the receiver cannot mistake the padding for data.
             let mut pre = Vec::new();
+            if p.tx_frame.is_some() && p.tx_off == 0 {
+                // Not a byte of that frame went out (its header waits for the first payload
+                // bytes): the peer has seen nothing of it, so the notice takes its place.
+                p.tx_frame = None;
+            }
             if let Some(total) = p.tx_frame {
                 let off = p.tx_off;
                 let payload_len = total - HEADER_LEN - TRAILER_LEN;
@@ -1020,6 +1025,31 @@ impl std::fmt::Debug for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An abort while a large partial send has not sent a byte yet (its header waits for the
+    /// first payload bytes): the peer gets the notice itself, not the frame's padding and
+    /// not, above 64 MiB of it, a connection shut down without a reason.
+    #[test]
+    fn an_abort_before_a_frames_first_byte_sends_only_the_notice() {
+        let (mut t, mut raw) = raw_peer();
+        let len = 65 << 20;
+        let data = vec![0u8; len];
+        let mut req = Request::send_partial(1, 9, len, 0);
+        t.post(&mut req).unwrap();
+        t.progress(&mut [Op::send(&mut req, &data)], Wait::No)
+            .unwrap();
+        t.abort(&AbortNotice {
+            culprit: None,
+            reason: "gave up early".into(),
+        });
+        let payload = frame::encode_abort(None, "gave up early");
+        let mut want = header_bytes(0, 0, payload.len(), Kind::Abort).to_vec();
+        want.extend_from_slice(&payload);
+        let mut got = vec![0u8; want.len()];
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        raw.read_exact(&mut got).unwrap();
+        assert_eq!(got, want);
+    }
 
     /// Rank 0 of a group of two whose rank 1 is a raw socket: the test writes the bytes.
     fn raw_peer() -> (TcpTransport, std::net::TcpStream) {
