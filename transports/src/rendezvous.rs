@@ -1166,7 +1166,7 @@ pub(crate) fn on_local_store<R: Send + 'static>(
 /// Whether a connected socket is joined to itself (same address at both ends): a client
 /// that retries connecting to a local port nobody listens on yet can get this when the
 /// kernel gives it that port as its own.
-fn is_self_connected(stream: &TcpStream) -> bool {
+pub(crate) fn is_self_connected(stream: &TcpStream) -> bool {
     matches!((stream.local_addr(), stream.peer_addr()), (Ok(a), Ok(b)) if a == b)
 }
 

@@ -482,6 +482,13 @@ fn dial(
             });
         }
         match TcpStream::connect_timeout(&addr, left) {
+            Ok(s) if crate::rendezvous::is_self_connected(&s) => {
+                // A peer of this host that is gone left its port free, and the kernel joined
+                // this socket to itself (a simultaneous open): as refused, try again.
+                drop(s);
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
             Ok(mut s) => {
                 s.set_nodelay(true)
                     .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
