@@ -179,7 +179,8 @@ pub struct TcpTransport {
     aborted: bool,
     /// Aborts requested from other threads (see [`AbortHandle`]).
     abort_request: Option<AbortHandle>,
-    /// A wake ended the last `wait_ready` of a [`Wait::Poll`].
+    /// A wake arrived (during a [`Wait::Poll`]'s `wait_ready`, or at another look at epoll,
+    /// kept for the next [`Wait::Poll`]).
     woken: bool,
 }
 
@@ -406,8 +407,10 @@ impl TcpTransport {
             }
             let mut any = false;
             for ev in self.events.iter() {
-                if woken && ev.token() == WAKE_TOKEN {
-                    any = true;
+                if ev.token() == WAKE_TOKEN {
+                    // Kept for the next Wait::Poll when this wait is not one (epoll reports
+                    // the wake once).
+                    any |= woken;
                     self.woken = true;
                 }
                 if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
@@ -438,6 +441,10 @@ impl TcpTransport {
         }
         let mut any = false;
         for ev in self.events.iter() {
+            if ev.token() == WAKE_TOKEN {
+                // Kept for the next Wait::Poll (epoll reports the wake once).
+                self.woken = true;
+            }
             if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
                 any = true;
                 if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
@@ -920,6 +927,13 @@ impl Transport for TcpTransport {
                 }
                 return Err(stuck_behind_others());
             }
+            if poll && self.woken {
+                // A wake that came while this transport was not polling for one: sweep once
+                // more, then return, as for a wake during the wait.
+                self.woken = false;
+                polled = true;
+                continue;
+            }
             let ready = self.wait_ready(deadline, poll)?;
             if ready {
                 notice_check = true;
@@ -1025,6 +1039,32 @@ impl std::fmt::Debug for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wake that arrives while the transport is not polling for one (it is seen at a look
+    /// that is not a Wait::Poll) still ends the next Wait::Poll at once, not at its instant.
+    #[test]
+    fn a_wake_seen_outside_a_poll_ends_the_next_poll() {
+        let (mut t, _raw) = raw_peer();
+        let h = AbortHandle::new();
+        t.set_abort_handle(h.clone());
+        let mut b = [0u8; 8];
+        let mut req = Request::recv(1, 9, 8);
+        t.post(&mut req).unwrap();
+        h.wake();
+        assert!(!t
+            .progress(&mut [Op::recv(&mut req, &mut b)], Wait::No)
+            .unwrap());
+        let start = Instant::now();
+        let until = start + Duration::from_secs(3);
+        assert!(!t
+            .progress(&mut [Op::recv(&mut req, &mut b)], Wait::Poll(until))
+            .unwrap());
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "the poll ended after {:?}",
+            start.elapsed()
+        );
+    }
 
     /// An abort while a large partial send has not sent a byte yet (its header waits for the
     /// first payload bytes): the peer gets the notice itself, not the frame's padding and
