@@ -40,6 +40,9 @@ def parse(path):
             if m:
                 size, entry = int(m.group(1)), m.group(5)
                 last = size
+                if m.group(9) not in ("0", "N/A"):
+                    # A wrong result: its time says nothing (and must not be a best).
+                    continue
                 if ranks is None:
                     sys.exit(f"{path}: no '# chorus-perf: ranks N' header line")
                 t = float(m.group(6))

@@ -65,8 +65,8 @@ t = {}
 for e in entries:
     for f in glob.glob(f"{work}/{e}.*.txt"):
         for line in open(f):
-            m = re.match(r"\s+(\d+)\s+\d+\s+float\s+sum\s+\d+\s+([\d.]+)", line)
-            if m:
+            m = re.match(r"\s+(\d+)\s+\d+\s+float\s+sum\s+\d+\s+([\d.]+)\s+\S+\s+\S+\s+(\d+)\s*$", line)
+            if m and m.group(3) == "0":  # rows with wrong elements are left out
                 t.setdefault((e, int(m.group(1))), []).append(float(m.group(2)))
 sizes = sorted({s for (_, s) in t})
 print("| size | " + " | ".join(f"{e} us (median, min-max)" for e in entries) + " | "

@@ -199,7 +199,9 @@ fn run_rank(
     }
     let result = runner::Runner::new(&mut comm, opts, dtypes, ops, variants).run();
     match result {
-        Ok(outcome) if outcome.wrong.unwrap_or(0) > 0 => ExitCode::from(EXIT_WRONG),
+        Ok(outcome) if outcome.wrong.unwrap_or(0) > 0 || outcome.wrong_here > 0 => {
+            ExitCode::from(EXIT_WRONG)
+        }
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("chorus-perf: rank {rank}: {e}");

@@ -251,7 +251,10 @@ pub fn compare_rows(
         .iter()
         .zip(forced)
         .enumerate()
-        .filter(|(_, (c, &f))| f && c.measure.time_us.is_finite())
+        // A schedule whose result was wrong is no yardstick, however fast.
+        .filter(|(_, (c, &f))| {
+            f && c.measure.time_us.is_finite() && c.measure.wrong.unwrap_or(0) == 0
+        })
         .min_by(|a, b| a.1 .0.measure.time_us.total_cmp(&b.1 .0.measure.time_us))
         .map(|(i, _)| i);
     if let Some(b) = best {

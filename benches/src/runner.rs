@@ -48,6 +48,9 @@ use crate::sizes::{SizePoint, Step};
 pub struct Outcome {
     /// Wrong elements over all ranks, sizes, types and ops (`None`: not checked).
     pub wrong: Option<u64>,
+    /// Wrong elements this rank counted itself (the sum over ranks goes through the library
+    /// under test, so a rank trusts its own count too).
+    pub wrong_here: u64,
 }
 
 /// One entry run: what it is called and how each call is made.
@@ -77,6 +80,8 @@ pub struct Runner<'a> {
     done: usize,
     total: usize,
     wrong: u64,
+    /// Wrong elements this rank counted itself.
+    wrong_here: u64,
     busbw: Vec<f64>,
 }
 
@@ -124,6 +129,7 @@ impl<'a> Runner<'a> {
             done: 0,
             total,
             wrong: 0,
+            wrong_here: 0,
             busbw: Vec::new(),
         }
     }
@@ -269,6 +275,7 @@ impl<'a> Runner<'a> {
         }
         Ok(Outcome {
             wrong: self.opts.check.then_some(self.wrong),
+            wrong_here: self.wrong_here,
         })
     }
 
@@ -379,8 +386,17 @@ impl<'a> Runner<'a> {
         let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
         let mut total = [local];
         self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
-        self.wrong += total[0];
-        Ok(total[0])
+        self.wrong_here += local;
+        if total[0] < local {
+            eprintln!(
+                "chorus-perf: rank {}: {local} wrong elements here, but the sum over the ranks \
+                 says {}",
+                self.rank, total[0]
+            );
+        }
+        let total = total[0].max(local);
+        self.wrong += total;
+        Ok(total)
     }
 
     /// `untimed` calls of entry `v`, a barrier, then `iters` timed calls: the seconds per call,

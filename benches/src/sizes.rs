@@ -3,9 +3,9 @@
 //! Two conventions meet here:
 //! - nccl-tests: sizes `-b`, `-b·f`, `-b·f²`, … `≤ -e` (or `-b`, `-b+i`, … with `-i`), and
 //!   exactly `-n` timed iterations after `-w` warm-up ones.
-//! - the peers harness (`peers/src/bench_common.h`, used when `-B BUDGET` is given or the
-//!   output is `--format peers`): the grid also ends at `-e` itself when the geometric steps
-//!   miss it, each size gets `clamp(BUDGET / size, -m, -n)` timed iterations and
+//! - the peers harness (`peers/src/bench_common.h`, used when `-B BUDGET` is given): the grid
+//!   also ends at `-e` itself when the geometric steps miss it (so does `--format peers`
+//!   alone), each size gets `clamp(BUDGET / size, -m, -n)` timed iterations and
 //!   `max(1, min(-w, iters / 2))` warm-up ones.
 //!
 //! A size is turned into an element count by rounding down to whole elements; sizes smaller
