@@ -293,7 +293,9 @@ typedef struct {
 
 /**
  * One send or receive of `chorus_p2p_batch`: the arguments of `chorus_send` or `chorus_recv`
- * and which of the two.
+ * and which of the two. Its layout is frozen (it is passed in arrays, so a field added
+ * would change their stride): a later release that needs more adds another struct and
+ * function.
  */
 typedef struct {
   /**
@@ -1223,8 +1225,9 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * transfers that no thread waits for are progressed by the communicator's thread within a
  * few milliseconds, in the background. Buffers of live transfers (issued, not yet waited
  * for or, given up, not yet ended) must not overlap, except sends': a receive into memory
- * another live transfer uses, or a send from memory a live receive writes, is refused with
- * `CHORUS_INVALID_ARGUMENT`. Between two ranks, messages are matched in the order issued, with
+ * another live transfer of the same communicator uses, or a send from memory a live receive
+ * of it writes, is refused with `CHORUS_INVALID_ARGUMENT` (transfers of different
+ * communicators, a `dup` included, are not compared: keep their buffers apart). Between two ranks, messages are matched in the order issued, with
  * `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
  * and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
  * aborted). `peer` may be this rank: the send is copied into this rank's receive from itself

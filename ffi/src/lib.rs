@@ -747,38 +747,93 @@ impl Pending {
     }
 }
 
-/// The requests handed out and not yet completed or freed, by address. A request pointer that
-/// is not here (completed already, freed, waited through a copy, or never a request) is
-/// refused with `CHORUS_INVALID_ARGUMENT` instead of being used.
-static LIVE_REQUESTS: std::sync::Mutex<std::collections::BTreeSet<usize>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
-
-/// The process that registered requests (0: none yet). A child forked from it does not touch
-/// the set: another thread of the parent may have held its lock at the fork.
-static REQUESTS_MAKER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// The set of live requests, or `None` in a forked child (whose requests are the parent's:
-/// they fail at once when used, without the set).
-fn live_requests() -> Option<std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>>> {
-    let maker = REQUESTS_MAKER.load(Ordering::SeqCst);
-    if maker != 0 && maker != std::process::id() {
-        return None;
-    }
-    // Nothing panics while holding it; a poisoned set is still a set.
-    Some(
-        LIVE_REQUESTS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    )
+/// The requests handed out and not yet completed or freed, by address, of one process. A
+/// request pointer that is not here (completed already, freed, waited through a copy, never a
+/// request, or a forked parent's) is refused with `CHORUS_INVALID_ARGUMENT` instead of being
+/// used.
+struct Requests {
+    pid: u32,
+    set: std::sync::Mutex<std::collections::BTreeSet<usize>>,
+    /// In a forked child: the parent's registry as copied at the fork (looked at without
+    /// waiting for its lock, only to tell the parent's requests apart).
+    parent: *const Requests,
 }
 
-/// Whether `req` is a live request (always taken as one in a forked child); with `take`, it
-/// is no longer one after this.
+// SAFETY: `parent` points to a registry that is never freed and is only read through its
+// mutex (with `try_lock`); the rest is a pid and a mutex.
+unsafe impl Sync for Requests {}
+// SAFETY: as above.
+unsafe impl Send for Requests {}
+
+/// This process's [`Requests`]. A child forked since gets a registry of its own the first
+/// time it looks (the parent's, copied at the fork, may be locked by a parent's thread that
+/// the child does not have, and lists requests that cannot complete in the child); the
+/// parent's copy is left as it is (leaked).
+static REQUESTS: std::sync::atomic::AtomicPtr<Requests> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+/// The set of this process's live requests, locked.
+fn live_requests() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>> {
+    let me = std::process::id();
+    let mut current = REQUESTS.load(Ordering::SeqCst);
+    // SAFETY: non-NULL pointers in REQUESTS come from `Box::into_raw` below and are never
+    // freed, so they stay valid for the life of the process (and of a forked child's copy).
+    while current.is_null() || unsafe { (*current).pid } != me {
+        let fresh = Box::into_raw(Box::new(Requests {
+            pid: me,
+            set: std::sync::Mutex::new(std::collections::BTreeSet::new()),
+            parent: current,
+        }));
+        match REQUESTS.compare_exchange(current, fresh, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(_) => current = fresh,
+            Err(other) => {
+                // Another thread of this process installed one first: use that one.
+                // SAFETY: `fresh` was made above and shared with no one.
+                drop(unsafe { Box::from_raw(fresh) });
+                current = other;
+            }
+        }
+    }
+    // SAFETY: as above; the registry of this process, never freed.
+    let requests: &'static Requests = unsafe { &*current };
+    // Nothing panics while holding it; a poisoned set is still a set.
+    requests
+        .set
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether `req` was a live request of a process this one was forked from (at the fork), as
+/// far as can be told without waiting: a lock a parent's thread held at the fork is never
+/// released here, so such a registry is not looked into.
+fn a_parents_request(req: *mut chorus_request) -> bool {
+    let current = REQUESTS.load(Ordering::SeqCst);
+    if current.is_null() {
+        return false;
+    }
+    // SAFETY: registries are never freed (see `live_requests`).
+    let mut parent = unsafe { (*current).parent };
+    while !parent.is_null() {
+        // SAFETY: as above.
+        let p = unsafe { &*parent };
+        if let Ok(set) = p.set.try_lock() {
+            if set.contains(&(req as usize)) {
+                return true;
+            }
+        }
+        parent = p.parent;
+    }
+    false
+}
+
+/// Whether `req` is a live request of this process; with `take`, it is no longer one after
+/// this.
 fn is_live(req: *mut chorus_request, take: bool) -> bool {
-    match live_requests() {
-        None => true,
-        Some(mut live) if take => live.remove(&(req as usize)),
-        Some(live) => live.contains(&(req as usize)),
+    let mut live = live_requests();
+    if take {
+        live.remove(&(req as usize))
+    } else {
+        live.contains(&(req as usize))
     }
 }
 
@@ -810,6 +865,16 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
 }
 
 fn not_a_request(req: *mut chorus_request) -> Failure {
+    if a_parents_request(req) {
+        // Its call runs in the parent (or ran there); it is left as it is here.
+        return Failure::new(
+            chorus_status::CHORUS_INVALID_USAGE,
+            format!(
+                "request {req:p} was issued before this process was forked from its parent \
+                 and completes only there"
+            ),
+        );
+    }
     Failure::invalid(format!(
         "request {req:p} is not a live request (completed or freed already, perhaps through \
          another copy of the pointer)"
@@ -862,11 +927,7 @@ unsafe fn issue(
 /// `out` is non-NULL, aligned and valid for writing a request pointer.
 unsafe fn hand_out(out: *mut *mut chorus_request, inner: Pending) -> Result<(), Failure> {
     let req = Box::into_raw(Box::new(chorus_request { inner }));
-    let _ =
-        REQUESTS_MAKER.compare_exchange(0, std::process::id(), Ordering::SeqCst, Ordering::SeqCst);
-    if let Some(mut live) = live_requests() {
-        live.insert(req as usize);
-    }
+    live_requests().insert(req as usize);
     // SAFETY: as the caller promised.
     unsafe { ptr::write_out(out, req, "request") }
 }
@@ -915,11 +976,10 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
         } else {
             // Held while looking, so that no other completion frees it meanwhile.
             let live = live_requests();
-            if live.as_ref().is_some_and(|l| !l.contains(&(req as usize))) {
+            if !live.contains(&(req as usize)) {
                 return Err(not_a_request(req));
             }
-            // SAFETY: a live request (in the set, which is locked; in a forked child, by the
-            // caller's promise).
+            // SAFETY: a live request (in the set, which is locked).
             unsafe { &*req }.inner.test()
         };
         // SAFETY: non-NULL, aligned and writable by the caller's promise.
@@ -1019,12 +1079,11 @@ unsafe fn scan_requests(
         if req.is_null() {
             continue;
         }
-        if live.as_ref().is_some_and(|l| !l.contains(&(req as usize))) {
+        if !live.contains(&(req as usize)) {
             let e = not_a_request(req);
             return Err(Failure::invalid(format!("requests[{i}]: {}", e.message)));
         }
-        // SAFETY: a live request (in the set, which is locked; in a forked child, by the
-        // caller's promise).
+        // SAFETY: a live request (in the set, which is locked).
         out.push((i, req, unsafe { &*req }.inner.test()));
     }
     Ok(out)
@@ -2641,8 +2700,9 @@ pub unsafe extern "C" fn chorus_recv(
 /// transfers that no thread waits for are progressed by the communicator's thread within a
 /// few milliseconds, in the background. Buffers of live transfers (issued, not yet waited
 /// for or, given up, not yet ended) must not overlap, except sends': a receive into memory
-/// another live transfer uses, or a send from memory a live receive writes, is refused with
-/// `CHORUS_INVALID_ARGUMENT`. Between two ranks, messages are matched in the order issued, with
+/// another live transfer of the same communicator uses, or a send from memory a live receive
+/// of it writes, is refused with `CHORUS_INVALID_ARGUMENT` (transfers of different
+/// communicators, a `dup` included, are not compared: keep their buffers apart). Between two ranks, messages are matched in the order issued, with
 /// `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
 /// and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
 /// aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
@@ -2797,7 +2857,9 @@ pub enum chorus_p2p_kind {
 pub struct P2pKindArg(pub i32);
 
 /// One send or receive of `chorus_p2p_batch`: the arguments of `chorus_send` or `chorus_recv`
-/// and which of the two.
+/// and which of the two. Its layout is frozen (it is passed in arrays, so a field added
+/// would change their stride): a later release that needs more adds another struct and
+/// function.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct chorus_p2p_op {

@@ -63,10 +63,11 @@ pub(crate) fn check_aligned<T>(p: *const T, what: &str) -> Result<(), Failure> {
 /// Check an out-parameter before doing work whose result it will receive.
 pub(crate) fn check_out<T>(p: *mut T, what: &str) -> Result<(), Failure> {
     if p.is_null() {
-        Err(Failure::invalid(format!("{what} is NULL")))
-    } else {
-        Ok(())
+        return Err(Failure::invalid(format!("{what} is NULL")));
     }
+    // Before anything is made or done that the failed write would lose (a compressor, a
+    // completed request).
+    check_aligned(p, what)
 }
 
 /// The UTF-8 string at `p` (`None` for NULL).

@@ -272,6 +272,17 @@ fn nonblocking_collectives_on_1_to_4_ranks() {
     api_test_on_1_to_4_ranks("nonblocking");
 }
 
+/// A child forked from a rank: the parent's requests are refused there as the parent's, and
+/// the child's own are checked (a second wait through a copy is refused, not a double free).
+#[test]
+fn requests_across_a_fork() {
+    let b = built();
+    for size in [1, 2] {
+        let r = job(&b.api_test, &["fork"], size);
+        assert_all_ok(&r, &format!("fork p={size}"));
+    }
+}
+
 #[test]
 fn isend_and_irecv_on_1_to_4_ranks() {
     api_test_on_1_to_4_ranks("transfers");

@@ -817,8 +817,10 @@ class Communicator:
         and each on its own: none waits for a later one or for ``wait``, so any order of sends
         and receives across the ranks completes (a thread in ``wait`` drives them; the
         communicator's thread does in the background). Buffers of live transfers must not
-        overlap, except sends' (a receive into memory a live transfer uses, or a send from
-        memory a live receive writes, is refused: :class:`InvalidArgumentError`). Between two
+        overlap, except sends' (a receive into memory a live transfer of this communicator
+        uses, or a send from memory a live receive of it writes, is refused:
+        :class:`InvalidArgumentError`; those of another communicator, a :meth:`dup` included,
+        are not compared). Between two
         ranks messages are matched in the order issued (with :meth:`send` and :meth:`recv`
         too); a receive takes exactly its buffer's size and dtype. ``peer`` may be this rank.
         Each transfer must complete within the communicator's timeout. While a transfer's

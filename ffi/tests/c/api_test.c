@@ -47,6 +47,8 @@
 #include <string.h>
 #include <threads.h>
 #include <time.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int g_rank = -1, g_size = -1;
 
@@ -1389,9 +1391,20 @@ static void nonblocking(chorus_comm *comm) {
         EXPECT(chorus_waitall(2, twice), CHORUS_INVALID_ARGUMENT);
         CHECK(strstr(chorus_last_error(), "request 1 of 2") != NULL, "waitall message: %s", chorus_last_error());
         CHECK(twice[0] == NULL && twice[1] == NULL, "waitall left a request set");
-        char raw[2 * sizeof(chorus_request *)];
+        _Alignas(chorus_request *) char raw[2 * sizeof(chorus_request *)] = {0};
         EXPECT(chorus_wait((chorus_request **)(raw + 1)), CHORUS_INVALID_ARGUMENT);
         CHECK(strstr(chorus_last_error(), "aligned") != NULL, "message: %s", chorus_last_error());
+        /* A misaligned out-parameter is refused, and the request is left as it was. */
+        _Alignas(int) char ints[2 * sizeof(int)] = {0};
+        int *bad_index = (int *)(ints + 1);
+        OK(chorus_ibarrier(comm, &r));
+        EXPECT(chorus_waitany(1, &r, bad_index), CHORUS_INVALID_ARGUMENT);
+        CHECK(r != NULL, "waitany completed the request and then failed");
+        EXPECT(chorus_testany(1, &r, bad_index, &done), CHORUS_INVALID_ARGUMENT);
+        CHECK(r != NULL, "testany completed the request and then failed");
+        OK(chorus_wait(&r));
+        EXPECT(chorus_compressor_create((chorus_compressor **)(raw + 1), "int8"),
+               CHORUS_INVALID_ARGUMENT);
         OK(chorus_barrier(comm));
     }
     /* A freed request's call still runs, before the next blocking call returns. */
@@ -1599,6 +1612,43 @@ static void transfers(chorus_comm *comm) {
     free(out); free(in); free(out2); free(in2);
 }
 
+/* Requests across a fork (as a DataLoader worker forks a rank): the child cannot complete the
+ * parent's requests (refused as such), and its own requests are checked as the parent's are: a
+ * request waited twice through a copy is refused, not freed twice. */
+static void forked(chorus_comm *comm) {
+    int32_t in[4] = {1, 1, 1, 1}, out[4];
+    chorus_request *parents = NULL;
+    OK(chorus_iallreduce(comm, in, out, 4, CHORUS_INT32, CHORUS_SUM, NULL, &parents));
+    fflush(stdout);
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        chorus_request *copy = parents;
+        EXPECT(chorus_wait(&copy), CHORUS_INVALID_USAGE);
+        CHECK(strstr(chorus_last_error(), "forked") != NULL, "message: %s", chorus_last_error());
+        /* A communicator of the child's own (a group of one) and its requests. */
+        chorus_comm *own = NULL;
+        OK(chorus_comm_init(&own, 0, 1, "127.0.0.1:0", ""));
+        int32_t a[2] = {3, 4}, b[2] = {0, 0};
+        chorus_request *r = NULL;
+        OK(chorus_iallreduce(own, a, b, 2, CHORUS_INT32, CHORUS_SUM, NULL, &r));
+        chorus_request *again = r;
+        OK(chorus_wait(&r));
+        CHECK(b[0] == 3 && b[1] == 4, "child's allreduce %d %d", b[0], b[1]);
+        EXPECT(chorus_wait(&again), CHORUS_INVALID_ARGUMENT);
+        CHECK(strstr(chorus_last_error(), "not a live request") != NULL, "message: %s",
+              chorus_last_error());
+        OK(chorus_comm_destroy(own));
+        fflush(stdout);
+        _exit(0);
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid, "waitpid");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", status);
+    OK(chorus_wait(&parents));
+    for (int i = 0; i < 4; i++) CHECK(out[i] == g_size, "out[%d] = %d", i, out[i]);
+}
+
 /* The communicator `atexit_mode` leaves to the exit handler. */
 static chorus_comm *g_exit_comm = NULL;
 
@@ -1620,7 +1670,7 @@ static void at_exit_destroy(void) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking|transfers|atexit\n", argv[0]);
+        fprintf(stderr, "usage: %s sweep|collectives|badargs|compression|mismatch KIND|peer_exit|peer_abort|busy|split|uniqueid|nonblocking|transfers|atexit|fork\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -1641,6 +1691,7 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "peer_abort") == 0) peer_gone(comm, 1);
     else if (strcmp(mode, "busy") == 0) busy(comm);
     else if (strcmp(mode, "uniqueid") == 0) uniqueid(comm);
+    else if (strcmp(mode, "fork") == 0) forked(comm);
     else if (strcmp(mode, "transfers") == 0) {
         transfers(comm); /* destroys the communicator itself */
         comm = NULL;
