@@ -1373,6 +1373,18 @@ pub unsafe extern "C" fn chorus_ibarrier(
 /// A rank number from C: not negative. The communicator checks it is below the size, inside
 /// the call, so that with `CHORUS_CHECK_CALLS` every rank is told at once (for a nonblocking
 /// call the request reports it).
+/// Checks a nonblocking call's `root` against the group when it is issued: found later, when
+/// the call runs, the error would abort the communicator if the request was freed unwaited.
+fn root_in(c: &chorus_comm, root: c_int) -> Result<(), Failure> {
+    match usize::try_from(root) {
+        Ok(r) if r < c.size => Ok(()),
+        _ => Err(Failure::invalid(format!(
+            "root {root} is not a rank of this group of {}",
+            c.size
+        ))),
+    }
+}
+
 fn rank_arg(v: c_int, what: &str) -> Result<usize, Failure> {
     usize::try_from(v).map_err(|_| Failure::invalid(format!("{what} {v} is negative")))
 }
@@ -1420,7 +1432,8 @@ pub unsafe extern "C" fn chorus_ibroadcast(
 ) -> i32 {
     // SAFETY: the caller's promise, forwarded.
     unsafe {
-        issue("chorus_ibroadcast", comm, Some(request), |_| {
+        issue("chorus_ibroadcast", comm, Some(request), |c| {
+            root_in(c, root)?;
             broadcast_call(buf, count, dtype, root)
         })
     }
@@ -1491,6 +1504,7 @@ pub unsafe extern "C" fn chorus_ireduce(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_ireduce", comm, Some(request), |c| {
+            root_in(c, root)?;
             reduce_call(c, sendbuf, recvbuf, count, dtype, op, root)
         })
     }
@@ -2162,6 +2176,7 @@ pub unsafe extern "C" fn chorus_igather(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_igather", comm, Some(request), |c| {
+            root_in(c, root)?;
             gather_call(c, sendbuf, recvbuf, sendcount, dtype, root)
         })
     }
@@ -2245,6 +2260,7 @@ pub unsafe extern "C" fn chorus_iscatter(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iscatter", comm, Some(request), |c| {
+            root_in(c, root)?;
             scatter_call(c, sendbuf, recvbuf, recvcount, dtype, root)
         })
     }
@@ -2342,6 +2358,7 @@ pub unsafe extern "C" fn chorus_igatherv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_igatherv", comm, Some(request), |c| {
+            root_in(c, root)?;
             let recv = (recvbuf, recvcounts, displs);
             gatherv_call(c, sendbuf, sendcount, recv, dtype, root)
         })
@@ -2448,6 +2465,7 @@ pub unsafe extern "C" fn chorus_iscatterv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iscatterv", comm, Some(request), |c| {
+            root_in(c, root)?;
             let send = (sendbuf, sendcounts, displs);
             scatterv_call(c, send, recvbuf, recvcount, dtype, root)
         })

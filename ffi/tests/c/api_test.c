@@ -1290,15 +1290,24 @@ static void nonblocking(chorus_comm *comm) {
            CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_ibroadcast(comm, NULL, 4, CHORUS_INT32, 0, &bad), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_iallgather(comm, sum_in, sum_in + 1, 4, CHORUS_INT32, &bad), CHORUS_INVALID_ARGUMENT);
-    /* A root out of range is the communicator's to check: the request reports it (every rank
-     * passes the same one here, so none waits for another). */
-    OK(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &bad));
+    /* A root out of range is refused when issued (found when the call ran, it would abort the
+     * communicator had the request been freed unwaited). */
+    EXPECT(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &bad),
+           CHORUS_INVALID_ARGUMENT);
+    CHECK(bad == NULL && strstr(chorus_last_error(), "root") != NULL, "message: %s",
+          chorus_last_error());
+    EXPECT(chorus_iscatter(comm, sum_in, sum_out, 1, CHORUS_INT32, -1, &bad),
+           CHORUS_INVALID_ARGUMENT);
+    /* A bitwise operator on floats is the communicator's to check: the request reports it
+     * (every rank passes the same one here, so none waits for another). */
+    float fin[4] = {1, 2, 3, 4}, fout[4];
+    OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &bad));
     EXPECT(chorus_wait(&bad), CHORUS_INVALID_ARGUMENT);
     CHECK(bad == NULL, "a failed request was not cleared");
     {
         chorus_request *two[2];
         OK(chorus_ibarrier(comm, &two[0]));
-        OK(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &two[1]));
+        OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &two[1]));
         EXPECT(chorus_waitall(2, two), CHORUS_INVALID_ARGUMENT);
         CHECK(strstr(chorus_last_error(), "request 1 of 2") != NULL, "waitall message: %s",
               chorus_last_error());
@@ -1419,9 +1428,11 @@ static void nonblocking(chorus_comm *comm) {
         OK(chorus_barrier(comm));
         for (int i = 0; i < 1000; i++)
             CHECK(sum_out[i] == p * (p - 1) / 2 + p * i, "freed request's allreduce [%d] = %d", i, sum_out[i]);
-        /* A call that has already ended gives its status when its request is freed (a root
-         * out of range, on every rank alike: nothing waits, the communicator stays usable). */
-        OK(chorus_ireduce(comm, sum_in, sum_out, 4, CHORUS_INT32, CHORUS_SUM, p, &gone));
+        /* A call that has already ended gives its status when its request is freed (a
+         * bitwise operator on floats, on every rank alike: nothing waits, the communicator
+         * stays usable). */
+        float fin[4] = {1, 2, 3, 4}, fout[4];
+        OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &gone));
         OK(chorus_barrier(comm));
         EXPECT(chorus_request_free(&gone), CHORUS_INVALID_ARGUMENT);
         CHECK(gone == NULL, "chorus_request_free left a finished request set");
