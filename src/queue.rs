@@ -1227,9 +1227,14 @@ impl<B: SendBuffer> p2p::Transfer for Sending<B> {
     fn byte_len(&self) -> usize {
         self.buf.as_ref().expect("held until finished").send_len()
     }
-    fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
+    fn finish(
+        mut self: Box<Self>,
+        result: Result<(), CommError>,
+        comm: &mut Communicator,
+        answered: &mut dyn FnMut(),
+    ) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm, &mut || {});
+        self.slot.fill(result.map(|()| buf), comm, answered);
     }
 }
 
@@ -1249,9 +1254,14 @@ impl<B: RecvBuffer> p2p::Transfer for Receiving<B> {
     fn byte_len(&self) -> usize {
         self.buf.as_ref().expect("held until finished").recv_len()
     }
-    fn finish(mut self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator) {
+    fn finish(
+        mut self: Box<Self>,
+        result: Result<(), CommError>,
+        comm: &mut Communicator,
+        answered: &mut dyn FnMut(),
+    ) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm, &mut || {});
+        self.slot.fill(result.map(|()| buf), comm, answered);
     }
 }
 
@@ -1291,6 +1301,14 @@ impl<T> Slot<T> {
         let mut value = lock(&self.value);
         if self.detached.load(Ordering::SeqCst) {
             drop(value);
+            // The result (a buffer, with what it holds) goes before `answered`.
+            let result = match result {
+                Ok(v) => {
+                    drop(v);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            };
             if let Err(e) = result {
                 let why = format!(
                     "a call whose request was given up failed: {} ({}): {}",

@@ -44,7 +44,14 @@ pub(crate) trait Transfer: Send {
     /// The buffer's length in bytes, without making a slice of it.
     fn byte_len(&self) -> usize;
     /// Hand the buffer back with the result; `comm` aborts when a given-up transfer fails.
-    fn finish(self: Box<Self>, result: Result<(), CommError>, comm: &mut Communicator);
+    /// `answered` runs once: just before a waiting request can see the result, or, given
+    /// up, after the buffer (and what it holds) is gone.
+    fn finish(
+        self: Box<Self>,
+        result: Result<(), CommError>,
+        comm: &mut Communicator,
+        answered: &mut dyn FnMut(),
+    );
 }
 
 /// A transfer as issued: what the worker needs to post it.
@@ -98,11 +105,14 @@ impl Engine {
         !self.live.is_empty()
     }
 
-    /// Finish `e`: counted out first, so that a caller who sees its result may make a call at
-    /// once.
+    /// Finish `e`: counted out before its request can see the result, so that a caller who
+    /// sees it may make a call at once, and, for a transfer given up, only after its buffer
+    /// is let go (a caller who reads no transfers left may reuse the memory).
     fn finish(&self, e: Entry, result: Result<(), CommError>, comm: &mut Communicator) {
-        self.unfinished.fetch_sub(1, Ordering::SeqCst);
-        e.transfer.finish(result, comm);
+        let unfinished = &self.unfinished;
+        e.transfer.finish(result, comm, &mut || {
+            unfinished.fetch_sub(1, Ordering::SeqCst);
+        });
     }
 
     /// Post `e`, or finish it with the error that refuses it.
