@@ -118,6 +118,15 @@ fn direct_allreduce_processes() {
     }
 }
 
+/// Child side of the process tests that need a working communicator: an exact sweep, then
+/// `CHILD-OK rank R over TRANSPORT` for the parent to read.
+fn sweep_child() {
+    let mut c = child_comm();
+    let bad = sweep(&mut c, &[0, 1, 7, 1023, 70_001]);
+    assert!(bad.is_empty(), "{bad:?}");
+    println!("CHILD-OK rank {} over {}", c.rank(), c.transport_name());
+}
+
 /// Ranks of one machine and network namespace but different PID namespaces (containers that
 /// share the host's network, `docker --network host`) cannot open each other's segments
 /// through `/proc/<pid>/fd`: they are different hosts to chorus and talk over TCP. (Before,
@@ -125,11 +134,7 @@ fn direct_allreduce_processes() {
 #[test]
 fn ranks_in_different_pid_namespaces_use_tcp() {
     if is_child() {
-        let mut c = child_comm();
-        let bad = sweep(&mut c, &[0, 1, 7, 1023, 70_001]);
-        assert!(bad.is_empty(), "{bad:?}");
-        println!("CHILD-OK rank {} over {}", c.rank(), c.transport_name());
-        return;
+        return sweep_child();
     }
     let job = spawn_job_wrapped(
         3,
@@ -248,11 +253,7 @@ fn disagreeing_transport_choice_fails_everywhere() {
 #[test]
 fn rdma_falls_back_to_tcp_and_says_why() {
     if is_child() {
-        let mut c = child_comm();
-        let bad = sweep(&mut c, &[0, 1, 7, 1023, 70_001]);
-        assert!(bad.is_empty(), "{bad:?}");
-        println!("CHILD-OK rank {} over {}", c.rank(), c.transport_name());
-        return;
+        return sweep_child();
     }
     let job = spawn_job(
         3,
