@@ -172,7 +172,9 @@ struct TuneState {
 /// call whose peers wait for it, and a slow or hung file system (NFS) must not hold them up.
 /// The thread writes the newest section it has been given (older ones waiting are skipped);
 /// dropping the writer waits (up to [`TUNE_WRITE_GRACE`]) for what was given, so that a
-/// program's last decisions reach the file before it exits.
+/// program's last decisions reach the file before it exits. (A process that exits without
+/// dropping rank 0's communicator, `std::process::exit` or C's `exit` without
+/// `chorus_comm_destroy`, may lose the decisions of its last moments.)
 struct TuneWriter {
     tx: Option<std::sync::mpsc::Sender<Section>>,
     done: std::sync::mpsc::Receiver<()>,
@@ -220,8 +222,14 @@ impl Drop for TuneWriter {
 }
 
 /// Writes rank 0's `section` into the tuning file at `path`; a failure is reported once
-/// (`warned`) and fails nothing.
+/// (`warned`) and fails nothing. The writes of this process go one at a time (each reads the
+/// file, merges its section and replaces the file), so that the writers of a communicator and
+/// its duplicates, which share the file, do not drop each other's sizes.
 fn store_section(path: &std::path::Path, section: Section, warned: &mut bool) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Err(e) = TuneFile::store(path, section) {
         if !*warned {
             *warned = true;

@@ -187,7 +187,7 @@ impl fmt::Display for CommError {
         )?;
         match self.op {
             // No communicator yet (or none involved): nothing to say about one.
-            "init" | "unique_id" | "compressor" => Ok(()),
+            op if op.starts_with("init") || op == "unique_id" || op == "compressor" => Ok(()),
             _ if self.usable => write!(f, " [communicator still usable]"),
             _ => write!(f, " [communicator unusable: abort it and create a new one]"),
         }
@@ -225,5 +225,7 @@ mod tests {
         assert!(!e.to_string().contains("communicator"), "{e}");
         let e = CommError::invalid("unique_id", "no address");
         assert!(e.to_string().ends_with("no address"), "{e}");
+        let e = CommError::new(ErrorKind::Internal, "init (tuning file)", "bad");
+        assert!(e.to_string().ends_with("bad"), "{e}");
     }
 }

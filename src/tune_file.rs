@@ -276,8 +276,8 @@ impl TuneFile {
     /// beyond [`MAX_SECTIONS`]: all of them, since a file read from disk may hold more than
     /// that). The file's section of that key, if its link matches, keeps the buckets
     /// `section` has no decision for: two communicators of one kind that write the file in
-    /// turn (a communicator and its duplicate, two jobs alike) each add their buckets rather
-    /// than drop the other's. On another link the section is replaced.
+    /// turn (a communicator and its duplicate, jobs run one after another) each add their
+    /// buckets rather than drop the other's. On another link the section is replaced.
     pub fn put(&mut self, mut section: Section) {
         if let Some(old) = self.section(&section.key) {
             if old.link_mismatch(section.link).is_none() {

@@ -67,7 +67,7 @@ OPTIONS:
         --settle MS          after the barrier before each size's timed calls, every rank
                              idles MS milliseconds first (a rate-capped link's token bucket
                              fills up again; for studying shapers, see
-                             benches/results/2026-11-27-tbf-credit.md) [0]
+                             benches/results/2026-11-27-tbf-credit.md) [off]
         --compress SPEC      allreduce: compressed float allreduce (a chorus::Compressor spec:
                              fp16 bf16 int8 int4 sign ternary topk:R, options ef=on|off ...);
                              adds wire bytes per rank, compression ratio, relative error against

@@ -386,15 +386,19 @@ impl<'a> Runner<'a> {
         let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
         let mut total = [local];
         self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
+        // The sum goes through the library under test; the largest count of any rank too, so
+        // that rank 0 reports a rank's wrong elements even if the sum lost them.
+        let mut most = [local];
+        self.comm.all_reduce(&mut most, ReduceOp::Max)?;
         self.wrong_here += local;
-        if total[0] < local {
+        if total[0] < local.max(most[0]) {
             eprintln!(
-                "chorus-perf: rank {}: {local} wrong elements here, but the sum over the ranks \
-                 says {}",
-                self.rank, total[0]
+                "chorus-perf: rank {}: {} wrong elements on a rank ({local} here), but the sum \
+                 over the ranks says {}",
+                self.rank, most[0], total[0]
             );
         }
-        let total = total[0].max(local);
+        let total = total[0].max(most[0]).max(local);
         self.wrong += total;
         Ok(total)
     }

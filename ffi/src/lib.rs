@@ -866,7 +866,8 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
 
 fn not_a_request(req: *mut chorus_request) -> Failure {
     if a_parents_request(req) {
-        // Its call runs in the parent (or ran there); it is left as it is here.
+        // Its call runs in the parent (or ran there); it is not freed here (the caller's
+        // pointer to it is cleared where a completion would clear it).
         return Failure::new(
             chorus_status::CHORUS_INVALID_USAGE,
             format!(
@@ -1081,7 +1082,10 @@ unsafe fn scan_requests(
         }
         if !live.contains(&(req as usize)) {
             let e = not_a_request(req);
-            return Err(Failure::invalid(format!("requests[{i}]: {}", e.message)));
+            return Err(Failure::new(
+                e.status,
+                format!("requests[{i}]: {}", e.message),
+            ));
         }
         // SAFETY: a live request (in the set, which is locked).
         out.push((i, req, unsafe { &*req }.inner.test()));
@@ -1370,9 +1374,6 @@ pub unsafe extern "C" fn chorus_ibarrier(
     }
 }
 
-/// A rank number from C: not negative. The communicator checks it is below the size, inside
-/// the call, so that with `CHORUS_CHECK_CALLS` every rank is told at once (for a nonblocking
-/// call the request reports it).
 /// Checks a nonblocking call's `root` against the group when it is issued: found later, when
 /// the call runs, the error would abort the communicator if the request was freed unwaited.
 fn root_in(c: &chorus_comm, root: c_int) -> Result<(), Failure> {
@@ -1385,6 +1386,9 @@ fn root_in(c: &chorus_comm, root: c_int) -> Result<(), Failure> {
     }
 }
 
+/// A rank number from C: not negative. For a blocking call the communicator checks it is
+/// below the size, inside the call, so that with `CHORUS_CHECK_CALLS` every rank is told at
+/// once; a nonblocking call's root is checked when issued ([`root_in`]).
 fn rank_arg(v: c_int, what: &str) -> Result<usize, Failure> {
     usize::try_from(v).map_err(|_| Failure::invalid(format!("{what} {v} is negative")))
 }

@@ -109,10 +109,29 @@ impl Engine {
     /// sees it may make a call at once, and, for a transfer given up, only after its buffer
     /// is let go (a caller who reads no transfers left may reuse the memory).
     fn finish(&self, e: Entry, result: Result<(), CommError>, comm: &mut Communicator) {
-        let unfinished = &self.unfinished;
-        e.transfer.finish(result, comm, &mut || {
-            unfinished.fetch_sub(1, Ordering::SeqCst);
-        });
+        /// Counts the transfer out once: when answered, or while unwinding from a panic in
+        /// the finish (a buffer's `Drop`), so the count never stays up.
+        struct CountOut<'a> {
+            unfinished: &'a AtomicUsize,
+            done: bool,
+        }
+        impl CountOut<'_> {
+            fn now(&mut self) {
+                if !std::mem::replace(&mut self.done, true) {
+                    self.unfinished.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+        }
+        impl Drop for CountOut<'_> {
+            fn drop(&mut self) {
+                self.now();
+            }
+        }
+        let mut count = CountOut {
+            unfinished: &self.unfinished,
+            done: false,
+        };
+        e.transfer.finish(result, comm, &mut || count.now());
     }
 
     /// Post `e`, or finish it with the error that refuses it.
