@@ -359,8 +359,7 @@ impl Queue {
     /// need.
     fn settle_transfers(&self, op: &'static str) -> Result<(), CommError> {
         self.shared.process.check(op, self.rank)?;
-        let me = Arc::as_ptr(&self.shared) as usize;
-        if self.transfers() > 0 && in_call_on(me) {
+        if self.transfers() > 0 && self.in_own_call() {
             return Err(CommError::new(
                 ErrorKind::InvalidUsage,
                 op,
@@ -470,7 +469,7 @@ impl Queue {
             done: Condvar::new(),
             process: Process::this(),
             rank: self.rank,
-            queue: Arc::as_ptr(&self.shared) as usize,
+            queue: self.id(),
             detached: AtomicBool::new(false),
         })
     }
@@ -702,9 +701,14 @@ impl Queue {
         self.in_call(|| guarded(lock_comm(&self.shared.comm), f))
     }
 
+    /// This queue's identity in `IN_CALL` and in its requests: the address of its state.
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
+    }
+
     /// Whether this thread is inside a blocking call of this queue (see `IN_CALL`).
     fn in_own_call(&self) -> bool {
-        in_call_on(Arc::as_ptr(&self.shared) as usize)
+        in_call_on(self.id())
     }
 
     /// Run `f` marked as inside a call of this queue (see `IN_CALL`).
@@ -715,15 +719,16 @@ impl Queue {
                 let _ = IN_CALL.try_with(|c| c.borrow_mut().pop());
             }
         }
-        let _ = IN_CALL.try_with(|c| c.borrow_mut().push(Arc::as_ptr(&self.shared) as usize));
+        let id = self.id();
+        let _ = IN_CALL.try_with(|c| c.borrow_mut().push(id));
         let _restore = Restore;
         f()
     }
 
     /// As [`Queue::run`], but refusing (`None`) instead of waiting when another thread is in a
     /// blocking call on the communicator, inside a blocking call on this queue, while the
-    /// caller holds transfer requests ([`Queue::calls_allowed`]), or in a forked child. Transfers given up are waited for,
-    /// as by [`Queue::run`]. A panic in `f` aborts the communicator (its state is unknown)
+    /// caller holds transfer requests ([`Queue::calls_allowed`]), or in a forked child.
+    /// Transfers given up are waited for, as by [`Queue::run`]. A panic in `f` aborts the communicator (its state is unknown)
     /// and goes on.
     pub fn try_run<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
         if self.check_process().is_err()
@@ -1302,14 +1307,7 @@ impl<T> Slot<T> {
         if self.detached.load(Ordering::SeqCst) {
             drop(value);
             // The result (a buffer, with what it holds) goes before `answered`.
-            let result = match result {
-                Ok(v) => {
-                    drop(v);
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = result {
+            if let Err(e) = result.map(drop) {
                 let why = format!(
                     "a call whose request was given up failed: {} ({}): {}",
                     e.op(),

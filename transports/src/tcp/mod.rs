@@ -382,10 +382,9 @@ impl TcpTransport {
         found
     }
 
-    /// Wait for socket readiness until `deadline`, spinning first. Returns false on timeout.
-    /// Wait for a socket to become ready, until `deadline`: whether one did. With `woken`, a
-    /// wake ([`AbortHandle::wake`]) also ends the wait (returning true, and setting
-    /// `self.woken`).
+    /// Wait for a socket to become ready until `deadline`, spinning first: whether one did
+    /// (false on timeout). With `woken`, a wake ([`AbortHandle::wake`]) also ends the wait
+    /// (returning true; `self.woken` is set either way).
     fn wait_ready(&mut self, deadline: Instant, woken: bool) -> Result<bool> {
         let spin_end = crate::deadline_after(self.spin);
         loop {
@@ -405,25 +404,7 @@ impl TcpTransport {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(TransportError::io(None, "epoll_wait", e)),
             }
-            let mut any = false;
-            for ev in self.events.iter() {
-                if ev.token() == WAKE_TOKEN {
-                    // Kept for the next Wait::Poll when this wait is not one (epoll reports
-                    // the wake once).
-                    any |= woken;
-                    self.woken = true;
-                }
-                if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
-                    any = true;
-                    if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                        p.readable = true;
-                    }
-                    if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
-                        p.writable = true;
-                    }
-                }
-            }
-            if any {
+            if self.record_events(woken) {
                 return Ok(true);
             }
             if timeout == Duration::ZERO {
@@ -439,10 +420,17 @@ impl TcpTransport {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(false),
             Err(e) => return Err(TransportError::io(None, "epoll_wait", e)),
         }
+        Ok(self.record_events(false))
+    }
+
+    /// Records the readiness epoll last reported: whether a socket is ready (or, with
+    /// `wake_counts`, a wake came). A wake is always kept in `self.woken` for the next
+    /// [`Wait::Poll`] (epoll reports it once).
+    fn record_events(&mut self, wake_counts: bool) -> bool {
         let mut any = false;
         for ev in self.events.iter() {
             if ev.token() == WAKE_TOKEN {
-                // Kept for the next Wait::Poll (epoll reports the wake once).
+                any |= wake_counts;
                 self.woken = true;
             }
             if let Some(Some(p)) = self.peers.get_mut(ev.token().0) {
@@ -455,7 +443,7 @@ impl TcpTransport {
                 }
             }
         }
-        Ok(any)
+        any
     }
 
     /// Write `bytes` to a peer within `deadline` (used only by abort).
