@@ -270,8 +270,9 @@ fn a_closed_stderr_does_not_leave_ranks_running() {
     assert_eq!(status.code(), Some(3), "{status}");
 }
 
-/// A `SIGTERM` (or `SIGKILL`) sent to the launcher alone must not leave its ranks running:
-/// they get the parent-death signal (`setpriv --pdeathsig`, where the system has it).
+/// A `SIGTERM` (passed on to the ranks) or `SIGKILL` (which the launcher cannot catch) sent
+/// to the launcher alone must not leave its ranks running: after a `SIGKILL` they get the
+/// parent-death signal (`setpriv --pdeathsig`, where the system has it).
 #[test]
 fn ranks_do_not_outlive_a_killed_launcher() {
     let has_setpriv = Command::new("setpriv")
@@ -333,6 +334,148 @@ fn ranks_do_not_outlive_a_killed_launcher() {
             "SIG{signal} to the launcher ({status}) left ranks running: {left:?}"
         );
     }
+}
+
+/// A launcher started with its stdout as a channel of lines, for tests that act while the
+/// job runs.
+struct Live {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stderr: thread::JoinHandle<String>,
+    /// Every stdout line received so far.
+    seen: Vec<String>,
+}
+
+impl Live {
+    fn start(args: &[&str]) -> Live {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start chorus-run");
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        thread::spawn(move || {
+            for line in std::io::BufRead::lines(out).map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut err = child.stderr.take().unwrap();
+        let stderr = thread::spawn(move || {
+            let mut text = String::new();
+            let _ = err.read_to_string(&mut text);
+            text
+        });
+        Live {
+            child,
+            lines,
+            stderr,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until `n` stdout lines end with `text` (killing the job and failing the test
+    /// after [`WATCHDOG`]).
+    fn wait_for(&mut self, n: usize, text: &str) {
+        let deadline = Instant::now() + WATCHDOG;
+        while self.seen.iter().filter(|l| l.ends_with(text)).count() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    panic!("waited for {n} lines {text:?}; saw {:?}", self.seen);
+                }
+            }
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let sent = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{name}");
+    }
+
+    /// Waits for the launcher; returns its status, every stdout line and its stderr.
+    fn finish(mut self) -> (ExitStatus, Vec<String>, String) {
+        let status = wait_watched(&mut self.child, "(live)");
+        self.seen.extend(self.lines.iter());
+        (status, self.seen, self.stderr.join().unwrap())
+    }
+}
+
+/// `SIGUSR1` sent to the launcher reaches every rank and the job goes on; `SIGTERM` reaches
+/// every rank, whose last words still come through, and the launcher ends by `SIGTERM`.
+#[test]
+fn signals_sent_to_the_launcher_reach_the_ranks() {
+    use std::os::unix::process::ExitStatusExt;
+    // dash runs a trap once the `sleep` of the moment ends: at most 0.1 s later.
+    let script = "trap 'echo usr1' USR1; trap 'echo term; exit 7' TERM; echo up; i=0; \
+                  while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; echo slept";
+    let mut job = Live::start(&["-n", "3", "--", "sh", "-c", script]);
+    job.wait_for(3, "] up");
+    job.signal("USR1");
+    job.wait_for(3, "] usr1");
+    job.signal("TERM");
+    let (status, lines, stderr) = job.finish();
+    assert_eq!(status.signal(), Some(15), "{status}: {stderr}");
+    for rank in 0..3 {
+        for word in ["up", "usr1", "term"] {
+            let line = format!("[{rank}] {word}");
+            assert_eq!(
+                lines.iter().filter(|l| **l == line).count(),
+                1,
+                "{line:?} in {lines:?}"
+            );
+        }
+        assert!(
+            stderr.contains(&format!("rank {rank} exited with status 7")),
+            "{stderr}"
+        );
+    }
+    assert!(!lines.iter().any(|l| l.ends_with("slept")), "{lines:?}");
+    for said in [
+        "got signal 10 (SIGUSR1) and passed it on to 3 ranks",
+        "got signal 15 (SIGTERM) and passed it on to 3 ranks; stopping the job",
+    ] {
+        assert!(stderr.contains(said), "{said:?} in {stderr}");
+    }
+}
+
+/// Ranks that ignore `SIGTERM` get the stop's grace (10 s); a second `SIGTERM` kills them at
+/// once, and the launcher still ends by the first.
+#[test]
+fn a_second_stop_signal_kills_the_ranks_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    let marker = "28.7311";
+    let script = format!("trap '' TERM; echo up; exec sleep {marker}");
+    let mut job = Live::start(&["-n", "2", "--", "sh", "-c", &script]);
+    job.wait_for(2, "] up");
+    job.signal("TERM");
+    // The launcher says it got the first before the second is sent: the second must not be
+    // taken for the first.
+    thread::sleep(Duration::from_millis(300));
+    job.signal("TERM");
+    let second = Instant::now();
+    let (status, _, stderr) = job.finish();
+    let took = second.elapsed();
+    let left = still_running(|| processes_with(marker));
+    assert!(left.is_empty(), "ranks left running: {left:?}");
+    assert_eq!(status.signal(), Some(15), "{status}: {stderr}");
+    assert!(
+        stderr.contains("got signal 15 (SIGTERM) again: killed the 2 ranks still running"),
+        "{stderr}"
+    );
+    // Not a timing claim: the 10 s grace would have passed, and this says it did not.
+    assert!(took < Duration::from_secs(8), "{took:?}: {stderr}");
 }
 
 #[test]

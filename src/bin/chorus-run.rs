@@ -21,15 +21,24 @@
 //!   (for example the command of `sh -c 'cmd; other'`) is not killed with it; use `exec` in
 //!   wrapper scripts. Such a survivor can also keep a rank's output pipe open: once all ranks
 //!   have exited, `chorus-run` waits only [`DRAIN_GRACE`] for their output to end.
-//! - Signals are not forwarded. The ranks stay in `chorus-run`'s process group, so Ctrl-C in
-//!   a terminal reaches all of them directly. Each rank is started through util-linux's
+//! - The ranks stay in `chorus-run`'s process group, so a signal from the terminal (Ctrl-C,
+//!   Ctrl-\\) reaches all of them directly. Each rank is started through util-linux's
 //!   `setpriv --pdeathsig TERM` where the system has it (Debian always does): when
-//!   `chorus-run` ends for any reason (a `SIGTERM` or `SIGKILL` sent to it alone, a crash), the
-//!   kernel sends every rank `SIGTERM`, so no rank outlives its launcher. Without `setpriv`,
-//!   ranks of a launcher killed that way keep running.
+//!   `chorus-run` ends for any reason (a `SIGKILL` sent to it alone, a crash), the kernel sends
+//!   every rank `SIGTERM`, so no rank outlives its launcher. Without `setpriv`, ranks of a
+//!   launcher killed that way keep running.
+//!
+//! Signals: `SIGINT`, `SIGTERM`, `SIGHUP` and `SIGQUIT` sent to `chorus-run` (by `kill`, a
+//! batch system, `docker stop`) are passed on to every rank still running and stop the job:
+//! the ranks get [`STOP_GRACE`] to exit, then are killed; a second such signal kills them at
+//! once. The same signals from the terminal are not passed on (the ranks got them already) but
+//! stop the job the same way. `SIGUSR1` and `SIGUSR2` are passed on and the job goes on (a
+//! batch system's warning before a time limit, say). A job stopped by a signal ends with that
+//! signal: `chorus-run` then kills itself with it (`SIGQUIT`: exits with 131, no core file), so
+//! a shell sees the same status as if the ranks had run without a launcher.
 #![forbid(unsafe_code)]
 
-use std::ffi::OsString;
+use std::ffi::{c_int, OsString};
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::unix::process::ExitStatusExt;
@@ -37,6 +46,13 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
+
+use rustix::process::{kill_process, Pid, Signal};
+use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
+use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
+use signal_hook::iterator::SignalsInfo;
+use signal_hook::low_level::siginfo::Cause;
+use signal_hook::low_level::{emulate_default_handler, signal_name};
 
 /// How often the wait loop polls the ranks.
 const POLL_INTERVAL: Duration = Duration::from_millis(5);
@@ -56,6 +72,11 @@ const NETNS_ROOT_HOST: &str = "10.78.0.1";
 const EXIT_TIMEOUT: i32 = 124;
 /// Exit code for a bad command line.
 const EXIT_USAGE: i32 = 2;
+/// After a signal that stops the job, how long the ranks may take to exit before they are
+/// killed (`docker stop` waits as long before it kills).
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// The signals `chorus-run` catches and passes on to its ranks.
+const CAUGHT: [c_int; 6] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2];
 
 const USAGE: &str = "\
 Usage: chorus-run [OPTIONS] -n N [--] CMD [ARGS...]
@@ -91,8 +112,10 @@ is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
 OMPI_COMM_WORLD_SIZE or PMI_SIZE above 1: each task would run a job of its own; set
 CHORUS_RUN_NESTED=1 if that is meant; never when stdin is a terminal, as in an interactive
 srun --pty shell); 127 (126) if CMD could not be found (executed).
-Ctrl-C reaches all ranks directly (they share chorus-run's process group); other
-signals are not forwarded.
+SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the job: sent to chorus-run they are passed on
+to the ranks (from the terminal the ranks got them already), the ranks get 10 s to exit and
+are then killed (at once on a second such signal), and chorus-run ends by the same signal.
+SIGUSR1 and SIGUSR2 are passed on to the ranks and the job goes on.
 ";
 
 /// What the command line asked for.
@@ -375,8 +398,16 @@ struct Rank {
 fn describe(status: ExitStatus) -> (i32, String) {
     match (status.code(), status.signal()) {
         (Some(code), _) => (code, format!("exited with status {code}")),
-        (None, Some(sig)) => (128 + sig, format!("was killed by signal {sig}")),
+        (None, Some(sig)) => (128 + sig, format!("was killed by {}", name_of(sig))),
         _ => (1, format!("ended with {status}")),
+    }
+}
+
+/// `"signal 15 (SIGTERM)"`.
+fn name_of(sig: c_int) -> String {
+    match signal_name(sig) {
+        Some(name) => format!("signal {sig} ({name})"),
+        None => format!("signal {sig}"),
     }
 }
 
@@ -412,7 +443,13 @@ fn main() {
         say!("{why}");
         std::process::exit(EXIT_USAGE);
     }
-    std::process::exit(run(&opts));
+    let (code, stopped_by) = run(&opts);
+    if let Some(sig) = stopped_by.filter(|&sig| sig != SIGQUIT) {
+        // End as the ranks did, by the signal (a shell then stops a loop on Ctrl-C); if that
+        // fails, the exit code says the same.
+        let _ = emulate_default_handler(sig);
+    }
+    std::process::exit(code);
 }
 
 /// Why this launcher should not run here: it was itself started as one of several tasks of
@@ -437,13 +474,22 @@ fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
         })
 }
 
-/// Runs the job and returns our exit code.
-fn run(opts: &Options) -> i32 {
+/// Runs the job and returns our exit code, and the signal that stopped the job if one did.
+fn run(opts: &Options) -> (i32, Option<c_int>) {
+    // Caught before the first rank starts, so that none is left without its launcher's care.
+    let mut signals = match SignalsInfo::<WithOrigin>::new(CAUGHT) {
+        Ok(signals) => Some(signals),
+        Err(e) => {
+            say!("cannot catch signals ({e}); they will not be passed on to the ranks");
+            None
+        }
+    };
+
     let (chorus_port, master_port) = match free_ports() {
         Ok(ports) => ports,
         Err(e) => {
             say!("cannot find a free TCP port on 127.0.0.1: {e}");
-            return 1;
+            return (1, None);
         }
     };
     let root_addr = match (&opts.addr, &opts.netns_prefix) {
@@ -457,7 +503,7 @@ fn run(opts: &Options) -> i32 {
             Ok(t) => t,
             Err(e) => {
                 say!("cannot read /dev/urandom for a token: {e}");
-                return 1;
+                return (1, None);
             }
         },
     };
@@ -502,10 +548,11 @@ fn run(opts: &Options) -> i32 {
                     let _ = r.child.kill();
                     let _ = r.child.wait();
                 }
-                return match e.kind() {
+                let code = match e.kind() {
                     io::ErrorKind::NotFound => 127,
                     _ => 126,
                 };
+                return (code, None);
             }
         };
         let prefix = format!("[{rank}] ").into_bytes();
@@ -537,12 +584,12 @@ fn run(opts: &Options) -> i32 {
                 let _ = r.child.kill();
                 let _ = r.child.wait();
             }
-            return 1;
+            return (1, None);
         }
     }
     drop(drained_tx);
 
-    let code = wait_all(&mut started, opts.timeout);
+    let (code, stopped_by) = wait_all(&mut started, opts.timeout, signals.as_mut());
 
     // Let the readers pass on what the ranks wrote last; do not hang on a pipe that a
     // surviving background process of some rank still holds open.
@@ -557,18 +604,76 @@ fn run(opts: &Options) -> i32 {
             break;
         }
     }
-    code
+    (code, stopped_by)
 }
 
-/// Waits for every rank; stops the job on the first failure or at the timeout. Returns our
-/// exit code.
-fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
+/// Waits for every rank; stops the job on the first failure, at the timeout, or on a signal
+/// (see the module's docs). Returns our exit code, and the signal that stopped the job if one
+/// did.
+fn wait_all(
+    ranks_: &mut [Rank],
+    timeout: Option<Duration>,
+    mut signals: Option<&mut SignalsInfo<WithOrigin>>,
+) -> (i32, Option<c_int>) {
     let start = Instant::now();
     let mut exit_code = 0;
     let mut failed = false;
+    // The signal that stopped the job, if one did before any rank failed.
+    let mut stopped_by: Option<c_int> = None;
+    // Whether a signal asked to stop the job (even after a rank failed).
+    let mut stopping = false;
     // When set, the ranks still running are killed at this instant.
     let mut kill_at: Option<Instant> = None;
     loop {
+        let caught: Vec<Origin> = match signals.as_mut() {
+            Some(signals) => signals.pending().collect(),
+            None => Vec::new(),
+        };
+        for origin in caught {
+            let sig = origin.signal;
+            let now = Instant::now();
+            let running = ranks_running(ranks_);
+            // From the terminal (the kernel sent it to the whole foreground process group)
+            // the ranks got it too; sent to us alone, they did not.
+            let from_terminal = matches!(origin.cause, Cause::Kernel);
+            if !from_terminal {
+                pass_on(ranks_, sig);
+            }
+            let told = if from_terminal {
+                "from the terminal, as did the ranks".to_string()
+            } else {
+                format!("and passed it on to {}", ranks(running))
+            };
+            if sig == SIGUSR1 || sig == SIGUSR2 {
+                say!("got {} {told}", name_of(sig));
+            } else if stopping {
+                for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
+                    let _ = r.child.kill();
+                }
+                say!(
+                    "got {} again: killed the {} still running",
+                    name_of(sig),
+                    ranks(running)
+                );
+                kill_at = Some(now);
+            } else {
+                stopping = true;
+                if !failed {
+                    failed = true;
+                    exit_code = 128 + sig;
+                    stopped_by = Some(sig);
+                }
+                let grace = now + STOP_GRACE;
+                kill_at = Some(kill_at.map_or(grace, |t| t.min(grace)));
+                say!(
+                    "got {} {told}; stopping the job: ranks still running after {} s are \
+                     killed (at once on another such signal)",
+                    name_of(sig),
+                    STOP_GRACE.as_secs()
+                );
+            }
+        }
+
         // The failures reaped in this pass: ranks that fail together (one crashed, the others
         // then lost it) are told apart below, the cause first.
         let mut fresh: Vec<(usize, ExitStatus)> = Vec::new();
@@ -600,7 +705,8 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
         for (rank, status) in fresh {
             let (code, what) = describe(status);
             if failed {
-                // Another rank failed too, on its own or because of the first.
+                // Another rank failed too, on its own or because of the first (or of a
+                // signal that stops the job).
                 say!("rank {rank} {what}");
                 continue;
             }
@@ -618,7 +724,7 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
         }
         let running = ranks_running(ranks_);
         if running == 0 {
-            return exit_code;
+            return (exit_code, stopped_by);
         }
         let now = Instant::now();
         if let Some(limit) = timeout {
@@ -645,6 +751,22 @@ fn wait_all(ranks_: &mut [Rank], timeout: Option<Duration>) -> i32 {
             }
         }
         thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Sends `sig` to every rank still running. A rank that exited since it was last reaped has
+/// not been waited for, so its process ID still names it (a zombie): the signal cannot reach
+/// an unrelated process.
+fn pass_on(ranks_: &[Rank], sig: c_int) {
+    let Some(signal) = Signal::from_named_raw(sig) else {
+        return;
+    };
+    for r in ranks_.iter().filter(|r| r.status.is_none()) {
+        let Some(pid) = Pid::from_raw(r.child.id() as i32) else {
+            continue;
+        };
+        // A rank that is already gone (ESRCH) needs nothing.
+        let _ = kill_process(pid, signal);
     }
 }
 
