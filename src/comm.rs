@@ -684,8 +684,9 @@ impl Communicator {
             None => Choice::Auto,
             Some(s) if s.trim().eq_ignore_ascii_case("rdma") => {
                 if size > 1 {
+                    // Every rank falls back alike: one warning for the job, not one per rank.
                     log::log(
-                        Level::Warn,
+                        if rank == 0 { Level::Warn } else { Level::Info },
                         Some(rank),
                         format_args!("CHORUS_TRANSPORT=rdma: {}", rdma_fallback_reason()),
                     );

@@ -7,16 +7,20 @@
 //!   `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `SLURM_STEP_NUM_TASKS` (the tasks of the srun step;
 //!   a batch script, which has none, is rank 0 of 1 in an allocation of one task and refused
 //!   in a larger one).
-//! - local rank: `CHORUS_LOCAL_RANK`, else `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
-//!   `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host: `CHORUS_LOCAL_SIZE`, else the
-//!   rank's launcher's `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`
-//!   (Slurm: all of them when `SLURM_STEP_NUM_NODES=1`).
+//! - local rank: `CHORUS_LOCAL_RANK`, else the rank's launcher's `LOCAL_RANK`,
+//!   `OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host:
+//!   `CHORUS_LOCAL_SIZE`, else the rank's launcher's `LOCAL_WORLD_SIZE`,
+//!   `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS` (Slurm: all of them when
+//!   `SLURM_STEP_NUM_NODES=1`). Another launcher's variables, left in the environment of
+//!   the process that started this one, are not read.
 //! - root address: `CHORUS_ADDR` (`host:port`; IPv6 as `[addr]:port`), else `MASTER_ADDR` with
 //!   port `CHORUS_PORT`, else `MASTER_PORT + 1` (torchrun's own store holds `MASTER_PORT`);
 //!   for a rank srun started (`SLURM_PROCID`), else the first node of `SLURM_STEP_NODELIST`
 //!   (where task 0 runs) with `CHORUS_PORT`, else a port made from `SLURM_JOB_ID` and
 //!   `SLURM_STEP_ID` (20000..32000), so `srun -N2 -n8 prog` needs no variable.
-//!   With none of them and a single rank, `127.0.0.1:0` (one rank needs no rendezvous).
+//!   A single rank needs no rendezvous: it reads none of these and gets `127.0.0.1:0`.
+//!   torchrun's jobs on one host at consecutive `MASTER_PORT`s collide (one's `MASTER_PORT +
+//!   1` is the next one's `MASTER_PORT`): space them by two, or set `CHORUS_PORT`.
 //! - `CHORUS_TOKEN`, `CHORUS_TIMEOUT` (seconds, float; collectives), `CHORUS_INIT_TIMEOUT`
 //!   (seconds; rendezvous), `CHORUS_SOCKET_IFNAME`, `CHORUS_TRANSPORT`, `CHORUS_ALGO`,
 //!   `CHORUS_DEBUG` (read by [`crate::log`]).
@@ -296,21 +300,26 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             "{rank_var}={rank} is not below {size_var}={size}: ranks are 0..{size}"
         ));
     }
-    let local_rank = match env.first(LOCAL_RANK_VARS) {
+    // From `CHORUS_LOCAL_RANK` or the launcher that gave the rank, as the local size below:
+    // a `LOCAL_RANK` left in the shell says nothing of an mpirun job's ranks.
+    let local_rank = match env.first(&["CHORUS_LOCAL_RANK", launcher.local_rank]) {
         None => None,
         Some((var, v)) => {
             let local = parse_count(var, &v)?;
             if local >= size {
                 return Err(format!("{var}={local} is not below the world size {size}"));
             }
-            Some(local)
+            Some((var, local))
         }
     };
 
     // Started by srun: Slurm gave the rank, or srun's MPI plugin did (`--mpi=pmi2` sets
-    // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree.
+    // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree. Never for Open MPI's
+    // variables: mpirun starts its ranks itself (through daemons that srun started, whose
+    // Slurm variables the ranks inherit and which say nothing of the ranks).
     let srun = launcher.name == "Slurm"
-        || (env.value("SLURM_PROCID") == Some(rank.to_string())
+        || (launcher.name != "Open MPI"
+            && env.value("SLURM_PROCID") == Some(rank.to_string())
             && env.value("SLURM_STEP_NUM_TASKS") == Some(size.to_string()));
     // From `CHORUS_LOCAL_SIZE` or the launcher that gave the rank (another's count, left in
     // the environment of a process that launched this one, says nothing of this job). Slurm
@@ -332,6 +341,15 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         None if srun && env.value("SLURM_STEP_NUM_NODES").as_deref() == Some("1") => Some(size),
         None => None,
     };
+    if let (Some((var, local)), Some(count)) = (local_rank, local_size) {
+        if local >= count {
+            return Err(format!(
+                "{var}={local} is not below the number of ranks on this host ({count}): \
+                 local ranks are 0..{count}"
+            ));
+        }
+    }
+    let local_rank = local_rank.map(|(_, local)| local);
 
     let (root_addr, slurm_token) = root_addr(&env, size, srun.then_some(rank))?;
 
@@ -352,8 +370,9 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
 /// transport, algorithms, tuning file, call checks.
 fn read_settings(get: &dyn Fn(&str) -> Option<String>, config: &mut Config) -> Result<(), String> {
     let env = Lookup(get);
-    // The token is a secret: used exactly as given (not trimmed); empty means none.
-    config.token = get("CHORUS_TOKEN").filter(|t| !t.is_empty());
+    // The token is a secret: used exactly as given (not trimmed); empty or blank means none,
+    // as for every variable.
+    config.token = get("CHORUS_TOKEN").filter(|t| !t.trim().is_empty());
     if let Some(v) = env.value("CHORUS_TIMEOUT") {
         config.timeout = parse_seconds("CHORUS_TIMEOUT", &v)?;
     }
@@ -383,6 +402,8 @@ struct Launcher {
     launch_size: &'static str,
     /// Its count of ranks on this host, if it gives one.
     local_size: Option<&'static str>,
+    /// Its rank on this host.
+    local_rank: &'static str,
 }
 
 /// The launchers, in order of precedence (the first whose rank variable is set gives the rank).
@@ -393,6 +414,7 @@ const LAUNCHERS: &[Launcher] = &[
         size: "CHORUS_WORLD_SIZE",
         launch_size: "CHORUS_WORLD_SIZE",
         local_size: Some("CHORUS_LOCAL_SIZE"),
+        local_rank: "CHORUS_LOCAL_RANK",
     },
     Launcher {
         name: "torchrun",
@@ -400,6 +422,7 @@ const LAUNCHERS: &[Launcher] = &[
         size: "WORLD_SIZE",
         launch_size: "WORLD_SIZE",
         local_size: Some("LOCAL_WORLD_SIZE"),
+        local_rank: "LOCAL_RANK",
     },
     Launcher {
         name: "Open MPI",
@@ -407,6 +430,7 @@ const LAUNCHERS: &[Launcher] = &[
         size: "OMPI_COMM_WORLD_SIZE",
         launch_size: "OMPI_COMM_WORLD_SIZE",
         local_size: Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
+        local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
     },
     Launcher {
         name: "MPICH/Hydra",
@@ -414,6 +438,7 @@ const LAUNCHERS: &[Launcher] = &[
         size: "PMI_SIZE",
         launch_size: "PMI_SIZE",
         local_size: Some("MPI_LOCALNRANKS"),
+        local_rank: "MPI_LOCALRANKID",
     },
     Launcher {
         name: "Slurm",
@@ -421,6 +446,7 @@ const LAUNCHERS: &[Launcher] = &[
         size: "SLURM_STEP_NUM_TASKS",
         launch_size: "SLURM_STEP_NUM_TASKS",
         local_size: None,
+        local_rank: "SLURM_LOCALID",
     },
 ];
 
@@ -438,9 +464,14 @@ fn check_other_launchers(
     if chosen.name == "chorus" {
         return Ok(());
     }
+    // mpirun (Open MPI, Hydra) inside a Slurm allocation starts its ranks through daemons
+    // that srun started, one per node: the ranks inherit the daemons' step, whose task count
+    // is the number of nodes, not of ranks.
+    let mpi = matches!(chosen.name, "Open MPI" | "MPICH/Hydra");
     for other in LAUNCHERS
         .iter()
         .filter(|l| l.name != chosen.name && l.name != "chorus")
+        .filter(|l| !(mpi && l.name == "Slurm"))
     {
         let (Some(_), Some(v)) = (env.value(other.rank), env.value(other.launch_size)) else {
             continue;
@@ -461,14 +492,6 @@ fn check_other_launchers(
     Ok(())
 }
 
-/// Variables giving the rank on this host, in order of precedence.
-const LOCAL_RANK_VARS: &[&str] = &[
-    "CHORUS_LOCAL_RANK",
-    "LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "MPI_LOCALRANKID",
-    "SLURM_LOCALID",
-];
 /// The largest world size accepted, from the environment and by [`crate::Communicator::new`]
 /// (a guard against a garbled variable or argument, which would otherwise size per-rank
 /// tables before any peer is heard from; not a design limit).
@@ -507,25 +530,35 @@ pub(crate) fn parse_switch(name: &str, v: &str) -> Result<Option<bool>, CommErro
     }
 }
 
+/// Whether `value` is written in decimal digits alone (`parse` would also take a `+`).
+fn all_digits(value: &str) -> bool {
+    !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit())
+}
+
 fn parse_count(var: &str, value: &str) -> Result<usize, String> {
     value
         .parse::<usize>()
-        .map_err(|_| format!("{var}={value:?} is not a non-negative integer"))
+        .ok()
+        .filter(|_| all_digits(value))
+        .ok_or_else(|| format!("{var}={value:?} is not a non-negative integer"))
 }
 
 fn parse_port(var: &str, value: &str) -> Result<u16, String> {
     value
         .parse::<u16>()
-        .map_err(|_| format!("{var}={value:?} is not a port number (0..=65535)"))
+        .ok()
+        .filter(|_| all_digits(value))
+        .ok_or_else(|| format!("{var}={value:?} is not a port number (0..=65535)"))
 }
 
 fn parse_seconds(var: &str, value: &str) -> Result<Duration, String> {
     let secs: f64 = value.parse().map_err(|_| {
         format!("{var}={value:?} is not a number of seconds (e.g. {var}=30 or {var}=2.5)")
     })?;
-    if !(secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+    if !(secs >= 0.001 && secs <= MAX_TIMEOUT_SECS) {
         return Err(format!(
-            "{var}={value:?}: the timeout must be more than 0 and at most one year, in seconds"
+            "{var}={value:?}: the timeout must be at least 0.001 (1 ms) and at most one year, \
+             in seconds"
         ));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -649,6 +682,11 @@ fn root_addr(
     srun_rank: Option<usize>,
 ) -> Result<(String, Option<String>), String> {
     let mut token = None;
+    if size == 1 {
+        // One rank needs no rendezvous: address variables left from another job (a stale
+        // `MASTER_ADDR` without its port) must not stop it.
+        return Ok(("127.0.0.1:0".to_string(), None));
+    }
     let (var, host, port) = if let Some(v) = env.value("CHORUS_ADDR") {
         let (host, port) = parse_chorus_addr("CHORUS_ADDR", &v)?;
         ("CHORUS_ADDR", host, port)
@@ -788,6 +826,126 @@ mod tests {
     }
 
     const ADDR: (&str, &str) = ("CHORUS_ADDR", "10.0.0.1:4000");
+
+    /// mpirun in a Slurm allocation starts its ranks through daemons srun started, one per
+    /// node: the ranks see the daemons' step (4 tasks: the nodes), which neither refuses them
+    /// nor makes them srun's ranks (whose address would be a derived port).
+    #[test]
+    fn mpirun_inside_a_slurm_allocation() {
+        let c = config(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_STEP_NUM_NODES", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_STEP_NODELIST", "node[1-4]"),
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "0"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size), (1, 2));
+        assert_eq!((c.local_rank, c.local_size), (Some(1), Some(2)));
+        assert_eq!(c.root_addr, "10.0.0.1:4000");
+        assert_eq!(c.token, None);
+        // Its ranks' own rank and size happening to match the daemons' step changes nothing.
+        let c = config(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_STEP_NODELIST", "node[1-4]"),
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        let e = c.expect_err("no address but Slurm's");
+        assert!(e.message().contains("no rendezvous address"), "{e}");
+        // torchrun's leftovers are still caught.
+        error_naming(
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "1"),
+                ("OMPI_COMM_WORLD_RANK", "3"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+            ],
+            "OMPI_COMM_WORLD_SIZE",
+        );
+    }
+
+    /// The local rank comes from the launcher that gave the rank, as the local size does.
+    #[test]
+    fn local_rank_of_another_launcher_is_not_read() {
+        let c = config(&[
+            ("LOCAL_RANK", "7"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.local_rank, c.local_size), (Some(0), Some(2)));
+        let c = config(&[
+            ("CHORUS_RANK", "0"),
+            ("CHORUS_WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.local_rank, None);
+        let msg = error_naming(
+            &[
+                ("CHORUS_RANK", "0"),
+                ("CHORUS_WORLD_SIZE", "4"),
+                ("CHORUS_LOCAL_RANK", "3"),
+                ("CHORUS_LOCAL_SIZE", "2"),
+                ADDR,
+            ],
+            "CHORUS_LOCAL_RANK=3",
+        );
+        assert!(msg.contains("ranks on this host (2)"), "{msg}");
+    }
+
+    /// One rank reads no address: a stale `MASTER_ADDR` without its port does not stop it.
+    #[test]
+    fn a_single_rank_reads_no_address() {
+        for stale in [
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_ADDR", "node0:29500"),
+            ("CHORUS_ADDR", "nohost"),
+        ] {
+            let c = config(&[("CHORUS_RANK", "0"), ("CHORUS_WORLD_SIZE", "1"), stale]).unwrap();
+            assert_eq!(c.root_addr, "127.0.0.1:0", "{stale:?}");
+        }
+    }
+
+    #[test]
+    fn numbers_are_plain_digits() {
+        for (var, bad) in [
+            ("CHORUS_RANK", "+1"),
+            ("CHORUS_WORLD_SIZE", "+4"),
+            ("CHORUS_ADDR", "h:+80"),
+            ("CHORUS_TIMEOUT", "1e-10"),
+            ("CHORUS_INIT_TIMEOUT", "0.0009"),
+        ] {
+            let mut vars = vec![("CHORUS_RANK", "1"), ("CHORUS_WORLD_SIZE", "4"), ADDR];
+            vars.retain(|(k, _)| *k != var);
+            vars.push((var, bad));
+            error_naming(&vars, var);
+        }
+        let c = config(&[
+            ("CHORUS_RANK", "1"),
+            ("CHORUS_WORLD_SIZE", "4"),
+            ADDR,
+            ("CHORUS_TIMEOUT", "0.001"),
+            ("CHORUS_TOKEN", "   "),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(1));
+        assert_eq!(c.token, None, "a blank token counts as unset");
+    }
 
     #[test]
     fn explicit_chorus_variables() {

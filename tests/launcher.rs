@@ -20,9 +20,24 @@ struct Run {
     stderr: String,
 }
 
+/// The `chorus-run` under test, without the variables of a launcher that may have started
+/// the test suite itself (`srun -n2 cargo test`): it would refuse to run as one of its tasks.
+fn launcher() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
+    for var in [
+        "SLURM_STEP_NUM_TASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "CHORUS_RUN_NESTED",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// Runs `chorus-run ARGS`, killing it (and failing the test) if it outlives [`WATCHDOG`].
 fn chorus_run(args: &[&str]) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+    let mut child = launcher()
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -156,9 +171,14 @@ fn overrides_and_extra_variables() {
         "echo $CHORUS_ADDR $CHORUS_TOKEN $EXTRA $CHORUS_TIMEOUT $MASTER_ADDR",
     ]);
     assert!(run.status.success(), "{}", run.stderr);
-    for (_, text) in prefixed_lines(&run.stdout) {
-        assert_eq!(text, b"10.1.2.3:4567 secret a=b 9 10.1.2.3");
-    }
+    let ranks: BTreeSet<usize> = prefixed_lines(&run.stdout)
+        .into_iter()
+        .map(|(rank, text)| {
+            assert_eq!(text, b"10.1.2.3:4567 secret a=b 9 10.1.2.3");
+            rank
+        })
+        .collect();
+    assert_eq!(ranks, BTreeSet::from([0, 1]));
 }
 
 #[test]
@@ -253,7 +273,7 @@ fn a_closed_stderr_does_not_leave_ranks_running() {
     let marker = "29.4171";
     let script =
         format!("if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.3; exit 3; fi; exec sleep {marker}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+    let mut child = launcher()
         .args(["-n", "3", "--", "sh", "-c", &script])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -284,7 +304,7 @@ fn ranks_do_not_outlive_a_killed_launcher() {
         return;
     }
     for (signal, marker) in [("TERM", "28.6123"), ("KILL", "28.6124")] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        let mut child = launcher()
             .args(["-n", "3", "--", "sleep", marker])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -348,7 +368,7 @@ struct Live {
 
 impl Live {
     fn start(args: &[&str]) -> Live {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        let mut child = launcher()
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -490,7 +510,7 @@ fn timeout_kills_the_job_with_124() {
 #[test]
 fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
     let run = |nested: Option<&str>| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
+        let mut cmd = launcher();
         cmd.args(["-n", "2", "--", "true"])
             .env("SLURM_STEP_NUM_TASKS", "2")
             .stdin(Stdio::null())

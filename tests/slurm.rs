@@ -72,6 +72,13 @@ fn ranks_started_as_srun_starts_them_meet_without_an_address() {
                 "OMPI_COMM_WORLD_SIZE",
                 "PMI_RANK",
                 "PMI_SIZE",
+                // Run inside a real Slurm job, its own would disagree with this fake step.
+                "SLURMD_NODENAME",
+                "CHORUS_LOCAL_RANK",
+                "CHORUS_LOCAL_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "CHORUS_TOKEN",
             ] {
                 cmd.env_remove(k);
             }
