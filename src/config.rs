@@ -555,7 +555,7 @@ fn parse_seconds(var: &str, value: &str) -> Result<Duration, String> {
     let secs: f64 = value.parse().map_err(|_| {
         format!("{var}={value:?} is not a number of seconds (e.g. {var}=30 or {var}=2.5)")
     })?;
-    if !(secs >= 0.001 && secs <= MAX_TIMEOUT_SECS) {
+    if !(0.001..=MAX_TIMEOUT_SECS).contains(&secs) {
         return Err(format!(
             "{var}={value:?}: the timeout must be at least 0.001 (1 ms) and at most one year, \
              in seconds"
