@@ -12,15 +12,18 @@
 //! rendezvous store on the first, torch's own store may use the second.
 //!
 //! Every line a rank writes is prefixed with `[rank] ` (stdout to our stdout, stderr to our
-//! stderr). When a rank fails (non-zero exit or a signal) the others get a short grace period
+//! stderr). A line ends at `\n` or `\r` (a progress bar's redraw); part of a line goes out
+//! once the rank pauses for [`PAUSE`] (a prompt), the rest of that line without a prefix.
+//! When a rank fails (non-zero exit or a signal) the others get a short grace period
 //! to exit on their own and are then killed; `chorus-run` exits with the failing rank's code
 //! (128 + signal number for a signal). `--timeout` bounds the whole job (exit code 124).
 //!
-//! Limits, all because this binary uses only safe `std`:
+//! Limits:
 //! - Killing is `SIGKILL` to each rank's own process. A background process a rank started
 //!   (for example the command of `sh -c 'cmd; other'`) is not killed with it; use `exec` in
 //!   wrapper scripts. Such a survivor can also keep a rank's output pipe open: once all ranks
-//!   have exited, `chorus-run` waits only [`DRAIN_GRACE`] for their output to end.
+//!   have exited, `chorus-run` passes on what is on its way (however slowly its own output
+//!   is read) but gives up on a pipe that stays open with nothing in it for [`DRAIN_GRACE`].
 //! - The ranks stay in `chorus-run`'s process group, so a signal from the terminal (Ctrl-C,
 //!   Ctrl-\\) reaches all of them directly. Each rank is started through util-linux's
 //!   `setpriv --pdeathsig TERM` where the system has it (Debian always does): when
@@ -40,13 +43,16 @@
 
 use std::ffi::{c_int, OsString};
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
+use std::io::{self, IsTerminal, Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{kill_process, Pid, Signal};
 use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
@@ -63,6 +69,14 @@ const KILL_GRACE: Duration = Duration::from_millis(250);
 const DRAIN_GRACE: Duration = Duration::from_secs(1);
 /// A line longer than this is passed on in pieces of this size, each with its own prefix.
 const MAX_LINE: usize = 64 * 1024;
+/// A rank's partial line (a prompt, a progress bar) is passed on once its output pauses this
+/// long.
+const PAUSE: Duration = Duration::from_millis(100);
+
+/// Where a [`Prefixer`] passes its pieces: a piece, whether it continues a line part of which
+/// went out already, and whether it ends its line on the screen (`\n`; after a `\r` the line
+/// is still there).
+type Sink<'a> = &'a dyn Fn(&[u8], bool, bool);
 /// Largest accepted `-n`.
 const MAX_RANKS: usize = 4096;
 /// Root host used with `--netns-prefix`: the first host of the namespace testbed that
@@ -111,7 +125,8 @@ by a signal comes first); 124 on --timeout; 2 for a bad command line, or when ch
 is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
 OMPI_COMM_WORLD_SIZE or PMI_SIZE above 1: each task would run a job of its own; set
 CHORUS_RUN_NESTED=1 if that is meant; never when stdin is a terminal, as in an interactive
-srun --pty shell); 127 (126) if CMD could not be found (executed).
+srun --pty shell, or when SLURM_PTY_PORT is set); 127 (126) if CMD could not be found
+(executed); 1 if chorus-run could not start the job (no free port, no /dev/urandom).
 SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the job: sent to chorus-run they are passed on
 to the ranks (from the terminal the ranks got them already), the ranks get 10 s to exit and
 are then killed (at once on a second such signal), and chorus-run ends by the same signal.
@@ -329,43 +344,189 @@ fn rank_env(
     env
 }
 
-/// Copies `input` to `output` line by line, each line prefixed with `prefix`. A final line
-/// without a newline gets one; a line longer than [`MAX_LINE`] is passed on in pieces. Bytes
-/// are not decoded. Write errors (our output closed) are ignored, but the input is still
-/// drained so that the rank never blocks on a full pipe. Returns at end of input.
-fn prefix_lines(input: impl Read, prefix: &[u8], output: &dyn Fn(&[u8])) {
-    let mut reader = BufReader::with_capacity(MAX_LINE, input);
-    let mut line = Vec::with_capacity(256);
-    line.extend_from_slice(prefix);
-    let emit = |line: &mut Vec<u8>| {
-        if line.last() != Some(&b'\n') {
-            line.push(b'\n');
+/// Cuts one stream of a rank's output into the pieces passed on, each to go out with the
+/// rank's prefix unless it continues a line (see [`Output`]). A line ends at `\n` or at `\r`
+/// (a progress bar redrawing its line; `\r\n` ends one line). A line longer than
+/// [`MAX_LINE`] is passed on in pieces, each ended with a newline. Bytes are not decoded.
+struct Prefixer {
+    /// Bytes of the current line not passed on yet.
+    held: Vec<u8>,
+    /// Part of the current line went out already (see [`Prefixer::pause`]): the rest goes out
+    /// without a prefix.
+    mid_line: bool,
+    /// The last byte passed on was a `\r`: a `\n` right after it ends the same line.
+    after_cr: bool,
+}
+
+impl Prefixer {
+    fn new() -> Self {
+        Prefixer {
+            held: Vec::with_capacity(256),
+            mid_line: false,
+            after_cr: false,
         }
-        output(line);
-        line.truncate(prefix.len());
+    }
+
+    /// Takes the next bytes of the stream; passes on every line they end.
+    fn feed(&mut self, mut input: &[u8], out: Sink<'_>) {
+        while !input.is_empty() {
+            if std::mem::take(&mut self.after_cr) && input[0] == b'\n' {
+                out(b"\n", true, true);
+                input = &input[1..];
+                continue;
+            }
+            let room = MAX_LINE - self.held.len();
+            // One byte past the room: a line of exactly MAX_LINE bytes keeps its own end.
+            let window = &input[..input.len().min(room + 1)];
+            match window.iter().position(|&b| b == b'\n' || b == b'\r') {
+                Some(i) => {
+                    self.held.extend_from_slice(&window[..=i]);
+                    self.after_cr = window[i] == b'\r';
+                    self.pass(out);
+                    input = &input[i + 1..];
+                }
+                None => {
+                    let take = window.len().min(room);
+                    self.held.extend_from_slice(&window[..take]);
+                    input = &input[take..];
+                    if self.held.len() == MAX_LINE {
+                        self.held.push(b'\n');
+                        self.pass(out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Passes on what is held (a whole line, or the end of one).
+    fn pass(&mut self, out: Sink<'_>) {
+        out(&self.held, self.mid_line, self.held.last() == Some(&b'\n'));
+        self.held.clear();
+        self.mid_line = false;
+    }
+
+    /// Whether part of a line is held, waiting for its end.
+    fn holds_part(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// The stream paused in the middle of a line (a prompt, a progress bar): pass that part
+    /// on now; the rest of the line follows without a prefix.
+    fn pause(&mut self, out: Sink<'_>) {
+        if self.holds_part() {
+            self.pass(out);
+            self.mid_line = true;
+        }
+    }
+
+    /// End of the stream: a line without its end gets a newline.
+    fn finish(&mut self, out: Sink<'_>) {
+        if self.holds_part() || self.mid_line {
+            self.held.push(b'\n');
+            self.pass(out);
+        }
+    }
+}
+
+/// What a reader thread is doing, as the drain after the ranks' exit reads it.
+const READING: u8 = 0;
+const PASSING: u8 = 1;
+const DONE: u8 = 2;
+
+/// Copies `input` (one of a rank's pipes) to `output` through a [`Prefixer`]: a partial line
+/// is passed on after [`PAUSE`] without more input. Write errors (our output closed) are
+/// ignored, but the input is still drained so that the rank never blocks on a full pipe.
+/// `state` says whether the thread waits for input or passes output on. Returns at end of
+/// input.
+fn prefix_stream<R: Read + AsFd>(mut input: R, output: Sink<'_>, state: &AtomicU8) {
+    let mut lines = Prefixer::new();
+    let mut buf = vec![0u8; MAX_LINE];
+    let pause = Timespec {
+        tv_sec: 0,
+        tv_nsec: PAUSE.as_nanos() as _,
     };
     loop {
-        let chunk = match reader.fill_buf() {
-            Ok([]) => break,
-            Ok(chunk) => chunk,
+        state.store(READING, Ordering::Relaxed);
+        if lines.holds_part() {
+            let mut fds = [PollFd::new(&input, PollFlags::IN)];
+            if matches!(poll(&mut fds, Some(&pause)), Ok(0)) {
+                state.store(PASSING, Ordering::Relaxed);
+                lines.pause(output);
+                continue;
+            }
+        }
+        let n = match input.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => break,
         };
-        let room = MAX_LINE - (line.len() - prefix.len());
-        let window = &chunk[..chunk.len().min(room)];
-        let (taken, complete) = match window.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (window.len(), window.len() == room),
-        };
-        line.extend_from_slice(&window[..taken]);
-        reader.consume(taken);
-        if complete {
-            emit(&mut line);
-        }
+        state.store(PASSING, Ordering::Relaxed);
+        lines.feed(&buf[..n], output);
     }
-    if line.len() > prefix.len() {
-        emit(&mut line);
+    state.store(PASSING, Ordering::Relaxed);
+    lines.finish(output);
+}
+
+/// One of our outputs (stdout, stderr), written to by the streams of every rank.
+struct Output {
+    /// The stream whose line is still open on this output (part of a line that went out
+    /// after a pause, or a line a `\r` returned to), if one is.
+    open_line: Mutex<Option<usize>>,
+    write: fn(&[u8]),
+}
+
+/// Stream ID of `chorus-run`'s own messages.
+const OURS: usize = usize::MAX;
+static STDOUT: Output = Output {
+    open_line: Mutex::new(None),
+    write: to_stdout,
+};
+static STDERR: Output = Output {
+    open_line: Mutex::new(None),
+    write: to_stderr,
+};
+
+impl Output {
+    /// Writes a piece of stream `id` (see [`compose`]), under the lock that keeps the pieces
+    /// of streams apart.
+    fn put(&self, id: usize, prefix: &[u8], body: &[u8], continues: bool, ends: bool) {
+        let mut open = self
+            .open_line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        (self.write)(&compose(&mut open, id, prefix, body, continues, ends));
     }
+}
+
+/// The bytes that put a piece of stream `id` on an output whose open line is `open`: a line
+/// another stream left open is ended first (its rest then starts a line of its own, with its
+/// prefix); the piece is prefixed unless it continues this stream's open line. A progress
+/// bar's `\r` that starts a line shows nothing.
+fn compose(
+    open: &mut Option<usize>,
+    id: usize,
+    prefix: &[u8],
+    body: &[u8],
+    continues: bool,
+    ends: bool,
+) -> Vec<u8> {
+    let ours = *open == Some(id);
+    // A bare `\r` on a line of its own, or a line end whose line another stream already
+    // ended: nothing to show.
+    if body == b"\r" && !(continues && ours) || continues && !ours && body == b"\n" {
+        return Vec::new();
+    }
+    let mut piece = Vec::with_capacity(1 + prefix.len() + body.len());
+    if open.is_some() && !ours {
+        piece.push(b'\n');
+    }
+    if !(continues && ours) {
+        piece.extend_from_slice(prefix);
+    }
+    piece.extend_from_slice(body);
+    *open = (!ends).then_some(id);
+    piece
 }
 
 /// Writes one whole line to our stdout (under its lock, so lines of ranks never mix).
@@ -380,11 +541,31 @@ fn to_stderr(line: &[u8]) {
 }
 
 /// `chorus-run: ...` on stderr, as one line. Unlike `eprintln!`, a stderr that is a closed
-/// pipe is ignored, not a panic: a panic here would leave the ranks running.
+/// pipe is ignored, not a panic: a panic here would leave the ranks running. While the job
+/// runs, the line is written by another thread (see [`SAYER`]).
 macro_rules! say {
     ($($arg:tt)*) => {
-        to_stderr(format!("chorus-run: {}\n", format_args!($($arg)*)).as_bytes())
+        say_line(format!("chorus-run: {}\n", format_args!($($arg)*)).into_bytes())
     };
+}
+
+/// While the job runs, where [`say!`] sends its lines: a thread that writes them, so that a
+/// stalled stderr (a paused pager) cannot hold up the loop that kills ranks.
+static SAYER: Mutex<Option<mpsc::Sender<Vec<u8>>>> = Mutex::new(None);
+
+fn say_line(line: Vec<u8>) {
+    let line = match SAYER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .as_ref()
+    {
+        Some(tx) => match tx.send(line) {
+            Ok(()) => return,
+            Err(mpsc::SendError(line)) => line,
+        },
+        None => line,
+    };
+    STDERR.put(OURS, b"", &line, false, true);
 }
 
 /// One started rank.
@@ -475,7 +656,30 @@ fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
 }
 
 /// Runs the job and returns our exit code, and the signal that stopped the job if one did.
+/// Our own messages are written by a thread of their own meanwhile (see [`SAYER`]); all of
+/// them are written before this returns.
 fn run(opts: &Options) -> (i32, Option<c_int>) {
+    let (tx, lines) = mpsc::channel::<Vec<u8>>();
+    let writer = thread::Builder::new()
+        .name("messages".into())
+        .spawn(move || {
+            for line in lines {
+                STDERR.put(OURS, b"", &line, false, true);
+            }
+        });
+    if writer.is_ok() {
+        *SAYER.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+    }
+    let outcome = run_job(opts);
+    drop(SAYER.lock().unwrap_or_else(PoisonError::into_inner).take());
+    if let Ok(writer) = writer {
+        let _ = writer.join();
+    }
+    outcome
+}
+
+/// [`run`]'s work.
+fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     // Caught before the first rank starts, so that none is left without its launcher's care.
     let mut signals = match SignalsInfo::<WithOrigin>::new(CAUGHT) {
         Ok(signals) => Some(signals),
@@ -511,7 +715,7 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
     let pdeath = parent_death_prefix();
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
-    let mut readers = 0usize;
+    let mut readers: Vec<Arc<AtomicU8>> = Vec::new();
     let mut started: Vec<Rank> = Vec::with_capacity(opts.nproc);
     for rank in 0..opts.nproc {
         let argv: Vec<OsString> = pdeath.iter().chain(&opts.command).cloned().collect();
@@ -542,12 +746,12 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
         let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
-                let program = cmd.get_program().to_string_lossy().into_owned();
-                say!("cannot start rank {rank} ({program}): {e}");
                 for r in &mut started {
                     let _ = r.child.kill();
                     let _ = r.child.wait();
                 }
+                let program = cmd.get_program().to_string_lossy().into_owned();
+                say!("cannot start rank {rank} ({program}): {e}");
                 let code = match e.kind() {
                     io::ErrorKind::NotFound => 127,
                     _ => 126,
@@ -559,17 +763,27 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
         let mut spawned = Ok(());
         if let Some(out) = child.stdout.take() {
             let (tx, prefix) = (drained_tx.clone(), prefix.clone());
-            readers += 1;
+            let state = Arc::new(AtomicU8::new(READING));
+            readers.push(state.clone());
             spawned = spawned.and(spawn_reader(rank, move || {
-                prefix_lines(out, &prefix, &to_stdout);
+                let sink = |body: &[u8], continues, ends| {
+                    STDOUT.put(rank, &prefix, body, continues, ends);
+                };
+                prefix_stream(out, &sink, &state);
+                state.store(DONE, Ordering::Relaxed);
                 let _ = tx.send(());
             }));
         }
         if let Some(err) = child.stderr.take() {
             let tx = drained_tx.clone();
-            readers += 1;
+            let state = Arc::new(AtomicU8::new(READING));
+            readers.push(state.clone());
             spawned = spawned.and(spawn_reader(rank, move || {
-                prefix_lines(err, &prefix, &to_stderr);
+                let sink = |body: &[u8], continues, ends| {
+                    STDERR.put(rank, &prefix, body, continues, ends);
+                };
+                prefix_stream(err, &sink, &state);
+                state.store(DONE, Ordering::Relaxed);
                 let _ = tx.send(());
             }));
         }
@@ -579,11 +793,11 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
         });
         if let Err(e) = spawned {
             // Its output could not be passed on: stop the job rather than leave it blocked.
-            say!("cannot start a thread for the output of rank {rank}: {e}; stopping the job");
             for r in &mut started {
                 let _ = r.child.kill();
                 let _ = r.child.wait();
             }
+            say!("cannot start a thread for the output of rank {rank}: {e}; stopped the job");
             return (1, None);
         }
     }
@@ -591,12 +805,25 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
 
     let (code, stopped_by) = wait_all(&mut started, opts.timeout, signals.as_mut());
 
-    // Let the readers pass on what the ranks wrote last; do not hang on a pipe that a
-    // surviving background process of some rank still holds open.
-    let drain_deadline = Instant::now() + DRAIN_GRACE;
-    for _ in 0..readers {
-        let left = drain_deadline.saturating_duration_since(Instant::now());
-        if drained.recv_timeout(left).is_err() {
+    // Let the readers pass on what the ranks wrote last, however slowly our own output takes
+    // it (a pager, a slow link); but do not hang on a pipe that a surviving background
+    // process of some rank still holds open: give up once every reader left has waited for
+    // input, passing nothing on, for DRAIN_GRACE.
+    let mut done = 0;
+    let mut quiet_since = Instant::now();
+    while done < readers.len() {
+        match drained.recv_timeout(POLL_INTERVAL) {
+            Ok(()) => {
+                done += 1;
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if readers.iter().any(|r| r.load(Ordering::Relaxed) == PASSING) {
+            quiet_since = now;
+        } else if now.duration_since(quiet_since) >= DRAIN_GRACE {
             say!(
                 "output of some rank is still open after all ranks exited \
                  (a background process of a rank survives it); not waiting for it"
@@ -712,6 +939,7 @@ fn wait_all(
             }
             failed = true;
             exit_code = code;
+            kill_at = Some(Instant::now() + KILL_GRACE);
             let running = ranks_running(ranks_);
             if running == 0 {
                 say!("rank {rank} {what}");
@@ -720,7 +948,6 @@ fn wait_all(
             } else {
                 say!("rank {rank} {what} (killing the other {running} ranks)");
             }
-            kill_at = Some(Instant::now() + KILL_GRACE);
         }
         let running = ranks_running(ranks_);
         if running == 0 {
@@ -812,12 +1039,27 @@ fn ranks_running(ranks_: &[Rank]) -> usize {
 mod tests {
     use super::*;
 
-    fn collect(input: &[u8]) -> Vec<u8> {
+    /// What the prefixer writes for `pieces` fed in turn, with a pause after those marked.
+    fn pieces(pieces: &[(&[u8], bool)]) -> Vec<u8> {
         let out = std::cell::RefCell::new(Vec::new());
-        prefix_lines(input, b"[7] ", &|line| {
-            out.borrow_mut().extend_from_slice(line)
-        });
+        let open = std::cell::RefCell::new(None);
+        let write = |body: &[u8], continues, ends| {
+            let bytes = compose(&mut open.borrow_mut(), 7, b"[7] ", body, continues, ends);
+            out.borrow_mut().extend_from_slice(&bytes);
+        };
+        let mut p = Prefixer::new();
+        for &(bytes, pause) in pieces {
+            p.feed(bytes, &write);
+            if pause {
+                p.pause(&write);
+            }
+        }
+        p.finish(&write);
         out.into_inner()
+    }
+
+    fn collect(input: &[u8]) -> Vec<u8> {
+        pieces(&[(input, false)])
     }
 
     #[test]
@@ -825,6 +1067,81 @@ mod tests {
         assert_eq!(collect(b""), b"");
         assert_eq!(collect(b"a\n\nb"), b"[7] a\n[7] \n[7] b\n");
         assert_eq!(collect(b"\xff\xfe\n"), b"[7] \xff\xfe\n");
+        // Pieces of one line in separate reads make one line.
+        assert_eq!(
+            pieces(&[(b"ab", false), (b"c\nd", false)]),
+            b"[7] abc\n[7] d\n"
+        );
+    }
+
+    #[test]
+    fn carriage_returns_end_lines_and_pauses_pass_parts_on() {
+        // A progress bar: each redraw gets the prefix after the carriage return.
+        assert_eq!(collect(b"\r 10%\r 20%\n"), b"[7]  10%\r[7]  20%\n");
+        // \r\n ends one line, also split across reads.
+        assert_eq!(collect(b"a\r\nb\r\n"), b"[7] a\r\n[7] b\r\n");
+        assert_eq!(
+            pieces(&[(b"a\r", false), (b"\nb\n", false)]),
+            b"[7] a\r\n[7] b\n"
+        );
+        // A prompt goes out when the stream pauses; the answer's line continues it.
+        assert_eq!(
+            pieces(&[(b"name? ", true), (b"ok\nnext\n", false)]),
+            b"[7] name? ok\n[7] next\n"
+        );
+        // A part that went out and nothing after it: the stream's end ends the line.
+        assert_eq!(
+            pieces(&[(b"dots..", true), (b"..", true)]),
+            b"[7] dots....\n"
+        );
+        // A pause with nothing held passes nothing on.
+        assert_eq!(
+            pieces(&[(b"a\n", true), (b"b\n", false)]),
+            b"[7] a\n[7] b\n"
+        );
+    }
+
+    /// A line one rank left open (a prompt, a progress bar) is ended before another rank's
+    /// line, and its rest starts a line of its own, with its prefix: no piece of output ever
+    /// goes out under another rank's prefix.
+    #[test]
+    fn lines_left_open_are_ended_before_another_rank_writes() {
+        let mut open = None;
+        let mut out = Vec::new();
+        let mut put = |id: usize, body: &[u8], continues, ends| {
+            let prefix = if id == OURS {
+                String::new()
+            } else {
+                format!("[{id}] ")
+            };
+            out.extend(compose(
+                &mut open,
+                id,
+                prefix.as_bytes(),
+                body,
+                continues,
+                ends,
+            ));
+        };
+        put(0, b"name? ", false, false);
+        put(1, b"hello\n", false, true);
+        put(0, b"bob\n", true, true);
+        put(0, b" 10%\r", false, false);
+        put(0, b" 20%\r", false, false);
+        put(1, b"x\n", false, true);
+        // Two progress bars: each rank's redraws on lines of their own.
+        put(0, b"\r", false, false);
+        put(0, b"30%", false, false);
+        put(1, b"\r", false, false);
+        put(1, b"5%", false, false);
+        put(0, b"\r", true, false);
+        put(0, b"\n", true, true);
+        put(OURS, b"chorus-run: y\n", false, true);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[0] name? \n[1] hello\n[0] bob\n[0]  10%\r[0]  20%\r\n[1] x\n\
+             [0] 30%\n[1] 5%\nchorus-run: y\n"
+        );
     }
 
     #[test]
@@ -835,6 +1152,12 @@ mod tests {
         assert_eq!(lines.len(), 3); // two pieces and the empty tail
         assert_eq!(lines[0].len(), 4 + MAX_LINE);
         assert_eq!(lines[1].len(), 4 + 10);
+        // A line of exactly MAX_LINE bytes keeps its own newline: no empty line after it.
+        let mut exact = vec![b'x'; MAX_LINE];
+        exact.push(b'\n');
+        let out = collect(&exact);
+        assert_eq!(out.len(), 4 + MAX_LINE + 1);
+        assert_eq!(out.iter().filter(|&&b| b == b'\n').count(), 1);
     }
 
     #[test]
