@@ -21,7 +21,7 @@
 //! | `clip` | `on`/`off`: ternary clips at 2.5σ | off |
 //! | `schedule` | `scatter_gather` (`sg`) or `integer_ring` (`ring`) | the codec's |
 //! | `algo` | top-k: `two_phase`, `dsar`, `sparse_rd` | `two_phase` |
-//! | `seed` | the random streams' seed (each rank draws its own stream) | 0 |
+//! | `seed` | the random streams' seed (each rank draws its own stream, and each compressor of a process its own: the n-th created, the n-th) | 0 |
 //!
 //! ```
 //! use chorus::Compressor;
@@ -126,7 +126,7 @@ impl CompressorSpec {
             sparse_algo: SparseAlgo::TwoPhase,
             seed: 0,
         };
-        let mut clip = false;
+        let mut clip: Option<bool> = None;
         for kv in parts {
             let (k, v) = kv.split_once('=').unwrap_or((kv, "on"));
             let flag = |v: &str| match v {
@@ -148,7 +148,7 @@ impl CompressorSpec {
                     }
                     s.chunk = c as usize;
                 }
-                "clip" => clip = flag(v)?,
+                "clip" => clip = Some(flag(v)?),
                 "schedule" => {
                     s.schedule = Some(match v {
                         "sg" | "scatter_gather" => Schedule::ScatterGather,
@@ -168,9 +168,14 @@ impl CompressorSpec {
                 _ => return Err(format!("unknown compressor option {k:?}")),
             }
         }
-        match &mut s.method {
-            Method::Quantize(Codec::Ternary { clip: c }) => *c = clip,
-            _ if clip => return Err("clip applies to ternary only".into()),
+        match (&mut s.method, clip) {
+            // `ternary-clip` (the name reports print) clips as `ternary,clip` does.
+            (Method::Quantize(Codec::Ternary { clip: true }), Some(false)) => {
+                return Err("ternary-clip with clip=off: choose one".into())
+            }
+            (Method::Quantize(Codec::Ternary { clip: c }), Some(on)) => *c = on,
+            (Method::Quantize(Codec::Ternary { .. }), None) => {}
+            (_, Some(true)) => return Err("clip applies to ternary only".into()),
             _ => {}
         }
         if let (Method::Quantize(c), Some(Schedule::IntegerRing)) = (s.method, s.schedule) {
@@ -254,9 +259,14 @@ pub struct Compressor {
     residual: Residual,
     topk: TopkState,
     rng: Option<Rng>,
+    /// Which compressor of this process it is (0 for the first): its random stream.
+    instance: u64,
     staging: Vec<f32>,
     last: CompressionReport,
 }
+
+/// The number of compressors this process created.
+static CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl fmt::Debug for Compressor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -283,6 +293,7 @@ impl Compressor {
             residual: Residual::default(),
             topk: TopkState::default(),
             rng: None,
+            instance: CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             staging: Vec::new(),
             last: CompressionReport::default(),
         }
@@ -425,7 +436,12 @@ impl Communicator {
                     schedule: spec.schedule,
                     error_feedback: spec.error_feedback,
                 };
-                let rng = comp.rng.get_or_insert_with(|| Rng::new(spec.seed, rank));
+                // Tensors of one rank round with streams of their own: with one stream, two
+                // buckets of a size would draw the same dither, element for element.
+                let seed = spec
+                    .seed
+                    .wrapping_add(comp.instance.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let rng = comp.rng.get_or_insert_with(|| Rng::new(seed, rank));
                 let residual = spec.error_feedback.then_some(&mut comp.residual);
                 let mut wire = compress::WireStats::default();
                 self.run_tagged(OP, tag, None, |ctx| {
@@ -627,6 +643,18 @@ mod tests {
             p("ternary,clip").unwrap().method,
             Method::Quantize(Codec::Ternary { clip: true })
         );
+        // The name reports print clips too; contradicting it is refused.
+        for spec in ["ternary-clip", "ternary_clip", "ternary-clip,clip=on"] {
+            assert_eq!(
+                p(spec).unwrap().method,
+                Method::Quantize(Codec::Ternary { clip: true }),
+                "{spec}"
+            );
+        }
+        assert_eq!(
+            p("ternary,clip=off").unwrap().method,
+            Method::Quantize(Codec::Ternary { clip: false })
+        );
         assert_eq!(p("int4,min_bytes=0").unwrap().min_bytes, 0);
         assert_eq!(
             p("int8,schedule=sg").unwrap().schedule,
@@ -646,6 +674,7 @@ mod tests {
             "fp16,schedule=ring",
             "int8,foo=1",
             "topk:0.1,algo=x",
+            "ternary-clip,clip=off",
         ] {
             assert!(p(bad).is_err(), "{bad:?} parsed");
         }
@@ -654,6 +683,7 @@ mod tests {
             "int8",
             "sign,ef=off",
             "ternary,clip=on",
+            "ternary-clip",
             "topk:0.01,algo=dsar",
             "bf16",
         ] {

@@ -67,6 +67,17 @@ fn cosine(got: &[f32], want: &[f32]) -> f64 {
     }
 }
 
+/// The least-squares gain of `got` against `want`: `⟨got, want⟩ / ⟨want, want⟩`.
+fn gain(got: &[f32], want: &[f32]) -> f64 {
+    let dot: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| g as f64 * w as f64)
+        .sum();
+    let norm: f64 = want.iter().map(|&w| (w as f64).powi(2)).sum();
+    dot / norm
+}
+
 /// Rank 0's result broadcast to everyone: a rank whose result differs says so.
 fn same_everywhere(c: &mut Communicator, v: &[f32]) -> bool {
     let mut r0 = v.to_vec();
@@ -117,6 +128,13 @@ fn methods_on(transport: &'static str, p: usize) {
                     let cos = cosine(&g, &want);
                     if n >= 1000 && cos < 0.5 {
                         bad.push(format!("{spec} n={n} {op:?}: cosine {cos:.3} < 0.5"));
+                    }
+                    // Unbiased codecs are not scaled (a wrong `Avg` divisor, a wrong scale):
+                    // neither the cosine nor a loose error bound would see a gain.
+                    let unbiased = !spec.starts_with("sign") && !spec.starts_with("topk");
+                    let k = gain(&g, &want);
+                    if n >= 1000 && unbiased && !(0.9..1.1).contains(&k) {
+                        bad.push(format!("{spec} n={n} {op:?}: gain {k:.3} not near 1"));
                     }
                     if !same_everywhere(c, &g) {
                         bad.push(format!("{spec} n={n}: ranks differ"));

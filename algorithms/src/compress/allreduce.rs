@@ -25,11 +25,12 @@
 //!    encodings of the own slice, decoded, in f32, as they arrive (rank by rank in the fixed
 //!    order, so the f32 sums are reproducible). (Every contribution is quantized exactly once,
 //!    so the error is the same whatever the number of ranks.)
-//! 2. The owner adds its owner residual (error feedback) and encodes the sum once.
+//! 2. The owner divides the sum by `p` for `Avg` (in f32; a group whose f32 sum overflowed
+//!    is summed again in f64 first), adds its owner residual (error feedback) and encodes the
+//!    result once.
 //! 3. Round 2: send that encoding to every rank, unchanged, group by group as it is encoded;
 //!    decode every other slice's encoding as it arrives. Every rank, the owner too, decodes
-//!    all slices from the same bytes, so all ranks end bit-identical. `Avg` divides by `p` in
-//!    f32 after decoding.
+//!    all slices from the same bytes, so all ranks end bit-identical.
 //!
 //! # Integer domain (int8, int4, ternary)
 //! 1. Round 1: send every rank this rank's range (largest magnitude, clipped for
@@ -66,8 +67,13 @@
 //! checked. A problem is recorded, what depends on the bad data is marked (NaN values before
 //! re-encoding, or a reserved all-ones sum), and the schedule finishes its rounds; every rank
 //! then fails, the transport still in step. NaN or ±∞ in an input (which the scaled codecs
-//! cannot carry) give [`TransportError::InvalidArgument`] on every rank, the transport usable;
-//! invalid codes give [`TransportError::Protocol`] naming the rank that sent them.
+//! cannot carry) give [`TransportError::InvalidArgument`] on every rank, the transport usable.
+//! Invalid codes give [`TransportError::Protocol`] naming the rank that sent them on the
+//! rank that received them; the other ranks see only what was marked: under scatter-gather
+//! they fail as for a non-finite input (until the receiver's abort reaches them), under the
+//! integer ring with a `Protocol` error naming the owner whose sums were marked. A sum of
+//! `Sum` beyond f32's range fails as a non-finite input does under scatter-gather, and gives
+//! ±∞ under the integer ring.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -140,8 +146,8 @@ pub fn plan(n: usize, size: usize, chunk: usize) -> Plan {
 /// Allreduces `data` (f32, in place) with compression; every rank must pass the same length,
 /// options and op, and its own `rng` stream (e.g. `Rng::new(seed, rank)`).
 ///
-/// `op` is [`ReduceOp::Sum`] or [`ReduceOp::Avg`] (divided by the number of ranks in f32,
-/// after decoding). With `opts.error_feedback`, `residual` carries what compression lost
+/// `op` is [`ReduceOp::Sum`] or [`ReduceOp::Avg`] (divided by the number of ranks: by the
+/// owner before it re-encodes under scatter-gather, after decoding under the integer ring). With `opts.error_feedback`, `residual` carries what compression lost
 /// from one call to the next on this tensor (see [`Residual`] for when it is reset). One rank returns its input unchanged (nothing to compress); with error
 /// feedback the residual is added first and cleared.
 ///
@@ -392,11 +398,13 @@ fn scatter_gather(
     let own = slices[me].clone();
     let enc_len = |j: usize| codec.encoded_len(slices[j].len(), chunk);
     if let Some(r) = residual.as_deref_mut() {
-        resize_zeroed(&mut r.local, run.n);
-        if r.owner_slice != own {
+        // Another tensor (another length) or another slice of it: the owner's residual
+        // belongs to neither.
+        if r.local.len() != run.n || r.owner_slice != own {
             r.owner.clear();
             r.owner_slice = own.clone();
         }
+        resize_zeroed(&mut r.local, run.n);
         resize_zeroed(&mut r.owner, own.len());
     }
     // Round 1 needs the outgoing pieces and p incoming ones; round 2 the p encoded slices.
@@ -505,13 +513,42 @@ fn scatter_gather(
             // Fails here if a message was shorter than posted.
             round.wait_recv(t, i, |j| &*outs[j], &mut inbox, &mut run.stats)?;
         }
+        // An average is divided before the owner re-quantizes it, not after: the sum of p
+        // values a codec carries (fp16's ±65504) can lie beyond its range where their mean
+        // does not. Nor need the sum fit in f32: a group whose f32 sum overflowed is summed
+        // again from the same codes in f64 (the others keep their f32 sum, bit for bit).
+        if run.avg {
+            for g in groups(own.clone(), chunk, n) {
+                let sum = &mut data[g.clone()];
+                if poisoned || sum.iter().all(|v| v.is_finite()) {
+                    divide(sum, p);
+                    continue;
+                }
+                let from = codec.encoded_len(g.start - own.start, chunk);
+                let to = from + codec.encoded_len(g.len(), chunk);
+                let pieces = std::iter::once(&inbox[me][from..to]).chain(
+                    run.order()
+                        .map(|i| &inbox[i][HEADER_BYTES + from..HEADER_BYTES + to]),
+                );
+                let mut wide = vec![0f64; g.len()];
+                let mut one = vec![0f32; g.len()];
+                for body in pieces {
+                    // Decoded once already, without error (or the slice is poisoned).
+                    if codec.decode(body, chunk, &mut one).is_err() {
+                        one.fill(f32::NAN);
+                    }
+                    wide.iter_mut()
+                        .zip(&one)
+                        .for_each(|(w, &v)| *w += f64::from(v));
+                }
+                // A non-finite input gives the same non-finite mean as in f32.
+                let count = p as f64;
+                sum.iter_mut()
+                    .zip(&wide)
+                    .for_each(|(v, &w)| *v = (w / count) as f32);
+            }
+        }
         round.finish_sends(t, |j| &*outs[j], &mut inbox)?;
-    }
-
-    // An average is divided before the owner re-quantizes it, not after: the sum of p values
-    // a codec carries (fp16's ±65504) can lie beyond its range where their mean does not.
-    if run.avg {
-        divide(&mut data[own.clone()], p);
     }
 
     // Round 2: the owner's one re-quantization, then the codes go round unchanged.
