@@ -246,11 +246,25 @@ def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
         raise InvalidArgumentError(f"{what} is a negative view; resolve it first (.resolve_neg())")
     if writable and t.requires_grad and torch.is_grad_enabled():
         # chorus writes its memory behind autograd's back: a leaf would change under its
-        # gradient, and a tensor saved for backward would give wrong gradients silently.
+        # gradient.
         raise InvalidArgumentError(
             f"{what} requires grad; use it under torch.no_grad() or pass .grad / .detach()"
         )
+    if writable:
+        _mark_written(t)
     return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t)
+
+
+def _mark_written(t: Any) -> None:
+    """Tells autograd that ``t``'s memory is about to change, as an in-place operation does
+    (its version counter, shared with its views and ``.detach()``, goes up): a tensor saved
+    for backward (``x`` in ``loss = (w * x).sum()``), then overwritten by a collective, makes
+    backward fail ("modified by an inplace operation") instead of giving wrong gradients."""
+    torch = sys.modules["torch"]
+    if getattr(t, "is_inference", None) is not None and t.is_inference():
+        return  # no version counter: autograd cannot have saved it
+    with torch.no_grad():
+        t.view(-1)[:0].zero_()
 
 
 def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
@@ -394,6 +408,7 @@ class Communicator:
         # Requests issued and maybe still running: close() waits for them while abort() can
         # still reach the communicator.
         self._inflight: Any = weakref.WeakSet()
+        self._inflight_mu = threading.Lock()
         # Buffers of transfers whose requests were dropped unwaited (given up, as
         # chorus_request_free): kept until no transfer runs (looked at as each transfer is
         # issued) or close(), which waits for every transfer.
@@ -433,7 +448,8 @@ class Communicator:
         # Made first, holding the buffers, so that nothing can free them once the call runs.
         req = Request(result, keep, self._completer)
         self._call(nonblocking, *args, ctypes.byref(req._h))
-        self._inflight.add(req)
+        with self._inflight_mu:
+            self._inflight.add(req)
         return req
 
     def _completer(self) -> Any:
@@ -456,9 +472,10 @@ class Communicator:
     ) -> Any:
         """Replace ``x`` on every rank by the element-wise reduction of everyone's ``x``.
 
-        ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``. ``algorithm`` forces a
-        schedule (e.g. ``"ring"``); ``timeout`` (seconds) overrides the communicator's for
-        this call. With a :class:`Compressor` (one per tensor, kept across steps) the
+        ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"``, ``"avg"``, or for integers
+        ``"band"``, ``"bor"``, ``"bxor"``. ``algorithm`` forces a schedule (e.g. ``"ring"``);
+        ``timeout`` (seconds) overrides the communicator's for this call (0: the
+        communicator's; a negative one is refused). With a :class:`Compressor` (one per tensor, kept across steps) the
         allreduce is compressed: float32, float16 or bfloat16 data, ``"sum"`` or ``"avg"``;
         ``algorithm`` and ``timeout`` do not apply then. Returns ``x``; with ``async_op``, a
         :class:`Request` whose :meth:`~Request.wait` returns ``x`` (not with a compressor).
@@ -865,10 +882,11 @@ class Communicator:
         # Made first, holding the buffer, so that nothing can free it once the transfer runs.
         req = Request(x, (b, x), self._completer)
         # Dropped unwaited, it gives the transfer up (which goes on) rather than waiting for
-        # it: its buffers move to the communicator until close().
+        # it: its buffers move to the communicator until no transfer runs (or close()).
         req._given_up = self._given_up
         self._call(fn, b.ptr, b.count, b.dtype, _int(peer, "peer"), ctypes.byref(req._h))
-        self._inflight.add(req)
+        with self._inflight_mu:
+            self._inflight.add(req)
         return req
 
     def sendrecv(self, x: Any, dest: int, out: Any, source: int) -> Any:
@@ -935,7 +953,8 @@ class Communicator:
             r._h = ctypes.c_void_p.from_buffer(handles, i * size)
         self._call(lib.chorus_batch_isend_irecv, arr, n, handles)
         for r in reqs:
-            self._inflight.add(r)
+            with self._inflight_mu:
+                self._inflight.add(r)
         return reqs
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
@@ -970,7 +989,7 @@ class Communicator:
         """The ranks on this rank's host, as a communicator of their own, in their order here
         (``MPI_Comm_split_type`` with ``MPI_COMM_TYPE_SHARED``; torch's local groups). A
         host is what shared memory goes by: ``CHORUS_HOSTID`` when set, else hostname, boot
-        id and network namespace. Every rank must call it."""
+        id, network namespace and PID namespace. Every rank must call it."""
         handle = ctypes.c_void_p()
         self._call(lib.chorus_comm_split_host, ctypes.byref(handle))
         return Communicator(handle)
@@ -1038,7 +1057,9 @@ class Communicator:
             return
         # The nonblocking calls in flight first, while abort() from another thread can still
         # end one that hangs (their errors stay with their requests).
-        for req in list(self._inflight):
+        with self._inflight_mu:  # another thread may be issuing a call meanwhile
+            inflight = list(self._inflight)
+        for req in inflight:
             try:
                 req.wait()
             except ChorusError:
@@ -1046,7 +1067,12 @@ class Communicator:
         h = self._handle.take()
         if h is not None:
             try:
-                _check(lib.chorus_comm_destroy(h))
+                status = lib.chorus_comm_destroy(h)
+                if status != 0:
+                    # Not freed (a call of another thread began meanwhile): still open.
+                    with self._handle._mu:
+                        self._handle._h = h
+                _check(status)
                 # Destroy waited for every transfer, those given up too.
                 self._given_up.clear()
             finally:
@@ -1083,10 +1109,11 @@ class Request:
 
     The calls of a communicator run in the order they were issued, and a blocking call waits
     for those issued before it; transfers run on their own (see :meth:`Communicator.isend`).
-    A transfer's request dropped without :meth:`wait` gives the transfer up (it goes on, its
-    buffers kept by the communicator until :meth:`Communicator.close`; should it fail, the
-    communicator is aborted); a collective's waits in its finaliser. A request dropped without :meth:`wait` waits in its finaliser,
-    so that the buffers it holds outlive the call; its error, if any, is then lost.
+    A transfer's request dropped without :meth:`wait` gives the transfer up: it goes on, its
+    buffers kept by the communicator until no transfer of it runs any more (or until
+    :meth:`Communicator.close`), and should it fail, the communicator is aborted. A
+    collective's request dropped without :meth:`wait` waits in its finaliser, so that the
+    buffers it holds outlive the call; its error, if any, is then lost.
     """
 
     def __init__(self, result: Any, keep: Tuple[Any, ...], completer: Any):
@@ -1190,7 +1217,7 @@ class Request:
                 if self._given_up is not None and os.getpid() == self._pid:
                     # A transfer: given up, not waited for (a ring of dropped isends followed
                     # by receives must not wait here); if it is still running, its buffers
-                    # stay with the communicator until close().
+                    # stay with the communicator until no transfer runs (or close()).
                     done = ctypes.c_int(0)
                     lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
                     if self._h.value is not None:
@@ -1491,7 +1518,9 @@ def init(
     rank 0), explicitly; ``token`` is the shared secret authenticating connections. With
     ``rank``, ``size`` and ``unique_id`` (from :func:`unique_id`, the same on every rank), as
     NCCL's ``ncclCommInitRank``. With explicit arguments the other settings (timeouts,
-    interface, transport, algorithms) still come from ``CHORUS_*`` variables when set.
+    interface, transport, algorithms) still come from ``CHORUS_*`` variables when set, but
+    not the token: ``token=None`` means connections are checked, not authenticated
+    (``CHORUS_TOKEN`` is not read).
     """
     handle = ctypes.c_void_p()
     if unique_id is not None:

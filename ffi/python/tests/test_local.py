@@ -26,6 +26,33 @@ def test_version_and_statuses():
     assert sorted(statuses) == list(range(1, 9))
 
 
+def test_a_tensor_saved_for_backward_then_overwritten_fails_backward(solo):
+    """chorus writes in place behind autograd's back; it says so as an in-place op does, so
+    that backward fails instead of using the overwritten values."""
+    w = torch.ones(3, requires_grad=True)
+    x = torch.full((3,), 2.0)
+    loss = (w * x).sum()  # autograd saves x
+    solo.allreduce(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Also through a view or .detach() (they share the counter), and for a received tensor.
+    y = torch.full((4,), 3.0)
+    loss = (w.sum() * y[1:]).sum()
+    solo.allreduce(y.detach()[:2])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Another tensor written: backward runs.
+    z = torch.full((3,), 2.0)
+    loss = (w * z).sum()
+    solo.allreduce(torch.zeros(1))
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+    # Inference tensors have no counter and are accepted as before.
+    with torch.inference_mode():
+        t = torch.ones(2)
+    solo.allreduce(t)
+
+
 def test_group_of_one_keeps_values(solo):
     assert (solo.rank, solo.size) == (0, 1)
     for dt in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:
@@ -389,12 +416,17 @@ def test_futures_of_collectives_complete_in_order_among_transfers():
     collectives, which must come in the same order on every rank)."""
     order = []
 
+    # X cannot finish before all four are queued, however late this thread runs.
+    go = threading.Event()
+
     class Req:  # what the futures thread uses of a chorus.Request
-        def __init__(self, name, transfer, ready_after):
-            self.name, self.calls, self.ready_after = name, 0, ready_after
+        def __init__(self, name, transfer, ready_after, gate=None):
+            self.name, self.calls, self.ready_after, self.gate = name, 0, ready_after, gate
             self._given_up = [] if transfer else None
 
         def test(self):
+            if self.gate is not None and not self.gate.is_set():
+                return False
             self.calls += 1
             return self.calls > self.ready_after
 
@@ -415,8 +447,9 @@ def test_futures_of_collectives_complete_in_order_among_transfers():
         # ready one behind it, and a ready transfer arrive together.
         for name, transfer, after in [("X", True, 30), ("A", False, 10), ("B", False, 0), ("T", True, 0)]:
             f = torch.futures.Future()
-            done.put((Req(name, transfer, after), f))
+            done.put((Req(name, transfer, after, go if name == "X" else None), f))
             futs.append(f)
+        go.set()
         for f in futs:
             f.wait()
     finally:
