@@ -16,7 +16,8 @@
 //! Every rank must issue the same calls in the same order, as with blocking calls; the queue
 //! keeps that order on its thread. A blocking call through [`Queue::run`] waits for the calls
 //! issued before it. The buffers travel with the calls (moved in, handed back by
-//! [`Request::wait`]), so nothing can touch them while a call runs.
+//! [`Request::wait`]), so nothing can touch them while a call runs. A call that fails drops
+//! its buffer with it (the error does not carry it back).
 //!
 //! A queue also runs point-to-point transfers ([`Queue::isend`], [`Queue::irecv`], as
 //! `MPI_Isend`/`MPI_Irecv`), which progress on their own rather than in turn:
@@ -192,11 +193,14 @@ struct Shared {
     transfers: Arc<AtomicUsize>,
     /// Requests of transfers the caller holds (issued, not yet waited for, given up or
     /// dropped): calls are refused while there are, which depends on the program's order
-    /// only, alike on every rank.
+    /// only.
     held: Arc<AtomicUsize>,
     /// The transfers posted and not finished, locked after `comm` by the thread driving them
     /// (`Jobs::driving`): one issuing a transfer, one waiting for one, or the worker.
     engine: Mutex<p2p::Engine>,
+    /// The communicator's abort handle: a thread waiting for a transfer to itself (nothing
+    /// to progress) drives once an abort is requested, which fails it.
+    abort: AbortHandle,
 }
 
 /// A communicator whose calls run on a thread of their own, in the order they are issued.
@@ -220,8 +224,9 @@ impl Queue {
     /// A queue over `comm`.
     pub fn new(comm: Communicator) -> Queue {
         let transfers = Arc::new(AtomicUsize::new(0));
+        let abort = comm.abort_handle();
         Queue {
-            abort: comm.abort_handle(),
+            abort: abort.clone(),
             rank: comm.rank(),
             size: comm.size(),
             shared: Arc::new(Shared {
@@ -242,6 +247,7 @@ impl Queue {
                     unmatched_due: None,
                 }),
                 changed: Condvar::new(),
+                abort,
                 engine: Mutex::new(p2p::Engine::new(Arc::clone(&transfers))),
                 answered: AtomicU64::new(0),
                 transfers,
@@ -271,22 +277,32 @@ impl Queue {
     /// thread's blocking call): the peers are told and their calls fail at once, the running
     /// call and every later one fail (see [`AbortHandle`]). Returns once the peers have been
     /// told: true; false if after `limit` a running call has neither waited nor ended (it tells
-    /// them when it does), or at once when called on the queue's own thread (inside a call,
-    /// which notices when it next waits or ends). In a forked child it does nothing (the
+    /// them when it does), or at once when called on the queue's own thread or inside a
+    /// blocking call on this queue ([`Queue::run`]): that call notices when it next waits or
+    /// ends. In a forked child it does nothing (the
     /// parent still runs this rank) and returns true.
     pub fn abort(&self, reason: &str, limit: Duration) -> bool {
         if self.check_process().is_err() {
             return true;
         }
         self.abort.abort(reason);
-        if lock(&self.shared.jobs).worker == Some(std::thread::current().id()) {
-            // A call on the queue's thread holds the communicator: it notices when it next
-            // waits, or tells the peers when it ends.
+        if lock(&self.shared.jobs).worker == Some(std::thread::current().id()) || self.in_own_call()
+        {
+            // A call on the queue's thread, or this thread's blocking call on it
+            // (`Queue::run`), holds the communicator: it notices when it next waits, or
+            // tells the peers when it ends.
             return false;
         }
         let end = chorus_transport::deadline_after(limit);
         loop {
-            if self.abort.is_done() || self.try_now(|c| c.abort(reason)).is_some() {
+            let acted = || {
+                self.try_now(|c| {
+                    c.abort(reason);
+                    // Transfers to itself waiting for their other half fail now.
+                    lock(&self.shared.engine).fail_unmatched_if_broken(c);
+                })
+            };
+            if self.abort.is_done() || acted().is_some() {
                 return true;
             }
             if Instant::now() >= end {
@@ -331,9 +347,12 @@ impl Queue {
     /// thread progressing transfers holds the communicator, and a collective would wait
     /// behind them (a peer that first makes the collective, then receives, would never be
     /// reached). The rule follows the program's order (a request is held until it is waited
-    /// for, given up or dropped, however soon its transfer ended), so ranks running the same
-    /// program refuse alike. Transfers whose requests were given up or dropped are waited for
-    /// by the call instead (each ends within the timeout).
+    /// for, given up or dropped, however soon its transfer ended), so ranks that hold transfer
+    /// requests at the same points refuse alike. Where they do not (rank 0 sends to rank 1
+    /// and makes a collective before its `wait`, rank 1 makes the collective first), the ranks
+    /// whose call was accepted wait for the refused one until their timeout: wait for
+    /// transfers before collectives on every rank. Transfers whose requests were given up or
+    /// dropped are waited for by the call instead (each ends within the timeout).
     pub fn calls_allowed(&self, op: &'static str) -> Result<(), CommError> {
         match self.shared.held.load(Ordering::SeqCst) {
             0 => Ok(()),
@@ -439,7 +458,22 @@ impl Queue {
             };
         }
         if !self.start_worker() {
-            // No thread to be had: run the call here, after those issued before it.
+            // No thread to be had: run the call here, after those issued before it; not
+            // inside a blocking call on this queue, which holds the communicator.
+            if self.in_own_call() {
+                *lock(&slot.value) = Some(Err(CommError::new(
+                    ErrorKind::InvalidUsage,
+                    "queued call",
+                    "no thread could be started for the queue, and this call, issued inside a \
+                     blocking call on it (Queue::run), cannot run before that call ends",
+                )
+                .at_rank(self.rank)));
+                return Request {
+                    slot,
+                    driver: None,
+                    held: None,
+                };
+            }
             self.wait_all();
             let mut comm = lock_comm(&self.shared.comm);
             job(&mut comm, &mut || {});
@@ -500,7 +534,9 @@ impl Queue {
     /// [`Communicator::send`]/[`Communicator::recv`] of a peer that uses no queue too; a
     /// receive takes exactly its buffer's length and dtype (anything else is an
     /// [`ErrorKind::Mismatch`], and the communicator is aborted, as for a blocking receive). A
-    /// transfer to this rank itself is copied into its receive from itself, in order.
+    /// transfer to this rank itself is copied into its receive from itself, in order (a
+    /// mismatch there fails both halves and leaves the communicator usable: nothing went on
+    /// the wire).
     ///
     /// Each transfer must finish within the communicator's timeout of being issued; the
     /// transfers are issued after the calls issued before them. While the caller holds a
@@ -743,7 +779,9 @@ impl Queue {
     }
 
     /// As [`Queue::try_run`], but without waiting for the calls issued before: `None` also
-    /// while one of them runs. For what must not wait, such as [`Communicator::abort`].
+    /// while one of them runs. For what must not wait, such as [`Communicator::abort`]. It
+    /// does not apply the transfer rules either ([`Queue::calls_allowed`]): a collective run
+    /// through it while transfers are live may fail, stuck behind them.
     pub fn try_now<T>(&self, f: impl FnOnce(&mut Communicator) -> T) -> Option<T> {
         let guard = try_lock_comm(&self.shared.comm)?;
         Some(self.in_call(|| guarded(guard, f)))
@@ -1099,9 +1137,14 @@ fn drive(
     if r.is_err() {
         abandon(&mut comm, &mut engine);
     }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        comm.settle_abort();
+        // An abort (noticed now, or earlier): transfers to itself fail instead of waiting
+        // out the timeout for a half that can no longer be issued.
+        engine.fail_unmatched_if_broken(&mut comm);
+    }));
     let live = engine.has_live();
     let unmatched_due = engine.unmatched_due(comm.config().timeout);
-    let _ = catch_unwind(AssertUnwindSafe(|| comm.settle_abort()));
     drop(engine);
     drop(comm);
     let mut jobs = lock(&shared.jobs);
@@ -1159,7 +1202,13 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
             return done(false);
         }
         let mut jobs = lock(&shared.jobs);
-        if jobs.free_to_drive(now) {
+        // A transfer to itself waits for its other half, which an abort means will never
+        // come: drive, which fails it.
+        let aborted = shared.abort.is_requested()
+            && jobs.unmatched_due.is_some()
+            && !jobs.driving
+            && !jobs.busy;
+        if jobs.free_to_drive(now) || aborted {
             jobs.driving = true;
             jobs.unattended = None;
             drop(jobs);
@@ -1425,21 +1474,28 @@ impl<T> Request<T> {
     }
 
     /// Wait for the call and take its result. For a transfer, this thread progresses the
-    /// queue's transfers meanwhile, unless another thread does.
+    /// queue's transfers meanwhile, unless another thread does. Refused where waiting would
+    /// never end (inside [`Queue::run`] on its queue, on the queue's own thread for a later
+    /// call, in a forked child): the call then goes on as given up ([`Request::detach`]).
     pub fn wait(self) -> Result<T, CommError> {
         // First: in a forked child the parent's worker may have held the lock at the fork.
         self.slot.process.check("queued call", self.slot.rank)?;
         if let Some(r) = lock(&self.slot.value).take() {
             return r;
         }
-        self.slot.unwaitable()?;
+        if let Err(e) = self.slot.unwaitable() {
+            return self.refused(e);
+        }
         self.drive_until(None);
         let mut value = lock(&self.slot.value);
         loop {
             if let Some(r) = value.take() {
                 return r;
             }
-            self.slot.unwaitable()?;
+            if let Err(e) = self.slot.unwaitable() {
+                drop(value);
+                return self.refused(e);
+            }
             value = self
                 .slot
                 .done
@@ -1448,8 +1504,21 @@ impl<T> Request<T> {
         }
     }
 
+    /// A wait refused with `e` (the request cannot be waited for here): the result if it came
+    /// meanwhile; else `e`, and the call goes on as given up ([`Request::detach`]), so that a
+    /// failure of it is still reported.
+    fn refused(&self, e: CommError) -> Result<T, CommError> {
+        let mut value = lock(&self.slot.value);
+        if let Some(r) = value.take() {
+            return r;
+        }
+        self.slot.detached.store(true, Ordering::SeqCst);
+        Err(e)
+    }
+
     /// Wait up to `limit` for the call to finish, without taking its result: whether it has
-    /// (then [`Request::wait`] returns at once).
+    /// (then [`Request::wait`] returns at once), or cannot be waited for here (inside
+    /// [`Queue::run`] on its queue: then [`Request::wait`] returns that error at once).
     pub fn wait_done(&self, limit: Duration) -> bool {
         if self
             .slot
@@ -1489,7 +1558,8 @@ impl<T> Request<T> {
         }
     }
 
-    /// Wait up to `limit` for the call: its result, or the request back if it is still running.
+    /// Wait up to `limit` for the call: its result, or the request back if it is still running
+    /// (where it cannot be waited for, the error [`Request::wait`] gives).
     pub fn wait_timeout(self, limit: Duration) -> Result<Result<T, CommError>, Request<T>> {
         if self.wait_done(limit) {
             // Finished (or never to finish here: `wait` says why), so this does not block.

@@ -481,3 +481,104 @@ fn transfers_over_shared_memory_and_tcp_at_once() {
         assert!(out.contains("over shm+tcp"), "rank {rank}:\n{out}");
     }
 }
+
+/// A send buffer whose `send_bytes` panics (a user's buffer type with a bug).
+struct Exploding(Vec<u8>);
+
+impl chorus::SendBuffer for Exploding {
+    fn send_bytes(&self) -> &[u8] {
+        panic!("exploding buffer (expected by the test)")
+    }
+    fn send_len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// A buffer that panics when asked for its bytes fails its transfer (and the communicator,
+/// aborted) instead of leaving its request waiting forever; the count of transfers comes
+/// back to 0. To a peer and to itself.
+#[test]
+fn a_buffer_that_panics_fails_its_transfer() {
+    ranks(2, "tcp", Duration::from_secs(30), |c| {
+        let me = c.rank();
+        let q = Queue::new(c);
+        let peer = if me == 0 { 1 } else { me };
+        let (to, send) = if me == 0 {
+            (
+                peer,
+                q.isend_buffer(Exploding(vec![1; 8]), chorus::DType::Uint8, peer),
+            )
+        } else {
+            // To itself: the receive is matched with the exploding send.
+            let r = q.irecv(vec![0u8; 8], me);
+            let s = q.isend_buffer(Exploding(vec![1; 8]), chorus::DType::Uint8, me);
+            let e = r.wait().expect_err("matched with a panicking send");
+            assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
+            (me, s)
+        };
+        let Err(e) = send.wait() else {
+            panic!("the send to {to} succeeded")
+        };
+        assert_eq!(e.kind(), ErrorKind::Internal, "to {to}: {e}");
+        assert!(e.message().contains("panicked"), "{e}");
+        assert!(!e.is_usable(), "{e}");
+        assert_eq!(q.transfers(), 0);
+        // Aborted: a later call fails at once.
+        let e = q.barrier().wait().expect_err("an aborted communicator");
+        assert!(!e.is_usable(), "{e}");
+    });
+}
+
+/// An abort fails a transfer to itself that waits for its other half at once (through
+/// `Queue::abort` or the communicator's abort handle), not at the timeout, and as unusable.
+#[test]
+fn an_abort_fails_a_transfer_to_itself_waiting_for_its_other_half() {
+    for by_handle in [false, true] {
+        ranks(2, "tcp", Duration::from_secs(60), move |c| {
+            let me = c.rank();
+            let q = Arc::new(Queue::new(c));
+            let waiter = {
+                let q = Arc::clone(&q);
+                std::thread::spawn(move || {
+                    let start = Instant::now();
+                    let r = q.irecv(vec![0u8; 4], me).wait();
+                    (r.err(), start.elapsed())
+                })
+            };
+            // Whether or not the receive was issued yet, it must fail (issued after the
+            // abort, it is refused at once).
+            std::thread::sleep(Duration::from_millis(100));
+            if by_handle {
+                q.abort_handle().abort("the test aborts");
+            } else {
+                assert!(q.abort("the test aborts", Duration::from_secs(10)));
+            }
+            let (e, took) = waiter.join().expect("waiter");
+            let e = e.expect("the receive failed");
+            assert!(!e.is_usable(), "{e}");
+            assert!(took < Duration::from_secs(20), "{took:?}: {e}");
+            assert_eq!(q.transfers(), 0);
+        });
+    }
+}
+
+/// `Queue::abort` inside a blocking call on the same queue returns at once (the call holds
+/// the communicator; it notices the abort when it next waits).
+#[test]
+fn abort_inside_run_returns_at_once() {
+    ranks(2, "tcp", Duration::from_secs(60), |c| {
+        let q = Queue::new(c);
+        let start = Instant::now();
+        let r = q.run(|c| {
+            assert!(!q.abort("inside run", Duration::MAX));
+            c.barrier()
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
+        let e = r.expect_err("aborted");
+        assert!(!e.is_usable(), "{e}");
+    });
+}

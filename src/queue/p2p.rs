@@ -12,7 +12,9 @@
 //! queue refuses calls while the caller holds transfer requests (`Queue::calls_allowed`), and
 //! a call made after requests were given up waits for their transfers.
 
+use std::any::Any;
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +29,18 @@ use crate::error::{CommError, ErrorKind};
 /// How long one wait of the worker lasts before it looks for new transfers. TCP is woken at
 /// once when one is issued; shared memory has no such wake, and notices within this.
 const SLICE: Duration = Duration::from_millis(2);
+
+/// The error of a transfer whose buffer panicked when asked for its bytes.
+fn buffer_panicked(op: &'static str, rank: usize) -> CommError {
+    CommError::new(
+        ErrorKind::Internal,
+        op,
+        "the transfer's buffer panicked when asked for its bytes (send_bytes or recv_bytes); \
+         the communicator was aborted",
+    )
+    .at_rank(rank)
+    .with_usable(false)
+}
 
 /// A transfer's buffer, lent to the transport while the transfer is live.
 pub(crate) enum Buf<'a> {
@@ -138,7 +152,8 @@ impl Engine {
     pub(crate) fn admit(&mut self, comm: &mut Communicator, mut e: Entry) {
         let op = e.op();
         if let Err(err) = comm.check_usable(op) {
-            return self.finish(e, Err(err), comm);
+            self.finish(e, Err(err), comm);
+            return self.fail_unmatched_if_broken(comm);
         }
         if e.peer == comm.rank() {
             if e.transfer.is_send() {
@@ -149,9 +164,19 @@ impl Engine {
             return self.match_self(comm);
         }
         let tag = p2p_tag(e.dtype);
-        let mut req = match e.transfer.buf() {
+        let made = catch_unwind(AssertUnwindSafe(|| match e.transfer.buf() {
             Buf::Send(b) => TReq::send(e.peer, tag, b.len()),
             Buf::Recv(b) => TReq::recv(e.peer, tag, b.len()),
+        }));
+        let mut req = match made {
+            Ok(req) => req,
+            Err(panic) => {
+                // Held only here: finished before the panic goes on (to `drive`, which
+                // aborts the communicator and fails the other transfers).
+                let err = buffer_panicked(e.op(), comm.rank());
+                self.finish(e, Err(err), comm);
+                resume_unwind(panic)
+            }
         };
         if let Err(te) = comm.transport_mut().post(&mut req) {
             let err = comm.fail(op, te);
@@ -172,19 +197,34 @@ impl Engine {
                 self.self_sends.pop_front().expect("checked"),
                 self.self_recvs.pop_front().expect("checked"),
             );
-            let result = match (s.transfer.buf(), r.transfer.buf()) {
-                (Buf::Send(a), Buf::Recv(b)) if a.len() == b.len() && s.dtype == r.dtype => {
-                    b.copy_from_slice(a);
-                    Ok(())
+            let copied = catch_unwind(AssertUnwindSafe(|| {
+                match (s.transfer.buf(), r.transfer.buf()) {
+                    (Buf::Send(a), Buf::Recv(b)) if a.len() == b.len() && s.dtype == r.dtype => {
+                        b.copy_from_slice(a);
+                        Ok(())
+                    }
+                    (Buf::Send(a), Buf::Recv(b)) => Err(format!(
+                        "a send of {} bytes of {} to this rank met a receive of {} bytes of {}",
+                        a.len(),
+                        s.dtype.name(),
+                        b.len(),
+                        r.dtype.name()
+                    )),
+                    _ => unreachable!("sends and receives are kept apart"),
                 }
-                (Buf::Send(a), Buf::Recv(b)) => Err(format!(
-                    "a send of {} bytes of {} to this rank met a receive of {} bytes of {}",
-                    a.len(),
-                    s.dtype.name(),
-                    b.len(),
-                    r.dtype.name()
-                )),
-                _ => unreachable!("sends and receives are kept apart"),
+            }));
+            let result = match copied {
+                Ok(result) => result,
+                Err(panic) => {
+                    // Both halves are held only here: finished before the panic goes on.
+                    let rank = comm.rank();
+                    let done = vec![
+                        (s, Err(buffer_panicked("isend", rank))),
+                        (r, Err(buffer_panicked("irecv", rank))),
+                    ];
+                    let _ = self.finish_each(done, comm);
+                    resume_unwind(panic)
+                }
             };
             let mismatch = |op, m: &String| {
                 CommError::new(ErrorKind::Mismatch, op, m.clone())
@@ -267,6 +307,8 @@ impl Engine {
             comm.transport_mut().progress(&mut ops, wait)
         };
         if let Err(e) = progress {
+            // Those that finished before the error keep their result.
+            self.finish_completed(comm);
             let dir = self.direction_of(&e);
             return self.fail_all(comm, dir, e);
         }
@@ -285,11 +327,20 @@ impl Engine {
                 expected_len: l.req.len(),
                 got_len: l.req.bytes_done(),
             };
+            self.finish_completed(comm);
             return self.fail_all(comm, Direction::Recv, e);
         }
+        self.finish_completed(comm);
+    }
+
+    /// Finish the live transfers that are complete: sends, and receives that took exactly
+    /// their buffer.
+    fn finish_completed(&mut self, comm: &mut Communicator) {
         let mut k = 0;
         while k < self.live.len() {
-            if self.live[k].req.is_complete() {
+            let req = &self.live[k].req;
+            let whole = req.direction() == Direction::Send || req.bytes_done() == req.len();
+            if req.is_complete() && whole {
                 let l = self.live.remove(k);
                 self.finish(l.entry, Ok(()), comm);
             } else {
@@ -326,16 +377,67 @@ impl Engine {
             Direction::Recv => "irecv",
         };
         let err = comm.fail(op, e);
+        if !self.live.is_empty() && comm.is_usable() {
+            // Posted requests are dropped below, and with them the transport's order of
+            // messages to their peers: the communicator cannot go on, whatever the error.
+            comm.abort(&format!(
+                "point-to-point transfers failed: {}",
+                err.message()
+            ));
+        }
         let all = self
             .live
             .drain(..)
             .map(|l| l.entry)
             .chain(self.self_sends.drain(..))
             .chain(self.self_recvs.drain(..))
+            .map(|entry| {
+                let mine = err.copy().with_op(entry.op());
+                (entry, Err(mine))
+            })
             .collect::<Vec<_>>();
-        for entry in all {
-            let mine = err.copy().with_op(entry.op());
-            self.finish(entry, Err(mine), comm);
+        if let Some(panic) = self.finish_each(all, comm) {
+            resume_unwind(panic);
+        }
+    }
+
+    /// Finish every entry of `done` with its result, each even if another's finish panics
+    /// (a buffer's `Drop`: an entry dropped unfinished would leave its request waiting
+    /// forever); returns the first panic.
+    fn finish_each(
+        &self,
+        done: Vec<(Entry, Result<(), CommError>)>,
+        comm: &mut Communicator,
+    ) -> Option<Box<dyn Any + Send>> {
+        let mut first = None;
+        for (entry, result) in done {
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.finish(entry, result, comm)))
+            {
+                first.get_or_insert(panic);
+            }
+        }
+        first
+    }
+
+    /// Once the communicator is broken (aborted): fail the transfers to this rank itself
+    /// that wait for their other half, which can no longer be issued, with its error.
+    pub(crate) fn fail_unmatched_if_broken(&mut self, comm: &mut Communicator) {
+        if comm.is_usable() || (self.self_sends.is_empty() && self.self_recvs.is_empty()) {
+            return;
+        }
+        let done: Vec<_> =
+            self.self_sends
+                .drain(..)
+                .chain(self.self_recvs.drain(..))
+                .map(|entry| {
+                    let err = comm.check_usable(entry.op()).err().unwrap_or_else(|| {
+                        CommError::new(ErrorKind::Internal, entry.op(), "aborted")
+                    });
+                    (entry, Err(err))
+                })
+                .collect();
+        if let Some(panic) = self.finish_each(done, comm) {
+            resume_unwind(panic);
         }
     }
 
@@ -388,12 +490,19 @@ impl Engine {
         comm: &mut Communicator,
         why: impl Fn(&Entry) -> (ErrorKind, String, bool),
     ) {
-        for entry in held {
-            let (kind, message, usable) = why(&entry);
-            let err = CommError::new(kind, entry.op(), message)
-                .at_rank(comm.rank())
-                .with_usable(usable);
-            self.finish(entry, Err(err), comm);
+        let rank = comm.rank();
+        let done = held
+            .into_iter()
+            .map(|entry| {
+                let (kind, message, usable) = why(&entry);
+                let err = CommError::new(kind, entry.op(), message)
+                    .at_rank(rank)
+                    .with_usable(usable);
+                (entry, Err(err))
+            })
+            .collect();
+        if let Some(panic) = self.finish_each(done, comm) {
+            resume_unwind(panic);
         }
     }
 
