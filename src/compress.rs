@@ -437,11 +437,10 @@ impl Communicator {
                     error_feedback: spec.error_feedback,
                 };
                 // Tensors of one rank round with streams of their own: with one stream, two
-                // buckets of a size would draw the same dither, element for element.
-                let seed = spec
-                    .seed
-                    .wrapping_add(comp.instance.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                let rng = comp.rng.get_or_insert_with(|| Rng::new(seed, rank));
+                // buckets of a size would draw the same dither, element for element. (The
+                // stream is the rank and the compressor's number, side by side.)
+                let stream = rank ^ (comp.instance << 32);
+                let rng = comp.rng.get_or_insert_with(|| Rng::new(spec.seed, stream));
                 let residual = spec.error_feedback.then_some(&mut comp.residual);
                 let mut wire = compress::WireStats::default();
                 self.run_tagged(OP, tag, None, |ctx| {

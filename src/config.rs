@@ -8,7 +8,8 @@
 //!   a batch script, which has none, is rank 0 of 1 in an allocation of one task and refused
 //!   in a larger one).
 //! - local rank: `CHORUS_LOCAL_RANK`, else the rank's launcher's `LOCAL_RANK`,
-//!   `OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`, `SLURM_LOCALID`; ranks on this host:
+//!   `OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID` (started by srun, also
+//!   `SLURM_LOCALID`), `SLURM_LOCALID`; ranks on this host:
 //!   `CHORUS_LOCAL_SIZE`, else the rank's launcher's `LOCAL_WORLD_SIZE`,
 //!   `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS` (Slurm: all of them when
 //!   `SLURM_STEP_NUM_NODES=1`). Another launcher's variables, left in the environment of
@@ -300,9 +301,22 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             "{rank_var}={rank} is not below {size_var}={size}: ranks are 0..{size}"
         ));
     }
+    // Started by srun: Slurm gave the rank, or srun's MPI plugin did (`--mpi=pmi2` sets
+    // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree. Never for Open MPI's
+    // variables: mpirun starts its ranks itself (through daemons that srun started, whose
+    // Slurm variables the ranks inherit and which say nothing of the ranks).
+    let srun = launcher.name == "Slurm"
+        || (launcher.name != "Open MPI"
+            && env.value("SLURM_PROCID") == Some(rank.to_string())
+            && env.value("SLURM_STEP_NUM_TASKS") == Some(size.to_string()));
     // From `CHORUS_LOCAL_RANK` or the launcher that gave the rank, as the local size below:
-    // a `LOCAL_RANK` left in the shell says nothing of an mpirun job's ranks.
-    let local_rank = match env.first(&["CHORUS_LOCAL_RANK", launcher.local_rank]) {
+    // a `LOCAL_RANK` left in the shell says nothing of an mpirun job's ranks. srun's MPI
+    // plugin (`--mpi=pmi2`) gives no local rank of its own: Slurm's is the ranks'.
+    let mut local_rank_vars = vec!["CHORUS_LOCAL_RANK", launcher.local_rank];
+    if srun && launcher.name != "Slurm" {
+        local_rank_vars.push("SLURM_LOCALID");
+    }
+    let local_rank = match env.first(&local_rank_vars) {
         None => None,
         Some((var, v)) => {
             let local = parse_count(var, &v)?;
@@ -312,15 +326,6 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
             Some((var, local))
         }
     };
-
-    // Started by srun: Slurm gave the rank, or srun's MPI plugin did (`--mpi=pmi2` sets
-    // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree. Never for Open MPI's
-    // variables: mpirun starts its ranks itself (through daemons that srun started, whose
-    // Slurm variables the ranks inherit and which say nothing of the ranks).
-    let srun = launcher.name == "Slurm"
-        || (launcher.name != "Open MPI"
-            && env.value("SLURM_PROCID") == Some(rank.to_string())
-            && env.value("SLURM_STEP_NUM_TASKS") == Some(size.to_string()));
     // From `CHORUS_LOCAL_SIZE` or the launcher that gave the rank (another's count, left in
     // the environment of a process that launched this one, says nothing of this job). Slurm
     // gives none per host, but a step on one node is on one host.
@@ -717,11 +722,7 @@ fn root_addr(
             );
         };
         (port.0, host, port.1)
-    } else if let Some((list, rank)) = env
-        .value("SLURM_STEP_NODELIST")
-        .zip(srun_rank)
-        .filter(|_| size > 1)
-    {
+    } else if let Some((list, rank)) = env.value("SLURM_STEP_NODELIST").zip(srun_rank) {
         let host = first_slurm_host(&list).ok_or_else(|| {
             format!(
                 "SLURM_STEP_NODELIST={list:?}: cannot read its first host; set CHORUS_ADDR or \
@@ -755,8 +756,6 @@ fn root_addr(
             }
         };
         (port.0, host, port.1)
-    } else if size == 1 {
-        return Ok(("127.0.0.1:0".to_string(), None));
     } else {
         return Err(format!(
             "no rendezvous address for {size} ranks: set CHORUS_ADDR=host:port (rank 0's \
@@ -906,6 +905,22 @@ mod tests {
             "CHORUS_LOCAL_RANK=3",
         );
         assert!(msg.contains("ranks on this host (2)"), "{msg}");
+    }
+
+    /// srun's MPI plugin (`--mpi=pmi2`) gives PMI_RANK and PMI_SIZE but no local rank:
+    /// Slurm's task id on the node is the ranks'.
+    #[test]
+    fn srun_with_pmi2_takes_slurms_local_rank() {
+        let c = config(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ADDR,
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.size, c.local_rank), (3, 4, Some(1)));
     }
 
     /// One rank reads no address: a stale `MASTER_ADDR` without its port does not stop it.

@@ -298,8 +298,11 @@ impl Queue {
             let acted = || {
                 self.try_now(|c| {
                     c.abort(reason);
-                    // Transfers to itself waiting for their other half fail now.
-                    lock(&self.shared.engine).fail_unmatched_if_broken(c);
+                    // Transfers to itself waiting for their other half fail now (a buffer
+                    // whose drop panics there must not unwind into the caller's thread).
+                    let _ = catch_unwind(AssertUnwindSafe(|| {
+                        lock(&self.shared.engine).fail_unmatched_if_broken(c)
+                    }));
                 })
             };
             if self.abort.is_done() || acted().is_some() {

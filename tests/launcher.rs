@@ -374,8 +374,24 @@ struct Live {
 
 impl Live {
     fn start(args: &[&str]) -> Live {
-        let mut child = launcher()
-            .args(args)
+        Live::spawn(launcher().args(args))
+    }
+
+    /// Another program that starts the launcher (a wrapper), with the same clean variables.
+    fn start_program(program: &str, args: &[&str]) -> Live {
+        let cleaned = launcher();
+        let mut wrapper = Command::new(program);
+        for (k, v) in cleaned.get_envs() {
+            match v {
+                Some(v) => wrapper.env(k, v),
+                None => wrapper.env_remove(k),
+            };
+        }
+        Live::spawn(wrapper.args(args))
+    }
+
+    fn spawn(cmd: &mut Command) -> Live {
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -591,6 +607,86 @@ fn output_read_slowly_after_the_ranks_exit_is_not_lost() {
     let xs: usize = lines.iter().map(|(_, l)| l.len()).sum();
     assert_eq!(xs, 100_000, "{err}");
     assert!(!err.contains("still open"), "{err}");
+}
+
+/// A signal chorus-run was started ignoring (`nohup`, `trap '' HUP`) stays ignored, by it and
+/// by the ranks (which inherit that): the job goes on to its end.
+#[test]
+fn signals_ignored_at_start_stay_ignored() {
+    let outer = format!(
+        "trap '' HUP; exec '{}' -n 2 -- sh -c 'echo up; sleep 1; echo done'",
+        env!("CARGO_BIN_EXE_chorus-run")
+    );
+    let mut job = Live::start_program("sh", &["-c", &outer]);
+    job.wait_for(2, "] up");
+    job.signal("HUP");
+    let (status, lines, stderr) = job.finish();
+    assert!(status.success(), "{status}: {stderr}");
+    assert_eq!(
+        lines.iter().filter(|l| l.ends_with("] done")).count(),
+        2,
+        "{lines:?}"
+    );
+    assert!(!stderr.contains("SIGHUP"), "{stderr}");
+}
+
+/// `timeout` sends its signal to chorus-run and then to chorus-run's whole process group:
+/// the two count as one stop, with its grace, not as a second signal that kills at once.
+#[test]
+fn a_signal_to_the_launcher_and_its_group_counts_once() {
+    let script = "trap 'echo term; exit 7' TERM; echo up; i=0; \
+                  while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done";
+    let launcher = env!("CARGO_BIN_EXE_chorus-run");
+    let mut job = Live::start_program(
+        "timeout",
+        &["2", launcher, "-n", "2", "--", "sh", "-c", script],
+    );
+    job.wait_for(2, "] up");
+    let (status, lines, stderr) = job.finish();
+    assert!(!stderr.contains("again"), "{stderr}");
+    assert!(stderr.contains("got signal 15 (SIGTERM)"), "{stderr}");
+    assert_eq!(
+        lines.iter().filter(|l| l.ends_with("] term")).count(),
+        2,
+        "{lines:?}: {stderr}"
+    );
+    // timeout(1) reports its command's death by a signal as 128 + the signal.
+    assert_eq!(status.code(), Some(124), "{status}: {stderr}");
+}
+
+/// The same signal twice from one sender within a second is one request (what a signal to
+/// the launcher and then to its process group looks like), not the second one that kills at
+/// once; from another sender it is.
+#[test]
+fn the_same_signal_from_the_same_sender_right_after_counts_once() {
+    use std::os::unix::process::ExitStatusExt;
+    // The ranks outlive a SIGTERM: only a second request (or the 10 s grace) ends them.
+    let script = "trap 'echo term' TERM; echo up; i=0; \
+                  while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done";
+    let mut job = Live::start(&["-n", "2", "--", "sh", "-c", script]);
+    job.wait_for(2, "] up");
+    let pid = job.child.id();
+    let twice = format!("kill -TERM {pid}; sleep 0.2; kill -TERM {pid}");
+    assert!(Command::new("sh")
+        .args(["-c", &twice])
+        .status()
+        .unwrap()
+        .success());
+    thread::sleep(Duration::from_millis(500));
+    // Had the repeat counted, the ranks would have been killed at once.
+    assert!(
+        job.child.try_wait().unwrap().is_none(),
+        "the job ended on the repeated signal"
+    );
+    job.signal("TERM"); // another sender: a second request
+    let (status, _, stderr) = job.finish();
+    assert_eq!(stderr.matches("again: killed").count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.matches("got signal 15 (SIGTERM)").count(),
+        2,
+        "{stderr}"
+    );
+    assert_eq!(status.signal(), Some(15), "{status}: {stderr}");
 }
 
 #[test]

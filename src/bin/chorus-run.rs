@@ -35,10 +35,17 @@
 //! batch system, `docker stop`) are passed on to every rank still running and stop the job:
 //! the ranks get [`STOP_GRACE`] to exit, then are killed; a second such signal kills them at
 //! once. The same signals from the terminal are not passed on (the ranks got them already) but
-//! stop the job the same way. `SIGUSR1` and `SIGUSR2` are passed on and the job goes on (a
-//! batch system's warning before a time limit, say). A job stopped by a signal ends with that
-//! signal: `chorus-run` then kills itself with it (`SIGQUIT`: exits with 131, no core file), so
-//! a shell sees the same status as if the ranks had run without a launcher.
+//! stop the job the same way (a hangup's `SIGHUP` is passed on when `chorus-run` leads its
+//! session, as under `ssh -t`: the kernel sent it to the leader alone). `SIGUSR1` and
+//! `SIGUSR2` are passed on and the job goes on (a batch system's warning before a time limit,
+//! say). A signal sent to the whole process group (`timeout`, `kill -- -PGID`) reaches the
+//! ranks twice, directly and passed on; the same signal from the same sender again within a
+//! second counts once. Signals `chorus-run` was started ignoring (`nohup`, `cmd &` in a
+//! script) stay ignored, by it and by the ranks. A job stopped by a signal before anything
+//! else decided its end (a rank's failure, `--timeout`) ends with that signal: `chorus-run`
+//! then kills itself with it (`SIGQUIT`: exits with 131, no core file; as a container's first
+//! process, exits with 128 + the signal), so a shell sees the same status as if the ranks had
+//! run without a launcher.
 #![forbid(unsafe_code)]
 
 use std::ffi::{c_int, OsString};
@@ -65,7 +72,8 @@ const POLL_INTERVAL: Duration = Duration::from_millis(5);
 /// After one rank failed, how long the others may take to exit on their own (a chorus rank
 /// usually notices a lost peer quickly and reports it) before they are killed.
 const KILL_GRACE: Duration = Duration::from_millis(250);
-/// After every rank has exited, how long to wait for their output pipes to reach end of file.
+/// After every rank has exited, how long an output pipe may stay open with nothing coming
+/// through it before it is given up (a background process of a rank holds it).
 const DRAIN_GRACE: Duration = Duration::from_secs(1);
 /// A line longer than this is passed on in pieces of this size, each with its own prefix.
 const MAX_LINE: usize = 64 * 1024;
@@ -129,8 +137,10 @@ srun --pty shell, or when SLURM_PTY_PORT is set); 127 (126) if CMD could not be 
 (executed); 1 if chorus-run could not start the job (no free port, no /dev/urandom).
 SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the job: sent to chorus-run they are passed on
 to the ranks (from the terminal the ranks got them already), the ranks get 10 s to exit and
-are then killed (at once on a second such signal), and chorus-run ends by the same signal.
-SIGUSR1 and SIGUSR2 are passed on to the ranks and the job goes on.
+are then killed (at once on a second such signal), and chorus-run ends by the same signal
+(SIGQUIT: exit status 131), unless a rank failed first. SIGUSR1 and SIGUSR2 are passed on
+to the ranks and the job goes on. Signals ignored when chorus-run starts (nohup) stay
+ignored.
 ";
 
 /// What the command line asked for.
@@ -380,10 +390,16 @@ impl Prefixer {
             let window = &input[..input.len().min(room + 1)];
             match window.iter().position(|&b| b == b'\n' || b == b'\r') {
                 Some(i) => {
-                    self.held.extend_from_slice(&window[..=i]);
-                    self.after_cr = window[i] == b'\r';
+                    // `\r\n` in one piece ends one line (a blank one too).
+                    let end = if window[i] == b'\r' && input.get(i + 1) == Some(&b'\n') {
+                        i + 1
+                    } else {
+                        i
+                    };
+                    self.held.extend_from_slice(&input[..=end]);
+                    self.after_cr = input[end] == b'\r';
                     self.pass(out);
-                    input = &input[i + 1..];
+                    input = &input[end + 1..];
                 }
                 None => {
                     let take = window.len().min(room);
@@ -449,10 +465,15 @@ fn prefix_stream<R: Read + AsFd>(mut input: R, output: Sink<'_>, state: &AtomicU
         state.store(READING, Ordering::Relaxed);
         if lines.holds_part() {
             let mut fds = [PollFd::new(&input, PollFlags::IN)];
-            if matches!(poll(&mut fds, Some(&pause)), Ok(0)) {
-                state.store(PASSING, Ordering::Relaxed);
-                lines.pause(output);
-                continue;
+            match poll(&mut fds, Some(&pause)) {
+                Ok(0) => {
+                    state.store(PASSING, Ordering::Relaxed);
+                    lines.pause(output);
+                    continue;
+                }
+                // A signal came: look again, the pause not over.
+                Err(rustix::io::Errno::INTR) => continue,
+                _ => {}
             }
         }
         let n = match input.read(&mut buf) {
@@ -476,7 +497,8 @@ struct Output {
     write: fn(&[u8]),
 }
 
-/// Stream ID of `chorus-run`'s own messages.
+/// Stream ID of `chorus-run`'s own messages (a rank's stdout is `2·rank`, its stderr
+/// `2·rank + 1`).
 const OURS: usize = usize::MAX;
 static STDOUT: Output = Output {
     open_line: Mutex::new(None),
@@ -489,14 +511,28 @@ static STDERR: Output = Output {
 
 impl Output {
     /// Writes a piece of stream `id` (see [`compose`]), under the lock that keeps the pieces
-    /// of streams apart.
+    /// of streams apart. When our stdout and stderr are one file (a terminal), they share one
+    /// open line: a rank's progress bar on stderr is ended before another's line on stdout.
     fn put(&self, id: usize, prefix: &[u8], body: &[u8], continues: bool, ends: bool) {
-        let mut open = self
-            .open_line
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let track = if std::ptr::eq(self, &STDERR) && *ONE_FILE.get_or_init(one_file) {
+            &STDOUT.open_line
+        } else {
+            &self.open_line
+        };
+        let mut open = track.lock().unwrap_or_else(PoisonError::into_inner);
         (self.write)(&compose(&mut open, id, prefix, body, continues, ends));
     }
+}
+
+/// Whether our stdout and stderr are the same file.
+static ONE_FILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+fn one_file() -> bool {
+    let (out, err) = (
+        rustix::fs::fstat(io::stdout()),
+        rustix::fs::fstat(io::stderr()),
+    );
+    matches!((out, err), (Ok(a), Ok(b)) if a.st_dev == b.st_dev && a.st_ino == b.st_ino)
 }
 
 /// The bytes that put a piece of stream `id` on an output whose open line is `open`: a line
@@ -584,6 +620,20 @@ fn describe(status: ExitStatus) -> (i32, String) {
     }
 }
 
+/// The signals this process ignores (`SigIgn` of `/proc/self/status`); none if it cannot
+/// tell.
+fn ignored_signals() -> Vec<c_int> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    (1..=64)
+        .filter(|&sig| mask & (1u64 << (sig - 1)) != 0)
+        .collect()
+}
+
 /// `"signal 15 (SIGTERM)"`.
 fn name_of(sig: c_int) -> String {
     match signal_name(sig) {
@@ -625,9 +675,11 @@ fn main() {
         std::process::exit(EXIT_USAGE);
     }
     let (code, stopped_by) = run(&opts);
-    if let Some(sig) = stopped_by.filter(|&sig| sig != SIGQUIT) {
-        // End as the ranks did, by the signal (a shell then stops a loop on Ctrl-C); if that
-        // fails, the exit code says the same.
+    // End as the ranks did, by the signal (a shell then stops a loop on Ctrl-C). Not as the
+    // init of a PID namespace (a container's first process), which the kernel does not let
+    // kill itself that way: the exit code says the same there.
+    let init = rustix::process::getpid().is_init();
+    if let Some(sig) = stopped_by.filter(|&sig| sig != SIGQUIT && !init) {
         let _ = emulate_default_handler(sig);
     }
     std::process::exit(code);
@@ -681,7 +733,14 @@ fn run(opts: &Options) -> (i32, Option<c_int>) {
 /// [`run`]'s work.
 fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     // Caught before the first rank starts, so that none is left without its launcher's care.
-    let mut signals = match SignalsInfo::<WithOrigin>::new(CAUGHT) {
+    // Not those we were started ignoring (`nohup`, a script's `cmd &`): the ranks inherit
+    // that, as they would without a launcher, and a caught one would not be ignored by them.
+    let ignored = ignored_signals();
+    let caught: Vec<c_int> = CAUGHT
+        .into_iter()
+        .filter(|&sig| !ignored.contains(&sig))
+        .collect();
+    let mut signals = match SignalsInfo::<WithOrigin>::new(caught) {
         Ok(signals) => Some(signals),
         Err(e) => {
             say!("cannot catch signals ({e}); they will not be passed on to the ranks");
@@ -767,7 +826,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             readers.push(state.clone());
             spawned = spawned.and(spawn_reader(rank, move || {
                 let sink = |body: &[u8], continues, ends| {
-                    STDOUT.put(rank, &prefix, body, continues, ends);
+                    STDOUT.put(2 * rank, &prefix, body, continues, ends);
                 };
                 prefix_stream(out, &sink, &state);
                 state.store(DONE, Ordering::Relaxed);
@@ -780,7 +839,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             readers.push(state.clone());
             spawned = spawned.and(spawn_reader(rank, move || {
                 let sink = |body: &[u8], continues, ends| {
-                    STDERR.put(rank, &prefix, body, continues, ends);
+                    STDERR.put(2 * rank + 1, &prefix, body, continues, ends);
                 };
                 prefix_stream(err, &sink, &state);
                 state.store(DONE, Ordering::Relaxed);
@@ -803,12 +862,15 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     }
     drop(drained_tx);
 
-    let (code, stopped_by) = wait_all(&mut started, opts.timeout, signals.as_mut());
+    let job_end = opts.timeout.map(|t| Instant::now() + t);
+    let mut ending = Ending::new();
+    wait_all(&mut started, job_end, signals.as_mut(), &mut ending);
 
     // Let the readers pass on what the ranks wrote last, however slowly our own output takes
     // it (a pager, a slow link); but do not hang on a pipe that a surviving background
     // process of some rank still holds open: give up once every reader left has waited for
-    // input, passing nothing on, for DRAIN_GRACE.
+    // input, passing nothing on, for DRAIN_GRACE. A stop signal or the job's --timeout ends
+    // this wait too.
     let mut done = 0;
     let mut quiet_since = Instant::now();
     while done < readers.len() {
@@ -821,6 +883,17 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
         let now = Instant::now();
+        if ending.take_signals(signals.as_mut(), &mut started) {
+            say!("stopped waiting for the ranks' last output");
+            break;
+        }
+        if job_end.is_some_and(|t| now >= t) {
+            say!("timeout (--timeout) while passing on the ranks' last output; not waiting for it");
+            if ending.exit_code == 0 {
+                ending.exit_code = EXIT_TIMEOUT;
+            }
+            break;
+        }
         if readers.iter().any(|r| r.load(Ordering::Relaxed) == PASSING) {
             quiet_since = now;
         } else if now.duration_since(quiet_since) >= DRAIN_GRACE {
@@ -831,38 +904,75 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             break;
         }
     }
-    (code, stopped_by)
+    (ending.exit_code, ending.stopped_by)
 }
 
-/// Waits for every rank; stops the job on the first failure, at the timeout, or on a signal
-/// (see the module's docs). Returns our exit code, and the signal that stopped the job if one
-/// did.
-fn wait_all(
-    ranks_: &mut [Rank],
-    timeout: Option<Duration>,
-    mut signals: Option<&mut SignalsInfo<WithOrigin>>,
-) -> (i32, Option<c_int>) {
-    let start = Instant::now();
-    let mut exit_code = 0;
-    let mut failed = false;
-    // The signal that stopped the job, if one did before any rank failed.
-    let mut stopped_by: Option<c_int> = None;
-    // Whether a signal asked to stop the job (even after a rank failed).
-    let mut stopping = false;
-    // When set, the ranks still running are killed at this instant.
-    let mut kill_at: Option<Instant> = None;
-    loop {
-        let caught: Vec<Origin> = match signals.as_mut() {
-            Some(signals) => signals.pending().collect(),
-            None => Vec::new(),
+/// How the job ends, as failures, the timeout and signals decide it.
+struct Ending {
+    exit_code: i32,
+    /// A rank failed, the timeout passed, or a signal stopped the job: the exit code is set.
+    failed: bool,
+    /// The signal that stopped the job, if one did before anything else decided its end.
+    stopped_by: Option<c_int>,
+    /// A signal asked to stop the job (even after a rank failed).
+    stopping: bool,
+    /// When set, the ranks still running are killed at this instant.
+    kill_at: Option<Instant>,
+    /// The last signal taken, who sent it and when: the same again from the same sender
+    /// right after is one signal that reached us twice (sent to us, then to our whole process
+    /// group, as `timeout` and `kill -- -PGID` do), not a second request.
+    last: Option<(c_int, Option<i32>, Instant)>,
+    /// Whether we lead our session: a hangup's `SIGHUP` from the kernel then came to us
+    /// alone, not to the ranks.
+    session_leader: bool,
+}
+
+/// Within this, the same signal from the same sender counts once (see [`Ending::last`]).
+const REPEAT: Duration = Duration::from_secs(1);
+
+impl Ending {
+    fn new() -> Ending {
+        let me = rustix::process::getpid();
+        Ending {
+            exit_code: 0,
+            failed: false,
+            stopped_by: None,
+            stopping: false,
+            kill_at: None,
+            last: None,
+            session_leader: rustix::process::getsid(None).is_ok_and(|sid| sid == me),
+        }
+    }
+
+    /// Takes the signals caught since last time (see the module's docs); returns whether one
+    /// asked to stop the job.
+    fn take_signals(
+        &mut self,
+        signals: Option<&mut SignalsInfo<WithOrigin>>,
+        ranks_: &mut [Rank],
+    ) -> bool {
+        let Some(signals) = signals else {
+            return false;
         };
+        let caught: Vec<Origin> = signals.pending().collect();
+        let mut stop = false;
         for origin in caught {
             let sig = origin.signal;
             let now = Instant::now();
+            let sender = origin.process.map(|p| p.pid);
+            if self
+                .last
+                .is_some_and(|(s, from, at)| s == sig && from == sender && now - at < REPEAT)
+            {
+                continue;
+            }
+            self.last = Some((sig, sender, now));
             let running = ranks_running(ranks_);
             // From the terminal (the kernel sent it to the whole foreground process group)
-            // the ranks got it too; sent to us alone, they did not.
-            let from_terminal = matches!(origin.cause, Cause::Kernel);
+            // the ranks got it too; sent to us alone, they did not. (A hangup's SIGHUP comes
+            // from the kernel to the session's leader alone.)
+            let from_terminal =
+                matches!(origin.cause, Cause::Kernel) && !(sig == SIGHUP && self.session_leader);
             if !from_terminal {
                 pass_on(ranks_, sig);
             }
@@ -873,25 +983,28 @@ fn wait_all(
             };
             if sig == SIGUSR1 || sig == SIGUSR2 {
                 say!("got {} {told}", name_of(sig));
-            } else if stopping {
+                continue;
+            }
+            stop = true;
+            if self.stopping {
                 for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
                     let _ = r.child.kill();
                 }
+                self.kill_at = Some(now);
                 say!(
                     "got {} again: killed the {} still running",
                     name_of(sig),
                     ranks(running)
                 );
-                kill_at = Some(now);
             } else {
-                stopping = true;
-                if !failed {
-                    failed = true;
-                    exit_code = 128 + sig;
-                    stopped_by = Some(sig);
+                self.stopping = true;
+                if !self.failed {
+                    self.failed = true;
+                    self.exit_code = 128 + sig;
+                    self.stopped_by = Some(sig);
                 }
                 let grace = now + STOP_GRACE;
-                kill_at = Some(kill_at.map_or(grace, |t| t.min(grace)));
+                self.kill_at = Some(self.kill_at.map_or(grace, |t| t.min(grace)));
                 say!(
                     "got {} {told}; stopping the job: ranks still running after {} s are \
                      killed (at once on another such signal)",
@@ -900,7 +1013,19 @@ fn wait_all(
                 );
             }
         }
+        stop
+    }
+}
 
+/// Waits for every rank; stops the job on the first failure, at `job_end` (`--timeout`), or
+/// on a signal (see the module's docs), as `ending` records.
+fn wait_all(
+    ranks_: &mut [Rank],
+    job_end: Option<Instant>,
+    mut signals: Option<&mut SignalsInfo<WithOrigin>>,
+    ending: &mut Ending,
+) {
+    loop {
         // The failures reaped in this pass: ranks that fail together (one crashed, the others
         // then lost it) are told apart below, the cause first.
         let mut fresh: Vec<(usize, ExitStatus)> = Vec::new();
@@ -921,25 +1046,28 @@ fn wait_all(
                 }
             };
             r.status = Some(status);
-            if status.success() || kill_at.is_some_and(|t| Instant::now() >= t) {
+            if status.success() || ending.kill_at.is_some_and(|t| Instant::now() >= t) {
                 continue;
             }
             fresh.push((rank, status));
         }
+        // Signals after reaping: a rank that died of Ctrl-C is reaped with the signal that
+        // killed it already caught here, which then counts as the cause.
+        ending.take_signals(signals.as_deref_mut(), ranks_);
         // A rank killed by a signal before one that exited with a code: the exit is most
         // likely its peers' reaction to it.
         fresh.sort_by_key(|&(rank, status)| (status.signal().is_none(), rank));
         for (rank, status) in fresh {
             let (code, what) = describe(status);
-            if failed {
+            if ending.failed {
                 // Another rank failed too, on its own or because of the first (or of a
                 // signal that stops the job).
                 say!("rank {rank} {what}");
                 continue;
             }
-            failed = true;
-            exit_code = code;
-            kill_at = Some(Instant::now() + KILL_GRACE);
+            ending.failed = true;
+            ending.exit_code = code;
+            ending.kill_at = Some(Instant::now() + KILL_GRACE);
             let running = ranks_running(ranks_);
             if running == 0 {
                 say!("rank {rank} {what}");
@@ -951,28 +1079,23 @@ fn wait_all(
         }
         let running = ranks_running(ranks_);
         if running == 0 {
-            return (exit_code, stopped_by);
+            return;
         }
         let now = Instant::now();
-        if let Some(limit) = timeout {
-            if !failed && now.duration_since(start) >= limit {
-                // Kill first: the message may block on a stalled stderr (a paused terminal, a
-                // stuck ssh session), and the timeout must end the job all the same.
-                for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
-                    let _ = r.child.kill();
-                }
-                say!(
-                    "timeout: the job ran longer than {} s (--timeout); \
-                     killed the {} still running",
-                    limit.as_secs_f64(),
-                    ranks(running)
-                );
-                failed = true;
-                exit_code = EXIT_TIMEOUT;
-                kill_at = Some(now);
+        if !ending.failed && job_end.is_some_and(|t| now >= t) {
+            // Kill first, then say so (the message goes through another thread anyway).
+            for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
+                let _ = r.child.kill();
             }
+            say!(
+                "timeout: the job ran longer than --timeout; killed the {} still running",
+                ranks(running)
+            );
+            ending.failed = true;
+            ending.exit_code = EXIT_TIMEOUT;
+            ending.kill_at = Some(now);
         }
-        if kill_at.is_some_and(|t| now >= t) {
+        if ending.kill_at.is_some_and(|t| now >= t) {
             for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
                 let _ = r.child.kill();
             }
@@ -1078,7 +1201,8 @@ mod tests {
     fn carriage_returns_end_lines_and_pauses_pass_parts_on() {
         // A progress bar: each redraw gets the prefix after the carriage return.
         assert_eq!(collect(b"\r 10%\r 20%\n"), b"[7]  10%\r[7]  20%\n");
-        // \r\n ends one line, also split across reads.
+        // \r\n ends one line, also split across reads, and a blank one shows.
+        assert_eq!(collect(b"\r\n\r\n"), b"[7] \r\n[7] \r\n");
         assert_eq!(collect(b"a\r\nb\r\n"), b"[7] a\r\n[7] b\r\n");
         assert_eq!(
             pieces(&[(b"a\r", false), (b"\nb\n", false)]),

@@ -1066,23 +1066,22 @@ class Communicator:
                 pass
         h = self._handle.take()
         if h is not None:
-            try:
-                status = lib.chorus_comm_destroy(h)
-                if status != 0:
-                    # Not freed (a call of another thread began meanwhile): still open.
-                    with self._handle._mu:
-                        self._handle._h = h
+            status = lib.chorus_comm_destroy(h)
+            if status != 0:
+                # Not freed (a call of another thread began meanwhile): still open, its
+                # futures thread too.
+                with self._handle._mu:
+                    self._handle._h = h
                 _check(status)
-                # Destroy waited for every transfer, those given up too.
-                self._given_up.clear()
-            finally:
-                # The futures thread completes what it holds (destroy waited for the calls),
-                # then ends.
-                # Kept, stopped: futures asked for later fail instead of starting a thread.
-                with self._completer_mu:
-                    completer = self._completer_q
-                if completer is not None:
-                    completer.stop()
+            # Destroy waited for every transfer, those given up too.
+            self._given_up.clear()
+            # The futures thread completes what it holds (destroy waited for the calls),
+            # then ends. Kept, stopped: futures asked for later fail instead of starting a
+            # thread.
+            with self._completer_mu:
+                completer = self._completer_q
+            if completer is not None:
+                completer.stop()
 
     def __enter__(self) -> "Communicator":
         return self
