@@ -124,8 +124,12 @@ impl Drop for Cluster {
 }
 
 /// Removes the clusters of earlier runs of this test whose process no longer exists (a run
-/// killed by a signal cannot run its `Drop`).
+/// killed by a signal cannot run its `Drop`), and any of this process's ID (before its own
+/// cluster exists: an earlier run's, whose ID came round again, as after a reboot).
 fn remove_stale_clusters() {
+    let gone = |pid: u32| {
+        pid == std::process::id() || !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    };
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
         return;
     };
@@ -139,8 +143,7 @@ fn remove_stale_clusters() {
                 || host
                     .strip_prefix('h')
                     .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-            let dead = pid.parse::<u32>().is_ok()
-                && !std::path::Path::new(&format!("/proc/{pid}")).exists();
+            let dead = pid.parse::<u32>().is_ok_and(gone);
             (is_ours && dead).then(|| format!("chorus-t{pid}"))
         })
         .collect();
@@ -152,7 +155,7 @@ fn remove_stale_clusters() {
                 .strip_prefix("chorus-t")
                 .and_then(|r| r.split_once('-'))
                 .and_then(|(pid, _)| pid.parse::<u32>().ok());
-            if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+            if pid.is_some_and(gone) {
                 let _ = std::fs::remove_dir_all(d.path());
             }
         }

@@ -33,7 +33,8 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-export CHORUS_NETNS_PREFIX=${CHORUS_NETNS_PREFIX:-chorusbench}
+# A prefix of this run's own: another run's `up` would replace a cluster of the same prefix.
+export CHORUS_NETNS_PREFIX=${CHORUS_NETNS_PREFIX:-chorusbench$$}
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 if [[ -z ${CHORUS_PERF:-} || -z ${CHORUS_RUN:-} ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p chorus-benches -p chorus --bins)
@@ -42,6 +43,9 @@ PERF=${CHORUS_PERF:-$TARGET/release/chorus-perf}
 RUN=${CHORUS_RUN:-$TARGET/release/chorus-run}
 CLUSTER="$ROOT/tests/netns/cluster.sh"
 trap '"$CLUSTER" down >/dev/null 2>&1 || true' EXIT
+# Ctrl-C ends the run (and the EXIT trap takes the cluster down) rather than the one method.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 echo "# compress_bench: $(date -u +%FT%TZ), rate $RATE, size $SIZE, iters $ITERS, reps $REPS"
 for hosts in $HOSTS; do
@@ -49,7 +53,7 @@ for hosts in $HOSTS; do
     for ((rep = 1; rep <= REPS; rep++)); do
         for m in $METHODS; do
             echo "## hosts $hosts rep $rep method $m"
-            timeout 600 "$RUN" -n "$hosts" --netns-prefix "$CHORUS_NETNS_PREFIX-h" --timeout 580 \
+            timeout --foreground -k 10 600 "$RUN" -n "$hosts" --netns-prefix "$CHORUS_NETNS_PREFIX-h" --timeout 580 \
                 --no-prefix -- "$PERF" allreduce --compress "$m" -b "$SIZE" -e "$SIZE" \
                 -n "$ITERS" -w 1 || echo "(run failed)"
         done

@@ -65,6 +65,17 @@ def parse(path):
     return rows
 
 
+def wrong_rows(path):
+    """How many rows of one launch counted wrong results (left out by `parse`)"""
+    n = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = ROW_RE.match(line)
+            if m and m.group(7) not in ("0", "N/A"):
+                n += 1
+    return n
+
+
 def picks(path):
     """{size: schedule} that `auto` ran in one launch (from its `# schedule` comments; a
     schedule not (yet) settled by tuning, the model's choice, gets a trailing `*`)"""
@@ -153,15 +164,18 @@ def roles(peers):
 def table(name, folder):
     reps = defaultdict(list)
     chosen = defaultdict(list)
+    wrong = defaultdict(int)  # peer -> rows left out for wrong results
     for fn in sorted(os.listdir(folder)):
         m = REP_RE.match(fn)
         if m:
             reps[m.group("name")].append(parse(os.path.join(folder, fn)))
             chosen[m.group("name")].append(picks(os.path.join(folder, fn)))
+            wrong[m.group("name")] += wrong_rows(os.path.join(folder, fn))
     auto, again, cached, scheds, others = roles(reps)
     if auto is None or not scheds:
         return None
-    sizes = sorted(set().union(*(r.keys() for r in reps[auto])))
+    # Every size any entry measured: one where auto had no correct row shows as such.
+    sizes = sorted(set().union(*(r.keys() for rs in reps.values() for r in rs)))
     scale = 1000.0  # the benchmarks print GB/s
     cols = list(scheds.values()) + [auto] + ([again] if again else []) + ([cached] if cached else []) + others
 
@@ -258,6 +272,10 @@ def table(name, folder):
             row += f" {pick_counts(chosen[c], s) or '—'} |"
         out.append(row)
     out.append("")
+    left_out = {c: n for c, n in wrong.items() if n}
+    if left_out:
+        out.append("- rows left out for wrong results: "
+                   + ", ".join(f"{label(c) if c in cols else c} {n}" for c, n in sorted(left_out.items())))
     for what, worst, spans_of, goal, digits in (
             ("auto / best schedule", worst_sched, spans, 0.9, 0),
             ("auto / best peer", worst_peer, peer_spans, 1.0, 1),

@@ -27,6 +27,7 @@ def human(size):
 def parse(path):
     rows = {}  # size -> {entry: (time_us, busbw)}
     best = {}  # size -> (schedule, share, paired)
+    wrong_auto = set()  # sizes where auto's own result was wrong: no share for them
     order = []
     last = None
     ranks = None
@@ -42,6 +43,8 @@ def parse(path):
                 last = size
                 if m.group(9) not in ("0", "N/A"):
                     # A wrong result: its time says nothing (and must not be a best).
+                    if entry == "auto":
+                        wrong_auto.add(size)
                     continue
                 if ranks is None:
                     sys.exit(f"{path}: no '# chorus-perf: ranks N' header line")
@@ -53,8 +56,10 @@ def parse(path):
                     order.append(entry)
                 continue
             m = BEST.match(line)
-            if m and last is not None:
+            if m and last is not None and last not in wrong_auto:
                 best[last] = (m.group(1), float(m.group(2)), float(m.group(3) or "nan"))
+    for size in wrong_auto:
+        best[size] = ("auto wrong", float("nan"), float("nan"))
     return rows, best, order
 
 
@@ -79,7 +84,9 @@ def main(paths):
                 cells.append(f"{statistics.median(v[1] for v in vals):.0f}")
         for r in runs:
             b = r[1].get(s)
-            if b:
+            if b and b[1] != b[1]:
+                cells.append(b[0])  # auto's result was wrong: no share
+            elif b:
                 paired = "" if b[2] != b[2] else f" ({b[2]:.1f} %)"
                 cells.append(f"{b[0]}: {b[1]:.1f} %{paired}")
             else:

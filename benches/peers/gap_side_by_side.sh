@@ -61,14 +61,23 @@ fi
 PERF=${CHORUS_PERF:-$target/release/chorus-perf}
 RUN=${CHORUS_RUN:-$target/release/chorus-run}
 
+# netns_cluster.sh tears down any cluster of its namespaces before it builds one: refuse to
+# pull one from under another benchmark.
+if ip netns list | grep -q '^allr-'; then
+    echo "gap_side_by_side.sh: allr-* namespaces exist (another benchmark's testbed?); take them" \
+        "down first: $PEERS_DIR/netns_cluster.sh down" >&2
+    exit 1
+fi
 cluster() { "$PEERS_DIR/netns_cluster.sh" "$@"; }
 trap 'cluster down >/dev/null 2>&1 || true' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 cluster up 4 "$RATE" >/dev/null
 for i in 1 2 3 4; do echo "10.77.0.$i slots=1"; done >"$WORK/hostfile"
 
 ARGS=(-b 8 -e 2M -f 4 -w 3 -n 20 --gap "$GAP")
 ompi() { # extra mpirun args
-    ip netns exec allr-h1 timeout 600 mpirun --allow-run-as-root --hostfile "$WORK/hostfile" -np 4 \
+    ip netns exec allr-h1 timeout -k 10 600 mpirun --allow-run-as-root --hostfile "$WORK/hostfile" -np 4 \
         --map-by node --bind-to none --mca plm_rsh_agent "$PEERS_DIR/netns_rsh.sh" \
         --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl self,tcp \
         --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
@@ -84,7 +93,7 @@ gloo() {
     local port=$((30000 + RANDOM % 2000)) pids=() rc=0
     for r in 0 1 2 3; do
         RANK=$r WORLD_SIZE=4 MASTER_ADDR=10.77.0.1 MASTER_PORT=$port GLOO_SOCKET_IFNAME=eth0 \
-            timeout 600 ip netns exec "allr-h$((r + 1))" "$PY" "$HERE/gloo_gap_bench.py" "${ARGS[@]}" \
+            timeout -k 10 600 ip netns exec "allr-h$((r + 1))" "$PY" "$HERE/gloo_gap_bench.py" "${ARGS[@]}" \
             >"$WORK/gloo$r.out" 2>"$WORK/gloo$r.err" &
         pids+=($!)
     done

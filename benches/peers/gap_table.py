@@ -14,8 +14,10 @@ PEERS = ["ompi-tcp", "ompi-tcp-ring", "torch-gloo"]
 
 
 def parse(lines):
-    """{(entry, size): [time_us, ...]}, total wrong elements, header comments"""
-    times, wrong, notes = {}, 0, []
+    """{(entry, size): [time_us, ...]} of the rows without wrong elements, the rows left out
+    for wrong elements [(entry, size, wrong)], header comments. A wrong result's time says
+    nothing of the entry's speed: it never counts (it could make a peer the best)."""
+    times, wrong, notes = {}, [], []
     for line in lines:
         line = line.strip()
         if not line:
@@ -24,8 +26,10 @@ def parse(lines):
             notes.append(line.lstrip("# "))
             continue
         entry, _round, size, t, w = line.split()
+        if int(w) != 0:
+            wrong.append((entry, int(size), int(w)))
+            continue
         times.setdefault((entry, int(size)), []).append(float(t))
-        wrong += int(w)
     return times, wrong, notes
 
 
@@ -67,13 +71,14 @@ def table(times, wrong, notes):
         out.append(f"| {fmt_size(s)} | " + " | ".join(row) +
                    f" | {share} | {ratio('chorus', 'chorus-noqa')} | "
                    f"{ratio('chorus-hd', 'chorus-hd-noqa')} |")
-    counts = [len(v) for v in times.values()]
+    counts = [len(v) for v in times.values()] or [0]
     out.append("")
     if shares:
         out.append(f"- chorus / best peer: lowest {min(shares):.0f} %; "
                    f"{sum(p >= 100 for p in shares)} of {len(shares)} sizes >= 100 %")
     out.append(f"- rounds per entry and size: {min(counts)}-{max(counts)}; "
-               f"wrong elements in all checks: {wrong}")
+               f"rows left out for wrong elements: {len(wrong)}"
+               + "".join(f"; {e} at {fmt_size(s)} ({w} wrong)" for e, s, w in wrong))
     return "\n".join(out)
 
 

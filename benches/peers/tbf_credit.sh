@@ -37,8 +37,17 @@ if [[ -z ${CHORUS_PERF:-} ]]; then
         python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/chorus-perf
 fi
 ARGS=(-b 8 -e 128K -f 4 -w 3 -n 100 -m 3 -B 128M)
+# netns_cluster.sh tears down any cluster of its namespaces before it builds one: refuse to
+# pull one from under another benchmark.
+if ip netns list | grep -q '^allr-'; then
+    echo "tbf_credit.sh: allr-* namespaces exist (another benchmark's testbed?); take them" \
+        "down first: $PEERS_DIR/netns_cluster.sh down" >&2
+    exit 1
+fi
 cd "$PEERS_DIR"
 trap './netns_cluster.sh down >/dev/null 2>&1 || true' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 ./netns_cluster.sh up 4 "$RATE" >/dev/null
 port=31000
 entries=(ring plain)
@@ -47,14 +56,18 @@ for r in $(seq 1 "$ROUNDS"); do
     for e in $(printf '%s\n' "${entries[@]}" | shuf); do
         port=$((port + 10))
         case $e in
+            # A failed launch leaves its file without rows (or with wrong ones, left out of
+            # the table), not the whole run unprinted.
             ring) RING_HOSTS=10.77.0.1,10.77.0.2,10.77.0.3,10.77.0.4 RING_PORT=$port \
-                    ./launch.sh -N allr-h 4 "$WORK/ring" "${ARGS[@]}" >"$WORK/$e.$r.txt" ;;
+                    ./launch.sh -N allr-h 4 "$WORK/ring" "${ARGS[@]}" >"$WORK/$e.$r.txt" ||
+                    echo "tbf_credit.sh: launch $e round $r failed" >&2 ;;
             *) extra=()
                [[ $e == settle-* ]] && extra=(--settle "${e#settle-}")
                MASTER_ADDR=10.77.0.1 MASTER_PORT=$port CHORUS_SOCKET_IFNAME=eth0 \
                     CHORUS_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') \
                     ./launch.sh -N allr-h 4 "$CHORUS_PERF" allreduce --format peers "${extra[@]}" \
-                    "${ARGS[@]}" >"$WORK/$e.$r.txt" ;;
+                    "${ARGS[@]}" >"$WORK/$e.$r.txt" ||
+                    echo "tbf_credit.sh: launch $e round $r failed" >&2 ;;
         esac
     done
 done

@@ -86,6 +86,26 @@ def test_rows_with_wrong_results_are_left_out(tmp_path):
     small = dict(zip(header, cells(text, "8 B")))
     assert small["auto"] == "42.0", small
     assert small["auto / best peer (which)"] == "119.0 % (ompi-tcp)", small
+    assert "- rows left out for wrong results: auto 1" in text, text
+
+
+def test_a_size_auto_got_wrong_everywhere_still_shows(tmp_path):
+    folder = tmp_path / "loopback-np4"
+    folder.mkdir()
+    for peer in ["chorus-tcp-ring", "chorus-tcp", "ompi-tcp"]:
+        for k in (1, 2, 3):
+            write(folder, peer, k, {8: (50.0, 0.0)})
+            if peer != "chorus-tcp":
+                with open(folder / f"{peer}.rep{k}.txt", "a") as f:
+                    f.write(f"{64:>15} {16:>12}  float    sum    200 {60.0:>12.2f} {0.0:>12.4f} {0.0:>12.4f}        0\n")
+            else:
+                with open(folder / f"{peer}.rep{k}.txt", "a") as f:
+                    f.write(f"{64:>15} {16:>12}  float    sum    200 {1.0:>12.2f} {0.0:>12.4f} {0.0:>12.4f}        5\n")
+    text = table_mod.table("loopback-np4", str(folder))
+    header = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    row = dict(zip(header, cells(text, "64 B")))
+    assert row["auto"] == "—" and row["auto / best peer (which)"] == "—", row
+    assert "- rows left out for wrong results: auto 3" in text, text
 
 
 def test_null_column(tmp_path):

@@ -262,6 +262,11 @@ pub fn compare_rows(
         let mut line = format!("#  best schedule: {}", labels[b]);
         for (i, c) in rows.iter().enumerate() {
             if i != b && !forced[i] {
+                if c.measure.wrong.unwrap_or(0) != 0 {
+                    // Its result was wrong: a share of it would say nothing.
+                    let _ = write!(line, "; {} wrong", labels[i]);
+                    continue;
+                }
                 let share = 100.0 * t_best / c.measure.time_us;
                 let _ = write!(line, "; {} {share:.1} %", labels[i]);
                 let paired = paired_share(&rows[b], c);
@@ -499,6 +504,15 @@ mod tests {
         );
         // without a forced entry there is no best line
         assert_eq!(compare_rows(&k, &["auto"], &rows[..1], &[false]).len(), 1);
+        // auto's own result wrong: no share of it
+        let bad_auto = Compared::new(1000, 5, &[1.25e-6], 1.5, Some(3));
+        let lines = compare_rows(
+            &k,
+            &["ring", "tree", "auto"],
+            &[rows[0].clone(), rows[1].clone(), bad_auto],
+            &[true, true, false],
+        );
+        assert_eq!(lines[3], "#  best schedule: tree; auto wrong");
     }
 
     #[test]

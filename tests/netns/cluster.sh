@@ -39,7 +39,7 @@ die() {
 }
 
 usage() {
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -88,21 +88,25 @@ strangers() {
 }
 
 new_namespace() {
-    ip netns add "$1"
+    # Marked first: interrupted between the two, `down` still finds it (a name marked but
+    # never made is skipped: only existing namespaces are listed).
     echo "$1" >>"$MARK_DIR/$PFX"
+    ip netns add "$1"
     ip -n "$1" link set lo up
 }
 
 cmd_down() {
-    local ns pids
+    local ns pids failed=0
     for ns in $(namespaces); do
         pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ' || true)
         if [[ -n ${pids// /} ]]; then
             echo "cluster.sh: warning: processes $pids still run in $ns; it lives on until they exit" >&2
         fi
-        ip netns del "$ns"
+        # One that cannot be removed must not stop the removal of the others (set -e); its
+        # mark stays, so that a later `down` tries again.
+        ip netns del "$ns" || { echo "cluster.sh: warning: could not remove $ns" >&2; failed=1; }
     done
-    rm -f "$MARK_DIR/$PFX"
+    ((failed)) || rm -f "$MARK_DIR/$PFX"
 }
 
 cmd_up() {
@@ -113,6 +117,7 @@ cmd_up() {
     ((n >= 1 && n <= MAX_HOSTS)) || die "N \"$n\": expected 1..$MAX_HOSTS"
     [[ $rate == none ]] || rate_bytes_per_s "$rate" >/dev/null
     command -v ip >/dev/null || die "ip (iproute2) not found"
+    command -v bridge >/dev/null || die "bridge (iproute2) not found"
     [[ $rate == none ]] || command -v tc >/dev/null || die "tc (iproute2) not found"
 
     cmd_down
