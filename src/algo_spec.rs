@@ -255,8 +255,18 @@ impl AlgoSpec {
             self.allowed(coll, &names)
                 .unwrap_or_else(|| vec![true; names.len()])
         };
+        // A value that leaves the allreduce what it has by default (`^double_tree`: the double
+        // tree runs only where a list names it) restricts nothing: the direct shared-memory
+        // allreduce stays.
+        let allreduce_default: Vec<bool> = Algorithm::ALL
+            .iter()
+            .map(|&a| a != Algorithm::DoubleTree)
+            .collect();
+        let allreduce_restricted = schedule_names("allreduce")
+            .and_then(|names| self.allowed("allreduce", &names))
+            .is_some_and(|allowed| allowed != allreduce_default);
         Allowed {
-            allreduce_restricted: self.restricts("allreduce"),
+            allreduce_restricted,
             broadcast: of("broadcast"),
             reduce: of("reduce"),
             allgather: of("allgather"),
@@ -281,6 +291,22 @@ mod tests {
         assert_eq!(s.resolve().scan, vec![true, false]);
         assert!(AlgoSpec::parse("^ring").unwrap().restricts("allreduce"));
         assert!(!AlgoSpec::parse("^linear").unwrap().restricts("allreduce"));
+        // What the allreduce has anyway: no restriction (the direct shared-memory one stays).
+        for same in ["^double_tree", "allreduce:^double_tree"] {
+            assert!(
+                !AlgoSpec::parse(same)
+                    .unwrap()
+                    .resolve()
+                    .allreduce_restricted,
+                "{same}"
+            );
+        }
+        assert!(
+            AlgoSpec::parse("double_tree")
+                .unwrap()
+                .resolve()
+                .allreduce_restricted
+        );
     }
 
     #[test]

@@ -460,6 +460,16 @@ fn describe_record(rec: &[u8]) -> String {
             format!(", {total} bytes in all, counts digest {digest:#x}")
         }
         [] => String::new(),
+        [b, forced, tuning] if kind == CollKind::AllReduce as u64 => {
+            let schedule = match *forced {
+                0 => "chosen by chorus".to_string(),
+                f => allreduce::Algorithm::ALL
+                    .get(f as usize - 1)
+                    .map_or("?".to_string(), |a| format!("forced {}", a.name())),
+            };
+            let tuning = if *tuning == 0 { "off" } else { "on" };
+            format!(", {b} bytes, schedule {schedule}, tuning {tuning}")
+        }
         [root] if kind == CollKind::GatherV as u64 || kind == CollKind::ScatterV as u64 => {
             format!(", root {root}")
         }
@@ -564,6 +574,9 @@ impl Transport for Lone {
     }
     fn abort(&mut self, _notice: &AbortNotice) {}
 }
+
+/// How long rank 0 waits at init for the tuning file to be read before it goes on without it.
+const TUNE_FILE_READ_LIMIT: Duration = Duration::from_secs(10);
 
 /// Whether the host of `addr` (`host:port`, `[v6]:port`) is a name other than localhost's,
 /// not an address: a name that may resolve to loopback on its own host only.
@@ -1013,8 +1026,12 @@ impl Communicator {
     }
 
     /// Turn online tuning of the allreduce schedule on or off (the default is `CHORUS_TUNE`,
-    /// on when unset). Every rank must make the same choice before the same call; ranks that
-    /// do not fail with a mismatch. Buckets already tuned keep their choice.
+    /// on when unset). Every rank must make the same choice before the same call: ranks that
+    /// differ, even for a few calls, step their tuners differently and may run different
+    /// schedules later, failing with a mismatch at a call where they agree
+    /// (`CHORUS_CHECK_CALLS` names the difference at the call itself). Buckets already tuned
+    /// keep their choice. A communicator made from this one (split, dup) starts from
+    /// `CHORUS_TUNE` again.
     pub fn set_tuning(&mut self, on: bool) {
         if on != self.tuning {
             // A revisit in progress would resume after calls it did not time: start afresh.
@@ -1108,7 +1125,8 @@ impl Communicator {
                     .position(|&x| x == a)
                     .unwrap_or(allreduce::Algorithm::ALL.len()) as u64
             });
-            let args = [recv.len() as u64, forced];
+            // So is tuning being on: a rank with it off skips the step too.
+            let args = [recv.len() as u64, forced, u64::from(c.tuning)];
             c.check_call(call, &args)?;
             if opts.algorithm.is_none() && c.direct_shared_memory() {
                 // Every rank on this host: the direct shared-memory allreduce beats any message
@@ -1404,16 +1422,35 @@ impl Communicator {
         Ok(chosen)
     }
 
-    /// Reads the tuning file at `path` on rank 0, agrees on its decisions for this kind of
-    /// communicator (`key`) across ranks and restores them (see [`crate::tune_file`]). A file
-    /// that cannot be read is reported and left as it is; only the agreement can fail.
+    /// Reads the tuning file at `path` on rank 0 (waiting at most [`TUNE_FILE_READ_LIMIT`]),
+    /// agrees on its decisions for this kind of communicator (`key`) across ranks and
+    /// restores them (see [`crate::tune_file`]). A file that cannot be read is reported and
+    /// left as it is; only the agreement can fail.
     fn open_tune_file(&mut self, path: std::path::PathBuf, key: Key) -> Result<(), CommError> {
         let link = self.selector.link();
         let filter = self.selector.filter();
         let mut found = Vec::new();
         if self.rank == 0 {
             let shown = path.display();
-            match TuneFile::read(&path) {
+            // On a thread of its own, as the writes are: a hung file system (NFS) must not
+            // hold rank 0 while the others wait for it in the agreement below.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let reading = path.clone();
+            let spawned = std::thread::Builder::new()
+                .name("chorus tune-file read".into())
+                .spawn(move || {
+                    let _ = tx.send(TuneFile::read(&reading));
+                });
+            let read = match spawned {
+                Err(e) => Err(format!("no thread to read it: {e}")),
+                Ok(_) => rx.recv_timeout(TUNE_FILE_READ_LIMIT).unwrap_or_else(|_| {
+                    Err(format!(
+                        "not read within {} s (a slow or hung file system?)",
+                        TUNE_FILE_READ_LIMIT.as_secs()
+                    ))
+                }),
+            };
+            match read {
                 Ok(None) => self.log_tuning(|| format!("tuning file {shown}: none yet")),
                 Err(e) => log::log(
                     Level::Warn,

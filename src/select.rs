@@ -402,7 +402,7 @@ pub enum LinkSource {
     Measured,
     /// From `CHORUS_ALPHA_US` / `CHORUS_BETA_GBPS` (a figure not set there was measured).
     Configured,
-    /// Nothing to measure or choose (one rank, or `CHORUS_ALGO` leaves one schedule).
+    /// Nothing to measure (one rank).
     Default,
 }
 

@@ -93,7 +93,10 @@ impl Communicator {
     /// other calls. The new communicator has its own connections (and shared-memory segments,
     /// and link measurement), made through a rendezvous store that the group's first rank
     /// hosts on its data address; it takes this communicator's configuration (timeouts,
-    /// token, `CHORUS_*` settings) with the group's rank and size. It is independent of this
+    /// token, `CHORUS_ALGO` and the other `Config` settings) with the group's rank and size;
+    /// the settings read from the environment at init (`CHORUS_TUNE`, `CHORUS_ALPHA_US`,
+    /// `CHORUS_BETA_GBPS`, `CHORUS_TCP_*`, `CHORUS_SHM_*`) are read again, and
+    /// [`Communicator::set_tuning`] is not carried over. It is independent of this
     /// one: both stay usable, either may be dropped first, and the two may be used from two
     /// threads at once. As with any two communicators, ranks that use both from one thread
     /// must call them in the same order.

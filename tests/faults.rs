@@ -379,6 +379,14 @@ fn checked_calls_catch_what_no_message_shows() {
             let mut x = [rank as f32 + 1.0; 5];
             c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
             assert_eq!(x, [6.0; 5]);
+            // One rank with tuning off skips the tuner's step: named at the call, not found
+            // out hundreds of calls later.
+            c.set_tuning(rank != 1);
+            let e = c.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            let m = e.to_string();
+            assert!(m.contains("tuning off") && m.contains("tuning on"), "{m}");
+            c.set_tuning(true);
             c.barrier().expect("barrier");
             let mut comp = chorus::Compressor::new("int8,min_bytes=0").unwrap();
             let mut g = vec![1.0f32; 4096];
