@@ -5,8 +5,9 @@
  * Build (after `ffi/install.sh --prefix "$HOME/.local"`):
  *   mpicc mpi_allreduce.c $(PKG_CONFIG_PATH=$HOME/.local/lib/pkgconfig pkg-config --cflags --libs chorus) \
  *      -Wl,-rpath,$HOME/.local/lib -o mpi_allreduce
- * Run four ranks on this machine:
- *   mpirun -n 4 ./mpi_allreduce
+ * Run four ranks on this machine (--oversubscribe where it has fewer than four cores;
+ * --allow-run-as-root as root):
+ *   mpirun -n 4 --oversubscribe ./mpi_allreduce
  *
  * No CHORUS_ADDR is needed: rank 0 makes the id (its process hosts the rendezvous), MPI
  * broadcasts it, every rank joins with it. Every rank contributes rank + i at index i, sums

@@ -8,7 +8,7 @@ use chorus::{Communicator, ReduceOp};
 
 fn main() -> Result<(), chorus::CommError> {
     // Rank, size, rendezvous address and token come from the launcher's environment
-    // (chorus-run, torchrun, mpirun, srun).
+    // (chorus-run, torchrun, srun; mpirun with CHORUS_ADDR exported).
     let mut comm = Communicator::from_env()?;
     let (rank, size) = (comm.rank(), comm.size());
 

@@ -2,7 +2,8 @@
 //!
 //! A [`Communicator`] connects `size` ranks (processes, possibly on several hosts) and runs
 //! collectives over them. Build one from the environment your launcher sets
-//! ([`Communicator::from_env`]; `chorus-run`, torchrun, mpirun and srun are understood) or from
+//! ([`Communicator::from_env`]; `chorus-run`, torchrun and srun are understood, mpirun with
+//! `CHORUS_ADDR` exported, as it names no rendezvous address) or from
 //! an explicit [`Config`], or through a [`UniqueId`] one process made and handed to the others
 //! (as NCCL's `ncclCommInitRank`). [`Communicator::split`] and [`Communicator::dup`] make
 //! communicators of their own connections for groups of its ranks.

@@ -1,8 +1,7 @@
 //! What to send where, and how to combine it: dtypes, reduce kernels, collective schedules and
 //! their costs. Schedules run over any [`chorus_transport::Transport`].
 //!
-//! HELPER-A owns this crate (see the task text). Public items listed here are relied on by the
-//! `chorus` crate; keep their signatures.
+//! The `chorus` crate builds on its public items.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 

@@ -66,7 +66,8 @@ pub fn placements(c: Collective) -> (bool, bool) {
         | Collective::GatherV
         | Collective::ScatterV
         | Collective::SendRecv
-        | Collective::AllToAllV => (true, false),
+        | Collective::AllToAllV
+        | Collective::Barrier => (true, false),
         _ => (true, true),
     }
 }
@@ -91,7 +92,10 @@ pub fn blocked(c: Collective) -> bool {
 /// The element count actually used for a requested `count` (a multiple of `ranks` for the
 /// blocked collectives).
 pub fn round_count(c: Collective, count: u64, ranks: usize) -> u64 {
-    if blocked(c) {
+    if c == Collective::Barrier {
+        // No data: every size is the one row of size 0.
+        0
+    } else if blocked(c) {
         count / ranks as u64 * ranks as u64
     } else {
         count
@@ -159,6 +163,7 @@ pub fn call<T: Element>(
         (Collective::Scan, None) => comm.scan_in_place(buf, op),
         (Collective::ExScan, Some(s)) => comm.exscan(s, buf, op),
         (Collective::ExScan, None) => comm.exscan_in_place(buf, op),
+        (Collective::Barrier, _) => comm.barrier(),
         (Collective::SendRecv, s) => {
             let s = s.expect("sendrecv runs out of place");
             if p == 1 {
@@ -235,6 +240,8 @@ pub fn count_wrong<T: Element>(
             wrong(&buf[..b], &|i| input(ROOT, rank * b + i))
         }
         Collective::SendRecv => wrong(buf, &|i| input((rank + ranks - 1) % ranks, i)),
+        // Nothing to check but that it returned (a barrier that returned early is not seen).
+        Collective::Barrier => 0,
     }
 }
 

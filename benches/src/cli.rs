@@ -20,12 +20,13 @@ USAGE:
     chorus-perf COLLECTIVE [OPTIONS]
     COLLECTIVE: allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall,
                 allgatherv, alltoallv, gather, scatter, sendrecv, reduce_scatterv,
-                gatherv, scatterv, scan, exscan
+                gatherv, scatterv, scan, exscan, barrier
     Sizes are per rank for allreduce, broadcast, reduce, sendrecv, scan and exscan, and of
     the whole p-rank buffer (rounded down to p blocks) for the others; roots are rank 0;
     the v-variants run with equal blocks (reduce_scatterv's then run as reduce_scatter).
     Broadcast runs in place only; alltoallv, gather(v), scatter(v) and sendrecv out of
-    place only. Scan and exscan take -o (not avg).
+    place only. Scan and exscan take -o (not avg); the collectives that do not reduce run
+    once whatever -o says. Barrier moves no data: one row of size 0, its time the figure.
 
 Without --ranks the process is one rank of a job described by the environment (CHORUS_RANK,
 CHORUS_WORLD_SIZE, CHORUS_ADDR, ... or what torchrun, mpirun, srun set); rank 0 prints.

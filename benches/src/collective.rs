@@ -40,11 +40,13 @@ pub enum Collective {
     Scan,
     /// Rank r ends with the reduction of the buffers of ranks 0..r (rank 0: unchanged).
     ExScan,
+    /// No rank leaves before every rank has entered (no data: one row, of size 0).
+    Barrier,
 }
 
 impl Collective {
     /// Every collective, in the order the usage text lists them.
-    pub const ALL: [Collective; 16] = [
+    pub const ALL: [Collective; 17] = [
         Collective::AllReduce,
         Collective::Broadcast,
         Collective::Reduce,
@@ -61,6 +63,7 @@ impl Collective {
         Collective::ScatterV,
         Collective::Scan,
         Collective::ExScan,
+        Collective::Barrier,
     ];
 
     /// The subcommand name (nccl-tests' test names without `_perf`).
@@ -82,6 +85,7 @@ impl Collective {
             Collective::ScatterV => "scatterv",
             Collective::Scan => "scan",
             Collective::ExScan => "exscan",
+            Collective::Barrier => "barrier",
         }
     }
 
@@ -146,6 +150,8 @@ impl Collective {
             | Collective::SendRecv
             | Collective::Scan
             | Collective::ExScan => 1.0,
+            // No bytes: its time is the figure (algbw and busbw print 0).
+            Collective::Barrier => 0.0,
         }
     }
 }

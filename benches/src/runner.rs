@@ -284,7 +284,8 @@ impl<'a> Runner<'a> {
         let Some(largest) = points.last() else {
             return Ok(());
         };
-        let max = usize::try_from(largest.count)
+        let largest = calls::round_count(self.opts.collective, largest.count, self.ranks);
+        let max = usize::try_from(largest)
             .map_err(|_| CommError::invalid("chorus-perf", "size too large for this machine"))?;
         let place = self.placement;
         // Out of place reads `send` (never modified, filled once) and writes `recv`;

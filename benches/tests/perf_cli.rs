@@ -250,6 +250,38 @@ fn every_collective_runs_checked_with_its_busbw_factor() {
     }
 }
 
+/// `chorus-perf barrier`: one row of size 0 whatever the sizes, types and ops asked for, its
+/// time the figure, the same JSON fields as every collective.
+#[test]
+fn barrier_runs_once_with_its_time() {
+    let r = perf("barrier --ranks 3 --json -d all -o all -b 8 -e 1M -n 3 -w 1");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", r.stdout);
+    let l = lines[0];
+    for field in [
+        "{\"collective\":\"barrier\",\"size\":0,\"count\":0,",
+        "\"op\":\"none\",\"root\":-1,\"inplace\":false,\"ranks\":3,",
+        "\"algbw\":0.000000,\"busbw\":0.000000,\"wrong\":0}",
+    ] {
+        assert!(l.contains(field), "{field} in {l}");
+    }
+    let at = l.find("\"time_us\":").unwrap() + "\"time_us\":".len();
+    let time: f64 = l[at..at + l[at..].find(',').unwrap()].parse().unwrap();
+    assert!(time > 0.0, "{l}");
+}
+
+/// A collective that does not reduce runs its sweep once whatever `-o` lists (nccl-tests'
+/// "none"), not once per op under the same label.
+#[test]
+fn ops_do_not_repeat_a_collective_that_does_not_reduce() {
+    let r = perf("allgather --ranks 2 --json -o all -d int32 -b 8 -e 32 --inplace 0 -n 1 -w 0");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let sizes: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(sizes.len(), 3, "{}", r.stdout); // 8, 16 and 32 bytes, once each
+    assert!(sizes.iter().all(|l| l.contains("\"op\":\"none\"")), "{}", r.stdout);
+}
+
 /// A scan has no average: `-o avg` is a usage error, `-o all` leaves avg out.
 #[test]
 fn scans_refuse_an_average() {
