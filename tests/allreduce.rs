@@ -94,3 +94,37 @@ fn processes_tcp() {
 fn processes_shm() {
     processes_matrix("processes_shm", "shm");
 }
+
+/// Every schedule ends with the same bits on every rank, also where `a ⊕ b` and `b ⊕ a`
+/// differ in their bits: the max of +0 and −0, the sum of NaNs with different payloads.
+#[test]
+fn every_rank_ends_with_the_same_bits_where_order_shows() {
+    for p in [2usize, 3, 4] {
+        for algorithm in chorus::Algorithm::ALL {
+            let bits = on_threads_on("tcp", p, Duration::from_secs(60), move |c| {
+                let r = c.rank();
+                let opts = AllReduceOptions {
+                    algorithm: Some(algorithm),
+                    timeout: None,
+                };
+                let mut zeros = vec![if r % 2 == 0 { 0.0f32 } else { -0.0 }; 5];
+                c.all_reduce_with(None, &mut zeros, ReduceOp::Max, &opts)
+                    .expect("max");
+                let mut nans = vec![f32::from_bits(0x7fc0_0000 | (r as u32 + 1)); 5];
+                c.all_reduce_with(None, &mut nans, ReduceOp::Sum, &opts)
+                    .expect("sum");
+                zeros
+                    .iter()
+                    .chain(&nans)
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<u32>>()
+            });
+            for (rank, b) in bits.iter().enumerate() {
+                assert_eq!(
+                    b, &bits[0],
+                    "{algorithm:?} p={p}: rank {rank} differs from rank 0"
+                );
+            }
+        }
+    }
+}

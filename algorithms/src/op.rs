@@ -9,8 +9,11 @@ use crate::ParseNameError;
 /// of the C ABI.
 ///
 /// Integer `Sum` and `Prod` wrap around like C's unsigned arithmetic. `Avg` reduces like `Sum`
-/// and divides by the number of ranks at the end (integer division for integer types). The
-/// bitwise operators (numbers 5–7, past NCCL's) take integer dtypes only.
+/// and divides by the number of ranks at the end (integer division for integer types), so
+/// the sum must fit the type: a wrapped integer sum is divided as it is (two `u8` 200s
+/// average to 72), and f16 values whose sum passes 65504 average to ∞ (scale them by 1/p
+/// first, or reduce in f32). The bitwise operators (numbers 5–7, past NCCL's) take integer
+/// dtypes only.
 ///
 /// ```
 /// use chorus_algorithms::ReduceOp;

@@ -279,7 +279,11 @@ fn ops_do_not_repeat_a_collective_that_does_not_reduce() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
     let sizes: Vec<&str> = r.stdout.lines().collect();
     assert_eq!(sizes.len(), 3, "{}", r.stdout); // 8, 16 and 32 bytes, once each
-    assert!(sizes.iter().all(|l| l.contains("\"op\":\"none\"")), "{}", r.stdout);
+    assert!(
+        sizes.iter().all(|l| l.contains("\"op\":\"none\"")),
+        "{}",
+        r.stdout
+    );
 }
 
 /// A scan has no average: `-o avg` is a usage error, `-o all` leaves avg out.

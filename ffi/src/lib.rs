@@ -75,7 +75,8 @@ pub enum chorus_dtype {
 /// Reduction operators, numbered as NCCL's `ncclRedOp_t` (0–4), then the bitwise ones (5–7).
 /// Passed as `int32_t`; a value outside this list is rejected with `CHORUS_INVALID_ARGUMENT`,
 /// as is a bitwise operator on a floating-point dtype. Integer sums and products wrap;
-/// `CHORUS_AVG` divides the sum by the number of ranks (integer division for integers).
+/// `CHORUS_AVG` divides the sum by the number of ranks (integer division for integers), so the
+/// sum must fit the type (a wrapped integer sum is divided as it is; f16 sums past 65504 give ∞).
 #[allow(clippy::upper_case_acronyms)]
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,7 +6,8 @@
 //!   `c XOR 2^k` — one send and one receive posted together — and reduces what it received
 //!   into its buffer. After round `k` every core rank holds the reduction of the `2^(k+1)`
 //!   inputs of its aligned block of core ranks; after the last, of all of them. Both partners
-//!   combine the same two partial results, so every rank ends with the same bits.
+//!   combine the same two partial results in the same order (the lower rank's first), so
+//!   every rank ends with the same bits.
 //! - **fold**: for `p` not a power of two, the extra ranks first hand their input to a core
 //!   rank and get the result back at the end (see [`super::exchange`]).
 //!
@@ -134,7 +135,15 @@ pub fn run(
         if let Some(input) = fresh.take() {
             recv.copy_from_slice(input);
         }
-        reduce_bytes(dtype, op, recv, &ex.scratch[..n]);
+        // The lower rank's partial result first on both sides: `a ⊕ b` and `b ⊕ a` can differ
+        // in their bits (max of +0 and −0, the payload of two NaNs), and the partners must end
+        // with the same.
+        if partner < rank {
+            reduce_bytes(dtype, op, &mut ex.scratch[..n], recv);
+            recv.copy_from_slice(&ex.scratch[..n]);
+        } else {
+            reduce_bytes(dtype, op, recv, &ex.scratch[..n]);
+        }
     }
     // 3. Divide once.
     if op == ReduceOp::Avg {
