@@ -212,6 +212,16 @@ pub fn count_wrong<T: Element>(
             .filter(|&(i, &g)| !is_correct(g, want(i), op))
             .count() as u64
     };
+    // What the collective leaves as it was: the poison of an out-of-place run, or this
+    // rank's input in place (the runner fills the buffer so before the checked call).
+    let untouched = |got: &[T], from: usize| -> u64 {
+        if in_place {
+            wrong(got, &|i| input(rank, from + i))
+        } else {
+            let poison = T::from_f64(-77.0);
+            wrong(got, &|_| poison)
+        }
+    };
     match coll {
         Collective::AllReduce => data::count_wrong(buf, op, ranks),
         Collective::Broadcast => wrong(buf, &|i| input(ROOT, i)),
@@ -219,25 +229,25 @@ pub fn count_wrong<T: Element>(
         Collective::Gather | Collective::GatherV if rank == ROOT => {
             wrong(buf, &|i| input(i / b, i % b))
         }
-        Collective::Reduce | Collective::Gather | Collective::GatherV => 0,
+        // Not written off the root.
+        Collective::Reduce | Collective::Gather | Collective::GatherV => untouched(buf, 0),
         Collective::Scan => wrong(buf, &|i| expected_prefix(i, op, rank + 1, ranks)),
-        // Rank 0's output is not defined (left as it was).
-        Collective::ExScan if rank == 0 => 0,
+        // Rank 0's output, which no rank precedes, is left as it was.
+        Collective::ExScan if rank == 0 => untouched(buf, 0),
         Collective::ExScan => wrong(buf, &|i| expected_prefix(i, op, rank, ranks)),
         Collective::AllGather | Collective::AllGatherV => wrong(buf, &|i| input(i / b, i % b)),
         Collective::ReduceScatter | Collective::ReduceScatterV => {
-            let out = if in_place {
-                &buf[rank * b..(rank + 1) * b]
-            } else {
-                &buf[..b]
-            };
-            wrong(out, &|i| expected(rank * b + i, op, ranks))
+            let own = if in_place { rank * b } else { 0 };
+            let mine = wrong(&buf[own..own + b], &|i| expected(rank * b + i, op, ranks));
+            // In place the other blocks keep the input; out of place only the first block
+            // of the buffer is the output.
+            mine + untouched(&buf[..own], 0) + untouched(&buf[own + b..], own + b)
         }
         Collective::AllToAll | Collective::AllToAllV => {
             wrong(buf, &|i| input(i / b, rank * b + i % b))
         }
         Collective::Scatter | Collective::ScatterV => {
-            wrong(&buf[..b], &|i| input(ROOT, rank * b + i))
+            wrong(&buf[..b], &|i| input(ROOT, rank * b + i)) + untouched(&buf[b..], b)
         }
         Collective::SendRecv => wrong(buf, &|i| input((rank + ranks - 1) % ranks, i)),
         // Nothing to check but that it returned (a barrier that returned early is not seen).
@@ -276,18 +286,35 @@ mod tests {
             count_wrong(Collective::AllGather, false, &got, 1, ranks, op),
             1
         );
-        // Reduce-scatter in place on rank 2: only block 2 is checked.
-        let mut buf = vec![0f32; ranks * b];
+        // Reduce-scatter in place on rank 2: block 2 holds the result, the others keep the
+        // input.
+        let rs = Collective::ReduceScatter;
+        let mut buf: Vec<f32> = (0..ranks * b)
+            .map(|i| test_value(2, i, op, ranks))
+            .collect();
         for i in 0..b {
             buf[2 * b + i] = expected(2 * b + i, op, ranks);
         }
+        assert_eq!(count_wrong(rs, true, &buf, 2, ranks, op), 0);
+        buf[1] += 1.0; // written over outside its own block
+        assert_eq!(count_wrong(rs, true, &buf, 2, ranks, op), 1);
+        // Out of place: the first block is the output, the rest keeps the poison.
+        let mut out = vec![-77f32; ranks * b];
+        for (i, v) in out.iter_mut().enumerate().take(b) {
+            *v = expected(2 * b + i, op, ranks);
+        }
+        assert_eq!(count_wrong(rs, false, &out, 2, ranks, op), 0);
+        out[b] = 0.0;
+        assert_eq!(count_wrong(rs, false, &out, 2, ranks, op), 1);
+        // Exscan's rank 0 and reduce off the root are not written.
         assert_eq!(
-            count_wrong(Collective::ReduceScatter, true, &buf, 2, ranks, op),
-            0
+            count_wrong(Collective::ExScan, false, &out[b..], 0, ranks, op),
+            1
         );
+        let kept: Vec<f32> = (0..b).map(|i| test_value(1, i, op, ranks)).collect();
         assert_eq!(
-            count_wrong(Collective::ReduceScatter, false, &buf, 2, ranks, op),
-            b as u64
+            count_wrong(Collective::Reduce, true, &kept, 1, ranks, op),
+            0
         );
         // In-place allgather input: own block filled, the rest poisoned.
         let mut buf = vec![0i32; ranks * b];
