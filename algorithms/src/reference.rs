@@ -112,10 +112,15 @@ fn mix(rank: usize, index: usize, op: ReduceOp) -> u64 {
 /// Values are integers (negative ones only for signed and float types):
 /// - `Sum`/`Avg`: |v| ≤ m = max(1, ⌊120/ranks⌋), so every partial sum stays within ±240
 ///   (exact in bf16, which holds integers up to 256, and in i8/u8 without wrapping);
-/// - `Prod`: v ∈ {−1, 1, 2} ({1, 2} unsigned) on ranks 0..8 and ±1 beyond, so products are
-///   ± powers of two up to 2^8 (exact in every float; integer types wrap consistently);
+/// - `Prod`: v ∈ {−1, 1, 2} ({1, 2} unsigned) on ranks 0..8 and ±1 beyond (unsigned: {1, 3}
+///   on ranks 8..36, so that a rank left out shows, and 1 beyond), so products are ± powers
+///   of two up to 2^8, times 3^28 at most for the unsigned types (exact in f64, which the
+///   reference computes in; integer types wrap consistently, floats stay exact);
 /// - `Max`/`Min`: v ∈ [−100, 100] ([0, 200] unsigned);
-/// - the bitwise operators: any 8-bit pattern, v ∈ [−128, 127] ([0, 255] unsigned).
+/// - `BitXor`: any 8-bit pattern; `BitAnd` (`BitOr`): 8-bit patterns whose bits are each
+///   clear (set) with probability 1/max(p, 2), so about a third of the result's bits differ
+///   from the operator's identity at any rank count and a rank left out shows (signed types
+///   take the pattern as an `i8`).
 ///
 /// Hence every reduction order gives the same result in every dtype for `Prod`, `Max`, `Min`
 /// at any rank count and for `Sum`/`Avg` up to 120 ranks.
@@ -138,13 +143,21 @@ pub fn test_value<T: Element>(rank: usize, index: usize, op: ReduceOp, ranks: us
             (false, 0) => 2,
             _ => 1,
         },
-        ReduceOp::Prod => {
-            if signed && h % 2 == 0 {
+        ReduceOp::Prod if signed => {
+            if h % 2 == 0 {
                 -1
             } else {
                 1
             }
         }
+        ReduceOp::Prod if rank < 36 => {
+            if h % 2 == 0 {
+                3
+            } else {
+                1
+            }
+        }
+        ReduceOp::Prod => 1,
         ReduceOp::Max | ReduceOp::Min => {
             let v = (h % 201) as i64;
             if signed {
@@ -153,14 +166,32 @@ pub fn test_value<T: Element>(rank: usize, index: usize, op: ReduceOp, ranks: us
                 v
             }
         }
-        // Any 8-bit pattern: [−128, 127] signed, [0, 255] unsigned (integer dtypes; the
-        // communicator refuses the bitwise operators for floats).
+        // 8-bit patterns (integer dtypes; the communicator refuses the bitwise operators for
+        // floats), as an i8 for the signed types.
         ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
-            let v = (h % 256) as i64;
+            let pattern = match op {
+                ReduceOp::BitXor => (h % 256) as u8,
+                _ => {
+                    // Bit b differs from the identity (set for AND, clear for OR) with
+                    // probability about 1/p: byte b of the hash below 256/p.
+                    let below = (256 / ranks.max(2) as u64).max(1);
+                    let mut odd = 0u8;
+                    for b in 0..8 {
+                        if (h >> (8 * b)) & 0xff < below {
+                            odd |= 1 << b;
+                        }
+                    }
+                    if op == ReduceOp::BitAnd {
+                        !odd
+                    } else {
+                        odd
+                    }
+                }
+            };
             if signed {
-                v - 128
+                i64::from(pattern as i8)
             } else {
-                v
+                i64::from(pattern)
             }
         }
     };
