@@ -1133,23 +1133,11 @@ fn the_owner_residual_follows_its_slice() {
     let n = 4096;
     let results = run_group(mem::group(2, 1 << 18, 8192), |rank, t| {
         let mut scratch = Vec::new();
+        let sign = opts(Codec::Sign, Schedule::ScatterGather);
+        // Calls 2 and 3: the same input.
         let mut call = |seq: u64, residual: &mut Residual, rng: &mut Rng| {
-            let mut data = input(9 + seq.min(2), rank, n); // calls 2 and 3: the same input
-            let mut ctx = CollCtx {
-                transport: &mut *t,
-                deadline: Instant::now() + TIMEOUT,
-                tag_base: seq << 16,
-                scratch: &mut scratch,
-            };
-            all_reduce_compressed(
-                &mut ctx,
-                &mut data,
-                ReduceOp::Sum,
-                &opts(Codec::Sign, Schedule::ScatterGather),
-                rng,
-                Some(residual),
-            )
-            .map(|_| data)
+            let data = input(9 + seq.min(2), rank, n);
+            residual_call(t, &mut scratch, seq, data, &sign, residual, rng)
         };
         let mut rng = Rng::new(3, rank as u64);
         let mut moved = Residual::default();
@@ -1192,26 +1180,14 @@ fn the_owner_residual_follows_its_slice() {
 fn the_owner_residual_is_reset_with_the_length() {
     let results = run_group(mem::group(2, 1 << 18, 8192), |rank, t| {
         let mut scratch = Vec::new();
+        let sign = CompressedOptions {
+            chunk: 1024,
+            ..opts(Codec::Sign, Schedule::ScatterGather)
+        };
+        // Calls 2 and 3: the same input.
         let mut call = |seq: u64, n: usize, residual: &mut Residual, rng: &mut Rng| {
-            let mut data = input(20 + seq.min(2), rank, n); // calls 2 and 3: the same input
-            let mut ctx = CollCtx {
-                transport: &mut *t,
-                deadline: Instant::now() + TIMEOUT,
-                tag_base: seq << 16,
-                scratch: &mut scratch,
-            };
-            all_reduce_compressed(
-                &mut ctx,
-                &mut data,
-                ReduceOp::Sum,
-                &CompressedOptions {
-                    chunk: 1024,
-                    ..opts(Codec::Sign, Schedule::ScatterGather)
-                },
-                rng,
-                Some(residual),
-            )
-            .map(|_| data)
+            let data = input(20 + seq.min(2), rank, n);
+            residual_call(t, &mut scratch, seq, data, &sign, residual, rng)
         };
         let mut rng = Rng::new(5, rank as u64);
         let mut used = Residual::default();
@@ -1238,6 +1214,33 @@ fn the_owner_residual_is_reset_with_the_length() {
             "rank {rank} (owned {before:?}, then {after:?})"
         );
     }
+}
+
+/// One compressed sum of `data` with error feedback in `residual`, call `seq` of a group.
+fn residual_call(
+    t: &mut dyn Transport,
+    scratch: &mut Vec<u8>,
+    seq: u64,
+    mut data: Vec<f32>,
+    opts: &CompressedOptions,
+    residual: &mut Residual,
+    rng: &mut Rng,
+) -> Result<Vec<f32>, TransportError> {
+    let mut ctx = CollCtx {
+        transport: t,
+        deadline: Instant::now() + TIMEOUT,
+        tag_base: seq << 16,
+        scratch,
+    };
+    all_reduce_compressed(
+        &mut ctx,
+        &mut data,
+        ReduceOp::Sum,
+        opts,
+        rng,
+        Some(residual),
+    )
+    .map(|_| data)
 }
 
 /// The integer ring's average scales the step, not the decoded sum: values whose sum lies
