@@ -575,7 +575,8 @@ impl Transport for Lone {
     fn abort(&mut self, _notice: &AbortNotice) {}
 }
 
-/// How long rank 0 waits at init for the tuning file to be read before it goes on without it.
+/// How long rank 0 waits at init for the tuning file to be read before it goes on without it
+/// (at most half the call timeout, which bounds the others' wait for it).
 const TUNE_FILE_READ_LIMIT: Duration = Duration::from_secs(10);
 
 /// Whether the host of `addr` (`host:port`, `[v6]:port`) is a name other than localhost's,
@@ -1125,8 +1126,14 @@ impl Communicator {
                     .position(|&x| x == a)
                     .unwrap_or(allreduce::Algorithm::ALL.len()) as u64
             });
-            // So is tuning being on: a rank with it off skips the step too.
-            let args = [recv.len() as u64, forced, u64::from(c.tuning)];
+            // So is tuning being on where the tuner steps: a rank with it off skips the step
+            // too (not compared where no rank's tuner steps: a forced schedule, the direct
+            // shared-memory allreduce, an empty buffer, one rank).
+            let steps = opts.algorithm.is_none()
+                && !c.direct_shared_memory()
+                && !recv.is_empty()
+                && c.size > 1;
+            let args = [recv.len() as u64, forced, u64::from(c.tuning && steps)];
             c.check_call(call, &args)?;
             if opts.algorithm.is_none() && c.direct_shared_memory() {
                 // Every rank on this host: the direct shared-memory allreduce beats any message
@@ -1441,14 +1448,20 @@ impl Communicator {
                 .spawn(move || {
                     let _ = tx.send(TuneFile::read(&reading));
                 });
+            // Well within the others' wait for the agreement below (the call timeout).
+            let limit = TUNE_FILE_READ_LIMIT.min(self.config.timeout / 2);
             let read = match spawned {
                 Err(e) => Err(format!("no thread to read it: {e}")),
-                Ok(_) => rx.recv_timeout(TUNE_FILE_READ_LIMIT).unwrap_or_else(|_| {
-                    Err(format!(
-                        "not read within {} s (a slow or hung file system?)",
-                        TUNE_FILE_READ_LIMIT.as_secs()
-                    ))
-                }),
+                Ok(_) => match rx.recv_timeout(limit) {
+                    Ok(read) => read,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(format!(
+                        "not read within {:.1} s (a slow or hung file system?)",
+                        limit.as_secs_f64()
+                    )),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        Err("its reader failed (a panic)".to_string())
+                    }
+                },
             };
             match read {
                 Ok(None) => self.log_tuning(|| format!("tuning file {shown}: none yet")),

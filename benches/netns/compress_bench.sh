@@ -8,8 +8,9 @@
 # chorus-perf runs the compressed call and the dense allreduce on the same data in the same
 # job (columns: time, wire bytes per rank, ratio, relative error, dense time, speed-up), so the
 # "x of dense" figure of each row is measured side by side. Needs root (ip netns, tc). The
-# cluster uses its own namespace prefix (CHORUS_NETNS_PREFIX, default chorusbench) and is
-# removed on exit; traffic stays inside those namespaces (10.78.0.0/24).
+# cluster uses its own namespace prefix (CHORUS_NETNS_PREFIX, default chorusbench<PID>) and is
+# removed on exit (a run killed outright is cleaned up by the next); traffic stays inside
+# those namespaces (10.78.0.0/24).
 set -euo pipefail
 
 HERE=$(dirname "$(readlink -f "$0")")
@@ -42,6 +43,13 @@ fi
 PERF=${CHORUS_PERF:-$TARGET/release/chorus-perf}
 RUN=${CHORUS_RUN:-$TARGET/release/chorus-run}
 CLUSTER="$ROOT/tests/netns/cluster.sh"
+# Clusters of earlier runs whose process is gone (killed before their EXIT trap ran).
+for mark in /run/chorus-netns/chorusbench*; do
+    [[ -f $mark ]] || continue
+    pid=${mark##*/chorusbench}
+    [[ $pid =~ ^[0-9]+$ && ! -d /proc/$pid ]] || continue
+    CHORUS_NETNS_PREFIX=chorusbench$pid "$CLUSTER" down >/dev/null 2>&1 || true
+done
 trap '"$CLUSTER" down >/dev/null 2>&1 || true' EXIT
 # Ctrl-C ends the run (and the EXIT trap takes the cluster down) rather than the one method.
 trap 'exit 130' INT

@@ -70,14 +70,16 @@ if ip netns list | grep -q '^allr-'; then
 fi
 cluster() { "$PEERS_DIR/netns_cluster.sh" "$@"; }
 trap 'cluster down >/dev/null 2>&1 || true' EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+# Ctrl-C: the background Gloo ranks (in timeout's own process groups, which the terminal's
+# signal does not reach) go with the script.
+trap 'kill -- "${GLOO_PIDS[@]}" 2>/dev/null; exit 130' INT
+trap 'kill -- "${GLOO_PIDS[@]}" 2>/dev/null; exit 143' TERM
 cluster up 4 "$RATE" >/dev/null
 for i in 1 2 3 4; do echo "10.77.0.$i slots=1"; done >"$WORK/hostfile"
 
 ARGS=(-b 8 -e 2M -f 4 -w 3 -n 20 --gap "$GAP")
 ompi() { # extra mpirun args
-    ip netns exec allr-h1 timeout -k 10 600 mpirun --allow-run-as-root --hostfile "$WORK/hostfile" -np 4 \
+    ip netns exec allr-h1 timeout --foreground -k 10 600 mpirun --allow-run-as-root --hostfile "$WORK/hostfile" -np 4 \
         --map-by node --bind-to none --mca plm_rsh_agent "$PEERS_DIR/netns_rsh.sh" \
         --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl self,tcp \
         --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
@@ -89,6 +91,7 @@ chorus() { # extra chorus-perf args, after --env settings
     "$RUN" --no-prefix --timeout 600 "${env[@]}" --netns-prefix allr-h --addr "10.77.0.1:$port" -n 4 -- \
         "$PERF" allreduce --format peers "$@" "${ARGS[@]}"
 }
+GLOO_PIDS=()
 gloo() {
     local port=$((30000 + RANDOM % 2000)) pids=() rc=0
     for r in 0 1 2 3; do
@@ -96,6 +99,7 @@ gloo() {
             timeout -k 10 600 ip netns exec "allr-h$((r + 1))" "$PY" "$HERE/gloo_gap_bench.py" "${ARGS[@]}" \
             >"$WORK/gloo$r.out" 2>"$WORK/gloo$r.err" &
         pids+=($!)
+        GLOO_PIDS+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     cat "$WORK/gloo0.out"

@@ -117,7 +117,7 @@ launch() { # PEER SIZE CALLS -> rank 0's table on stdout
             local extra=()
             [[ $peer == ompi-tcp-ring ]] &&
                 extra=(--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4)
-            ip netns exec allr-h1 timeout -k 10 600 mpirun --allow-run-as-root --hostfile hostfile -np 4 \
+            ip netns exec allr-h1 timeout --foreground -k 10 600 mpirun --allow-run-as-root --hostfile hostfile -np 4 \
                 --map-by node --bind-to none --mca plm_rsh_agent "$WORK/netns_rsh.sh" \
                 --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl self,tcp \
                 --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 "${extra[@]}" \

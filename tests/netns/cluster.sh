@@ -80,11 +80,13 @@ namespaces() {
     grep -Fx -f "$MARK_DIR/$PFX" <<<"$all" | grep -- '-sw$' || true
 }
 
-# namespaces of this prefix's names that `up` did not make (someone else's)
+# namespaces of this prefix's names that `up` did not make (someone else's; one `up` made
+# that `down` could not remove is not)
 strangers() {
-    local all re=${PFX//./\\.}
+    local all re=${PFX//./\\.} ours=/dev/null
+    [[ -f $MARK_DIR/$PFX ]] && ours=$MARK_DIR/$PFX
     all=$(ip netns list 2>/dev/null | awk '{ print $1 }')
-    grep -E "^$re-(h[0-9]+|sw)$" <<<"$all" || true
+    grep -E "^$re-(h[0-9]+|sw)$" <<<"$all" | grep -Fxv -f "$ours" || true
 }
 
 new_namespace() {
@@ -107,6 +109,7 @@ cmd_down() {
         ip netns del "$ns" || { echo "cluster.sh: warning: could not remove $ns" >&2; failed=1; }
     done
     ((failed)) || rm -f "$MARK_DIR/$PFX"
+    return "$failed"
 }
 
 cmd_up() {
