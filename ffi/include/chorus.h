@@ -52,7 +52,9 @@ enum chorus_status
   CHORUS_OK = 0,
   /**
    * A bad argument: NULL pointer, unknown dtype/op/algorithm, wrong size, overlapping
-   * buffers. Nothing was sent; the communicator is still usable.
+   * buffers. Nothing was sent, and the communicator is still usable, except where the
+   * error says otherwise (with `CHORUS_CHECK_CALLS`, an argument refused on one rank
+   * only once the others wait for it; a freed request's call that failed).
    */
   CHORUS_INVALID_ARGUMENT = 1,
   /**
@@ -494,9 +496,11 @@ int32_t chorus_comm_abort(chorus_comm *comm);
  * Free a communicator and close its connections (peers still in a collective with it see
  * this rank leave), after waiting for its nonblocking calls in flight (their requests still
  * report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
- * made it, the pointer is released without touching anything the parent still uses. The pointer must not be used afterwards. While another
- * thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
- * (wait for that call, or its timeout, and destroy it then).
+ * made it, the pointer is released without touching anything the parent still uses. The
+ * pointer must not be used afterwards: a destroyed communicator is not detected (using it,
+ * or destroying it again, is undefined). While another thread is inside a call on it, it is
+ * not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its timeout, and
+ * destroy it then); a call another thread starts during the destroy is the caller's race.
  *
  * # Safety
  * `comm` is NULL or a live communicator; no other thread starts a call on it during or after
@@ -583,8 +587,10 @@ int32_t chorus_test(chorus_request **request, int *done);
  * communicator's order, and `CHORUS_OK` is returned; should the call then fail, the
  * communicator is aborted (its peers told, since nothing else would report it), and the next
  * call on it fails saying why. The buffers must stay valid and untouched until the call has
- * ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
- * guarantees: both wait for the calls issued before them. For a transfer (`chorus_isend`,
+ * ended, which a later blocking call on the communicator that ran (returned `CHORUS_OK` or
+ * the error of running it; a call refused at once, as one made while transfer requests are
+ * held, waits for nothing), or `chorus_comm_destroy`, guarantees: both wait for the calls
+ * issued before them. For a transfer (`chorus_isend`,
  * `chorus_irecv`), a later blocking collective waits for it too (a peer that receives only
  * after that collective then waits for its timeout), and `chorus_send`/`chorus_recv` wait
  * for their own message only.
@@ -1380,7 +1386,8 @@ int32_t chorus_compressor_create(chorus_compressor **out, const char *spec);
 
 /**
  * Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
- * not freed: this fails with `CHORUS_INVALID_USAGE`.
+ * not freed: this fails with `CHORUS_INVALID_USAGE`. A freed compressor is not detected
+ * (using it, or freeing it again, is undefined).
  *
  * # Safety
  * `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread

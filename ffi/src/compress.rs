@@ -71,7 +71,8 @@ pub unsafe extern "C" fn chorus_compressor_create(
 }
 
 /// Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
-/// not freed: this fails with `CHORUS_INVALID_USAGE`.
+/// not freed: this fails with `CHORUS_INVALID_USAGE`. A freed compressor is not detected
+/// (using it, or freeing it again, is undefined).
 ///
 /// # Safety
 /// `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread

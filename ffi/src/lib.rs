@@ -530,9 +530,11 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 /// Free a communicator and close its connections (peers still in a collective with it see
 /// this rank leave), after waiting for its nonblocking calls in flight (their requests still
 /// report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
-/// made it, the pointer is released without touching anything the parent still uses. The pointer must not be used afterwards. While another
-/// thread is inside a call on it, it is not freed: this fails with `CHORUS_INVALID_USAGE`
-/// (wait for that call, or its timeout, and destroy it then).
+/// made it, the pointer is released without touching anything the parent still uses. The
+/// pointer must not be used afterwards: a destroyed communicator is not detected (using it,
+/// or destroying it again, is undefined). While another thread is inside a call on it, it is
+/// not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its timeout, and
+/// destroy it then); a call another thread starts during the destroy is the caller's race.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; no other thread starts a call on it during or after
@@ -1002,8 +1004,10 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
 /// communicator's order, and `CHORUS_OK` is returned; should the call then fail, the
 /// communicator is aborted (its peers told, since nothing else would report it), and the next
 /// call on it fails saying why. The buffers must stay valid and untouched until the call has
-/// ended, which a later blocking call on the communicator, or `chorus_comm_destroy`,
-/// guarantees: both wait for the calls issued before them. For a transfer (`chorus_isend`,
+/// ended, which a later blocking call on the communicator that ran (returned `CHORUS_OK` or
+/// the error of running it; a call refused at once, as one made while transfer requests are
+/// held, waits for nothing), or `chorus_comm_destroy`, guarantees: both wait for the calls
+/// issued before them. For a transfer (`chorus_isend`,
 /// `chorus_irecv`), a later blocking collective waits for it too (a peer that receives only
 /// after that collective then waits for its timeout), and `chorus_send`/`chorus_recv` wait
 /// for their own message only.
@@ -1308,6 +1312,7 @@ pub unsafe extern "C" fn chorus_iallreduce(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iallreduce", comm, Some(request), |_| {
+            op_fits(dtype, op, false)?;
             allreduce_call(sendbuf, recvbuf, count, dtype, op, opts)
         })
     }
@@ -1373,6 +1378,27 @@ pub unsafe extern "C" fn chorus_ibarrier(
             Ok(Box::new(|c| c.barrier()))
         })
     }
+}
+
+/// Checks a nonblocking reduction's op against its dtype when it is issued (a bitwise op on a
+/// float; `CHORUS_AVG` in a scan), as [`root_in`] does the root: found later, when the call
+/// runs, the error would abort the communicator if the request was freed unwaited.
+fn op_fits(dtype: DtypeArg, op: OpArg, scan: bool) -> Result<(), Failure> {
+    let (dtype, op) = (dtype.get()?, op.get()?);
+    if op.is_bitwise() && dtype.is_float() {
+        return Err(Failure::invalid(format!(
+            "the bitwise operator {} takes integer dtypes, not {}",
+            op.name(),
+            dtype.name()
+        )));
+    }
+    if scan && op == ReduceOp::Avg {
+        return Err(Failure::invalid(
+            "CHORUS_AVG has no prefix meaning: a scan takes sum, prod, min, max or a bitwise op"
+                .to_string(),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a nonblocking call's `root` against the group when it is issued: found later, when
@@ -1510,6 +1536,7 @@ pub unsafe extern "C" fn chorus_ireduce(
     unsafe {
         issue("chorus_ireduce", comm, Some(request), |c| {
             root_in(c, root)?;
+            op_fits(dtype, op, false)?;
             reduce_call(c, sendbuf, recvbuf, count, dtype, op, root)
         })
     }
@@ -1942,6 +1969,7 @@ pub unsafe extern "C" fn chorus_ireduce_scatterv(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_ireduce_scatterv", comm, Some(request), |c| {
+            op_fits(dtype, op, false)?;
             reduce_scatterv_call(c, sendbuf, recvbuf, recvcounts, dtype, op)
         })
     }
@@ -2025,6 +2053,7 @@ pub unsafe extern "C" fn chorus_ireduce_scatter(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_ireduce_scatter", comm, Some(request), |c| {
+            op_fits(dtype, op, false)?;
             reduce_scatter_call(c, sendbuf, recvbuf, recvcount, dtype, op)
         })
     }
@@ -2585,6 +2614,7 @@ pub unsafe extern "C" fn chorus_iscan(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iscan", comm, Some(request), |_| {
+            op_fits(dtype, op, true)?;
             scan_call(sendbuf, recvbuf, count, dtype, op, false)
         })
     }
@@ -2609,6 +2639,7 @@ pub unsafe extern "C" fn chorus_iexscan(
     // SAFETY: the caller's promise, forwarded.
     unsafe {
         issue("chorus_iexscan", comm, Some(request), |_| {
+            op_fits(dtype, op, true)?;
             scan_call(sendbuf, recvbuf, count, dtype, op, true)
         })
     }

@@ -211,10 +211,22 @@ pub(crate) fn lease_all(
 ) -> Result<Vec<Option<Lease>>, Failure> {
     let mut l = lock_live(live);
     for (i, &(buf, written)) in bufs.iter().enumerate() {
-        let (start, end) = (buf.ptr as usize, buf.ptr as usize + buf.len);
         if buf.len == 0 {
             continue;
         }
+        let start = buf.ptr as usize;
+        let Some(end) = start.checked_add(buf.len) else {
+            return Err(Failure::invalid(format!(
+                "{}the buffer runs past the end of the address space ({:#x} + {} bytes)",
+                if batch {
+                    format!("ops[{i}]: ")
+                } else {
+                    String::new()
+                },
+                start,
+                buf.len
+            )));
+        };
         if let Some(&(_, _, _, theirs)) = l
             .list
             .iter()
@@ -242,6 +254,7 @@ pub(crate) fn lease_all(
         }
         let id = l.next;
         l.next += 1;
+        // (Checked above: it does not wrap.)
         l.list
             .push((id, buf.ptr as usize, buf.ptr as usize + buf.len, written));
         out.push(Some(Lease {

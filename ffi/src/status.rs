@@ -26,7 +26,9 @@ pub enum chorus_status {
     /// Success.
     CHORUS_OK = 0,
     /// A bad argument: NULL pointer, unknown dtype/op/algorithm, wrong size, overlapping
-    /// buffers. Nothing was sent; the communicator is still usable.
+    /// buffers. Nothing was sent, and the communicator is still usable, except where the
+    /// error says otherwise (with `CHORUS_CHECK_CALLS`, an argument refused on one rank
+    /// only once the others wait for it; a freed request's call that failed).
     CHORUS_INVALID_ARGUMENT = 1,
     /// A call not allowed in this state: a communicator that is aborted or broken by an
     /// earlier error, or used from two threads at once.

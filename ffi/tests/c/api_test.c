@@ -524,6 +524,16 @@ static void collectives(chorus_comm *comm) {
         OK(chorus_scan(comm, d, d, S, CHORUS_FLOAT64, CHORUS_MAX)); /* in place */
         for (int i = 0; i < S; i++) CHECK(d[i] == (double)(me * (i + 1)), "scan max [%d] = %g", i, d[i]);
         EXPECT(chorus_scan(comm, x, y, S, CHORUS_INT64, CHORUS_AVG), CHORUS_INVALID_ARGUMENT);
+        /* Nonblocking: refused when issued (found when it ran, a freed request's error would
+         * abort the communicator), the request left NULL. */
+        {
+            chorus_request *nb = NULL;
+            EXPECT(chorus_iscan(comm, x, y, S, CHORUS_INT64, CHORUS_AVG, &nb), CHORUS_INVALID_ARGUMENT);
+            CHECK(nb == NULL, "iscan avg: a request was made");
+            EXPECT(chorus_iallreduce(comm, d, d, S, CHORUS_FLOAT64, CHORUS_BAND, NULL, &nb),
+                   CHORUS_INVALID_ARGUMENT);
+            CHECK(nb == NULL, "iallreduce band of doubles: a request was made");
+        }
         EXPECT(chorus_exscan(comm, x, x + 1, 3, CHORUS_INT64, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
         OK(chorus_barrier(comm));
     }
@@ -1298,20 +1308,27 @@ static void nonblocking(chorus_comm *comm) {
           chorus_last_error());
     EXPECT(chorus_iscatter(comm, sum_in, sum_out, 1, CHORUS_INT32, -1, &bad),
            CHORUS_INVALID_ARGUMENT);
-    /* A bitwise operator on floats is the communicator's to check: the request reports it
-     * (every rank passes the same one here, so none waits for another). */
+    /* So is a bitwise operator on floats. */
     float fin[4] = {1, 2, 3, 4}, fout[4];
-    OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &bad));
-    EXPECT(chorus_wait(&bad), CHORUS_INVALID_ARGUMENT);
-    CHECK(bad == NULL, "a failed request was not cleared");
+    EXPECT(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &bad),
+           CHORUS_INVALID_ARGUMENT);
+    CHECK(bad == NULL && strstr(chorus_last_error(), "bitwise") != NULL, "message: %s",
+          chorus_last_error());
     {
-        chorus_request *two[2];
+        /* A request that fails when it runs: a send to this rank itself met by a receive of
+         * another length and dtype (both halves fail; the communicator stays usable). */
+        chorus_request *two[2], *s = NULL;
+        int32_t four = 7;
+        int64_t eight = 0;
         OK(chorus_ibarrier(comm, &two[0]));
-        OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &two[1]));
-        EXPECT(chorus_waitall(2, two), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_isend(comm, &four, 1, CHORUS_INT32, me, &s));
+        OK(chorus_irecv(comm, &eight, 1, CHORUS_INT64, me, &two[1]));
+        EXPECT(chorus_waitall(2, two), CHORUS_MISMATCH);
         CHECK(strstr(chorus_last_error(), "request 1 of 2") != NULL, "waitall message: %s",
               chorus_last_error());
         CHECK(two[0] == NULL && two[1] == NULL, "waitall left a request set");
+        EXPECT(chorus_wait(&s), CHORUS_MISMATCH);
+        CHECK(s == NULL, "a failed request was not cleared");
     }
     EXPECT(chorus_ibarrier(NULL, &bad), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_wait(NULL), CHORUS_INVALID_ARGUMENT);
@@ -1428,13 +1445,16 @@ static void nonblocking(chorus_comm *comm) {
         OK(chorus_barrier(comm));
         for (int i = 0; i < 1000; i++)
             CHECK(sum_out[i] == p * (p - 1) / 2 + p * i, "freed request's allreduce [%d] = %d", i, sum_out[i]);
-        /* A call that has already ended gives its status when its request is freed (a
-         * bitwise operator on floats, on every rank alike: nothing waits, the communicator
-         * stays usable). */
-        float fin[4] = {1, 2, 3, 4}, fout[4];
-        OK(chorus_ireduce(comm, fin, fout, 4, CHORUS_FLOAT32, CHORUS_BAND, 0, &gone));
-        OK(chorus_barrier(comm));
-        EXPECT(chorus_request_free(&gone), CHORUS_INVALID_ARGUMENT);
+        /* A call that has already ended gives its status when its request is freed (a send
+         * to this rank itself met by a receive of another length and dtype: both fail, the
+         * communicator stays usable). */
+        int32_t four = 7;
+        int64_t eight = 0;
+        chorus_request *half = NULL;
+        OK(chorus_isend(comm, &four, 1, CHORUS_INT32, me, &half));
+        OK(chorus_irecv(comm, &eight, 1, CHORUS_INT64, me, &gone));
+        EXPECT(chorus_wait(&half), CHORUS_MISMATCH);
+        EXPECT(chorus_request_free(&gone), CHORUS_MISMATCH);
         CHECK(gone == NULL, "chorus_request_free left a finished request set");
         OK(chorus_barrier(comm));
     }
