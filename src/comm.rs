@@ -467,8 +467,12 @@ fn describe_record(rec: &[u8]) -> String {
                     .get(f as usize - 1)
                     .map_or("?".to_string(), |a| format!("forced {}", a.name())),
             };
-            let tuning = if *tuning == 0 { "off" } else { "on" };
-            format!(", {b} bytes, schedule {schedule}, tuning {tuning}")
+            let tuning = match *tuning {
+                0 => ", tuning off",
+                1 => ", tuning on",
+                _ => "",
+            };
+            format!(", {b} bytes, schedule {schedule}{tuning}")
         }
         [root] if kind == CollKind::GatherV as u64 || kind == CollKind::ScatterV as u64 => {
             format!(", root {root}")
@@ -1133,7 +1137,9 @@ impl Communicator {
                 && !c.direct_shared_memory()
                 && !recv.is_empty()
                 && c.size > 1;
-            let args = [recv.len() as u64, forced, u64::from(c.tuning && steps)];
+            // 0 off, 1 on, 2 not stepping (where it does not matter).
+            let tuning = if steps { u64::from(c.tuning) } else { 2 };
+            let args = [recv.len() as u64, forced, tuning];
             c.check_call(call, &args)?;
             if opts.algorithm.is_none() && c.direct_shared_memory() {
                 // Every rank on this host: the direct shared-memory allreduce beats any message

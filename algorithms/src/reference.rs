@@ -118,9 +118,9 @@ fn mix(rank: usize, index: usize, op: ReduceOp) -> u64 {
 ///   reference computes in; integer types wrap consistently, floats stay exact);
 /// - `Max`/`Min`: v ∈ [−100, 100] ([0, 200] unsigned);
 /// - `BitXor`: any 8-bit pattern; `BitAnd` (`BitOr`): 8-bit patterns whose bits are each
-///   clear (set) with probability about 1/max(p, 2), so about two thirds of the result's bits
-///   differ from the operator's identity at any rank count and a rank left out shows (signed
-///   types take the pattern as an `i8`).
+///   clear (set) with probability about 1/max(p, 2), so that a half to three quarters of the
+///   result's bits differ from the operator's identity up to 256 ranks and a rank left out
+///   shows (signed types take the pattern as an `i8`).
 ///
 /// Hence every reduction order gives the same result in every dtype for `Prod`, `Max`, `Min`
 /// at any rank count and for `Sum`/`Avg` up to 120 ranks.

@@ -70,10 +70,8 @@ if ip netns list | grep -q '^allr-'; then
 fi
 cluster() { "$PEERS_DIR/netns_cluster.sh" "$@"; }
 trap 'cluster down >/dev/null 2>&1 || true' EXIT
-# Ctrl-C: the background Gloo ranks (in timeout's own process groups, which the terminal's
-# signal does not reach) go with the script.
-trap 'kill -- "${GLOO_PIDS[@]}" 2>/dev/null; exit 130' INT
-trap 'kill -- "${GLOO_PIDS[@]}" 2>/dev/null; exit 143' TERM
+trap 'exit 130' INT
+trap 'exit 143' TERM
 cluster up 4 "$RATE" >/dev/null
 for i in 1 2 3 4; do echo "10.77.0.$i slots=1"; done >"$WORK/hostfile"
 
@@ -91,15 +89,17 @@ chorus() { # extra chorus-perf args, after --env settings
     "$RUN" --no-prefix --timeout 600 "${env[@]}" --netns-prefix allr-h --addr "10.77.0.1:$port" -n 4 -- \
         "$PERF" allreduce --format peers "$@" "${ARGS[@]}"
 }
-GLOO_PIDS=()
 gloo() {
     local port=$((30000 + RANDOM % 2000)) pids=() rc=0
+    # Ctrl-C: the background ranks (in timeout's own process groups, which the terminal's
+    # signal does not reach) go with this entry (a pipeline's subshell: its own trap).
+    trap 'kill -- "${pids[@]}" 2>/dev/null; exit 130' INT
+    trap 'kill -- "${pids[@]}" 2>/dev/null; exit 143' TERM
     for r in 0 1 2 3; do
         RANK=$r WORLD_SIZE=4 MASTER_ADDR=10.77.0.1 MASTER_PORT=$port GLOO_SOCKET_IFNAME=eth0 \
             timeout -k 10 600 ip netns exec "allr-h$((r + 1))" "$PY" "$HERE/gloo_gap_bench.py" "${ARGS[@]}" \
             >"$WORK/gloo$r.out" 2>"$WORK/gloo$r.err" &
         pids+=($!)
-        GLOO_PIDS+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     cat "$WORK/gloo0.out"

@@ -2760,7 +2760,8 @@ pub unsafe extern "C" fn chorus_recv(
 /// `chorus_send`/`chorus_recv` and `chorus_p2p_batch` too; a receive takes exactly its count
 /// and dtype (anything else is `CHORUS_MISMATCH` on both ranks, and the communicator is
 /// aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
-/// of the same order. A transfer must complete within the communicator's timeout of being
+/// of the same order (a mismatch there fails both halves with `CHORUS_MISMATCH` and leaves
+/// the communicator usable: nothing went on the wire). A transfer must complete within the communicator's timeout of being
 /// issued, after the nonblocking calls issued before it.
 ///
 /// While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its

@@ -123,7 +123,7 @@ cmd_up() {
     command -v bridge >/dev/null || die "bridge (iproute2) not found"
     [[ $rate == none ]] || command -v tc >/dev/null || die "tc (iproute2) not found"
 
-    cmd_down
+    cmd_down || die "namespaces an earlier up made for $PFX could not be removed (listed in $MARK_DIR/$PFX); remove them, or choose another CHORUS_NETNS_PREFIX"
     local others
     others=$(strangers | tr '\n' ' ')
     [[ -z ${others// /} ]] || die "namespaces $others exist and were not made by cluster.sh up for prefix $PFX; remove them, or choose another CHORUS_NETNS_PREFIX"
