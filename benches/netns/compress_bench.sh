@@ -29,7 +29,7 @@ while [[ $# -gt 0 ]]; do
         --iters) ITERS=$2; shift 2 ;;
         --reps) REPS=$2; shift 2 ;;
         --methods) METHODS=$2; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p}}' "$0"; exit 0 ;;
         *) echo "compress_bench.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done

@@ -23,7 +23,10 @@ best peer with that ratio's interval ("cached / best peer").  The column after
 the first ratio is its 90 % bootstrap interval: every peer's launches resampled with replacement
 (2000 times, a fixed seed), the medians and the best schedule taken again; the summary counts
 the sizes whose interval lies wholly above 90 %, straddles it, or lies wholly below (a miss the
-launches' noise does not explain).  Where chorus-perf
+launches' noise does not explain). With few launches the interval is rough: with 3, a
+resampled median is the smallest or largest launch a quarter of the time each, so the 5 % and
+95 % ends are those launches and the interval covers the true median only about 75 % of the
+time; the table says so below 8 launches.  Where chorus-perf
 printed which schedule `auto` ran at each size (`# schedule SIZE NAME tuned|model|direct`
 comments), a column counts them over the launches of `auto` (and one over its copy's), e.g.
 `ring 3, hd 2` (`*` marks a schedule tuning had not settled, the model's choice), so a miss can
@@ -272,6 +275,10 @@ def table(name, folder):
             row += f" {pick_counts(chosen[c], s) or '—'} |"
         out.append(row)
     out.append("")
+    fewest = min(len(reps[c]) for c in cols)
+    if fewest < 8:
+        out.append(f"- intervals from as few as {fewest} launches are rough (see the module's "
+                   "docs): a wholly-below there is a hint, not a verdict")
     left_out = {c: n for c, n in wrong.items() if n}
     if left_out:
         out.append("- rows left out for wrong results: "

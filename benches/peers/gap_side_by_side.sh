@@ -32,7 +32,7 @@ while [[ $# -gt 0 ]]; do
         --rate) RATE=${2:?}; shift 2 ;;
         --out) OUT=${2:?}; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
-        -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p}}' "$0"; exit 0 ;;
         *) echo "gap_side_by_side.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done

@@ -23,7 +23,7 @@ while [[ $# -gt 0 ]]; do
         --rounds) ROUNDS=${2:?}; shift 2 ;;
         --settle) SETTLE=${2:?}; shift 2 ;;
         --rate) RATE=${2:?}; shift 2 ;;
-        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p}}' "$0"; exit 0 ;;
         *) echo "tbf_credit.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done

@@ -68,6 +68,8 @@ def test_ratios_against_the_best_schedule_and_peer(tmp_path):
     assert large["auto"] == "979" and large["ring"] == "1100"
     assert large["auto / best schedule"] == "89 %"
     assert "0 of 2 sizes >= 90 %" in text
+    # Three launches: the intervals are said to be rough.
+    assert "intervals from as few as 3 launches are rough" in text
 
 
 def test_rows_with_wrong_results_are_left_out(tmp_path):
