@@ -196,6 +196,23 @@ fn choose<A: Copy>(allowed: &[bool], all: &[A], cost: impl Fn(A) -> f64) -> A {
     best.unwrap_or(all[0])
 }
 
+/// Why a reduction of `dtype` elements by `op` is refused, if it is: a bitwise operator on a
+/// floating-point dtype (as MPI refuses `MPI_BAND` on `MPI_FLOAT`), or, for a prefix
+/// reduction (`prefix`: scan, exscan), an average, which has no prefix meaning. The
+/// collectives refuse these when they run; the C layer asks before it issues a nonblocking
+/// one.
+pub fn reduction_refusal(dtype: DType, op: ReduceOp, prefix: bool) -> Option<String> {
+    if op.is_bitwise() && dtype.is_float() {
+        return Some(format!(
+            "{} is a bitwise operator: it takes integer dtypes, not {}",
+            op.name(),
+            dtype.name()
+        ));
+    }
+    (prefix && op == ReduceOp::Avg)
+        .then(|| "avg has no prefix meaning: scan with sum and divide by rank + 1".to_string())
+}
+
 impl Communicator {
     /// The α/β the selector measured (or was given) for this communicator.
     fn link(&self) -> Link {
@@ -207,24 +224,17 @@ impl Communicator {
     }
 
     /// Fails for a bitwise operator on a floating-point dtype (as MPI refuses `MPI_BAND` on
-    /// `MPI_FLOAT`).
+    /// `MPI_FLOAT`); see [`reduction_refusal`].
     pub(crate) fn check_op(
         &self,
         op_name: &'static str,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        if op.is_bitwise() && dtype.is_float() {
-            return Err(self.invalid(
-                op_name,
-                format!(
-                    "{} is a bitwise operator: it takes integer dtypes, not {}",
-                    op.name(),
-                    dtype.name()
-                ),
-            ));
+        match reduction_refusal(dtype, op, false) {
+            Some(why) => Err(self.invalid(op_name, why)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Fails unless `len` bytes are whole `dtype` elements.
@@ -1213,12 +1223,8 @@ impl Communicator {
         };
         let call = Call::new(name, kind, dtype, op);
         self.refusable(call, |c| {
-            c.check_op(name, dtype, op)?;
-            if op == ReduceOp::Avg {
-                return Err(c.invalid(
-                    name,
-                    "avg has no prefix meaning: scan with sum and divide by rank + 1".into(),
-                ));
+            if let Some(why) = reduction_refusal(dtype, op, true) {
+                return Err(c.invalid(name, why));
             }
             c.check_whole(name, "receive buffer", recv.len(), dtype)?;
             if let Some(s) = send {

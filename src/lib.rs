@@ -35,7 +35,7 @@ pub mod unique_id;
 pub use chorus_algorithms::allreduce::Algorithm;
 pub use chorus_algorithms::collectives::layout::Layout;
 pub use chorus_algorithms::{DType, Element, ReduceOp};
-pub use collectives::{P2p, P2pShape};
+pub use collectives::{reduction_refusal, P2p, P2pShape};
 pub use comm::{AbortHandle, AllReduceOptions, Communicator};
 pub use compress::{CompressionReport, Compressor, CompressorSpec};
 

@@ -1384,21 +1384,10 @@ pub unsafe extern "C" fn chorus_ibarrier(
 /// float; `CHORUS_AVG` in a scan), as [`root_in`] does the root: found later, when the call
 /// runs, the error would abort the communicator if the request was freed unwaited.
 fn op_fits(dtype: DtypeArg, op: OpArg, scan: bool) -> Result<(), Failure> {
-    let (dtype, op) = (dtype.get()?, op.get()?);
-    if op.is_bitwise() && dtype.is_float() {
-        return Err(Failure::invalid(format!(
-            "the bitwise operator {} takes integer dtypes, not {}",
-            op.name(),
-            dtype.name()
-        )));
+    match chorus_core::reduction_refusal(dtype.get()?, op.get()?, scan) {
+        Some(why) => Err(Failure::invalid(why)),
+        None => Ok(()),
     }
-    if scan && op == ReduceOp::Avg {
-        return Err(Failure::invalid(
-            "CHORUS_AVG has no prefix meaning: a scan takes sum, prod, min, max or a bitwise op"
-                .to_string(),
-        ));
-    }
-    Ok(())
 }
 
 /// Checks a nonblocking call's `root` against the group when it is issued: found later, when
