@@ -805,10 +805,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
-                for r in &mut started {
-                    let _ = r.child.kill();
-                    let _ = r.child.wait();
-                }
+                stop_started(&mut started);
                 let program = cmd.get_program().to_string_lossy().into_owned();
                 say!("cannot start rank {rank} ({program}): {e}");
                 let code = match e.kind() {
@@ -852,10 +849,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         });
         if let Err(e) = spawned {
             // Its output could not be passed on: stop the job rather than leave it blocked.
-            for r in &mut started {
-                let _ = r.child.kill();
-                let _ = r.child.wait();
-            }
+            stop_started(&mut started);
             say!("cannot start a thread for the output of rank {rank}: {e}; stopped the job");
             return (1, None);
         }
@@ -987,9 +981,7 @@ impl Ending {
             }
             stop = true;
             if self.stopping {
-                for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
-                    let _ = r.child.kill();
-                }
+                // Killed by the wait loop, which looks at `kill_at` right after this.
                 self.kill_at = Some(now);
                 say!(
                     "got {} again: killed the {} still running",
@@ -1083,10 +1075,7 @@ fn wait_all(
         }
         let now = Instant::now();
         if !ending.failed && job_end.is_some_and(|t| now >= t) {
-            // Kill first, then say so (the message goes through another thread anyway).
-            for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
-                let _ = r.child.kill();
-            }
+            // Killed just below, at `kill_at`.
             say!(
                 "timeout: the job ran longer than --timeout; killed the {} still running",
                 ranks(running)
@@ -1151,6 +1140,14 @@ fn spawn_reader(rank: usize, f: impl FnOnce() + Send + 'static) -> io::Result<()
         .name(format!("rank {rank} output"))
         .spawn(f)
         .map(drop)
+}
+
+/// Kills and reaps the ranks started so far (the job could not be started whole).
+fn stop_started(started: &mut [Rank]) {
+    for r in started {
+        let _ = r.child.kill();
+        let _ = r.child.wait();
+    }
 }
 
 /// Number of ranks not yet reaped.

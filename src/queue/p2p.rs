@@ -386,11 +386,8 @@ impl Engine {
             ));
         }
         let all = self
-            .live
-            .drain(..)
-            .map(|l| l.entry)
-            .chain(self.self_sends.drain(..))
-            .chain(self.self_recvs.drain(..))
+            .take_held(true)
+            .into_iter()
             .map(|entry| {
                 let mine = err.copy().with_op(entry.op());
                 (entry, Err(mine))
@@ -399,6 +396,18 @@ impl Engine {
         if let Some(panic) = self.finish_each(all, comm) {
             resume_unwind(panic);
         }
+    }
+
+    /// Takes the transfers held: the transfers to this rank itself waiting for their other
+    /// half, and with `live` the posted ones first.
+    fn take_held(&mut self, live: bool) -> Vec<Entry> {
+        let posted = if live { self.live.len() } else { 0 };
+        self.live
+            .drain(..posted)
+            .map(|l| l.entry)
+            .chain(self.self_sends.drain(..))
+            .chain(self.self_recvs.drain(..))
+            .collect()
     }
 
     /// Finish every entry of `done` with its result, each even if another's finish panics
@@ -426,9 +435,8 @@ impl Engine {
             return;
         }
         let done: Vec<_> =
-            self.self_sends
-                .drain(..)
-                .chain(self.self_recvs.drain(..))
+            self.take_held(false)
+                .into_iter()
                 .map(|entry| {
                     let err = comm.check_usable(entry.op()).err().unwrap_or_else(|| {
                         CommError::new(ErrorKind::Internal, entry.op(), "aborted")
@@ -509,13 +517,7 @@ impl Engine {
     /// After a panic while progressing: fail every transfer still held with an internal
     /// error (the caller aborts the communicator).
     pub(crate) fn abandon(&mut self, comm: &mut Communicator) {
-        let held: Vec<Entry> = self
-            .live
-            .drain(..)
-            .map(|l| l.entry)
-            .chain(self.self_sends.drain(..))
-            .chain(self.self_recvs.drain(..))
-            .collect();
+        let held = self.take_held(true);
         self.fail_each(held, comm, |_| {
             (
                 ErrorKind::Internal,
@@ -530,11 +532,7 @@ impl Engine {
     /// Fail what is held because the queue closes: transfers to itself still waiting for
     /// their other half.
     pub(crate) fn drop_unmatched(&mut self, comm: &mut Communicator) {
-        let held: Vec<Entry> = self
-            .self_sends
-            .drain(..)
-            .chain(self.self_recvs.drain(..))
-            .collect();
+        let held = self.take_held(false);
         self.fail_each(held, comm, |_| {
             (
                 ErrorKind::InvalidUsage,
