@@ -1133,15 +1133,13 @@ impl Communicator {
             // So is tuning being on where the tuner steps: a rank with it off skips the step
             // too (not compared where no rank's tuner steps: a forced schedule, the direct
             // shared-memory allreduce, an empty buffer, one rank).
-            let steps = opts.algorithm.is_none()
-                && !c.direct_shared_memory()
-                && !recv.is_empty()
-                && c.size > 1;
+            let direct = opts.algorithm.is_none() && c.direct_shared_memory();
+            let steps = opts.algorithm.is_none() && !direct && !recv.is_empty() && c.size > 1;
             // 0 off, 1 on, 2 not stepping (where it does not matter).
             let tuning = if steps { u64::from(c.tuning) } else { 2 };
             let args = [recv.len() as u64, forced, tuning];
             c.check_call(call, &args)?;
-            if opts.algorithm.is_none() && c.direct_shared_memory() {
+            if direct {
                 // Every rank on this host: the direct shared-memory allreduce beats any message
                 // schedule (it copies each byte fewer times). Forcing an algorithm bypasses it.
                 return c.run_unchecked(call, &args, |ctx| {
