@@ -228,6 +228,46 @@ fn a_failing_rank_stops_the_job_with_its_code() {
 }
 
 #[test]
+fn runs_in_a_pid_namespace_whose_session_leader_is_outside() {
+    // As in a container (CI's): the session leader lives in the parent PID namespace, so the
+    // kernel reports this process's session as 0. The launcher once panicked on that.
+    let can = Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can {
+        eprintln!("skipped: `unshare --pid` is not allowed here (needs root)");
+        return;
+    }
+    let mut child = Command::new("unshare")
+        .args(["--pid", "--fork", env!("CARGO_BIN_EXE_chorus-run")])
+        .args(["-n", "2", "--", "sh", "-c", "echo ok"])
+        .env_remove("SLURM_STEP_NUM_TASKS")
+        .env_remove("OMPI_COMM_WORLD_SIZE")
+        .env_remove("PMI_SIZE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start unshare");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = stdout.read_to_end(&mut bytes);
+        bytes
+    });
+    let mut err = String::new();
+    let _ = stderr.read_to_string(&mut err);
+    let status = wait_watched(&mut child, "in a PID namespace");
+    assert!(status.success(), "{status:?}: {err}");
+    let lines = prefixed_lines(&out.join().unwrap());
+    assert_eq!(lines.len(), 2, "{lines:?}");
+}
+
+#[test]
 fn a_rank_killed_by_a_signal_gives_128_plus_signal() {
     let script = "if [ \"$CHORUS_RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 30";
     let run = chorus_run(&["-n", "2", "--", "sh", "-c", script]);

@@ -921,12 +921,33 @@ struct Ending {
     session_leader: bool,
 }
 
+/// Whether this process leads its session, read from `/proc/self/stat` (its first field is
+/// the process id, its sixth the session id, both as that `/proc` counts them). Not `getsid`:
+/// inside a container whose session leader lives in the parent PID namespace the kernel
+/// reports session 0, which rustix's `getsid` does not accept (it panics).
+fn is_session_leader() -> bool {
+    std::fs::read_to_string("/proc/self/stat").is_ok_and(|stat| session_leader_from_stat(&stat))
+}
+
+/// The part of [`is_session_leader`] that parses, apart for its test.
+fn session_leader_from_stat(stat: &str) -> bool {
+    // The command name may hold spaces and parentheses: the fields after it start after the
+    // last ')'.
+    let (Some(open), Some(close)) = (stat.find(" ("), stat.rfind(')')) else {
+        return false;
+    };
+    let pid = stat[..open].trim().parse::<u64>().ok();
+    // state, ppid, pgrp, session
+    let session = stat[close + 1..].split_ascii_whitespace().nth(3);
+    let session = session.and_then(|s| s.parse::<u64>().ok());
+    pid.is_some() && session == pid
+}
+
 /// Within this, the same signal from the same sender counts once (see [`Ending::last`]).
 const REPEAT: Duration = Duration::from_secs(1);
 
 impl Ending {
     fn new() -> Ending {
-        let me = rustix::process::getpid();
         Ending {
             exit_code: 0,
             failed: false,
@@ -934,7 +955,7 @@ impl Ending {
             stopping: false,
             kill_at: None,
             last: None,
-            session_leader: rustix::process::getsid(None).is_ok_and(|sid| sid == me),
+            session_leader: is_session_leader(),
         }
     }
 
@@ -1158,6 +1179,21 @@ fn ranks_running(ranks_: &[Rank]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn session_leader_is_read_after_the_command_name() {
+        let stat = |comm: &str, session: u32| format!("42 ({comm}) S 1 42 {session} 0 -1 4194560");
+        assert!(session_leader_from_stat(&stat("chorus-run", 42)));
+        assert!(!session_leader_from_stat(&stat("chorus-run", 7)));
+        // A session leader outside this PID namespace shows as 0.
+        assert!(!session_leader_from_stat(&stat("chorus-run", 0)));
+        assert!(session_leader_from_stat(&stat("a) S 1 1 1 (b", 42)));
+        assert!(!session_leader_from_stat(&stat("a (b", 7)));
+        assert!(!session_leader_from_stat("42 (cut"));
+        assert!(!session_leader_from_stat(""));
+        let me = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert_eq!(session_leader_from_stat(&me), is_session_leader());
+    }
 
     /// What the prefixer writes for `pieces` fed in turn, with a pause after those marked.
     fn pieces(pieces: &[(&[u8], bool)]) -> Vec<u8> {
