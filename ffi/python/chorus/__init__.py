@@ -30,7 +30,7 @@ import sys
 import threading
 import weakref
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from . import _lib
 from ._lib import lib
@@ -195,11 +195,15 @@ def _op_code(op: str) -> int:
 
 
 class _Buffer:
-    """A contiguous CPU buffer: address, element count, C dtype, and the object owning it."""
+    """A contiguous CPU buffer: address, element count, C dtype, and the object owning it;
+    ``written``: the torch tensor to mark written (see :func:`_mark_written`) once the call
+    that writes it is made, after every argument was checked."""
 
-    __slots__ = ("ptr", "count", "dtype", "itemsize", "obj")
+    __slots__ = ("ptr", "count", "dtype", "itemsize", "obj", "written")
 
-    def __init__(self, ptr: int, count: int, dtype: int, itemsize: int, obj: Any):
+    def __init__(
+        self, ptr: int, count: int, dtype: int, itemsize: int, obj: Any, written: Any = None
+    ):
         self.ptr, self.count, self.dtype, self.itemsize, self.obj = (
             ptr,
             count,
@@ -207,6 +211,7 @@ class _Buffer:
             itemsize,
             obj,
         )
+        self.written = written
 
     @property
     def nbytes(self) -> int:
@@ -250,9 +255,16 @@ def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
         raise InvalidArgumentError(
             f"{what} requires grad; use it under torch.no_grad() or pass .grad / .detach()"
         )
-    if writable:
-        _mark_written(t)
-    return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t)
+    written = t if writable else None
+    return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t, written)
+
+
+def _mark_all_written(bufs: Iterable[Any]) -> None:
+    """Marks the tensors of ``bufs`` that a call about to be made writes (others are skipped):
+    only then, so that a call refused by a check in Python leaves them as they were."""
+    for b in bufs:
+        if isinstance(b, _Buffer) and b.written is not None:
+            _mark_written(b.written)
 
 
 def _mark_written(t: Any) -> None:
@@ -429,9 +441,11 @@ class Communicator:
         """The number of ranks."""
         return self._size
 
-    def _call(self, fn: Any, *args: Any) -> None:
-        """``fn(handle, *args)``, its status checked."""
+    def _call(self, fn: Any, *args: Any, writes: Iterable[Any] = ()) -> None:
+        """``fn(handle, *args)``, its status checked; the buffers ``writes`` (those of them
+        that are torch tensors) are marked written first (:func:`_mark_written`)."""
         with self._handle.use() as h:
+            _mark_all_written(writes)
             _check(fn(h, *args))
 
     def _issue(
@@ -442,12 +456,12 @@ class Communicator:
         ``keep`` (the buffers the call uses) alive until it completes (the counts are copied
         when it is issued)."""
         if not async_op:
-            self._call(getattr(lib, "chorus_" + name), *args)
+            self._call(getattr(lib, "chorus_" + name), *args, writes=keep)
             return result
         nonblocking = lib.chorus_iallreduce if name == "allreduce_opts" else getattr(lib, "chorus_i" + name)
         # Made first, holding the buffers, so that nothing can free them once the call runs.
         req = Request(result, keep, self._completer)
-        self._call(nonblocking, *args, ctypes.byref(req._h))
+        self._call(nonblocking, *args, ctypes.byref(req._h), writes=keep)
         with self._inflight_mu:
             self._inflight.add(req)
         return req
@@ -494,7 +508,9 @@ class Communicator:
                 raise UnsupportedError("a compressed allreduce has no nonblocking form")
             op_code = _op_code(op)
             with compressor._handle.use() as c:
-                self._call(lib.chorus_allreduce_compressed, b.ptr, b.count, b.dtype, op_code, c)
+                self._call(
+                    lib.chorus_allreduce_compressed, b.ptr, b.count, b.dtype, op_code, c, writes=(b,)
+                )
             return x
         opts = None
         if algorithm is not None or timeout is not None:
@@ -823,7 +839,7 @@ class Communicator:
     def recv(self, x: Any, peer: int) -> Any:
         """Receive into ``x`` exactly what rank ``peer`` sends. Returns ``x``."""
         b = _buffer(x, "x")
-        self._call(lib.chorus_recv, b.ptr, b.count, b.dtype, _int(peer, "peer"))
+        self._call(lib.chorus_recv, b.ptr, b.count, b.dtype, _int(peer, "peer"), writes=(b,))
         return x
 
     def isend(self, x: Any, peer: int) -> "Request":
@@ -884,7 +900,9 @@ class Communicator:
         # Dropped unwaited, it gives the transfer up (which goes on) rather than waiting for
         # it: its buffers move to the communicator until no transfer runs (or close()).
         req._given_up = self._given_up
-        self._call(fn, b.ptr, b.count, b.dtype, _int(peer, "peer"), ctypes.byref(req._h))
+        self._call(
+            fn, b.ptr, b.count, b.dtype, _int(peer, "peer"), ctypes.byref(req._h), writes=(b,)
+        )
         with self._inflight_mu:
             self._inflight.add(req)
         return req
@@ -906,6 +924,7 @@ class Communicator:
             r.count,
             _int(source, "source"),
             s.dtype,
+            writes=(r,),
         )
         return out
 
@@ -951,7 +970,9 @@ class Communicator:
             # keeps the array alive): no copying afterwards, which an exception could cut
             # short and leave a started transfer without its request.
             r._h = ctypes.c_void_p.from_buffer(handles, i * size)
-        self._call(lib.chorus_batch_isend_irecv, arr, n, handles)
+        self._call(
+            lib.chorus_batch_isend_irecv, arr, n, handles, writes=[b for b, _, _ in parsed]
+        )
         for r in reqs:
             with self._inflight_mu:
                 self._inflight.add(r)

@@ -51,6 +51,29 @@ def test_a_tensor_saved_for_backward_then_overwritten_fails_backward(solo):
     with torch.inference_mode():
         t = torch.ones(2)
     solo.allreduce(t)
+    # A call refused by Python's own checks writes nothing and so leaves backward alone,
+    # in every form (blocking, nonblocking, transfers, one-sided output).
+    x = torch.full((3,), 2.0)
+    loss = (w * x).sum()
+    out = torch.zeros(3)
+    refused = [
+        lambda: solo.allreduce(x, op="nope"),
+        lambda: solo.allreduce(x, op="nope", async_op=True),
+        lambda: solo.allreduce(x, op="sum", algorithm=7),
+        lambda: solo.reduce(x, root="0"),
+        lambda: solo.broadcast(x, root=None),
+        lambda: solo.recv(x, peer="0"),
+        lambda: solo.irecv(x, peer=1.5),
+        lambda: solo.sendrecv(out, 0, x, source="0"),
+        lambda: solo.allgather(torch.zeros(1, dtype=torch.int32), x),
+        lambda: solo.scan(out, x, op="nope"),
+    ]
+    for call in refused:
+        with pytest.raises((chorus.InvalidArgumentError, TypeError)):
+            call()
+    w.grad = None
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
 
 
 def test_group_of_one_keeps_values(solo):
