@@ -496,16 +496,18 @@ int32_t chorus_comm_abort(chorus_comm *comm);
  * Free a communicator and close its connections (peers still in a collective with it see
  * this rank leave), after waiting for its nonblocking calls in flight (their requests still
  * report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
- * made it, the pointer is released without touching anything the parent still uses. The
- * pointer must not be used afterwards: a destroyed communicator is not detected (using it,
- * or destroying it again, is undefined). While another thread is inside a call on it, it is
- * not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its timeout, and
- * destroy it then); a call another thread starts during the destroy is the caller's race.
+ * made it, the pointer is released without touching anything the parent still uses. Using
+ * the pointer afterwards, or destroying it again, is refused with `CHORUS_INVALID_ARGUMENT`
+ * by every function that takes a communicator, unless a communicator made since took its
+ * address (the stale pointer then names that one). While another thread is inside a call on
+ * it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
+ * timeout, and destroy it then); a call another thread starts during the destroy is the
+ * caller's race.
  *
  * # Safety
- * `comm` is NULL or a live communicator; no other thread starts a call on it during or after
- * this one, `chorus_comm_abort` included (to cut short the wait for calls in flight, abort
- * first and destroy once the abort has returned).
+ * `comm` is NULL or was returned by a `chorus_comm_*` function that makes one; no other
+ * thread starts a call on it during or after this one, `chorus_comm_abort` included (to cut
+ * short the wait for calls in flight, abort first and destroy once the abort has returned).
  */
 int32_t chorus_comm_destroy(chorus_comm *comm);
 
@@ -1387,12 +1389,13 @@ int32_t chorus_compressor_create(chorus_compressor **out, const char *spec);
 
 /**
  * Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
- * not freed: this fails with `CHORUS_INVALID_USAGE`. A freed compressor is not detected
- * (using it, or freeing it again, is undefined).
+ * not freed: this fails with `CHORUS_INVALID_USAGE`. A compressor freed already (using it,
+ * or freeing it again) is refused with `CHORUS_INVALID_ARGUMENT`, unless a compressor created
+ * since took its address (the stale pointer then names that one).
  *
  * # Safety
- * `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread
- * starts a call with it during or after this one.
+ * `comp` is NULL or was returned by `chorus_compressor_create`; no other thread starts a call
+ * with it during or after this one.
  */
 int32_t chorus_compressor_destroy(chorus_compressor *comp);
 

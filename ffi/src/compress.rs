@@ -65,31 +65,45 @@ pub unsafe extern "C" fn chorus_compressor_create(
         let raw = Box::into_raw(Box::new(chorus_compressor {
             inner: Mutex::new(c),
         }));
+        ptr::COMPRESSORS.add(raw);
         // SAFETY: checked non-NULL above, writable by the caller's promise.
         unsafe { ptr::write_out(out, raw, "out") }
     })
 }
 
 /// Free a compressor. NULL is a no-op. While another thread is inside a call using it, it is
-/// not freed: this fails with `CHORUS_INVALID_USAGE`. A freed compressor is not detected
-/// (using it, or freeing it again, is undefined).
+/// not freed: this fails with `CHORUS_INVALID_USAGE`. A compressor freed already (using it,
+/// or freeing it again) is refused with `CHORUS_INVALID_ARGUMENT`, unless a compressor created
+/// since took its address (the stale pointer then names that one).
 ///
 /// # Safety
-/// `comp` is NULL or was returned by `chorus_compressor_create` and not freed; no other thread
-/// starts a call with it during or after this one.
+/// `comp` is NULL or was returned by `chorus_compressor_create`; no other thread starts a call
+/// with it during or after this one.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor) -> i32 {
     guard("chorus_compressor_destroy", || {
         if comp.is_null() {
             return Ok(());
         }
-        // SAFETY: non-NULL and live by the caller's promise.
-        match lock(unsafe { &*comp }) {
+        // SAFETY: non-NULL; refused unless live (and not destroyed meanwhile, by the caller's
+        // promise).
+        let c = unsafe { ptr::compressor(comp)? };
+        if ptr::COMPRESSORS.known(comp) == crate::registry::Known::Parents {
+            // A forked child's copy of its parent's compressor: left as it is (the parent's
+            // thread may have held its lock at the fork).
+            return Ok(());
+        }
+        match lock(c) {
             Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
             _ => {}
         }
+        if !ptr::COMPRESSORS.take(comp) {
+            return Err(Failure::invalid(format!(
+                "comp {comp:p} is not a live compressor (destroyed already)"
+            )));
+        }
         // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`, not in use (checked
-        // above); ownership comes back exactly once by the caller's promise.
+        // above), and just taken out of the registry: ownership comes back exactly once.
         drop(unsafe { Box::from_raw(comp) });
         Ok(())
     })
@@ -117,7 +131,7 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         // SAFETY: NULL or live by the caller's promise.
-        let comp = unsafe { comp.as_ref() }.ok_or_else(|| Failure::invalid("comp is NULL"))?;
+        let comp = unsafe { ptr::compressor(comp)? };
         let dtype = dtype.get()?;
         let op = op.get()?;
         let bytes = ptr::byte_len(count, dtype.size(), "count")?;
@@ -148,7 +162,7 @@ pub unsafe extern "C" fn chorus_compressor_report(
 ) -> i32 {
     guard("chorus_compressor_report", || {
         // SAFETY: NULL or live by the caller's promise.
-        let comp = unsafe { comp.as_ref() }.ok_or_else(|| Failure::invalid("comp is NULL"))?;
+        let comp = unsafe { ptr::compressor(comp)? };
         ptr::check_out(report, "report")?;
         // SAFETY: non-NULL; the first field, `size`, is always present.
         let size = unsafe { report.cast::<usize>().read_unaligned() };

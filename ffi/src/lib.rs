@@ -25,6 +25,7 @@
 
 mod compress;
 mod ptr;
+mod registry;
 mod sigpipe;
 mod status;
 
@@ -530,16 +531,18 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 /// Free a communicator and close its connections (peers still in a collective with it see
 /// this rank leave), after waiting for its nonblocking calls in flight (their requests still
 /// report through `chorus_wait`). NULL is a no-op. In a child forked from the process that
-/// made it, the pointer is released without touching anything the parent still uses. The
-/// pointer must not be used afterwards: a destroyed communicator is not detected (using it,
-/// or destroying it again, is undefined). While another thread is inside a call on it, it is
-/// not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its timeout, and
-/// destroy it then); a call another thread starts during the destroy is the caller's race.
+/// made it, the pointer is released without touching anything the parent still uses. Using
+/// the pointer afterwards, or destroying it again, is refused with `CHORUS_INVALID_ARGUMENT`
+/// by every function that takes a communicator, unless a communicator made since took its
+/// address (the stale pointer then names that one). While another thread is inside a call on
+/// it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
+/// timeout, and destroy it then); a call another thread starts during the destroy is the
+/// caller's race.
 ///
 /// # Safety
-/// `comm` is NULL or a live communicator; no other thread starts a call on it during or after
-/// this one, `chorus_comm_abort` included (to cut short the wait for calls in flight, abort
-/// first and destroy once the abort has returned).
+/// `comm` is NULL or was returned by a `chorus_comm_*` function that makes one; no other
+/// thread starts a call on it during or after this one, `chorus_comm_abort` included (to cut
+/// short the wait for calls in flight, abort first and destroy once the abort has returned).
 #[no_mangle]
 pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_destroy", || {
@@ -750,93 +753,23 @@ impl Pending {
     }
 }
 
-/// The requests handed out and not yet completed or freed, by address, of one process. A
-/// request pointer that is not here (completed already, freed, waited through a copy, never a
-/// request, or a forked parent's) is refused with `CHORUS_INVALID_ARGUMENT` instead of being
-/// used.
-struct Requests {
-    pid: u32,
-    set: std::sync::Mutex<std::collections::BTreeSet<usize>>,
-    /// In a forked child: the parent's registry as copied at the fork (looked at without
-    /// waiting for its lock, only to tell the parent's requests apart).
-    parent: *const Requests,
-}
-
-// SAFETY: `parent` points to a registry that is never freed and is only read through its
-// mutex (with `try_lock`); the rest is a pid and a mutex.
-unsafe impl Sync for Requests {}
-// SAFETY: as above.
-unsafe impl Send for Requests {}
-
-/// This process's [`Requests`]. A child forked since gets a registry of its own the first
-/// time it looks (the parent's, copied at the fork, may be locked by a parent's thread that
-/// the child does not have, and lists requests that cannot complete in the child); the
-/// parent's copy is left as it is (leaked).
-static REQUESTS: std::sync::atomic::AtomicPtr<Requests> =
-    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+/// The requests handed out and not yet completed or freed. A request pointer that is not
+/// there (completed already, freed, waited through a copy, never a request, or a forked
+/// parent's) is refused with `CHORUS_INVALID_ARGUMENT` instead of being used.
+static REQUESTS: registry::Handles = registry::Handles::new();
 
 /// The set of this process's live requests, locked.
 fn live_requests() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>> {
-    let me = std::process::id();
-    let mut current = REQUESTS.load(Ordering::SeqCst);
-    // SAFETY: non-NULL pointers in REQUESTS come from `Box::into_raw` below and are never
-    // freed, so they stay valid for the life of the process (and of a forked child's copy).
-    while current.is_null() || unsafe { (*current).pid } != me {
-        let fresh = Box::into_raw(Box::new(Requests {
-            pid: me,
-            set: std::sync::Mutex::new(std::collections::BTreeSet::new()),
-            parent: current,
-        }));
-        match REQUESTS.compare_exchange(current, fresh, Ordering::SeqCst, Ordering::SeqCst) {
-            Ok(_) => current = fresh,
-            Err(other) => {
-                // Another thread of this process installed one first: use that one.
-                // SAFETY: `fresh` was made above and shared with no one.
-                drop(unsafe { Box::from_raw(fresh) });
-                current = other;
-            }
-        }
-    }
-    // SAFETY: as above; the registry of this process, never freed.
-    let requests: &'static Requests = unsafe { &*current };
-    // Nothing panics while holding it; a poisoned set is still a set.
-    requests
-        .set
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Whether `req` was a live request of a process this one was forked from (at the fork), as
-/// far as can be told without waiting: a lock a parent's thread held at the fork is never
-/// released here, so such a registry is not looked into.
-fn a_parents_request(req: *mut chorus_request) -> bool {
-    let current = REQUESTS.load(Ordering::SeqCst);
-    if current.is_null() {
-        return false;
-    }
-    // SAFETY: registries are never freed (see `live_requests`).
-    let mut parent = unsafe { (*current).parent };
-    while !parent.is_null() {
-        // SAFETY: as above.
-        let p = unsafe { &*parent };
-        if let Ok(set) = p.set.try_lock() {
-            if set.contains(&(req as usize)) {
-                return true;
-            }
-        }
-        parent = p.parent;
-    }
-    false
+    REQUESTS.lock()
 }
 
 /// Whether `req` is a live request of this process; with `take`, it is no longer one after
 /// this.
 fn is_live(req: *mut chorus_request, take: bool) -> bool {
-    let mut live = live_requests();
     if take {
-        live.remove(&(req as usize))
+        REQUESTS.take(req)
     } else {
-        live.contains(&(req as usize))
+        REQUESTS.known(req) == registry::Known::Live
     }
 }
 
@@ -868,7 +801,7 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
 }
 
 fn not_a_request(req: *mut chorus_request) -> Failure {
-    if a_parents_request(req) {
+    if REQUESTS.in_a_parent(req as usize) {
         // Its call runs in the parent (or ran there); it is not freed here (the caller's
         // pointer to it is cleared where a completion would clear it).
         return Failure::new(

@@ -3,35 +3,79 @@
 
 use std::ffi::{c_char, c_void, CStr};
 
+use crate::compress::chorus_compressor;
+use crate::registry::{Handles, Known};
 use crate::status::Failure;
 use crate::{chorus_comm, chorus_options};
 
-/// The communicator behind `p`.
+/// The communicators handed to C and not yet destroyed.
+pub(crate) static COMMS: Handles = Handles::new();
+
+/// The communicator behind `p`: NULL, and a pointer that is not a live communicator
+/// (destroyed already, or never one), are refused.
 ///
 /// # Safety
-/// `p` is NULL or was returned by `chorus_comm_init*` and not yet destroyed, and no other
-/// thread destroys it during the call.
+/// `p` is NULL or was returned by `chorus_comm_init*` (destroyed or not), and no other thread
+/// destroys it during the call.
 pub(crate) unsafe fn comm<'a>(p: *const chorus_comm) -> Result<&'a chorus_comm, Failure> {
-    // SAFETY: the caller promises `p` is NULL or a live communicator made by `into_raw`.
-    unsafe { p.as_ref() }.ok_or_else(|| Failure::invalid("comm is NULL"))
+    if p.is_null() {
+        return Err(Failure::invalid("comm is NULL"));
+    }
+    if COMMS.known(p) == Known::Unknown {
+        return Err(Failure::invalid(format!(
+            "comm {p:p} is not a live communicator (destroyed already, or never one)"
+        )));
+    }
+    // SAFETY: a live communicator made by `into_raw` (this process's, or a forked parent's
+    // copy), not destroyed during the call by the caller's promise.
+    Ok(unsafe { &*p })
 }
 
 /// Hand a communicator to C.
 pub(crate) fn into_raw(c: chorus_comm) -> *mut chorus_comm {
-    Box::into_raw(Box::new(c))
+    let p = Box::into_raw(Box::new(c));
+    COMMS.add(p);
+    p
 }
 
-/// Take back a communicator from C (NULL: nothing).
+/// Take back a communicator from C: `None` for NULL, and for a pointer that is not a live
+/// communicator of this process (taken back already).
 ///
 /// # Safety
-/// `p` is NULL or was returned by `into_raw` and is not used again.
+/// `p` is NULL or was returned by `into_raw`, and is not used again once taken back.
 pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
-    if p.is_null() {
+    if p.is_null() || !COMMS.take(p) {
         None
     } else {
-        // SAFETY: `p` came from `Box::into_raw` and ownership returns to us exactly once.
+        // SAFETY: `p` came from `Box::into_raw` and was still registered, and is no longer:
+        // ownership returns to us exactly once.
         Some(unsafe { Box::from_raw(p) })
     }
+}
+
+/// The compressors handed to C and not yet destroyed.
+pub(crate) static COMPRESSORS: Handles = Handles::new();
+
+/// The compressor behind `p`: NULL, and a pointer that is not a live compressor of this
+/// process (destroyed already, or never one), are refused.
+///
+/// # Safety
+/// `p` is NULL or was returned by `chorus_compressor_create` (destroyed or not), and no
+/// other thread destroys it during the call.
+pub(crate) unsafe fn compressor<'a>(
+    p: *const chorus_compressor,
+) -> Result<&'a chorus_compressor, Failure> {
+    if p.is_null() {
+        return Err(Failure::invalid("comp is NULL"));
+    }
+    if COMPRESSORS.known(p) == Known::Unknown {
+        return Err(Failure::invalid(format!(
+            "comp {p:p} is not a live compressor (destroyed already, or never one)"
+        )));
+    }
+    // SAFETY: a live compressor made by `Box::into_raw` in `chorus_compressor_create`, not
+    // destroyed during the call by the caller's promise.
+    Ok(unsafe { &*p })
 }
 
 /// Store `value` through the out-parameter `p` named `what`.

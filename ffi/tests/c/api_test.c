@@ -739,6 +739,17 @@ static void badargs(chorus_comm *comm) {
     OK(chorus_comm_size(other, &x));
     CHECK(x == 1, "size %d", x);
     OK(chorus_comm_destroy(other));
+    /* Destroyed, or never a communicator: refused by every call, not used (no double free). */
+    EXPECT(chorus_comm_size(other, &x), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "not a live communicator") != NULL, "message: %s",
+          chorus_last_error());
+    EXPECT(chorus_barrier(other), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce(other, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_abort(other), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_destroy(other), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_rank((chorus_comm *)a, &x), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_comm_destroy((chorus_comm *)a), CHORUS_INVALID_ARGUMENT);
+    other = NULL;
 
     /* After all that, the communicator still works. */
     for (int i = 0; i < 8; i++) a[i] = (float)(g_rank + i);
@@ -830,6 +841,15 @@ static void compression(chorus_comm *comm) {
     EXPECT(chorus_compressor_report(c, NULL), CHORUS_INVALID_ARGUMENT);
     OK(chorus_compressor_destroy(c));
     OK(chorus_compressor_destroy(NULL));
+    /* Destroyed, or never a compressor: refused, not used (no double free). */
+    chorus_compression_report rep = {.size = sizeof rep};
+    EXPECT(chorus_compressor_destroy(c), CHORUS_INVALID_ARGUMENT);
+    CHECK(strstr(chorus_last_error(), "not a live compressor") != NULL, "message: %s",
+          chorus_last_error());
+    EXPECT(chorus_compressor_report(c, &rep), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_allreduce_compressed(comm, a, N, CHORUS_FLOAT32, CHORUS_SUM, c), CHORUS_INVALID_ARGUMENT);
+    EXPECT(chorus_compressor_report((chorus_compressor *)a, &rep), CHORUS_INVALID_ARGUMENT);
+    c = NULL;
     OK(chorus_barrier(comm));
 }
 
