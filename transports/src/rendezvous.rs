@@ -431,10 +431,28 @@ pub fn connect_handshake(
     context: Context<'_>,
     deadline: Instant,
 ) -> Result<()> {
-    check_context(context)?;
+    connect_handshake_or_retry(stream, token, context, deadline).map_err(|(e, _)| e)
+}
+
+/// [`connect_handshake`], its error paired with whether a new connection may succeed where
+/// this one failed: true when the peer closed or reset the connection before its verdict (a
+/// listener at its connection limit shuts down connections still in their handshake, as the
+/// store and the mesh do under a flood of idle connections), false for a rejected proof, a
+/// peer of another protocol or version, and a timeout.
+pub(crate) fn connect_handshake_or_retry(
+    stream: &mut TcpStream,
+    token: &[u8],
+    context: Context<'_>,
+    deadline: Instant,
+) -> std::result::Result<(), (TransportError, bool)> {
+    check_context(context).map_err(|e| (e, false))?;
     let started = Instant::now();
-    with_saved_timeouts(stream, |stream| {
-        let wire = |w| handshake_error(w, started, false);
+    let closed = std::cell::Cell::new(false);
+    let out = with_saved_timeouts(stream, |stream| {
+        let wire = |w: Wire| {
+            closed.set(matches!(w, Wire::Closed));
+            handshake_error(w, started, false)
+        };
         let mut hello = [0u8; HELLO_LEN];
         read_exact_by(stream, &mut hello, deadline).map_err(wire)?;
         check_magic_version(&hello, "greeting")?;
@@ -479,7 +497,8 @@ pub fn connect_handshake(
             ));
         }
         Ok(())
-    })
+    });
+    out.map_err(|e| (e, closed.get()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1182,8 +1201,15 @@ impl StoreClient {
         let started = Instant::now();
         let mut backoff = CONNECT_BACKOFF_MIN;
         let mut attempts = 0u32;
+        let mut last_refusal: Option<TransportError> = None;
         loop {
             let Some(left) = remaining(deadline) else {
+                if let Some(e) = last_refusal {
+                    return Err(TransportError::Rendezvous(format!(
+                        "{e} ({attempts} attempts in {:.1} s)",
+                        started.elapsed().as_secs_f64()
+                    )));
+                }
                 return Err(TransportError::Rendezvous(format!(
                     "could not reach the store at {addr} within {:.1} s ({attempts} attempts); \
                      is the root rank running, and do CHORUS_ADDR / MASTER_ADDR and the port \
@@ -1196,14 +1222,25 @@ impl StoreClient {
                 Ok(mut stream) if !is_self_connected(&stream) => {
                     let _ = stream.set_nodelay(true);
                     let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
-                    connect_handshake(&mut stream, token, STORE_CONTEXT, hs_deadline)?;
-                    return Ok(StoreClient {
-                        stream,
-                        addr,
-                        io_timeout: DEFAULT_CLIENT_IO_TIMEOUT,
-                        bound: None,
-                        broken: None,
-                    });
+                    match connect_handshake_or_retry(&mut stream, token, STORE_CONTEXT, hs_deadline)
+                    {
+                        Ok(()) => {
+                            return Ok(StoreClient {
+                                stream,
+                                addr,
+                                io_timeout: DEFAULT_CLIENT_IO_TIMEOUT,
+                                bound: None,
+                                broken: None,
+                            })
+                        }
+                        // Shut down during the handshake (the server was at its connection
+                        // limit): a new connection may get in; at the deadline this error is
+                        // the answer.
+                        Err((e, true)) if remaining(deadline).is_some() => {
+                            last_refusal = Some(e);
+                        }
+                        Err((e, _)) => return Err(e),
+                    }
                 }
                 // Nobody listened yet, and the kernel picked the very port it called as this
                 // side's port: TCP's simultaneous open joined the socket to itself. Not the
@@ -1863,13 +1900,30 @@ mod tests {
             c.set("a", &[0u8; 900]).unwrap();
             assert_eq!(c.get("b", secs(1)).unwrap(), b"x");
 
-            // Connection limit: a second client fits, a third is closed at once.
+            // Connection limit: a second client fits, a third is closed at once, and tries
+            // again until its deadline, saying why it failed ...
             let c2 = StoreClient::connect(addr, b"", secs(10)).unwrap();
-            let e = StoreClient::connect(addr, b"", secs(10))
+            let t0 = Instant::now();
+            let e = StoreClient::connect(addr, b"", t0 + Duration::from_millis(500))
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("closed the connection"), "{e}");
+            assert!(
+                e.contains("closed the connection") && e.contains("attempts"),
+                "{e}"
+            );
+            assert!(
+                t0.elapsed() >= Duration::from_millis(400),
+                "{:?}",
+                t0.elapsed()
+            );
+            // ... and gets in once a slot frees up before then (clients waiting for a
+            // leaving rank's slot, or pushed out by a flood of newcomers, are not lost).
+            let third = thread::spawn(move || StoreClient::connect(addr, b"", secs(10)));
+            thread::sleep(Duration::from_millis(300));
             drop(c2);
+            let mut c3 = third.join().unwrap().unwrap();
+            assert_eq!(c3.get("b", secs(1)).unwrap(), b"x");
+            drop(c3);
             // A silent client is dropped after the handshake deadline, freeing its slot.
             let silent = TcpStream::connect(addr).unwrap();
             wait_closed_by_server(silent);

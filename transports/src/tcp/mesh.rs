@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::{TcpOptions, TcpTransport};
 use crate::rendezvous::{
-    accept_handshake_admitting, connect_handshake, read_exact_before, StoreClient, StoreServer,
+    accept_handshake_admitting, connect_handshake_or_retry, read_exact_before, StoreClient,
+    StoreServer,
 };
 use crate::{Result, TransportError};
 
@@ -473,9 +474,14 @@ fn dial(
     deadline: Instant,
 ) -> Result<TcpStream> {
     let (mut backoff, start) = (Duration::from_millis(5), Instant::now());
+    let mut shut_down: Option<TransportError> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
+            if let Some(e) = shut_down {
+                // Every try was shut down mid-handshake: say so rather than "timed out".
+                return Err(e);
+            }
             return Err(TransportError::Timeout {
                 peer: Some(to),
                 waited: start.elapsed(),
@@ -494,14 +500,31 @@ fn dial(
                     .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
                 s.set_write_timeout(Some(left))
                     .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
-                s.write_all(&hello(comm_id, from, to))
-                    .map_err(|e| TransportError::io(Some(to), "hello", e))?;
-                connect_handshake(
-                    &mut s,
-                    token,
-                    context(comm_id, from, to).as_bytes(),
-                    deadline,
-                )?;
+                // A peer at its limit of connections mid-handshake (a flood of silent ones)
+                // shuts the oldest down, perhaps this one: a new connection may get in.
+                let outcome = match s.write_all(&hello(comm_id, from, to)) {
+                    Err(e) => Err((
+                        TransportError::io(Some(to), "hello", e),
+                        true, // reset or closed before the hello was out
+                    )),
+                    Ok(()) => connect_handshake_or_retry(
+                        &mut s,
+                        token,
+                        context(comm_id, from, to).as_bytes(),
+                        deadline,
+                    ),
+                };
+                match outcome {
+                    Ok(()) => {}
+                    Err((e, true)) if Instant::now() < deadline => {
+                        shut_down = Some(e);
+                        drop(s);
+                        std::thread::sleep(backoff.min(left));
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
+                        continue;
+                    }
+                    Err((e, _)) => return Err(e),
+                }
                 s.set_write_timeout(None)
                     .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
                 s.set_read_timeout(None)
@@ -752,6 +775,57 @@ mod tests {
             assert!(e.is_none(), "{got:?}");
             assert!(*took < HANDSHAKE_BUDGET / 2, "{got:?}");
         }
+    }
+
+    #[test]
+    fn a_dial_shut_down_mid_handshake_tries_again() {
+        // As a peer at its limit of connections mid-handshake does to the oldest: the first
+        // connection is closed after its hello; the second is served. The dial gets in.
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (comm_id, token) = (7u64, b"t".to_vec());
+        let server = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let (mut first, _) = listener.accept().unwrap();
+            let mut h = [0u8; HELLO_LEN];
+            std::io::Read::read_exact(&mut first, &mut h).unwrap();
+            drop(first);
+            let (mut second, _) = listener.accept().unwrap();
+            std::io::Read::read_exact(&mut second, &mut h).unwrap();
+            assert_eq!(h, hello(comm_id, 1, 0));
+            crate::rendezvous::accept_handshake(
+                &mut second,
+                &token,
+                context(comm_id, 1, 0).as_bytes(),
+                deadline,
+            )
+            .map(|()| second)
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let dialed = dial(addr, comm_id, 1, 0, b"t", deadline);
+        assert!(dialed.is_ok(), "{:?}", dialed.err());
+        assert!(server.join().unwrap().is_ok());
+        // A peer that keeps closing: the dial ends at its deadline with that reason.
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t0 = Instant::now();
+        let closer = std::thread::spawn(move || {
+            listener.set_nonblocking(true).unwrap();
+            while t0.elapsed() < Duration::from_secs(1) {
+                match listener.accept() {
+                    Ok((c, _)) => drop(c),
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        let e = dial(addr, comm_id, 1, 0, b"t", t0 + Duration::from_millis(600)).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+        closer.join().unwrap();
     }
 
     #[test]
