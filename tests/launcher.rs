@@ -232,17 +232,20 @@ fn runs_in_a_pid_namespace_whose_session_leader_is_outside() {
     // As in a container (CI's): the session leader lives in the parent PID namespace, so the
     // kernel reports this process's session as 0. The launcher once panicked on that.
     let can = Command::new("unshare")
-        .args(["--pid", "--fork", "true"])
+        .args(["--pid", "--fork", "--kill-child", "true"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !can {
-        eprintln!("skipped: `unshare --pid` is not allowed here (needs root)");
+        eprintln!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
         return;
     }
+    // `--kill-child`: killing unshare (the watchdog) kills the launcher in the namespace, and
+    // with it (the namespace's init) every rank.
     let mut child = Command::new("unshare")
-        .args(["--pid", "--fork", env!("CARGO_BIN_EXE_chorus-run")])
+        .args(["--pid", "--fork", "--kill-child"])
+        .arg(env!("CARGO_BIN_EXE_chorus-run"))
         .args(["-n", "2", "--", "sh", "-c", "echo ok"])
         .env_remove("SLURM_STEP_NUM_TASKS")
         .env_remove("OMPI_COMM_WORLD_SIZE")
@@ -252,16 +255,17 @@ fn runs_in_a_pid_namespace_whose_session_leader_is_outside() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start unshare");
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let out = thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = stdout.read_to_end(&mut bytes);
-        bytes
-    });
-    let mut err = String::new();
-    let _ = stderr.read_to_string(&mut err);
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
     let status = wait_watched(&mut child, "in a PID namespace");
+    let err = String::from_utf8_lossy(&err.join().unwrap()).into_owned();
     assert!(status.success(), "{status:?}: {err}");
     let lines = prefixed_lines(&out.join().unwrap());
     assert_eq!(lines.len(), 2, "{lines:?}");

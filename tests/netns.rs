@@ -351,6 +351,11 @@ fn default_interface_scenario(cluster: &Cluster) -> Result<(), String> {
         .env("CHORUS_INIT_TIMEOUT", "30")
         .env_remove("CHORUS_SOCKET_IFNAME")
         .env_remove("CHORUS_ADDR");
+    // Not the variables of a launcher that may have started the tests: chorus-run would
+    // refuse to run as one of its tasks.
+    for var in ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
+        cmd.env_remove(var);
+    }
     let job = wait_all(vec![start(cmd)?]);
     let f = &job[0];
     if !f.status.is_some_and(|s| s.success()) {

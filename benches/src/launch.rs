@@ -7,7 +7,6 @@
 //! their own view of the failure, then are killed; the exit status is the failing rank's.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -22,9 +21,16 @@ const POLL: Duration = Duration::from_millis(20);
 /// Exit status when a rank died by a signal or could not be started.
 const EXIT_RANK_FAILED: i32 = 3;
 
-/// A free TCP port on 127.0.0.1 (free when asked; the rendezvous root binds it moments later).
+/// A free TCP port on 127.0.0.1 (free when asked; the rendezvous root binds it moments
+/// later), below the kernel's ephemeral range where it leaves room, so that no outgoing
+/// connection takes it meanwhile (see [`chorus_transport::rendezvous::free_local_ports`]).
 pub fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
+    let ports = chorus_transport::rendezvous::free_local_ports(1)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    ports
+        .first()
+        .copied()
+        .ok_or_else(|| io::Error::other("no free port"))
 }
 
 /// 16 random bytes from /dev/urandom as 32 hex digits.
@@ -254,6 +260,6 @@ mod tests {
     fn free_port_is_bindable() {
         let p = free_port().unwrap();
         assert!(p > 0);
-        drop(TcpListener::bind(("127.0.0.1", p)).unwrap());
+        drop(std::net::TcpListener::bind(("127.0.0.1", p)).unwrap());
     }
 }

@@ -196,14 +196,27 @@ def test_numpy_integers_and_strings_as_arguments(solo):
     assert (x == 1).all()
 
 
+def _free_addr():
+    """127.0.0.1 and a port free a moment ago, below Linux's ephemeral range (32768-60999):
+    no outgoing connection of another test takes it before rank 0's store binds it."""
+    import random
+    import socket
+
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            return f"127.0.0.1:{port}"
+        except OSError:
+            continue
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def test_two_ranks_on_threads_and_the_gil_is_released():
     """Two communicators in one process, each driven by its own thread: only possible if the
     GIL is released while a call blocks (rank 1 waits in init and barrier for rank 0)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    addr = _free_addr()
     comms = [None, None]
     results = {}
 
@@ -246,11 +259,7 @@ def _until_inside(handle) -> None:
 
 
 def test_one_communicator_from_two_threads_at_once_is_refused():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    addr = _free_addr()
     comms = {}
 
     def init(r):
@@ -318,11 +327,7 @@ class _Bucket:
 
 def _on_two_ranks(fn):
     """``fn(comm)`` on two ranks, each a thread with its own communicator; the results."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    addr = _free_addr()
     out, errors = {}, []
 
     def rank_main(r):

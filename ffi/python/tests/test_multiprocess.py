@@ -19,7 +19,12 @@ def launch(n, args, timeout=150, env=None):
     for k, v in (env or {}).items():
         cmd += ["--env", f"{k}={v}"]
     cmd += ["--", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # Not the variables of a launcher that may have started the tests (chorus-run would
+    # refuse to run as one of its tasks); Gloo on loopback (it would resolve the host name).
+    outer = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "CHORUS_RUN_NESTED")
+    child_env = {k: v for k, v in os.environ.items() if k not in outer}
+    child_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -163,6 +168,7 @@ def test_ddp_example_runs_under_torchrun(workspace, hook):
     """The comm hook (chorus beside a Gloo group) and the backend (no Gloo) under torchrun."""
     torchrun = [PYTHON, "-m", "torch.distributed.run"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     r = subprocess.run(
         torchrun
         # torch 1.13 on Python 3.11 cannot parse the default "0" of --redirects/--tee
