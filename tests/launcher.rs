@@ -564,6 +564,65 @@ fn a_second_stop_signal_kills_the_ranks_at_once() {
     assert!(took < Duration::from_secs(8), "{took:?}: {stderr}");
 }
 
+/// Signals sent from outside the launcher's PID namespace show no sender (pid 0): two of them
+/// are two requests, not one signal that reached it twice (as from one known sender).
+#[test]
+fn signals_of_no_known_sender_are_never_merged() {
+    let can = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can {
+        eprintln!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
+        return;
+    }
+    let marker = "28.7313";
+    let script = format!("trap '' TERM; echo up; exec sleep {marker}");
+    let exe = env!("CARGO_BIN_EXE_chorus-run");
+    let args = [
+        "--pid",
+        "--fork",
+        "--kill-child",
+        exe,
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ];
+    let mut job = Live::start_program("unshare", &args);
+    job.wait_for(2, "] up");
+    // The launcher: unshare's child (the first process of the namespace).
+    let unshare = job.child.id();
+    let children = std::fs::read_to_string(format!("/proc/{unshare}/task/{unshare}/children"))
+        .expect("children of unshare");
+    let launcher: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let term = || {
+        let sent = Command::new("kill")
+            .args(["-TERM", &launcher.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success());
+    };
+    term();
+    thread::sleep(Duration::from_millis(300));
+    term();
+    let second = Instant::now();
+    let (_, _, stderr) = job.finish();
+    let took = second.elapsed();
+    let left = still_running(|| processes_with(marker));
+    assert!(left.is_empty(), "ranks left running: {left:?}");
+    assert!(
+        stderr.contains("again: killed the 2 ranks still running"),
+        "{stderr}"
+    );
+    // Not a timing claim: merged, the second would have waited out the 10 s grace.
+    assert!(took < Duration::from_secs(8), "{took:?}: {stderr}");
+}
+
 /// A prompt without a newline reaches the user while the rank waits for the answer (it would
 /// otherwise be held until the line ends, and this test would wait for it forever).
 #[test]

@@ -912,10 +912,12 @@ struct Ending {
     stopping: bool,
     /// When set, the ranks still running are killed at this instant.
     kill_at: Option<Instant>,
-    /// The last signal taken, who sent it and when: the same again from the same sender
-    /// right after is one signal that reached us twice (sent to us, then to our whole process
-    /// group, as `timeout` and `kill -- -PGID` do), not a second request.
-    last: Option<(c_int, Option<i32>, Instant)>,
+    /// The last signal a known process sent, its pid and when: the same again from the same
+    /// sender right after is one signal that reached us twice (sent to us, then to our whole
+    /// process group, as `timeout` and `kill -- -PGID` do), not a second request. Signals of
+    /// no known sender (the terminal's, which reach us once per key press, and those sent from
+    /// outside our PID namespace, which show pid 0) are never merged.
+    last: Option<(c_int, i32, Instant)>,
     /// Whether we lead our session: a hangup's `SIGHUP` from the kernel then came to us
     /// alone, not to the ranks.
     session_leader: bool,
@@ -974,14 +976,16 @@ impl Ending {
         for origin in caught {
             let sig = origin.signal;
             let now = Instant::now();
-            let sender = origin.process.map(|p| p.pid);
-            if self
-                .last
-                .is_some_and(|(s, from, at)| s == sig && from == sender && now - at < REPEAT)
-            {
-                continue;
+            let sender = origin.process.map(|p| p.pid).filter(|&pid| pid > 0);
+            if let Some(sender) = sender {
+                if self
+                    .last
+                    .is_some_and(|(s, from, at)| s == sig && from == sender && now - at < REPEAT)
+                {
+                    continue;
+                }
+                self.last = Some((sig, sender, now));
             }
-            self.last = Some((sig, sender, now));
             let running = ranks_running(ranks_);
             // From the terminal (the kernel sent it to the whole foreground process group)
             // the ranks got it too; sent to us alone, they did not. (A hangup's SIGHUP comes
