@@ -122,6 +122,11 @@ const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// First and largest pause between a client's connection attempts.
 const CONNECT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 const CONNECT_BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// How long after the first connection shut down during its handshake (by a listener at
+/// its connection limit) new connections are still tried: long enough for a flood of idle
+/// connections to pass or a slot to free up, short enough that a listener that closes every
+/// connection (another job's, not a chorus process) fails the rank well before its deadline.
+pub(crate) const CLOSED_RETRY_WINDOW: Duration = Duration::from_secs(10);
 /// Stack of the per-connection threads (they hold a few small buffers and a 64 KiB value).
 const CONN_STACK_SIZE: usize = 256 * 1024;
 
@@ -1201,14 +1206,18 @@ impl StoreClient {
         let started = Instant::now();
         let mut backoff = CONNECT_BACKOFF_MIN;
         let mut attempts = 0u32;
-        let mut last_refusal: Option<TransportError> = None;
+        // The last connection shut down during its handshake (why, and when the first was).
+        let mut shut_down: Option<(String, Instant)> = None;
+        let closed = |why: &str, attempts: u32| {
+            TransportError::Rendezvous(format!(
+                "the store at {addr}: {why} ({attempts} attempts in {:.1} s)",
+                started.elapsed().as_secs_f64()
+            ))
+        };
         loop {
             let Some(left) = remaining(deadline) else {
-                if let Some(e) = last_refusal {
-                    return Err(TransportError::Rendezvous(format!(
-                        "{e} ({attempts} attempts in {:.1} s)",
-                        started.elapsed().as_secs_f64()
-                    )));
+                if let Some((why, _)) = &shut_down {
+                    return Err(closed(why, attempts));
                 }
                 return Err(TransportError::Rendezvous(format!(
                     "could not reach the store at {addr} within {:.1} s ({attempts} attempts); \
@@ -1234,19 +1243,38 @@ impl StoreClient {
                             })
                         }
                         // Shut down during the handshake (the server was at its connection
-                        // limit): a new connection may get in; at the deadline this error is
-                        // the answer.
-                        Err((e, true)) if remaining(deadline).is_some() => {
-                            last_refusal = Some(e);
+                        // limit): a new connection may get in, for a while; then (or at the
+                        // deadline) this error is the answer.
+                        Err((e, true)) => {
+                            let why = match e {
+                                TransportError::Rendezvous(why) => why,
+                                other => other.to_string(),
+                            };
+                            let first = shut_down.map_or_else(Instant::now, |(_, at)| at);
+                            if remaining(deadline).is_none()
+                                || first.elapsed() >= CLOSED_RETRY_WINDOW
+                            {
+                                return Err(closed(&why, attempts));
+                            }
+                            shut_down = Some((why, first));
                         }
-                        Err((e, _)) => return Err(e),
+                        // The last try ran into the deadline after earlier ones were shut
+                        // down: those say more than the timeout.
+                        Err((e, _)) => {
+                            let late = matches!(e, TransportError::Timeout { .. })
+                                && remaining(deadline).is_none();
+                            return match shut_down {
+                                Some((why, _)) if late => Err(closed(&why, attempts)),
+                                _ => Err(e),
+                            };
+                        }
                     }
                 }
                 // Nobody listened yet, and the kernel picked the very port it called as this
                 // side's port: TCP's simultaneous open joined the socket to itself. Not the
                 // store: the socket is dropped, and the connect retried.
-                Ok(_) => {}
-                Err(e) if retryable(&e) => {}
+                Ok(_) => shut_down = None,
+                Err(e) if retryable(&e) => shut_down = None,
                 Err(e) => return Err(TransportError::io(None, "connecting to the store", e)),
             }
             if let Some(left) = remaining(deadline) {

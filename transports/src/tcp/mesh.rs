@@ -474,12 +474,13 @@ fn dial(
     deadline: Instant,
 ) -> Result<TcpStream> {
     let (mut backoff, start) = (Duration::from_millis(5), Instant::now());
-    let mut shut_down: Option<TransportError> = None;
+    // The last try shut down mid-handshake, and when the first was.
+    let mut shut_down: Option<(TransportError, Instant)> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            if let Some(e) = shut_down {
-                // Every try was shut down mid-handshake: say so rather than "timed out".
+            if let Some((e, _)) = shut_down {
+                // The tries were shut down mid-handshake: say so rather than "timed out".
                 return Err(e);
             }
             return Err(TransportError::Timeout {
@@ -503,10 +504,16 @@ fn dial(
                 // A peer at its limit of connections mid-handshake (a flood of silent ones)
                 // shuts the oldest down, perhaps this one: a new connection may get in.
                 let outcome = match s.write_all(&hello(comm_id, from, to)) {
-                    Err(e) => Err((
-                        TransportError::io(Some(to), "hello", e),
-                        true, // reset or closed before the hello was out
-                    )),
+                    Err(e) => {
+                        let closed = matches!(
+                            e.kind(),
+                            std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::ConnectionAborted
+                                | std::io::ErrorKind::BrokenPipe
+                                | std::io::ErrorKind::UnexpectedEof
+                        );
+                        Err((TransportError::io(Some(to), "hello", e), closed))
+                    }
                     Ok(()) => connect_handshake_or_retry(
                         &mut s,
                         token,
@@ -516,14 +523,30 @@ fn dial(
                 };
                 match outcome {
                     Ok(()) => {}
-                    Err((e, true)) if Instant::now() < deadline => {
-                        shut_down = Some(e);
+                    // For a while (a flood passes), and not past the deadline.
+                    Err((e, true)) => {
+                        let first = shut_down.map_or_else(Instant::now, |(_, at)| at);
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero()
+                            || first.elapsed() >= crate::rendezvous::CLOSED_RETRY_WINDOW
+                        {
+                            return Err(e);
+                        }
+                        shut_down = Some((e, first));
                         drop(s);
                         std::thread::sleep(backoff.min(left));
                         backoff = (backoff * 2).min(Duration::from_millis(200));
                         continue;
                     }
-                    Err((e, _)) => return Err(e),
+                    Err((e, _)) => {
+                        // Into the deadline after earlier tries were shut down: those say more.
+                        let late = matches!(e, TransportError::Timeout { .. })
+                            && Instant::now() >= deadline;
+                        return match shut_down {
+                            Some((earlier, _)) if late => Err(earlier),
+                            _ => Err(e),
+                        };
+                    }
                 }
                 s.set_write_timeout(None)
                     .map_err(|e| TransportError::io(Some(to), "setsockopt", e))?;
