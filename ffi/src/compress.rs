@@ -65,7 +65,7 @@ pub unsafe extern "C" fn chorus_compressor_create(
         let raw = Box::into_raw(Box::new(chorus_compressor {
             inner: Mutex::new(c),
         }));
-        ptr::COMPRESSORS.add(raw);
+        crate::registry::COMPRESSORS.add(raw);
         // SAFETY: checked non-NULL above, writable by the caller's promise.
         unsafe { ptr::write_out(out, raw, "out") }
     })
@@ -88,16 +88,19 @@ pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor)
         // SAFETY: non-NULL; refused unless live (and not destroyed meanwhile, by the caller's
         // promise).
         let c = unsafe { ptr::compressor(comp)? };
-        if ptr::COMPRESSORS.known(comp) == crate::registry::Known::Parents {
-            // A forked child's copy of its parent's compressor: left as it is (the parent's
-            // thread may have held its lock at the fork).
+        let mut registry = crate::registry::COMPRESSORS.lock();
+        if registry.known(comp) == crate::registry::Known::Parents {
+            // A forked child's copy of its parent's compressor: not freed (a parent's thread
+            // may have held its lock at the fork), but no longer usable here.
+            registry.forget(comp);
             return Ok(());
         }
+        drop(registry);
         match lock(c) {
             Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
             _ => {}
         }
-        if !ptr::COMPRESSORS.take(comp) {
+        if !crate::registry::COMPRESSORS.take(comp) {
             return Err(Failure::invalid(format!(
                 "comp {comp:p} is not a live compressor (destroyed already)"
             )));

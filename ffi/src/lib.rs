@@ -549,11 +549,14 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         if comm.is_null() {
             return Ok(());
         }
-        // SAFETY: non-NULL, and live by the caller's promise.
+        // SAFETY: non-NULL; refused unless live (and not destroyed meanwhile, by the caller's
+        // promise).
         let c = unsafe { ptr::comm(comm)? };
         if c.queue.check_process().is_err() {
             // A forked child: the communicator is the parent's. Its copy is left as it is
-            // (a call in progress at the fork may have left it marked busy, or locked).
+            // (a call in progress at the fork may have left it marked busy, or locked), and
+            // no longer usable here.
+            registry::COMMS.lock().forget(comm);
             return Ok(());
         }
         // A call of another thread in progress (running, or waiting for the nonblocking calls
@@ -567,10 +570,17 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
         if busy() {
             return Err(c.in_use().not_freed());
         }
-        // SAFETY: live, not in use (checked just above) and not used again, by the caller's
-        // promise.
-        drop(unsafe { ptr::from_raw(comm) });
-        Ok(())
+        // SAFETY: not in use (checked just above) and not used again, by the caller's
+        // promise; freed only if still live (another thread's destroy may have won).
+        match unsafe { ptr::from_raw(comm) } {
+            Some(c) => {
+                drop(c);
+                Ok(())
+            }
+            None => Err(Failure::invalid(format!(
+                "comm {comm:p} is not a live communicator (destroyed already)"
+            ))),
+        }
     })
 }
 
@@ -753,23 +763,20 @@ impl Pending {
     }
 }
 
-/// The requests handed out and not yet completed or freed. A request pointer that is not
-/// there (completed already, freed, waited through a copy, never a request, or a forked
-/// parent's) is refused with `CHORUS_INVALID_ARGUMENT` instead of being used.
-static REQUESTS: registry::Handles = registry::Handles::new();
-
-/// The set of this process's live requests, locked.
-fn live_requests() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<usize>> {
-    REQUESTS.lock()
+/// The registry of live requests, locked. A request pointer that is not a live request of
+/// this process (completed already, freed, waited through a copy, never a request, or a
+/// forked parent's) is refused with `CHORUS_INVALID_ARGUMENT` instead of being used.
+fn live_requests() -> registry::Locked {
+    registry::REQUESTS.lock()
 }
 
 /// Whether `req` is a live request of this process; with `take`, it is no longer one after
 /// this.
 fn is_live(req: *mut chorus_request, take: bool) -> bool {
     if take {
-        REQUESTS.take(req)
+        registry::REQUESTS.take(req)
     } else {
-        REQUESTS.known(req) == registry::Known::Live
+        registry::REQUESTS.known(req) == registry::Known::Live
     }
 }
 
@@ -793,15 +800,17 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
         return Ok(None);
     }
     if !is_live(req, true) {
-        return Err(not_a_request(req));
+        let known = registry::REQUESTS.known(req);
+        return Err(not_a_request(req, known));
     }
     // SAFETY: made by `Box::into_raw` in `issue` and still in the live set, from which it was
     // just removed: no other completion can take it.
     Ok(Some(unsafe { Box::from_raw(req) }))
 }
 
-fn not_a_request(req: *mut chorus_request) -> Failure {
-    if REQUESTS.in_a_parent(req as usize) {
+/// The refusal of `req`, which the registry knows as `known` (not live).
+fn not_a_request(req: *mut chorus_request, known: registry::Known) -> Failure {
+    if known == registry::Known::Parents {
         // Its call runs in the parent (or ran there); it is not freed here (the caller's
         // pointer to it is cleared where a completion would clear it).
         return Failure::new(
@@ -864,7 +873,7 @@ unsafe fn issue(
 /// `out` is non-NULL, aligned and valid for writing a request pointer.
 unsafe fn hand_out(out: *mut *mut chorus_request, inner: Pending) -> Result<(), Failure> {
     let req = Box::into_raw(Box::new(chorus_request { inner }));
-    live_requests().insert(req as usize);
+    live_requests().add(req);
     // SAFETY: as the caller promised.
     unsafe { ptr::write_out(out, req, "request") }
 }
@@ -913,8 +922,9 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
         } else {
             // Held while looking, so that no other completion frees it meanwhile.
             let live = live_requests();
-            if !live.contains(&(req as usize)) {
-                return Err(not_a_request(req));
+            let known = live.known(req);
+            if known != registry::Known::Live {
+                return Err(not_a_request(req, known));
             }
             // SAFETY: a live request (in the set, which is locked).
             unsafe { &*req }.inner.test()
@@ -1018,8 +1028,9 @@ unsafe fn scan_requests(
         if req.is_null() {
             continue;
         }
-        if !live.contains(&(req as usize)) {
-            let e = not_a_request(req);
+        let known = live.known(req);
+        if known != registry::Known::Live {
+            let e = not_a_request(req, known);
             return Err(Failure::new(
                 e.status,
                 format!("requests[{i}]: {}", e.message),

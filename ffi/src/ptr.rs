@@ -4,12 +4,9 @@
 use std::ffi::{c_char, c_void, CStr};
 
 use crate::compress::chorus_compressor;
-use crate::registry::{Handles, Known};
+use crate::registry::{Known, COMMS, COMPRESSORS};
 use crate::status::Failure;
 use crate::{chorus_comm, chorus_options};
-
-/// The communicators handed to C and not yet destroyed.
-pub(crate) static COMMS: Handles = Handles::new();
 
 /// The communicator behind `p`: NULL, and a pointer that is not a live communicator
 /// (destroyed already, or never one), are refused.
@@ -52,9 +49,6 @@ pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
         Some(unsafe { Box::from_raw(p) })
     }
 }
-
-/// The compressors handed to C and not yet destroyed.
-pub(crate) static COMPRESSORS: Handles = Handles::new();
 
 /// The compressor behind `p`: NULL, and a pointer that is not a live compressor of this
 /// process (destroyed already, or never one), are refused.

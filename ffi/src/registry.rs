@@ -1,135 +1,157 @@
-//! The handles of one kind (communicators, compressors, requests) this process has handed to C
-//! and not yet taken back, by address: a pointer that is not among them (destroyed or freed
-//! already, never a handle, or a forked parent's) is refused instead of being used.
+//! The handles of each kind (communicators, compressors, requests) this process has handed to
+//! C and not yet taken back, by address: a pointer that is not among them (destroyed or freed
+//! already, or never a handle) is refused instead of being used.
 //!
-//! A forked child gets a registry of its own the first time it looks (the parent's, copied
-//! at the fork, may be locked by a parent's thread that the child does not have); the parent's
-//! copy is kept, read only with `try_lock`, to tell the parent's handles apart.
+//! Each entry records the fork generation ([`chorus_transport::fork_generation`]) it was
+//! made in: in a forked child, the entries copied from its parent are told apart as the
+//! parent's (whose handles the child may not free or complete). The registries are locked
+//! around `fork()` by `pthread_atfork` handlers, so the child's copy is never one that a
+//! parent's thread (which the child does not have) held locked at the fork.
 //!
 //! What this cannot see: a handle destroyed and its address then reused for a new handle of
 //! the same kind (the stale pointer then names the new one), and a destroy racing with a call
 //! on another thread (the caller's race, as documented on each destroy).
 
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 
-/// One process's handles of one kind.
-pub(crate) struct Registry {
-    pid: u32,
-    set: Mutex<BTreeSet<usize>>,
-    /// In a forked child: the parent's registry as copied at the fork.
-    parent: *const Registry,
+/// The communicators handed to C and not yet destroyed.
+pub(crate) static COMMS: Handles = Handles::new();
+/// The compressors handed to C and not yet destroyed.
+pub(crate) static COMPRESSORS: Handles = Handles::new();
+/// The requests handed to C and not yet completed or freed.
+pub(crate) static REQUESTS: Handles = Handles::new();
+
+/// The registries, in the order the fork handlers lock them.
+static ALL: [&Handles; 3] = [&COMMS, &COMPRESSORS, &REQUESTS];
+
+type Entries = BTreeMap<usize, u64>;
+
+/// One kind's registry: address to the fork generation the handle was made in.
+pub(crate) struct Handles {
+    set: Mutex<Entries>,
 }
 
-// SAFETY: `parent` points to a registry that is never freed and is only read through its
-// mutex (with `try_lock`); the rest is a pid and a mutex.
-unsafe impl Sync for Registry {}
-// SAFETY: as above.
-unsafe impl Send for Registry {}
-
-/// Where a pointer stands in a registry's process line.
+/// Where a pointer stands in a registry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Known {
     /// A live handle of this process.
     Live,
-    /// A live handle of a process this one was forked from (at the fork), or possibly one:
-    /// a registry a parent's thread held locked at the fork cannot be looked into.
+    /// A handle a process this one was forked from had live at the fork.
     Parents,
     /// Neither.
     Unknown,
 }
 
-/// The registry of one kind of handle: a static holding this process's [`Registry`].
-pub(crate) struct Handles(AtomicPtr<Registry>);
+/// A registry, locked: while held, no handle of its kind is added or taken.
+pub(crate) struct Locked {
+    entries: MutexGuard<'static, Entries>,
+    generation: u64,
+}
 
-impl Handles {
-    pub(crate) const fn new() -> Handles {
-        Handles(AtomicPtr::new(std::ptr::null_mut()))
-    }
-
-    /// This process's registry (made on first use, and again in a forked child).
-    fn current(&self) -> &'static Registry {
-        let me = std::process::id();
-        let mut current = self.0.load(Ordering::SeqCst);
-        // SAFETY: non-NULL pointers here come from `Box::into_raw` below and are never freed,
-        // so they stay valid for the life of the process (and of a forked child's copy).
-        while current.is_null() || unsafe { (*current).pid } != me {
-            let fresh = Box::into_raw(Box::new(Registry {
-                pid: me,
-                set: Mutex::new(BTreeSet::new()),
-                parent: current,
-            }));
-            match self
-                .0
-                .compare_exchange(current, fresh, Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(_) => current = fresh,
-                Err(other) => {
-                    // Another thread of this process installed one first: use that one.
-                    // SAFETY: `fresh` was made above and shared with no one.
-                    drop(unsafe { Box::from_raw(fresh) });
-                    current = other;
-                }
-            }
+impl Locked {
+    /// Where `p` stands.
+    pub(crate) fn known<T>(&self, p: *const T) -> Known {
+        match self.entries.get(&(p as usize)) {
+            Some(&g) if g == self.generation => Known::Live,
+            Some(_) => Known::Parents,
+            None => Known::Unknown,
         }
-        // SAFETY: as above; the registry of this process, never freed.
-        unsafe { &*current }
     }
 
-    /// The set of this process's live handles, locked (while held, none is added or taken).
-    pub(crate) fn lock(&self) -> MutexGuard<'static, BTreeSet<usize>> {
-        // Nothing panics while holding it; a poisoned set is still a set.
-        self.current()
-            .set
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Records `p` as handed out.
-    pub(crate) fn add<T>(&self, p: *const T) {
-        self.lock().insert(p as usize);
+    /// Records `p` as handed out by this process.
+    pub(crate) fn add<T>(&mut self, p: *const T) {
+        self.entries.insert(p as usize, self.generation);
     }
 
     /// Takes `p` back: whether it was a live handle of this process (it is not any more).
-    pub(crate) fn take<T>(&self, p: *const T) -> bool {
-        self.lock().remove(&(p as usize))
+    pub(crate) fn take<T>(&mut self, p: *const T) -> bool {
+        if self.known(p) != Known::Live {
+            return false;
+        }
+        self.entries.remove(&(p as usize)).is_some()
     }
 
-    /// Where `p` stands: live here, a parent's, or neither.
-    pub(crate) fn known<T>(&self, p: *const T) -> Known {
-        if self.lock().contains(&(p as usize)) {
-            return Known::Live;
-        }
-        if self.in_a_parent(p as usize) {
-            Known::Parents
-        } else {
-            Known::Unknown
+    /// Forgets `p` whoever made it (a forked child giving up its copy of a parent's handle,
+    /// which it may not free): later uses of it are refused. Whether it was there.
+    pub(crate) fn forget<T>(&mut self, p: *const T) -> bool {
+        self.entries.remove(&(p as usize)).is_some()
+    }
+}
+
+impl Handles {
+    pub(crate) const fn new() -> Handles {
+        Handles {
+            set: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// Whether `p` was (or, with a registry locked at the fork, may have been) a live handle
-    /// of a process this one was forked from, at the fork.
-    pub(crate) fn in_a_parent(&self, p: usize) -> bool {
-        let mut parent = self.current().parent;
-        while !parent.is_null() {
-            // SAFETY: registries are never freed (see `current`).
-            let r = unsafe { &*parent };
-            match r.set.try_lock() {
-                Ok(set) if set.contains(&p) => return true,
-                Ok(_) => {}
-                // Locked by a thread the child does not have: cannot tell, so not refused.
-                Err(std::sync::TryLockError::WouldBlock) => return true,
-                Err(std::sync::TryLockError::Poisoned(set)) => {
-                    if set.into_inner().contains(&p) {
-                        return true;
-                    }
-                }
-            }
-            parent = r.parent;
+    /// The registry, locked.
+    pub(crate) fn lock(&'static self) -> Locked {
+        install_fork_handlers();
+        // The generation first: its first call installs the handler that counts forks.
+        let generation = chorus_transport::fork_generation();
+        Locked {
+            // Nothing panics while holding it; a poisoned map is still a map.
+            entries: self.set.lock().unwrap_or_else(PoisonError::into_inner),
+            generation,
         }
-        false
     }
+
+    /// Records `p` as handed out by this process.
+    pub(crate) fn add<T>(&'static self, p: *const T) {
+        self.lock().add(p);
+    }
+
+    /// Takes `p` back: whether it was a live handle of this process (it is not any more).
+    pub(crate) fn take<T>(&'static self, p: *const T) -> bool {
+        self.lock().take(p)
+    }
+
+    /// Where `p` stands.
+    pub(crate) fn known<T>(&'static self, p: *const T) -> Known {
+        self.lock().known(p)
+    }
+}
+
+thread_local! {
+    /// The registries the forking thread locked before `fork()`, until after it.
+    static HELD: RefCell<Vec<MutexGuard<'static, Entries>>> = const { RefCell::new(Vec::new()) };
+}
+
+extern "C" fn before_fork() {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        held.reserve(ALL.len());
+        for h in ALL {
+            held.push(h.set.lock().unwrap_or_else(PoisonError::into_inner));
+        }
+    });
+}
+
+extern "C" fn after_fork() {
+    // In the child as in the parent: unlocks (no allocation; the vector keeps its capacity).
+    HELD.with(|held| held.borrow_mut().clear());
+}
+
+fn install_fork_handlers() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: plain `extern "C" fn`s that live as long as the program. `before_fork` runs
+        // in the parent before the fork and takes the registries' locks (never held while
+        // another is taken, so no order to break); `after_fork` runs in the parent and in the
+        // child (then the only thread) and releases them: atomic stores and, at most, a
+        // futex wake, with no allocation.
+        let rc =
+            unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        if rc != 0 {
+            eprintln!(
+                "chorus: pthread_atfork failed ({rc}): a child forked while another thread \
+                 registers a handle may block"
+            );
+        }
+    });
 }
 
 #[cfg(test)]
@@ -146,6 +168,13 @@ mod tests {
         assert_eq!(H.known(p), Known::Live);
         assert!(H.take(p));
         assert!(!H.take(p), "taken twice");
+        assert_eq!(H.known(p), Known::Unknown);
+        // An entry of an earlier generation (a parent's) is known, not live: not taken, but
+        // forgotten.
+        H.lock().entries.insert(p as usize, u64::MAX);
+        assert_eq!(H.known(p), Known::Parents);
+        assert!(!H.take(p));
+        assert!(H.lock().forget(p));
         assert_eq!(H.known(p), Known::Unknown);
     }
 }

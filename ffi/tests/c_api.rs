@@ -273,7 +273,9 @@ fn nonblocking_collectives_on_1_to_4_ranks() {
 }
 
 /// A child forked from a rank: the parent's requests are refused there as the parent's, and
-/// the child's own are checked (a second wait through a copy is refused, not a double free).
+/// the child's own are checked (a second wait through a copy is refused, not a double free);
+/// the parent's communicator and compressor are released there without touching the parent's
+/// and refused afterwards.
 #[test]
 fn requests_across_a_fork() {
     let b = built();

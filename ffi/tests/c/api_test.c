@@ -1671,6 +1671,8 @@ static void forked(chorus_comm *comm) {
     int32_t in[4] = {1, 1, 1, 1}, out[4];
     chorus_request *parents = NULL;
     OK(chorus_iallreduce(comm, in, out, 4, CHORUS_INT32, CHORUS_SUM, NULL, &parents));
+    chorus_compressor *pcomp = NULL;
+    OK(chorus_compressor_create(&pcomp, "int8"));
     fflush(stdout);
     pid_t pid = fork();
     CHECK(pid >= 0, "fork");
@@ -1691,6 +1693,14 @@ static void forked(chorus_comm *comm) {
         CHECK(strstr(chorus_last_error(), "not a live request") != NULL, "message: %s",
               chorus_last_error());
         OK(chorus_comm_destroy(own));
+        /* The parent's communicator and compressor: destroyed here without touching what
+         * the parent uses, and refused afterwards. */
+        int n = 0;
+        OK(chorus_comm_destroy(comm));
+        EXPECT(chorus_comm_size(comm, &n), CHORUS_INVALID_ARGUMENT);
+        EXPECT(chorus_comm_destroy(comm), CHORUS_INVALID_ARGUMENT);
+        OK(chorus_compressor_destroy(pcomp));
+        EXPECT(chorus_compressor_destroy(pcomp), CHORUS_INVALID_ARGUMENT);
         fflush(stdout);
         _exit(0);
     }
@@ -1699,6 +1709,11 @@ static void forked(chorus_comm *comm) {
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", status);
     OK(chorus_wait(&parents));
     for (int i = 0; i < 4; i++) CHECK(out[i] == g_size, "out[%d] = %d", i, out[i]);
+    /* The parent's handles are unaffected by the child's destroys. */
+    int n = 0;
+    OK(chorus_comm_size(comm, &n));
+    CHECK(n == g_size, "size %d", n);
+    OK(chorus_compressor_destroy(pcomp));
 }
 
 /* The communicator `atexit_mode` leaves to the exit handler. */
