@@ -1622,6 +1622,15 @@ impl Communicator {
         if !(refused && self.seq == seq && self.broken.is_none()) {
             return Err(e);
         }
+        if !self.config.check_calls && self.size > 1 {
+            // The call's sequence number goes, as if it had run: ranks that all refused stay
+            // in step, and where only this one did (a root's buffer), the others' messages of
+            // this call are not taken for its next call's (which would return them as that
+            // call's result, one call behind from then on): they fail that call as a
+            // mismatch, which tells every rank.
+            self.next_seq();
+            return Err(e);
+        }
         // The comparison's mismatch (the others made their call) is expected. If it fails
         // otherwise (no other rank came within the timeout, a peer is gone), the
         // communicator is broken: the caller still learns of its own argument, and that the

@@ -621,6 +621,47 @@ fn bad_arguments_leave_the_communicator_usable() {
     assert!(res.iter().all(|&n| n == 16));
 }
 
+/// A root that refuses its own arguments while the others' reduce goes out (their sends
+/// complete without it) does not take that data as its next call's result: the next call
+/// fails as a mismatch on the root, and the others learn of it (a later call fails).
+#[test]
+fn a_refusal_on_the_root_alone_does_not_shift_its_later_calls() {
+    let res = group(
+        2,
+        "tcp",
+        None,
+        Duration::from_secs(20),
+        Duration::from_secs(60),
+        |c| {
+            let r = c.rank();
+            let first = if r == 0 {
+                let mut short = [0i32; 2];
+                c.reduce(Some(&[1i32; 3]), &mut short, ReduceOp::Sum, 0)
+            } else {
+                c.reduce(Some(&[1i32; 3]), &mut [], ReduceOp::Sum, 0)
+            };
+            let mut out = [0i32; 3];
+            let second = c.reduce(Some(&[10 + r as i32; 3]), &mut out, ReduceOp::Sum, 0);
+            let third = c.barrier();
+            (
+                r,
+                first.map_err(|e| e.kind()),
+                second.map(|()| out),
+                third.is_ok(),
+            )
+        },
+    );
+    let (_, first, second, _) = &res[0];
+    assert_eq!(*first, Err(ErrorKind::InvalidArgument), "{res:?}");
+    assert!(
+        second.is_err(),
+        "the root returned {second:?} for its second call: {res:?}"
+    );
+    let (_, first, second, third) = &res[1];
+    assert!(first.is_ok(), "{res:?}");
+    assert!(second.is_err() || !third, "rank 1 never learned: {res:?}");
+}
+
 /// A reduce-scatter whose receive block is not a whole number of elements is refused on the
 /// calling rank before anything is sent (with an even p, the send buffer can be whole while
 /// its blocks are not), and the communicator stays usable.
