@@ -272,6 +272,26 @@ fn non_finite_input() {
     }
 }
 
+/// fp16 with error feedback: a finite value past fp16's range goes as ∞ and its residual
+/// entry is dropped, while the other values of its chunk keep theirs.
+#[test]
+fn fp16_overflow_drops_only_its_own_residual() {
+    let mut x = vec![1.0001f32; 16];
+    x[5] = 1.0e5;
+    let codec = Codec::F16;
+    let mut bytes = vec![0u8; codec.encoded_len(16, 16)];
+    let mut e = vec![0f32; 16];
+    codec.encode_with_feedback(&x, &mut e, 16, &mut bytes, &mut Rng::new(1, 1));
+    let mut y = vec![0f32; 16];
+    codec.decode(&bytes, 16, &mut y).unwrap();
+    assert_eq!(y[5], f32::INFINITY);
+    assert_eq!(e[5], 0.0);
+    for i in (0..16).filter(|&i| i != 5) {
+        assert_eq!(e[i], x[i] - y[i], "entry {i}: {e:?}");
+        assert!(e[i] != 0.0, "entry {i}: {e:?}");
+    }
+}
+
 /// Monte-Carlo: the mean of many decodes of the same values approaches them. The tolerance
 /// is five standard deviations of the mean (each decode is within one step and its variance
 /// at most step²/4), well below the bias of rounding to nearest (up to half a step).

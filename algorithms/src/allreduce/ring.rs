@@ -194,8 +194,10 @@ pub fn run_sliced(
     }
     let (steps, elem) = (2 * (size as u64 - 1), dtype.size());
     // Tags repeat every `reuse` slices: slices run one after another, and messages between
-    // two ranks arrive in order, so a repeated tag cannot meet an older slice's message.
-    let reuse = ((1u64 << 16) / steps).max(1);
+    // two ranks arrive in order, so a repeated tag cannot meet an older slice's message. They
+    // stay below 2^12: bits 12..16 name the other schedules ([`super::step_tag`]; the ring's
+    // number is 0), so ranks that chose differently fail with a tag mismatch.
+    let reuse = (STEP_TAGS / steps).max(1);
     for (s, range) in slices(count, size, elem, slice_bytes)
         .into_iter()
         .enumerate()
@@ -238,6 +240,9 @@ pub fn slices(
         .collect()
 }
 
+/// Distinct step tags of the ring: those below the schedule number's bits (12..16).
+const STEP_TAGS: u64 = 1 << 12;
+
 /// One ring allreduce over the whole of `recv` (one slice), its tags from step `tag0` on.
 fn run_slice(
     ctx: &mut CollCtx<'_>,
@@ -251,9 +256,9 @@ fn run_slice(
     let count = recv.len() / dtype.size();
     let plan = plan(rank, size, count, dtype.size());
     let tags: Vec<Tag> = (0..plan.steps.len() as u64)
-        // Beyond 2^16 steps (p > 32768) the steps' tags wrap too: each step's messages come
+        // Beyond 2^12 steps (p > 2048) the steps' tags wrap too: each step's messages come
         // from one rank, in order.
-        .map(|k| ctx.tag((tag0 + k) % (1 << 16)))
+        .map(|k| ctx.tag((tag0 + k) % STEP_TAGS))
         .collect();
     let deadline = ctx.deadline;
     let (transport, scratch) = ctx.transport_and_scratch(plan.max_chunk);

@@ -319,13 +319,19 @@ impl Codec {
         let mut pos = 0;
         for r in residual.chunks_mut(chunk) {
             let len = self.encoded_len(r.len(), chunk);
-            // A chunk that held NaN or ±∞ fails to decode (or, in fp16/bf16, leaves NaN
-            // behind): its residual is dropped rather than carried into every later call.
+            // A chunk that held NaN or ±∞ fails to decode: its residual is dropped rather than
+            // carried into every later call. fp16/bf16 encode each value alone: a non-finite
+            // one (or one past the format's range, sent as ±∞) leaves NaN or ±∞ behind in its
+            // own entry only, which is dropped; the rest of the chunk keeps its residual.
             let failed = self
                 .decode_mode(&out[pos..pos + len], chunk, r, Mode::Sub)
                 .is_err();
-            if failed || !all_finite(r) {
+            if failed {
                 r.fill(0.0);
+            } else if !all_finite(r) {
+                r.iter_mut()
+                    .filter(|v| !v.is_finite())
+                    .for_each(|v| *v = 0.0);
             }
             pos += len;
         }
