@@ -254,6 +254,118 @@ impl Drop for Lingering {
     }
 }
 
+/// A rank's own settings, read at init (see [`Communicator::build`]).
+struct LocalSettings {
+    choice: Choice,
+    filter: AlgoFilter,
+    algos: crate::algo_spec::Allowed,
+    env_link: (Option<f64>, Option<f64>),
+    tuning: bool,
+    tcp: TcpOptions,
+}
+
+/// This rank's settings from `config` and its `CHORUS_*` variables, each checked.
+fn local_settings(config: &Config) -> Result<LocalSettings, CommError> {
+    let (rank, size) = (config.rank, config.size);
+    let choice = match config.transport.as_deref() {
+        None => Choice::Auto,
+        Some(s) if s.trim().eq_ignore_ascii_case("rdma") => {
+            if size > 1 {
+                // Every rank falls back alike: one warning for the job, not one per rank.
+                log::log(
+                    if rank == 0 { Level::Warn } else { Level::Info },
+                    Some(rank),
+                    format_args!("CHORUS_TRANSPORT=rdma: {}", rdma_fallback_reason()),
+                );
+            }
+            Choice::Auto
+        }
+        Some(s) => Choice::parse(s).ok_or_else(|| {
+            CommError::invalid(
+                "init",
+                format!("CHORUS_TRANSPORT={s:?}: expected tcp, shm, rdma or auto"),
+            )
+        })?,
+    };
+    let spec = config.algo.as_deref().unwrap_or("");
+    let parsed = AlgoSpec::parse(spec).map_err(|e| CommError::invalid("init", e))?;
+    let filter = AlgoFilter::from_spec(&parsed, spec)?;
+    let algos = parsed.resolve();
+    let env_link = crate::select::link_from_env()?;
+    let env_link = crate::select::link_from_config(config, env_link)?;
+    let tuning = crate::select::tune_from_env()?;
+    let mut tcp = TcpOptions::default();
+    if let Some(us) = env_parse::<u64>("CHORUS_TCP_SPIN_US")? {
+        tcp.spin = Duration::from_micros(us);
+    }
+    tcp.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER")?;
+    let quickack = std::env::var("CHORUS_TCP_QUICKACK").unwrap_or_default();
+    if let Some(on) = crate::config::parse_switch("CHORUS_TCP_QUICKACK", &quickack)? {
+        tcp.quickack = on;
+    }
+    let (congestion, required) = tcp_congestion_from_env()?;
+    tcp.congestion = congestion;
+    tcp.congestion_required = required;
+    Ok(LocalSettings {
+        choice,
+        filter,
+        algos,
+        env_link,
+        tuning,
+        tcp,
+    })
+}
+
+/// Whether the store of a job rooted at `root` (as `config` names it) listens on every
+/// address: the root's name resolves to a loopback address here (Debian maps a host's own
+/// name to 127.0.1.1: torchrun's MASTER_ADDR on the first node) and the launcher did not say
+/// the job stays on this host, so ranks of other hosts reach the root by another address.
+fn store_beyond_host(config: &Config, root: SocketAddr) -> bool {
+    root.ip().is_loopback()
+        && names_a_host(&config.root_addr)
+        && config.socket_ifname.is_none()
+        && config.local_size != Some(config.size)
+}
+
+/// The unspecified address of `root`'s family, at its port.
+fn every_address(root: SocketAddr) -> SocketAddr {
+    let any: IpAddr = if root.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    SocketAddr::new(any, root.port())
+}
+
+/// For a rank of several whose own settings are invalid (`e`): tells the others, where they
+/// wait for its address, so that they fail at once naming it (see
+/// [`tcp::announce_failure`]). Hosts the store for that if this rank is its host: `server`,
+/// or a new one (not where a [`crate::UniqueId`] of this process made one, which keeps
+/// serving for a later communicator of the id).
+fn announce_failure(config: &Config, server: Option<StoreServer>, e: &CommError) {
+    if config.size <= 1 {
+        return;
+    }
+    let Ok(root) = resolve(&config.root_addr) else {
+        return;
+    };
+    let beyond = store_beyond_host(config, root);
+    let id_store = server.is_none() && crate::unique_id::has_store(&config.root_addr);
+    let opts = MeshOptions {
+        rank: config.rank,
+        size: config.size,
+        store_addr: root,
+        token: config.token.clone().unwrap_or_default().into_bytes(),
+        listen_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        listen_beyond_host: beyond,
+        host_store: config.hosts_store() && !id_store,
+        store_bind: beyond.then(|| every_address(root)),
+        timeout: config.init_timeout,
+        tcp: TcpOptions::default(),
+    };
+    tcp::announce_failure(&opts, server, e.message());
+}
+
 /// Checks that every rank has the same `settings` at init, through the rendezvous store (keys
 /// of this communicator, `comm_id`): each rank publishes its values, rank 0 compares them all
 /// and publishes a verdict that every rank reads (O(p) store traffic). A setting is (name,
@@ -698,33 +810,32 @@ impl Communicator {
                 format!("{size} ranks is above the limit of {MAX_WORLD_SIZE} ranks"),
             )));
         }
-        let choice = match config.transport.as_deref() {
-            None => Choice::Auto,
-            Some(s) if s.trim().eq_ignore_ascii_case("rdma") => {
-                if size > 1 {
-                    // Every rank falls back alike: one warning for the job, not one per rank.
-                    log::log(
-                        if rank == 0 { Level::Warn } else { Level::Info },
-                        Some(rank),
-                        format_args!("CHORUS_TRANSPORT=rdma: {}", rdma_fallback_reason()),
-                    );
-                }
-                Choice::Auto
+        // This rank's own settings. One that is invalid fails init here, and the rank still
+        // says so where the others wait for its address (they fail at once, naming it, rather
+        // than wait out their init timeout).
+        let local = local_settings(&config).and_then(|l| {
+            if size > 1 {
+                // Where the data connections listen (CHORUS_SOCKET_IFNAME).
+                let root = resolve(&config.root_addr)?;
+                chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
+                    .map_err(|e| CommError::from_transport("init", e))?;
             }
-            Some(s) => Choice::parse(s).ok_or_else(|| {
-                fail(CommError::invalid(
-                    "init",
-                    format!("CHORUS_TRANSPORT={s:?}: expected tcp, shm, rdma or auto"),
-                ))
-            })?,
+            Ok(l)
+        });
+        let LocalSettings {
+            choice,
+            filter,
+            algos,
+            env_link,
+            tuning,
+            tcp: tcp_opts,
+        } = match local {
+            Ok(l) => l,
+            Err(e) => {
+                announce_failure(&config, server, &e);
+                return Err(fail(e));
+            }
         };
-        let spec = config.algo.as_deref().unwrap_or("");
-        let parsed = AlgoSpec::parse(spec).map_err(|e| fail(CommError::invalid("init", e)))?;
-        let filter = AlgoFilter::from_spec(&parsed, spec).map_err(fail)?;
-        let algos = parsed.resolve();
-        let env_link = crate::select::link_from_env().map_err(fail)?;
-        let env_link = crate::select::link_from_config(&config, env_link).map_err(fail)?;
-        let tuning = crate::select::tune_from_env().map_err(fail)?;
         // This host runs more ranks than it has cores (the tuner's view of the link, below).
         let mut crowded = false;
         // Distinct hosts and the most ranks on one (the tuning file's key).
@@ -748,10 +859,7 @@ impl Communicator {
             // did not say the job stays on this host: the ranks of other hosts reach the
             // root by another address. The store listens on every address, and the data
             // connections on the interface that reaches the other hosts, if any.
-            let beyond = root.ip().is_loopback()
-                && names_a_host(&config.root_addr)
-                && config.socket_ifname.is_none()
-                && config.local_size != Some(size);
+            let beyond = store_beyond_host(&config, root);
             if beyond && config.hosts_store() {
                 // Without a token, anyone who reaches the host could write to the store.
                 let level = if config.token.is_none() {
@@ -777,21 +885,6 @@ impl Communicator {
                     ),
                 );
             }
-            let mut tcp_opts = TcpOptions::default();
-            let spin_override = env_parse::<u64>("CHORUS_TCP_SPIN_US").map_err(fail)?;
-            if let Some(us) = spin_override {
-                tcp_opts.spin = Duration::from_micros(us);
-            }
-            tcp_opts.socket_buffer = env_parse::<usize>("CHORUS_SOCKET_BUFFER").map_err(fail)?;
-            let quickack = std::env::var("CHORUS_TCP_QUICKACK").unwrap_or_default();
-            if let Some(on) =
-                crate::config::parse_switch("CHORUS_TCP_QUICKACK", &quickack).map_err(fail)?
-            {
-                tcp_opts.quickack = on;
-            }
-            let (congestion, required) = tcp_congestion_from_env().map_err(fail)?;
-            tcp_opts.congestion = congestion;
-            tcp_opts.congestion_required = required;
             let opts = MeshOptions {
                 rank,
                 size,
@@ -800,14 +893,7 @@ impl Communicator {
                 listen_ip,
                 listen_beyond_host: beyond,
                 host_store: config.hosts_store(),
-                store_bind: beyond.then(|| {
-                    let any: IpAddr = if root.is_ipv4() {
-                        Ipv4Addr::UNSPECIFIED.into()
-                    } else {
-                        Ipv6Addr::UNSPECIFIED.into()
-                    };
-                    SocketAddr::new(any, root.port())
-                }),
+                store_bind: beyond.then(|| every_address(root)),
                 timeout: config.init_timeout,
                 tcp: tcp_opts,
             };

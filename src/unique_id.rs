@@ -177,6 +177,14 @@ pub(crate) fn take_store(addr: &str) -> Option<StoreServer> {
         .and_then(|m| m.remove(addr))
 }
 
+/// Whether [`UniqueId::new`] made a store in this process at `addr` that is still here.
+pub(crate) fn has_store(addr: &str) -> bool {
+    MADE.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .is_some_and(|m| m.contains_key(addr))
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }

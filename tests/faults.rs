@@ -307,6 +307,64 @@ fn ranks_with_different_schedule_settings_fail_init_everywhere() {
     }
 }
 
+/// A rank whose own settings are invalid fails init with its error, and says so where the
+/// others wait for its address: they fail at once naming it and the setting, instead of
+/// waiting out their init timeout (20 s here).
+#[test]
+fn a_rank_with_an_invalid_setting_fails_init_everywhere_at_once() {
+    type Tweak = fn(usize, &mut chorus::Config);
+    let cases: [(Tweak, usize, &str); 3] = [
+        (
+            |r, c| {
+                if r == 1 {
+                    c.transport = Some("bogus".into());
+                }
+            },
+            1,
+            "CHORUS_TRANSPORT",
+        ),
+        (
+            |r, c| {
+                if r == 0 {
+                    c.algo = Some("allreduce:no_such_schedule".into());
+                }
+            },
+            0,
+            "no_such_schedule",
+        ),
+        (
+            |r, c| {
+                if r == 2 {
+                    c.socket_ifname = Some("no-such-if0".into());
+                }
+            },
+            2,
+            "no-such-if0",
+        ),
+    ];
+    for (tweak, bad, what) in cases {
+        let out = three_ranks(tweak, |_, c| {
+            let started = std::time::Instant::now();
+            (c.map(|_| ()), started.elapsed())
+        });
+        for (rank, (r, took)) in out.into_iter().enumerate() {
+            let e = r.expect_err("init must fail");
+            let text = e.to_string();
+            assert!(text.contains(what), "rank {rank}: {text}");
+            if rank == bad {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "rank {rank}: {text}");
+            } else {
+                assert!(text.contains(&format!("rank {bad}")), "rank {rank}: {text}");
+                // Not a timing claim: waiting would have taken the 20 s init timeout.
+                assert!(
+                    took < Duration::from_secs(15),
+                    "rank {rank}: {took:?} {text}"
+                );
+            }
+        }
+    }
+}
+
 /// With `check_calls`, calls that differ in a way no message shows (every rank a root, so no
 /// rank receives) fail on every rank, naming each rank's call, and leave the communicator
 /// usable; calls that agree run as usual.

@@ -1284,6 +1284,11 @@ impl StoreClient {
         }
     }
 
+    /// The store's address, as connected to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     /// How long [`set`](Self::set) and [`add`](Self::add) wait for the server's answer
     /// (default 60 s, clamped to 1 ms ..= 1 day); also the slack added to a
     /// [`get`](Self::get)'s own deadline.

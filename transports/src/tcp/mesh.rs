@@ -195,6 +195,77 @@ pub fn connect_with(
     r
 }
 
+/// For a rank that cannot take part (its own configuration is invalid, `why`): joins the
+/// rendezvous only to say so where the others wait for its address, so that they fail at
+/// once naming it instead of waiting out their timeout. Hosts the store if `opts` says so
+/// (and keeps it up a few seconds, for the others to read), publishes the communicator's id
+/// if it is rank 0. Best effort, bounded by `opts.timeout`: what fails here is not reported
+/// (the rank fails with its own error anyway).
+pub fn announce_failure(opts: &MeshOptions, server: Option<StoreServer>, why: &str) {
+    let mut kept = server;
+    let deadline = crate::deadline_after(opts.timeout);
+    let announced = (|| -> Result<()> {
+        let mut store = join_store(opts, &mut kept, deadline)?;
+        if opts.rank == 0 {
+            publish_comm_id(&mut store, opts.size)?;
+        }
+        let text = format!("error: rank {}: {why}", opts.rank);
+        store.set(&format!("net/{}", opts.rank), text.as_bytes())?;
+        store.set(&format!("addr/{}", opts.rank), text.as_bytes())?;
+        Ok(())
+    })();
+    if let Err(e) = announced {
+        crate::note!(
+            "rank {}: could not tell the others why it fails: {e}",
+            opts.rank
+        );
+    }
+    if let Some(server) = kept.take() {
+        linger_store(server, opts.timeout);
+    }
+}
+
+/// Starts the store if this rank hosts it (`server`, unless given) and connects to it.
+fn join_store(
+    opts: &MeshOptions,
+    server: &mut Option<StoreServer>,
+    deadline: Instant,
+) -> Result<StoreClient> {
+    if server.is_none() && opts.host_store {
+        let bind = |at| StoreServer::bind_for_ranks(at, &opts.token, opts.size);
+        *server = Some(match opts.store_bind {
+            // (No fallback to the root's loopback address where this fails: ranks of other
+            // hosts could not reach it, and would wait out their timeout.)
+            Some(wide) => bind(wide)?,
+            None => bind(opts.store_addr)?,
+        });
+    }
+    // The hosted store's own address (its port, when asked for port 0), or the root's where
+    // it listens on every address.
+    let store_addr = server.as_ref().map_or(opts.store_addr, |s| {
+        let at = s.local_addr();
+        if at.ip().is_unspecified() {
+            SocketAddr::new(opts.store_addr.ip(), at.port())
+        } else {
+            at
+        }
+    });
+    let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
+    store.set_deadline(deadline);
+    Ok(store)
+}
+
+/// Rank 0's part: a fresh communicator id and the group's size, for the others to read.
+fn publish_comm_id(store: &mut StoreClient, size: usize) -> Result<u64> {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).map_err(|e| rdv(format!("getrandom: {e}")))?;
+    let id = u64::from_le_bytes(b);
+    let mut v = id.to_le_bytes().to_vec();
+    v.extend((size as u64).to_le_bytes());
+    store.set("comm_id", &v)?;
+    Ok(id)
+}
+
 /// Keep `server` up for a few seconds (at most `timeout`) on a thread of its own, then drop
 /// it: for a rank that hosts the store and failed during init, so that the others still
 /// read the error it left there rather than a connection closed under them.
@@ -224,27 +295,8 @@ fn connect_keeping(
             "rank {rank} of size {size}"
         )));
     }
-    if server.is_none() && opts.host_store {
-        let bind = |at| StoreServer::bind_for_ranks(at, &opts.token, size);
-        *server = Some(match opts.store_bind {
-            // (No fallback to the root's loopback address where this fails: ranks of other
-            // hosts could not reach it, and would wait out their timeout.)
-            Some(wide) => bind(wide)?,
-            None => bind(opts.store_addr)?,
-        });
-    }
-    // The hosted store's own address (its port, when asked for port 0), or the root's where
-    // it listens on every address.
-    let store_addr = server.as_ref().map_or(opts.store_addr, |s| {
-        let at = s.local_addr();
-        if at.ip().is_unspecified() {
-            SocketAddr::new(opts.store_addr.ip(), at.port())
-        } else {
-            at
-        }
-    });
-    let mut store = StoreClient::connect(store_addr, &opts.token, deadline)?;
-    store.set_deadline(deadline);
+    let mut store = join_store(opts, server, deadline)?;
+    let store_addr = store.addr();
 
     // Each rank joins once. A second process given the same rank (a launcher misconfigured,
     // or two jobs sharing one store address) is refused here, saying so, before it publishes
@@ -261,13 +313,7 @@ fn connect_keeping(
     // wait for its address, and every rank fails at once naming it, instead of some forming a
     // smaller group silently and the rest waiting out their timeout.
     let comm_id = if rank == 0 {
-        let mut b = [0u8; 8];
-        getrandom::getrandom(&mut b).map_err(|e| rdv(format!("getrandom: {e}")))?;
-        let id = u64::from_le_bytes(b);
-        let mut v = id.to_le_bytes().to_vec();
-        v.extend((size as u64).to_le_bytes());
-        store.set("comm_id", &v)?;
-        id
+        publish_comm_id(&mut store, size)?
     } else {
         let v = store.get("comm_id", deadline)?;
         let word = |at: usize| -> Result<u64> {

@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use mio::{Events, Interest, Poll, Token};
 
 pub use mesh::{
-    connect, connect_with, host_identity, linger_store, local_group, machine_identity, MeshOptions,
-    Rendezvous,
+    announce_failure, connect, connect_with, host_identity, linger_store, local_group,
+    machine_identity, MeshOptions, Rendezvous,
 };
 
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
