@@ -871,7 +871,22 @@ impl Queue {
     pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Request<Vec<T>> {
         let p = self.size;
         self.submit(move |c| {
-            let mut recv = vec![T::from_f64(0.0); send.len() * p];
+            // Refused rather than a panic (overflow) or the end of the process (no memory).
+            let n = send.len().checked_mul(p).filter(|&n| {
+                n.checked_mul(std::mem::size_of::<T>())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            });
+            let mut recv = Vec::new();
+            if n.is_none_or(|n| recv.try_reserve_exact(n).is_err()) {
+                return Err(CommError::invalid(
+                    "all_gather",
+                    format!(
+                        "cannot allocate the result: {} elements from each of {p} ranks",
+                        send.len()
+                    ),
+                ));
+            }
+            recv.resize(n.unwrap_or(0), T::from_f64(0.0));
             c.all_gather(&send, &mut recv).map(|()| recv)
         })
     }

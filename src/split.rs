@@ -159,9 +159,18 @@ impl Communicator {
         }
         let mut choices = Vec::with_capacity(size);
         for (r, rec) in all.chunks_exact(CHOICE).enumerate() {
-            choices.push(decode_choice(rec).map_err(|m| {
-                CommError::new(ErrorKind::Internal, OP, format!("rank {r}: {m}")).at_rank(rank)
-            })?);
+            match decode_choice(rec) {
+                Ok(c) => choices.push(c),
+                Err(m) => {
+                    // Every rank read the same records and fails alike; the communicator
+                    // is not trusted further (its error says so, and so does it).
+                    let why = format!("rank {r}: {m}");
+                    self.abort(&format!("malformed split record of {why}"));
+                    return Err(CommError::new(ErrorKind::Internal, OP, why)
+                        .at_rank(rank)
+                        .with_usable(false));
+                }
+            }
         }
         let members = group_of(&choices, rank);
         let first = members.first().copied();
