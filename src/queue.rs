@@ -877,7 +877,7 @@ impl Queue {
                     .is_some_and(|b| b <= isize::MAX as usize)
             });
             let mut recv = Vec::new();
-            if n.is_none_or(|n| recv.try_reserve_exact(n).is_err()) {
+            if !n.is_some_and(|n| recv.try_reserve_exact(n).is_ok()) {
                 return Err(CommError::invalid(
                     "all_gather",
                     format!(
