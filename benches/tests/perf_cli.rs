@@ -496,3 +496,39 @@ fn the_memory_check_counts_the_local_ranks() {
     assert_eq!(r.code, Some(2), "{}", r.stderr);
     assert!(r.stderr.contains("4 rank(s)"), "{}", r.stderr);
 }
+
+/// Ranks in a PID namespace whose `/proc` is another namespace's (`unshare --pid` without a
+/// new `/proc`) cannot reach each other's shared-memory segments through `/proc/<pid>/fd`:
+/// they talk over TCP instead of failing init (`auto`).
+#[test]
+fn ranks_under_a_foreign_proc_run_over_tcp() {
+    let unshare = ["--pid", "--fork", "--kill-child"];
+    let can = Command::new("unshare")
+        .args(unshare)
+        .arg("true")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !can {
+        println!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
+        return;
+    }
+    let out = Command::new("timeout")
+        .args(["-k", "5", "90", "unshare"])
+        .args(unshare)
+        .arg(env!("CARGO_BIN_EXE_chorus-perf"))
+        .args("allreduce --ranks 2 -b 8 -e 4K".split_whitespace())
+        .env("CHORUS_TRANSPORT", "auto")
+        .env_remove("CHORUS_PERF_PROGRESS")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-perf under unshare");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    assert!(
+        stdout.contains("Out of bounds values : 0 OK"),
+        "{stdout}\n{stderr}"
+    );
+}

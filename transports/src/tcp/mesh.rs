@@ -109,12 +109,32 @@ pub fn host_identity() -> String {
             return id.trim().to_string();
         }
     }
-    format!(
+    let mut id = format!(
         "{}|{}|{}",
         machine_identity(),
         namespace("net"),
         namespace("pid")
-    )
+    );
+    if let Some(theirs) = proc_pid_elsewhere() {
+        // This process's `/proc` is another PID namespace's (`unshare --pid` without a new
+        // `/proc`): the shared-memory segments, opened through `/proc/<pid>/fd`, cannot be
+        // reached from here, so this rank is a host of its own (TCP to every peer).
+        crate::note!(
+            "/proc here counts processes of another PID namespace (this one is {theirs} \
+             there, {} here): no shared memory with the ranks of this host",
+            std::process::id()
+        );
+        id.push_str(&format!("|alone:{theirs}"));
+    }
+    id
+}
+
+/// This process's id as `/proc` counts it, where that differs from its own (`/proc` is
+/// another PID namespace's); `None` where they agree or `/proc` cannot tell.
+fn proc_pid_elsewhere() -> Option<String> {
+    let seen = std::fs::read_link("/proc/self").ok()?;
+    let seen = seen.to_string_lossy().into_owned();
+    (seen.parse::<u32>().ok()? != std::process::id()).then_some(seen)
 }
 
 /// This machine's network: the boot id and the network namespace, whatever `CHORUS_HOSTID`
