@@ -1709,12 +1709,7 @@ impl Communicator {
             return Err(e);
         }
         if !self.config.check_calls && self.size > 1 {
-            // The call's sequence number goes, as if it had run: ranks that all refused stay
-            // in step, and where only this one did (a root's buffer), the others' messages of
-            // this call are not taken for its next call's (which would return them as that
-            // call's result, one call behind from then on): they fail that call as a
-            // mismatch, which tells every rank.
-            self.next_seq();
+            self.skip_refused_call();
             return Err(e);
         }
         // The comparison's mismatch (the others made their call) is expected. If it fails
@@ -1893,6 +1888,20 @@ impl Communicator {
     /// progresses requests of its own between calls.
     pub(crate) fn transport_mut(&mut self) -> &mut dyn Transport {
         &mut *self.transport
+    }
+
+    /// For a collective this rank refused before it ran (an argument check of a binding, or
+    /// of chorus itself), without `CHORUS_CHECK_CALLS`: the call's sequence number goes, as if
+    /// it had run. Ranks that all refused stay in step; where only this one did (a root's
+    /// buffer), the others' messages of that call are not taken for this rank's next call
+    /// (which would return them as its result, one call behind from then on): that call
+    /// fails as a mismatch instead, and every rank learns of it. Nothing with
+    /// `CHORUS_CHECK_CALLS` (the comparison of calls says it) or for one rank.
+    #[doc(hidden)]
+    pub fn skip_refused_call(&mut self) {
+        if !self.config.check_calls && self.size > 1 && self.broken.is_none() {
+            self.next_seq();
+        }
     }
 
     pub(crate) fn next_seq(&mut self) -> u32 {

@@ -878,6 +878,7 @@ impl Queue {
             });
             let mut recv = Vec::new();
             if !n.is_some_and(|n| recv.try_reserve_exact(n).is_ok()) {
+                c.skip_refused_call();
                 return Err(CommError::invalid(
                     "all_gather",
                     format!(

@@ -850,7 +850,27 @@ unsafe fn issue(
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
         c.queue.check_process()?;
-        let call = make(c)?;
+        let call = match make(c) {
+            Ok(call) => call,
+            Err(f) => {
+                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 {
+                    // Refused here, perhaps on this rank only (a root's buffer): the call's
+                    // sequence number goes as if it had run (see
+                    // `Communicator::skip_refused_call`), in order with the calls before.
+                    let skip: Call = Box::new(|comm| {
+                        comm.skip_refused_call();
+                        Ok(())
+                    });
+                    match request {
+                        None => {
+                            let _ = c.with(|comm| Ok(skip(comm)?));
+                        }
+                        Some(_) => drop(c.queue.submit(skip)),
+                    }
+                }
+                return Err(f);
+            }
+        };
         // The queue's thread starts with the first nonblocking call, here, inside `guard`: it
         // inherits this thread's mask with `SIGPIPE` blocked (see `sigpipe`).
         match request {

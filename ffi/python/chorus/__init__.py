@@ -256,7 +256,10 @@ def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
             f"{what} requires grad; use it under torch.no_grad() or pass .grad / .detach()"
         )
     written = t if writable else None
-    return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t, written)
+    # Held by the buffer (and so by a nonblocking call's request): a view of the memory
+    # itself, which `t.data = ...`, `t.set_(...)` or `module.to(...)` before the call
+    # completes would otherwise free under it (`resize_` of `t` meanwhile stays forbidden).
+    return _Buffer(t.data_ptr(), t.numel(), DTYPES[name], t.element_size(), t.detach(), written)
 
 
 def _mark_all_written(bufs: Iterable[Any]) -> None:

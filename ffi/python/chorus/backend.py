@@ -50,7 +50,9 @@ reductions of floating-point tensors, other tags, the multi-device forms
 """
 
 import functools
+import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -255,6 +257,21 @@ class _TransferWork(dist._Work):
         self._op = op
 
     def wait(self, timeout: Any = None) -> bool:
+        """Wait for the transfers; with a ``timeout`` (a ``timedelta`` or seconds; zero or
+        None: none), raise ``RuntimeError`` once it passes (the transfers go on: wait again)."""
+        limit = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if limit:
+            deadline = time.monotonic() + float(limit)
+            pause = 0.0005
+            while not self._op.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(
+                        f"chorus: the transfer did not complete within {float(limit):g} s "
+                        "(it goes on; wait again for it)"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
         self._op.wait()
         return True
 
@@ -581,6 +598,11 @@ class ProcessGroupChorus(dist.ProcessGroup):
         tls = self._tls
         batch, failed = getattr(tls, "batch", None) or [], getattr(tls, "failed", None)
         tls.batch, tls.failed = None, None
+        if failed is None and sys.exc_info()[1] is not None:
+            # torch ends the batch from a `finally` while an error of its own (a peer outside
+            # the group, say) propagates: the ops queued before it are not started either,
+            # or the peer's next receives would take them.
+            failed = sys.exc_info()[1]
         if failed is not None:
             for op in batch:
                 op.error = failed

@@ -115,7 +115,15 @@ def compressed_allreduce_hook(
             f"not {type(state).__name__}"
         )
     grads = bucket.buffer()
-    state.comm.allreduce(grads, op="avg", compressor=state.compressor(bucket))
+    comp = state.compressor(bucket)
+    if grads.dtype == torch.float16:
+        # A bucket below the spec's min_bytes goes uncompressed, and chorus's "avg" of float16
+        # then sums in float16, which passes 65504 sooner than the average does: divided
+        # first, as the other hooks do (compressed buckets only scale with it).
+        grads.div_(state.comm.size)
+        state.comm.allreduce(grads, op="sum", compressor=comp)
+    else:
+        state.comm.allreduce(grads, op="avg", compressor=comp)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)
     return fut

@@ -8,6 +8,7 @@ Prints ``ok torch_backend rank R``."""
 import functools
 import sys
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -200,6 +201,23 @@ def main():
             for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]):
                 q.wait()
             check("mixed dtypes", b.view(torch.float32), torch.arange(8, dtype=torch.float32) + peer)
+            # wait(timeout) on a receive raises once the time passes, and the transfer goes on:
+            # the lower rank of the pair waits first; the higher one sends only when told
+            late = torch.zeros(4)
+            if me < peer:
+                w = dist.irecv(late, peer)
+                try:
+                    w.wait(timeout=timedelta(seconds=0.2))
+                except RuntimeError as e:
+                    assert "within" in str(e), e
+                else:
+                    raise AssertionError("wait(timeout) returned before anything was sent")
+                dist.send(torch.ones(1), peer)
+                w.wait()
+                check("a receive waited for again", late, torch.full((4,), float(peer)))
+            else:
+                dist.recv(torch.zeros(1), peer)
+                dist.send(torch.full((4,), float(me)), peer)
         # a batch that fails while it is made (a valid 4 MiB exchange, then tag 3) sends
         # nothing, on every rank: the next exchange with the same neighbours reads fresh data
         # (a 4 MiB message left over would arrive where 16 floats are expected)
@@ -369,6 +387,26 @@ def main():
         t = torch.tensor([float(me * 10)])
         dist.broadcast(t, root, group=odd)
         check("odd group broadcast", t, torch.tensor([float(root * 10)]))
+        if p >= 4:
+            # a batch that torch itself fails partway (a peer outside the group) starts none
+            # of its ops: the next exchange reads fresh data
+            other = 4 - me
+            try:
+                dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, torch.full((4,), 50.0 + me), other, group=odd),
+                    dist.P2POp(dist.isend, torch.ones(4), 0, group=odd),
+                ])
+            except (RuntimeError, ValueError):
+                pass
+            else:
+                raise AssertionError("a batch naming a rank outside its group ran")
+            fresh, got = torch.full((4,), 70.0 + me), torch.zeros(4)
+            for q in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, fresh, other, group=odd),
+                dist.P2POp(dist.irecv, got, other, group=odd),
+            ]):
+                q.wait()
+            check("the exchange after a batch torch failed", got, torch.full((4,), 70.0 + other))
     alone = dist.new_group([p - 1])
     if me == p - 1:
         t = torch.tensor([5.0])

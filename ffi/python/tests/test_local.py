@@ -76,6 +76,19 @@ def test_a_tensor_saved_for_backward_then_overwritten_fails_backward(solo):
     assert torch.equal(w.grad, torch.full((3,), 2.0))
 
 
+def test_a_nonblocking_call_holds_the_memory_it_uses(solo):
+    """`t.data = ...` before the call completes would free the memory chorus writes; the
+    request holds that memory itself, not just the tensor object."""
+    t = torch.arange(4.0)
+    ptr = t.data_ptr()
+    req = solo.allreduce(t, async_op=True)
+    t.data = torch.zeros(4)
+    held = [b.obj for b in req._keep if isinstance(b, chorus._Buffer)]
+    assert [h.data_ptr() for h in held] == [ptr]
+    req.wait()
+    assert torch.equal(held[0], torch.arange(4.0))
+
+
 def test_group_of_one_keeps_values(solo):
     assert (solo.rank, solo.size) == (0, 1)
     for dt in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:

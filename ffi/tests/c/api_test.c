@@ -381,9 +381,31 @@ static void collectives(chorus_comm *comm) {
                                mine, CHORUS_INT32, root));
             for (size_t i = 0; i < mine; i++)
                 CHECK(got[i] == me * 100 + (int)i, "scatterv [%zu] = %d", i, got[i]);
+            /* A root without counts is refused. A refusal takes the call's place in the order
+             * of collectives, as a call that ran: every rank makes it (on a duplicate, whose
+             * blocks sent to the refusing root are dropped with it). */
+            chorus_comm *probe = NULL;
+            OK(chorus_comm_dup(comm, &probe));
             if (me == root)
-                EXPECT(chorus_gatherv(comm, blk, mine, all, NULL, NULL, CHORUS_INT32, root),
+                EXPECT(chorus_gatherv(probe, blk, mine, all, NULL, NULL, CHORUS_INT32, root),
                        CHORUS_INVALID_ARGUMENT);
+            else
+                OK(chorus_gatherv(probe, blk, mine, NULL, NULL, NULL, CHORUS_INT32, root));
+            OK(chorus_comm_destroy(probe));
+            /* A root refused while the others' reduce went out does not take their data as its
+             * next reduce's result: that call fails (a mismatch) instead. */
+            OK(chorus_comm_dup(comm, &probe));
+            int32_t one[2] = {1, 1}, res[2] = {0, 0};
+            if (me == root)
+                EXPECT(chorus_reduce(probe, one, NULL, 2, CHORUS_INT32, CHORUS_SUM, root),
+                       CHORUS_INVALID_ARGUMENT);
+            else
+                OK(chorus_reduce(probe, one, NULL, 2, CHORUS_INT32, CHORUS_SUM, root));
+            int st = chorus_reduce(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM, root);
+            if (me == root && p > 1)
+                CHECK(st != CHORUS_OK, "the root took the refused call's data: %d %d", res[0],
+                      res[1]);
+            OK(chorus_comm_destroy(probe));
             OK(chorus_barrier(comm));
             free(all);
             free(gc);
