@@ -841,8 +841,8 @@ impl Communicator {
         // Distinct hosts and the most ranks on one (the tuning file's key).
         let mut layout = (1, 1);
         // A store this process made for a unique id is kept by its first communicator (taken
-        // once the configuration is known to be good: a rank refused above leaves it to the
-        // process's next communicator of the id, and the other ranks can still meet there).
+        // once the configuration is known to be good: a rank refused above told the others
+        // through it, and leaves it serving).
         let server = server.or_else(|| crate::unique_id::take_store(&config.root_addr));
         if let Some(s) = &server {
             // Every rank keeps a connection to it for the communicator's life.

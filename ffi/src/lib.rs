@@ -770,16 +770,6 @@ fn live_requests() -> registry::Locked {
     registry::REQUESTS.lock()
 }
 
-/// Whether `req` is a live request of this process; with `take`, it is no longer one after
-/// this.
-fn is_live(req: *mut chorus_request, take: bool) -> bool {
-    if take {
-        registry::REQUESTS.take(req)
-    } else {
-        registry::REQUESTS.known(req) == registry::Known::Live
-    }
-}
-
 /// The caller's request slot at `request` (NULL and misaligned pointers refused).
 ///
 /// # Safety
@@ -799,9 +789,13 @@ fn take_request(slot: &mut *mut chorus_request) -> Result<Option<Box<chorus_requ
     if req.is_null() {
         return Ok(None);
     }
-    if !is_live(req, true) {
-        let known = registry::REQUESTS.known(req);
-        return Err(not_a_request(req, known));
+    {
+        let mut live = live_requests();
+        let known = live.known(req);
+        if !live.take(req) {
+            drop(live);
+            return Err(not_a_request(req, known));
+        }
     }
     // SAFETY: made by `Box::into_raw` in `issue` and still in the live set, from which it was
     // just removed: no other completion can take it.

@@ -2,9 +2,10 @@
 //! C and not yet taken back, by address: a pointer that is not among them (destroyed or freed
 //! already, or never a handle) is refused instead of being used.
 //!
-//! Each entry records the fork generation ([`chorus_transport::fork_generation`]) it was
-//! made in: in a forked child, the entries copied from its parent are told apart as the
-//! parent's (whose handles the child may not free or complete). The registries are locked
+//! Each entry records the process it was made in (the fork generation,
+//! [`chorus_transport::fork_generation`], and the pid): in a forked child, the entries copied
+//! from its parent are told apart as the parent's (whose handles the child may not free or
+//! complete). The registries are locked
 //! around `fork()` by `pthread_atfork` handlers, so the child's copy is never one that a
 //! parent's thread (which the child does not have) held locked at the fork.
 //!
@@ -26,9 +27,13 @@ pub(crate) static REQUESTS: Handles = Handles::new();
 /// The registries, in the order the fork handlers lock them.
 static ALL: [&Handles; 3] = [&COMMS, &COMPRESSORS, &REQUESTS];
 
-type Entries = BTreeMap<usize, u64>;
+/// The process a handle was made in: the fork generation and the process id (a child made
+/// by a raw `clone`, which runs no fork handlers, still has a pid of its own).
+type Maker = (u64, u32);
 
-/// One kind's registry: address to the fork generation the handle was made in.
+type Entries = BTreeMap<usize, Maker>;
+
+/// One kind's registry: address to the process the handle was made in.
 pub(crate) struct Handles {
     set: Mutex<Entries>,
 }
@@ -47,14 +52,14 @@ pub(crate) enum Known {
 /// A registry, locked: while held, no handle of its kind is added or taken.
 pub(crate) struct Locked {
     entries: MutexGuard<'static, Entries>,
-    generation: u64,
+    me: Maker,
 }
 
 impl Locked {
     /// Where `p` stands.
     pub(crate) fn known<T>(&self, p: *const T) -> Known {
         match self.entries.get(&(p as usize)) {
-            Some(&g) if g == self.generation => Known::Live,
+            Some(&m) if m == self.me => Known::Live,
             Some(_) => Known::Parents,
             None => Known::Unknown,
         }
@@ -62,7 +67,7 @@ impl Locked {
 
     /// Records `p` as handed out by this process.
     pub(crate) fn add<T>(&mut self, p: *const T) {
-        self.entries.insert(p as usize, self.generation);
+        self.entries.insert(p as usize, self.me);
     }
 
     /// Takes `p` back: whether it was a live handle of this process (it is not any more).
@@ -91,11 +96,11 @@ impl Handles {
     pub(crate) fn lock(&'static self) -> Locked {
         install_fork_handlers();
         // The generation first: its first call installs the handler that counts forks.
-        let generation = chorus_transport::fork_generation();
+        let me = (chorus_transport::fork_generation(), std::process::id());
         Locked {
             // Nothing panics while holding it; a poisoned map is still a map.
             entries: self.set.lock().unwrap_or_else(PoisonError::into_inner),
-            generation,
+            me,
         }
     }
 
@@ -121,18 +126,27 @@ thread_local! {
 }
 
 extern "C" fn before_fork() {
-    HELD.with(|held| {
-        let mut held = held.borrow_mut();
-        held.reserve(ALL.len());
-        for h in ALL {
-            held.push(h.set.lock().unwrap_or_else(PoisonError::into_inner));
+    // Never a panic out of here (no unwinding through C): a thread whose thread locals are
+    // gone (a fork from a destructor) or in use (a fork from a signal handler that interrupted
+    // these handlers) forks without locking, as before these handlers existed.
+    let _ = HELD.try_with(|held| {
+        if let Ok(mut held) = held.try_borrow_mut() {
+            if held.try_reserve(ALL.len()).is_ok() {
+                for h in ALL {
+                    held.push(h.set.lock().unwrap_or_else(PoisonError::into_inner));
+                }
+            }
         }
     });
 }
 
 extern "C" fn after_fork() {
     // In the child as in the parent: unlocks (no allocation; the vector keeps its capacity).
-    HELD.with(|held| held.borrow_mut().clear());
+    let _ = HELD.try_with(|held| {
+        if let Ok(mut held) = held.try_borrow_mut() {
+            held.clear();
+        }
+    });
 }
 
 fn install_fork_handlers() {
@@ -171,7 +185,9 @@ mod tests {
         assert_eq!(H.known(p), Known::Unknown);
         // An entry of an earlier generation (a parent's) is known, not live: not taken, but
         // forgotten.
-        H.lock().entries.insert(p as usize, u64::MAX);
+        H.lock()
+            .entries
+            .insert(p as usize, (u64::MAX, std::process::id()));
         assert_eq!(H.known(p), Known::Parents);
         assert!(!H.take(p));
         assert!(H.lock().forget(p));

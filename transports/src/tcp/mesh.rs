@@ -223,9 +223,19 @@ pub fn connect_with(
 /// (the rank fails with its own error anyway).
 pub fn announce_failure(opts: &MeshOptions, server: Option<StoreServer>, why: &str) {
     let mut kept = server;
-    let deadline = crate::deadline_after(opts.timeout);
+    // Not the whole init timeout: this rank knows its error already, and a store that is not
+    // up by then (its host failed too, and has exited) will not be.
+    let deadline = crate::deadline_after(opts.timeout.min(ANNOUNCE_WITHIN));
     let announced = (|| -> Result<()> {
         let mut store = join_store(opts, &mut kept, deadline)?;
+        // Only as the rank's one process: a second process given this rank (or another job
+        // on this store) must not overwrite what the first one published.
+        if store.add(&format!("claim/{}", opts.rank), 1)? != 1 {
+            return Err(rdv(format!(
+                "rank {} has joined this group already",
+                opts.rank
+            )));
+        }
         if opts.rank == 0 {
             publish_comm_id(&mut store, opts.size)?;
         }
@@ -244,6 +254,9 @@ pub fn announce_failure(opts: &MeshOptions, server: Option<StoreServer>, why: &s
         linger_store(server, opts.timeout);
     }
 }
+
+/// How long [`announce_failure`] tries at most.
+const ANNOUNCE_WITHIN: Duration = Duration::from_secs(10);
 
 /// Starts the store if this rank hosts it (`server`, unless given) and connects to it.
 fn join_store(
