@@ -477,6 +477,20 @@ int32_t chorus_comm_size(const chorus_comm *comm, int *size);
 int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
 
 /**
+ * For bindings: this rank refused a collective on `comm` by a check of its own, before
+ * calling chorus (a root's missing buffer, say). The call's place in the order of
+ * collectives is used up, as when chorus refuses one: ranks that all refused stay in step,
+ * and where this rank alone did, the others' messages of that call are not taken for its
+ * next call (which would return them as its result, one call behind from then on); that
+ * call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
+ * group of one. In order with the nonblocking calls issued before; returns at once.
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator.
+ */
+int32_t chorus_comm_refused_call(chorus_comm *comm);
+
+/**
  * Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
  * rank) and make this communicator unusable. It may be called from another thread while a
  * call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call

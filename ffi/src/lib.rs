@@ -493,6 +493,40 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
     })
 }
 
+/// For bindings: this rank refused a collective on `comm` by a check of its own, before
+/// calling chorus (a root's missing buffer, say). The call's place in the order of
+/// collectives is used up, as when chorus refuses one: ranks that all refused stay in step,
+/// and where this rank alone did, the others' messages of that call are not taken for its
+/// next call (which would return them as its result, one call behind from then on); that
+/// call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
+/// group of one. In order with the nonblocking calls issued before; returns at once.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32 {
+    guard("chorus_comm_refused_call", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        let _entered = Entered::new(&c.active);
+        c.queue.check_process()?;
+        if c.size > 1 {
+            skip_refused_call(c);
+        }
+        Ok(())
+    })
+}
+
+/// Uses up a refused call's place on `c` (see `chorus_comm_refused_call`), in order with the
+/// calls issued before it, without waiting for them.
+fn skip_refused_call(c: &chorus_comm) {
+    let skip: Call = Box::new(|comm| {
+        comm.skip_refused_call();
+        Ok(())
+    });
+    drop(c.queue.submit(skip));
+}
+
 /// Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
 /// rank) and make this communicator unusable. It may be called from another thread while a
 /// call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call
@@ -851,16 +885,7 @@ unsafe fn issue(
                     // Refused here, perhaps on this rank only (a root's buffer): the call's
                     // sequence number goes as if it had run (see
                     // `Communicator::skip_refused_call`), in order with the calls before.
-                    let skip: Call = Box::new(|comm| {
-                        comm.skip_refused_call();
-                        Ok(())
-                    });
-                    match request {
-                        None => {
-                            let _ = c.with(|comm| Ok(skip(comm)?));
-                        }
-                        Some(_) => drop(c.queue.submit(skip)),
-                    }
+                    skip_refused_call(c);
                 }
                 return Err(f);
             }

@@ -23,6 +23,7 @@ while Python goes on. For PyTorch DDP see :mod:`chorus.ddp`.
 
 import atexit
 import contextlib
+import functools
 import ctypes
 import operator
 import os
@@ -361,6 +362,36 @@ def _p2p_ops(ops: Any, call: str) -> Tuple[Any, List[Tuple[_Buffer, Any, bool]]]
     return arr, parsed
 
 
+#: Per thread: whether the collective in progress has called into the C library yet.
+_reached = threading.local()
+
+
+def _collective(method: Any) -> Any:
+    """A collective of :class:`Communicator`: refused by a check of this package before it
+    reached the C library (a root's missing ``out``, say), it still uses up its place in the
+    order of collectives, as a refusal inside chorus does (``chorus_comm_refused_call``), so
+    that the others' messages of that call are not taken for this rank's next one."""
+
+    @functools.wraps(method)
+    def checked(self: "Communicator", *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_reached, "value", None)
+        _reached.value = False
+        try:
+            return method(self, *args, **kwargs)
+        except InvalidArgumentError:
+            if not _reached.value:
+                try:
+                    with self._handle.use() as h:
+                        lib.chorus_comm_refused_call(h)
+                except ChorusError:
+                    pass
+            raise
+        finally:
+            _reached.value = outer
+
+    return checked
+
+
 class _Handle:
     """A handle of the C library that :meth:`take` (closing) gives up only while no call uses
     it: ctypes releases the GIL during a call, so another thread may try to close meanwhile,
@@ -449,6 +480,7 @@ class Communicator:
         that are torch tensors) are marked written first (:func:`_mark_written`)."""
         with self._handle.use() as h:
             _mark_all_written(writes)
+            _reached.value = True
             _check(fn(h, *args))
 
     def _issue(
@@ -477,6 +509,7 @@ class Communicator:
                 self._completer_q = _Completer(self)
             return self._completer_q
 
+    @_collective
     def allreduce(
         self,
         x: Any,
@@ -525,11 +558,13 @@ class Communicator:
         args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts)
         return self._issue("allreduce_opts", args, x, (b,), async_op)
 
+    @_collective
     def barrier(self, *, async_op: bool = False) -> Any:
         """Block until every rank has called ``barrier`` (with ``async_op``: a
         :class:`Request` that completes then)."""
         return self._issue("barrier", (), None, (), async_op)
 
+    @_collective
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy ``x`` of rank ``root`` into ``x`` on every rank (same size everywhere).
         Returns ``x``."""
@@ -537,6 +572,7 @@ class Communicator:
         args = (b.ptr, b.count, b.dtype, _int(root, "root"))
         return self._issue("broadcast", args, x, (b,), async_op)
 
+    @_collective
     def reduce(self, x: Any, root: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce everyone's ``x`` into ``x`` of rank ``root`` (in place; ``x`` on the other
         ranks is left unchanged). Returns ``x``."""
@@ -544,6 +580,7 @@ class Communicator:
         args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op), _int(root, "root"))
         return self._issue("reduce", args, x, (b,), async_op)
 
+    @_collective
     def allgather(self, x: Any, out: Any, *, async_op: bool = False) -> Any:
         """Gather every rank's ``x`` into ``out`` (``size`` times as many elements), rank
         ``j``'s at block ``j``. Returns ``out``."""
@@ -555,6 +592,7 @@ class Communicator:
             )
         return self._issue("allgather", (s.ptr, r.ptr, s.count, s.dtype), out, (s, r), async_op)
 
+    @_collective
     def allgatherv(
         self,
         x: Any,
@@ -582,6 +620,7 @@ class Communicator:
         arr = (ctypes.c_size_t * len(c))(*c)
         return self._issue("allgatherv", (s.ptr, r.ptr, arr, d, s.dtype), out, (s, r), async_op)
 
+    @_collective
     def alltoallv(
         self,
         x: Any,
@@ -658,6 +697,7 @@ class Communicator:
             raise InvalidArgumentError(f"{what} holds a negative or huge count")
         return c
 
+    @_collective
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce everyone's ``x`` (``size`` blocks) and leave block ``rank`` of the result in
         ``out``. Returns ``out``."""
@@ -670,6 +710,7 @@ class Communicator:
         args = (s.ptr, r.ptr, r.count, s.dtype, _op_code(op))
         return self._issue("reduce_scatter", args, out, (s, r), async_op)
 
+    @_collective
     def reduce_scatterv(
         self, x: Any, out: Any, counts: Sequence[int], op: str = "sum", *, async_op: bool = False
     ) -> Any:
@@ -690,6 +731,7 @@ class Communicator:
         args = (s.ptr, r.ptr, arr, s.dtype, _op_code(op))
         return self._issue("reduce_scatterv", args, out, (s, r), async_op)
 
+    @_collective
     def alltoall(self, x: Any, out: Any, *, async_op: bool = False) -> Any:
         """Block ``j`` of this rank's ``x`` becomes block ``rank`` of rank ``j``'s ``out``
         (both ``size`` equal blocks). ``out`` may be ``x`` (in place). Returns ``out``."""
@@ -703,6 +745,7 @@ class Communicator:
         args = (s.ptr, r.ptr, s.count // self.size, s.dtype)
         return self._issue("alltoall", args, out, (s, r), async_op)
 
+    @_collective
     def gather(self, x: Any, out: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
         """Gather every rank's ``x`` into ``out`` on rank ``root`` (``size`` blocks; ``out``
         is only needed there). Returns ``out``."""
@@ -721,6 +764,7 @@ class Communicator:
             ptr = r.ptr
         return self._issue("gather", (s.ptr, ptr, s.count, s.dtype, root), out, (s, r), async_op)
 
+    @_collective
     def scatter(self, x: Any, out: Any, root: int = 0, *, async_op: bool = False) -> Any:
         """Block ``j`` of ``x`` on rank ``root`` (``size`` blocks; ``x`` is only needed there,
         pass ``None`` elsewhere) goes to ``out`` of rank ``j``. Returns ``out``."""
@@ -739,6 +783,7 @@ class Communicator:
             ptr = s.ptr
         return self._issue("scatter", (ptr, r.ptr, r.count, r.dtype, root), out, (s, r), async_op)
 
+    @_collective
     def gatherv(
         self,
         x: Any,
@@ -773,6 +818,7 @@ class Communicator:
         args = (s.ptr, s.count, ptr, arr, d, s.dtype, root)
         return self._issue("gatherv", args, out, (s, r), async_op)
 
+    @_collective
     def scatterv(
         self,
         x: Any,
@@ -806,6 +852,7 @@ class Communicator:
         args = (ptr, arr, d, r.ptr, r.count, r.dtype, root)
         return self._issue("scatterv", args, out, (s, r), async_op)
 
+    @_collective
     def scan(
         self, x: Any, out: Any = None, op: str = "sum", *, async_op: bool = False
     ) -> Any:
@@ -814,6 +861,7 @@ class Communicator:
         ``op`` is any but ``"avg"``. Returns ``out`` (or ``x``)."""
         return self._scan("scan", x, out, op, async_op)
 
+    @_collective
     def exscan(
         self, x: Any, out: Any = None, op: str = "sum", *, async_op: bool = False
     ) -> Any:

@@ -106,6 +106,7 @@ _PROTOTYPES = {
     "chorus_comm_size": (c_int32, [c_void_p, ctypes.POINTER(c_int)]),
     "chorus_comm_transfers": (c_int32, [c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "chorus_comm_abort": (c_int32, [c_void_p]),
+    "chorus_comm_refused_call": (c_int32, [c_void_p]),
     "chorus_comm_destroy": (c_int32, [c_void_p]),
     "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),
     "chorus_comm_dup": (c_int32, [c_void_p, _comm_pp]),

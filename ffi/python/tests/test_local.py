@@ -358,6 +358,28 @@ def _on_two_ranks(fn):
     return out
 
 
+def test_a_root_refused_in_python_does_not_take_the_refused_calls_data():
+    """Rank 1, the root, forgets its output (refused by this package before C); rank 0's block
+    goes out. The root's next gather must not return that block as its own result."""
+
+    def run(c):
+        x = np.full(2, 10 * (c.rank + 1), dtype=np.int32)
+        if c.rank == 1:
+            with pytest.raises(chorus.InvalidArgumentError, match="output"):
+                c.gather(x, None, root=1)
+        else:
+            c.gather(x, None, root=1)
+        out = np.zeros(4, dtype=np.int32) if c.rank == 1 else None
+        try:
+            c.gather(x + 1, out, root=1)
+        except chorus.ChorusError as e:
+            return type(e).__name__
+        return out
+
+    got = _on_two_ranks(run)
+    assert isinstance(got[1], str), f"the root's second gather returned {got[1]}"
+
+
 def test_ddp_hook_divides_before_it_sums():
     """float16 gradients of 40000 on two ranks: their sum (80000) overflows float16, their
     average does not; DDP's default hook divides first, and so must ours."""
