@@ -35,6 +35,15 @@ fn launcher() -> Command {
     cmd
 }
 
+/// Reads `pipe` to its end on a thread of its own.
+fn drain(mut pipe: Box<dyn Read + Send>) -> thread::JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        bytes
+    })
+}
+
 /// Runs `chorus-run ARGS`, killing it (and failing the test) if it outlives [`WATCHDOG`].
 fn chorus_run(args: &[&str]) -> Run {
     let mut child = launcher()
@@ -44,13 +53,6 @@ fn chorus_run(args: &[&str]) -> Run {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start chorus-run");
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            bytes
-        })
-    };
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
     let status = wait_watched(&mut child, &format!("{args:?}"));
@@ -255,13 +257,6 @@ fn runs_in_a_pid_namespace_whose_session_leader_is_outside() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start unshare");
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            bytes
-        })
-    };
     let out = drain(Box::new(child.stdout.take().unwrap()));
     let err = drain(Box::new(child.stderr.take().unwrap()));
     let status = wait_watched(&mut child, "in a PID namespace");
