@@ -720,7 +720,10 @@ def communicator(group: Any = None) -> Communicator:
         model.register_comm_hook(chorus.backend.communicator(), chorus.ddp.allreduce_hook)
 
     Its calls and the group's run on one communicator: every rank must make them in the same
-    order, as with the group's own."""
+    order, as with the group's own, and not from two threads at once (the group's calls wait
+    for each other; a call on this communicator while another thread is in one on the group
+    is refused with :class:`~chorus.InvalidUsageError`). A hook whose future's callbacks issue
+    collectives (PowerSGD's pattern) should use a :meth:`~chorus.Communicator.dup` of it."""
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     if not isinstance(group, ProcessGroupChorus):
