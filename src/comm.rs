@@ -126,7 +126,9 @@ enum Timing {
 ///
 /// Collectives must be called by every rank in the same order with matching arguments (count,
 /// dtype, op); a mismatch is detected and reported as [`ErrorKind::Mismatch`] on the ranks that
-/// see it. Errors of the bad-argument kind leave the communicator usable; any error involving a
+/// see it. Errors of the bad-argument kind leave the communicator usable (the refused call
+/// still counts as this rank's: every rank makes the same calls, refused ones included; refused
+/// on some ranks only, the next call fails as a mismatch); any error involving a
 /// peer (lost, timed out, misbehaving) makes it unusable: this rank tells its peers (so they fail
 /// fast, naming the rank at fault) and every later call fails.
 pub struct Communicator {
@@ -1693,7 +1695,8 @@ impl Communicator {
     /// a record saying so: the other ranks, in the comparison of the same call, fail at once
     /// naming this rank instead of waiting out their timeout. This rank returns its own
     /// error, after the comparison (which waits for the others, as every checked call's
-    /// does). Ranks that all refuse compare equal and each returns its own error.
+    /// does). Ranks that all refuse compare equal and each returns its own error. Without
+    /// the check, the refused call's sequence number goes ([`Communicator::skip_refused_call`]).
     pub(crate) fn refusable<R>(
         &mut self,
         call: Call,

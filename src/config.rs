@@ -94,7 +94,7 @@ pub struct Config {
     /// refuses its own arguments (a root's buffer of the wrong size) still takes part in the
     /// comparison, so the others fail at once, naming it, instead of waiting out their
     /// timeout (refusals the C and Python layers make before calling in, such as a NULL
-    /// pointer, stay local).
+    /// pointer, take no part in the comparison: the others wait out their timeout there).
     pub check_calls: bool,
 }
 

@@ -7,7 +7,8 @@ use chorus_transport::TransportError;
 /// The class of an error; the C ABI maps each to a fixed status code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
-    /// A bad argument (wrong buffer length, unknown name). The communicator is still usable.
+    /// A bad argument (wrong buffer length, unknown name). The communicator is still usable;
+    /// a refused collective still counts as this rank's call (see [`crate::Communicator`]).
     InvalidArgument,
     /// A call not allowed in this state (e.g. using an aborted communicator).
     InvalidUsage,

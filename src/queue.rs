@@ -1359,8 +1359,8 @@ struct Slot<T> {
 
 impl<T> Slot<T> {
     /// Give the request its result (on the worker). A request given up whose call failed
-    /// aborts the communicator: nothing else would report it, and this rank may have skipped
-    /// a call its peers make.
+    /// aborts the communicator: nothing else would report it, and the peers' part of that call
+    /// may be left unmatched.
     ///
     /// `answered` is called once the result is as good as handed over: under the request's
     /// lock just before it is stored (a thread that then sees [`Queue::pending`] without the
@@ -1474,8 +1474,8 @@ impl<T> Request<T> {
     /// it has finished; otherwise `None`, and the call goes on, its result dropped. Should it
     /// then fail, the communicator is aborted (the peers told), since nothing else would
     /// report the failure, and this rank's next call fails saying why; this holds even for an
-    /// error that leaves the communicator usable (an argument error, which may have made this
-    /// rank skip a call its peers make). In a forked child it returns `None` at once. Dropping
+    /// error that leaves the communicator usable (an argument error, which may have left the
+    /// peers' part of that call unmatched). In a forked child it returns `None` at once. Dropping
     /// a request instead leaves a failure unreported.
     pub fn detach(self) -> Option<Result<T, CommError>> {
         if self

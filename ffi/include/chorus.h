@@ -54,7 +54,10 @@ enum chorus_status
    * A bad argument: NULL pointer, unknown dtype/op/algorithm, wrong size, overlapping
    * buffers. Nothing was sent, and the communicator is still usable, except where the
    * error says otherwise (with `CHORUS_CHECK_CALLS`, an argument refused on one rank
-   * only once the others wait for it; a freed request's call that failed).
+   * only once the others wait for it; a freed request's call that failed). A refused
+   * collective still takes its place in the order of collectives: every rank makes it,
+   * refused or not (do not retry it); refused on some ranks only, the next call fails as a
+   * mismatch.
    */
   CHORUS_INVALID_ARGUMENT = 1,
   /**
@@ -703,7 +706,8 @@ int32_t chorus_allreduce_opts(chorus_comm *comm,
  * the order they were issued; a blocking call on the communicator first waits for every call
  * issued before it. Every rank must issue the same collectives in the same order, blocking or
  * not. The buffers belong to the call until it completes: do not read or write them before.
- * On failure to issue `*request` is set to NULL and nothing runs.
+ * On failure to issue `*request` is set to NULL and nothing runs (an invalid argument still
+ * uses up the call's place among the collectives, after the calls issued before it).
  *
  * # Safety
  * As `chorus_allreduce_opts`, except that the buffers (not `opts`) must stay valid and

@@ -133,12 +133,24 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
     guard("chorus_allreduce_compressed", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        // SAFETY: NULL or live by the caller's promise.
-        let comp = unsafe { ptr::compressor(comp)? };
-        let dtype = dtype.get()?;
-        let op = op.get()?;
-        let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-        let buf = ptr::RawBuf::new(buf, bytes, "buf")?;
+        let checked = || -> Result<_, Failure> {
+            // SAFETY: NULL or live by the caller's promise.
+            let comp = unsafe { ptr::compressor(comp)? };
+            let dtype = dtype.get()?;
+            let op = op.get()?;
+            let bytes = ptr::byte_len(count, dtype.size(), "count")?;
+            Ok((comp, dtype, op, ptr::RawBuf::new(buf, bytes, "buf")?))
+        };
+        let (comp, dtype, op, buf) = match checked() {
+            Ok(v) => v,
+            Err(f) => {
+                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 {
+                    // Refused here, perhaps on this rank only: the call's place goes.
+                    crate::skip_refused_call(c);
+                }
+                return Err(f);
+            }
+        };
         let mut state = lock(comp)?;
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.

@@ -161,7 +161,7 @@ pub struct chorus_options {
 /// Its nonblocking calls (`chorus_i*`) run on a thread of its own, in the order issued.
 pub struct chorus_comm {
     rank: usize,
-    size: usize,
+    pub(crate) size: usize,
     /// The communicator, with the thread its nonblocking calls run on.
     queue: Queue,
     /// Calls inside an export on this communicator now (`chorus_comm_destroy` refuses while
@@ -518,8 +518,16 @@ pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32
 }
 
 /// Uses up a refused call's place on `c` (see `chorus_comm_refused_call`), in order with the
-/// calls issued before it, without waiting for them.
-fn skip_refused_call(c: &chorus_comm) {
+/// calls issued before it, without waiting for them. Not while another thread is in a call on
+/// it, nor while calls are refused (held transfers): a valid call would have been refused
+/// then, and used up nothing.
+pub(crate) fn skip_refused_call(c: &chorus_comm) {
+    let Some(_turn) = Turn::take(&c.callers) else {
+        return;
+    };
+    if c.queue.calls_allowed("call").is_err() {
+        return;
+    }
     let skip: Call = Box::new(|comm| {
         comm.skip_refused_call();
         Ok(())
@@ -881,7 +889,10 @@ unsafe fn issue(
         let call = match make(c) {
             Ok(call) => call,
             Err(f) => {
-                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 {
+                // (Not a batch of point-to-point transfers: those take no place among the
+                // collectives.)
+                let collective = !name.ends_with("p2p_batch");
+                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 && collective {
                     // Refused here, perhaps on this rank only (a root's buffer): the call's
                     // sequence number goes as if it had run (see
                     // `Communicator::skip_refused_call`), in order with the calls before.
@@ -1275,7 +1286,8 @@ pub unsafe extern "C" fn chorus_allreduce_opts(
 /// the order they were issued; a blocking call on the communicator first waits for every call
 /// issued before it. Every rank must issue the same collectives in the same order, blocking or
 /// not. The buffers belong to the call until it completes: do not read or write them before.
-/// On failure to issue `*request` is set to NULL and nothing runs.
+/// On failure to issue `*request` is set to NULL and nothing runs (an invalid argument still
+/// uses up the call's place among the collectives, after the calls issued before it).
 ///
 /// # Safety
 /// As `chorus_allreduce_opts`, except that the buffers (not `opts`) must stay valid and

@@ -13,7 +13,9 @@ srun), then::
 
 Every collective works in place on numpy arrays and PyTorch CPU tensors (C-contiguous, native
 byte order). Errors raise subclasses of :class:`ChorusError`, one per C status code; argument
-errors (:class:`InvalidArgumentError`) leave the communicator usable, errors involving a peer
+errors (:class:`InvalidArgumentError`) leave the communicator usable (a refused collective
+still counts as this rank's call: every rank makes the same calls, refused ones included; do
+not retry it), errors involving a peer
 (:class:`RemoteError`, :class:`ChorusTimeoutError`, :class:`MismatchError`) make it unusable:
 call :meth:`Communicator.abort` and build a new one. The GIL is released while a collective
 runs. Every collective also takes ``async_op=True``: it is issued and returns a
@@ -31,7 +33,7 @@ import sys
 import threading
 import weakref
 import zlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from . import _lib
 from ._lib import lib
@@ -82,7 +84,8 @@ class ChorusError(Exception):
 
 class InvalidArgumentError(ChorusError, ValueError):
     """A bad argument (wrong dtype, size, device, layout, root...). Nothing was sent; the
-    communicator is still usable. Status 1."""
+    communicator is still usable, and a refused collective still counts as this rank's call.
+    Status 1."""
 
     status = 1
 
@@ -366,30 +369,41 @@ def _p2p_ops(ops: Any, call: str) -> Tuple[Any, List[Tuple[_Buffer, Any, bool]]]
 _reached = threading.local()
 
 
-def _collective(method: Any) -> Any:
-    """A collective of :class:`Communicator`: refused by a check of this package before it
-    reached the C library (a root's missing ``out``, say), it still uses up its place in the
-    order of collectives, as a refusal inside chorus does (``chorus_comm_refused_call``), so
-    that the others' messages of that call are not taken for this rank's next one."""
+def _counting_refusals(comm_of: Callable[[Any], "Communicator"]) -> Callable[[Any], Any]:
+    """A decorator for a collective: refused by a check of this package before it reached the
+    C library (a root's missing ``out``, say), the call still uses up its place in the order
+    of collectives on ``comm_of(self)``, as a refusal inside chorus does
+    (``chorus_comm_refused_call``), so that the others' messages of that call are not taken
+    for this rank's next one. Nested uses count a refusal once."""
 
-    @functools.wraps(method)
-    def checked(self: "Communicator", *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_reached, "value", None)
-        _reached.value = False
-        try:
-            return method(self, *args, **kwargs)
-        except InvalidArgumentError:
-            if not _reached.value:
-                try:
-                    with self._handle.use() as h:
-                        lib.chorus_comm_refused_call(h)
-                except ChorusError:
-                    pass
-            raise
-        finally:
-            _reached.value = outer
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = getattr(_reached, "value", None)
+            _reached.value = False
+            try:
+                return method(self, *args, **kwargs)
+            except InvalidArgumentError:
+                if not _reached.value:
+                    _reached.value = True  # counted: not again by an enclosing use
+                    try:
+                        comm = comm_of(self)
+                        with comm._handle.use() as h:
+                            lib.chorus_comm_refused_call(h)
+                    except ChorusError:
+                        pass
+                raise
+            finally:
+                # What reached C (or was counted) inside counts for the enclosing use too.
+                _reached.value = bool(_reached.value) or bool(outer)
 
-    return checked
+        return checked
+
+    return wrap
+
+
+#: A collective of :class:`Communicator` (see :func:`_counting_refusals`).
+_collective = _counting_refusals(lambda comm: comm)
 
 
 class _Handle:

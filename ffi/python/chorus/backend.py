@@ -64,6 +64,7 @@ from . import (
     Communicator,
     InvalidArgumentError,
     UnsupportedError,
+    _counting_refusals,
     init,
     unique_id,
 )
@@ -309,7 +310,11 @@ def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
     return wrap
 
 
-_collective = _serial("_lock")
+def _collective(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective of the group: run holding its lock, and refused by a check of this module
+    before it reached chorus, still counted as the group's call on this rank (see
+    ``chorus._counting_refusals``)."""
+    return _serial("_lock")(_counting_refusals(lambda group: group.comm)(f))
 
 
 class ProcessGroupChorus(dist.ProcessGroup):
