@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from . import Communicator, Compressor
+from . import Communicator, Compressor, _buffer
 
 __all__ = [
     "allreduce_hook",
@@ -43,6 +43,9 @@ def _divided(state: Communicator, bucket: dist.GradBucket, hook: str) -> torch.T
     if not isinstance(state, Communicator):
         raise TypeError(f"{hook} needs a chorus.Communicator as its state, not {type(state).__name__}")
     grads = bucket.buffer()
+    # Checked before it is changed: a bucket chorus refuses (a sparse or non-CPU one) is
+    # left as it was.
+    _buffer(grads, "the bucket", writable=True)
     # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
     # overflow where the average does not.
     grads.div_(state.size)
