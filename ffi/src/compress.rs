@@ -133,6 +133,8 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
     guard("chorus_allreduce_compressed", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
+        // Counted as a call: `chorus_comm_destroy` refuses meanwhile.
+        let _entered = crate::Entered::new(&c.active);
         let checked = || -> Result<_, Failure> {
             // SAFETY: NULL or live by the caller's promise.
             let comp = unsafe { ptr::compressor(comp)? };

@@ -13,9 +13,9 @@ srun), then::
 
 Every collective works in place on numpy arrays and PyTorch CPU tensors (C-contiguous, native
 byte order). Errors raise subclasses of :class:`ChorusError`, one per C status code; argument
-errors (:class:`InvalidArgumentError`) leave the communicator usable (a refused collective
-still counts as this rank's call: every rank makes the same calls, refused ones included; do
-not retry it), errors involving a peer
+errors (:class:`InvalidArgumentError`) leave the communicator usable (without
+``CHORUS_CHECK_CALLS`` a refused collective still counts as this rank's call: every rank makes
+the same calls, refused ones included; do not retry it), errors involving a peer
 (:class:`RemoteError`, :class:`ChorusTimeoutError`, :class:`MismatchError`) make it unusable:
 call :meth:`Communicator.abort` and build a new one. The GIL is released while a collective
 runs. Every collective also takes ``async_op=True``: it is issued and returns a
@@ -386,12 +386,7 @@ def _counting_refusals(comm_of: Callable[[Any], "Communicator"]) -> Callable[[An
             except InvalidArgumentError:
                 if not _reached.value:
                     _reached.value = True  # counted: not again by an enclosing use
-                    try:
-                        comm = comm_of(self)
-                        with comm._handle.use() as h:
-                            lib.chorus_comm_refused_call(h)
-                    except ChorusError:
-                        pass
+                    comm_of(self)._refused_call()
                 raise
             finally:
                 # What reached C (or was counted) inside counts for the enclosing use too.
@@ -488,6 +483,15 @@ class Communicator:
     def size(self) -> int:
         """The number of ranks."""
         return self._size
+
+    def _refused_call(self) -> None:
+        """A collective this package refused before calling chorus still takes its place
+        (``chorus_comm_refused_call``; see :func:`_counting_refusals`)."""
+        try:
+            with self._handle.use() as h:
+                lib.chorus_comm_refused_call(h)
+        except ChorusError:
+            pass  # closed: the next call says so
 
     def _call(self, fn: Any, *args: Any, writes: Iterable[Any] = ()) -> None:
         """``fn(handle, *args)``, its status checked; the buffers ``writes`` (those of them

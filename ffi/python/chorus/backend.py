@@ -310,6 +310,12 @@ def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
     return wrap
 
 
+# _checked_first: a group call that is several chorus collectives checks every part before
+# the first part goes: a part refused by this module after an earlier part reached chorus
+# would not be counted as a call (see `chorus._counting_refusals`), and this rank's next call
+# would take the peers' part instead.
+
+
 def _collective(f: Callable[..., Any]) -> Callable[..., Any]:
     """A collective of the group: run holding its lock, and refused by a check of this module
     before it reached chorus, still counted as the group's call on this rank (see
@@ -347,10 +353,12 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     @_collective
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        # Each tensor reduced across the ranks by itself.
+        # Each tensor reduced across the ranks by itself; all checked before the first goes
+        # (see `_checked_first`).
         op = _op(opts)
-        for i, t in enumerate(tensors):
-            self.comm.allreduce(_flat(t, f"tensors[{i}]", op), op=op)
+        flats = [_flat(t, f"tensors[{i}]", op) for i, t in enumerate(tensors)]
+        for f in flats:
+            self.comm.allreduce(f, op=op)
         return _done(tensors)
 
     @_collective
@@ -378,9 +386,10 @@ class ProcessGroupChorus(dist.ProcessGroup):
     def allgather_coalesced(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
     ) -> Any:
-        # One list per rank of one output per input.
-        for j, x in enumerate(inputs):
-            self._allgather_list([outs[j] for outs in outputs], x)
+        # One list per rank of one output per input; all checked before the first goes.
+        lists = [self._allgather_check([outs[j] for outs in outputs], x) for j, x in enumerate(inputs)]
+        for checked in lists:
+            self._allgather_run(*checked)
         return _done(outputs)
 
     def _blocks(
@@ -405,8 +414,14 @@ class ProcessGroupChorus(dist.ProcessGroup):
         return views
 
     def _allgather_list(self, out: Sequence[torch.Tensor], x: torch.Tensor) -> None:
-        outs = self._blocks(out, x, "all_gather", "output", same_size=False)
-        src = _bytes(x, "the input")
+        self._allgather_run(*self._allgather_check(out, x))
+
+    def _allgather_check(
+        self, out: Sequence[torch.Tensor], x: torch.Tensor
+    ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        return self._blocks(out, x, "all_gather", "output", same_size=False), _bytes(x, "the input")
+
+    def _allgather_run(self, outs: List[torch.Tensor], src: torch.Tensor) -> None:
         counts = [o.numel() for o in outs]
         flat = torch.empty(sum(counts), dtype=torch.uint8)
         if all(c == src.numel() for c in counts):
@@ -428,6 +443,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
         op = _op(opts)
+        # All checked before the first goes (see `_checked_first`).
+        calls = []
         for out, ins in zip(outputs, inputs):
             if len(ins) != self.comm.size:
                 raise InvalidArgumentError(
@@ -445,7 +462,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
                     f"chorus backend: reduce_scatter: the output has {o.numel()} elements where "
                     f"this rank's input has {counts[self.comm.rank]}"
                 )
-            flat = torch.cat(flats)
+            calls.append((torch.cat(flats), o, counts))
+        for flat, o, counts in calls:
             if all(n == o.numel() for n in counts):
                 self.comm.reduce_scatter(flat, o, op=op)
             else:
@@ -522,10 +540,16 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # gatherv always: only the root knows every size, so tensors of different sizes
         # (rank j's input the size of the root's output j) work as well as equal ones.
         root = _root(opts)
+        # All checked before the first goes (see `_checked_first`).
+        calls = []
         for i, x in enumerate(inputs):
             src = _bytes(x, "the input")
             if self.comm.rank == root:
-                outs = self._blocks(outputs[i], x, "gather", "output", same_size=False)
+                calls.append((src, self._blocks(outputs[i], x, "gather", "output", same_size=False)))
+            else:
+                calls.append((src, None))
+        for src, outs in calls:
+            if outs is not None:
                 counts = [o.numel() for o in outs]
                 flat = torch.empty(sum(counts), dtype=torch.uint8)
                 self.comm.gatherv(src, flat, counts, root=root)
@@ -541,12 +565,17 @@ class ProcessGroupChorus(dist.ProcessGroup):
     ) -> Any:
         # scatterv always, as gather above.
         root = _root(opts)
+        # All checked before the first goes (see `_checked_first`).
+        calls = []
         for i, out in enumerate(outputs):
             dst = _bytes(out, "the output")
             if self.comm.rank == root:
-                ins = self._blocks(inputs[i], out, "scatter", "input", same_size=False)
-                src = torch.cat(ins)
-                self.comm.scatterv(src, [t.numel() for t in ins], dst, root=root)
+                calls.append((dst, self._blocks(inputs[i], out, "scatter", "input", same_size=False)))
+            else:
+                calls.append((dst, None))
+        for dst, ins in calls:
+            if ins is not None:
+                self.comm.scatterv(torch.cat(ins), [t.numel() for t in ins], dst, root=root)
             else:
                 self.comm.scatterv(None, None, dst, root=root)
         return _done(outputs)
@@ -598,12 +627,16 @@ class ProcessGroupChorus(dist.ProcessGroup):
         if getattr(self._tls, "batch", None) is not None:
             raise InvalidArgumentError("chorus backend: a batch of sends and receives is already open")
         self._tls.batch, self._tls.failed = [], None
+        # An exception being handled as the batch opens (the batch made inside an `except`)
+        # is not the batch's: only another one at its end is (see `_end_coalescing`).
+        self._tls.handling = sys.exc_info()[1]
 
     def _end_coalescing(self, reqs: Any = None) -> None:
         tls = self._tls
         batch, failed = getattr(tls, "batch", None) or [], getattr(tls, "failed", None)
         tls.batch, tls.failed = None, None
-        if failed is None and sys.exc_info()[1] is not None:
+        handling, tls.handling = getattr(tls, "handling", None), None
+        if failed is None and sys.exc_info()[1] not in (None, handling):
             # torch ends the batch from a `finally` while an error of its own (a peer outside
             # the group, say) propagates: the ops queued before it are not started either,
             # or the peer's next receives would take them.

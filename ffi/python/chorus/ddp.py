@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from . import Communicator, Compressor, _buffer
+from . import Communicator, Compressor, InvalidArgumentError, _buffer
 
 __all__ = [
     "allreduce_hook",
@@ -38,14 +38,23 @@ __all__ = [
 ]
 
 
+def _checked(comm: Communicator, grads: torch.Tensor) -> None:
+    """Checks ``grads`` before a hook changes it: a bucket chorus refuses (a sparse or non-CPU
+    one) is left as it was, and the refusal counts as the allreduce's call, as chorus's own
+    refusals do."""
+    try:
+        _buffer(grads, "the bucket", writable=True)
+    except InvalidArgumentError:
+        comm._refused_call()
+        raise
+
+
 def _divided(state: Communicator, bucket: dist.GradBucket, hook: str) -> torch.Tensor:
     """``bucket``'s gradients divided by the number of ranks, in place."""
     if not isinstance(state, Communicator):
         raise TypeError(f"{hook} needs a chorus.Communicator as its state, not {type(state).__name__}")
     grads = bucket.buffer()
-    # Checked before it is changed: a bucket chorus refuses (a sparse or non-CPU one) is
-    # left as it was.
-    _buffer(grads, "the bucket", writable=True)
+    _checked(state, grads)
     # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
     # overflow where the average does not.
     grads.div_(state.size)
@@ -120,6 +129,7 @@ def compressed_allreduce_hook(
     grads = bucket.buffer()
     comp = state.compressor(bucket)
     if grads.dtype == torch.float16:
+        _checked(state.comm, grads)
         # A bucket below the spec's min_bytes goes uncompressed, and chorus's "avg" of float16
         # then sums in float16, which passes 65504 sooner than the average does: divided
         # first, as the other hooks do (compressed buckets only scale with it).

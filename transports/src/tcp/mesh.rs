@@ -118,12 +118,16 @@ pub fn host_identity() -> String {
     if let Some(theirs) = proc_pid_elsewhere() {
         // This process's `/proc` is another PID namespace's (`unshare --pid` without a new
         // `/proc`): the shared-memory segments, opened through `/proc/<pid>/fd`, cannot be
-        // reached from here, so this rank is a host of its own (TCP to every peer).
-        crate::note!(
-            "/proc here counts processes of another PID namespace (this one is {theirs} \
+        // reached from here, so this rank is a host of its own (TCP to every peer). Said
+        // once per process.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            crate::note!(
+                "/proc here counts processes of another PID namespace (this one is {theirs} \
              there, {} here): no shared memory with the ranks of this host",
-            std::process::id()
-        );
+                std::process::id()
+            )
+        });
         id.push_str(&format!("|alone:{theirs}"));
     }
     id
