@@ -149,11 +149,14 @@ _ERRORS = {
 }
 
 
-def _check(status: int) -> None:
-    """Raise the exception of a non-zero status with this thread's last error message."""
+def _check(status: int, message: Optional[bytes] = None) -> None:
+    """Raise the exception of a non-zero status with its message: ``message`` (this thread's
+    last error, read right after the call), or this thread's last error now."""
     if status == 0:
         return
-    detail = (lib.chorus_last_error() or b"").decode(errors="replace")
+    if message is None:
+        message = lib.chorus_last_error()
+    detail = (message or b"").decode(errors="replace")
     name = lib.chorus_status_string(status).decode()
     cls = _ERRORS.get(status, ChorusError)
     raise cls(detail or name, status)
@@ -1239,14 +1242,18 @@ class Request:
         if mine:
             # Without the lock, so that test() from another thread does not wait meanwhile.
             status: Optional[int] = None
+            message: Optional[bytes] = None
             try:
                 status = lib.chorus_wait(ctypes.byref(self._h))
+                # At once: a request the garbage collector frees before the message is read
+                # (its __del__ calls the library) would overwrite it.
+                message = lib.chorus_last_error() if status else None
             finally:
                 # Also when an exception (Ctrl-C) arrives as the C call returns: the request
                 # is then complete, its status lost.
                 with self._cv:
                     if self._h.value is None:
-                        self._keep, self._error = None, self._outcome(status)
+                        self._keep, self._error = None, self._outcome(status, message)
                     self._busy = False
                     self._cv.notify_all()
         if self._error is not None:
@@ -1266,25 +1273,28 @@ class Request:
                 return True
             done = ctypes.c_int(0)
             status: Optional[int] = None
+            message: Optional[bytes] = None
             try:
                 status = lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
+                message = lib.chorus_last_error() if status else None  # at once, as in wait
             finally:
                 if self._h.value is None:  # completed (and freed by the library)
-                    self._keep, self._error = None, self._outcome(status)
+                    self._keep, self._error = None, self._outcome(status, message)
             if self._h.value is None:
                 return True
-            _check(status if status is not None else 0)
+            _check(status if status is not None else 0, message)
             return False
 
     is_completed = test
 
     @staticmethod
-    def _outcome(status: Optional[int]) -> Optional["ChorusError"]:
-        """The error of a completed call's status (read in the thread that made the C call),
-        or, if an exception took the status before it was stored, an internal error."""
+    def _outcome(status: Optional[int], message: Optional[bytes] = None) -> Optional["ChorusError"]:
+        """The error of a completed call's status and message (read in the thread that made
+        the C call), or, if an exception took the status before it was stored, an internal
+        error."""
         if status is None:
             return InternalError("the call's status was lost to an exception (e.g. Ctrl-C)")
-        return _error_of(status)
+        return _error_of(status, message)
 
     def get_future(self) -> Any:
         """A ``torch.futures.Future`` completed with :meth:`wait`'s result (or error) when the
@@ -1328,10 +1338,11 @@ class Request:
 _ORPHANED: List[Any] = []
 
 
-def _error_of(status: int) -> Optional["ChorusError"]:
-    """The exception of a status (None for success), read in the thread that made the call."""
+def _error_of(status: int, message: Optional[bytes] = None) -> Optional["ChorusError"]:
+    """The exception of a status (None for success) and its message (read in the thread that
+    made the call, right after it)."""
     try:
-        _check(status)
+        _check(status, message)
     except ChorusError as e:
         return e
     return None
