@@ -182,6 +182,64 @@ fn sparse_all_reduce_equals_the_dense_sum() {
     }
 }
 
+/// Every rank ends with the same bits also where the order of a sum shows in them: NaNs of
+/// different payloads (one per rank) and −0 at shared positions, whether the running sums stay
+/// sparse, go dense on the way, or start dense; the same with some ranks' vectors denser.
+#[test]
+fn every_rank_ends_with_the_same_bits_where_order_shows() {
+    let n = 600;
+    for p in [2usize, 3, 4, 5, 8] {
+        // (density of even ranks, of odd ranks): sparse throughout, one side dense first
+        // (its partner still sparse), dense throughout.
+        let cases: Vec<(SparseAlgo, f64, f64)> = SparseAlgo::ALL
+            .into_iter()
+            .flat_map(|a| [(a, 0.01, 0.01), (a, 0.6, 0.02), (a, 1.0, 1.0)])
+            .collect();
+        let results = run_group(mem::group(p, 1 << 16, 4096), |rank, t| {
+            let mut scratch = Vec::new();
+            cases
+                .iter()
+                .enumerate()
+                .map(|(seq, &(algo, even, odd))| {
+                    let d = if rank % 2 == 0 { even } else { odd };
+                    let m = (d * n as f64).round() as usize;
+                    // Positions 0.. shared by every rank, then this rank's own.
+                    let mut indices: Vec<u64> = (0..6).collect();
+                    indices.extend(pick(
+                        (6..n as u64).collect(),
+                        m,
+                        seq as u64 * 7 + rank as u64,
+                    ));
+                    indices.sort_unstable();
+                    indices.dedup();
+                    let values = indices
+                        .iter()
+                        .map(|&i| match i {
+                            0..=3 => f32::from_bits(0x7fc0_0000 | (rank as u32 + 1)),
+                            4 | 5 => -0.0,
+                            _ => 1.0 + i as f32,
+                        })
+                        .collect();
+                    let x = SparseVec::new(n, indices, values).expect("valid input");
+                    let mut c = ctx(t, &mut scratch, seq as u64);
+                    let r = sparse::sparse_all_reduce(&mut c, &x, algo);
+                    let (r, _) = abort_on_error(t, r)
+                        .unwrap_or_else(|e| panic!("p={p} rank {rank} {algo}: {e}"));
+                    bits(&r)
+                })
+                .collect::<Vec<_>>()
+        });
+        for (k, &(algo, even, odd)) in cases.iter().enumerate() {
+            for (r, rank) in results.iter().enumerate().skip(1) {
+                assert_eq!(
+                    rank[k], results[0][k],
+                    "p={p} {algo} densities {even}/{odd}: rank {r} differs from rank 0: {:x?} vs {:x?}", &rank[k].1[..6], &results[0][k].1[..6]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn empty_tiny_and_huge_vectors() {
     // Lengths 0, 1, 2 (every entry present on some ranks), and 2³³ (u64 indices in the

@@ -100,27 +100,52 @@ fn sent_count(acc: &Acc, n: u64) -> u64 {
 }
 
 /// Merges the partner's segment into `acc` (see the module documentation: dense when the two
-/// lengths pass the byte rule, else the sparse union). Both partners compute the same bits.
-fn merge_in(acc: Acc, mine: u64, other: &SegView<'_>, n: u64) -> Acc {
+/// lengths pass the byte rule, else the sparse union). Both partners compute the same bits:
+/// the lower rank's running sum is the first operand (`other_lower`: the partner is the
+/// lower), and both sides run the same code on the same operands (the sparse union; or, dense,
+/// both sums written out and added by [`sum_in_order`]), so that which NaN survives does not
+/// depend on the side.
+fn merge_in(acc: Acc, mine: u64, other: &SegView<'_>, n: u64, other_lower: bool) -> Acc {
     match acc {
         Acc::Sparse { idx, val } if !prefers_dense(mine.saturating_add(other.count()), n) => {
             // Neither side is dense (a dense operand counts n): the sparse union.
             let (mut oi, mut ov) = (Vec::new(), Vec::new());
             other.append_to(&mut oi, &mut ov, false);
-            let (idx, val) = stream::merge((&idx, &val), (&oi, &ov));
+            let (idx, val) = if other_lower {
+                stream::merge((&oi, &ov), (&idx, &val))
+            } else {
+                stream::merge((&idx, &val), (&oi, &ov))
+            };
             Acc::Sparse { idx, val }
         }
-        Acc::Dense(mut d) => {
-            other.add_to(&mut d, 0);
-            Acc::Dense(d)
-        }
-        sparse => {
-            let mut d = vec![0.0; n as usize];
-            sparse.add_to(&mut d, 0);
-            other.add_to(&mut d, 0);
-            Acc::Dense(d)
+        acc => {
+            // Dense: both sums written out (absent entries +0), then added in one loop.
+            let mine = match acc {
+                Acc::Dense(d) => d,
+                Acc::Sparse { idx, val } => {
+                    // Written as the partner writes them from this rank's segment.
+                    let mut d = vec![0.0; n as usize];
+                    for (&i, &v) in idx.iter().zip(&val) {
+                        d[i as usize] = v;
+                    }
+                    d
+                }
+            };
+            let mut theirs = vec![0.0; n as usize];
+            other.write_to(&mut theirs);
+            Acc::Dense(if other_lower {
+                sum_in_order(&theirs, &mine)
+            } else {
+                sum_in_order(&mine, &theirs)
+            })
         }
     }
+}
+
+/// `lower[i] + higher[i]`, the same code on both partners.
+#[inline(never)]
+fn sum_in_order(lower: &[f32], higher: &[f32]) -> Vec<f32> {
+    lower.iter().zip(higher).map(|(a, b)| a + b).collect()
 }
 
 /// Sends `send` (if any) while receiving a running sum of at most `bound` entries from
@@ -199,7 +224,7 @@ pub(crate) fn run(
         Role::Absorb { partner } => {
             let mine = sent_count(&acc, n);
             acc = exchange_with(ctx, stamp, None, partner, FOLD_STEP, partner_bound, |v| {
-                merge_in(acc, mine, v, n)
+                merge_in(acc, mine, v, n, partner < rank)
             })?;
         }
         Role::Core => {}
@@ -215,7 +240,7 @@ pub(crate) fn run(
         let send = Some((partner, &out[..]));
         let step = 1 + r as u64;
         acc = exchange_with(ctx, stamp, send, partner, step, partner_bound, |v| {
-            merge_in(acc, mine, v, n)
+            merge_in(acc, mine, v, n, partner < rank)
         })?;
         partner_bound = partner_bound.saturating_mul(2).min(n);
     }
