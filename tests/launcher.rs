@@ -35,6 +35,20 @@ fn launcher() -> Command {
     cmd
 }
 
+/// Whether this process may make a PID namespace (`unshare --pid`, root); says SKIPPED if not.
+fn can_unshare_pid() -> bool {
+    let can = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can {
+        eprintln!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
+    }
+    can
+}
+
 /// Reads `pipe` to its end on a thread of its own.
 fn drain(mut pipe: Box<dyn Read + Send>) -> thread::JoinHandle<Vec<u8>> {
     thread::spawn(move || {
@@ -233,14 +247,7 @@ fn a_failing_rank_stops_the_job_with_its_code() {
 fn runs_in_a_pid_namespace_whose_session_leader_is_outside() {
     // As in a container (CI's): the session leader lives in the parent PID namespace, so the
     // kernel reports this process's session as 0. The launcher once panicked on that.
-    let can = Command::new("unshare")
-        .args(["--pid", "--fork", "--kill-child", "true"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !can {
-        eprintln!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
+    if !can_unshare_pid() {
         return;
     }
     // `--kill-child`: killing unshare (the watchdog) kills the launcher in the namespace, and
@@ -563,14 +570,7 @@ fn a_second_stop_signal_kills_the_ranks_at_once() {
 /// are two requests, not one signal that reached it twice (as from one known sender).
 #[test]
 fn signals_of_no_known_sender_are_never_merged() {
-    let can = Command::new("unshare")
-        .args(["--pid", "--fork", "--kill-child", "true"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !can {
-        eprintln!("SKIPPED: `unshare --pid` is not allowed here (needs root)");
+    if !can_unshare_pid() {
         return;
     }
     let marker = "28.7313";
