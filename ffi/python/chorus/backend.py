@@ -462,8 +462,10 @@ class ProcessGroupChorus(dist.ProcessGroup):
                     f"chorus backend: reduce_scatter: the output has {o.numel()} elements where "
                     f"this rank's input has {counts[self.comm.rank]}"
                 )
-            calls.append((torch.cat(flats), o, counts))
-        for flat, o, counts in calls:
+            calls.append((flats, o, counts))
+        for flats, o, counts in calls:
+            # Concatenated here, part by part: a later part may read what an earlier one wrote.
+            flat = torch.cat(flats)
             if all(n == o.numel() for n in counts):
                 self.comm.reduce_scatter(flat, o, op=op)
             else:
