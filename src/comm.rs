@@ -816,22 +816,27 @@ impl Communicator {
         // says so where the others wait for its address (they fail at once, naming it, rather
         // than wait out their init timeout).
         let local = local_settings(&config).and_then(|l| {
-            if size > 1 {
-                // Where the data connections listen (CHORUS_SOCKET_IFNAME).
-                let root = resolve(&config.root_addr)?;
-                chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
-                    .map_err(|e| CommError::from_transport("init", e))?;
+            // With peers: the root's address, and where the data connections listen
+            // (CHORUS_SOCKET_IFNAME).
+            if size == 1 {
+                return Ok((l, None));
             }
-            Ok(l)
+            let root = resolve(&config.root_addr)?;
+            let listen_ip = chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
+                .map_err(|e| CommError::from_transport("init", e))?;
+            Ok((l, Some((root, listen_ip))))
         });
-        let LocalSettings {
-            choice,
-            filter,
-            algos,
-            env_link,
-            tuning,
-            tcp: tcp_opts,
-        } = match local {
+        let (
+            LocalSettings {
+                choice,
+                filter,
+                algos,
+                env_link,
+                tuning,
+                tcp: tcp_opts,
+            },
+            route,
+        ) = match local {
             Ok(l) => l,
             Err(e) => {
                 announce_failure(&config, server, &e);
@@ -850,29 +855,27 @@ impl Communicator {
             // Every rank keeps a connection to it for the communicator's life.
             s.fit_ranks(size);
         }
-        let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = if size == 1 {
-            (Box::new(Lone), None)
-        } else {
-            let root = resolve(&config.root_addr).map_err(fail)?;
-            let listen_ip = chorus_transport::ifaddr::select(config.socket_ifname.as_deref(), root)
-                .map_err(|e| fail(CommError::from_transport("init", e)))?;
-            // The root's name resolves to a loopback address here (Debian maps a host's own
-            // name to 127.0.1.1: torchrun's MASTER_ADDR on the first node) and the launcher
-            // did not say the job stays on this host: the ranks of other hosts reach the
-            // root by another address. The store listens on every address, and the data
-            // connections on the interface that reaches the other hosts, if any.
-            let beyond = store_beyond_host(&config, root);
-            if beyond && config.hosts_store() {
-                // Without a token, anyone who reaches the host could write to the store.
-                let level = if config.token.is_none() {
-                    Level::Warn
-                } else {
-                    Level::Info
-                };
-                log::log(
-                    level,
-                    Some(rank),
-                    format_args!(
+        // (`route` is set exactly when there are peers.)
+        let (transport, rendezvous): (Box<dyn Transport>, Option<Rendezvous>) = match route {
+            None => (Box::new(Lone), None),
+            Some((root, listen_ip)) => {
+                // The root's name resolves to a loopback address here (Debian maps a host's own
+                // name to 127.0.1.1: torchrun's MASTER_ADDR on the first node) and the launcher
+                // did not say the job stays on this host: the ranks of other hosts reach the
+                // root by another address. The store listens on every address, and the data
+                // connections on the interface that reaches the other hosts, if any.
+                let beyond = store_beyond_host(&config, root);
+                if beyond && config.hosts_store() {
+                    // Without a token, anyone who reaches the host could write to the store.
+                    let level = if config.token.is_none() {
+                        Level::Warn
+                    } else {
+                        Level::Info
+                    };
+                    log::log(
+                        level,
+                        Some(rank),
+                        format_args!(
                         "the rendezvous root {} resolves to {} here: its store listens on every \
                          address, for ranks of other hosts (LOCAL_WORLD_SIZE or \
                          CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback){}",
@@ -885,128 +888,130 @@ impl Communicator {
                             ""
                         }
                     ),
-                );
-            }
-            let opts = MeshOptions {
-                rank,
-                size,
-                store_addr: root,
-                token: config.token.clone().unwrap_or_default().into_bytes(),
-                listen_ip,
-                listen_beyond_host: beyond,
-                host_store: config.hosts_store(),
-                store_bind: beyond.then(|| every_address(root)),
-                timeout: config.init_timeout,
-                tcp: tcp_opts,
-            };
-            if config.token.is_none() && rank == 0 {
+                    );
+                }
+                let opts = MeshOptions {
+                    rank,
+                    size,
+                    store_addr: root,
+                    token: config.token.clone().unwrap_or_default().into_bytes(),
+                    listen_ip,
+                    listen_beyond_host: beyond,
+                    host_store: config.hosts_store(),
+                    store_bind: beyond.then(|| every_address(root)),
+                    timeout: config.init_timeout,
+                    tcp: tcp_opts,
+                };
+                if config.token.is_none() && rank == 0 {
+                    log::log(
+                        Level::Info,
+                        Some(rank),
+                        format_args!(
+                            "CHORUS_TOKEN is not set: connections are checked, not authenticated"
+                        ),
+                    );
+                }
+                // Waits spin (yielding the core at every poll) before they sleep in epoll, even
+                // with more ranks than cores: a yielding spinner hands its core to the peer that
+                // must send, and skips a wake-up (8 B allreduce, 4 ranks on 2 cores: ~45 µs spinning
+                // against ~70 µs sleeping, on loopback and across namespaces alike).
+                // One deadline for every step of the rendezvous (the mesh keeps to its own of the
+                // same length, taken as it starts): a store host that stops answering after the
+                // mesh must not stretch init past CHORUS_INIT_TIMEOUT by each step's own timeout.
+                let init_deadline = chorus_transport::deadline_after(config.init_timeout);
+                let (t, mut r) = tcp::connect_with(&opts, server)
+                    .map_err(|e| fail(CommError::from_transport("init", e)))?;
+                r.store.set_deadline(init_deadline);
+                // Should a step below fail on this rank while it hosts the store, the store stays
+                // up a few seconds, so that the others read the error it left there.
+                let mut hosted = Lingering(r.server.take(), config.init_timeout);
+                // Settings every rank must share to pick the same schedules (each rank reads its
+                // own environment): told apart here, naming the setting, rather than as a
+                // mismatch or a timeout at some later call.
+                // (name, what is compared, what a message shows): CHORUS_ALGO by its effect, so
+                // that `Ring` and `ring;` agree.
+                let shown = |v: String| (v.clone(), v);
+                // The shared-memory options are read here, so that a rank with an invalid value
+                // is named to the others (which would otherwise wait for its segments until the
+                // init timeout); ranks whose values differ but are valid are told apart when the
+                // segments are attached.
+                let shm_opts = shm_options();
+                let shm_setting = match &shm_opts {
+                    Ok(_) => ("valid".to_string(), "valid values".to_string()),
+                    Err(e) => ("invalid".to_string(), e.message().to_string()),
+                };
+                let settings = [
+                    (
+                        "CHORUS_ALGO",
+                        (
+                            format!("{filter:?} {algos:?}"),
+                            format!("{:?}", config.algo.as_deref().map(str::trim)),
+                        ),
+                    ),
+                    (
+                        "CHORUS_ALPHA_US (or Config::alpha_us)",
+                        shown(format!("{:?}", env_link.0)),
+                    ),
+                    (
+                        "CHORUS_BETA_GBPS (or Config::beta_gbps)",
+                        shown(format!("{:?}", env_link.1)),
+                    ),
+                    ("CHORUS_TUNE", shown(format!("{tuning}"))),
+                    (
+                        "CHORUS_CHECK_CALLS",
+                        shown(format!("{}", config.check_calls)),
+                    ),
+                    (
+                        "CHORUS_TUNE_FILE (set or not)",
+                        shown(format!("{}", config.tune_file.is_some())),
+                    ),
+                    (
+                        "CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES",
+                        shm_setting,
+                    ),
+                ];
+                agree_on_settings(
+                    &mut r.store,
+                    r.comm_id,
+                    rank,
+                    size,
+                    &settings,
+                    init_deadline,
+                )
+                .map_err(fail)?;
+                // Peers on this host through shared memory, the others through TCP.
+                let shm_opts = shm_opts.map_err(fail)?;
+                let t =
+                    hybrid::connect(t, &mut r.store, &r.hosts, choice, &shm_opts, init_deadline)
+                        .map_err(|e| fail(CommError::from_transport("init", e)))?;
+                // The store outlives init (splits, duplicates): its later requests carry deadlines
+                // of their own.
+                r.store.clear_deadline();
+                r.server = hosted.0.take();
+                let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
+                let mut distinct = r.hosts.clone();
+                distinct.sort();
+                distinct.dedup();
+                let per_host = distinct
+                    .iter()
+                    .map(|d| r.hosts.iter().filter(|h| *h == d).count())
+                    .max()
+                    .unwrap_or(1);
+                layout = (distinct.len(), per_host);
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                crowded = on_my_host > cores;
                 log::log(
                     Level::Info,
                     Some(rank),
                     format_args!(
-                        "CHORUS_TOKEN is not set: connections are checked, not authenticated"
+                        "connected {size} ranks over {}, listening on {}, communicator {:#x}",
+                        t.name(),
+                        r.addrs[rank],
+                        r.comm_id
                     ),
                 );
+                (Box::new(t), Some(r))
             }
-            // Waits spin (yielding the core at every poll) before they sleep in epoll, even
-            // with more ranks than cores: a yielding spinner hands its core to the peer that
-            // must send, and skips a wake-up (8 B allreduce, 4 ranks on 2 cores: ~45 µs spinning
-            // against ~70 µs sleeping, on loopback and across namespaces alike).
-            // One deadline for every step of the rendezvous (the mesh keeps to its own of the
-            // same length, taken as it starts): a store host that stops answering after the
-            // mesh must not stretch init past CHORUS_INIT_TIMEOUT by each step's own timeout.
-            let init_deadline = chorus_transport::deadline_after(config.init_timeout);
-            let (t, mut r) = tcp::connect_with(&opts, server)
-                .map_err(|e| fail(CommError::from_transport("init", e)))?;
-            r.store.set_deadline(init_deadline);
-            // Should a step below fail on this rank while it hosts the store, the store stays
-            // up a few seconds, so that the others read the error it left there.
-            let mut hosted = Lingering(r.server.take(), config.init_timeout);
-            // Settings every rank must share to pick the same schedules (each rank reads its
-            // own environment): told apart here, naming the setting, rather than as a
-            // mismatch or a timeout at some later call.
-            // (name, what is compared, what a message shows): CHORUS_ALGO by its effect, so
-            // that `Ring` and `ring;` agree.
-            let shown = |v: String| (v.clone(), v);
-            // The shared-memory options are read here, so that a rank with an invalid value
-            // is named to the others (which would otherwise wait for its segments until the
-            // init timeout); ranks whose values differ but are valid are told apart when the
-            // segments are attached.
-            let shm_opts = shm_options();
-            let shm_setting = match &shm_opts {
-                Ok(_) => ("valid".to_string(), "valid values".to_string()),
-                Err(e) => ("invalid".to_string(), e.message().to_string()),
-            };
-            let settings = [
-                (
-                    "CHORUS_ALGO",
-                    (
-                        format!("{filter:?} {algos:?}"),
-                        format!("{:?}", config.algo.as_deref().map(str::trim)),
-                    ),
-                ),
-                (
-                    "CHORUS_ALPHA_US (or Config::alpha_us)",
-                    shown(format!("{:?}", env_link.0)),
-                ),
-                (
-                    "CHORUS_BETA_GBPS (or Config::beta_gbps)",
-                    shown(format!("{:?}", env_link.1)),
-                ),
-                ("CHORUS_TUNE", shown(format!("{tuning}"))),
-                (
-                    "CHORUS_CHECK_CALLS",
-                    shown(format!("{}", config.check_calls)),
-                ),
-                (
-                    "CHORUS_TUNE_FILE (set or not)",
-                    shown(format!("{}", config.tune_file.is_some())),
-                ),
-                (
-                    "CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES",
-                    shm_setting,
-                ),
-            ];
-            agree_on_settings(
-                &mut r.store,
-                r.comm_id,
-                rank,
-                size,
-                &settings,
-                init_deadline,
-            )
-            .map_err(fail)?;
-            // Peers on this host through shared memory, the others through TCP.
-            let shm_opts = shm_opts.map_err(fail)?;
-            let t = hybrid::connect(t, &mut r.store, &r.hosts, choice, &shm_opts, init_deadline)
-                .map_err(|e| fail(CommError::from_transport("init", e)))?;
-            // The store outlives init (splits, duplicates): its later requests carry deadlines
-            // of their own.
-            r.store.clear_deadline();
-            r.server = hosted.0.take();
-            let on_my_host = r.hosts.iter().filter(|h| **h == r.hosts[rank]).count();
-            let mut distinct = r.hosts.clone();
-            distinct.sort();
-            distinct.dedup();
-            let per_host = distinct
-                .iter()
-                .map(|d| r.hosts.iter().filter(|h| *h == d).count())
-                .max()
-                .unwrap_or(1);
-            layout = (distinct.len(), per_host);
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            crowded = on_my_host > cores;
-            log::log(
-                Level::Info,
-                Some(rank),
-                format_args!(
-                    "connected {size} ranks over {}, listening on {}, communicator {:#x}",
-                    t.name(),
-                    r.addrs[rank],
-                    r.comm_id
-                ),
-            );
-            (Box::new(t), Some(r))
         };
         let abort_handle = chorus_transport::AbortHandle::new();
         let mut transport = transport;
