@@ -876,6 +876,23 @@ unsafe fn issue(
     request: Option<*mut *mut chorus_request>,
     make: impl FnOnce(&chorus_comm) -> Result<Call, Failure>,
 ) -> i32 {
+    // SAFETY: as the caller promised.
+    unsafe { issue_as(name, comm, request, true, make) }
+}
+
+/// [`issue`], for a collective (`collective`: its refusal takes its place among the
+/// collectives, see `Communicator::skip_refused_call`) or a batch of point-to-point transfers
+/// (which take no such place).
+///
+/// # Safety
+/// As for [`issue`].
+unsafe fn issue_as(
+    name: &'static str,
+    comm: *mut chorus_comm,
+    request: Option<*mut *mut chorus_request>,
+    collective: bool,
+    make: impl FnOnce(&chorus_comm) -> Result<Call, Failure>,
+) -> i32 {
     guard(name, || {
         if let Some(out) = request {
             ptr::check_out(out, "request")?;
@@ -889,9 +906,6 @@ unsafe fn issue(
         let call = match make(c) {
             Ok(call) => call,
             Err(f) => {
-                // (Not a batch of point-to-point transfers: those take no place among the
-                // collectives.)
-                let collective = !name.ends_with("p2p_batch");
                 if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 && collective {
                     // Refused here, perhaps on this rank only (a root's buffer): the call's
                     // sequence number goes as if it had run (see
@@ -2946,7 +2960,7 @@ pub unsafe extern "C" fn chorus_p2p_batch(
 ) -> i32 {
     // SAFETY: as the caller promises.
     unsafe {
-        issue("chorus_p2p_batch", comm, None, |c| {
+        issue_as("chorus_p2p_batch", comm, None, false, |c| {
             p2p_batch_call(c, ops, n)
         })
     }
@@ -2969,7 +2983,7 @@ pub unsafe extern "C" fn chorus_ip2p_batch(
 ) -> i32 {
     // SAFETY: as the caller promises.
     unsafe {
-        issue("chorus_ip2p_batch", comm, Some(request), |c| {
+        issue_as("chorus_ip2p_batch", comm, Some(request), false, |c| {
             p2p_batch_call(c, ops, n)
         })
     }

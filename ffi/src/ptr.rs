@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void, CStr};
 
 use crate::compress::chorus_compressor;
-use crate::registry::{Known, COMMS, COMPRESSORS};
+use crate::registry::{Handles, Known, COMMS, COMPRESSORS};
 use crate::status::Failure;
 use crate::{chorus_comm, chorus_options};
 
@@ -15,16 +15,32 @@ use crate::{chorus_comm, chorus_options};
 /// `p` is NULL or was returned by `chorus_comm_init*` (destroyed or not), and no other thread
 /// destroys it during the call.
 pub(crate) unsafe fn comm<'a>(p: *const chorus_comm) -> Result<&'a chorus_comm, Failure> {
+    // SAFETY: as the caller promised.
+    unsafe { registered(p, &COMMS, "comm", "communicator") }
+}
+
+/// The handle behind `p`, named `what` and of `kind`, if `registry` knows it (this process's,
+/// or a forked parent's copy); NULL and unknown pointers are refused.
+///
+/// # Safety
+/// `p` is NULL or was handed out through `registry` (taken back or not), and no other thread
+/// takes it back during the call.
+unsafe fn registered<'a, T>(
+    p: *const T,
+    registry: &'static Handles,
+    what: &str,
+    kind: &str,
+) -> Result<&'a T, Failure> {
     if p.is_null() {
-        return Err(Failure::invalid("comm is NULL"));
+        return Err(Failure::invalid(format!("{what} is NULL")));
     }
-    if COMMS.known(p) == Known::Unknown {
+    if registry.known(p) == Known::Unknown {
         return Err(Failure::invalid(format!(
-            "comm {p:p} is not a live communicator (destroyed already, or never one)"
+            "{what} {p:p} is not a live {kind} (destroyed already, or never one)"
         )));
     }
-    // SAFETY: a live communicator made by `into_raw` (this process's, or a forked parent's
-    // copy), not destroyed during the call by the caller's promise.
+    // SAFETY: registered, so made by `Box::into_raw` and not taken back (this process's, or
+    // a forked parent's copy), and not taken back during the call by the caller's promise.
     Ok(unsafe { &*p })
 }
 
@@ -59,17 +75,8 @@ pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
 pub(crate) unsafe fn compressor<'a>(
     p: *const chorus_compressor,
 ) -> Result<&'a chorus_compressor, Failure> {
-    if p.is_null() {
-        return Err(Failure::invalid("comp is NULL"));
-    }
-    if COMPRESSORS.known(p) == Known::Unknown {
-        return Err(Failure::invalid(format!(
-            "comp {p:p} is not a live compressor (destroyed already, or never one)"
-        )));
-    }
-    // SAFETY: a live compressor made by `Box::into_raw` in `chorus_compressor_create`, not
-    // destroyed during the call by the caller's promise.
-    Ok(unsafe { &*p })
+    // SAFETY: as the caller promised.
+    unsafe { registered(p, &COMPRESSORS, "comp", "compressor") }
 }
 
 /// Store `value` through the out-parameter `p` named `what`.
