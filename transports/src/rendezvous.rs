@@ -126,7 +126,13 @@ const CONNECT_BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// its connection limit) new connections are still tried: long enough for a flood of idle
 /// connections to pass or a slot to free up, short enough that a listener that closes every
 /// connection (another job's, not a chorus process) fails the rank well before its deadline.
-pub(crate) const CLOSED_RETRY_WINDOW: Duration = Duration::from_secs(10);
+const CLOSED_RETRY_WINDOW: Duration = Duration::from_secs(10);
+
+/// Whether a connection shut down during its handshake is worth trying again: before
+/// `deadline`, and within [`CLOSED_RETRY_WINDOW`] of the `first` such shutdown.
+pub(crate) fn retry_after_shutdown(first: Instant, deadline: Instant) -> bool {
+    Instant::now() < deadline && first.elapsed() < CLOSED_RETRY_WINDOW
+}
 /// Stack of the per-connection threads (they hold a few small buffers and a 64 KiB value).
 const CONN_STACK_SIZE: usize = 256 * 1024;
 
@@ -1251,9 +1257,7 @@ impl StoreClient {
                                 other => other.to_string(),
                             };
                             let first = shut_down.map_or_else(Instant::now, |(_, at)| at);
-                            if remaining(deadline).is_none()
-                                || first.elapsed() >= CLOSED_RETRY_WINDOW
-                            {
+                            if !retry_after_shutdown(first, deadline) {
                                 return Err(closed(&why, attempts));
                             }
                             shut_down = Some((why, first));

@@ -609,12 +609,10 @@ fn dial(
                     // For a while (a flood passes), and not past the deadline.
                     Err((e, true)) => {
                         let first = shut_down.map_or_else(Instant::now, |(_, at)| at);
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero()
-                            || first.elapsed() >= crate::rendezvous::CLOSED_RETRY_WINDOW
-                        {
+                        if !crate::rendezvous::retry_after_shutdown(first, deadline) {
                             return Err(e);
                         }
+                        let left = deadline.saturating_duration_since(Instant::now());
                         shut_down = Some((e, first));
                         drop(s);
                         std::thread::sleep(backoff.min(left));
