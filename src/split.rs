@@ -119,27 +119,45 @@ impl Communicator {
     /// gets an invalid-argument error, the others a mismatch naming it, and no rank waits for
     /// its timeout. All ranks stay usable.
     pub fn split_raw(&mut self, color: i64, key: i64) -> Result<Option<Communicator>, CommError> {
+        if !(-1..=i64::from(u32::MAX)).contains(&color) {
+            return Err(self.refuse_split(&format!(
+                "color {color}: need 0..=4294967295, or -1 for none"
+            )));
+        }
+        let color = u32::try_from(color).ok();
+        let all = self.exchange_choices(encode_choice(color, key))?;
+        self.split_as_chosen(color, &all)
+    }
+
+    /// Takes part in a split (or [`Communicator::dup`], [`Communicator::split_by_host`]: all
+    /// splits) as a rank that refuses its own arguments, `why` (a bad color; in C, also a NULL
+    /// output pointer): this rank gets an invalid-argument error saying why, the others a
+    /// mismatch naming it, and no rank waits for its timeout. All ranks stay usable. For
+    /// bindings, whose checks of their own arguments would otherwise leave the other ranks
+    /// waiting.
+    #[doc(hidden)]
+    pub fn refuse_split(&mut self, why: &str) -> CommError {
+        let mut mine = encode_choice(None, 0);
+        mine[0] = REFUSED;
+        match self.exchange_choices(mine) {
+            Err(e) => e.with_detail(&format!(" (this rank took part to refuse it: {why})")),
+            Ok(_) => CommError::invalid("split", why.to_string()).at_rank(self.rank()),
+        }
+    }
+
+    /// The first exchange of a split: every rank's (color, key) record, this rank's `mine`;
+    /// a mismatch on every rank that did not refuse when a rank did.
+    fn exchange_choices(&mut self, mine: [u8; CHOICE]) -> Result<Vec<u8>, CommError> {
         const OP: &str = "split";
         let (rank, size) = (self.rank(), self.size());
-        let refused = !(-1..=i64::from(u32::MAX)).contains(&color);
-        let raw_color = color;
-        let color = u32::try_from(color).ok();
-        let mut mine = encode_choice(color, key);
-        if refused {
-            mine[0] = REFUSED;
-        }
         let mut all = vec![0u8; CHOICE * size];
         self.run_call(
             Call::new(OP, CollKind::Split, DType::Uint8, ReduceOp::Max),
             &[],
             |ctx| allgather::run(allgather::Algorithm::Ring, ctx, Some(&mine), &mut all),
         )?;
-        if refused {
-            return Err(CommError::invalid(
-                OP,
-                format!("color {raw_color}: need 0..=4294967295, or -1 for none"),
-            )
-            .at_rank(rank));
+        if mine[0] == REFUSED {
+            return Ok(all);
         }
         let refusing: Vec<usize> = all
             .chunks_exact(CHOICE)
@@ -151,12 +169,27 @@ impl Communicator {
             return Err(CommError::new(
                 ErrorKind::Mismatch,
                 OP,
-                format!("rank(s) {refusing:?} passed an invalid color, so no rank splits"),
+                format!(
+                    "rank(s) {refusing:?} refused their own arguments of the split (an invalid \
+                     color, or nowhere to put the new communicator), so no rank splits"
+                ),
             )
             .at_rank(rank)
             .with_peer(culprit)
             .with_usable(true));
         }
+        Ok(all)
+    }
+
+    /// The rest of a split once every rank's choice is known (`all`, checked by
+    /// [`Communicator::exchange_choices`]).
+    fn split_as_chosen(
+        &mut self,
+        color: Option<u32>,
+        all: &[u8],
+    ) -> Result<Option<Communicator>, CommError> {
+        const OP: &str = "split";
+        let (rank, size) = (self.rank(), self.size());
         let mut choices = Vec::with_capacity(size);
         for (r, rec) in all.chunks_exact(CHOICE).enumerate() {
             match decode_choice(rec) {

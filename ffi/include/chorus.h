@@ -542,8 +542,9 @@ int32_t chorus_comm_destroy(chorus_comm *comm);
  * same order, as with any two communicators.
  *
  * On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
- * NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT` on this rank, and fails the split on
- * every other rank too (`CHORUS_MISMATCH`, naming this rank), none waiting for a timeout.
+ * NULL. A color below -1, or a NULL `newcomm`, is `CHORUS_INVALID_ARGUMENT` on this rank,
+ * and fails the split on every other rank too (`CHORUS_MISMATCH`, naming this rank), none
+ * waiting for a timeout; every rank stays usable.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -555,7 +556,7 @@ int32_t chorus_comm_split(chorus_comm *comm, int color, int key, chorus_comm **n
  * (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`): `chorus_comm_split` with the host as
  * color. A host is what shared memory goes by: `CHORUS_HOSTID` when set, else hostname, boot
  * id, network and PID namespaces. Every rank of `comm` must call it. On failure `*newcomm`
- * is set to NULL.
+ * is set to NULL; a NULL `newcomm` fails it on every rank, as in `chorus_comm_split`.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -565,7 +566,8 @@ int32_t chorus_comm_split_host(chorus_comm *comm, chorus_comm **newcomm);
 /**
  * A new communicator of the same ranks in the same order with its own connections
  * (`MPI_Comm_dup`): `chorus_comm_split` with one color and the rank as key. A library can run
- * its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL.
+ * its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL;
+ * a NULL `newcomm` fails it on every rank, as in `chorus_comm_split`.
  *
  * # Safety
  * `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.

@@ -646,8 +646,9 @@ pub const CHORUS_SPLIT_NOCOLOR: c_int = -1;
 /// same order, as with any two communicators.
 ///
 /// On success `*newcomm` is the new communicator (or NULL, see above); on failure it is set to
-/// NULL. A color below -1 is `CHORUS_INVALID_ARGUMENT` on this rank, and fails the split on
-/// every other rank too (`CHORUS_MISMATCH`, naming this rank), none waiting for a timeout.
+/// NULL. A color below -1, or a NULL `newcomm`, is `CHORUS_INVALID_ARGUMENT` on this rank,
+/// and fails the split on every other rank too (`CHORUS_MISMATCH`, naming this rank), none
+/// waiting for a timeout; every rank stays usable.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -659,11 +660,8 @@ pub unsafe extern "C" fn chorus_comm_split(
     newcomm: *mut *mut chorus_comm,
 ) -> i32 {
     guard("chorus_comm_split", || {
-        ptr::check_out(newcomm, "newcomm")?;
-        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
-        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or live, NULL or writable, by the caller's promise.
+        let c = unsafe { split_args(comm, newcomm)? };
         // A color below -1 is refused inside the split's exchange, so that the other ranks
         // fail at once too.
         let child = c.with(|c| Ok(c.split_raw(i64::from(color), i64::from(key))?))?;
@@ -677,7 +675,7 @@ pub unsafe extern "C" fn chorus_comm_split(
 /// (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`): `chorus_comm_split` with the host as
 /// color. A host is what shared memory goes by: `CHORUS_HOSTID` when set, else hostname, boot
 /// id, network and PID namespaces. Every rank of `comm` must call it. On failure `*newcomm`
-/// is set to NULL.
+/// is set to NULL; a NULL `newcomm` fails it on every rank, as in `chorus_comm_split`.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -687,11 +685,8 @@ pub unsafe extern "C" fn chorus_comm_split_host(
     newcomm: *mut *mut chorus_comm,
 ) -> i32 {
     guard("chorus_comm_split_host", || {
-        ptr::check_out(newcomm, "newcomm")?;
-        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
-        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or live, NULL or writable, by the caller's promise.
+        let c = unsafe { split_args(comm, newcomm)? };
         let child = c.with(|c| Ok(c.split_by_host()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
@@ -700,7 +695,8 @@ pub unsafe extern "C" fn chorus_comm_split_host(
 
 /// A new communicator of the same ranks in the same order with its own connections
 /// (`MPI_Comm_dup`): `chorus_comm_split` with one color and the rank as key. A library can run
-/// its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL.
+/// its collectives on a copy apart from its caller's. On failure `*newcomm` is set to NULL;
+/// a NULL `newcomm` fails it on every rank, as in `chorus_comm_split`.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
@@ -710,15 +706,39 @@ pub unsafe extern "C" fn chorus_comm_dup(
     newcomm: *mut *mut chorus_comm,
 ) -> i32 {
     guard("chorus_comm_dup", || {
-        ptr::check_out(newcomm, "newcomm")?;
-        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
-        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
-        // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or live, NULL or writable, by the caller's promise.
+        let c = unsafe { split_args(comm, newcomm)? };
         let child = c.with(|c| Ok(c.dup()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
     })
+}
+
+/// The communicator of a split (`chorus_comm_split`, `_split_host`, `_dup`), with `*newcomm`
+/// set to NULL. A NULL `newcomm` is refused inside the split's exchange
+/// ([`Communicator::refuse_split`]), so that the other ranks fail at once (a mismatch naming
+/// this rank) instead of waiting for it until their timeout.
+///
+/// # Safety
+/// `comm` is NULL or a live communicator; `newcomm` is NULL or valid for writing a pointer.
+unsafe fn split_args<'a>(
+    comm: *mut chorus_comm,
+    newcomm: *mut *mut chorus_comm,
+) -> Result<&'a chorus_comm, Failure> {
+    if !newcomm.is_null() {
+        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
+        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
+    }
+    // SAFETY: NULL or live by the caller's promise.
+    let c = unsafe { ptr::comm(comm)? };
+    if newcomm.is_null() {
+        let why = "newcomm is NULL: nowhere to put the new communicator";
+        let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(why).into()) });
+        return Err(refused
+            .err()
+            .unwrap_or_else(|| Failure::invalid(why.to_string())));
+    }
+    Ok(c)
 }
 
 /// Options after validation.

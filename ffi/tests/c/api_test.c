@@ -1151,7 +1151,21 @@ static chorus_comm *split(chorus_comm *comm) {
     CHECK(out == NULL, "a refused split left *newcomm set");
     CHECK(strstr(chorus_last_error(), "color") != NULL, "message: %s", chorus_last_error());
     OK(chorus_barrier(comm));
-    /* Bad pointers, refused on every rank alike before any exchange. */
+    /* Nowhere to put the result on the last rank only (dup, then split_host): refused there
+     * inside the exchange, so the others fail at once too, naming it. */
+    for (int which = 0; which < 2; which++) {
+        chorus_comm **dest = me == p - 1 ? NULL : &out;
+        out = half;
+        st = which == 0 ? chorus_comm_dup(comm, dest) : chorus_comm_split_host(comm, dest);
+        CHECK(st == want_st, "%s with NULL newcomm on rank %d: %d (%s), want %d: %s",
+              which == 0 ? "dup" : "split_host", p - 1, (int)st, chorus_status_string(st),
+              (int)want_st, chorus_last_error());
+        CHECK(me == p - 1 || out == NULL, "a refused split left *newcomm set");
+        CHECK(strstr(chorus_last_error(), me == p - 1 ? "newcomm is NULL" : "refused") != NULL,
+              "message: %s", chorus_last_error());
+        OK(chorus_barrier(comm));
+    }
+    /* Bad pointers on every rank alike: refused everywhere. */
     EXPECT(chorus_comm_split(comm, 0, 0, NULL), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_comm_split(NULL, 0, 0, &out), CHORUS_INVALID_ARGUMENT);
     EXPECT(chorus_comm_dup(NULL, &out), CHORUS_INVALID_ARGUMENT);
