@@ -218,7 +218,7 @@ pub fn count_wrong<T: Element>(
         if in_place {
             wrong(got, &|i| input(rank, from + i))
         } else {
-            let poison = T::from_f64(-77.0);
+            let poison = data::poison_value::<T>();
             wrong(got, &|_| poison)
         }
     };
@@ -299,7 +299,7 @@ mod tests {
         buf[1] += 1.0; // written over outside its own block
         assert_eq!(count_wrong(rs, true, &buf, 2, ranks, op), 1);
         // Out of place: the first block is the output, the rest keeps the poison.
-        let mut out = vec![-77f32; ranks * b];
+        let mut out = vec![data::poison_value::<f32>(); ranks * b];
         for (i, v) in out.iter_mut().enumerate().take(b) {
             *v = expected(2 * b + i, op, ranks);
         }

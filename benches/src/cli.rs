@@ -26,7 +26,8 @@ USAGE:
     the v-variants run with equal blocks (reduce_scatterv's then run as reduce_scatter).
     Broadcast runs in place only; alltoallv, gather(v), scatter(v) and sendrecv out of
     place only. Scan and exscan take -o (not avg); the collectives that do not reduce run
-    once whatever -o says. Barrier moves no data: one row of size 0, its time the figure.
+    once whatever -o says. Barrier moves no data: one row of size 0, its time the figure,
+    nothing checked (#wrong N/A).
 
 Without --ranks the process is one rank of a job described by the environment (CHORUS_RANK,
 CHORUS_WORLD_SIZE, CHORUS_ADDR, ... or what torchrun, mpirun, srun set); rank 0 prints.
@@ -61,7 +62,8 @@ OPTIONS:
         --json               one JSON object per line per size and placement
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
         --ranks N            start N local ranks of this program on 127.0.0.1 and show rank 0
-    -t, --timeout SECS       timeout of each collective (default: CHORUS_TIMEOUT or 300)
+    -t, --timeout SECS       timeout of each collective, 0.001 to one year (default:
+                             CHORUS_TIMEOUT or 300)
         --gap MS             before every timed call sleep MS milliseconds (a training step's
                              compute between its collectives), then a barrier, and time each
                              call on its own; warm-up calls stay back to back [no gap]
@@ -388,7 +390,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut warmup = 5;
     let mut min_iters = 1;
     let mut budget = None;
-    let mut check = true;
+    let mut check = None;
     let mut datatype = "float".to_string();
     let mut op = "sum".to_string();
     let mut average = None;
@@ -436,7 +438,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             Opt::Warmup => warmup = parse_int("-w", v, 0, MAX_ITERS)?,
             Opt::MinIters => min_iters = parse_int("-m", v, 1, MAX_ITERS)?,
             Opt::Budget => budget = Some(parse_size(v)?),
-            Opt::Check => check = parse_int("-c", v, 0, 1)? == 1,
+            Opt::Check => check = Some(parse_int("-c", v, 0, 1)? == 1),
             Opt::Datatype => datatype = v.to_string(),
             Opt::Op => op = v.to_string(),
             Opt::Average => {
@@ -461,10 +463,15 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             }
             Opt::Ranks => ranks = Some(parse_int("--ranks", v, 1, 4096)? as usize),
             Opt::Timeout => match v.trim().parse::<f64>() {
-                Ok(s) if s > 0.0 && s.is_finite() && s < 1e9 => {
+                // The range CHORUS_TIMEOUT accepts: 1 ms to one year.
+                Ok(s) if (0.001..=365.0 * 24.0 * 3600.0).contains(&s) => {
                     timeout = Some(Duration::from_secs_f64(s))
                 }
-                _ => return usage_err(format!("-t: '{v}' is not a positive number of seconds")),
+                _ => {
+                    return usage_err(format!(
+                        "-t: '{v}' is not a number of seconds from 0.001 (1 ms) to one year"
+                    ))
+                }
             },
             Opt::Gap => match v.trim().parse::<f64>() {
                 Ok(ms) if ms > 0.0 && ms <= 60_000.0 => {
@@ -536,12 +543,19 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         }
     }
     if let Some(total) = host_memory_bytes() {
-        // A send and a receive buffer of -e per rank, times the ranks started here.
+        // A send and a receive buffer of -e per rank, times the ranks started here; the
+        // compressed and sparse modes hold about six (the input, the dense reference, the
+        // result, the timed copy, the error-feedback residual, the codec's work space).
         let local = ranks.unwrap_or(1) as u64;
-        if max_bytes.saturating_mul(2).saturating_mul(local) > total {
+        let (copies, what) = if compress.is_some() || sparse.is_some() {
+            (6, "six buffers (--compress, --topk, --sparse)")
+        } else {
+            (2, "a send and a receive buffer")
+        };
+        if max_bytes.saturating_mul(copies).saturating_mul(local) > total {
             return usage_err(format!(
-                "-e {max_bytes}: a send and a receive buffer of that size for each of {local} \
-                 rank(s) here do not fit in this host's {total} bytes of memory"
+                "-e {max_bytes}: {what} of that size for each of {local} rank(s) here do not \
+                 fit in this host's {total} bytes of memory"
             ));
         }
     }
@@ -586,6 +600,12 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                  the slowest rank's time)"
             ));
         }
+        if compress.is_some() && check.is_some() {
+            return usage_err(
+                "-c does not apply with --compress or --topk: a lossy result is not checked \
+                 but measured (its relative error against the dense sum)",
+            );
+        }
     }
     let placement = match (inplace, peers || compare) {
         (Some(1 | 2), true) => {
@@ -609,7 +629,9 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             min_iters,
             budget,
         },
-        check,
+        // A barrier moves no data: nothing to check (its #wrong is N/A, not a 0 that says
+        // something was).
+        check: check.unwrap_or(true) && collective != Collective::Barrier,
         datatype,
         op,
         average: average.unwrap_or(if peers { Average::Max } else { Average::Mean }),
@@ -863,6 +885,8 @@ mod tests {
         assert!(err("allreduce --ranks 0").contains("--ranks"));
         assert!(err("allreduce -t 0").contains("-t"));
         assert!(err("allreduce -t soon").contains("-t"));
+        assert!(err("allreduce -t 0.000001").contains("-t"));
+        assert!(err("allreduce -t 1e9").contains("-t"));
         assert!(err("allreduce -e 12Q").contains("bad size"));
     }
 

@@ -128,9 +128,17 @@ pub fn fill<T: Element>(buf: &mut [T], rank: usize, op: ReduceOp, ranks: usize) 
 }
 
 /// Overwrite `buf` with a value no correct result is expected to hold everywhere, so that a
-/// collective that does not write its output is caught.
+/// collective that does not write its output is caught: outside the inputs of a max (which
+/// feed the collectives that do not reduce: −100..=100, 0..=200 for unsigned types), so not
+/// one element left unwritten passes.
 pub fn poison<T: Element>(buf: &mut [T]) {
-    buf.fill(T::from_f64(-77.0));
+    buf.fill(poison_value());
+}
+
+/// The value [`poison`] writes: −128, or 255 for the unsigned types.
+pub fn poison_value<T: Element>() -> T {
+    let signed = T::from_f64(-1.0).to_f64() < 0.0;
+    T::from_f64(if signed { -128.0 } else { 255.0 })
 }
 
 /// Wrong elements of an allreduce result over `ranks` ranks of [`fill`]ed inputs, compared
@@ -220,5 +228,31 @@ mod tests {
                 check_catches_errors::<T>();
             });
         }
+    }
+
+    /// The poison is no input of a max (what the collectives that do not reduce move): an
+    /// element a collective left unwritten cannot pass as a value it moved.
+    #[test]
+    fn poison_is_no_input_of_a_max() {
+        fn check<T: Element>() {
+            let mut p = [T::from_f64(0.0)];
+            poison(&mut p);
+            for rank in 0..8 {
+                for i in 0..2000 {
+                    let v: T = reference::test_value(rank, i, ReduceOp::Max, 8);
+                    assert!(v.to_f64() != p[0].to_f64(), "{} {rank} {i}", T::DTYPE);
+                }
+            }
+        }
+        check::<i8>();
+        check::<u8>();
+        check::<i32>();
+        check::<u32>();
+        check::<i64>();
+        check::<u64>();
+        check::<f32>();
+        check::<f64>();
+        check::<half::f16>();
+        check::<half::bf16>();
     }
 }

@@ -1,7 +1,7 @@
 //! `--ranks N`: run N local ranks of this same program and present them as one.
 //!
 //! Each child gets `CHORUS_RANK`, `CHORUS_WORLD_SIZE`, `CHORUS_LOCAL_RANK`,
-//! `CHORUS_ADDR=127.0.0.1:<free port>` and a fresh `CHORUS_TOKEN`, and the command line minus
+//! `CHORUS_LOCAL_SIZE`, `CHORUS_ADDR=127.0.0.1:<free port>` and a fresh `CHORUS_TOKEN`, and the command line minus
 //! `--ranks`. Rank 0's stdout is shown, the others' discarded; every rank's stderr is shown
 //! with a `[r] ` prefix. When one rank fails, the others get a short grace period to report
 //! their own view of the failure, then are killed; the exit status is the failing rank's.
@@ -159,6 +159,9 @@ fn launch_inner(ranks: usize, args: &[String], progress: bool) -> io::Result<i32
             .env("CHORUS_RANK", r.to_string())
             .env("CHORUS_WORLD_SIZE", ranks.to_string())
             .env("CHORUS_LOCAL_RANK", r.to_string())
+            // All on this host; set, since a launcher around this one (chorus-run) leaves
+            // its own count in the environment.
+            .env("CHORUS_LOCAL_SIZE", ranks.to_string())
             .env("CHORUS_ADDR", &addr)
             .env("CHORUS_TOKEN", &token)
             .env_remove(RELAY_ENV)

@@ -140,6 +140,9 @@ fn main() -> ExitCode {
         }
     }
     if let Some(ranks) = opts.ranks {
+        if let Some(e) = no_whole_blocks(&opts, &dtypes, ranks) {
+            return usage_error(&e);
+        }
         let child_args = match cli::without_ranks(&args) {
             Ok(a) => a,
             Err(e) => return usage_error(&e),
@@ -150,6 +153,27 @@ fn main() -> ExitCode {
     }
 
     run_rank(&opts, dtypes, ops, &algorithms)
+}
+
+/// The refusal of a sweep of a collective that splits its buffer into `ranks` blocks whose
+/// every size rounds down to no block at all (`allgather --ranks 8 -b 4 -e 16`): it would
+/// measure only an empty row. A sweep that asks for size 0 alone is measured as asked.
+fn no_whole_blocks(opts: &Options, dtypes: &[chorus::DType], ranks: usize) -> Option<UsageError> {
+    let c = opts.collective;
+    let empty = |d: &chorus::DType| {
+        let points = opts.grid.points(d.size() as u64);
+        points.iter().any(|p| p.count > 0)
+            && points
+                .iter()
+                .all(|p| calls::round_count(c, p.count, ranks) == 0)
+    };
+    (calls::blocked(c) && dtypes.iter().all(empty)).then(|| {
+        UsageError(format!(
+            "{c} splits its buffer into {ranks} blocks, and no size from -b to -e holds {ranks} \
+             whole elements of -d {} (raise -e)",
+            opts.datatype
+        ))
+    })
 }
 
 /// Be one rank of the job the environment describes.
@@ -171,6 +195,9 @@ fn run_rank(
     };
     if let Some(t) = opts.timeout {
         config.timeout = t;
+    }
+    if let Some(e) = no_whole_blocks(opts, &dtypes, config.size) {
+        return usage_error(&e);
     }
     // What the header, rows and JSON call each entry.
     let variants: Vec<runner::Variant> = algorithms

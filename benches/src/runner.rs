@@ -220,9 +220,21 @@ impl<'a> Runner<'a> {
             }
             Output::Peers => {
                 let types: Vec<&str> = self.dtypes.iter().map(|d| d.name()).collect();
-                let ops: Vec<&str> = self.ops.iter().map(|o| o.name()).collect();
+                // As the rows say: "none" for a collective that does not reduce.
+                let ops: Vec<&str> = if self.opts.collective.reduces() {
+                    self.ops.iter().map(|o| o.name()).collect()
+                } else {
+                    vec!["none"]
+                };
+                // The rows are out of place, or in place for a collective that has no other
+                // placement (broadcast).
+                let placement = if self.placement.out_of_place {
+                    "out-of-place"
+                } else {
+                    "in-place"
+                };
                 self.print(&format!(
-                    "# chorus-perf: nranks={}  out-of-place {} {}  chorus {} transport={} \
+                    "# chorus-perf: nranks={}  {placement} {} {}  chorus {} transport={} \
                      algorithm={} time={}",
                     self.ranks,
                     types.join(","),

@@ -100,6 +100,19 @@ fn usage_errors_exit_2() {
     let r = perf("allreduce --ranks 2 -d double -b 1 -e 4");
     assert_eq!(r.code, Some(2), "{}", r.stderr);
     assert!(r.stderr.contains("whole element"), "{}", r.stderr);
+    // Nothing but an empty row: every size of a blocked collective below p elements, refused
+    // before the ranks start, and by each rank of a job the environment describes.
+    let r = perf("allgather --ranks 8 -d int32 -b 4 -e 16");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("8 blocks"), "{}", r.stderr);
+    let job = [
+        ("CHORUS_RANK", "0"),
+        ("CHORUS_WORLD_SIZE", "8"),
+        ("CHORUS_ADDR", "127.0.0.1:1"),
+    ];
+    let r = perf_env("allgather -d int32 -b 4 -e 16", &job);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("8 blocks"), "{}", r.stderr);
 }
 
 #[test]
@@ -262,7 +275,8 @@ fn barrier_runs_once_with_its_time() {
     for field in [
         "{\"collective\":\"barrier\",\"size\":0,\"count\":0,",
         "\"op\":\"none\",\"root\":-1,\"inplace\":false,\"ranks\":3,",
-        "\"algbw\":0.000000,\"busbw\":0.000000,\"wrong\":0}",
+        // Nothing to check: no count of wrong values.
+        "\"algbw\":0.000000,\"busbw\":0.000000,\"wrong\":null}",
     ] {
         assert!(l.contains(field), "{field} in {l}");
     }
@@ -334,6 +348,28 @@ fn compressed_topk_and_sparse_modes() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("\"wire_bytes_per_rank\""), "{}", r.stdout);
     assert!(r.stdout.contains("\"result_density\""), "{}", r.stdout);
+    // The fields of every collective's JSON first (a lossy result: no count of wrong ones).
+    let common = "{\"collective\":\"allreduce\",\"size\":65536,\"count\":16384,\
+                  \"type\":\"float32\",\"op\":\"sum\",\"root\":-1,\"inplace\":true,\
+                  \"ranks\":2,\"algorithm\":\"auto\",\"transport\":";
+    assert!(r.stdout.starts_with(common), "{}", r.stdout);
+    assert!(r.stdout.contains(",\"iters\":2,"), "{}", r.stdout);
+    assert!(r.stdout.contains(",\"wrong\":null,"), "{}", r.stdout);
+    let r = perf("allreduce --ranks 2 --sparse 0.01 -b 64K -e 64K -n 2 -w 1 --json");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains(",\"inplace\":false,"), "{}", r.stdout);
+    assert!(r.stdout.contains(",\"wrong\":0,"), "{}", r.stdout);
+    // -c 0 leaves the sparse result unchecked; -c does not apply to a lossy one.
+    let r = perf("allreduce --ranks 2 --sparse 0.01 -b 4K -e 4K -n 2 -w 1 -c 0");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("Out of bounds values : N/A"),
+        "{}",
+        r.stdout
+    );
+    let r = perf("allreduce --ranks 2 --compress int8 -c 1");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("-c does not apply"), "{}", r.stderr);
 
     let r = perf("allreduce --ranks 3 --sparse 0.01 -b 4K -e 64K -f 4 -n 2 -w 1");
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
@@ -471,6 +507,21 @@ fn garbled_chorus_variables_are_refused() {
     );
 }
 
+/// `--ranks` under a launcher that left its own rank variables (chorus-run's two ranks): the
+/// ranks started here replace them, the local count included.
+#[test]
+fn ranks_replace_an_outer_launchers_variables() {
+    let outer = [
+        ("CHORUS_RANK", "1"),
+        ("CHORUS_WORLD_SIZE", "2"),
+        ("CHORUS_LOCAL_RANK", "1"),
+        ("CHORUS_LOCAL_SIZE", "2"),
+    ];
+    let r = perf_env("allreduce --ranks 4 -b 8 -e 64 -n 1 -w 0", &outer);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert_eq!(rows(&r.stdout).len(), 4, "{}", r.stdout);
+}
+
 #[test]
 fn peers_rows_of_broadcast_are_its_in_place_ones() {
     // Broadcast runs in place only: --format peers prints those rows rather than none.
@@ -478,6 +529,7 @@ fn peers_rows_of_broadcast_are_its_in_place_ones() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
     let sizes: Vec<&str> = rows(&r.stdout).iter().map(|r| r[0]).collect();
     assert_eq!(sizes, ["8", "64"], "{}", r.stdout);
+    assert!(r.stdout.contains("  in-place float none "), "{}", r.stdout);
 }
 
 #[test]
