@@ -16,7 +16,7 @@
 //! | key | values | default |
 //! |---|---|---|
 //! | `ef` | `on`/`off` (`1`/`0`, `true`/`false`) | on for `sign` and `topk`, off otherwise |
-//! | `min_bytes` | tensors smaller than this many bytes go uncompressed | 16384 |
+//! | `min_bytes` | tensors smaller than this many bytes (in their own dtype) go uncompressed | 16384 |
 //! | `chunk` | elements per scale (quantized codecs) | 1024 |
 //! | `clip` | `on`/`off`: ternary clips at 2.5σ | off |
 //! | `schedule` | `scatter_gather` (`sg`) or `integer_ring` (`ring`) | the codec's |
@@ -75,7 +75,8 @@ pub struct CompressorSpec {
     pub schedule: Option<Schedule>,
     /// Algorithm of a top-k allreduce.
     pub sparse_algo: SparseAlgo,
-    /// Seed of the random streams (rank `r` draws stream `r`).
+    /// Seed of the random streams (each rank and compressor draws a stream of its own:
+    /// rank `r`'s `k`-th compressor of the process, stream `r ^ (k << 32)`).
     pub seed: u64,
 }
 
@@ -232,7 +233,7 @@ pub struct CompressionReport {
     pub bytes_sent: u64,
     /// Bytes this rank received.
     pub bytes_received: u64,
-    /// Bytes of the tensor as f32.
+    /// Bytes of the tensor as f32 (twice its own for a 16-bit one, compressed or not).
     pub dense_bytes: u64,
     /// Top-k: values each rank contributed (k).
     pub k: Option<usize>,
@@ -258,7 +259,10 @@ pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,
     topk: TopkState,
-    rng: Option<Rng>,
+    /// The random stream, with the stream number it was made for (a compressor used on a
+    /// communicator where this process has another rank starts that rank's stream, so two
+    /// processes never draw the same one there).
+    rng: Option<(u64, Rng)>,
     /// Which compressor of this process it is (0 for the first): its random stream.
     instance: u64,
     staging: Vec<f32>,
@@ -316,13 +320,15 @@ impl Compressor {
     }
 
     /// The sum of the absolute residuals (what error feedback still owes), for diagnostics.
+    /// (Both residuals of a quantizer: this rank's sends, and under scatter-gather the
+    /// re-quantization of the slice it owns.)
     pub fn residual_norm1(&self) -> f64 {
-        let r = if self.spec.is_topk() {
-            &self.topk.residual
+        let norm = |r: &[f32]| r.iter().map(|v| v.abs() as f64).sum::<f64>();
+        if self.spec.is_topk() {
+            norm(&self.topk.residual)
         } else {
-            &self.residual.local
-        };
-        r.iter().map(|v| v.abs() as f64).sum()
+            norm(&self.residual.local) + norm(&self.residual.owner)
+        }
     }
 
     /// A number per method for the tag, so ranks using different methods are told so.
@@ -345,7 +351,13 @@ const OP_COMPRESSED: &str = "all_reduce_compressed";
 /// The report of a tensor below `min_bytes`, sent by the plain allreduce: a ring-like
 /// allreduce sends and receives about 2(p−1)/p of its `dense_bytes`.
 fn plain_report(dense_bytes: u64, p: u64) -> CompressionReport {
-    let moved = dense_bytes * 2 * p.saturating_sub(1) / p.max(1);
+    plain_report_of(dense_bytes, dense_bytes, p)
+}
+
+/// [`plain_report`] of a tensor of `tensor_bytes` in its own dtype (half of `dense_bytes` for
+/// a 16-bit one, which the plain allreduce sends as it is).
+fn plain_report_of(dense_bytes: u64, tensor_bytes: u64, p: u64) -> CompressionReport {
+    let moved = tensor_bytes * 2 * p.saturating_sub(1) / p.max(1);
     CompressionReport {
         compressed: false,
         bytes_sent: moved,
@@ -440,7 +452,9 @@ impl Communicator {
                 // buckets of a size would draw the same dither, element for element. (The
                 // stream is the rank and the compressor's number, side by side.)
                 let stream = rank ^ (comp.instance << 32);
-                let rng = comp.rng.get_or_insert_with(|| Rng::new(spec.seed, stream));
+                let kept = comp.rng.take().filter(|(s, _)| *s == stream);
+                let fresh = || (stream, Rng::new(spec.seed, stream));
+                let rng = &mut comp.rng.insert(kept.unwrap_or_else(fresh)).1;
                 let residual = spec.error_feedback.then_some(&mut comp.residual);
                 let mut wire = compress::WireStats::default();
                 self.run_tagged(OP, tag, None, |ctx| {
@@ -514,12 +528,13 @@ impl Communicator {
                 .at_rank(c.rank()));
             }
             let n = buf.len() / elem;
-            if dtype != DType::Float32 && 4 * n < comp.spec.min_bytes {
-                // Below min_bytes: the plain allreduce, in the caller's dtype, whose tag
-                // carries it, so ranks passing float16 and float32 tensors of one length
-                // fail here too instead of returning results rounded differently.
+            if dtype != DType::Float32 && buf.len() < comp.spec.min_bytes {
+                // Below min_bytes (the tensor's own bytes): the plain allreduce, in the
+                // caller's dtype, whose tag carries it, so ranks passing float16 and float32
+                // tensors of one length fail here too instead of returning results rounded
+                // differently.
                 c.all_reduce_raw(None, buf, dtype, op, &AllReduceOptions::default())?;
-                comp.last = plain_report(buf.len() as u64, c.size() as u64);
+                comp.last = plain_report_of(4 * n as u64, buf.len() as u64, c.size() as u64);
                 return Ok(comp.last);
             }
             if dtype == DType::Float32 {

@@ -46,7 +46,7 @@ pub mod sparse {
 }
 pub use config::Config;
 pub use error::{CommError, ErrorKind};
-pub use queue::{Queue, RecvBuffer, Request, SendBuffer};
+pub use queue::{Queue, RecvBuffer, Request, RequestWaiter, SendBuffer};
 pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
 
 /// The library version.

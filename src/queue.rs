@@ -1426,6 +1426,53 @@ impl<T> Slot<T> {
     }
 }
 
+/// Waits for a request's call to finish without holding the request ([`Request::waiter`]).
+pub struct RequestWaiter<T> {
+    slot: Arc<Slot<T>>,
+    driver: Option<std::sync::Weak<Shared>>,
+}
+
+impl<T> RequestWaiter<T> {
+    /// As [`Request::wait_done`].
+    pub fn wait_done(&self, limit: Duration) -> bool {
+        wait_done_on(&self.slot, self.driver.as_ref(), limit)
+    }
+}
+
+/// [`Request::wait_done`] of the request whose slot is `slot` (and, for a transfer, whose
+/// queue is `driver`).
+fn wait_done_on<T>(
+    slot: &Slot<T>,
+    driver: Option<&std::sync::Weak<Shared>>,
+    limit: Duration,
+) -> bool {
+    if slot.process.check("queued call", slot.rank).is_err() {
+        return true;
+    }
+    let end = chorus_transport::deadline_after(limit);
+    if lock(&slot.value).is_some() || slot.unwaitable().is_err() {
+        return true;
+    }
+    if let Some(shared) = driver.and_then(std::sync::Weak::upgrade) {
+        drive_until(&shared, slot, Some(end));
+    }
+    let mut value = lock(&slot.value);
+    loop {
+        if value.is_some() || slot.unwaitable().is_err() {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= end {
+            return false;
+        }
+        value = slot
+            .done
+            .wait_timeout(value, end - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
 /// The result of a call issued on a [`Queue`], to come. Dropping it does not cancel the call.
 #[must_use = "a request's result (and error) is only seen through wait"]
 pub struct Request<T> {
@@ -1539,34 +1586,16 @@ impl<T> Request<T> {
     /// (then [`Request::wait`] returns at once), or cannot be waited for here (inside
     /// [`Queue::run`] on its queue: then [`Request::wait`] returns that error at once).
     pub fn wait_done(&self, limit: Duration) -> bool {
-        if self
-            .slot
-            .process
-            .check("queued call", self.slot.rank)
-            .is_err()
-        {
-            return true;
-        }
-        let end = chorus_transport::deadline_after(limit);
-        if lock(&self.slot.value).is_some() || self.slot.unwaitable().is_err() {
-            return true;
-        }
-        self.drive_until(Some(end));
-        let mut value = lock(&self.slot.value);
-        loop {
-            if value.is_some() || self.slot.unwaitable().is_err() {
-                return true;
-            }
-            let now = Instant::now();
-            if now >= end {
-                return false;
-            }
-            value = self
-                .slot
-                .done
-                .wait_timeout(value, end - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        wait_done_on(&self.slot, self.driver.as_ref(), limit)
+    }
+
+    /// [`Request::wait_done`] apart from the request: the waiter keeps what it needs alive,
+    /// so it may be called after the request was dropped or waited for elsewhere (on another
+    /// thread, say); it then returns by `limit` as for any request.
+    pub fn waiter(&self) -> RequestWaiter<T> {
+        RequestWaiter {
+            slot: Arc::clone(&self.slot),
+            driver: self.driver.clone(),
         }
     }
 

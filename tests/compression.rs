@@ -198,6 +198,21 @@ fn small_tensors_exact_and_16_bit_inputs() {
                 assert!((x - 1.0).abs() < 0.02, "{dtype:?}: {x}");
             }
         }
+        // min_bytes counts a 16-bit tensor's own bytes; dense_bytes counts it as f32 either
+        // way, and the plain allreduce sends it as it is.
+        for (n, compressed) in [(5000usize, false), (9000, true)] {
+            let mut comp = Compressor::new("int8").unwrap(); // min_bytes 16384
+            let mut bytes = vec![0u8; 2 * n];
+            let r = c
+                .all_reduce_compressed_raw(&mut bytes, DType::Float16, ReduceOp::Sum, &mut comp)
+                .unwrap();
+            assert_eq!(r.compressed, compressed, "{n} float16 values");
+            assert_eq!(r.dense_bytes, 4 * n as u64, "{n}");
+            if !compressed {
+                // 2(p−1)/p of the 2n bytes at p = 3.
+                assert_eq!(r.bytes_sent, (2 * n as u64) * 4 / 3, "{n}");
+            }
+        }
         // Bad arguments leave the communicator usable.
         let mut comp = Compressor::new("int8,min_bytes=0").unwrap();
         let mut v = vec![1.0f32; 64];

@@ -626,3 +626,38 @@ fn nested_blocking_calls_on_one_queue_are_refused() {
         out[0]
     );
 }
+
+/// A request's waiter (what `chorus_waitany` sleeps on) stays usable after the request is
+/// dropped, by another thread say: it returns once the call finishes.
+#[test]
+fn a_waiter_outlives_its_request() {
+    let got = on_threads_owned(
+        2,
+        Duration::from_secs(60),
+        |r, a| config_on(r, 2, a, "tcp"),
+        |c| {
+            let rank = c.rank();
+            let q = Queue::new(c);
+            if rank == 1 {
+                // Joins late: rank 0's request is dropped while its call is still running.
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let r = q.all_reduce(vec![rank as i64 + 1; 3], ReduceOp::Sum);
+            let waiter = r.waiter();
+            drop(r);
+            let t = Instant::now();
+            let mut done = false;
+            while !done && t.elapsed() < Duration::from_secs(30) {
+                done = waiter.wait_done(Duration::from_millis(50));
+            }
+            // The call went on without its request: the next one still lines up.
+            let mut x = vec![rank as i64; 2];
+            q.run(|c| c.all_reduce(&mut x, ReduceOp::Sum)).unwrap();
+            (done, x)
+        },
+    );
+    for (rank, (done, x)) in got.into_iter().enumerate() {
+        assert!(done, "rank {rank}: the waiter never saw the call finish");
+        assert_eq!(x, vec![1, 1], "rank {rank}");
+    }
+}

@@ -1281,3 +1281,45 @@ fn integer_ring_average_of_values_whose_sum_overflows_f32() {
         }
     }
 }
+
+/// A slice whose sum is not finite (here an overflow of f32: every value 3e38 on both ranks)
+/// leaves the owner residual as it was, whether the call fails (the scaled codecs) or not
+/// (fp16, which carries ±∞): a caller that skips the step keeps what feedback owes.
+#[test]
+fn an_overflowing_sum_leaves_the_owner_residual() {
+    for codec in [Codec::Int8, Codec::Sign, Codec::F16] {
+        let results = run_group(mem::group(2, 64 * 1024, 4096), |rank, t| {
+            let o = CompressedOptions {
+                chunk: 512,
+                error_feedback: true,
+                ..opts(codec, Schedule::ScatterGather)
+            };
+            let mut scratch = Vec::new();
+            let mut residual = Residual::default();
+            let mut rng = Rng::new(3, rank as u64);
+            let mut call = |seq: u64, data: &mut Vec<f32>, residual: &mut Residual| {
+                let mut ctx = CollCtx {
+                    transport: &mut *t,
+                    deadline: Instant::now() + TIMEOUT,
+                    tag_base: seq << 16,
+                    scratch: &mut scratch,
+                };
+                all_reduce_compressed(&mut ctx, data, ReduceOp::Sum, &o, &mut rng, Some(residual))
+            };
+            let mut data = input(9, rank, 2048);
+            call(1, &mut data, &mut residual).unwrap();
+            let before = residual.owner.clone();
+            let mut huge = vec![3e38f32; 2048];
+            let second = call(2, &mut huge, &mut residual).map(|_| ());
+            (before, residual.owner.clone(), second)
+        });
+        for (r, (before, after, second)) in results.into_iter().enumerate() {
+            assert!(
+                before.iter().any(|v| *v != 0.0),
+                "{codec} rank {r}: no owner residual to keep"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&before), bits(&after), "{codec} rank {r} ({second:?})");
+        }
+    }
+}

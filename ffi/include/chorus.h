@@ -582,8 +582,12 @@ int32_t chorus_comm_dup(chorus_comm *comm, chorus_comm **newcomm);
  * the same request from two threads at once. A pointer that is not a live request (one
  * completed or freed already, e.g. through another copy of the pointer) is refused with
  * `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`; this is a safety net, not a
- * guarantee: once a later request reuses the memory, a stale copy points to that one. `chorus_request_free` drops a
- * request without waiting for it.
+ * guarantee: once a later request reuses the memory, a stale copy points to that one.
+ * `chorus_wait` and `chorus_request_free` set such a `*request` to NULL; `chorus_test`,
+ * `chorus_waitany`, `chorus_testany` and `chorus_testall` leave the pointers as they were.
+ * `chorus_request_free` drops a request without waiting for it; should another thread be
+ * waiting for or testing the same request meanwhile, one of the two gets it and the other
+ * refuses it as not live.
  *
  * # Safety
  * `request` is NULL or valid for reading and writing a request pointer, which is NULL or was

@@ -715,7 +715,7 @@ pub unsafe extern "C" fn chorus_comm_dup(
 }
 
 /// The communicator of a split (`chorus_comm_split`, `_split_host`, `_dup`), with `*newcomm`
-/// set to NULL. A NULL `newcomm` is refused inside the split's exchange
+/// set to NULL. A NULL (or misaligned) `newcomm` is refused inside the split's exchange
 /// ([`Communicator::refuse_split`]), so that the other ranks fail at once (a mismatch naming
 /// this rank) instead of waiting for it until their timeout.
 ///
@@ -725,18 +725,16 @@ unsafe fn split_args<'a>(
     comm: *mut chorus_comm,
     newcomm: *mut *mut chorus_comm,
 ) -> Result<&'a chorus_comm, Failure> {
-    if !newcomm.is_null() {
-        // SAFETY: `newcomm` is non-NULL and writable by the caller's promise.
-        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm")? };
-    }
+    let out_ok = ptr::check_out(newcomm, "newcomm").and_then(|()| {
+        // SAFETY: non-NULL and aligned (checked), writable by the caller's promise.
+        unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm") }
+    });
     // SAFETY: NULL or live by the caller's promise.
     let c = unsafe { ptr::comm(comm)? };
-    if newcomm.is_null() {
-        let why = "newcomm is NULL: nowhere to put the new communicator";
-        let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(why).into()) });
-        return Err(refused
-            .err()
-            .unwrap_or_else(|| Failure::invalid(why.to_string())));
+    if let Err(f) = out_ok {
+        let why = format!("{}: nowhere to put the new communicator", f.message);
+        let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(&why).into()) });
+        return Err(refused.err().unwrap_or_else(|| Failure::invalid(why)));
     }
     Ok(c)
 }
@@ -808,11 +806,22 @@ impl Pending {
         }
     }
 
-    fn wait_done(&self, limit: Duration) -> bool {
+    /// A waiter for this request that stays valid after the request is freed (another
+    /// thread's `chorus_request_free` while `chorus_waitany` sleeps on it).
+    fn waiter(&self) -> Box<dyn Fn(Duration) -> bool> {
         match self {
-            Pending::Call(r) => r.wait_done(limit),
-            Pending::Send(r) => r.wait_done(limit),
-            Pending::Recv(r) => r.wait_done(limit),
+            Pending::Call(r) => {
+                let w = r.waiter();
+                Box::new(move |d| w.wait_done(d))
+            }
+            Pending::Send(r) => {
+                let w = r.waiter();
+                Box::new(move |d| w.wait_done(d))
+            }
+            Pending::Recv(r) => {
+                let w = r.waiter();
+                Box::new(move |d| w.wait_done(d))
+            }
         }
     }
 
@@ -914,16 +923,20 @@ unsafe fn issue_as(
     make: impl FnOnce(&chorus_comm) -> Result<Call, Failure>,
 ) -> i32 {
     guard(name, || {
-        if let Some(out) = request {
-            ptr::check_out(out, "request")?;
-            // SAFETY: non-NULL and writable by the caller's promise.
-            unsafe { ptr::write_out(out, std::ptr::null_mut(), "request")? };
-        }
+        // A bad `request` (NULL, misaligned) is refused as the call's other arguments are,
+        // after the communicator is known: it may be this rank's alone.
+        let request_ok = match request {
+            Some(out) => ptr::check_out(out, "request").and_then(|()| {
+                // SAFETY: non-NULL and aligned (checked), writable by the caller's promise.
+                unsafe { ptr::write_out(out, std::ptr::null_mut(), "request") }
+            }),
+            None => Ok(()),
+        };
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
         c.queue.check_process()?;
-        let call = match make(c) {
+        let call = match request_ok.and_then(|()| make(c)) {
             Ok(call) => call,
             Err(f) => {
                 if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 && collective {
@@ -969,8 +982,12 @@ unsafe fn hand_out(out: *mut *mut chorus_request, inner: Pending) -> Result<(), 
 /// the same request from two threads at once. A pointer that is not a live request (one
 /// completed or freed already, e.g. through another copy of the pointer) is refused with
 /// `CHORUS_INVALID_ARGUMENT`, as is a misaligned `request`; this is a safety net, not a
-/// guarantee: once a later request reuses the memory, a stale copy points to that one. `chorus_request_free` drops a
-/// request without waiting for it.
+/// guarantee: once a later request reuses the memory, a stale copy points to that one.
+/// `chorus_wait` and `chorus_request_free` set such a `*request` to NULL; `chorus_test`,
+/// `chorus_waitany`, `chorus_testany` and `chorus_testall` leave the pointers as they were.
+/// `chorus_request_free` drops a request without waiting for it; should another thread be
+/// waiting for or testing the same request meanwhile, one of the two gets it and the other
+/// refuses it as not live.
 ///
 /// # Safety
 /// `request` is NULL or valid for reading and writing a request pointer, which is NULL or was
@@ -1104,6 +1121,21 @@ unsafe fn scan_requests(
     count: usize,
     requests: *mut *mut chorus_request,
 ) -> Result<Vec<(usize, *mut chorus_request, bool)>, Failure> {
+    // SAFETY: forwarded.
+    unsafe { scan_requests_waiting(count, requests, &mut None) }
+}
+
+/// [`scan_requests`], and in `waiter` a waiter for the first request that has not completed
+/// (taken while the registry is locked: it stays valid if another thread frees the request).
+///
+/// # Safety
+/// As [`scan_requests`].
+#[allow(clippy::type_complexity)]
+unsafe fn scan_requests_waiting(
+    count: usize,
+    requests: *mut *mut chorus_request,
+    waiter: &mut Option<Box<dyn Fn(Duration) -> bool>>,
+) -> Result<Vec<(usize, *mut chorus_request, bool)>, Failure> {
     let live = live_requests();
     let mut out = Vec::new();
     for i in 0..count {
@@ -1121,7 +1153,12 @@ unsafe fn scan_requests(
             ));
         }
         // SAFETY: a live request (in the set, which is locked).
-        out.push((i, req, unsafe { &*req }.inner.test()));
+        let r = unsafe { &*req };
+        let done = r.inner.test();
+        if !done && waiter.is_none() {
+            *waiter = Some(r.inner.waiter());
+        }
+        out.push((i, req, done));
     }
     Ok(out)
 }
@@ -1167,12 +1204,13 @@ pub unsafe extern "C" fn chorus_waitany(
         // call ends, with its result or an error, within its communicator's timeout.
         let mut nap = Duration::from_micros(20);
         loop {
+            let mut waiter = None;
             // SAFETY: valid for `count` pointers by the caller's promise (checked above).
-            let seen = unsafe { scan_requests(count, requests)? };
-            let Some(&(_, first, _)) = seen.first() else {
+            let seen = unsafe { scan_requests_waiting(count, requests, &mut waiter)? };
+            if seen.is_empty() {
                 // SAFETY: non-NULL and writable by the caller's promise.
                 return unsafe { ptr::write_out(index, -1, "index") };
-            };
+            }
             if let Some(&(i, _, _)) = seen.iter().find(|s| s.2) {
                 // SAFETY: as above.
                 unsafe { ptr::write_out(index, i as c_int, "index")? };
@@ -1183,8 +1221,10 @@ pub unsafe extern "C" fn chorus_waitany(
                     Some(req) => Ok(req.inner.wait()?),
                 };
             }
-            // SAFETY: live when scanned; completed only by this thread (the caller's promise).
-            unsafe { &*first }.inner.wait_done(nap);
+            // Not through the request, which another thread may free meanwhile.
+            if let Some(w) = waiter {
+                w(nap);
+            }
             nap = (nap * 2).min(Duration::from_millis(1));
         }
     })
@@ -1660,7 +1700,8 @@ unsafe fn allgather_call(
             c.all_gather_raw(None, unsafe { recv.get_mut() }, dtype)
         }));
     }
-    ptr::check_disjoint(sendbuf, block, recvbuf, all, "sendbuf and recvbuf")?;
+    let hint = "sendbuf at recvbuf + rank × sendcount elements";
+    ptr::check_apart_or_block(sendbuf, block, recvbuf, all, hint)?;
     let send = RawBuf::new(sendbuf, block, "sendbuf")?;
     Ok(Box::new(move |c| {
         // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
@@ -1828,7 +1869,8 @@ unsafe fn allgatherv_call(
             c.all_gather_v_raw(None, recv, &v.counts, v.displs.as_deref(), dtype)
         }));
     }
-    ptr::check_disjoint(sendbuf, mine.len(), recvbuf, all, "sendbuf and recvbuf")?;
+    let hint = "sendbuf at this rank's block of recvbuf";
+    ptr::check_apart_or_block(sendbuf, mine.len(), recvbuf, all, hint)?;
     let send = RawBuf::new(sendbuf, mine.len(), "sendbuf")?;
     Ok(Box::new(move |c| {
         // SAFETY: valid until the call completes by the caller's promise, disjoint (checked).
@@ -2017,7 +2059,8 @@ unsafe fn reduce_scatterv_call(
             c.reduce_scatter_v_raw(None, unsafe { buf.get_mut() }, &rc, dtype, op)
         }));
     }
-    ptr::check_disjoint(sendbuf, all, recvbuf, mine.len(), "sendbuf and recvbuf")?;
+    let hint = "recvbuf at this rank's block of sendbuf";
+    ptr::check_apart_or_block(sendbuf, all, recvbuf, mine.len(), hint)?;
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     let recv = RawBuf::new(recvbuf, mine.len(), "recvbuf")?;
     Ok(Box::new(move |c| {
@@ -2099,7 +2142,8 @@ unsafe fn reduce_scatter_call(
             c.reduce_scatter_raw(None, unsafe { buf.get_mut() }, dtype, op)
         }));
     }
-    ptr::check_disjoint(sendbuf, all, recvbuf, block, "sendbuf and recvbuf")?;
+    let hint = "recvbuf at sendbuf + rank × recvcount elements";
+    ptr::check_apart_or_block(sendbuf, all, recvbuf, block, hint)?;
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     let recv = RawBuf::new(recvbuf, block, "recvbuf")?;
     Ok(Box::new(move |c| {
@@ -2442,6 +2486,15 @@ unsafe fn gatherv_call(
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
     receive_blocks_apart(&v, "displs")?;
+    // Checked when issued (as alltoallv's own block): found when a nonblocking call runs, the
+    // error would abort the communicator if the request was freed unwaited.
+    if v.counts[root] != sendcount {
+        return Err(Failure::invalid(format!(
+            "sendcount = {sendcount} but recvcounts[{root}] = {}: the root's own block is \
+             received by it",
+            v.counts[root]
+        )));
+    }
     let all = v.extent();
     let recv = RawBuf::new(recvbuf, all, "recvbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the
@@ -2548,6 +2601,14 @@ unsafe fn scatterv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(sendcounts, displs, c.size, e, "sendcounts", "displs")? };
+    // Checked when issued, as in gatherv.
+    if v.counts[root] != recvcount {
+        return Err(Failure::invalid(format!(
+            "recvcount = {recvcount} but sendcounts[{root}] = {}: the root's own block is \
+             sent to it",
+            v.counts[root]
+        )));
+    }
     let all = v.extent();
     let send = RawBuf::new(sendbuf, all, "sendbuf")?;
     // In place (or any overlap) on the root: work from a copy of the input, taken when the

@@ -483,6 +483,22 @@ pub(crate) fn check_apart(
     Ok(())
 }
 
+/// [`check_apart`] for calls whose in-place form is one buffer being this rank's block of the
+/// other: the error says which (`in_place`, e.g. "sendbuf at recvbuf + rank × sendcount").
+pub(crate) fn check_apart_or_block(
+    a: *const c_void,
+    a_len: usize,
+    b: *const c_void,
+    b_len: usize,
+    in_place: &str,
+) -> Result<(), Failure> {
+    check_apart(a, a_len, b, b_len, "").map_err(|_| {
+        Failure::invalid(format!(
+            "sendbuf and recvbuf overlap without being in place (in place is {in_place})"
+        ))
+    })
+}
+
 /// [`check_apart`] for calls that take equal pointers as in place: the error says so.
 pub(crate) fn check_disjoint(
     a: *const c_void,

@@ -73,7 +73,10 @@
 //! they fail as for a non-finite input (until the receiver's abort reaches them), under the
 //! integer ring with a `Protocol` error naming the owner whose sums were marked. A sum of
 //! `Sum` beyond f32's range fails as a non-finite input does under scatter-gather, and gives
-//! ±∞ under the integer ring.
+//! ±∞ under the integer ring. One exception to finishing the rounds: under the integer ring a
+//! rank whose shared ranges are not finite stops after round 1 (every rank holds the same
+//! ranges, so all stop alike), which a peer that sends a NaN range to some ranks only (no
+//! encoder does) turns into a wait until the others' timeout.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -563,8 +566,11 @@ fn scatter_gather(
         let len = codec.encoded_len(g.len(), chunk);
         let out = &mut mine[pos..pos + len];
         let o = g.start - own.start..g.end - own.start;
-        // A poisoned sum fails every rank: the owner residual stays as it was.
-        match residual.as_deref_mut().filter(|_| !poisoned) {
+        // A poisoned sum fails every rank, and one that is not finite (NaN or ±∞ in an
+        // input, or an overflow) either fails every rank or carries NaN or ±∞ in its
+        // result (fp16, bf16): the owner residual stays as it was, untouched by it.
+        let finite = super::all_finite(&data[g.clone()]);
+        match residual.as_deref_mut().filter(|_| !poisoned && finite) {
             // The owner residual is kept in units of the sum, whatever the op, so that a
             // compressor used for sums and averages in turn stays consistent: an average
             // takes its p-th part and gives back p times what its encoding lost.

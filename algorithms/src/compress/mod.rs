@@ -504,9 +504,10 @@ impl CompressedOptions {
 ///
 /// A call that fails (an input with NaN or ±∞ fails on every rank) may leave both updated for
 /// the pieces this rank had already encoded, as if they had been applied (they then carry that
-/// call's quantization error in place of what they held). The owner
-/// residual of a slice whose sum held NaN or ±∞ is left as it was, and no residual ever takes
-/// a non-finite value. A caller that skips the step (a loss scaler after an overflow) can go
+/// call's quantization error in place of what they held). Where the owned slice's sum held
+/// NaN or ±∞ (an input's, or an overflow of f32), whether the call failed or carried them
+/// (fp16, bf16), the owner residual is left as it was (for the whole group of up to 65536
+/// values the sum is encoded in), and no residual ever takes a non-finite value. A caller that skips the step (a loss scaler after an overflow) can go
 /// on, or start over with `Residual::default()`.
 #[derive(Clone, Debug, Default)]
 pub struct Residual {

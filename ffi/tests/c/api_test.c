@@ -392,6 +392,27 @@ static void collectives(chorus_comm *comm) {
             else
                 OK(chorus_gatherv(probe, blk, mine, NULL, NULL, NULL, CHORUS_INT32, root));
             OK(chorus_comm_destroy(probe));
+            /* A root whose own count disagrees with its entry of the counts: refused when the
+             * nonblocking call is issued (found when it ran, a freed request's error would
+             * abort the communicator). */
+            OK(chorus_comm_dup(comm, &probe));
+            size_t wrong = mine == 0 ? 1 : mine - 1;
+            for (int which = 0; which < 2; which++) {
+                if (me == root) {
+                    chorus_request *rq = NULL;
+                    int32_t st2 =
+                        which == 0
+                            ? chorus_igatherv(probe, blk, wrong, all, gc, NULL, CHORUS_INT32, root, &rq)
+                            : chorus_iscatterv(probe, all, gc, NULL, got, wrong, CHORUS_INT32, root, &rq);
+                    EXPECT(st2, CHORUS_INVALID_ARGUMENT);
+                    CHECK(rq == NULL, "a refused call set its request");
+                    CHECK(strstr(chorus_last_error(), "own block") != NULL, "message: %s",
+                          chorus_last_error());
+                } else if (which == 0) {
+                    OK(chorus_gatherv(probe, blk, mine, NULL, NULL, NULL, CHORUS_INT32, root));
+                }
+            }
+            OK(chorus_comm_destroy(probe));
             /* A root refused while the others' reduce went out does not take their data as its
              * next reduce's result: that call fails (a mismatch) instead. */
             OK(chorus_comm_dup(comm, &probe));
@@ -404,6 +425,23 @@ static void collectives(chorus_comm *comm) {
             int st = chorus_reduce(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM, root);
             if (me == root && p > 1)
                 CHECK(st != CHORUS_OK, "the root took the refused call's data: %d %d", res[0],
+                      res[1]);
+            OK(chorus_comm_destroy(probe));
+            /* The same with a NULL request on the root only: a bad request is refused as the
+             * call's other arguments are, taking the call's place. */
+            OK(chorus_comm_dup(comm, &probe));
+            if (me == root) {
+                EXPECT(chorus_ireduce(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM, root, NULL),
+                       CHORUS_INVALID_ARGUMENT);
+            } else {
+                chorus_request *rq = NULL;
+                OK(chorus_ireduce(probe, one, NULL, 2, CHORUS_INT32, CHORUS_SUM, root, &rq));
+                (void)chorus_wait(&rq); /* the root may have aborted by then */
+            }
+            res[0] = res[1] = 0;
+            st = chorus_reduce(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM, root);
+            if (me == root && p > 1)
+                CHECK(st != CHORUS_OK, "the root took the refused ireduce's data: %d %d", res[0],
                       res[1]);
             OK(chorus_comm_destroy(probe));
             OK(chorus_barrier(comm));
@@ -1153,15 +1191,18 @@ static chorus_comm *split(chorus_comm *comm) {
     OK(chorus_barrier(comm));
     /* Nowhere to put the result on the last rank only (dup, then split_host): refused there
      * inside the exchange, so the others fail at once too, naming it. */
-    for (int which = 0; which < 2; which++) {
-        chorus_comm **dest = me == p - 1 ? NULL : &out;
+    /* Then a misaligned newcomm (dup), refused alike. */
+    chorus_comm *slots[2] = {NULL, NULL};
+    chorus_comm **misaligned = (chorus_comm **)((char *)slots + 1);
+    for (int which = 0; which < 3; which++) {
+        chorus_comm **dest = me != p - 1 ? &out : which == 2 ? misaligned : NULL;
         out = half;
-        st = which == 0 ? chorus_comm_dup(comm, dest) : chorus_comm_split_host(comm, dest);
-        CHECK(st == want_st, "%s with NULL newcomm on rank %d: %d (%s), want %d: %s",
-              which == 0 ? "dup" : "split_host", p - 1, (int)st, chorus_status_string(st),
+        st = which == 1 ? chorus_comm_split_host(comm, dest) : chorus_comm_dup(comm, dest);
+        CHECK(st == want_st, "%s with a bad newcomm on rank %d: %d (%s), want %d: %s",
+              which == 1 ? "split_host" : "dup", p - 1, (int)st, chorus_status_string(st),
               (int)want_st, chorus_last_error());
         CHECK(me == p - 1 || out == NULL, "a refused split left *newcomm set");
-        CHECK(strstr(chorus_last_error(), me == p - 1 ? "newcomm is NULL" : "refused") != NULL,
+        CHECK(strstr(chorus_last_error(), me == p - 1 ? "nowhere to put" : "refused") != NULL,
               "message: %s", chorus_last_error());
         OK(chorus_barrier(comm));
     }
