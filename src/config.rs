@@ -148,7 +148,16 @@ impl Config {
     /// error (read as unset, a `CHORUS_TOKEN` of other bytes would turn authentication off).
     pub fn from_env() -> Result<Config, CommError> {
         refuse_garbled_env()?;
-        Config::from_lookup(|k| std::env::var(k).ok())
+        let get = |k: &str| std::env::var(k).ok();
+        let config = Config::from_lookup(get)?;
+        if let Some(why) = chorus_vars_below_launcher(&Lookup(&get), config.size) {
+            crate::log::log(
+                crate::log::Level::Warn,
+                Some(config.rank),
+                format_args!("{why}"),
+            );
+        }
+        Ok(config)
     }
 
     /// Read variables through `get` (testable without touching the process environment).
@@ -459,7 +468,8 @@ const LAUNCHERS: &[Launcher] = &[
 /// process is one of more: left over from another launch (a shell that exported `RANK=0
 /// WORLD_SIZE=1`, then `mpirun -np 4`), they would make every process rank 0 of a job of its
 /// own, silently. Launchers nested the usual way (torchrun under srun or mpirun) give the inner
-/// one at least as many ranks, and the `CHORUS_*` variables are taken as meant.
+/// one at least as many ranks, and the `CHORUS_*` variables are taken as meant (with a
+/// warning when they make fewer ranks, [`chorus_vars_below_launcher`]).
 fn check_other_launchers(
     env: &Lookup<'_>,
     chosen: &Launcher,
@@ -495,6 +505,31 @@ fn check_other_launchers(
         }
     }
     Ok(())
+}
+
+/// A warning when `CHORUS_WORLD_SIZE` (taken as meant, see [`check_other_launchers`]) is
+/// below another launcher's count of processes: several processes then take one rank (init
+/// fails or hangs), or each is a job of its own, which is right only when a wrapper meant to
+/// cut the launch into several chorus jobs, and otherwise silent (`CHORUS_RANK=0
+/// CHORUS_WORLD_SIZE=1` left exported in a shell that then runs torchrun).
+fn chorus_vars_below_launcher(env: &Lookup<'_>, size: usize) -> Option<String> {
+    env.value("CHORUS_RANK")?;
+    env.value("CHORUS_WORLD_SIZE")?;
+    LAUNCHERS
+        .iter()
+        .filter(|l| l.name != "chorus")
+        .find_map(|other| {
+            env.value(other.rank)?;
+            let theirs: usize = env.value(other.launch_size)?.parse().ok()?;
+            (theirs > size).then(|| {
+                format!(
+                    "CHORUS_WORLD_SIZE={size} takes precedence over {}={theirs} ({}'s): this \
+                 process is in a chorus job of {size} while {} started {theirs}; if CHORUS_RANK \
+                 and CHORUS_WORLD_SIZE are left over from another launch, unset them",
+                    other.launch_size, other.name, other.name
+                )
+            })
+        })
 }
 
 /// The largest world size accepted, from the environment and by [`crate::Communicator::new`]
@@ -784,6 +819,36 @@ mod tests {
         let shown = format!("{c:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("token: Some(\"<secret>\")"), "{shown}");
+    }
+
+    #[test]
+    fn chorus_variables_below_another_launchers_count_are_warned_about() {
+        let warn = |vars: &[(&str, &str)]| {
+            let env: HashMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let get = |k: &str| env.get(k).cloned();
+            let size = Config::from_lookup(get).unwrap().size;
+            chorus_vars_below_launcher(&Lookup(&get), size)
+        };
+        // Left over in a shell that then ran torchrun --nproc 4.
+        let leftover = [
+            ("CHORUS_RANK", "0"),
+            ("CHORUS_WORLD_SIZE", "1"),
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let w = warn(&leftover).expect("a warning");
+        assert!(w.contains("WORLD_SIZE=4") && w.contains("torchrun"), "{w}");
+        // chorus-run sets both alike; torchrun alone has no CHORUS_* variables.
+        let mut both = leftover;
+        both[0].1 = "2";
+        both[1].1 = "4";
+        assert_eq!(warn(&both), None);
+        assert_eq!(warn(&leftover[2..]), None);
     }
 
     #[test]

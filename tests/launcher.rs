@@ -28,6 +28,8 @@ fn launcher() -> Command {
         "SLURM_STEP_NUM_TASKS",
         "OMPI_COMM_WORLD_SIZE",
         "PMI_SIZE",
+        "CHORUS_RUN_NPROC",
+        "TORCHELASTIC_RUN_ID",
         "CHORUS_RUN_NESTED",
     ] {
         cmd.env_remove(var);
@@ -334,6 +336,28 @@ fn a_closed_stderr_does_not_leave_ranks_running() {
         "ranks left running: {left:?} (launcher {status})"
     );
     assert_eq!(status.code(), Some(3), "{status}");
+}
+
+#[test]
+fn a_closed_stdout_ends_ranks_that_keep_writing() {
+    // `chorus-run -n 2 -- yes | head -1`: once the reader has gone, the ranks get SIGPIPE,
+    // as with --no-prefix (where their own writes bring it), and the job ends with 141.
+    let mut child = launcher()
+        .args(["-n", "2", "--", "sh", "-c", "exec yes"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus-run");
+    let mut out = child.stdout.take().unwrap();
+    let mut first = [0u8; 64];
+    out.read_exact(&mut first).expect("some output");
+    drop(out);
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let status = wait_watched(&mut child, "with a closed stdout");
+    let stderr = String::from_utf8_lossy(&stderr.join().unwrap()).into_owned();
+    assert_eq!(status.code(), Some(128 + 13), "{status}: {stderr}");
+    assert!(stderr.contains("passed SIGPIPE on"), "{stderr}");
 }
 
 /// A `SIGTERM` (passed on to the ranks) or `SIGKILL` (which the launcher cannot catch) sent
@@ -804,10 +828,10 @@ fn timeout_kills_the_job_with_124() {
 /// refuses rather than start independent jobs, unless told they are meant.
 #[test]
 fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
-    let run = |nested: Option<&str>| {
+    let run = |vars: &[(&str, &str)], nested: Option<&str>| {
         let mut cmd = launcher();
         cmd.args(["-n", "2", "--", "true"])
-            .env("SLURM_STEP_NUM_TASKS", "2")
+            .envs(vars.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -824,11 +848,28 @@ fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
             .unwrap();
         (wait_watched(&mut child, "nested"), err)
     };
-    let (status, err) = run(None);
+    let srun = [("SLURM_STEP_NUM_TASKS", "2")];
+    let (status, err) = run(&srun, None);
     assert_eq!(status.code(), Some(2), "{err}");
     assert!(err.contains("SLURM_STEP_NUM_TASKS=2"), "{err}");
-    let (status, err) = run(Some("1"));
+    let (status, err) = run(&srun, Some("1"));
     assert!(status.success(), "{err}");
+    // torchrun's workers (its run id with WORLD_SIZE; a WORLD_SIZE alone says nothing).
+    let torchrun = [("TORCHELASTIC_RUN_ID", "none"), ("WORLD_SIZE", "2")];
+    let (status, err) = run(&torchrun, None);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("WORLD_SIZE=2"), "{err}");
+    let (status, err) = run(&torchrun[1..], None);
+    assert!(status.success(), "{err}");
+    // chorus-run's own ranks.
+    let inner = env!("CARGO_BIN_EXE_chorus-run");
+    let nested = chorus_run(&["-n", "2", "--", inner, "-n", "2", "--", "true"]);
+    assert_eq!(nested.status.code(), Some(2), "{}", nested.stderr);
+    assert!(
+        nested.stderr.contains("CHORUS_RUN_NPROC=2"),
+        "{}",
+        nested.stderr
+    );
 }
 
 #[test]

@@ -54,14 +54,14 @@ use std::io::{self, IsTerminal, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{kill_process, Pid, Signal};
-use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
+use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGPIPE, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::exfiltrator::origin::{Origin, WithOrigin};
 use signal_hook::iterator::SignalsInfo;
 use signal_hook::low_level::siginfo::Cause;
@@ -124,14 +124,17 @@ Options:
       --version         print the version
 
 Each rank r gets CHORUS_RANK=r CHORUS_WORLD_SIZE=N CHORUS_LOCAL_RANK=r CHORUS_LOCAL_SIZE=N
-CHORUS_ADDR CHORUS_TOKEN, and RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR
-MASTER_PORT (a second free port, for torch's own store). Stdin goes to rank 0 only.
+CHORUS_ADDR CHORUS_TOKEN CHORUS_RUN_NPROC=N, and RANK WORLD_SIZE LOCAL_RANK
+LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT (a second free port, for torch's own store).
+Stdin goes to rank 0 only. If stdout is a pipe whose reader exits (| head), the ranks get
+SIGPIPE, as they would writing to it themselves.
 
 Exit status: 0 if every rank succeeded; else the first failing rank's exit code
 (128 + signal number if it was killed by a signal; of ranks that fail together, one killed
 by a signal comes first); 124 on --timeout; 2 for a bad command line, or when chorus-run
 is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
-OMPI_COMM_WORLD_SIZE or PMI_SIZE above 1: each task would run a job of its own; set
+OMPI_COMM_WORLD_SIZE, PMI_SIZE, CHORUS_RUN_NPROC, or torchrun's WORLD_SIZE above 1: each
+task would run a job of its own; set
 CHORUS_RUN_NESTED=1 if that is meant; never when stdin is a terminal, as in an interactive
 srun --pty shell, or when SLURM_PTY_PORT is set); 127 (126) if CMD could not be found
 (executed); 1 if chorus-run could not start the job (no free port, no /dev/urandom).
@@ -343,6 +346,8 @@ fn rank_env(
         ("CHORUS_LOCAL_SIZE".to_string(), local_size.to_string()),
         ("CHORUS_ADDR".to_string(), root_addr.to_string()),
         ("CHORUS_TOKEN".to_string(), token.to_string()),
+        // Marks a rank of chorus-run: a chorus-run started as one is refused (nested_launch).
+        ("CHORUS_RUN_NPROC".to_string(), size.to_string()),
         ("RANK".to_string(), rank.to_string()),
         ("WORLD_SIZE".to_string(), size.to_string()),
         ("LOCAL_RANK".to_string(), local_rank.to_string()),
@@ -451,7 +456,8 @@ const DONE: u8 = 2;
 
 /// Copies `input` (one of a rank's pipes) to `output` through a [`Prefixer`]: a partial line
 /// is passed on after [`PAUSE`] without more input. Write errors (our output closed) are
-/// ignored, but the input is still drained so that the rank never blocks on a full pipe.
+/// ignored, but the input is still drained so that the rank never blocks on a full pipe (a
+/// closed stdout is reported to the wait loop, which passes `SIGPIPE` on to the ranks).
 /// `state` says whether the thread waits for input or passes output on. Returns at end of
 /// input.
 fn prefix_stream<R: Read + AsFd>(mut input: R, output: Sink<'_>, state: &AtomicU8) {
@@ -565,10 +571,19 @@ fn compose(
     piece
 }
 
+/// Set when our stdout turned out to be a pipe with no reader left (`chorus-run ... | head`):
+/// the wait loop then passes `SIGPIPE` on to the ranks, as their own writes would have
+/// brought them with `--no-prefix`.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
 /// Writes one whole line to our stdout (under its lock, so lines of ranks never mix).
 fn to_stdout(line: &[u8]) {
     let mut out = io::stdout().lock();
-    let _ = out.write_all(line).and_then(|()| out.flush());
+    if let Err(e) = out.write_all(line).and_then(|()| out.flush()) {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Writes one whole line to our stderr.
@@ -692,19 +707,29 @@ fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
     if get("CHORUS_RUN_NESTED").is_some_and(|v| v.trim() == "1") {
         return None;
     }
-    ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
-        .iter()
-        .find_map(|&var| {
-            let n: usize = get(var)?.trim().parse().ok()?;
-            (n > 1).then(|| {
-                format!(
-                    "{var}={n}: chorus-run was started as one of {n} tasks of another launcher, \
+    // torchrun's WORLD_SIZE only with its run id (a WORLD_SIZE left exported in a shell
+    // says nothing); CHORUS_RUN_NPROC is what chorus-run gives its own ranks.
+    let torchrun = get("TORCHELASTIC_RUN_ID").is_some();
+    [
+        "SLURM_STEP_NUM_TASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "CHORUS_RUN_NPROC",
+        "WORLD_SIZE",
+    ]
+    .iter()
+    .filter(|&&var| var != "WORLD_SIZE" || torchrun)
+    .find_map(|&var| {
+        let n: usize = get(var)?.trim().parse().ok()?;
+        (n > 1).then(|| {
+            format!(
+                "{var}={n}: chorus-run was started as one of {n} tasks of another launcher, \
                      and each would run a job of its own with a rank 0 of its own; start the \
                      program under that launcher directly (chorus reads its variables), or set \
                      CHORUS_RUN_NESTED=1 if independent jobs are meant"
-                )
-            })
+            )
         })
+    })
 }
 
 /// Runs the job and returns our exit code, and the signal that stopped the job if one did.
@@ -1042,6 +1067,7 @@ fn wait_all(
     mut signals: Option<&mut SignalsInfo<WithOrigin>>,
     ending: &mut Ending,
 ) {
+    let mut pipe_told = false;
     loop {
         // The failures reaped in this pass: ranks that fail together (one crashed, the others
         // then lost it) are told apart below, the cause first.
@@ -1097,6 +1123,16 @@ fn wait_all(
         let running = ranks_running(ranks_);
         if running == 0 {
             return;
+        }
+        if !pipe_told && STDOUT_CLOSED.load(Ordering::Relaxed) {
+            // Once: the ranks' output has nowhere to go, as for a program whose reader
+            // exited. Those that do not ignore SIGPIPE end by it, and the job with them.
+            pipe_told = true;
+            pass_on(ranks_, SIGPIPE);
+            say!(
+                "our standard output was closed (its reader exited): passed SIGPIPE on to {}",
+                ranks(running)
+            );
         }
         let now = Instant::now();
         if !ending.failed && job_end.is_some_and(|t| now >= t) {

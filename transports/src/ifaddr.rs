@@ -128,16 +128,23 @@ fn usable(addr: &IpAddr) -> bool {
 }
 
 /// With a spec: the first usable address of a matching interface, preferring the family of
-/// the root's address.
+/// the root's address, and a loopback address only when the root's is one (a job on one
+/// host) or nothing else matches: an exclusion such as `^docker` also matches `lo`, which
+/// comes first in the kernel's order, and ranks on other hosts cannot reach it.
 fn select_by_spec(spec: &str, root: SocketAddr, addrs: &[IfAddr]) -> Result<IpAddr> {
     let candidates: Vec<&IfAddr> = addrs
         .iter()
         .filter(|a| matches_spec(spec, &a.name) && usable(&a.addr))
         .collect();
-    let same_family = candidates
-        .iter()
-        .find(|a| a.addr.is_ipv4() == root.is_ipv4());
-    match same_family.or(candidates.first()) {
+    let loopback_wanted = root.ip().is_loopback();
+    let fits = |a: &&&IfAddr, family: bool, loopback: bool| {
+        (!family || a.addr.is_ipv4() == root.is_ipv4())
+            && (!loopback || a.addr.is_loopback() == loopback_wanted)
+    };
+    let best = [(true, true), (false, true), (true, false)]
+        .into_iter()
+        .find_map(|(family, loopback)| candidates.iter().find(|a| fits(a, family, loopback)));
+    match best.or(candidates.first()) {
         Some(a) => Ok(a.addr),
         None => Err(TransportError::InvalidArgument(format!(
             "CHORUS_SOCKET_IFNAME={spec:?} matches no interface with a usable address; \
@@ -383,6 +390,25 @@ mod tests {
         assert_eq!(
             select_by_spec("ib", root("10.0.0.1:1"), &a).unwrap(),
             v4("fd00::5")
+        );
+        // An exclusion matches lo too: not taken for a root on another address (its peers
+        // could not reach it), taken for a loopback root, and when nothing else matches.
+        assert_eq!(
+            select_by_spec("^docker", root("10.0.0.1:1"), &a).unwrap(),
+            v4("10.0.0.2")
+        );
+        assert_eq!(
+            select_by_spec("^docker", root("127.0.0.1:1"), &a).unwrap(),
+            v4("127.0.0.1")
+        );
+        assert_eq!(
+            select_by_spec("^eth,docker,ib", root("10.0.0.1:1"), &a).unwrap(),
+            v4("127.0.0.1")
+        );
+        let unrooted = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
+        assert_eq!(
+            select_by_spec("^docker", unrooted, &a).unwrap(),
+            v4("10.0.0.2")
         );
     }
 
