@@ -259,10 +259,11 @@ pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,
     topk: TopkState,
-    /// The random stream, with the stream number it was made for (a compressor used on a
-    /// communicator where this process has another rank starts that rank's stream, so two
-    /// processes never draw the same one there).
-    rng: Option<(u64, Rng)>,
+    /// The random streams, by stream number: a compressor used on a communicator where this
+    /// process has another rank draws that rank's stream there (two processes never draw the
+    /// same one), and each stream goes on from call to call (a compressor used on two
+    /// communicators in turn does not start one over). At most [`MAX_STREAMS`].
+    rng: Vec<(u64, Rng)>,
     /// Which compressor of this process it is (0 for the first): its random stream.
     instance: u64,
     staging: Vec<f32>,
@@ -296,7 +297,7 @@ impl Compressor {
             spec,
             residual: Residual::default(),
             topk: TopkState::default(),
-            rng: None,
+            rng: Vec::new(),
             instance: CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             staging: Vec::new(),
             last: CompressionReport::default(),
@@ -344,6 +345,9 @@ impl Compressor {
         }
     }
 }
+
+/// The random streams a compressor keeps (one per rank it was used at).
+const MAX_STREAMS: usize = 16;
 
 /// The name of the compressed allreduce in errors.
 const OP_COMPRESSED: &str = "all_reduce_compressed";
@@ -452,9 +456,17 @@ impl Communicator {
                 // buckets of a size would draw the same dither, element for element. (The
                 // stream is the rank and the compressor's number, side by side.)
                 let stream = rank ^ (comp.instance << 32);
-                let kept = comp.rng.take().filter(|(s, _)| *s == stream);
-                let fresh = || (stream, Rng::new(spec.seed, stream));
-                let rng = &mut comp.rng.insert(kept.unwrap_or_else(fresh)).1;
+                let at = match comp.rng.iter().position(|(s, _)| *s == stream) {
+                    Some(at) => at,
+                    None => {
+                        if comp.rng.len() == MAX_STREAMS {
+                            comp.rng.remove(0);
+                        }
+                        comp.rng.push((stream, Rng::new(spec.seed, stream)));
+                        comp.rng.len() - 1
+                    }
+                };
+                let rng = &mut comp.rng[at].1;
                 let residual = spec.error_feedback.then_some(&mut comp.residual);
                 let mut wire = compress::WireStats::default();
                 self.run_tagged(OP, tag, None, |ctx| {

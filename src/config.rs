@@ -513,6 +513,12 @@ fn check_other_launchers(
 /// cut the launch into several chorus jobs, and otherwise silent (`CHORUS_RANK=0
 /// CHORUS_WORLD_SIZE=1` left exported in a shell that then runs torchrun).
 fn chorus_vars_below_launcher(env: &Lookup<'_>, size: usize) -> Option<String> {
+    if env
+        .value("CHORUS_RUN_NESTED")
+        .is_some_and(|v| v.trim() == "1")
+    {
+        return None; // Independent jobs inside another launcher's, as chorus-run allows.
+    }
     env.value("CHORUS_RANK")?;
     env.value("CHORUS_WORLD_SIZE")?;
     LAUNCHERS

@@ -44,6 +44,7 @@ OPTIONS:
     -B, --budget SIZE        per size run clamp(BUDGET / size, -m, -n) iterations, and end the
                              size list at -e exactly (peers/src/bench_common.h rules)
     -c, --check 0|1          check every element of one more call's result after timing [1]
+                             (not with --compress/--topk, whose error is measured instead)
     -d, --datatype NAME|all  int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 [float]
     -o, --op NAME|all        sum prod min max avg, band bor bxor (integers) [sum]
     -a, --average 0|1|2|3    time reported: 0 rank 0's, 1 mean, 2 min, 3 max over ranks

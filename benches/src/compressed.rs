@@ -332,9 +332,11 @@ fn print_row(
             .wrong
             .map_or_else(|| "null".to_string(), |w| w.to_string());
         println!(
-            "{{\"collective\":\"allreduce\",\"size\":{},\"count\":{},\"type\":\"float32\",\"op\":\"sum\",\"root\":-1,\"inplace\":{compressed},\"ranks\":{p},\"algorithm\":{},\"transport\":{},\"iters\":{},\"gap_ms\":{},\"time_us\":{},\"algbw\":{},\"busbw\":{},\"wrong\":{wrong},\"mode\":{},\"wire_bytes_per_rank\":{},\"{k3}\":{},\"{k4}\":{},\"dense_time_us\":{},\"speedup\":{},\"result_density\":{}}}",
+            "{{\"collective\":\"allreduce\",\"size\":{},\"count\":{},\"type\":{},\"op\":\"sum\",\"root\":-1,\"inplace\":{compressed},\"ranks\":{p},\"algorithm\":{},\"transport\":{},\"iters\":{},\"gap_ms\":{},\"time_us\":{},\"algbw\":{},\"busbw\":{},\"wrong\":{wrong},\"mode\":{},\"wire_bytes_per_rank\":{},\"{k3}\":{},\"{k4}\":{},\"dense_time_us\":{},\"speedup\":{},\"result_density\":{}}}",
             r.bytes,
             r.count,
+            // As every other row names it (`DType::name`).
+            json_string(chorus::DType::Float32.name()),
             json_string(&algorithm),
             json_string(transport),
             r.iters,

@@ -350,7 +350,7 @@ fn compressed_topk_and_sparse_modes() {
     assert!(r.stdout.contains("\"result_density\""), "{}", r.stdout);
     // The fields of every collective's JSON first (a lossy result: no count of wrong ones).
     let common = "{\"collective\":\"allreduce\",\"size\":65536,\"count\":16384,\
-                  \"type\":\"float32\",\"op\":\"sum\",\"root\":-1,\"inplace\":true,\
+                  \"type\":\"float\",\"op\":\"sum\",\"root\":-1,\"inplace\":true,\
                   \"ranks\":2,\"algorithm\":\"auto\",\"transport\":";
     assert!(r.stdout.starts_with(common), "{}", r.stdout);
     assert!(r.stdout.contains(",\"iters\":2,"), "{}", r.stdout);
@@ -513,13 +513,19 @@ fn garbled_chorus_variables_are_refused() {
 fn ranks_replace_an_outer_launchers_variables() {
     let outer = [
         ("CHORUS_RANK", "1"),
-        ("CHORUS_WORLD_SIZE", "2"),
+        ("CHORUS_WORLD_SIZE", "8"),
         ("CHORUS_LOCAL_RANK", "1"),
-        ("CHORUS_LOCAL_SIZE", "2"),
+        ("CHORUS_LOCAL_SIZE", "8"),
+        ("RANK", "1"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "8"),
     ];
     let r = perf_env("allreduce --ranks 4 -b 8 -e 64 -n 1 -w 0", &outer);
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
     assert_eq!(rows(&r.stdout).len(), 4, "{}", r.stdout);
+    // Not taken for a job of 8 either (no warning that CHORUS_WORLD_SIZE overrides it).
+    assert!(!r.stderr.contains("takes precedence"), "{}", r.stderr);
 }
 
 #[test]

@@ -2427,7 +2427,7 @@ pub unsafe extern "C" fn chorus_gatherv(
     unsafe {
         issue("chorus_gatherv", comm, None, |c| {
             let recv = (recvbuf, recvcounts, displs);
-            gatherv_call(c, sendbuf, sendcount, recv, dtype, root)
+            gatherv_call(c, sendbuf, sendcount, recv, dtype, root, false)
         })
     }
 }
@@ -2456,7 +2456,7 @@ pub unsafe extern "C" fn chorus_igatherv(
         issue("chorus_igatherv", comm, Some(request), |c| {
             root_in(c, root)?;
             let recv = (recvbuf, recvcounts, displs);
-            gatherv_call(c, sendbuf, sendcount, recv, dtype, root)
+            gatherv_call(c, sendbuf, sendcount, recv, dtype, root, true)
         })
     }
 }
@@ -2471,6 +2471,7 @@ unsafe fn gatherv_call(
     (recvbuf, recvcounts, displs): (*mut c_void, *const usize, *const usize),
     dtype: DtypeArg,
     root: c_int,
+    nonblocking: bool,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
     let root = rank_arg(root, "root")?;
@@ -2486,9 +2487,11 @@ unsafe fn gatherv_call(
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(recvcounts, displs, c.size, e, "recvcounts", "displs")? };
     receive_blocks_apart(&v, "displs")?;
-    // Checked when issued (as alltoallv's own block): found when a nonblocking call runs, the
-    // error would abort the communicator if the request was freed unwaited.
-    if v.counts[root] != sendcount {
+    // A nonblocking call's is checked when issued (as alltoallv's own block): found when the
+    // call runs, the error would abort the communicator if the request was freed unwaited. A
+    // blocking call's is left to the communicator, which tells every rank with
+    // CHORUS_CHECK_CALLS.
+    if nonblocking && v.counts[root] != sendcount {
         return Err(Failure::invalid(format!(
             "sendcount = {sendcount} but recvcounts[{root}] = {}: the root's own block is \
              received by it",
@@ -2543,7 +2546,7 @@ pub unsafe extern "C" fn chorus_scatterv(
     unsafe {
         issue("chorus_scatterv", comm, None, |c| {
             let send = (sendbuf, sendcounts, displs);
-            scatterv_call(c, send, recvbuf, recvcount, dtype, root)
+            scatterv_call(c, send, recvbuf, recvcount, dtype, root, false)
         })
     }
 }
@@ -2572,7 +2575,7 @@ pub unsafe extern "C" fn chorus_iscatterv(
         issue("chorus_iscatterv", comm, Some(request), |c| {
             root_in(c, root)?;
             let send = (sendbuf, sendcounts, displs);
-            scatterv_call(c, send, recvbuf, recvcount, dtype, root)
+            scatterv_call(c, send, recvbuf, recvcount, dtype, root, true)
         })
     }
 }
@@ -2587,6 +2590,7 @@ unsafe fn scatterv_call(
     recvcount: usize,
     dtype: DtypeArg,
     root: c_int,
+    nonblocking: bool,
 ) -> Result<Call, Failure> {
     let dtype = dtype.get()?;
     let root = rank_arg(root, "root")?;
@@ -2601,8 +2605,8 @@ unsafe fn scatterv_call(
     let e = dtype.size();
     // SAFETY: valid for `size` values on the root by the caller's promise.
     let v = unsafe { vblocks(sendcounts, displs, c.size, e, "sendcounts", "displs")? };
-    // Checked when issued, as in gatherv.
-    if v.counts[root] != recvcount {
+    // A nonblocking call's is checked when issued, as in gatherv.
+    if nonblocking && v.counts[root] != recvcount {
         return Err(Failure::invalid(format!(
             "recvcount = {recvcount} but sendcounts[{root}] = {}: the root's own block is \
              sent to it",

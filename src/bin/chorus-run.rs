@@ -135,8 +135,8 @@ by a signal comes first); 124 on --timeout; 2 for a bad command line, or when ch
 is itself one of several tasks of another launcher (SLURM_STEP_NUM_TASKS,
 OMPI_COMM_WORLD_SIZE, PMI_SIZE, CHORUS_RUN_NPROC, or torchrun's WORLD_SIZE above 1: each
 task would run a job of its own; set
-CHORUS_RUN_NESTED=1 if that is meant; never when stdin is a terminal, as in an interactive
-srun --pty shell, or when SLURM_PTY_PORT is set); 127 (126) if CMD could not be found
+CHORUS_RUN_NESTED=1 if that is meant; the Slurm and MPI counts are not looked at when
+stdin is a terminal, as in an interactive srun --pty shell, or when SLURM_PTY_PORT is set); 127 (126) if CMD could not be found
 (executed); 1 if chorus-run could not start the job (no free port, no /dev/urandom).
 SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the job: sent to chorus-run they are passed on
 to the ranks (from the terminal the ranks got them already), the ranks get 10 s to exit and
@@ -682,10 +682,7 @@ fn main() {
     // the step counts: its terminal says so.
     let interactive =
         std::io::stdin().is_terminal() || std::env::var_os("SLURM_PTY_PORT").is_some();
-    if let Some(why) = (!interactive)
-        .then(|| nested_launch(&|k| std::env::var(k).ok()))
-        .flatten()
-    {
+    if let Some(why) = nested_launch(&|k| std::env::var(k).ok(), interactive) {
         say!("{why}");
         std::process::exit(EXIT_USAGE);
     }
@@ -702,8 +699,11 @@ fn main() {
 
 /// Why this launcher should not run here: it was itself started as one of several tasks of
 /// another launcher (`srun -N2 chorus-run -n 4 ...`), which would make several independent
-/// jobs, each with a rank 0 of its own. `CHORUS_RUN_NESTED=1` allows it.
-fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+/// jobs, each with a rank 0 of its own. `CHORUS_RUN_NESTED=1` allows it. An `interactive`
+/// shell of a job step (`srun -n 8 --pty bash`, `mpirun -np 2 xterm`) is one task however
+/// many the step counts: the Slurm and MPI counts are not looked at there; chorus-run's own
+/// and torchrun's are (their ranks inherit the terminal of the shell that started them).
+fn nested_launch(get: &dyn Fn(&str) -> Option<String>, interactive: bool) -> Option<String> {
     if get("CHORUS_RUN_NESTED").is_some_and(|v| v.trim() == "1") {
         return None;
     }
@@ -719,6 +719,7 @@ fn nested_launch(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
     ]
     .iter()
     .filter(|&&var| var != "WORLD_SIZE" || torchrun)
+    .filter(|&&var| !interactive || matches!(var, "CHORUS_RUN_NPROC" | "WORLD_SIZE"))
     .find_map(|&var| {
         let n: usize = get(var)?.trim().parse().ok()?;
         (n > 1).then(|| {
@@ -1219,6 +1220,29 @@ fn ranks_running(ranks_: &[Rank]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nesting_under_a_terminal_is_judged_by_launcher() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        // An interactive shell of a job step: one task whatever Slurm or MPI count.
+        let srun = env(&[("SLURM_STEP_NUM_TASKS", "8")]);
+        assert!(nested_launch(&srun, false).is_some());
+        assert_eq!(nested_launch(&srun, true), None);
+        // A rank of chorus-run, or a torchrun worker, inherits the terminal: still refused.
+        let ours = env(&[("CHORUS_RUN_NPROC", "2")]);
+        assert!(nested_launch(&ours, true).is_some_and(|m| m.contains("CHORUS_RUN_NPROC=2")));
+        let torch = env(&[("TORCHELASTIC_RUN_ID", "x"), ("WORLD_SIZE", "4")]);
+        assert!(nested_launch(&torch, true).is_some_and(|m| m.contains("WORLD_SIZE=4")));
+        assert_eq!(nested_launch(&env(&[("WORLD_SIZE", "4")]), false), None);
+        let allowed = env(&[("CHORUS_RUN_NPROC", "2"), ("CHORUS_RUN_NESTED", "1")]);
+        assert_eq!(nested_launch(&allowed, false), None);
+    }
 
     #[test]
     fn session_leader_is_read_after_the_command_name() {

@@ -91,7 +91,7 @@ pub fn select(spec: Option<&str>, root: SocketAddr) -> Result<IpAddr> {
 
 /// The address to host a store on before any peer is known (a unique id, as NCCL's
 /// `ncclGetUniqueId`): with a spec, the first usable address of a matching interface (IPv4
-/// first); without one, the first usable address of an interface that is neither loopback nor
+/// first, loopback last); without one, the first usable address of an interface that is neither loopback nor
 /// `docker*` (NCCL's default exclusions), IPv4 first, and loopback when there is none (a job on
 /// one host).
 pub fn select_unrooted(spec: Option<&str>) -> Result<IpAddr> {

@@ -506,8 +506,9 @@ impl CompressedOptions {
 /// the pieces this rank had already encoded, as if they had been applied (they then carry that
 /// call's quantization error in place of what they held). Where the owned slice's sum held
 /// NaN or ±∞ (an input's, or an overflow of f32), whether the call failed or carried them
-/// (fp16, bf16), the owner residual is left as it was (for the whole group of up to 65536
-/// values the sum is encoded in), and no residual ever takes a non-finite value. A caller that skips the step (a loss scaler after an overflow) can go
+/// (fp16, bf16), the owner residual is left as it was for the whole piece the sum is encoded
+/// in (the owned slice; for tensors over 2^18 values, pieces of at least 65536 values and about
+/// a sixteenth of the tensor), and no residual ever takes a non-finite value. A caller that skips the step (a loss scaler after an overflow) can go
 /// on, or start over with `Residual::default()`.
 #[derive(Clone, Debug, Default)]
 pub struct Residual {

@@ -21,7 +21,14 @@ def launch(n, args, timeout=150, env=None):
     cmd += ["--", *args]
     # Not the variables of a launcher that may have started the tests (chorus-run would
     # refuse to run as one of its tasks); Gloo on loopback (it would resolve the host name).
-    outer = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "CHORUS_RUN_NESTED")
+    outer = (
+        "SLURM_STEP_NUM_TASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "CHORUS_RUN_NPROC",
+        "TORCHELASTIC_RUN_ID",
+        "CHORUS_RUN_NESTED",
+    )
     child_env = {k: v for k, v in os.environ.items() if k not in outer}
     child_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)

@@ -429,8 +429,23 @@ fn connect_keeping(
 
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let result = (|| -> Result<()> {
+        // A rank on another host (by its identity) that listens on a loopback address
+        // (CHORUS_SOCKET_IFNAME=lo, say) cannot be reached: said when the wait for it ends.
+        let elsewhere = |j: usize| hosts[j] != hosts[rank];
         for (j, addr) in addrs.iter().enumerate().take(rank) {
-            streams[j] = Some(dial(*addr, comm_id, rank, j, &opts.token, deadline)?);
+            match dial(*addr, comm_id, rank, j, &opts.token, deadline) {
+                Ok(st) => streams[j] = Some(st),
+                Err(e @ TransportError::Timeout { .. })
+                    if addr.ip().is_loopback() && elsewhere(j) =>
+                {
+                    return Err(rdv(format!(
+                        "rank {rank}: {e}; rank {j} is on another host and listens at {addr}, \
+                         a loopback address (its CHORUS_SOCKET_IFNAME picks lo?), which this \
+                         host cannot reach"
+                    )))
+                }
+                Err(e) => return Err(e),
+            }
         }
         let mut missing: HashSet<usize> = (rank + 1..size).collect();
         while !missing.is_empty() {
@@ -438,8 +453,19 @@ fn connect_keeping(
             if left.is_zero() {
                 let mut m: Vec<_> = missing.iter().copied().collect();
                 m.sort_unstable();
+                let away: Vec<usize> = m.iter().copied().filter(|&j| elsewhere(j)).collect();
+                let mine = addrs[rank];
+                let hint = if away.is_empty() || !mine.ip().is_loopback() {
+                    String::new()
+                } else {
+                    format!(
+                        "; ranks {away:?} are on other hosts, and this rank listens at {mine}, a \
+                         loopback address (CHORUS_SOCKET_IFNAME picks lo?), which they cannot \
+                         reach"
+                    )
+                };
                 return Err(rdv(format!(
-                    "rank {rank}: ranks {m:?} did not connect within the timeout"
+                    "rank {rank}: ranks {m:?} did not connect within the timeout{hint}"
                 )));
             }
             match rx.recv_timeout(left.min(Duration::from_millis(100))) {
