@@ -1034,6 +1034,19 @@ impl Communicator {
             algos,
         };
         comm.selector = Selector::for_communicator(&mut comm, filter, env_link, crowded)?;
+        if comm.rank == 0 && size > 1 && comm.direct_shared_memory() {
+            // The table just logged is not what runs here.
+            log::log(
+                Level::Info,
+                Some(0),
+                format_args!(
+                    "all_reduce: every rank is on this host: the direct shared-memory \
+                     allreduce runs, not the schedules above (an algorithm option, or a \
+                     CHORUS_ALGO that allows the allreduce fewer schedules than by default, \
+                     runs them)"
+                ),
+            );
+        }
         if let Some(path) = comm.config.tune_file.clone() {
             // Only where schedules are tuned (the same on every rank).
             if tuning && size > 1 && filter.forced().is_none() && !comm.direct_shared_memory() {

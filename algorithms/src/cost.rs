@@ -127,7 +127,9 @@ pub fn halving_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> f6
 /// come down a tree of depth `d = ⌊log₂p⌋`; an inner rank receives two segments per step (one
 /// per child) going up and sends two going down, so a step costs `α + 2sβ` and the critical
 /// path is `2d + m − 1` steps (`d` to fill the pipe each way, then one per segment); zero for
-/// one rank.
+/// one rank. A rank has at most `W` ([`crate::allreduce::tree::WINDOW`]) segments in
+/// progress, and a leaf's segment is done only when it came back down, `2d` steps after it
+/// went up: past `2d > W` the segments follow each other `2d/W` steps apart, not one.
 ///
 /// ```
 /// use chorus_algorithms::cost::{tree_allreduce, Link};
@@ -143,7 +145,14 @@ pub fn tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -
     let s = bytes.min(segment) as f64;
     // With two ranks the root has one child: one segment per step each way.
     let fan_in = if ranks == 2 { 1.0 } else { 2.0 };
-    (2.0 * depth + segments - 1.0) * (link.alpha + fan_in * s * link.beta)
+    let apart = window_spacing(depth, crate::allreduce::tree::WINDOW as f64);
+    (2.0 * depth + (segments - 1.0) * apart) * (link.alpha + fan_in * s * link.beta)
+}
+
+/// Steps between segments of a pipelined tree of depth `depth` with `window` segments in
+/// progress per rank: one, or `2·depth/window` where the window, not the links, sets the pace.
+fn window_spacing(depth: f64, window: f64) -> f64 {
+    (2.0 * depth / window).max(1.0)
 }
 
 /// A double binary tree allreduce ([`crate::allreduce::double_tree`]): the two halves of
@@ -152,7 +161,10 @@ pub fn tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -
 /// [`tree_allreduce`]'s convention, costs `α + (f + 1)·sβ` for half-buffer segments of `s`
 /// bytes and fan-out `f` (two segments down the tree where the rank is inner, one up the tree
 /// where it is a leaf, on the same network port): `(2·depth + m − 1)·(α + (f + 1)·sβ)` with `m`
-/// segments per half, `≈ 2·log₂p·α + 1.5·nβ` for large buffers (the single tree: `2nβ`).
+/// segments per half, `≈ 2·log₂p·α + 1.5·nβ` for large buffers (the single tree: `2nβ`),
+/// as long as the window allows: the two halves share the tree's window of `W` segments, `W/2`
+/// each, so past `2·depth > W/2` the segments of a half follow each other `4·depth/W` steps
+/// apart (see [`tree_allreduce`]).
 ///
 /// ```
 /// use chorus_algorithms::cost::{double_tree_allreduce, Link};
@@ -170,7 +182,8 @@ pub fn double_tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &
     // With two ranks each tree is one edge: a rank sends one half-segment down one tree and
     // one up the other per step.
     let per_step = if ranks == 2 { 2.0 } else { 3.0 };
-    (2.0 * depth + segments - 1.0) * (link.alpha + per_step * s * link.beta)
+    let apart = window_spacing(depth, crate::allreduce::tree::WINDOW as f64 / 2.0);
+    (2.0 * depth + (segments - 1.0) * apart) * (link.alpha + per_step * s * link.beta)
 }
 
 #[cfg(test)]
@@ -208,32 +221,33 @@ mod tests {
     }
 
     #[test]
-    fn double_tree_halves_the_tree_bandwidth_term() {
+    fn double_tree_halves_the_tree_bandwidth_term_while_the_window_allows() {
         let l = Link::GIGABIT_ETHERNET;
         assert_eq!(double_tree_allreduce(8, 1, 1024, &l), 0.0);
         let n = 64 << 20;
-        let t = double_tree_allreduce(n, 8, 1 << 16, &l);
-        let floor = 1.5 * n as f64 * l.beta;
-        assert!(
-            t > floor && t < 1.1 * floor + 2000.0 * l.alpha,
-            "{t} vs {floor}"
-        );
-        assert!(t < 0.8 * tree_allreduce(n, 8, 1 << 16, &l));
+        let near = |t: f64, floor: f64| t > floor && t < 1.1 * floor + 2000.0 * l.alpha;
+        // Depth 1 (p = 3): two half-segments in progress per tree cover the round trip.
+        let t = double_tree_allreduce(n, 3, 1 << 16, &l);
+        assert!(near(t, 1.5 * n as f64 * l.beta), "{t}");
+        assert!(t < 0.8 * tree_allreduce(n, 3, 1 << 16, &l));
+        // Depth 2 (p = 4): the shared window sets the pace, 4·2/4 = 2 steps apart.
+        let t = double_tree_allreduce(n, 4, 1 << 16, &l);
+        assert!(near(t, 3.0 * n as f64 * l.beta), "{t}");
         // Two ranks: each half crosses the one link in each direction, like the ring.
         let two = double_tree_allreduce(n, 2, 1 << 16, &l);
         assert!(two > n as f64 * l.beta && two < 1.1 * n as f64 * l.beta);
     }
 
     #[test]
-    fn tree_pipelines_large_buffers() {
+    fn tree_pipelines_large_buffers_as_far_as_its_window_allows() {
         let l = Link::GIGABIT_ETHERNET;
         let n = 64 << 20;
-        // Many segments: about 2nβ (every inner rank sends each byte to two children).
+        let near = |t: f64, floor: f64| t > floor && t < 1.1 * floor + 2000.0 * l.alpha;
+        // Many segments: about 2nβ (every inner rank sends each byte to two children)...
+        let t = tree_allreduce(n, 4, 1 << 16, &l);
+        assert!(near(t, 2.0 * n as f64 * l.beta), "{t}");
+        // ...until a leaf's round trip (2d = 6 steps at p = 8) outgrows the window of 4.
         let t = tree_allreduce(n, 8, 1 << 16, &l);
-        let floor = 2.0 * n as f64 * l.beta;
-        assert!(
-            t > floor && t < 1.1 * floor + 2000.0 * l.alpha,
-            "{t} vs {floor}"
-        );
+        assert!(near(t, 2.0 * 1.5 * n as f64 * l.beta), "{t}");
     }
 }
