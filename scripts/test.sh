@@ -19,7 +19,7 @@ need=()
 command -v cc >/dev/null || need+=(gcc libc6-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v ip >/dev/null || need+=(iproute2)
-command -v kill >/dev/null || need+=(procps)
+type -P kill >/dev/null || need+=(procps) # the program, not bash's builtin
 command -v unshare >/dev/null || need+=(util-linux)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
@@ -35,10 +35,20 @@ if [[ ${#need[@]} -gt 0 ]]; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     else
         echo "missing packages: ${need[*]} (install them, or run as root on Debian)" >&2
+        exit 1
     fi
 fi
 
 if [[ $QUICK == 0 ]]; then
+    # rustup's minimal profile has neither; Debian's cargo package needs its own packages.
+    for component in rustfmt clippy; do
+        sub=${component/rustfmt/fmt}
+        if ! cargo "$sub" --version >/dev/null 2>&1; then
+            command -v rustup >/dev/null || { echo "cargo $sub is missing (install $component)" >&2; exit 1; }
+            log "rustup component add $component"
+            rustup component add "$component"
+        fi
+    done
     log "cargo fmt --check"
     cargo fmt --all -- --check
     log "cargo clippy"

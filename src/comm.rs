@@ -1042,7 +1042,7 @@ impl Communicator {
                 format_args!(
                     "all_reduce: every rank is on this host: the direct shared-memory \
                      allreduce runs, not the schedules above (an algorithm option, or a \
-                     CHORUS_ALGO that allows the allreduce fewer schedules than by default, \
+                     CHORUS_ALGO that allows the allreduce other schedules than by default, \
                      runs them)"
                 ),
             );

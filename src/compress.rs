@@ -262,7 +262,8 @@ pub struct Compressor {
     /// The random streams, by stream number: a compressor used on a communicator where this
     /// process has another rank draws that rank's stream there (two processes never draw the
     /// same one), and each stream goes on from call to call (a compressor used on two
-    /// communicators in turn does not start one over). At most [`MAX_STREAMS`].
+    /// communicators in turn does not start one over). At most [`MAX_STREAMS`], the least
+    /// recently used dropped first.
     rng: Vec<(u64, Rng)>,
     /// Which compressor of this process it is (0 for the first): its random stream.
     instance: u64,
@@ -456,17 +457,19 @@ impl Communicator {
                 // buckets of a size would draw the same dither, element for element. (The
                 // stream is the rank and the compressor's number, side by side.)
                 let stream = rank ^ (comp.instance << 32);
-                let at = match comp.rng.iter().position(|(s, _)| *s == stream) {
-                    Some(at) => at,
+                // Most recently used last; the least recently used goes when full.
+                let entry = match comp.rng.iter().position(|(s, _)| *s == stream) {
+                    Some(at) => comp.rng.remove(at),
                     None => {
                         if comp.rng.len() == MAX_STREAMS {
                             comp.rng.remove(0);
                         }
-                        comp.rng.push((stream, Rng::new(spec.seed, stream)));
-                        comp.rng.len() - 1
+                        (stream, Rng::new(spec.seed, stream))
                     }
                 };
-                let rng = &mut comp.rng[at].1;
+                comp.rng.push(entry);
+                let last = comp.rng.len() - 1;
+                let rng = &mut comp.rng[last].1;
                 let residual = spec.error_feedback.then_some(&mut comp.residual);
                 let mut wire = compress::WireStats::default();
                 self.run_tagged(OP, tag, None, |ctx| {

@@ -379,7 +379,11 @@ fn ranks_do_not_outlive_a_killed_launcher() {
             "no setpriv with --pdeathsig here: install util-linux, or set CHORUS_SKIP_SETPRIV=1 \
              to skip this test"
         );
-        eprintln!("note: skipped (CHORUS_SKIP_SETPRIV): no setpriv with --pdeathsig here");
+        // Past the test harness's capture of eprint!, so that the skip shows.
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            b"SKIPPED: (CHORUS_SKIP_SETPRIV) no setpriv with --pdeathsig here\n",
+        );
         return;
     }
     for (signal, marker) in [("TERM", "28.6123"), ("KILL", "28.6124")] {
@@ -857,6 +861,26 @@ fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
     assert!(err.contains("SLURM_STEP_NUM_TASKS=2"), "{err}");
     let (status, err) = run(&srun, Some("1"));
     assert!(status.success(), "{err}");
+    // Allowed, its ranks do not see the outer step's count (it does not describe them).
+    let seen = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        .args([
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo \"<$SLURM_STEP_NUM_TASKS>\"",
+        ])
+        .env("SLURM_STEP_NUM_TASKS", "2")
+        .env("CHORUS_RUN_NESTED", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-run");
+    let out = String::from_utf8_lossy(&seen.stdout);
+    assert!(
+        seen.status.success() && out.matches("<>").count() == 2,
+        "{out}"
+    );
     // torchrun's workers (its run id with WORLD_SIZE; a WORLD_SIZE alone says nothing).
     let torchrun = [("TORCHELASTIC_RUN_ID", "none"), ("WORLD_SIZE", "2")];
     let (status, err) = run(&torchrun, None);

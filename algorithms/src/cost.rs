@@ -128,8 +128,10 @@ pub fn halving_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> f6
 /// per child) going up and sends two going down, so a step costs `α + 2sβ` and the critical
 /// path is `2d + m − 1` steps (`d` to fill the pipe each way, then one per segment); zero for
 /// one rank. A rank has at most `W` ([`crate::allreduce::tree::WINDOW`]) segments in
-/// progress, and a leaf's segment is done only when it came back down, `2d` steps after it
-/// went up: past `2d > W` the segments follow each other `2d/W` steps apart, not one.
+/// progress, and a leaf's segment is done only when it came back down: `d` steps up (each
+/// rank reduces a whole segment before passing it on) and about one down (forwarded as its
+/// bytes arrive), so past `d + 1 > W` (16 ranks and more) the segments follow each other
+/// `(d + 1)/W` steps apart, not one.
 ///
 /// ```
 /// use chorus_algorithms::cost::{tree_allreduce, Link};
@@ -150,9 +152,10 @@ pub fn tree_allreduce(bytes: usize, ranks: usize, segment: usize, link: &Link) -
 }
 
 /// Steps between segments of a pipelined tree of depth `depth` with `window` segments in
-/// progress per rank: one, or `2·depth/window` where the window, not the links, sets the pace.
+/// progress per rank: one, or a leaf's round trip `(depth + 1)/window` where the window, not
+/// the links, sets the pace (see [`tree_allreduce`]).
 fn window_spacing(depth: f64, window: f64) -> f64 {
-    (2.0 * depth / window).max(1.0)
+    ((depth + 1.0) / window).max(1.0)
 }
 
 /// A double binary tree allreduce ([`crate::allreduce::double_tree`]): the two halves of
@@ -163,8 +166,8 @@ fn window_spacing(depth: f64, window: f64) -> f64 {
 /// where it is a leaf, on the same network port): `(2·depth + m − 1)·(α + (f + 1)·sβ)` with `m`
 /// segments per half, `≈ 2·log₂p·α + 1.5·nβ` for large buffers (the single tree: `2nβ`),
 /// as long as the window allows: the two halves share the tree's window of `W` segments, `W/2`
-/// each, so past `2·depth > W/2` the segments of a half follow each other `4·depth/W` steps
-/// apart (see [`tree_allreduce`]).
+/// each, so past `depth + 1 > W/2` (4 ranks and more) the segments of a half follow each other
+/// `2·(depth + 1)/W` steps apart (see [`tree_allreduce`]).
 ///
 /// ```
 /// use chorus_algorithms::cost::{double_tree_allreduce, Link};
@@ -230,9 +233,9 @@ mod tests {
         let t = double_tree_allreduce(n, 3, 1 << 16, &l);
         assert!(near(t, 1.5 * n as f64 * l.beta), "{t}");
         assert!(t < 0.8 * tree_allreduce(n, 3, 1 << 16, &l));
-        // Depth 2 (p = 4): the shared window sets the pace, 4·2/4 = 2 steps apart.
+        // Depth 2 (p = 4): the shared window sets the pace, (2 + 1)/2 steps apart.
         let t = double_tree_allreduce(n, 4, 1 << 16, &l);
-        assert!(near(t, 3.0 * n as f64 * l.beta), "{t}");
+        assert!(near(t, 1.5 * 1.5 * n as f64 * l.beta), "{t}");
         // Two ranks: each half crosses the one link in each direction, like the ring.
         let two = double_tree_allreduce(n, 2, 1 << 16, &l);
         assert!(two > n as f64 * l.beta && two < 1.1 * n as f64 * l.beta);
@@ -244,10 +247,12 @@ mod tests {
         let n = 64 << 20;
         let near = |t: f64, floor: f64| t > floor && t < 1.1 * floor + 2000.0 * l.alpha;
         // Many segments: about 2nβ (every inner rank sends each byte to two children)...
-        let t = tree_allreduce(n, 4, 1 << 16, &l);
-        assert!(near(t, 2.0 * n as f64 * l.beta), "{t}");
-        // ...until a leaf's round trip (2d = 6 steps at p = 8) outgrows the window of 4.
-        let t = tree_allreduce(n, 8, 1 << 16, &l);
-        assert!(near(t, 2.0 * 1.5 * n as f64 * l.beta), "{t}");
+        for p in [4, 8, 15] {
+            let t = tree_allreduce(n, p, 1 << 16, &l);
+            assert!(near(t, 2.0 * n as f64 * l.beta), "p={p}: {t}");
+        }
+        // ...until a leaf's round trip (d + 1 = 5 steps at p = 16) outgrows the window of 4.
+        let t = tree_allreduce(n, 16, 1 << 16, &l);
+        assert!(near(t, 2.0 * 1.25 * n as f64 * l.beta), "{t}");
     }
 }

@@ -24,8 +24,8 @@
 //! down to each of them: an inner rank moves `n` in from below, `n` out above, `n` in from above
 //! and `2n` out below. With `m` segments of `s` bytes and depth `d`, the critical path is about
 //! `(2d + m)` segment steps of `α + 2sβ`: `≈ (2d + m)·α + 2(2d·s + n)·β`
-//! ([`cost()`]), as long as the window covers a leaf's round trip (`2d ≤ WINDOW`, up to 7
-//! ranks); deeper, segments follow each other `2d/WINDOW` steps apart. Few messages on the
+//! ([`cost()`]), as long as the window covers a leaf's round trip (`d + 1 ≤ WINDOW`, up to
+//! 15 ranks); deeper, segments follow each other `(d + 1)/WINDOW` steps apart. Few messages on the
 //! critical path for large `p` when `n` is small to medium; the ring moves fewer bytes per
 //! rank for large `n`.
 

@@ -406,10 +406,17 @@ fn connect_keeping(
 
     let mut hosts = Vec::with_capacity(size);
     let mut addrs = Vec::with_capacity(size);
+    let mut nets = Vec::with_capacity(size);
     for j in 0..size {
         addrs.push(peer_addr(&mut store, j, deadline)?);
         let h = store.get(&format!("host/{j}"), deadline)?;
         hosts.push(String::from_utf8_lossy(&h).into_owned());
+        let n = store.get(&format!("net/{j}"), deadline)?;
+        let n = String::from_utf8_lossy(&n).into_owned();
+        nets.push(
+            n.rsplit_once('#')
+                .map_or(n.clone(), |(id, _)| id.to_string()),
+        );
     }
 
     // Accept from higher ranks on a background thread while connecting to lower ones.
@@ -429,9 +436,12 @@ fn connect_keeping(
 
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let result = (|| -> Result<()> {
-        // A rank on another host (by its identity) that listens on a loopback address
-        // (CHORUS_SOCKET_IFNAME=lo, say) cannot be reached: said when the wait for it ends.
-        let elsewhere = |j: usize| hosts[j] != hosts[rank];
+        // A rank in another network (another machine or network namespace) that listens on
+        // a loopback address (CHORUS_SOCKET_IFNAME=lo, say) cannot be reached: said when the
+        // wait for it ends. (Not by the host identity, which CHORUS_HOSTID or a PID namespace
+        // makes differ on one network.)
+        let known = |id: &str| id.split('|').all(|part| !part.is_empty());
+        let elsewhere = |j: usize| known(&nets[j]) && known(&nets[rank]) && nets[j] != nets[rank];
         for (j, addr) in addrs.iter().enumerate().take(rank) {
             match dial(*addr, comm_id, rank, j, &opts.token, deadline) {
                 Ok(st) => streams[j] = Some(st),
@@ -439,9 +449,9 @@ fn connect_keeping(
                     if addr.ip().is_loopback() && elsewhere(j) =>
                 {
                     return Err(rdv(format!(
-                        "rank {rank}: {e}; rank {j} is on another host and listens at {addr}, \
-                         a loopback address (its CHORUS_SOCKET_IFNAME picks lo?), which this \
-                         host cannot reach"
+                        "rank {rank}: {e}; rank {j} is on another host (or network namespace) \
+                         and listens at {addr}, a loopback address (its CHORUS_SOCKET_IFNAME \
+                         picks lo?), which this one cannot reach"
                     )))
                 }
                 Err(e) => return Err(e),
@@ -459,9 +469,9 @@ fn connect_keeping(
                     String::new()
                 } else {
                     format!(
-                        "; ranks {away:?} are on other hosts, and this rank listens at {mine}, a \
-                         loopback address (CHORUS_SOCKET_IFNAME picks lo?), which they cannot \
-                         reach"
+                        "; ranks {away:?} are on other hosts (or network namespaces), and this \
+                         rank listens at {mine}, a loopback address (CHORUS_SOCKET_IFNAME picks \
+                         lo?), which they cannot reach"
                     )
                 };
                 return Err(rdv(format!(
