@@ -383,6 +383,18 @@ const char *chorus_status_string(int32_t status);
 const char *chorus_last_error(void);
 
 /**
+ * Sets this thread's `chorus_last_error` message to the string at `message` (NULL: empty;
+ * bytes that are not UTF-8 are replaced). For language bindings whose finalizers call into
+ * chorus (a garbage collector may run one between a failed call and the reading of its
+ * message): they save the message first and put it back after. Returns nothing and changes
+ * nothing else.
+ *
+ * # Safety
+ * `message` is NULL or points to a NUL-terminated string that stays alive during the call.
+ */
+void chorus_set_last_error(const char *message);
+
+/**
  * The library version, e.g. `"0.1.0"`: a static string.
  */
 const char *chorus_version(void);

@@ -293,6 +293,27 @@ pub extern "C" fn chorus_last_error() -> *const c_char {
     status::last_error_ptr()
 }
 
+/// Sets this thread's `chorus_last_error` message to the string at `message` (NULL: empty;
+/// bytes that are not UTF-8 are replaced). For language bindings whose finalizers call into
+/// chorus (a garbage collector may run one between a failed call and the reading of its
+/// message): they save the message first and put it back after. Returns nothing and changes
+/// nothing else.
+///
+/// # Safety
+/// `message` is NULL or points to a NUL-terminated string that stays alive during the call.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_set_last_error(message: *const c_char) {
+    let text = if message.is_null() {
+        String::new()
+    } else {
+        // SAFETY: non-NULL and NUL-terminated by the caller's promise.
+        unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    status::restore_last_error(&text);
+}
+
 /// The library version, e.g. `"0.1.0"`: a static string.
 #[no_mangle]
 pub extern "C" fn chorus_version() -> *const c_char {

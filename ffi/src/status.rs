@@ -154,6 +154,11 @@ fn set_last_error(message: &str) {
     let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }
 
+/// Puts back a message saved from [`last_error_ptr`] (`chorus_set_last_error`).
+pub(crate) fn restore_last_error(message: &str) {
+    set_last_error(message);
+}
+
 /// A pointer to this thread's last error message, valid until this thread's next call into
 /// chorus (other than `chorus_last_error`, `chorus_status_string` and `chorus_version`).
 pub(crate) fn last_error_ptr() -> *const c_char {

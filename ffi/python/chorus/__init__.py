@@ -149,6 +149,19 @@ _ERRORS = {
 }
 
 
+class _KeptLastError:
+    """Saves this thread's last error message and puts it back on exit: for finalizers, which
+    the garbage collector may run between a failed call and the reading of its message (their
+    own calls into chorus would overwrite it)."""
+
+    def __enter__(self) -> "_KeptLastError":
+        self._saved = lib.chorus_last_error()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        lib.chorus_set_last_error(self._saved)
+
+
 def _check(status: int, message: Optional[bytes] = None) -> None:
     """Raise the exception of a non-zero status with its message: ``message`` (this thread's
     last error, read right after the call), or this thread's last error now."""
@@ -1184,7 +1197,8 @@ class Communicator:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            with _KeptLastError():
+                self.close()
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
 
@@ -1312,22 +1326,27 @@ class Request:
 
     def __del__(self) -> None:
         try:
-            if self._h.value is not None:
-                if self._given_up is not None and os.getpid() == self._pid:
-                    # A transfer: given up, not waited for (a ring of dropped isends followed
-                    # by receives must not wait here); if it is still running, its buffers
-                    # stay with the communicator until no transfer runs (or close()).
-                    done = ctypes.c_int(0)
-                    lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
-                    if self._h.value is not None:
-                        self._given_up.append(self._keep)
-                        lib.chorus_request_free(ctypes.byref(self._h))
-                else:
-                    lib.chorus_wait(ctypes.byref(self._h))
+            with _KeptLastError():
+                self._finalize()
         except BaseException:  # noqa: BLE001 - never raise from a finaliser
             # The call may still be running (e.g. at interpreter exit): keep its buffers
             # alive for good rather than free memory it may write.
             _ORPHANED.append(self._keep)
+
+    def _finalize(self) -> None:
+        """What ``__del__`` does: a transfer is given up, a collective waited for."""
+        if self._h.value is not None:
+            if self._given_up is not None and os.getpid() == self._pid:
+                # A transfer: given up, not waited for (a ring of dropped isends followed
+                # by receives must not wait here); if it is still running, its buffers
+                # stay with the communicator until no transfer runs (or close()).
+                done = ctypes.c_int(0)
+                lib.chorus_test(ctypes.byref(self._h), ctypes.byref(done))
+                if self._h.value is not None:
+                    self._given_up.append(self._keep)
+                    lib.chorus_request_free(ctypes.byref(self._h))
+            else:
+                lib.chorus_wait(ctypes.byref(self._h))
 
     def __repr__(self) -> str:
         state = "running" if self._h.value is not None else ("failed" if self._error else "done")
@@ -1551,7 +1570,8 @@ class Compressor:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            with _KeptLastError():
+                self.close()
         except Exception:
             pass
 

@@ -99,6 +99,7 @@ P2P_SEND, P2P_RECV = 0, 1
 _PROTOTYPES = {
     "chorus_status_string": (c_char_p, [c_int32]),
     "chorus_last_error": (c_char_p, []),
+    "chorus_set_last_error": (None, [c_char_p]),
     "chorus_version": (c_char_p, []),
     "chorus_comm_init_env": (c_int32, [_comm_pp]),
     "chorus_comm_init": (c_int32, [_comm_pp, c_int, c_int, c_char_p, c_char_p]),

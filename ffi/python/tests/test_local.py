@@ -89,6 +89,23 @@ def test_a_nonblocking_call_holds_the_memory_it_uses(solo):
     assert torch.equal(held[0], torch.arange(4.0))
 
 
+def test_finalizers_keep_the_message_of_a_failed_call(solo):
+    """The garbage collector may finalize a request, a compressor or a communicator between a
+    failed call and the reading of its message: their calls into chorus leave it as it was."""
+    lib = chorus._lib.lib
+    for make in (
+        lambda: solo.allreduce(np.ones(4, np.float32), async_op=True),
+        lambda: chorus.Compressor("int8"),
+        lambda: chorus.init(rank=0, size=1, addr="127.0.0.1:0"),
+    ):
+        obj = make()
+        lib.chorus_set_last_error(b"rank 0: what the failed call said")
+        del obj  # its finalizer calls chorus (wait, destroy)
+        assert lib.chorus_last_error() == b"rank 0: what the failed call said"
+    lib.chorus_set_last_error(None)
+    assert lib.chorus_last_error() == b""
+
+
 def test_group_of_one_keeps_values(solo):
     assert (solo.rank, solo.size) == (0, 1)
     for dt in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:
