@@ -34,8 +34,8 @@ if [[ ${#need[@]} -gt 0 ]]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     else
+        # Not fatal: the tests that need them fail, or skip where a switch says so.
         echo "missing packages: ${need[*]} (install them, or run as root on Debian)" >&2
-        exit 1
     fi
 fi
 

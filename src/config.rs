@@ -516,8 +516,11 @@ fn chorus_vars_below_launcher(env: &Lookup<'_>, size: usize) -> Option<String> {
     if env
         .value("CHORUS_RUN_NESTED")
         .is_some_and(|v| v.trim() == "1")
+        || env.value("CHORUS_RUN_NPROC").is_some()
     {
-        return None; // Independent jobs inside another launcher's, as chorus-run allows.
+        // Independent jobs inside another launcher's, as chorus-run allows, or chorus-run's
+        // own ranks (in an interactive shell of a Slurm step, say): set as meant.
+        return None;
     }
     env.value("CHORUS_RANK")?;
     env.value("CHORUS_WORLD_SIZE")?;
@@ -854,6 +857,10 @@ mod tests {
         both[0].1 = "2";
         both[1].1 = "4";
         assert_eq!(warn(&both), None);
+        // A rank of chorus-run (its marker) inside a larger launch: its variables are meant.
+        let mut ours = leftover.to_vec();
+        ours.push(("CHORUS_RUN_NPROC", "1"));
+        assert_eq!(warn(&ours), None);
         assert_eq!(warn(&leftover[2..]), None);
     }
 

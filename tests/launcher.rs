@@ -375,7 +375,7 @@ fn ranks_do_not_outlive_a_killed_launcher() {
     if !has_setpriv {
         // Debian's util-linux (essential) has it; elsewhere the launcher cannot promise this.
         assert!(
-            std::env::var_os("CHORUS_SKIP_SETPRIV").is_some(),
+            std::env::var("CHORUS_SKIP_SETPRIV").is_ok_and(|v| v.trim() == "1"),
             "no setpriv with --pdeathsig here: install util-linux, or set CHORUS_SKIP_SETPRIV=1 \
              to skip this test"
         );
@@ -861,26 +861,6 @@ fn refuses_to_run_as_one_of_several_tasks_of_another_launcher() {
     assert!(err.contains("SLURM_STEP_NUM_TASKS=2"), "{err}");
     let (status, err) = run(&srun, Some("1"));
     assert!(status.success(), "{err}");
-    // Allowed, its ranks do not see the outer step's count (it does not describe them).
-    let seen = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
-        .args([
-            "-n",
-            "2",
-            "--",
-            "sh",
-            "-c",
-            "echo \"<$SLURM_STEP_NUM_TASKS>\"",
-        ])
-        .env("SLURM_STEP_NUM_TASKS", "2")
-        .env("CHORUS_RUN_NESTED", "1")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run chorus-run");
-    let out = String::from_utf8_lossy(&seen.stdout);
-    assert!(
-        seen.status.success() && out.matches("<>").count() == 2,
-        "{out}"
-    );
     // torchrun's workers (its run id with WORLD_SIZE; a WORLD_SIZE alone says nothing).
     let torchrun = [("TORCHELASTIC_RUN_ID", "none"), ("WORLD_SIZE", "2")];
     let (status, err) = run(&torchrun, None);

@@ -23,7 +23,7 @@
 //! 5. the same name, all ranks in one namespace but given two host ids: the job forms.
 //!
 //! It needs root (`ip netns`, `tc`). Where namespaces cannot be made it fails and says why;
-//! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIP` line). Every job runs under a watchdog.
+//! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIPPED` line). Every job runs under a watchdog.
 
 mod common;
 

@@ -325,21 +325,6 @@ fn random_token() -> io::Result<String> {
 }
 
 /// The environment of one rank, in the order it is applied (later entries win).
-/// The rank and size variables of the MPI and Slurm launchers, not passed on to the ranks
-/// (chorus-run sets its own and torchrun's).
-const OUTER_RANK_VARS: [&str; 10] = [
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "MPI_LOCALRANKID",
-    "MPI_LOCALNRANKS",
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-];
-
 fn rank_env(
     opts: &Options,
     rank: usize,
@@ -834,11 +819,6 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
                 c
             }
         };
-        // The rank variables of a launcher around this one (an interactive srun shell's, or
-        // one allowed by CHORUS_RUN_NESTED) do not describe these ranks.
-        for var in OUTER_RANK_VARS {
-            cmd.env_remove(var);
-        }
         cmd.envs(rank_env(opts, rank, &root_addr, master_port, &token));
         cmd.stdin(if rank == 0 {
             Stdio::inherit()

@@ -1195,9 +1195,9 @@ class Communicator:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(self, _kept: Any = _KeptLastError) -> None:
         try:
-            with _KeptLastError():
+            with _kept():
                 self.close()
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
@@ -1205,6 +1205,10 @@ class Communicator:
     def __repr__(self) -> str:
         state = "closed" if self._handle.closed else "open"
         return f"<chorus.Communicator rank {self._rank} of {self._size}, {state}>"
+
+
+#: Buffers of requests whose finaliser could not wait for them (kept alive on purpose).
+_ORPHANED: List[Any] = []
 
 
 class Request:
@@ -1324,14 +1328,17 @@ class Request:
         self._completer().put((self, fut))
         return fut
 
-    def __del__(self) -> None:
+    # (The module's globals are bound as defaults: at interpreter exit they may be gone.)
+    def __del__(self, _kept: Any = _KeptLastError, _orphaned: Any = _ORPHANED) -> None:
+        if self._h.value is None:
+            return  # completed: nothing to do
         try:
-            with _KeptLastError():
+            with _kept():
                 self._finalize()
         except BaseException:  # noqa: BLE001 - never raise from a finaliser
             # The call may still be running (e.g. at interpreter exit): keep its buffers
             # alive for good rather than free memory it may write.
-            _ORPHANED.append(self._keep)
+            _orphaned.append(self._keep)
 
     def _finalize(self) -> None:
         """What ``__del__`` does: a transfer is given up, a collective waited for."""
@@ -1352,9 +1359,6 @@ class Request:
         state = "running" if self._h.value is not None else ("failed" if self._error else "done")
         return f"<chorus.Request {state}>"
 
-
-#: Buffers of requests whose finaliser could not wait for them (kept alive on purpose).
-_ORPHANED: List[Any] = []
 
 
 def _error_of(status: int, message: Optional[bytes] = None) -> Optional["ChorusError"]:
@@ -1568,9 +1572,9 @@ class Compressor:
         if h is not None:
             _check(lib.chorus_compressor_destroy(h))
 
-    def __del__(self) -> None:
+    def __del__(self, _kept: Any = _KeptLastError) -> None:
         try:
-            with _KeptLastError():
+            with _kept():
                 self.close()
         except Exception:
             pass

@@ -411,12 +411,17 @@ fn connect_keeping(
         addrs.push(peer_addr(&mut store, j, deadline)?);
         let h = store.get(&format!("host/{j}"), deadline)?;
         hosts.push(String::from_utf8_lossy(&h).into_owned());
-        let n = store.get(&format!("net/{j}"), deadline)?;
-        let n = String::from_utf8_lossy(&n).into_owned();
-        nets.push(
+        // Its network, for the hint below: needed only where a loopback address is involved
+        // (no more store requests for a job across hosts).
+        let net = if addrs[j].ip().is_loopback() || my_addr.ip().is_loopback() {
+            let n = store.get(&format!("net/{j}"), deadline)?;
+            let n = String::from_utf8_lossy(&n).into_owned();
             n.rsplit_once('#')
-                .map_or(n.clone(), |(id, _)| id.to_string()),
-        );
+                .map_or(n.clone(), |(id, _)| id.to_string())
+        } else {
+            String::new()
+        };
+        nets.push(net);
     }
 
     // Accept from higher ranks on a background thread while connecting to lower ones.
