@@ -4,6 +4,8 @@
 //! and the test fails, so a launcher that hangs (or fails to kill a `sleep 30` rank) cannot
 //! hang the suite. Runtimes are never asserted tightly.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -24,14 +26,7 @@ struct Run {
 /// the test suite itself (`srun -n2 cargo test`): it would refuse to run as one of its tasks.
 fn launcher() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
-    for var in [
-        "SLURM_STEP_NUM_TASKS",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "CHORUS_RUN_NPROC",
-        "TORCHELASTIC_RUN_ID",
-        "CHORUS_RUN_NESTED",
-    ] {
+    for var in common::OUTER_LAUNCHER_VARS {
         cmd.env_remove(var);
     }
     cmd

@@ -353,13 +353,7 @@ fn default_interface_scenario(cluster: &Cluster) -> Result<(), String> {
         .env_remove("CHORUS_ADDR");
     // Not the variables of a launcher that may have started the tests: chorus-run would
     // refuse to run as one of its tasks.
-    for var in [
-        "SLURM_STEP_NUM_TASKS",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "CHORUS_RUN_NPROC",
-        "TORCHELASTIC_RUN_ID",
-    ] {
+    for var in common::OUTER_LAUNCHER_VARS {
         cmd.env_remove(var);
     }
     let job = wait_all(vec![start(cmd)?]);

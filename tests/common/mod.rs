@@ -501,3 +501,15 @@ pub fn kill_test_parent_with<'a>(
         start.elapsed()
     );
 }
+
+/// The variables by which chorus-run sees that it was started as one of several tasks of
+/// another launcher (and refuses to run), or is allowed to: removed from a chorus-run the
+/// tests start, which may themselves run under a launcher (`srun -n2 cargo test`).
+pub const OUTER_LAUNCHER_VARS: [&str; 6] = [
+    "SLURM_STEP_NUM_TASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "CHORUS_RUN_NPROC",
+    "TORCHELASTIC_RUN_ID",
+    "CHORUS_RUN_NESTED",
+];
