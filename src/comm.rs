@@ -1089,9 +1089,28 @@ impl Communicator {
         self._rendezvous.as_ref().map(|r| r.addrs[self.rank].ip())
     }
 
-    /// The configuration it was built from.
+    /// The configuration it was built from (with the timeout [`Communicator::set_timeout`]
+    /// set since).
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Sets the timeout of this communicator's later calls and transfers (what
+    /// `CHORUS_TIMEOUT` set at init): each fails when it has not completed within it. From
+    /// 1 ms to one year, as `CHORUS_TIMEOUT`; a communicator made from this one (split, dup)
+    /// starts from it. Ranks may set different timeouts. The torch backend sets the process
+    /// group's timeout here when `CHORUS_TIMEOUT` is not set.
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<(), CommError> {
+        let secs = timeout.as_secs_f64();
+        if !(0.001..=365.0 * 24.0 * 3600.0).contains(&secs) {
+            return Err(CommError::invalid(
+                "set_timeout",
+                format!("a timeout of {secs} s: it must be at least 1 ms and at most one year"),
+            )
+            .at_rank(self.rank));
+        }
+        self.config.timeout = timeout;
+        Ok(())
     }
 
     /// Name of the transport in use: "tcp", "shm" (every peer on this host), "shm+tcp" (some

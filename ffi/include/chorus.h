@@ -506,6 +506,18 @@ int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
 int32_t chorus_comm_refused_call(chorus_comm *comm);
 
 /**
+ * Sets the timeout of `comm`'s later calls and transfers to `seconds` (what `CHORUS_TIMEOUT`
+ * set at init): each fails when it has not completed within it. From 0.001 (1 ms) to one
+ * year; anything else (NaN included) is `CHORUS_INVALID_ARGUMENT`. A communicator split or
+ * duplicated from `comm` afterwards starts from it. Waits for the nonblocking calls issued
+ * before (as a blocking call does).
+ *
+ * # Safety
+ * `comm` is NULL or a live communicator.
+ */
+int32_t chorus_comm_set_timeout(chorus_comm *comm, double seconds);
+
+/**
  * Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
  * rank) and make this communicator unusable. It may be called from another thread while a
  * call runs on the communicator, blocking or nonblocking (as `ncclCommAbort`): that call

@@ -538,6 +538,29 @@ pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32
     })
 }
 
+/// Sets the timeout of `comm`'s later calls and transfers to `seconds` (what `CHORUS_TIMEOUT`
+/// set at init): each fails when it has not completed within it. From 0.001 (1 ms) to one
+/// year; anything else (NaN included) is `CHORUS_INVALID_ARGUMENT`. A communicator split or
+/// duplicated from `comm` afterwards starts from it. Waits for the nonblocking calls issued
+/// before (as a blocking call does).
+///
+/// # Safety
+/// `comm` is NULL or a live communicator.
+#[no_mangle]
+pub unsafe extern "C" fn chorus_comm_set_timeout(comm: *mut chorus_comm, seconds: f64) -> i32 {
+    guard("chorus_comm_set_timeout", || {
+        // SAFETY: NULL or live by the caller's promise.
+        let c = unsafe { ptr::comm(comm)? };
+        if !(0.001..=365.0 * 24.0 * 3600.0).contains(&seconds) {
+            return Err(Failure::invalid(format!(
+                "seconds = {seconds}: the timeout must be at least 0.001 (1 ms) and at most one \
+                 year"
+            )));
+        }
+        c.with(|comm| Ok(comm.set_timeout(Duration::from_secs_f64(seconds))?))
+    })
+}
+
 /// Uses up a refused call's place on `c` (see `chorus_comm_refused_call`), in order with the
 /// calls issued before it, without waiting for them. Not while another thread is in a call on
 /// it, nor while calls are refused (held transfers): a valid call would have been refused

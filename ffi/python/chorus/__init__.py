@@ -97,20 +97,23 @@ class InvalidUsageError(ChorusError, RuntimeError):
     status = 2
 
 
-class ChorusSystemError(ChorusError, OSError):
+class ChorusSystemError(ChorusError, OSError, RuntimeError):
     """An operating-system error (socket, address). Status 3."""
 
     status = 3
 
 
-class RemoteError(ChorusError, ConnectionError):
+class RemoteError(ChorusError, ConnectionError, RuntimeError):
     """A peer was lost, aborted or sent garbage. The communicator is unusable. Status 4."""
 
     status = 4
 
 
-class ChorusTimeoutError(ChorusError, TimeoutError):
-    """A peer did not answer in time. The communicator is unusable. Status 5."""
+class ChorusTimeoutError(ChorusError, TimeoutError, RuntimeError):
+    """A peer did not answer in time. The communicator is unusable. Status 5. (Also a
+    ``RuntimeError``, as Gloo's timeouts are, like :class:`RemoteError` and
+    :class:`ChorusSystemError`: ``except RuntimeError`` around torch.distributed calls
+    catches them.)"""
 
     status = 5
 
@@ -1141,6 +1144,15 @@ class Communicator:
                 f"ranks {list(seen)} (every rank must pass the same list)"
             )
         return group
+
+    def set_timeout(self, seconds: float) -> None:
+        """Set the timeout of this communicator's later calls and transfers (what
+        ``CHORUS_TIMEOUT`` set at init), in seconds from 0.001 to one year: each fails with
+        :class:`ChorusTimeoutError` when it has not completed within it. Communicators split
+        or duplicated from this one afterwards start from it."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise InvalidArgumentError(f"set_timeout: seconds must be a number, not {seconds!r}")
+        self._call(lib.chorus_comm_set_timeout, ctypes.c_double(float(seconds)))
 
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this

@@ -108,6 +108,7 @@ _PROTOTYPES = {
     "chorus_comm_transfers": (c_int32, [c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "chorus_comm_abort": (c_int32, [c_void_p]),
     "chorus_comm_refused_call": (c_int32, [c_void_p]),
+    "chorus_comm_set_timeout": (c_int32, [c_void_p, ctypes.c_double]),
     "chorus_comm_destroy": (c_int32, [c_void_p]),
     "chorus_comm_split": (c_int32, [c_void_p, c_int, c_int, _comm_pp]),
     "chorus_comm_dup": (c_int32, [c_void_p, _comm_pp]),

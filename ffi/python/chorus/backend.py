@@ -19,8 +19,10 @@ DDP with the gradients' allreduces overlapping the backward pass, register choru
 the group's communicator (:func:`communicator`).
 Calls from several threads on one group wait for each other (the ranks must still make them
 in the same order).
-Timeouts are chorus's (``CHORUS_TIMEOUT``, ``CHORUS_INIT_TIMEOUT``), not the ``timeout`` of
-``init_process_group``.
+The ``timeout`` of ``init_process_group``/``new_group`` is the group's calls' (as with Gloo),
+unless ``CHORUS_TIMEOUT`` is set; the group's setup itself waits ``CHORUS_INIT_TIMEOUT``
+(300 s by default). A transfer (``isend``/``irecv``) must complete within the timeout of being
+issued.
 
 Data-moving collectives (broadcast, the gathers, scatters and all-to-alls) and
 point-to-point messages move bytes, so they take any dtype (bool, int16, complex, ...);
@@ -50,6 +52,7 @@ reductions of floating-point tensors, other tags, the multi-device forms
 """
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -353,12 +356,24 @@ class ProcessGroupChorus(dist.ProcessGroup):
 
     @_collective
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        # Each tensor reduced across the ranks by itself; all checked before the first goes
-        # (see `_checked_first`).
+        # All checked before anything goes (see `_checked_first`). One tensor in place;
+        # several, as Gloo does, reduced as one flat copy and copied back: a tensor listed
+        # twice (or views that overlap) is then reduced once, not once per listing.
         op = _op(opts)
         flats = [_flat(t, f"tensors[{i}]", op) for i, t in enumerate(tensors)]
-        for f in flats:
-            self.comm.allreduce(f, op=op)
+        if len(flats) == 1:
+            self.comm.allreduce(flats[0], op=op)
+        elif flats:
+            if any(f.dtype != flats[0].dtype for f in flats):
+                raise InvalidArgumentError(
+                    "chorus backend: all_reduce_coalesced needs tensors of one dtype"
+                )
+            joined = torch.cat(flats)
+            self.comm.allreduce(joined, op=op)
+            at = 0
+            for f in flats:
+                f.copy_(joined[at : at + f.numel()])
+                at += f.numel()
         return _done(tensors)
 
     @_collective
@@ -748,7 +763,16 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGrou
                 "chorus backend: the group's first rank could not start it: "
                 + uid[len(b"error:"):].decode(errors="replace")
             )
-    return ProcessGroupChorus(init(rank=rank, size=size, unique_id=uid))
+    comm = init(rank=rank, size=size, unique_id=uid)
+    if not os.environ.get("CHORUS_TIMEOUT", "").strip():
+        # The group's timeout (torch's default: 30 min), as Gloo takes it, unless chorus's
+        # own is set; before the point-to-point copy is made, which starts from it.
+        try:
+            comm.set_timeout(timeout.total_seconds())
+        except BaseException:
+            comm.close()
+            raise
+    return ProcessGroupChorus(comm)
 
 
 def communicator(group: Any = None) -> Communicator:

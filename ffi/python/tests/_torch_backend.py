@@ -6,8 +6,10 @@ where one is simple. Then a chorus subgroup, objects, async work and the unsuppo
 Prints ``ok torch_backend rank R``."""
 
 import functools
+import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -437,6 +439,29 @@ def main():
             assert "chorus backend" in e.message or "bitwise" in e.message, (what, e.message)
         else:
             raise AssertionError(f"{what}: no error")
+    # all_reduce_coalesced reduces a tensor listed twice once (as Gloo: one flat copy).
+    t = torch.full((3,), float(me + 1))
+    u = torch.full((2,), 1.0, dtype=torch.float32)
+    dist.all_reduce_coalesced([t, u, t])
+    check("all_reduce_coalesced of a tensor listed twice", t, torch.full((3,), float(p * (p + 1) // 2)))
+    check("all_reduce_coalesced's other tensor", u, torch.full((2,), float(p)))
+    # The group's timeout is its calls' when CHORUS_TIMEOUT is not set (as with Gloo): ranks
+    # that wait for a late one fail within it, with a RuntimeError (as Gloo's timeouts).
+    if p > 1 and not os.environ.get("CHORUS_TIMEOUT"):
+        late = dist.new_group(timeout=timedelta(seconds=2))
+        began = time.monotonic()
+        if me == 0:
+            time.sleep(6)
+        try:
+            dist.barrier(group=late)
+        except RuntimeError as e:
+            assert isinstance(e, chorus.ChorusError), repr(e)
+        else:
+            # The late rank finds the others' messages there (sent before they gave up).
+            assert me == 0, "a barrier waited past its group's 2 s timeout"
+        if me != 0:
+            took = time.monotonic() - began
+            assert took < 5, f"the barrier failed after {took:.1f} s, not its group's 2 s"
     dist.barrier()
     dist.destroy_process_group()
     print(f"ok torch_backend rank {me}", flush=True)

@@ -375,6 +375,32 @@ def _on_two_ranks(fn):
     return out
 
 
+def test_set_timeout_bounds_later_calls():
+    """A timeout set after init is the later calls': a rank that waits for a late one fails
+    within it (a ChorusTimeoutError, also a RuntimeError as Gloo's); bad values are refused."""
+    assert issubclass(chorus.ChorusTimeoutError, RuntimeError)
+    assert issubclass(chorus.RemoteError, RuntimeError)
+
+    def body(c):
+        for bad in (0, -1, float("nan"), 1e9, "5", True):
+            with pytest.raises(chorus.InvalidArgumentError):
+                c.set_timeout(bad)
+        c.set_timeout(0.5)
+        c.barrier()  # both here: fine
+        began = time.monotonic()
+        if c.rank == 1:
+            time.sleep(3)
+        try:
+            c.barrier()
+        except chorus.ChorusError as e:
+            return type(e), time.monotonic() - began
+        return None, time.monotonic() - began
+
+    out = _on_two_ranks(body)
+    kind, took = out[0]
+    assert kind is chorus.ChorusTimeoutError and took < 2.5, (kind, took)
+
+
 def test_a_root_refused_in_python_does_not_take_the_refused_calls_data():
     """Rank 1, the root, forgets its output (refused by this package before C); rank 0's block
     goes out. The root's next gather must not return that block as its own result."""
