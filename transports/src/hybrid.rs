@@ -205,11 +205,20 @@ impl HybridTransport {
                 gone_seen = true;
                 continue;
             }
+            // A TCP peer's abort notice (read where its socket became readable, after the
+            // ops were driven with what arrived) fails the wait now, as on TCP alone.
+            if let Some(e) = self.tcp.abort_notice(false) {
+                return Err(e);
+            }
             let now = Instant::now();
             if now >= deadline && poll {
                 return Ok(false);
             }
             if now >= deadline {
+                // A notice any peer left says more than the timeout (it names the culprit).
+                if let Some(e) = self.tcp.abort_notice(true) {
+                    return Err(e);
+                }
                 let peer = ops
                     .iter()
                     .find(|o| !o.req.is_complete() && o.req.direction() == Direction::Recv)
@@ -429,6 +438,50 @@ mod tests {
             );
             drop(t2);
         }
+    }
+
+    #[test]
+    fn a_mixed_wait_fails_at_once_when_a_tcp_peer_aborts() {
+        // Ranks 0 and 1 share a host, rank 2 is elsewhere. Rank 1 waits to hear from rank 0
+        // (silent) and to send rank 2 more than its socket holds; rank 2 receives nothing and
+        // aborts, its process (here: its transport) alive: rank 1 fails at once with rank 2's
+        // notice, not at the deadline with a timeout.
+        let mut g = local_group(&["a", "a", "b"], Choice::Auto).unwrap();
+        let mut t2 = g.pop().unwrap();
+        let mut t1 = g.pop().unwrap();
+        let t0 = g.pop().unwrap();
+        assert!(t1.uses_shm(0) && !t1.uses_shm(2));
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            t2.abort(&crate::AbortNotice {
+                culprit: Some(2),
+                reason: "on purpose".into(),
+            });
+            t2
+        });
+        let big = vec![7u8; 64 << 20];
+        let (mut r0, mut s2) = (
+            crate::Request::recv(0, 1, 8),
+            crate::Request::send(2, 1, big.len()),
+        );
+        t1.post(&mut r0).unwrap();
+        t1.post(&mut s2).unwrap();
+        let mut b0 = [0u8; 8];
+        let start = Instant::now();
+        let e = t1
+            .wait_all(
+                &mut [Op::recv(&mut r0, &mut b0), Op::send(&mut s2, &big)],
+                start + Duration::from_secs(30),
+            )
+            .unwrap_err();
+        let took = start.elapsed();
+        let t2 = aborter.join().unwrap();
+        assert!(took < Duration::from_secs(5), "{e} after {took:?}");
+        assert!(
+            matches!(e, TransportError::PeerAborted { peer: 2, .. }),
+            "{e}"
+        );
+        drop((t0, t2));
     }
 
     #[test]

@@ -339,6 +339,15 @@ impl TcpTransport {
     /// Look for an abort notice at the head of any peer's stream (only where the stream is
     /// between frames). Data frames are left staged for their receive. With `force`, read even
     /// from sockets not flagged readable.
+    /// For a wait that drives this transport without blocking in it (shared memory beside
+    /// TCP, [`crate::hybrid`]): an abort notice a peer sent, looked for once what arrived was
+    /// driven, as a blocking wait looks after readiness (`force`: on every peer's socket, at
+    /// the deadline). The transport is then broken, as a failed wait leaves it.
+    pub(crate) fn abort_notice(&mut self, force: bool) -> Option<TransportError> {
+        let e = self.pending_notice(force)?;
+        Some(self.fail(e))
+    }
+
     fn pending_notice(&mut self, force: bool) -> Option<TransportError> {
         let mut found: Option<TransportError> = None;
         let until = Instant::now() + ABORT_NOTICE_WAIT;
