@@ -28,6 +28,7 @@ import contextlib
 import functools
 import ctypes
 import operator
+import numbers
 import os
 import sys
 import threading
@@ -1150,9 +1151,13 @@ class Communicator:
         ``CHORUS_TIMEOUT`` set at init), in seconds from 0.001 to one year: each fails with
         :class:`ChorusTimeoutError` when it has not completed within it. Communicators split
         or duplicated from this one afterwards start from it."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        if _is_bool(seconds) or not isinstance(seconds, numbers.Real):
             raise InvalidArgumentError(f"set_timeout: seconds must be a number, not {seconds!r}")
-        self._call(lib.chorus_comm_set_timeout, ctypes.c_double(float(seconds)))
+        try:
+            value = float(seconds)
+        except OverflowError:
+            value = float("inf")  # refused below, as any value past one year
+        self._call(lib.chorus_comm_set_timeout, ctypes.c_double(value))
 
     def abort(self) -> None:
         """Tell every peer this rank gives up (their calls fail at once) and make this

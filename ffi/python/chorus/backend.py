@@ -361,19 +361,23 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # twice (or views that overlap) is then reduced once, not once per listing.
         op = _op(opts)
         flats = [_flat(t, f"tensors[{i}]", op) for i, t in enumerate(tensors)]
+        if any(t.dtype != tensors[0].dtype for t in tensors):
+            # (As Gloo; checked on the tensors, before a complex one is viewed as reals.)
+            raise InvalidArgumentError(
+                "chorus backend: all_reduce_coalesced needs tensors of one dtype"
+            )
         if len(flats) == 1:
             self.comm.allreduce(flats[0], op=op)
         elif flats:
-            if any(f.dtype != flats[0].dtype for f in flats):
-                raise InvalidArgumentError(
-                    "chorus backend: all_reduce_coalesced needs tensors of one dtype"
-                )
             joined = torch.cat(flats)
             self.comm.allreduce(joined, op=op)
-            at = 0
-            for f in flats:
-                f.copy_(joined[at : at + f.numel()])
-                at += f.numel()
+            # Written back as chorus writes one tensor, inference tensors included (which
+            # an in-place op outside inference mode refuses).
+            with torch.inference_mode(any(f.is_inference() for f in flats)):
+                at = 0
+                for f in flats:
+                    f.copy_(joined[at : at + f.numel()])
+                    at += f.numel()
         return _done(tensors)
 
     @_collective
@@ -768,7 +772,8 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGrou
         # The group's timeout (torch's default: 30 min), as Gloo takes it, unless chorus's
         # own is set; before the point-to-point copy is made, which starts from it.
         try:
-            comm.set_timeout(timeout.total_seconds())
+            # (A longer one, such as timedelta.max for "none", is taken as chorus's longest.)
+            comm.set_timeout(min(timeout.total_seconds(), 365 * 24 * 3600))
         except BaseException:
             comm.close()
             raise

@@ -445,6 +445,12 @@ def main():
     dist.all_reduce_coalesced([t, u, t])
     check("all_reduce_coalesced of a tensor listed twice", t, torch.full((3,), float(p * (p + 1) // 2)))
     check("all_reduce_coalesced's other tensor", u, torch.full((2,), float(p)))
+    with torch.inference_mode():
+        i1, i2 = torch.ones(2), torch.ones(3)
+    dist.all_reduce_coalesced([i1, i2])  # inference tensors, outside inference mode
+    check("all_reduce_coalesced of inference tensors", i2, torch.full((3,), float(p)))
+    # A group whose timeout is "none" (longer than chorus takes) is made, with chorus's longest.
+    dist.barrier(group=dist.new_group(timeout=timedelta(days=10000)))
     # The group's timeout is its calls' when CHORUS_TIMEOUT is not set (as with Gloo): ranks
     # that wait for a late one fail within it, with a RuntimeError (as Gloo's timeouts).
     if p > 1 and not os.environ.get("CHORUS_TIMEOUT"):

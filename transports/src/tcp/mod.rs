@@ -70,6 +70,9 @@ enum RxPhase {
 struct Peer {
     stream: mio::net::TcpStream,
     readable: bool,
+    /// The stream ended (or failed) where an abort notice was looked for: not read again for
+    /// one (each look would be a system call); a receive still reads it and fails.
+    notice_stream_ended: bool,
     writable: bool,
     // send side
     tx_next_ticket: u64,
@@ -96,6 +99,7 @@ impl Peer {
         Peer {
             stream,
             readable: true,
+            notice_stream_ended: false,
             writable: true,
             tx_next_ticket: 0,
             tx_head: 0,
@@ -336,9 +340,6 @@ impl TcpTransport {
         e
     }
 
-    /// Look for an abort notice at the head of any peer's stream (only where the stream is
-    /// between frames). Data frames are left staged for their receive. With `force`, read even
-    /// from sockets not flagged readable.
     /// For a wait that drives this transport without blocking in it (shared memory beside
     /// TCP, [`crate::hybrid`]): an abort notice a peer sent, looked for once what arrived was
     /// driven, as a blocking wait looks after readiness (`force`: on every peer's socket, at
@@ -348,6 +349,9 @@ impl TcpTransport {
         Some(self.fail(e))
     }
 
+    /// Look for an abort notice at the head of any peer's stream (only where the stream is
+    /// between frames). Data frames are left staged for their receive. With `force`, read even
+    /// from sockets not flagged readable.
     fn pending_notice(&mut self, force: bool) -> Option<TransportError> {
         let mut found: Option<TransportError> = None;
         let until = Instant::now() + ABORT_NOTICE_WAIT;
@@ -356,11 +360,19 @@ impl TcpTransport {
             if p.rx_phase != RxPhase::Header || !(force || p.readable) {
                 continue;
             }
+            if p.notice_stream_ended && !force {
+                continue;
+            }
             if force {
                 p.readable = true;
             }
-            if !matches!(fill_staging(p, j, HEADER_LEN), Ok(true)) {
-                continue;
+            match fill_staging(p, j, HEADER_LEN) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(_) => {
+                    p.notice_stream_ended = true;
+                    continue;
+                }
             }
             let raw: &[u8; HEADER_LEN] = p.rx_buf[p.rx_start..p.rx_start + HEADER_LEN]
                 .try_into()
