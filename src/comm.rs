@@ -1102,7 +1102,7 @@ impl Communicator {
     /// group's timeout here when `CHORUS_TIMEOUT` is not set.
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<(), CommError> {
         let secs = timeout.as_secs_f64();
-        if !(0.001..=365.0 * 24.0 * 3600.0).contains(&secs) {
+        if crate::config::timeout_from_secs(secs).is_none() {
             return Err(CommError::invalid(
                 "set_timeout",
                 format!("a timeout of {secs} s: it must be at least 1 ms and at most one year"),

@@ -353,15 +353,10 @@ const MAX_STREAMS: usize = 16;
 /// The name of the compressed allreduce in errors.
 const OP_COMPRESSED: &str = "all_reduce_compressed";
 
-/// The report of a tensor below `min_bytes`, sent by the plain allreduce: a ring-like
-/// allreduce sends and receives about 2(p−1)/p of its `dense_bytes`.
-fn plain_report(dense_bytes: u64, p: u64) -> CompressionReport {
-    plain_report_of(dense_bytes, dense_bytes, p)
-}
-
-/// [`plain_report`] of a tensor of `tensor_bytes` in its own dtype (half of `dense_bytes` for
-/// a 16-bit one, which the plain allreduce sends as it is).
-fn plain_report_of(dense_bytes: u64, tensor_bytes: u64, p: u64) -> CompressionReport {
+/// The report of a tensor below `min_bytes`, sent by the plain allreduce in its own dtype
+/// (`tensor_bytes`: `dense_bytes`, its size as f32, for an f32 tensor, half of it for a
+/// 16-bit one): a ring-like allreduce sends and receives about 2(p−1)/p of them.
+fn plain_report(dense_bytes: u64, tensor_bytes: u64, p: u64) -> CompressionReport {
     let moved = tensor_bytes * 2 * p.saturating_sub(1) / p.max(1);
     CompressionReport {
         compressed: false,
@@ -428,7 +423,7 @@ impl Communicator {
             // (Only float32 here: `all_reduce_compressed_raw` sends other dtypes' small
             // tensors through the plain allreduce in their own dtype.)
             self.all_reduce_with(None, buf, op, &AllReduceOptions::default())?;
-            comp.last = plain_report(dense_bytes, p);
+            comp.last = plain_report(dense_bytes, dense_bytes, p);
             return Ok(comp.last);
         }
         let rank = self.rank() as u64;
@@ -549,7 +544,7 @@ impl Communicator {
                 // tensors of one length fail here too instead of returning results rounded
                 // differently.
                 c.all_reduce_raw(None, buf, dtype, op, &AllReduceOptions::default())?;
-                comp.last = plain_report_of(4 * n as u64, buf.len() as u64, c.size() as u64);
+                comp.last = plain_report(4 * n as u64, buf.len() as u64, c.size() as u64);
                 return Ok(comp.last);
             }
             if dtype == DType::Float32 {

@@ -464,6 +464,25 @@ const LAUNCHERS: &[Launcher] = &[
     },
 ];
 
+/// The variables through which the launchers chorus reads besides its own (torchrun, Open
+/// MPI, MPICH/Hydra, Slurm) give a process its rank, the job's size and its place on its host.
+/// A launcher of chorus's own (`chorus-perf --ranks`) removes them from the processes it
+/// starts, whose ranks they do not describe.
+pub fn other_launcher_variables() -> Vec<&'static str> {
+    let mut vars: Vec<&'static str> = LAUNCHERS
+        .iter()
+        .filter(|l| l.name != "chorus")
+        .flat_map(|l| {
+            [l.rank, l.size, l.launch_size, l.local_rank]
+                .into_iter()
+                .chain(l.local_size)
+        })
+        .collect();
+    vars.sort_unstable();
+    vars.dedup();
+    vars
+}
+
 /// Refuses a rank taken from one launcher's variables while another launcher's say this
 /// process is one of more: left over from another launch (a shell that exported `RANK=0
 /// WORLD_SIZE=1`, then `mpirun -np 4`), they would make every process rank 0 of a job of its
@@ -548,6 +567,15 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// The largest timeout accepted: one year.
 const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
+/// A timeout of `secs` seconds, if it is one chorus takes (`CHORUS_TIMEOUT`,
+/// [`crate::Communicator::set_timeout`], `chorus_comm_set_timeout`, `chorus-perf -t`): from
+/// 1 ms to one year (NaN and infinities refused).
+pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
+    (0.001..=MAX_TIMEOUT_SECS)
+        .contains(&secs)
+        .then(|| Duration::from_secs_f64(secs))
+}
+
 /// Variable lookup with blank values treated as unset.
 struct Lookup<'a>(&'a dyn Fn(&str) -> Option<String>);
 
@@ -604,13 +632,12 @@ fn parse_seconds(var: &str, value: &str) -> Result<Duration, String> {
     let secs: f64 = value.parse().map_err(|_| {
         format!("{var}={value:?} is not a number of seconds (e.g. {var}=30 or {var}=2.5)")
     })?;
-    if !(0.001..=MAX_TIMEOUT_SECS).contains(&secs) {
-        return Err(format!(
+    timeout_from_secs(secs).ok_or_else(|| {
+        format!(
             "{var}={value:?}: the timeout must be at least 0.001 (1 ms) and at most one year, \
              in seconds"
-        ));
-    }
-    Ok(Duration::from_secs_f64(secs))
+        )
+    })
 }
 
 /// Whether `host` looks like a host name or IPv4 address (letters, digits, `-`, `.`, `_`).

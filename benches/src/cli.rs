@@ -463,12 +463,15 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 })
             }
             Opt::Ranks => ranks = Some(parse_int("--ranks", v, 1, 4096)? as usize),
-            Opt::Timeout => match v.trim().parse::<f64>() {
+            Opt::Timeout => match v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(chorus::config::timeout_from_secs)
+            {
                 // The range CHORUS_TIMEOUT accepts: 1 ms to one year.
-                Ok(s) if (0.001..=365.0 * 24.0 * 3600.0).contains(&s) => {
-                    timeout = Some(Duration::from_secs_f64(s))
-                }
-                _ => {
+                Some(t) => timeout = Some(t),
+                None => {
                     return usage_err(format!(
                         "-t: '{v}' is not a number of seconds from 0.001 (1 ms) to one year"
                     ))

@@ -14,24 +14,6 @@ use std::time::{Duration, Instant};
 
 use crate::progress::{parse_relay, CLEAR_LINE, RELAY_ENV};
 
-/// The rank and size variables of the launchers chorus reads besides its own.
-const OTHER_LAUNCHERS: [&str; 14] = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "MPI_LOCALRANKID",
-    "MPI_LOCALNRANKS",
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-];
-
 /// How long the other ranks may run on after one failed before they are killed.
 const GRACE: Duration = Duration::from_secs(3);
 /// How often the children are polled.
@@ -169,13 +151,14 @@ fn launch_inner(ranks: usize, args: &[String], progress: bool) -> io::Result<i32
         progress: None,
     }));
 
+    // Another launcher's rank variables (chorus-run's, torchrun's, an MPI's, Slurm's around
+    // this one) do not describe the ranks started here.
+    let outer = chorus::config::other_launcher_variables();
     let mut children: Vec<Option<Child>> = Vec::with_capacity(ranks);
     let mut pumps = Vec::new();
     for r in 0..ranks {
         let mut cmd = Command::new(&exe);
-        // Another launcher's rank variables (chorus-run's, torchrun's, an MPI's, Slurm's
-        // around this one) do not describe the ranks started here.
-        for var in OTHER_LAUNCHERS {
+        for var in &outer {
             cmd.env_remove(var);
         }
         cmd.args(args)

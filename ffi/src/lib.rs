@@ -551,13 +551,13 @@ pub unsafe extern "C" fn chorus_comm_set_timeout(comm: *mut chorus_comm, seconds
     guard("chorus_comm_set_timeout", || {
         // SAFETY: NULL or live by the caller's promise.
         let c = unsafe { ptr::comm(comm)? };
-        if !(0.001..=365.0 * 24.0 * 3600.0).contains(&seconds) {
+        let Some(timeout) = chorus_core::config::timeout_from_secs(seconds) else {
             return Err(Failure::invalid(format!(
                 "seconds = {seconds}: the timeout must be at least 0.001 (1 ms) and at most one \
                  year"
             )));
-        }
-        c.with(|comm| Ok(comm.set_timeout(Duration::from_secs_f64(seconds))?))
+        };
+        c.with(|comm| Ok(comm.set_timeout(timeout)?))
     })
 }
 

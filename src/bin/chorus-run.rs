@@ -707,20 +707,20 @@ fn nested_launch(get: &dyn Fn(&str) -> Option<String>, interactive: bool) -> Opt
     if get("CHORUS_RUN_NESTED").is_some_and(|v| v.trim() == "1") {
         return None;
     }
-    // torchrun's WORLD_SIZE only with its run id (a WORLD_SIZE left exported in a shell
-    // says nothing); CHORUS_RUN_NPROC is what chorus-run gives its own ranks.
+    // Each launcher's count, and whether it is looked at: the Slurm and MPI counts not from
+    // an interactive shell; torchrun's WORLD_SIZE only with its run id (one left exported in
+    // a shell says nothing); CHORUS_RUN_NPROC is what chorus-run gives its own ranks.
     let torchrun = get("TORCHELASTIC_RUN_ID").is_some();
     [
-        "SLURM_STEP_NUM_TASKS",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "CHORUS_RUN_NPROC",
-        "WORLD_SIZE",
+        ("SLURM_STEP_NUM_TASKS", !interactive),
+        ("OMPI_COMM_WORLD_SIZE", !interactive),
+        ("PMI_SIZE", !interactive),
+        ("CHORUS_RUN_NPROC", true),
+        ("WORLD_SIZE", torchrun),
     ]
-    .iter()
-    .filter(|&&var| var != "WORLD_SIZE" || torchrun)
-    .filter(|&&var| !interactive || matches!(var, "CHORUS_RUN_NPROC" | "WORLD_SIZE"))
-    .find_map(|&var| {
+    .into_iter()
+    .filter_map(|(var, looked_at)| looked_at.then_some(var))
+    .find_map(|var| {
         let n: usize = get(var)?.trim().parse().ok()?;
         (n > 1).then(|| {
             format!(
