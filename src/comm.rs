@@ -259,6 +259,9 @@ impl Drop for Lingering {
 /// A rank's own settings, read at init (see [`Communicator::build`]).
 struct LocalSettings {
     choice: Choice,
+    /// `CHORUS_TRANSPORT` as set, for the ranks' comparison of their choices (`rdma` runs as
+    /// `auto` but is named as set).
+    asked: String,
     filter: AlgoFilter,
     algos: crate::algo_spec::Allowed,
     env_link: (Option<f64>, Option<f64>),
@@ -272,10 +275,17 @@ fn local_settings(config: &Config) -> Result<LocalSettings, CommError> {
     let choice = match config.transport.as_deref() {
         None => Choice::Auto,
         Some(s) if s.trim().eq_ignore_ascii_case("rdma") => {
-            if size > 1 {
-                // Every rank falls back alike: one warning for the job, not one per rank.
+            // Every rank of a host falls back alike (the reason is the host's: its library,
+            // its devices): one warning from the job's first rank and from the first rank of
+            // each host a launcher numbered, the others at INFO. Only what is logged is probed.
+            let level = if rank == 0 || config.local_rank == Some(0) {
+                Level::Warn
+            } else {
+                Level::Info
+            };
+            if size > 1 && log::enabled(level) {
                 log::log(
-                    if rank == 0 { Level::Warn } else { Level::Info },
+                    level,
                     Some(rank),
                     format_args!("CHORUS_TRANSPORT=rdma: {}", rdma_fallback_reason()),
                 );
@@ -310,6 +320,7 @@ fn local_settings(config: &Config) -> Result<LocalSettings, CommError> {
     tcp.congestion_required = required;
     Ok(LocalSettings {
         choice,
+        asked: config.transport.clone().unwrap_or_default(),
         filter,
         algos,
         env_link,
@@ -829,6 +840,7 @@ impl Communicator {
         let (
             LocalSettings {
                 choice,
+                asked,
                 filter,
                 algos,
                 env_link,
@@ -981,9 +993,16 @@ impl Communicator {
                 .map_err(fail)?;
                 // Peers on this host through shared memory, the others through TCP.
                 let shm_opts = shm_opts.map_err(fail)?;
-                let t =
-                    hybrid::connect(t, &mut r.store, &r.hosts, choice, &shm_opts, init_deadline)
-                        .map_err(|e| fail(CommError::from_transport("init", e)))?;
+                let t = hybrid::connect(
+                    t,
+                    &mut r.store,
+                    &r.hosts,
+                    choice,
+                    &asked,
+                    &shm_opts,
+                    init_deadline,
+                )
+                .map_err(|e| fail(CommError::from_transport("init", e)))?;
                 // The store outlives init (splits, duplicates): its later requests carry deadlines
                 // of their own.
                 r.store.clear_deadline();

@@ -245,10 +245,9 @@ fn killed_rank_is_named_and_leaves_nothing() {
     assert!(new.is_empty(), "left behind in /dev/shm: {new:?}");
 }
 
-/// One rank forces TCP while the others use the default: every rank fails at init with an
-/// error saying so, instead of hanging on mismatched transports.
-#[test]
-fn disagreeing_transport_choice_fails_everywhere() {
+/// Three ranks on this host initialising with `CHORUS_TRANSPORT` set to `asked[rank]` (`None`:
+/// unset); each rank's error, if init failed.
+fn init_with_transports(asked: [Option<&'static str>; 3]) -> Vec<Option<String>> {
     let server = store();
     let addr = server.local_addr();
     let hs: Vec<_> = (0..3)
@@ -256,17 +255,36 @@ fn disagreeing_transport_choice_fails_everywhere() {
             std::thread::spawn(move || {
                 let mut cfg = config_on(rank, 3, addr, "auto");
                 cfg.init_timeout = Duration::from_secs(20);
-                if rank == 1 {
-                    cfg.transport = Some("tcp".into());
-                }
-                Communicator::new(cfg).map(|_| ()).unwrap_err().to_string()
+                cfg.transport = asked[rank].map(str::to_string);
+                Communicator::new(cfg).err().map(|e| e.to_string())
             })
         })
         .collect();
-    for h in hs {
-        let msg = h.join().expect("rank thread");
+    hs.into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+/// One rank forces TCP while the others use the default: every rank fails at init with an
+/// error saying so, instead of hanging on mismatched transports. The error names what each
+/// rank set (`rdma`, which runs as `auto`, by its own name); `rdma` beside `auto` agrees.
+#[test]
+fn disagreeing_transport_choice_fails_everywhere() {
+    for msg in init_with_transports([None, Some("tcp"), None]) {
+        let msg = msg.expect("init succeeded with disagreeing transports");
         assert!(msg.contains("CHORUS_TRANSPORT"), "{msg}");
     }
+    for (rank, msg) in init_with_transports([Some("rdma"), Some("tcp"), Some("rdma")])
+        .into_iter()
+        .enumerate()
+    {
+        let msg = msg.expect("init succeeded with disagreeing transports");
+        assert!(msg.contains("CHORUS_TRANSPORT="), "{msg}");
+        assert!(msg.contains("rdma") && msg.contains("tcp"), "rank {rank}: {msg}");
+        assert!(!msg.contains("auto"), "rank {rank} names what no rank set: {msg}");
+    }
+    let agree = init_with_transports([Some("rdma"), None, Some("auto")]);
+    assert!(agree.iter().all(Option::is_none), "{agree:?}");
 }
 
 #[test]

@@ -76,6 +76,7 @@ pub fn connect(
     store: &mut StoreClient,
     hosts: &[String],
     choice: Choice,
+    asked: &str,
     opts: &ShmOptions,
     deadline: Instant,
 ) -> Result<HybridTransport> {
@@ -86,15 +87,27 @@ pub fn connect(
             hosts.len()
         )));
     }
-    store.set(&format!("transport/{rank}"), choice.name().as_bytes())?;
+    // The choice, then what the user set (for the message: `rdma` runs as `auto`).
+    let asked = if asked.trim().is_empty() {
+        choice.name()
+    } else {
+        asked.trim()
+    };
+    store.set(
+        &format!("transport/{rank}"),
+        format!("{} {asked}", choice.name()).as_bytes(),
+    )?;
     for j in 0..size {
         let theirs = store.get(&format!("transport/{j}"), deadline)?;
-        if theirs != choice.name().as_bytes() {
+        let (their_choice, their_ask) = match theirs.iter().position(|&b| b == b' ') {
+            Some(i) => (&theirs[..i], &theirs[i + 1..]),
+            None => (&theirs[..], &theirs[..]),
+        };
+        if their_choice != choice.name().as_bytes() {
             return Err(TransportError::Rendezvous(format!(
-                "rank {j} uses CHORUS_TRANSPORT={}, rank {rank} uses {}: set the same value on \
-                 every rank",
-                crate::frame::peer_text(&theirs),
-                choice.name()
+                "rank {j} uses CHORUS_TRANSPORT={}, rank {rank} uses {asked}: set the same \
+                 value on every rank",
+                crate::frame::peer_text(their_ask),
             )));
         }
     }
@@ -354,6 +367,7 @@ pub fn local_group(hosts: &[&str], choice: Choice) -> Result<Vec<HybridTransport
                     &mut store,
                     &hosts,
                     choice,
+                    choice.name(),
                     &ShmOptions::default(),
                     deadline,
                 )

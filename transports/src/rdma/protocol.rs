@@ -452,6 +452,16 @@ impl Sender {
         })
     }
 
+    /// The chunk [`next_chunk`](Self::next_chunk) gave last was not posted (the NIC refused
+    /// it): its sequence number is taken back, so that the abort notice that follows carries
+    /// the number the peer expects next. The message cannot go on (the transport is broken).
+    pub fn unpost(&mut self) {
+        if !self.aborted && self.sent > self.consumed {
+            self.sent -= 1;
+            self.current = None;
+        }
+    }
+
     /// The abort notice to write into the peer's ring (whatever the credits: its slot is
     /// kept), blaming `culprit`, with `reason` cut to fit the slot. Nothing is sent after it;
     /// `None` if a notice was written already.
@@ -1084,6 +1094,37 @@ mod tests {
                 culprit: None,
                 reason: "gave up".into()
             })
+        );
+    }
+
+    #[test]
+    fn a_chunk_not_posted_leaves_its_number_to_the_abort_notice() {
+        let e = endpoint(4, 64);
+        let mut s = Sender::new(&e);
+        let mut r = Receiver::new(&e);
+        let mut wire = Wire::new(&e);
+        let msg = message(100, 1);
+        s.start(3, msg.len()).unwrap();
+        let first = s.next_chunk(msg.len()).unwrap();
+        wire.write(&first, &msg);
+        // The second chunk is refused by the NIC: it never reaches the peer.
+        let _refused = s.next_chunk(msg.len()).unwrap();
+        s.unpost();
+        let a = s.abort(Some(0), "send queue full").unwrap();
+        wire.ring[a.remote_offset as usize..][..a.bytes.len()].copy_from_slice(&a.bytes);
+        wire.completions.push_back((a.imm, a.bytes.len() as u32));
+        let mut got = vec![];
+        while let Some((imm, n)) = wire.completions.pop_front() {
+            got.push(r.on_completion(imm, n, &wire.ring));
+        }
+        assert_eq!(got[0], Ok(Arrival::Chunk));
+        assert_eq!(
+            got[1],
+            Ok(Arrival::Abort {
+                culprit: Some(0),
+                reason: "send queue full".into()
+            }),
+            "the peer takes the notice, not a sequence error"
         );
     }
 

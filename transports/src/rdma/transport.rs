@@ -183,8 +183,10 @@ impl<N: Nic> RdmaTransport<N> {
                         Some(h) => &[h, payload],
                         None => &[payload],
                     };
-                    nic.write_imm(j, c.remote_offset, parts, c.imm)
-                        .map_err(|e| nic_err(j, e))?;
+                    if let Err(e) = nic.write_imm(j, c.remote_offset, parts, c.imm) {
+                        p.tx.unpost();
+                        return Err(nic_err(j, e));
+                    }
                     op.req.advance(c.payload.len());
                     moved = true;
                     if p.tx.idle() {
