@@ -1,8 +1,8 @@
 //! The system layer of the shared-memory transport: every `unsafe` block of it lives here, each
 //! wrapping one system call or one access to the mapped segment.
 //!
-//! - [`memfd`]: an anonymous shared-memory file (`memfd_create` + `ftruncate` + `fallocate`),
-//!   sealed at its size. It has no name in any file system, so nothing is ever left in `/dev/shm`, whatever
+//! - [`memfd`]: an anonymous shared-memory file (`memfd_create` + `ftruncate`), sealed at its
+//!   size. It has no name in any file system, so nothing is ever left in `/dev/shm`, whatever
 //!   happens to the process: the kernel frees the memory when the last descriptor and mapping
 //!   are gone. [`cannot_shrink`] checks a peer's segment for that seal before it is mapped.
 //! - [`open_peer_fd`]: another process's memfd, reopened through `/proc/<pid>/fd/<fd>`.
@@ -48,20 +48,6 @@ pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
     let owned = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
     File::from(owned.try_clone()?).set_len(len as u64)?;
-    // The memory is taken now, where a shortage is an error this rank reports, rather than at
-    // a first touch (here or in a peer), where it would be a SIGBUS or the OOM killer.
-    // Kernels or file systems without fallocate for memfds keep the lazy allocation.
-    if len > 0 {
-        // SAFETY: fallocate on a descriptor we own, mode 0 (allocate, extend nothing: the
-        // range lies within the size just set).
-        let r = unsafe { libc::fallocate(owned.as_raw_fd(), 0, 0, len as libc::off_t) };
-        if r != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                return Err(e);
-            }
-        }
-    }
     // SAFETY: F_ADD_SEALS on a descriptor we own, with plain constant flags.
     check(unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } as _)?;
     Ok(owned)
@@ -396,21 +382,6 @@ mod tests {
         b.read(100, &mut out);
         assert_eq!(&out, b"hello");
         assert!(Mapping::map(&fd, 8192).is_err(), "mapping past the end");
-    }
-
-    #[test]
-    fn segments_take_their_memory_when_made() {
-        use std::os::unix::fs::MetadataExt;
-        let len = 256 * 1024;
-        let fd = memfd("chorus-test", len).unwrap();
-        // Before anything maps or touches it, the segment's pages are already allocated (a
-        // shortage shows as an error from `memfd`, not as a SIGBUS at a first touch).
-        let meta = File::from(fd.try_clone().unwrap()).metadata().unwrap();
-        assert!(
-            meta.blocks() * 512 >= len as u64,
-            "{} bytes allocated of {len}",
-            meta.blocks() * 512
-        );
     }
 
     #[test]
