@@ -82,7 +82,7 @@ impl CommError {
             TransportError::PeerClosed { .. }
             | TransportError::PeerAborted { .. }
             | TransportError::Protocol { .. } => ErrorKind::Remote,
-            TransportError::Timeout { .. } => ErrorKind::Timeout,
+            TransportError::Timeout { .. } | TransportError::NotJoined { .. } => ErrorKind::Timeout,
             TransportError::Mismatch { .. } => ErrorKind::Mismatch,
             TransportError::Io { .. } | TransportError::Rendezvous(_) => ErrorKind::System,
             TransportError::InvalidArgument(_) => ErrorKind::InvalidArgument,

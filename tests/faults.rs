@@ -136,6 +136,41 @@ fn every_rank_failed_one_with_a_mismatch<T: std::fmt::Debug>(
     );
 }
 
+/// Ranks that never reach the rendezvous (one not started, one with another token): the ranks
+/// that did join time out naming them, as Gloo's store names the workers that did not join.
+#[test]
+fn ranks_that_never_join_are_named() {
+    let server = store();
+    let addr = server.local_addr();
+    let hs: Vec<_> = [0usize, 1, 3]
+        .into_iter()
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut cfg = config(rank, 4, addr);
+                cfg.init_timeout = Duration::from_secs(3);
+                if rank == 3 {
+                    cfg.token = Some("another job's secret".into());
+                }
+                let start = Instant::now();
+                let e = Communicator::new(cfg).map(|_| ()).unwrap_err();
+                (rank, e.kind(), e.to_string(), start.elapsed())
+            })
+        })
+        .collect();
+    for h in hs {
+        let (rank, kind, msg, took) = h.join().expect("rank thread");
+        assert!(took < Duration::from_secs(20), "rank {rank} took {took:?}");
+        if rank == 3 {
+            continue;
+        }
+        assert_eq!(kind, ErrorKind::Timeout, "rank {rank}: {msg}");
+        assert!(
+            msg.contains("ranks [2, 3] of 4 never reached the store at"),
+            "rank {rank}: {msg}"
+        );
+    }
+}
+
 /// A rank that never calls the collective: the others time out naming a rank, and the
 /// bad-argument errors before that leave the communicator usable.
 #[test]

@@ -280,8 +280,14 @@ fn disagreeing_transport_choice_fails_everywhere() {
     {
         let msg = msg.expect("init succeeded with disagreeing transports");
         assert!(msg.contains("CHORUS_TRANSPORT="), "{msg}");
-        assert!(msg.contains("rdma") && msg.contains("tcp"), "rank {rank}: {msg}");
-        assert!(!msg.contains("auto"), "rank {rank} names what no rank set: {msg}");
+        assert!(
+            msg.contains("rdma") && msg.contains("tcp"),
+            "rank {rank}: {msg}"
+        );
+        assert!(
+            !msg.contains("auto"),
+            "rank {rank} names what no rank set: {msg}"
+        );
     }
     let agree = init_with_transports([Some("rdma"), None, Some("auto")]);
     assert!(agree.iter().all(Option::is_none), "{agree:?}");

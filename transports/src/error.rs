@@ -32,6 +32,19 @@ pub enum TransportError {
         /// How long was waited.
         waited: Duration,
     },
+    /// Ranks that had not reached the rendezvous store when a wait for them ended at the
+    /// deadline (not started, failed before init, or given another store address, port or
+    /// token).
+    NotJoined {
+        /// The ranks that never claimed their place, ascending.
+        missing: Vec<usize>,
+        /// The group's size.
+        size: usize,
+        /// The store's address.
+        store: std::net::SocketAddr,
+        /// How long was waited.
+        waited: Duration,
+    },
     /// The peer sent bytes that are not a valid frame (bad magic, version, communicator id,
     /// sequence number).
     Protocol {
@@ -89,6 +102,10 @@ impl TransportError {
             TransportError::PeerClosed { peer } => Some(*peer),
             TransportError::PeerAborted { peer, culprit, .. } => culprit.or(Some(*peer)),
             TransportError::Timeout { peer, .. } => *peer,
+            TransportError::NotJoined { missing, .. } => match missing[..] {
+                [only] => Some(only),
+                _ => None,
+            },
             TransportError::Protocol { peer, .. } => Some(*peer),
             TransportError::Mismatch { peer, .. } => Some(*peer),
             TransportError::Io { peer, .. } => *peer,
@@ -132,6 +149,25 @@ impl fmt::Display for TransportError {
                 ),
                 None => write!(f, "timed out after {:.1} s", waited.as_secs_f64()),
             },
+            TransportError::NotJoined {
+                missing,
+                size,
+                store,
+                waited,
+            } => {
+                let who = match &missing[..] {
+                    [one] => format!("rank {one}"),
+                    many if many.len() <= 16 => format!("ranks {many:?}"),
+                    many => format!("{} ranks (the first {:?})", many.len(), &many[..16]),
+                };
+                write!(
+                    f,
+                    "timed out after {:.1} s: {who} of {size} never reached the store at {store} \
+                     (not started, failed before init, or given another store address, port \
+                     or token)",
+                    waited.as_secs_f64()
+                )
+            }
             TransportError::Protocol { peer, what } => {
                 write!(f, "rank {peer} sent an invalid frame: {what}")
             }

@@ -1354,7 +1354,7 @@ impl StoreClient {
             // sub-millisecond remainder still gets one look at the store).
             let left = deadline.saturating_duration_since(Instant::now());
             let wait = left.min(MAX_GET_WAIT);
-            let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+            let wait_ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
             let resp_deadline = Instant::now() + wait + self.io_timeout;
             let (status, body) =
                 self.request(OP_GET, key, &wait_ms.to_le_bytes(), resp_deadline)?;

@@ -352,7 +352,9 @@ fn connect_keeping(
     let comm_id = if rank == 0 {
         publish_comm_id(&mut store, size)?
     } else {
-        let v = store.get("comm_id", deadline)?;
+        let v = store
+            .get("comm_id", deadline)
+            .map_err(|e| absent_ranks(&mut store, size, e))?;
         let word = |at: usize| -> Result<u64> {
             v.get(at..at + 8)
                 .filter(|_| v.len() == 16)
@@ -408,7 +410,9 @@ fn connect_keeping(
     let mut addrs = Vec::with_capacity(size);
     let mut nets = Vec::with_capacity(size);
     for j in 0..size {
-        addrs.push(peer_addr(&mut store, j, deadline)?);
+        addrs.push(
+            peer_addr(&mut store, j, deadline).map_err(|e| absent_ranks(&mut store, size, e))?,
+        );
         let h = store.get(&format!("host/{j}"), deadline)?;
         hosts.push(String::from_utf8_lossy(&h).into_owned());
         // Its network, for the hint below: needed only where a loopback address is involved
@@ -533,7 +537,9 @@ fn listen_ip(
     let mut elsewhere = None;
     let mut waiting = Vec::new();
     for j in 0..opts.size {
-        let n = store.get(&format!("net/{j}"), deadline)?;
+        let n = store
+            .get(&format!("net/{j}"), deadline)
+            .map_err(|e| absent_ranks(store, opts.size, e))?;
         if let Some(why) = n.strip_prefix(b"error: ") {
             return Err(rdv(crate::frame::peer_text(why)));
         }
@@ -588,6 +594,38 @@ fn peer_addr(store: &mut StoreClient, j: usize, deadline: Instant) -> Result<Soc
         .and_then(|s| s.parse::<SocketAddr>().ok())
         .ok_or_else(|| rdv(format!("rank {j} published a malformed address")))
 }
+
+/// A wait on the store for something every rank publishes (`comm_id`, `addr/j`...) that
+/// ended at the deadline: if ranks never claimed their place, the error names them, with the
+/// store's address (a few more requests, on a failure path only, each bounded by a short
+/// grace); otherwise `e` as it was.
+fn absent_ranks(store: &mut StoreClient, size: usize, e: TransportError) -> TransportError {
+    let TransportError::Timeout { peer: None, waited } = e else {
+        return e;
+    };
+    store.set_deadline(Instant::now() + ABSENT_QUERY_GRACE);
+    let mut missing = Vec::new();
+    for k in 0..size {
+        // Adding 0 reads the count without claiming anything.
+        match store.add(&format!("claim/{k}"), 0) {
+            Ok(0) => missing.push(k),
+            Ok(_) => {}
+            Err(_) => return e,
+        }
+    }
+    if missing.is_empty() {
+        return e;
+    }
+    TransportError::NotJoined {
+        missing,
+        size,
+        store: store.addr(),
+        waited,
+    }
+}
+
+/// How long [`absent_ranks`] may take to ask the store who joined.
+const ABSENT_QUERY_GRACE: Duration = Duration::from_secs(2);
 
 fn dial(
     addr: SocketAddr,
