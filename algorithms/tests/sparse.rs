@@ -189,10 +189,18 @@ fn sparse_all_reduce_equals_the_dense_sum() {
 fn every_rank_ends_with_the_same_bits_where_order_shows() {
     let n = 600;
     for p in [2usize, 3, 4, 5, 8] {
-        // (density of even ranks, of odd ranks), low enough to stay sparse.
+        // (density of even ranks, of odd ranks): low enough to stay sparse, and high enough
+        // that running sums go dense (NaN payloads and zero signs then settled at the end).
         let cases: Vec<(SparseAlgo, f64, f64)> = SparseAlgo::ALL
             .into_iter()
-            .flat_map(|a| [(a, 0.005, 0.005), (a, 0.01, 0.02)])
+            .flat_map(|a| {
+                [
+                    (a, 0.005, 0.005),
+                    (a, 0.01, 0.02),
+                    (a, 0.6, 0.6),
+                    (a, 0.9, 0.05),
+                ]
+            })
             .collect();
         let results = run_group(mem::group(p, 1 << 16, 4096), |rank, t| {
             let mut scratch = Vec::new();
@@ -524,7 +532,7 @@ fn reference_topk(
     op: ReduceOp,
     opts: TopkOptions,
 ) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
-    let k = ((opts.ratio * n as f64).ceil() as usize).clamp(1, n);
+    let k = chorus_algorithms::sparse::topk::k_of(opts.ratio, n);
     let mut residual = vec![vec![0f32; n]; p];
     let mut out = Vec::new();
     for step in 0..steps {
@@ -697,6 +705,25 @@ fn ranks_that_disagree_fail_everywhere() {
                 let opts = TopkOptions {
                     ratio: if rank == 0 { 0.02 } else { 0.01 },
                     algo,
+                    ..TopkOptions::default()
+                };
+                topk_all_reduce(
+                    c,
+                    &mut data,
+                    ReduceOp::Sum,
+                    &opts,
+                    &mut TopkState::default(),
+                )
+                .map(|_| ())
+            });
+            assert!(out.iter().all(|o| o != "ok"), "{algo} p={p}: {out:?}");
+            // Error feedback off on one rank (its results would drift from the others').
+            let out = outcomes(p, |rank, c| {
+                let mut data = gradient(rank, 0, 4000, false);
+                let opts = TopkOptions {
+                    ratio: 0.01,
+                    algo,
+                    error_feedback: rank != p - 1,
                     ..TopkOptions::default()
                 };
                 topk_all_reduce(

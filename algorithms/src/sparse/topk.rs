@@ -716,11 +716,7 @@ pub fn topk_all_reduce(
         }
     }
     let size = ctx.transport.size();
-    let k = if n == 0 {
-        0
-    } else {
-        ((opts.ratio * n as f64).ceil() as usize).clamp(1, n)
-    };
+    let k = k_of(opts.ratio, n);
     let step = state.step;
     let exact_due = step == 0 || (opts.exact_every > 0 && step % opts.exact_every as u64 == 0);
     let rebalance_due =
@@ -735,6 +731,7 @@ pub fn topk_all_reduce(
             step,
             opts.exact_every as u64,
             opts.rebalance_every as u64,
+            u64::from(opts.error_feedback),
         ],
     );
     let TopkState {
@@ -856,6 +853,19 @@ pub fn topk_all_reduce(
     })
 }
 
+/// How many entries top-k keeps of `n` at `ratio`: ⌈ratio·n⌉, at least 1 (none of none), at
+/// most `n`. The product's rounding error (0.07 × 100 is 7.000000000000001 in binary) is
+/// taken off first, so that a ratio that names a whole count gives that count.
+pub fn k_of(ratio: f64, n: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    let x = ratio * n as f64;
+    // A few units in the last place of x: far below 1 for any n a tensor can have.
+    let x = x - x.abs() * 4.0 * f64::EPSILON;
+    (x.ceil() as usize).clamp(1, n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -867,6 +877,34 @@ mod tests {
         idx.truncate(k);
         idx.sort_unstable();
         idx
+    }
+
+    #[test]
+    fn k_is_the_ratio_of_n_rounded_up_without_binary_noise() {
+        assert_eq!(
+            k_of(0.07, 100),
+            7,
+            "0.07 × 100 is 7.000000000000001 in binary"
+        );
+        assert_eq!(k_of(0.07, 101), 8);
+        assert_eq!(k_of(0.5, 3), 2);
+        assert_eq!(k_of(0.01, 1000), 10);
+        assert_eq!(k_of(0.01, 1001), 11);
+        assert_eq!(k_of(1e-9, 10), 1, "at least one");
+        assert_eq!(k_of(0.3, 0), 0, "none of none");
+        assert_eq!(k_of(1.0, 1 << 40), 1 << 40, "the whole of a large tensor");
+        assert_eq!(k_of(0.5, (1 << 40) + 1), (1 << 39) + 1);
+        // Every ratio in hundredths names its count exactly where the product is whole.
+        for h in 1..=100u32 {
+            for n in [100usize, 1000, 12_300, 1_048_600] {
+                let whole = n / 100 * h as usize;
+                assert_eq!(
+                    k_of(f64::from(h) / 100.0, n),
+                    whole.max(1),
+                    "{h}/100 of {n}"
+                );
+            }
+        }
     }
 
     proptest! {

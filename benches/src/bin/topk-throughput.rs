@@ -85,7 +85,7 @@ fn main() {
         "k/n", "exact", "sampled", "sampled+ef", "candidates/k", "passes"
     );
     for ratio in [0.01, 0.001] {
-        let k = ((n as f64 * ratio).ceil() as usize).max(1);
+        let k = chorus_algorithms::sparse::topk::k_of(ratio, n);
         let (mut a, mut b) = (Vec::new(), Vec::new());
         let exact = median(reps, |r| topk_exact(black_box(&inputs[r % 3]), k, &mut a));
         // Untimed: the first (sampled) guess, then a check on every input.
