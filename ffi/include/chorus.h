@@ -1451,11 +1451,12 @@ int32_t chorus_compressor_destroy(chorus_compressor *comp);
  * Allreduce of `count` elements of `buf` in place through `comp`: `dtype` is
  * `CHORUS_FLOAT32`, `CHORUS_FLOAT16` or `CHORUS_BFLOAT16` (16-bit inputs are reduced in
  * float32), `op` is `CHORUS_SUM` or `CHORUS_AVG`. Every rank passes a compressor of the same
- * spec for the same tensor; the result is identical on every rank.
+ * spec for the same tensor; the result is identical on every rank. A compressor another
+ * call is using meanwhile refuses this one (`CHORUS_INVALID_USAGE`), which still uses up the
+ * call's place in the order of collectives (as any refusal).
  *
  * # Safety
- * `comm` is NULL or a live communicator; `comp` is NULL or a live compressor not used by
- * another thread; `buf` is NULL (only when `count == 0`) or valid for reading and writing
+ * `comm` is NULL or a live communicator; `comp` is NULL or a live compressor; `buf` is NULL (only when `count == 0`) or valid for reading and writing
  * `count` elements of `dtype`.
  */
 int32_t chorus_allreduce_compressed(chorus_comm *comm,
@@ -1468,7 +1469,8 @@ int32_t chorus_allreduce_compressed(chorus_comm *comm,
 /**
  * Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
  * `size` field must be set: at least this library's `sizeof(chorus_compression_report)`,
- * at most 4096).
+ * at most 4096). It may be called while a call on `comp` runs (from another thread): it does
+ * not wait for that call and reports the one before.
  *
  * # Safety
  * `comp` is NULL or a live compressor; `report` is NULL or points to `size` writable bytes

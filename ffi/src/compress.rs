@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, TryLockError};
 
-use chorus_core::Compressor;
+use chorus_core::{CompressionReport, Compressor};
 
 use crate::status::{chorus_status as S, guard, Failure};
 use crate::{ptr, DtypeArg, OpArg};
@@ -16,6 +16,9 @@ use crate::{ptr, DtypeArg, OpArg};
 /// `chorus_compressor_destroy`. Calls using one compressor must not overlap in time.
 pub struct chorus_compressor {
     inner: Mutex<Compressor>,
+    /// What the last call did: read by `chorus_compressor_report` without waiting for (or
+    /// disturbing) a call that holds `inner`.
+    report: Mutex<CompressionReport>,
 }
 
 /// What the last `chorus_allreduce_compressed` on a compressor did. Versioned by its first
@@ -63,6 +66,7 @@ pub unsafe extern "C" fn chorus_compressor_create(
             .ok_or_else(|| Failure::invalid("spec is NULL"))?;
         let c = Compressor::new(spec)?;
         let raw = Box::into_raw(Box::new(chorus_compressor {
+            report: Mutex::new(c.last_report()),
             inner: Mutex::new(c),
         }));
         crate::registry::COMPRESSORS.add(raw);
@@ -115,11 +119,12 @@ pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor)
 /// Allreduce of `count` elements of `buf` in place through `comp`: `dtype` is
 /// `CHORUS_FLOAT32`, `CHORUS_FLOAT16` or `CHORUS_BFLOAT16` (16-bit inputs are reduced in
 /// float32), `op` is `CHORUS_SUM` or `CHORUS_AVG`. Every rank passes a compressor of the same
-/// spec for the same tensor; the result is identical on every rank.
+/// spec for the same tensor; the result is identical on every rank. A compressor another
+/// call is using meanwhile refuses this one (`CHORUS_INVALID_USAGE`), which still uses up the
+/// call's place in the order of collectives (as any refusal).
 ///
 /// # Safety
-/// `comm` is NULL or a live communicator; `comp` is NULL or a live compressor not used by
-/// another thread; `buf` is NULL (only when `count == 0`) or valid for reading and writing
+/// `comm` is NULL or a live communicator; `comp` is NULL or a live compressor; `buf` is NULL (only when `count == 0`) or valid for reading and writing
 /// `count` elements of `dtype`.
 #[no_mangle]
 pub unsafe extern "C" fn chorus_allreduce_compressed(
@@ -143,31 +148,41 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
             let bytes = ptr::byte_len(count, dtype.size(), "count")?;
             Ok((comp, dtype, op, ptr::RawBuf::new(buf, bytes, "buf")?))
         };
-        let (comp, dtype, op, buf) = match checked() {
+        // A compressor in use by another call (or broken) refuses this one as an argument
+        // does: the call's place goes.
+        let (comp, dtype, op, buf, mut state) = match checked()
+            .and_then(|(comp, dtype, op, buf)| Ok((comp, dtype, op, buf, lock(comp)?)))
+        {
             Ok(v) => v,
             Err(f) => {
-                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 {
+                if matches!(
+                    f.status,
+                    S::CHORUS_INVALID_ARGUMENT | S::CHORUS_INVALID_USAGE | S::CHORUS_INTERNAL_ERROR
+                ) && c.size > 1
+                {
                     // Refused here, perhaps on this rank only: the call's place goes.
                     crate::skip_refused_call(c);
                 }
                 return Err(f);
             }
         };
-        let mut state = lock(comp)?;
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
-        c.with(|c| {
+        let r = c.with(|c| {
             // SAFETY: valid for `bytes` writable bytes by the caller's promise, not accessed
             // elsewhere during the call.
             c.all_reduce_compressed_raw(unsafe { buf.get_mut() }, dtype, op, &mut state)?;
             Ok(())
-        })
+        });
+        *comp.report.lock().unwrap_or_else(|e| e.into_inner()) = state.last_report();
+        r
     })
 }
 
 /// Copy what the last `chorus_allreduce_compressed` on `comp` did into `*report` (whose
 /// `size` field must be set: at least this library's `sizeof(chorus_compression_report)`,
-/// at most 4096).
+/// at most 4096). It may be called while a call on `comp` runs (from another thread): it does
+/// not wait for that call and reports the one before.
 ///
 /// # Safety
 /// `comp` is NULL or a live compressor; `report` is NULL or points to `size` writable bytes
@@ -189,7 +204,7 @@ pub unsafe extern "C" fn chorus_compressor_report(
                 "report: size field is {size}, expected sizeof(chorus_compression_report) = {ours}"
             )));
         }
-        let r = lock(comp)?.last_report();
+        let r = *comp.report.lock().unwrap_or_else(|e| e.into_inner());
         if size > ours {
             // SAFETY: the caller says `size` bytes are writable at `report`; a newer header's
             // fields this library does not know read as zero.

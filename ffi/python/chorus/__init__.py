@@ -265,6 +265,11 @@ def _torch_buffer(t: Any, what: str, writable: bool) -> _Buffer:
         torch.float64: "float64",
         torch.bfloat16: "bfloat16",
     }
+    # Unsigned 32- and 64-bit tensors, where this torch has them (2.3 and later).
+    for bits in (32, 64):
+        unsigned = getattr(torch, f"uint{bits}", None)
+        if unsigned is not None:
+            names[unsigned] = f"uint{bits}"
     name = names.get(t.dtype)
     if name is None:
         raise InvalidArgumentError(
@@ -385,13 +390,25 @@ def _p2p_ops(ops: Any, call: str) -> Tuple[Any, List[Tuple[_Buffer, Any, bool]]]
     return arr, parsed
 
 
+def _seconds(value: Any, what: str) -> float:
+    """``value`` (a real number, not a bool) as a float for C, which checks its range; a
+    number too large for a float is infinity, refused there as any value out of range."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, not {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf")
+
+
 #: Per thread: whether the collective in progress has called into the C library yet.
 _reached = threading.local()
 
 
 def _counting_refusals(comm_of: Callable[[Any], "Communicator"]) -> Callable[[Any], Any]:
     """A decorator for a collective: refused by a check of this package before it reached the
-    C library (a root's missing ``out``, say), the call still uses up its place in the order
+    C library (a root's missing ``out``, an unsupported form, a closed compressor, a value
+    Python cannot convert), the call still uses up its place in the order
     of collectives on ``comm_of(self)``, as a refusal inside chorus does
     (``chorus_comm_refused_call``), so that the others' messages of that call are not taken
     for this rank's next one. Nested uses count a refusal once."""
@@ -403,7 +420,9 @@ def _counting_refusals(comm_of: Callable[[Any], "Communicator"]) -> Callable[[An
             _reached.value = False
             try:
                 return method(self, *args, **kwargs)
-            except InvalidArgumentError:
+            except Exception:
+                # Whatever stopped the call before C (a bad argument, an unsupported form, a
+                # closed compressor, a value Python cannot convert): its place goes.
                 if not _reached.value:
                     _reached.value = True  # counted: not again by an enclosing use
                     comm_of(self)._refused_call()
@@ -591,7 +610,7 @@ class Communicator:
             o = _lib.Options()
             o.size = ctypes.sizeof(_lib.Options)
             o.algorithm = _c_str(algorithm, "algorithm") if algorithm is not None else None
-            o.timeout_seconds = float(timeout) if timeout is not None else 0.0
+            o.timeout_seconds = _seconds(timeout, "allreduce: timeout") if timeout is not None else 0.0
             opts = ctypes.byref(o)
         args = (b.ptr, b.ptr, b.count, b.dtype, _op_code(op), opts)
         return self._issue("allreduce_opts", args, x, (b,), async_op)
@@ -1151,12 +1170,7 @@ class Communicator:
         ``CHORUS_TIMEOUT`` set at init), in seconds from 0.001 to one year: each fails with
         :class:`ChorusTimeoutError` when it has not completed within it. Communicators split
         or duplicated from this one afterwards start from it."""
-        if _is_bool(seconds) or not isinstance(seconds, numbers.Real):
-            raise InvalidArgumentError(f"set_timeout: seconds must be a number, not {seconds!r}")
-        try:
-            value = float(seconds)
-        except OverflowError:
-            value = float("inf")  # refused below, as any value past one year
+        value = _seconds(seconds, "set_timeout: seconds")
         self._call(lib.chorus_comm_set_timeout, ctypes.c_double(value))
 
     def abort(self) -> None:

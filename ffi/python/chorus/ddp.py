@@ -23,6 +23,7 @@ futures at the end of the backward pass); ``sync_allreduce_hook`` runs the allre
 the hook instead. The compressed hook runs inside the hook too.
 """
 
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -49,16 +50,20 @@ def _checked(comm: Communicator, grads: torch.Tensor) -> None:
         raise
 
 
-def _divided(state: Communicator, bucket: dist.GradBucket, hook: str) -> torch.Tensor:
-    """``bucket``'s gradients divided by the number of ranks, in place."""
+def _averaged(state: Communicator, bucket: dist.GradBucket, hook: str) -> Tuple[torch.Tensor, str]:
+    """``bucket``'s gradients, ready to be averaged over the ranks in place, and the op that
+    does it. Float16 buckets are divided by the number of ranks first, as DDP's default hook
+    does (a float16 sum of undivided gradients can overflow where the average does not), and
+    summed; the others are left as they are until chorus's ``avg`` runs, so that a call
+    refused (a closed communicator, say) leaves the bucket as it was."""
     if not isinstance(state, Communicator):
         raise TypeError(f"{hook} needs a chorus.Communicator as its state, not {type(state).__name__}")
     grads = bucket.buffer()
     _checked(state, grads)
-    # Divide first, as DDP's default hook does: a float16 sum of undivided gradients can
-    # overflow where the average does not.
+    if grads.dtype != torch.float16:
+        return grads, "avg"
     grads.div_(state.size)
-    return grads
+    return grads, "sum"
 
 
 def allreduce_hook(
@@ -68,8 +73,8 @@ def allreduce_hook(
     :class:`chorus.Communicator`) in place, in the background: the allreduce is issued on
     the communicator's thread and the returned future completes with the bucket when it is
     done (with its error if it fails: DDP raises it at the end of the backward pass)."""
-    grads = _divided(state, bucket, "allreduce_hook")
-    return state.allreduce(grads, op="sum", async_op=True).get_future()
+    grads, op = _averaged(state, bucket, "allreduce_hook")
+    return state.allreduce(grads, op=op, async_op=True).get_future()
 
 
 def sync_allreduce_hook(
@@ -77,8 +82,8 @@ def sync_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """As :func:`allreduce_hook`, but the allreduce runs inside the hook (the GIL released
     meanwhile) and the returned future is already complete."""
-    grads = _divided(state, bucket, "sync_allreduce_hook")
-    state.allreduce(grads, op="sum")
+    grads, op = _averaged(state, bucket, "sync_allreduce_hook")
+    state.allreduce(grads, op=op)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(grads)
     return fut
@@ -101,6 +106,7 @@ class CompressedHookState:
         self.spec = spec
         Compressor(spec).close()  # validate the spec now, not in the backward pass
         self.compressors: Dict[int, Tuple[Tuple[int, ...], Compressor]] = {}
+        self.warned_uncompressed = False
 
     def compressor(self, bucket: dist.GradBucket) -> Compressor:
         """The compressor of ``bucket`` (a new one if its parameters are not those the index
@@ -127,6 +133,21 @@ def compressed_allreduce_hook(
             f"not {type(state).__name__}"
         )
     grads = bucket.buffer()
+    if grads.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        # Chorus compresses float32, float16 and bfloat16: a bucket of another dtype (a
+        # float64 model) is averaged uncompressed, said once.
+        if not state.warned_uncompressed:
+            state.warned_uncompressed = True
+            warnings.warn(
+                f"chorus.ddp: {grads.dtype} buckets are averaged uncompressed (compression "
+                "takes float32, float16 and bfloat16)",
+                stacklevel=2,
+            )
+        grads, op = _averaged(state.comm, bucket, "compressed_allreduce_hook")
+        state.comm.allreduce(grads, op=op)
+        fut64: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut64.set_result(grads)
+        return fut64
     comp = state.compressor(bucket)
     if grads.dtype == torch.float16:
         _checked(state.comm, grads)

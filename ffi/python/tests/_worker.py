@@ -289,6 +289,9 @@ def errors(comm):
     expect(E, lambda: comm.allreduce(x, op="median"), "op")
     expect(E, lambda: comm.allreduce(x, algorithm="nope"), "algorithm")
     expect(E, lambda: comm.allreduce(x, timeout=-1), "timeout")
+    expect(E, lambda: comm.allreduce(x, timeout=True), "bool timeout")
+    expect(E, lambda: comm.allreduce(x, timeout="5"), "str timeout")
+    expect(E, lambda: comm.allreduce(x, timeout=10**400), "huge timeout")
     ro = np.ones(4, np.float32)
     ro.flags.writeable = False
     expect(E, lambda: comm.allreduce(ro), "read-only")
@@ -379,6 +382,34 @@ def compression(comm):
         comm.allreduce(x, op="avg", compressor=c)
         want = (p + 1) / 2
         assert torch.allclose(x.float(), torch.full((1000,), want), rtol=0.05), (dt, x[:4])
+    # The last call's report is read while another call on the compressor runs (a metrics
+    # thread, say): it neither waits for that call nor makes it fail.
+    c = chorus.Compressor("int8,min_bytes=0")
+    x = np.ones(4096, np.float32)
+    if me == 0:
+        done = {}
+
+        def run():
+            try:
+                comm.allreduce(x, op="sum", compressor=c)
+                done["ok"] = True
+            except Exception as e:  # noqa: BLE001 (reported below)
+                done["err"] = e
+
+        th = threading.Thread(target=run)
+        th.start()
+        time.sleep(0.3)  # inside the call, waiting for the others
+        began = time.monotonic()
+        assert c.last_report()["compressed"] == 0, "a report before any call"
+        assert time.monotonic() - began < 0.2, "the report waited for the call"
+        th.join(60)
+        assert done.get("ok"), done
+    else:
+        time.sleep(1.0)
+        comm.allreduce(x, op="sum", compressor=c)
+    assert np.allclose(x, p, rtol=0.05), x[:4]
+    assert c.last_report()["compressed"] == 1
+    c.close()
     # Small tensors go uncompressed (exact).
     c = chorus.Compressor("sign")
     x = np.full(10, me + 1.0, dtype=np.float32)

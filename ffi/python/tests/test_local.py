@@ -2,6 +2,7 @@
 error classes, and the GIL being released during a collective."""
 
 import threading
+import warnings
 import time
 
 import numpy as np
@@ -456,6 +457,68 @@ def test_compressed_hook_keeps_a_compressor_per_bucket_and_its_parameters():
     for seen in _on_two_ranks(run).values():
         assert seen[0] is seen[1], "the same bucket got a new compressor"
         assert seen[2] is not seen[1], "a rebuilt bucket kept another bucket's compressor"
+
+
+def test_ddp_hooks_leave_a_refused_bucket_as_it_was():
+    """A call refused (here: the communicator closed) leaves a float32 bucket undivided, so
+    that a caller that catches the error and retries does not average twice."""
+    from chorus.ddp import allreduce_hook, sync_allreduce_hook
+
+    def run(c):
+        c.barrier()
+        c.close()
+        left = []
+        for hook in (allreduce_hook, sync_allreduce_hook):
+            g = torch.full((8,), 3.0)
+            try:
+                hook(c, _Bucket(0, g, [torch.zeros(1)])).wait()
+            except chorus.InvalidUsageError:
+                pass
+            left.append(g)
+        return left
+
+    for left in _on_two_ranks(run).values():
+        for g in left:
+            assert torch.equal(g, torch.full((8,), 3.0)), g
+
+
+def test_compressed_hook_averages_buckets_it_cannot_compress():
+    """A float64 bucket (a double-precision model) is averaged uncompressed, with one
+    warning, instead of failing every backward pass."""
+    from chorus.ddp import CompressedHookState, compressed_allreduce_hook
+
+    def run(c):
+        state = CompressedHookState(c, "int8,min_bytes=0")
+        got = []
+        for _ in range(2):
+            g = torch.full((4096,), float(c.rank + 1), dtype=torch.float64)
+            compressed_allreduce_hook(state, _Bucket(0, g, [torch.zeros(1)])).wait()
+            got.append(g)
+        return got, state.warned_uncompressed
+
+    with warnings.catch_warnings(record=True) as caught:  # (the ranks are threads)
+        warnings.simplefilter("always")
+        results = _on_two_ranks(run)
+    for r, (got, warned) in results.items():
+        assert warned, f"rank {r} did not say the buckets went uncompressed"
+        for g in got:
+            assert torch.equal(g, torch.full((4096,), 1.5, dtype=torch.float64)), (r, g[:4])
+    said = [w for w in caught if "uncompressed" in str(w.message)]
+    assert 1 <= len(said) <= 2, [str(w.message) for w in caught]
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint32"), reason="this torch has no uint32 tensors")
+def test_unsigned_torch_tensors_reduce_as_numpy_arrays_do():
+    def run(c):
+        outs = []
+        for dt in (torch.uint32, torch.uint64):
+            t = torch.full((5,), 2**31 + c.rank, dtype=dt)
+            c.allreduce(t, op="max")
+            outs.append(int(t[0]))
+        return outs
+
+    for got in _on_two_ranks(run).values():
+        assert got == [2**31 + 1, 2**31 + 1], got
 
 
 def test_backend_group_keys_agree_across_group_sizes_on_one_store():
