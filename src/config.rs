@@ -22,7 +22,10 @@
 //!   A single rank needs no rendezvous: it reads none of these and gets `127.0.0.1:0`.
 //!   torchrun's jobs on one host at consecutive `MASTER_PORT`s collide (one's `MASTER_PORT +
 //!   1` is the next one's `MASTER_PORT`): space them by two, or set `CHORUS_PORT`.
-//! - `CHORUS_TOKEN`, `CHORUS_TIMEOUT` (seconds, float; collectives), `CHORUS_INIT_TIMEOUT`
+//! - `CHORUS_TOKEN` (else, under torchrun, Open MPI or Slurm, a token made from the job's id:
+//!   `TORCHELASTIC_RUN_ID`, `OMPI_MCA_ess_base_jobid`, `SLURM_JOB_ID` and `SLURM_STEP_ID`,
+//!   so that two jobs given one address do not mix), `CHORUS_TIMEOUT` (seconds, float;
+//!   collectives), `CHORUS_INIT_TIMEOUT`
 //!   (seconds; rendezvous), `CHORUS_SOCKET_IFNAME`, `CHORUS_TRANSPORT`, `CHORUS_ALGO`,
 //!   `CHORUS_DEBUG` (read by [`crate::log`]).
 //! - Read by the selector at init ([`crate::select`]): `CHORUS_ALPHA_US`, `CHORUS_BETA_GBPS`
@@ -374,8 +377,9 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
     if config.token.is_none() {
         // The port srun's ranks meet at is made from the job and step ids, and another job's
         // step may land on it: ranks authenticate with those ids, so that such a collision
-        // fails the handshake instead of mixing two jobs.
-        config.token = slurm_token;
+        // fails the handshake instead of mixing two jobs. Other launchers' job ids serve
+        // alike where ranks meet at an address the user gave (two jobs given the same).
+        config.token = slurm_token.or_else(|| job_token(&env, launcher));
     }
     Ok(config)
 }
@@ -418,6 +422,10 @@ struct Launcher {
     local_size: Option<&'static str>,
     /// Its rank on this host.
     local_rank: &'static str,
+    /// The variables that together name its job (the same in every rank of one launch,
+    /// another in the next): without `CHORUS_TOKEN`, ranks authenticate with them, so that
+    /// another job meeting at the same address fails the handshake instead of joining.
+    job: &'static [&'static str],
 }
 
 /// The launchers, in order of precedence (the first whose rank variable is set gives the rank).
@@ -429,6 +437,7 @@ const LAUNCHERS: &[Launcher] = &[
         launch_size: "CHORUS_WORLD_SIZE",
         local_size: Some("CHORUS_LOCAL_SIZE"),
         local_rank: "CHORUS_LOCAL_RANK",
+        job: &[],
     },
     Launcher {
         name: "torchrun",
@@ -437,6 +446,9 @@ const LAUNCHERS: &[Launcher] = &[
         launch_size: "WORLD_SIZE",
         local_size: Some("LOCAL_WORLD_SIZE"),
         local_rank: "LOCAL_RANK",
+        // The rendezvous id (`--rdzv-id`; a fresh one per launch with `--standalone`). Not
+        // the restart count: a node that joins an elastic job later counts from 0.
+        job: &["TORCHELASTIC_RUN_ID"],
     },
     Launcher {
         name: "Open MPI",
@@ -445,6 +457,7 @@ const LAUNCHERS: &[Launcher] = &[
         launch_size: "OMPI_COMM_WORLD_SIZE",
         local_size: Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
         local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+        job: &["OMPI_MCA_ess_base_jobid"],
     },
     Launcher {
         name: "MPICH/Hydra",
@@ -453,6 +466,7 @@ const LAUNCHERS: &[Launcher] = &[
         launch_size: "PMI_SIZE",
         local_size: Some("MPI_LOCALNRANKS"),
         local_rank: "MPI_LOCALRANKID",
+        job: &[],
     },
     Launcher {
         name: "Slurm",
@@ -461,8 +475,19 @@ const LAUNCHERS: &[Launcher] = &[
         launch_size: "SLURM_STEP_NUM_TASKS",
         local_size: None,
         local_rank: "SLURM_LOCALID",
+        job: &["SLURM_JOB_ID", "SLURM_STEP_ID"],
     },
 ];
+
+/// A token naming `launcher`'s job, from its job variables (all set, none blank), if it has
+/// them.
+fn job_token(env: &Lookup<'_>, launcher: &Launcher) -> Option<String> {
+    if launcher.job.is_empty() {
+        return None;
+    }
+    let parts: Option<Vec<String>> = launcher.job.iter().map(|v| env.value(v)).collect();
+    Some(format!("chorus-job-{}-{}", launcher.name, parts?.join("-")))
+}
 
 /// The variables through which the launchers chorus reads besides its own (torchrun, Open
 /// MPI, MPICH/Hydra, Slurm) give a process its rank, the job's size and its place on its host.
@@ -1094,6 +1119,60 @@ mod tests {
         assert_eq!(c.tune_file, Some(PathBuf::from("/var/tmp/chorus.tune")));
         assert_eq!(c.host_store, None);
         assert!(!c.hosts_store());
+    }
+
+    /// Without CHORUS_TOKEN, ranks of torchrun, Open MPI and Slurm authenticate with their
+    /// job's id: another job given the same address (no token either) fails the handshake
+    /// instead of joining. CHORUS_TOKEN wins; a launcher without a job id gives none.
+    #[test]
+    fn launchers_job_ids_make_the_token() {
+        let torchrun = |id: &str| {
+            config(&[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "10.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_RUN_ID", id),
+            ])
+            .unwrap()
+            .token
+        };
+        assert_eq!(torchrun("abc").as_deref(), Some("chorus-job-torchrun-abc"));
+        assert_ne!(torchrun("abc"), torchrun("abd"));
+        let ompi = |job: &str, extra: &[(&'static str, &'static str)]| {
+            let mut vars = vec![
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ADDR,
+                ("OMPI_MCA_ess_base_jobid", job),
+            ];
+            vars.extend_from_slice(extra);
+            config(&vars).unwrap().token
+        };
+        assert_eq!(
+            ompi("1840775169", &[]).as_deref(),
+            Some("chorus-job-Open MPI-1840775169")
+        );
+        assert_eq!(
+            ompi("1840775169", &[("CHORUS_TOKEN", "mine")]).as_deref(),
+            Some("mine")
+        );
+        // srun's ranks at a port the user gave: the job and step.
+        let c = config(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_NODELIST", "n[1-2]"),
+            ("CHORUS_PORT", "4000"),
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.token.as_deref(), Some("chorus-job-Slurm-7-3"));
+        // No job id: no token.
+        let c = config(&[("RANK", "0"), ("WORLD_SIZE", "2"), ADDR]).unwrap();
+        assert_eq!(c.token, None);
+        let c = config(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ADDR]).unwrap();
+        assert_eq!(c.token, None);
     }
 
     #[test]
