@@ -638,6 +638,9 @@ fn dial(
     let (mut backoff, start) = (Duration::from_millis(5), Instant::now());
     // The last try shut down mid-handshake, and when the first was.
     let mut shut_down: Option<(TransportError, Instant)> = None;
+    // When the tries began to be refused (the peer listened before it published `addr`: a
+    // refusal means its listener is gone).
+    let mut refused_since: Option<Instant> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -720,6 +723,25 @@ fn dial(
                     std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
                 ) =>
             {
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    // Refused for a while: the peer exited, or gave up its init, after it
+                    // published its address (a flood or a restart of the network stack
+                    // passes within the window). Said now, naming it, not at the deadline.
+                    let first = *refused_since.get_or_insert_with(Instant::now);
+                    if !crate::rendezvous::retry_after_shutdown(first, deadline) {
+                        let why = format!(
+                            "its data port {addr} has refused connections for {:.0} s: rank \
+                             {to} exited or gave up its init after publishing its address (its \
+                             own error says why)",
+                            first.elapsed().as_secs_f64()
+                        );
+                        return Err(TransportError::io(
+                            Some(to),
+                            "connect",
+                            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, why),
+                        ));
+                    }
+                }
                 std::thread::sleep(backoff.min(left));
                 backoff = (backoff * 2).min(Duration::from_millis(200));
             }
@@ -958,6 +980,23 @@ mod tests {
             assert!(e.is_none(), "{got:?}");
             assert!(*took < HANDSHAKE_BUDGET / 2, "{got:?}");
         }
+    }
+
+    #[test]
+    fn a_peer_whose_port_refuses_is_named_before_the_deadline() {
+        // Rank 0 published its address, then exited: its port refuses connections.
+        let gone = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = gone.local_addr().unwrap();
+        drop(gone);
+        let start = Instant::now();
+        let e = dial(addr, 7, 1, 0, b"t", start + Duration::from_secs(120)).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{e} after {:?}",
+            start.elapsed()
+        );
+        assert_eq!(e.culprit(), Some(0), "{e}");
+        assert!(e.to_string().contains("refused connections"), "{e}");
     }
 
     #[test]
