@@ -879,7 +879,7 @@ impl Communicator {
                 let beyond = store_beyond_host(&config, root);
                 if beyond && config.hosts_store() {
                     // Without a token, anyone who reaches the host could write to the store.
-                    let level = if config.token.is_none() {
+                    let level = if !config.token_is_secret() {
                         Level::Warn
                     } else {
                         Level::Info
@@ -893,9 +893,9 @@ impl Communicator {
                          CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback){}",
                         config.root_addr,
                         root.ip(),
-                        if config.token.is_none() {
+                        if !config.token_is_secret() {
                             "; CHORUS_TOKEN is not set, so its connections are not \
-                             authenticated"
+                             authenticated by a secret"
                         } else {
                             ""
                         }
@@ -914,12 +914,18 @@ impl Communicator {
                     timeout: config.init_timeout,
                     tcp: tcp_opts,
                 };
-                if config.token.is_none() && rank == 0 {
+                if !config.token_is_secret() && rank == 0 {
                     log::log(
                         Level::Info,
                         Some(rank),
                         format_args!(
-                            "CHORUS_TOKEN is not set: connections are checked, not authenticated"
+                            "CHORUS_TOKEN is not set: connections are checked{}, not \
+                             authenticated by a secret",
+                            if config.token.is_some() {
+                                " (for the launcher's job id)"
+                            } else {
+                                ""
+                            }
                         ),
                     );
                 }

@@ -124,7 +124,19 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// How the tokens made from a launcher's job ids begin (see [`Config::token_is_secret`]).
+const JOB_TOKEN_PREFIX: &str = "chorus-job-";
+
 impl Config {
+    /// Whether the token is a secret someone chose (`CHORUS_TOKEN`, a unique id's), not one
+    /// made from the launcher's job id (which keeps two jobs apart but anyone who can list
+    /// the jobs knows) or none.
+    pub fn token_is_secret(&self) -> bool {
+        self.token
+            .as_deref()
+            .is_some_and(|t| !t.starts_with(JOB_TOKEN_PREFIX))
+    }
+
     /// A configuration for `rank` of `size` with the store at `root_addr`, defaults elsewhere.
     pub fn new(rank: usize, size: usize, root_addr: impl Into<String>) -> Config {
         Config {
@@ -486,7 +498,11 @@ fn job_token(env: &Lookup<'_>, launcher: &Launcher) -> Option<String> {
         return None;
     }
     let parts: Option<Vec<String>> = launcher.job.iter().map(|v| env.value(v)).collect();
-    Some(format!("chorus-job-{}-{}", launcher.name, parts?.join("-")))
+    Some(format!(
+        "{JOB_TOKEN_PREFIX}{}-{}",
+        launcher.name,
+        parts?.join("-")
+    ))
 }
 
 /// The variables through which the launchers chorus reads besides its own (torchrun, Open
@@ -847,7 +863,7 @@ fn root_addr(
                         .map_err(|_| format!("{var}={v:?} is not a number; set CHORUS_PORT"))
                 };
                 let (job, step) = (id("SLURM_JOB_ID")?, id("SLURM_STEP_ID")?);
-                token = Some(format!("chorus-slurm-job-{job}-step-{step}"));
+                token = Some(format!("{JOB_TOKEN_PREFIX}slurm-{job}-step-{step}"));
                 ("SLURM_JOB_ID", slurm_port(job, step))
             }
         };
@@ -1138,6 +1154,11 @@ mod tests {
             .token
         };
         assert_eq!(torchrun("abc").as_deref(), Some("chorus-job-torchrun-abc"));
+        let mut c = Config::new(0, 2, "h:1");
+        c.token = torchrun("abc");
+        assert!(!c.token_is_secret(), "a job id is no secret");
+        c.token = Some("s3cret".into());
+        assert!(c.token_is_secret());
         assert_ne!(torchrun("abc"), torchrun("abd"));
         let ompi = |job: &str, extra: &[(&'static str, &'static str)]| {
             let mut vars = vec![
@@ -1498,7 +1519,8 @@ mod tests {
         // The derived port comes with a token of the job and step (another job's step that
         // lands on the port fails to authenticate); CHORUS_TOKEN wins.
         let c = step("node[04-05]", "0").unwrap();
-        assert_eq!(c.token.as_deref(), Some("chorus-slurm-job-123456-step-0"));
+        assert_eq!(c.token.as_deref(), Some("chorus-job-slurm-123456-step-0"));
+        assert!(!c.token_is_secret());
         assert_ne!(step("node[04-05]", "1").unwrap().token, c.token);
         // Task 0 on another node than the list's first: refused, naming both.
         let e = error_naming(

@@ -1228,14 +1228,18 @@ fn drive_until<T>(shared: &Shared, slot: &Slot<T>, end: Option<Instant>) -> bool
             && !jobs.driving
             && !jobs.busy;
         if jobs.free_to_drive(now) || aborted {
-            jobs.driving = true;
-            jobs.unattended = None;
-            drop(jobs);
-            drive(shared, lock_comm(&shared.comm), None, Drive::Slice, end);
-            continue;
+            // Never blocks on the communicator (as `peek`): a blocking call of another thread
+            // (`Queue::run`) may hold it for as long as that call lasts, past this wait's end.
+            if let Some(comm) = try_lock_comm(&shared.comm) {
+                jobs.driving = true;
+                jobs.unattended = None;
+                drop(jobs);
+                drive(shared, comm, None, Drive::Slice, end);
+                continue;
+            }
         }
-        // Someone else drives, or nothing is posted (a transfer to this rank itself waits for
-        // its other half): sleep on the request for a while.
+        // Someone else drives, or holds the communicator, or nothing is posted (a transfer to
+        // this rank itself waits for its other half): sleep on the request for a while.
         drop(jobs);
         let nap = Duration::from_millis(1).min(end.map_or(Duration::MAX, |e| e - now));
         let value = lock(&slot.value);

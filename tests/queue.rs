@@ -661,3 +661,44 @@ fn a_waiter_outlives_its_request() {
         assert_eq!(x, vec![1, 1], "rank {rank}");
     }
 }
+
+/// A transfer's wait with a time limit keeps to it while another thread's blocking call
+/// (`Queue::run`) holds the communicator: it neither blocks until that call ends nor keeps the
+/// transfer from completing afterwards.
+#[test]
+fn a_timed_transfer_wait_keeps_its_limit_beside_a_blocking_call() {
+    let got = on_threads_owned(
+        2,
+        Duration::from_secs(60),
+        |r, a| config_on(r, 2, a, "tcp"),
+        |c| {
+            let rank = c.rank();
+            let q = Queue::new(c);
+            if rank == 1 {
+                // Late to the barrier: rank 0's blocking call holds its communicator meanwhile.
+                std::thread::sleep(Duration::from_millis(1500));
+                q.run(|c| c.barrier()).unwrap();
+                q.isend(vec![7.0f32; 4], 0).wait().unwrap();
+                return (Duration::ZERO, vec![]);
+            }
+            std::thread::scope(|s| {
+                let blocking = s.spawn(|| q.run(|c| c.barrier()));
+                std::thread::sleep(Duration::from_millis(200));
+                let r = q.irecv(vec![0.0f32; 4], 1);
+                let t = Instant::now();
+                let r = r
+                    .wait_timeout(Duration::from_millis(100))
+                    .expect_err("nothing was sent yet");
+                let took = t.elapsed();
+                blocking.join().unwrap().unwrap();
+                (took, r.wait().unwrap())
+            })
+        },
+    );
+    let (took, buf) = &got[0];
+    assert!(
+        *took < Duration::from_millis(700),
+        "a 100 ms wait took {took:?}"
+    );
+    assert_eq!(buf, &vec![7.0f32; 4]);
+}

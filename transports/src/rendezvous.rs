@@ -409,8 +409,8 @@ pub(crate) fn accept_handshake_admitting(
             let _ = write_all_by(stream, &verdict, soon);
             return Err(TransportError::Rendezvous(
                 "authentication failed: the peer's proof does not match; CHORUS_TOKEN (or the \
-                 unique id) differs between ranks, or the peer belongs to another job or \
-                 communicator"
+                 unique id, or with neither the launcher's job id) differs between ranks, or \
+                 the peer belongs to another job or communicator"
                     .into(),
             ));
         }
@@ -502,8 +502,8 @@ pub(crate) fn connect_handshake_or_retry(
         if expected.verify_slice(&verdict[1..]).is_err() {
             return Err(TransportError::Rendezvous(
                 "authentication failed: the peer accepted this rank but could not prove it knows \
-                 the token; CHORUS_TOKEN (or the unique id) differs between ranks, or something \
-                 else listens on this address"
+                 the token; CHORUS_TOKEN (or the unique id, or with neither the launcher's job \
+                 id) differs between ranks, or something else listens on this address"
                     .into(),
             ));
         }

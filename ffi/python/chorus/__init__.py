@@ -393,12 +393,16 @@ def _p2p_ops(ops: Any, call: str) -> Tuple[Any, List[Tuple[_Buffer, Any, bool]]]
 def _seconds(value: Any, what: str) -> float:
     """``value`` (a real number, not a bool) as a float for C, which checks its range; a
     number too large for a float is infinity, refused there as any value out of range."""
-    if _is_bool(value) or not isinstance(value, numbers.Real):
+    if _is_bool(value) or not (
+        isinstance(value, numbers.Real) or hasattr(type(value), "__float__")
+    ):
         raise InvalidArgumentError(f"{what} must be a number of seconds, not {value!r}")
     try:
         return float(value)
     except OverflowError:
         return float("inf")
+    except (TypeError, ValueError) as e:  # a tensor of several elements, say
+        raise InvalidArgumentError(f"{what} must be a number of seconds, not {value!r}") from e
 
 
 #: Per thread: whether the collective in progress has called into the C library yet.

@@ -13,9 +13,12 @@ rebuilding), e.g. Gloo; the hook moves the gradients themselves through chorus::
     model = DDP(net)
     model.register_comm_hook(comm, allreduce_hook)
 
-The hook divides the bucket by the number of ranks and then sums it over the ranks with
-chorus, in that order as DDP's default hook does (summing first could overflow float16
-gradients), so training gives the same result as with Gloo. The hooks run on CPU tensors.
+The hook averages the bucket over the ranks with chorus's ``avg`` (a sum, then a division
+by the number of ranks); a float16 bucket is divided first and then summed, in that order as
+DDP's default hook does (summing first could overflow float16 gradients). Training follows
+Gloo's to rounding (sums in another order). A call refused before it runs (a closed
+communicator, say) leaves a bucket that is not float16 as it was. The hooks run on CPU
+tensors.
 
 ``allreduce_hook`` issues each bucket's allreduce and returns at once, so the backward pass
 goes on computing the next buckets' gradients while chorus moves this one (DDP waits for the
@@ -29,7 +32,7 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from . import Communicator, Compressor, InvalidArgumentError, _buffer
+from . import Communicator, Compressor, _buffer
 
 __all__ = [
     "allreduce_hook",
@@ -45,7 +48,7 @@ def _checked(comm: Communicator, grads: torch.Tensor) -> None:
     refusals do."""
     try:
         _buffer(grads, "the bucket", writable=True)
-    except InvalidArgumentError:
+    except Exception:
         comm._refused_call()
         raise
 

@@ -387,6 +387,10 @@ def test_set_timeout_bounds_later_calls():
             with pytest.raises(chorus.InvalidArgumentError):
                 c.set_timeout(bad)
         c.set_timeout(np.float32(30))
+        c.set_timeout(torch.tensor(30.0))  # what float() takes, as before
+        for bad in (torch.ones(2), "5", complex(1, 0)):
+            with pytest.raises(chorus.InvalidArgumentError):
+                c.set_timeout(bad)
         c.set_timeout(0.5)
         c.barrier()  # both here: fine
         began = time.monotonic()
