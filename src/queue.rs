@@ -1441,6 +1441,26 @@ impl<T> RequestWaiter<T> {
     pub fn wait_done(&self, limit: Duration) -> bool {
         wait_done_on(&self.slot, self.driver.as_ref(), limit)
     }
+
+    /// As [`Request::test`].
+    pub fn test(&self) -> bool {
+        test_on(&self.slot, self.driver.as_ref())
+    }
+}
+
+/// [`Request::test`] of the request whose slot is `slot` (and, for a transfer, whose queue is
+/// `driver`).
+fn test_on<T>(slot: &Slot<T>, driver: Option<&std::sync::Weak<Shared>>) -> bool {
+    // In a forked child it is as done as it will get: `wait` gives the error.
+    if slot.process.check("queued call", slot.rank).is_err() || lock(&slot.value).is_some() {
+        return true;
+    }
+    if slot.unwaitable().is_ok() {
+        if let Some(shared) = driver.and_then(std::sync::Weak::upgrade) {
+            peek(&shared);
+        }
+    }
+    lock(&slot.value).is_some()
 }
 
 /// [`Request::wait_done`] of the request whose slot is `slot` (and, for a transfer, whose
@@ -1503,22 +1523,7 @@ impl<T> Request<T> {
     /// blocking, for every transfer of the queue, as `MPI_Test` does (unless another thread
     /// is progressing them).
     pub fn test(&self) -> bool {
-        // In a forked child it is as done as it will get: `wait` gives the error.
-        if self
-            .slot
-            .process
-            .check("queued call", self.slot.rank)
-            .is_err()
-            || lock(&self.slot.value).is_some()
-        {
-            return true;
-        }
-        if self.slot.unwaitable().is_ok() {
-            if let Some(shared) = self.driver.as_ref().and_then(std::sync::Weak::upgrade) {
-                peek(&shared);
-            }
-        }
-        lock(&self.slot.value).is_some()
+        test_on(&self.slot, self.driver.as_ref())
     }
 
     /// Give the request up without waiting (as `MPI_Request_free`): the result of the call if

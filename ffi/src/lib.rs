@@ -825,6 +825,21 @@ pub struct chorus_request {
     inner: Pending,
 }
 
+/// A request's [`RequestWaiter`](chorus_core::RequestWaiter), whatever its result type.
+trait Waiter {
+    fn wait_done(&self, limit: Duration) -> bool;
+    fn test(&self) -> bool;
+}
+
+impl<T> Waiter for chorus_core::RequestWaiter<T> {
+    fn wait_done(&self, limit: Duration) -> bool {
+        chorus_core::RequestWaiter::wait_done(self, limit)
+    }
+    fn test(&self) -> bool {
+        chorus_core::RequestWaiter::test(self)
+    }
+}
+
 /// What a request waits for: a call on the communicator's queue, or a point-to-point
 /// transfer (`chorus_isend`, `chorus_irecv`).
 enum Pending {
@@ -842,30 +857,13 @@ impl Pending {
         }
     }
 
-    fn test(&self) -> bool {
-        match self {
-            Pending::Call(r) => r.test(),
-            Pending::Send(r) => r.test(),
-            Pending::Recv(r) => r.test(),
-        }
-    }
-
     /// A waiter for this request that stays valid after the request is freed (another
-    /// thread's `chorus_request_free` while `chorus_waitany` sleeps on it).
-    fn waiter(&self) -> Box<dyn Fn(Duration) -> bool> {
+    /// thread's `chorus_request_free` while `chorus_waitany` sleeps on it, or tests it).
+    fn waiter(&self) -> Box<dyn Waiter> {
         match self {
-            Pending::Call(r) => {
-                let w = r.waiter();
-                Box::new(move |d| w.wait_done(d))
-            }
-            Pending::Send(r) => {
-                let w = r.waiter();
-                Box::new(move |d| w.wait_done(d))
-            }
-            Pending::Recv(r) => {
-                let w = r.waiter();
-                Box::new(move |d| w.wait_done(d))
-            }
+            Pending::Call(r) => Box::new(r.waiter()),
+            Pending::Send(r) => Box::new(r.waiter()),
+            Pending::Recv(r) => Box::new(r.waiter()),
         }
     }
 
@@ -1065,14 +1063,19 @@ pub unsafe extern "C" fn chorus_test(request: *mut *mut chorus_request, done: *m
         let finished = if req.is_null() {
             true
         } else {
-            // Held while looking, so that no other completion frees it meanwhile.
-            let live = live_requests();
-            let known = live.known(req);
-            if known != registry::Known::Live {
-                return Err(not_a_request(req, known));
-            }
-            // SAFETY: a live request (in the set, which is locked).
-            unsafe { &*req }.inner.test()
+            // A waiter taken while the registry is locked (valid if another thread frees the
+            // request meanwhile), tested after: a test that progresses transfers does not
+            // hold up every other thread's requests.
+            let w = {
+                let live = live_requests();
+                let known = live.known(req);
+                if known != registry::Known::Live {
+                    return Err(not_a_request(req, known));
+                }
+                // SAFETY: a live request (in the set, which is locked).
+                unsafe { &*req }.inner.waiter()
+            };
+            w.test()
         };
         // SAFETY: non-NULL, aligned and writable by the caller's promise.
         unsafe { ptr::write_out(done, c_int::from(finished), "done")? };
@@ -1169,8 +1172,11 @@ unsafe fn scan_requests(
     unsafe { scan_requests_waiting(count, requests, &mut None) }
 }
 
-/// [`scan_requests`], and in `waiter` a waiter for the first request that has not completed
-/// (taken while the registry is locked: it stays valid if another thread frees the request).
+/// [`scan_requests`], and in `waiter` a waiter for the first request that has not completed.
+/// The registry is locked only to take a waiter of each request (valid if another thread
+/// frees the request); the requests are tested after, so that a test that progresses
+/// transfers (and perhaps aborts a communicator, writing to every peer) does not hold up
+/// every other thread's requests meanwhile.
 ///
 /// # Safety
 /// As [`scan_requests`].
@@ -1178,29 +1184,34 @@ unsafe fn scan_requests(
 unsafe fn scan_requests_waiting(
     count: usize,
     requests: *mut *mut chorus_request,
-    waiter: &mut Option<Box<dyn Fn(Duration) -> bool>>,
+    waiter: &mut Option<Box<dyn Waiter>>,
 ) -> Result<Vec<(usize, *mut chorus_request, bool)>, Failure> {
-    let live = live_requests();
-    let mut out = Vec::new();
-    for i in 0..count {
-        // SAFETY: inside the caller's array of `count` pointers (aligned: checked).
-        let req = unsafe { *requests.add(i) };
-        if req.is_null() {
-            continue;
+    let mut found = Vec::new();
+    {
+        let live = live_requests();
+        for i in 0..count {
+            // SAFETY: inside the caller's array of `count` pointers (aligned: checked).
+            let req = unsafe { *requests.add(i) };
+            if req.is_null() {
+                continue;
+            }
+            let known = live.known(req);
+            if known != registry::Known::Live {
+                let e = not_a_request(req, known);
+                return Err(Failure::new(
+                    e.status,
+                    format!("requests[{i}]: {}", e.message),
+                ));
+            }
+            // SAFETY: a live request (in the set, which is locked).
+            found.push((i, req, unsafe { &*req }.inner.waiter()));
         }
-        let known = live.known(req);
-        if known != registry::Known::Live {
-            let e = not_a_request(req, known);
-            return Err(Failure::new(
-                e.status,
-                format!("requests[{i}]: {}", e.message),
-            ));
-        }
-        // SAFETY: a live request (in the set, which is locked).
-        let r = unsafe { &*req };
-        let done = r.inner.test();
+    }
+    let mut out = Vec::with_capacity(found.len());
+    for (i, req, w) in found {
+        let done = w.test();
         if !done && waiter.is_none() {
-            *waiter = Some(r.inner.waiter());
+            *waiter = Some(w);
         }
         out.push((i, req, done));
     }
@@ -1267,7 +1278,7 @@ pub unsafe extern "C" fn chorus_waitany(
             }
             // Not through the request, which another thread may free meanwhile.
             if let Some(w) = waiter {
-                w(nap);
+                w.wait_done(nap);
             }
             nap = (nap * 2).min(Duration::from_millis(1));
         }
