@@ -1311,7 +1311,20 @@ impl<B: SendBuffer> p2p::Transfer for Sending<B> {
         answered: &mut dyn FnMut(),
     ) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm, answered);
+        self.slot.fill(with_buffer(result, buf), comm, answered);
+    }
+}
+
+/// A finished transfer's result: its buffer, or its error, the buffer dropped then. A buffer
+/// whose drop panics does not keep the error from its request (a wait that would never end):
+/// the panic is caught and said in the error.
+fn with_buffer<B>(result: Result<(), CommError>, buf: B) -> Result<B, CommError> {
+    match result {
+        Ok(()) => Ok(buf),
+        Err(e) => match catch_unwind(AssertUnwindSafe(move || drop(buf))) {
+            Ok(()) => Err(e),
+            Err(_) => Err(e.with_detail(" (and its buffer panicked when dropped)")),
+        },
     }
 }
 
@@ -1338,7 +1351,7 @@ impl<B: RecvBuffer> p2p::Transfer for Receiving<B> {
         answered: &mut dyn FnMut(),
     ) {
         let buf = self.buf.take().expect("finished once");
-        self.slot.fill(result.map(|()| buf), comm, answered);
+        self.slot.fill(with_buffer(result, buf), comm, answered);
     }
 }
 

@@ -582,3 +582,51 @@ fn abort_inside_run_returns_at_once() {
         assert!(!e.is_usable(), "{e}");
     });
 }
+
+/// A send buffer whose drop panics (after a failed send to this rank itself, which drops it)
+/// leaves neither request without a result: both fail, the send saying its buffer panicked,
+/// and the count of transfers comes back to 0.
+#[test]
+fn a_send_buffer_that_panics_when_dropped_leaves_no_receive_waiting() {
+    #[derive(Debug)]
+    struct DropBomb(Vec<u8>);
+    impl chorus::SendBuffer for DropBomb {
+        fn send_bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn send_len(&self) -> usize {
+            self.0.len()
+        }
+    }
+    impl Drop for DropBomb {
+        fn drop(&mut self) {
+            panic!("a buffer that panics when dropped (expected by the test)")
+        }
+    }
+    ranks(1, "tcp", Duration::from_secs(30), |c| {
+        let q = Queue::new(c);
+        // Lengths differ: the pair fails as a mismatch, and the send's buffer is dropped.
+        let r = q.irecv(vec![0u8; 4], 0);
+        let issued = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            q.isend_buffer(DropBomb(vec![1; 8]), chorus::DType::Uint8, 0)
+        }));
+        let start = Instant::now();
+        let got = r.wait_timeout(Duration::from_secs(10));
+        assert!(
+            start.elapsed() < Duration::from_secs(9),
+            "the receive waited on"
+        );
+        let Ok(result) = got else {
+            panic!("the receive has no result")
+        };
+        assert!(result.is_err(), "{result:?}");
+        let s = issued.expect("the send was issued");
+        let e = s.wait().expect_err("the send failed");
+        assert!(e.message().contains("panicked when dropped"), "{e}");
+        let t = Instant::now();
+        while q.transfers() != 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(q.transfers(), 0);
+    });
+}

@@ -235,8 +235,10 @@ impl Engine {
                 Ok(()) => (Ok(()), Ok(())),
                 Err(m) => (Err(mismatch("isend", m)), Err(mismatch("irecv", m))),
             };
-            self.finish(s, rs, comm);
-            self.finish(r, rr, comm);
+            // Each finished whatever the other's buffer does when dropped (a panic).
+            if let Some(panic) = self.finish_each(vec![(s, rs), (r, rr)], comm) {
+                resume_unwind(panic)
+            }
         }
     }
 
