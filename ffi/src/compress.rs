@@ -121,7 +121,8 @@ pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor)
 /// float32), `op` is `CHORUS_SUM` or `CHORUS_AVG`. Every rank passes a compressor of the same
 /// spec for the same tensor; the result is identical on every rank. A compressor another
 /// call is using meanwhile refuses this one (`CHORUS_INVALID_USAGE`), which still uses up the
-/// call's place in the order of collectives (as any refusal).
+/// call's place in the order of collectives (as any refusal), unless that other call is on
+/// this communicator: calls on one communicator must not overlap either.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator; `comp` is NULL or a live compressor; `buf` is NULL (only when `count == 0`) or valid for reading and writing
