@@ -4,7 +4,8 @@
 //! schedule forced through `CHORUS_ALGO`), in place and out of place, roots first and last,
 //! compared exactly with naive references built from `reference::test_value`. Every dtype ×
 //! op on the small counts (automatic choice; the forced schedules take every op in f32 and
-//! every dtype with sum); f32 sum (root 0) and i32 max (last root) on the large one. One
+//! every dtype with sum); f32 sum (root 0) and i32 max (last root) on the large one, and a
+//! middle root (i64 on 7 elements, f64 on the large count). One
 //! communicator per (p, schedule set) serves all cases. Then mismatches across ranks: each
 //! must give an error on every rank (in the call or the next one), never a hang.
 
@@ -322,7 +323,8 @@ macro_rules! each_dtype {
 
 /// One rank's whole sweep; returns its failures. `full`: every dtype × op on the small
 /// counts with the last rank as root; otherwise every op in f32 and every dtype with `Sum`,
-/// root 0. The large count runs f32 sum with root 0 and i32 max with the last rank as root.
+/// root 0. The large count runs f32 sum with root 0 and i32 max with the last rank as root;
+/// a middle root (`size / 2`) gets i64 sum on 7 elements and f64 sum on the large count.
 fn sweep(c: &mut Communicator, full: bool) -> Vec<String> {
     let (rank, size) = (c.rank(), c.size());
     let mut k = Checker {
@@ -342,6 +344,9 @@ fn sweep(c: &mut Communicator, full: bool) -> Vec<String> {
     }
     check_all::<f32>(c, &mut k, LARGE, ReduceOp::Sum, 0);
     check_all::<i32>(c, &mut k, LARGE, ReduceOp::Max, size - 1);
+    // A root in the middle (trees and rings rotate around it): an odd count, and a large one.
+    check_all::<i64>(c, &mut k, 7, ReduceOp::Sum, size / 2);
+    check_all::<f64>(c, &mut k, LARGE, ReduceOp::Sum, size / 2);
     c.barrier().expect("barrier");
     k.bad
 }
