@@ -395,6 +395,20 @@ fn agree_on_settings(
 ) -> Result<(), CommError> {
     const SEP: char = '\u{1f}';
     let io = |e| CommError::from_transport("init", e);
+    // A wait for what rank `j` writes that times out names it (the mesh has formed: it
+    // started, and exited or hangs since).
+    let waiting_for = |j: usize| {
+        move |e| match e {
+            TransportError::Timeout { peer: None, waited } => CommError::from_transport(
+                "init",
+                TransportError::Timeout {
+                    peer: Some(j),
+                    waited,
+                },
+            ),
+            e => CommError::from_transport("init", e),
+        }
+    };
     let mine: String = settings
         .iter()
         .map(|(n, (c, v))| format!("{n}={c}{SEP}{v}\n"))
@@ -407,7 +421,7 @@ fn agree_on_settings(
         for j in 1..size {
             let theirs = store
                 .get(&format!("settings/{comm_id:x}/{j}"), deadline)
-                .map_err(io)?;
+                .map_err(waiting_for(j))?;
             let theirs = String::from_utf8_lossy(&theirs);
             if theirs == mine {
                 continue;
@@ -440,7 +454,7 @@ fn agree_on_settings(
     }
     let verdict = store
         .get(&format!("settings/{comm_id:x}/verdict"), deadline)
-        .map_err(io)?;
+        .map_err(waiting_for(0))?;
     if verdict == b"ok" {
         return Ok(());
     }

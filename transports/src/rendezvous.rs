@@ -567,8 +567,10 @@ struct Conns {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// Keeps the server's stderr output to a few lines per window however many clients misbehave.
-struct LogLimiter {
+/// Keeps a server's stderr output (the store's, a rank's data listener's) to a few lines per
+/// window however many clients misbehave.
+pub(crate) struct LogLimiter {
+    prefix: String,
     state: Mutex<(Instant, u32, u64)>,
 }
 
@@ -576,18 +578,21 @@ impl LogLimiter {
     const WINDOW: Duration = Duration::from_secs(10);
     const LINES_PER_WINDOW: u32 = 20;
 
-    fn new() -> Self {
+    /// Lines begin `prefix: `.
+    pub(crate) fn new(prefix: impl Into<String>) -> Self {
         LogLimiter {
+            prefix: prefix.into(),
             state: Mutex::new((Instant::now(), 0, 0)),
         }
     }
 
-    fn log(&self, msg: fmt::Arguments<'_>) {
+    pub(crate) fn log(&self, msg: fmt::Arguments<'_>) {
         let mut st = lock(&self.state);
         let (start, lines, suppressed) = &mut *st;
+        let prefix = &self.prefix;
         if start.elapsed() >= Self::WINDOW {
             if *suppressed > 0 {
-                crate::note!("store: {suppressed} similar messages suppressed");
+                crate::note!("{prefix}: {suppressed} similar messages suppressed");
             }
             *start = Instant::now();
             *lines = 0;
@@ -595,7 +600,7 @@ impl LogLimiter {
         }
         if *lines < Self::LINES_PER_WINDOW {
             *lines += 1;
-            crate::note!("store: {msg}");
+            crate::note!("{prefix}: {msg}");
         } else {
             *suppressed += 1;
         }
@@ -934,7 +939,7 @@ impl StoreServer {
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(Conns::default()),
-            log: LogLimiter::new(),
+            log: LogLimiter::new("store"),
         });
         let sh = Arc::clone(&shared);
         let accept = thread::Builder::new()

@@ -785,6 +785,8 @@ fn accept_loop(
     let token = Arc::new(token);
     let pending: Arc<Pending> = Arc::default();
     let mut next_id = 0u64;
+    // Strangers and a shortage of descriptors are said a few times, not once a connection.
+    let log = Arc::new(crate::rendezvous::LogLimiter::new(format!("rank {rank}")));
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         match listener.accept() {
             Ok((stream, from_addr)) => {
@@ -799,12 +801,12 @@ fn accept_loop(
                     if p.len() >= pending_limit(size) {
                         if let Some((_, oldest)) = p.pop_front() {
                             let who = oldest.peer_addr().map(|a| a.to_string());
-                            crate::note!(
-                                "rank {rank}: {} connections mid-handshake, shutting down the \
-                                 oldest ({}) for {from_addr}",
+                            log.log(format_args!(
+                                "{} connections mid-handshake, shutting down the oldest ({}) \
+                                 for {from_addr}",
                                 pending_limit(size),
                                 who.unwrap_or_else(|_| "?".into())
-                            );
+                            ));
                             let _ = oldest.shutdown(std::net::Shutdown::Both);
                         }
                     }
@@ -813,6 +815,7 @@ fn accept_loop(
                 let tx = tx.clone();
                 let token = token.clone();
                 let pending_c = pending.clone();
+                let log = log.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("chorus-hs-{rank}"))
                     .spawn(move || {
@@ -837,9 +840,9 @@ fn accept_loop(
                             Ok((j, s)) => {
                                 let _ = tx.send((j, s));
                             }
-                            Err(e) => crate::note!(
-                                "rank {rank}: dropped data connection from {from_addr}: {e}"
-                            ),
+                            Err(e) => log.log(format_args!(
+                                "dropped data connection from {from_addr}: {e}"
+                            )),
                         }
                     });
                 if spawned.is_err() {
@@ -851,7 +854,15 @@ fn accept_loop(
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => {
-                crate::note!("rank {rank}: accept: {e}");
+                let hint = if e.raw_os_error() == Some(libc::EMFILE)
+                    || e.raw_os_error() == Some(libc::ENFILE)
+                {
+                    " (out of file descriptors: raise `ulimit -n`; a job of p ranks needs \
+                     about p per rank)"
+                } else {
+                    ""
+                };
+                log.log(format_args!("cannot accept data connections: {e}{hint}"));
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
