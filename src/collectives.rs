@@ -591,9 +591,12 @@ impl Communicator {
                 ro.total(),
                 alltoall::Algorithm::auto(&allowed, largest).name()
             ));
-            // The counts differ from rank to rank by design: only the lengths of the messages
-            // check them, pair by pair.
-            c.run_call(call, &[], |ctx| {
+            // The counts differ from rank to rank by design: they are compared pair by pair
+            // (with CHORUS_CHECK_CALLS), else the lengths of the messages check them.
+            c.check_call(call, &[])?;
+            let counts = |v: &[usize]| v.iter().map(|&n| n as u64).collect::<Vec<_>>();
+            c.compare_pair_counts(call, &counts(sc), &counts(rc))?;
+            c.run_unchecked(call, &[], |ctx| {
                 alltoall::run_v(ctx, send, &so, recv, &ro, &allowed)
             })
         })
@@ -1084,7 +1087,16 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("gather_v {} B to {root}", send.len()));
-            c.run_call(call, &[root as u64], |ctx| {
+            c.check_call(call, &[root as u64])?;
+            let (p, size) = (c.size(), dtype.size() as u64);
+            let mut sends = vec![0u64; p];
+            sends[root] = send.len() as u64 / size;
+            let recvs: Vec<u64> = match &recv {
+                Some((_, l)) => (0..p).map(|j| l.block(j).len() as u64 / size).collect(),
+                None => vec![0; p],
+            };
+            c.compare_pair_counts(call, &sends, &recvs)?;
+            c.run_unchecked(call, &[root as u64], |ctx| {
                 let recv = recv.as_mut().map(|(r, l)| (&mut **r, &*l));
                 gather::run_v(ctx, send, recv, root)
             })
@@ -1154,7 +1166,16 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("scatter_v {} B from {root}", recv.len()));
-            c.run_call(call, &[root as u64], |ctx| {
+            c.check_call(call, &[root as u64])?;
+            let (p, size) = (c.size(), dtype.size() as u64);
+            let sends: Vec<u64> = match &send {
+                Some((_, l)) => (0..p).map(|j| l.block(j).len() as u64 / size).collect(),
+                None => vec![0; p],
+            };
+            let mut recvs = vec![0u64; p];
+            recvs[root] = recv.len() as u64 / size;
+            c.compare_pair_counts(call, &sends, &recvs)?;
+            c.run_unchecked(call, &[root as u64], |ctx| {
                 let send = send.as_ref().map(|(s, l)| (*s, l));
                 scatter::run_v(ctx, send, recv, root)
             })

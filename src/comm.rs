@@ -1877,6 +1877,77 @@ impl Communicator {
         .with_usable(true))
     }
 
+    /// With [`Config::check_calls`], for the collectives whose counts differ from rank to
+    /// rank (alltoallv, gatherv, scatterv): the ranks compare, pair by pair, the elements each
+    /// sends (`sends[j]`: to rank `j`) with those its peer expects (`recvs[j]`: from rank `j`),
+    /// in one alltoall and one allgather of small records, and fail alike where a pair
+    /// disagrees, naming it. The communicator stays usable: none of the call's data was sent.
+    pub(crate) fn compare_pair_counts(
+        &mut self,
+        call: Call,
+        sends: &[u64],
+        recvs: &[u64],
+    ) -> Result<(), CommError> {
+        if !self.config.check_calls || self.size == 1 {
+            return Ok(());
+        }
+        let p = self.size;
+        debug_assert!(sends.len() == p && recvs.len() == p);
+        let out: Vec<u8> = sends.iter().flat_map(|c| c.to_le_bytes()).collect();
+        let mut theirs = vec![0u8; 8 * p];
+        let word = |b: &[u8], k: usize| u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().unwrap());
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::CallCheck,
+            DType::Uint64,
+            ReduceOp::Sum,
+        );
+        let allowed = [false, true]; // pairwise
+        self.run_tagged(call.name, tag, call.timeout, |ctx| {
+            chorus_algorithms::collectives::alltoall::run(ctx, Some(&out), &mut theirs, &allowed)
+        })?;
+        // This rank's first disagreement: (peer + 1, what it sends, what this rank expects).
+        let mut mine = [0u8; 24];
+        if let Some(j) = (0..p).find(|&j| word(&theirs, j) != recvs[j]) {
+            mine[..8].copy_from_slice(&(j as u64 + 1).to_le_bytes());
+            mine[8..16].copy_from_slice(&word(&theirs, j).to_le_bytes());
+            mine[16..].copy_from_slice(&recvs[j].to_le_bytes());
+        }
+        let mut all = vec![0u8; 24 * p];
+        let tag = tag_base(
+            self.next_seq(),
+            CollKind::CallCheck,
+            DType::Uint64,
+            ReduceOp::Max,
+        );
+        self.run_tagged(call.name, tag, call.timeout, |ctx| {
+            chorus_algorithms::collectives::allgather::run(
+                chorus_algorithms::collectives::allgather::Algorithm::Ring,
+                ctx,
+                Some(&mine),
+                &mut all,
+            )
+        })?;
+        let Some((r, rec)) = all
+            .chunks_exact(24)
+            .enumerate()
+            .find(|(_, rec)| word(rec, 0) != 0)
+        else {
+            return Ok(());
+        };
+        let (j, sent, expected) = (word(rec, 0) - 1, word(rec, 1), word(rec, 2));
+        Err(CommError::new(
+            ErrorKind::Mismatch,
+            call.name,
+            format!(
+                "rank {r} expects {expected} elements from rank {j}, which sends it {sent} \
+                 (CHORUS_CHECK_CALLS)"
+            ),
+        )
+        .at_rank(self.rank)
+        .with_usable(true))
+    }
+
     /// [`Communicator::run_collective`] with an explicit tag base and without advancing the
     /// collective sequence number: for point-to-point calls, which only two ranks make.
     pub(crate) fn run_tagged(

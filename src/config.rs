@@ -93,7 +93,9 @@ pub struct Config {
     /// with (collective, dtype, op, sizes, root), one small allgather per call, and fail alike
     /// on any difference, naming each rank's call. Off by default: most mismatches are caught
     /// without it, as messages arrive; this also catches those in which no rank receives a
-    /// message (every rank a root), for debugging. Set it the same on every rank. A rank that
+    /// message (every rank a root), for debugging; the counts of alltoallv, gatherv and
+    /// scatterv, which differ from rank to rank, are compared pair by pair (one small alltoall
+    /// and allgather more). Set it the same on every rank. A rank that
     /// refuses its own arguments (a root's buffer of the wrong size) still takes part in the
     /// comparison, so the others fail at once, naming it, instead of waiting out their
     /// timeout (refusals the C and Python layers make before calling in, such as a NULL

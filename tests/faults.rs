@@ -488,6 +488,46 @@ fn checked_calls_catch_what_no_message_shows() {
                 .expect("forced ring with tuning differing");
             c.set_tuning(true);
             c.barrier().expect("barrier");
+            // Counts that differ pair by pair (alltoallv, gatherv, scatterv): every rank fails
+            // naming the pair, before any data moves, and the communicator goes on.
+            let p = 3;
+            let sc: Vec<usize> = (0..p)
+                .map(|j| if rank == 2 && j == 0 { 2 } else { 1 })
+                .collect();
+            let rc = vec![1usize; p];
+            let send = vec![rank as i32; sc.iter().sum()];
+            let mut recv = vec![0i32; p];
+            let e = c.all_to_all_v(&send, &sc, &mut recv, &rc).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            assert!(e.is_usable(), "{e}");
+            errors.push(e.to_string());
+            let mine = vec![1i64; if rank == 2 { 3 } else { 2 }];
+            let counts = [2usize, 2, 2];
+            let mut out = [0i64; 6];
+            let recv = (rank == 1).then_some((&mut out[..], &counts[..]));
+            let e = c.gather_v(&mine, recv, 1).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            errors.push(e.to_string());
+            let counts = [1usize, 4, 1];
+            let send = [7u8; 6];
+            let mut block = vec![0u8; if rank == 1 { 3 } else { counts[rank] }];
+            let e = c
+                .scatter_v(
+                    (rank == 0).then_some((&send[..], &counts[..])),
+                    &mut block,
+                    0,
+                )
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+            errors.push(e.to_string());
+            let mut out = [0i64; 6];
+            let counts = [2usize, 2, 2];
+            let recv = (rank == 1).then_some((&mut out[..], &counts[..]));
+            c.gather_v(&[rank as i64; 2], recv, 1)
+                .expect("gather_v that agrees");
+            if rank == 1 {
+                assert_eq!(out, [0, 0, 1, 1, 2, 2]);
+            }
             let mut comp = chorus::Compressor::new("int8,min_bytes=0").unwrap();
             let mut g = vec![1.0f32; 4096];
             c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut comp)
@@ -505,6 +545,13 @@ fn checked_calls_catch_what_no_message_shows() {
             errors[1].contains("broadcast") && errors[1].contains("reduce"),
             "{rank}: {errors:?}"
         );
+        for (k, want) in [
+            (2, "rank 0 expects 1 elements from rank 2, which sends it 2"),
+            (3, "rank 1 expects 2 elements from rank 2, which sends it 3"),
+            (4, "rank 1 expects 3 elements from rank 0, which sends it 4"),
+        ] {
+            assert!(errors[k].contains(want), "{rank}: {}", errors[k]);
+        }
     }
 }
 
