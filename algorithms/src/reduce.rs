@@ -5,7 +5,9 @@
 //! reduces like `Sum`; the division by the number of ranks is a separate pass,
 //! [`finish_avg_bytes`], which a schedule runs once on the part of the buffer it finalises.
 //! f16 and bf16 are widened to f32, combined, and rounded back once (for `Sum` this is the
-//! correctly rounded half-precision sum: f32 holds it exactly); f16 in blocks of
+//! correctly rounded half-precision sum: f32 does not always hold it exactly, but with at
+//! least 2·11 + 1 bits of precision a sum rounded first to f32 and then to f16 (or bf16)
+//! rounds as the exact sum would); f16 in blocks of
 //! [`HALF_BLOCK`] elements through half's slice helpers (F16C where the CPU has it), bf16 in one
 //! fused, vectorised pass.
 //!
