@@ -749,6 +749,21 @@ impl Selector {
                 },
             )?;
         }
+        let probed = !matches!(env, (Some(_), Some(_)));
+        if ranks > 1 && !probed && filter.forced().is_some() {
+            // Neither collective above ran (the link configured, the allreduce forced): the
+            // ranks still meet once before init returns, so that none drops the group's store
+            // (its communicator freed at once) while another still reads it.
+            comm.run_collective(
+                Call::new(
+                    "init (all set up)",
+                    CollKind::Barrier,
+                    DType::Uint8,
+                    ReduceOp::Max,
+                ),
+                |ctx| chorus_algorithms::collectives::barrier::run(ctx),
+            )?;
+        }
         let s = Selector::new(ranks, link, source, filter).with_cpu_bound(any_crowded[0] != 0);
         if comm.rank() == 0 {
             log::log(

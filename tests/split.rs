@@ -261,3 +261,40 @@ fn split_by_host_groups_ranks_by_host() {
         );
     }
 }
+
+/// With the link configured and the allreduce forced (no collective at init), a copy that its
+/// first rank, which hosts the copy's store, drops at once still comes up on every other rank
+/// (they meet before init returns, so the store outlives their reads).
+#[test]
+fn a_copy_dropped_at_once_by_its_store_host_comes_up_everywhere() {
+    let got = on_threads_owned(
+        4,
+        Duration::from_secs(120),
+        |r, a| {
+            let mut c = config_on(r, 4, a, "tcp");
+            c.alpha_us = Some(50.0);
+            c.beta_gbps = Some(1.0);
+            c.algo = Some("allreduce:ring".into());
+            c
+        },
+        |mut c| {
+            let rank = c.rank();
+            let mut failed = Vec::new();
+            for k in 0..30 {
+                match c.dup() {
+                    Ok(d) if rank == 0 => drop(d),
+                    Ok(d) => {
+                        std::thread::sleep(Duration::from_millis(2));
+                        drop(d);
+                    }
+                    Err(e) => failed.push(format!("copy {k}: {e}")),
+                }
+                c.barrier().expect("barrier");
+            }
+            failed
+        },
+    );
+    for (rank, failed) in got.iter().enumerate() {
+        assert!(failed.is_empty(), "rank {rank}: {failed:?}");
+    }
+}
