@@ -761,7 +761,7 @@ impl Selector {
                     DType::Uint8,
                     ReduceOp::Max,
                 ),
-                |ctx| chorus_algorithms::collectives::barrier::run(ctx),
+                chorus_algorithms::collectives::barrier::run,
             )?;
         }
         let s = Selector::new(ranks, link, source, filter).with_cpu_bound(any_crowded[0] != 0);
