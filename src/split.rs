@@ -243,9 +243,6 @@ impl Communicator {
             .position(|&r| r == rank)
             .expect("a rank is in its own group");
         let mut config = self.config().clone();
-        // The new group's set-up is part of this call: bounded by the call's timeout too (a
-        // member lost meanwhile is named then, not at the init timeout).
-        config.init_timeout = config.init_timeout.min(config.timeout);
         config.rank = my_rank;
         config.size = members.len();
         config.host_store = Some(false);
