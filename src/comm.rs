@@ -394,6 +394,7 @@ fn agree_on_settings(
     deadline: Instant,
 ) -> Result<(), CommError> {
     const SEP: char = '\u{1f}';
+    let started = Instant::now();
     let io = |e| CommError::from_transport("init", e);
     // A wait for what rank `j` writes that times out names it (the mesh has formed: it
     // started, and exited or hangs since).
@@ -419,9 +420,20 @@ fn agree_on_settings(
     if rank == 0 {
         let mut verdict = String::from("ok");
         for j in 1..size {
-            let theirs = store
-                .get(&format!("settings/{comm_id:x}/{j}"), deadline)
-                .map_err(waiting_for(j))?;
+            let theirs = match store.get(&format!("settings/{comm_id:x}/{j}"), deadline) {
+                Ok(t) => t,
+                Err(e) => {
+                    // The others wait for the verdict: they fail naming rank j too, not this
+                    // rank, whose verdict never came.
+                    if matches!(e, TransportError::Timeout { .. }) {
+                        let _ = store.set(
+                            &format!("settings/{comm_id:x}/verdict"),
+                            format!("{TIMED_OUT}{j}").as_bytes(),
+                        );
+                    }
+                    return Err(waiting_for(j)(e));
+                }
+            };
             let theirs = String::from_utf8_lossy(&theirs);
             if theirs == mine {
                 continue;
@@ -452,11 +464,25 @@ fn agree_on_settings(
             .set(&format!("settings/{comm_id:x}/verdict"), verdict.as_bytes())
             .map_err(io)?;
     }
+    // A little past the deadline: rank 0 writes a verdict when its own wait ends there.
     let verdict = store
-        .get(&format!("settings/{comm_id:x}/verdict"), deadline)
+        .get(
+            &format!("settings/{comm_id:x}/verdict"),
+            deadline + VERDICT_GRACE,
+        )
         .map_err(waiting_for(0))?;
     if verdict == b"ok" {
         return Ok(());
+    }
+    let timed_out = std::str::from_utf8(&verdict)
+        .ok()
+        .and_then(|v| v.strip_prefix(TIMED_OUT)?.parse::<usize>().ok())
+        .filter(|&j| j < size);
+    if let Some(j) = timed_out {
+        return Err(waiting_for(j)(TransportError::Timeout {
+            peer: None,
+            waited: started.elapsed(),
+        }));
     }
     Err(CommError::new(
         ErrorKind::Mismatch,
@@ -464,6 +490,13 @@ fn agree_on_settings(
         chorus_transport::frame::peer_text(&verdict),
     ))
 }
+
+/// How long past the init deadline the ranks wait for rank 0's verdict on the settings (which
+/// it may write at that deadline).
+const VERDICT_GRACE: Duration = Duration::from_secs(2);
+
+/// Rank 0's verdict on the ranks' settings when rank `j`'s never came: `TIMED_OUT` then `j`.
+const TIMED_OUT: &str = "timed out waiting for rank ";
 
 /// What a collective is, in the tag of its messages (bits 24..32). Every collective has its
 /// own kind so that ranks calling different collectives are told so.
@@ -2206,6 +2239,33 @@ impl std::fmt::Debug for Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank whose settings never come (it died after the connections formed): rank 0 and
+    /// the others, waiting for rank 0's verdict, all time out naming that rank.
+    #[test]
+    fn a_rank_whose_settings_never_come_is_named_by_every_rank() {
+        use chorus_transport::rendezvous::{StoreClient, StoreServer};
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"t").unwrap();
+        let addr = server.local_addr();
+        let hs: Vec<_> = [0usize, 1]
+            .into_iter()
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + Duration::from_millis(800);
+                    let mut store =
+                        StoreClient::connect(addr, b"t", Instant::now() + Duration::from_secs(10))
+                            .unwrap();
+                    let settings = [("CHORUS_ALGO", ("ring".to_string(), "ring".to_string()))];
+                    agree_on_settings(&mut store, 7, rank, 3, &settings, deadline).unwrap_err()
+                })
+            })
+            .collect();
+        for (rank, h) in hs.into_iter().enumerate() {
+            let e = h.join().unwrap();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "rank {rank}: {e}");
+            assert_eq!(e.peer(), Some(2), "rank {rank}: {e}");
+        }
+    }
 
     #[test]
     fn root_names_that_may_be_loopback_on_their_host_only() {

@@ -1391,8 +1391,23 @@ impl<T> Slot<T> {
         let mut value = lock(&self.value);
         if self.detached.load(Ordering::SeqCst) {
             drop(value);
-            // The result (a buffer, with what it holds) goes before `answered`.
-            if let Err(e) = result.map(drop) {
+            // The result (a buffer, with what it holds) goes before `answered`; a buffer that
+            // panics when dropped is said, as when its transfer fails (`with_buffer`), and
+            // does not take the communicator down.
+            let result = result.and_then(|buf| {
+                catch_unwind(AssertUnwindSafe(move || drop(buf))).or_else(|_| {
+                    crate::log::log(
+                        crate::log::Level::Warn,
+                        Some(self.rank),
+                        format_args!(
+                            "the buffer of a transfer whose request was given up panicked \
+                             when dropped"
+                        ),
+                    );
+                    Ok(())
+                })
+            });
+            if let Err(e) = result {
                 let why = format!(
                     "a call whose request was given up failed: {} ({}): {}",
                     e.op(),

@@ -630,3 +630,43 @@ fn a_send_buffer_that_panics_when_dropped_leaves_no_receive_waiting() {
         assert_eq!(q.transfers(), 0);
     });
 }
+
+/// A transfer given up (its request detached) whose buffer panics when dropped after it
+/// succeeds: the panic is said and caught; the communicator is not aborted for it.
+#[test]
+fn a_given_up_transfer_whose_buffer_panics_when_dropped_leaves_the_communicator() {
+    #[derive(Debug)]
+    struct DropBomb(Vec<u8>);
+    impl chorus::SendBuffer for DropBomb {
+        fn send_bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn send_len(&self) -> usize {
+            self.0.len()
+        }
+    }
+    impl Drop for DropBomb {
+        fn drop(&mut self) {
+            panic!("a buffer that panics when dropped (expected by the test)")
+        }
+    }
+    ranks(1, "tcp", Duration::from_secs(30), |c| {
+        let q = Queue::new(c);
+        // To itself: the send waits for its receive, given up meanwhile.
+        let s = q.isend_buffer(DropBomb(vec![3; 8]), chorus::DType::Uint8, 0);
+        assert!(
+            s.detach().is_none(),
+            "the send finished before its receive was issued"
+        );
+        let got = q.irecv(vec![0u8; 8], 0).wait().expect("the receive");
+        assert_eq!(got, vec![3u8; 8]);
+        let t = Instant::now();
+        while q.transfers() != 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(q.transfers(), 0);
+        q.barrier()
+            .wait()
+            .expect("a call after it: the communicator goes on");
+    });
+}
