@@ -998,7 +998,16 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
     conns.threads.retain(|t| !t.is_finished());
     let max = lock(&shared.limits).max_connections;
-    if conns.streams.len() >= max {
+    // With a token, connections that proved they know it are the job's ranks: only those still
+    // in their handshake count against the limit (a job larger than it, joined through a
+    // unique id whose maker never learnt the size, still gets in). Without one, anyone can
+    // prove it: every connection counts.
+    let counted = if shared.token.is_empty() {
+        conns.streams.len()
+    } else {
+        conns.unproven.len()
+    };
+    if counted >= max {
         match conns.unproven.pop_front() {
             Some(oldest) => {
                 if let Some(s) = conns.streams.remove(&oldest) {
@@ -1893,6 +1902,30 @@ mod tests {
         server.fit_ranks(8);
         let l = *lock(&server.shared.limits);
         assert_eq!((l.max_connections, l.max_keys), (5064, 160_000));
+    }
+
+    /// With a token, clients that proved they know it do not count against the connection
+    /// limit (a job larger than the default limit, joined through a unique id whose store
+    /// never learnt the size): more of them than the limit all get in and are served.
+    #[test]
+    fn proven_clients_beyond_the_limit_are_served() {
+        watchdog(Duration::from_secs(30), || {
+            let limits = Limits {
+                max_connections: 2,
+                ..Limits::default()
+            };
+            let server = StoreServer::bind_with(localhost(), b"k", limits).unwrap();
+            let addr = server.local_addr();
+            let mut clients: Vec<StoreClient> = (0..6)
+                .map(|_| StoreClient::connect(addr, b"k", secs(10)).unwrap())
+                .collect();
+            for (i, c) in clients.iter_mut().enumerate() {
+                c.set(&format!("k{i}"), b"v").unwrap();
+            }
+            for c in clients.iter_mut() {
+                assert_eq!(c.get("k5", secs(5)).unwrap(), b"v");
+            }
+        });
     }
 
     #[test]
