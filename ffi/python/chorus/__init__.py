@@ -1250,7 +1250,9 @@ class Request:
     """A collective issued with ``async_op=True``, or a transfer of :meth:`Communicator.isend`
     or :meth:`Communicator.irecv`, running on its communicator's thread (as an MPI request or
     a torch ``Work``). The buffers belong to the call until it completes: do not read or write
-    them before :meth:`wait` returns (or :meth:`test` says True).
+    them before :meth:`wait` returns (or :meth:`test` says True), nor resize a tensor or its
+    storage (``resize_``, ``untyped_storage().resize_``), which frees the memory the call
+    uses (the request keeps the tensor, not its old memory).
 
     The calls of a communicator run in the order they were issued, and a blocking call waits
     for those issued before it; transfers run on their own (see :meth:`Communicator.isend`).
