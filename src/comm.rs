@@ -1861,21 +1861,7 @@ impl Communicator {
         for (k, a) in args.iter().take(3).enumerate() {
             mine[8 + 8 * k..16 + 8 * k].copy_from_slice(&a.to_le_bytes());
         }
-        let mut all = vec![0u8; RECORD * self.size];
-        let tag = tag_base(
-            self.next_seq(),
-            CollKind::CallCheck,
-            DType::Uint8,
-            ReduceOp::Max,
-        );
-        self.run_tagged(name, tag, timeout, |ctx| {
-            chorus_algorithms::collectives::allgather::run(
-                chorus_algorithms::collectives::allgather::Algorithm::Ring,
-                ctx,
-                Some(&mine),
-                &mut all,
-            )
-        })?;
+        let all = self.gather_check_records(name, timeout, DType::Uint8, &mine)?;
         let records: Vec<&[u8]> = all.chunks_exact(RECORD).collect();
         if records.iter().all(|r| *r == records[0]) {
             return Ok(());
@@ -1946,21 +1932,7 @@ impl Communicator {
             mine[8..16].copy_from_slice(&word(&theirs, j).to_le_bytes());
             mine[16..].copy_from_slice(&recvs[j].to_le_bytes());
         }
-        let mut all = vec![0u8; 24 * p];
-        let tag = tag_base(
-            self.next_seq(),
-            CollKind::CallCheck,
-            DType::Uint64,
-            ReduceOp::Max,
-        );
-        self.run_tagged(call.name, tag, call.timeout, |ctx| {
-            chorus_algorithms::collectives::allgather::run(
-                chorus_algorithms::collectives::allgather::Algorithm::Ring,
-                ctx,
-                Some(&mine),
-                &mut all,
-            )
-        })?;
+        let all = self.gather_check_records(call.name, call.timeout, DType::Uint64, &mine)?;
         let Some((r, rec)) = all
             .chunks_exact(24)
             .enumerate()
@@ -1979,6 +1951,28 @@ impl Communicator {
         )
         .at_rank(self.rank)
         .with_usable(true))
+    }
+
+    /// Every rank's `mine` (records of one length), in rank order: the allgather of the
+    /// checks of [`Config::check_calls`] (`kind` tells the checks apart in the tag).
+    fn gather_check_records(
+        &mut self,
+        name: &'static str,
+        timeout: Option<Duration>,
+        kind: DType,
+        mine: &[u8],
+    ) -> Result<Vec<u8>, CommError> {
+        let mut all = vec![0u8; mine.len() * self.size];
+        let tag = tag_base(self.next_seq(), CollKind::CallCheck, kind, ReduceOp::Max);
+        self.run_tagged(name, tag, timeout, |ctx| {
+            chorus_algorithms::collectives::allgather::run(
+                chorus_algorithms::collectives::allgather::Algorithm::Ring,
+                ctx,
+                Some(mine),
+                &mut all,
+            )
+        })?;
+        Ok(all)
     }
 
     /// [`Communicator::run_collective`] with an explicit tag base and without advancing the

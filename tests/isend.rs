@@ -583,26 +583,30 @@ fn abort_inside_run_returns_at_once() {
     });
 }
 
+/// A send buffer that panics when dropped.
+#[derive(Debug)]
+struct DropBomb(Vec<u8>);
+
+impl chorus::SendBuffer for DropBomb {
+    fn send_bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn send_len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl Drop for DropBomb {
+    fn drop(&mut self) {
+        panic!("a buffer that panics when dropped (expected by the test)")
+    }
+}
+
 /// A send buffer whose drop panics (after a failed send to this rank itself, which drops it)
 /// leaves neither request without a result: both fail, the send saying its buffer panicked,
 /// and the count of transfers comes back to 0.
 #[test]
 fn a_send_buffer_that_panics_when_dropped_leaves_no_receive_waiting() {
-    #[derive(Debug)]
-    struct DropBomb(Vec<u8>);
-    impl chorus::SendBuffer for DropBomb {
-        fn send_bytes(&self) -> &[u8] {
-            &self.0
-        }
-        fn send_len(&self) -> usize {
-            self.0.len()
-        }
-    }
-    impl Drop for DropBomb {
-        fn drop(&mut self) {
-            panic!("a buffer that panics when dropped (expected by the test)")
-        }
-    }
     ranks(1, "tcp", Duration::from_secs(30), |c| {
         let q = Queue::new(c);
         // Lengths differ: the pair fails as a mismatch, and the send's buffer is dropped.
@@ -635,21 +639,6 @@ fn a_send_buffer_that_panics_when_dropped_leaves_no_receive_waiting() {
 /// succeeds: the panic is said and caught; the communicator is not aborted for it.
 #[test]
 fn a_given_up_transfer_whose_buffer_panics_when_dropped_leaves_the_communicator() {
-    #[derive(Debug)]
-    struct DropBomb(Vec<u8>);
-    impl chorus::SendBuffer for DropBomb {
-        fn send_bytes(&self) -> &[u8] {
-            &self.0
-        }
-        fn send_len(&self) -> usize {
-            self.0.len()
-        }
-    }
-    impl Drop for DropBomb {
-        fn drop(&mut self) {
-            panic!("a buffer that panics when dropped (expected by the test)")
-        }
-    }
     ranks(1, "tcp", Duration::from_secs(30), |c| {
         let q = Queue::new(c);
         // To itself: the send waits for its receive, given up meanwhile.
