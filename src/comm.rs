@@ -845,6 +845,29 @@ impl Communicator {
         Communicator::new(Config::from_env()?)
     }
 
+    /// For bindings: this rank cannot build its communicator (`e`: its settings are invalid,
+    /// say) whose rank, size, store address and token `config` gives. The others are told
+    /// through the store, as when init fails inside [`Communicator::new`]: they fail at once,
+    /// naming this rank and `e`, instead of waiting out their init timeout. Best effort,
+    /// bounded by a few seconds; nothing for a group of one.
+    pub fn announce_init_failure(config: &Config, e: &CommError) {
+        announce_failure(config, None, e);
+    }
+
+    /// [`Communicator::announce_init_failure`] for rank `rank` of `size` joining through
+    /// `id` ([`Config::from_unique_id`] failed).
+    pub fn announce_unique_id_failure(
+        id: &crate::UniqueId,
+        rank: usize,
+        size: usize,
+        e: &CommError,
+    ) {
+        let mut basics = Config::new(rank, size, id.root_addr());
+        basics.token = Some(id.token());
+        basics.host_store = Some(false);
+        announce_failure(&basics, None, e);
+    }
+
     /// Build from an explicit configuration: rendezvous, then a full mesh of connections.
     pub fn new(config: Config) -> Result<Communicator, CommError> {
         Communicator::build(config, None)

@@ -180,3 +180,24 @@ fn a_rank_given_twice_is_refused_at_once() {
         assert!(*took < Duration::from_secs(20), "process {k}: {took:?}");
     }
 }
+
+/// A rank that cannot join through an id (its settings are invalid) tells the others through
+/// the id's store: they fail at once naming it, not at their init timeout.
+#[test]
+fn a_rank_that_cannot_join_an_id_is_named_at_once() {
+    let id = UniqueId::new_on("127.0.0.1".parse().unwrap()).expect("unique id");
+    let bytes = *id.as_bytes();
+    let joined = std::thread::spawn(move || {
+        let id = UniqueId::from_bytes(&bytes).unwrap();
+        let mut config = Config::from_unique_id(&id, 0, 2).unwrap();
+        config.init_timeout = Duration::from_secs(60);
+        let began = Instant::now();
+        let e = Communicator::new(config).map(|_| ()).unwrap_err();
+        (e.to_string(), began.elapsed())
+    });
+    let why = chorus::CommError::invalid("init", "CHORUS_TIMEOUT=\"soon\" is not a number");
+    Communicator::announce_unique_id_failure(&id, 1, 2, &why);
+    let (e, took) = joined.join().unwrap();
+    assert!(e.contains("rank 1") && e.contains("CHORUS_TIMEOUT"), "{e}");
+    assert!(took < Duration::from_secs(30), "{took:?}: {e}");
+}

@@ -382,8 +382,18 @@ pub unsafe extern "C" fn chorus_comm_init(
             .ok_or_else(|| Failure::invalid("root_addr is NULL"))?;
         // SAFETY: as above.
         let token = unsafe { ptr::opt_str(token, "token")? };
-        let mut config = Config::with_env_settings(rank as usize, size as usize, root)?;
-        config.token = token.filter(|t| !t.is_empty()).map(str::to_string);
+        let token = token.filter(|t| !t.is_empty()).map(str::to_string);
+        let mut config = match Config::with_env_settings(rank as usize, size as usize, root) {
+            Ok(c) => c,
+            Err(e) => {
+                // An invalid CHORUS_* variable here: the others learn of it at once.
+                let mut basics = Config::new(rank as usize, size as usize, root);
+                basics.token = token;
+                Communicator::announce_init_failure(&basics, &e);
+                return Err(e.into());
+            }
+        };
+        config.token = token;
         let c = Communicator::new(config)?;
         // SAFETY: as above.
         unsafe { ptr::write_out(out, ptr::into_raw(chorus_comm::new(c)), "out") }
@@ -459,7 +469,14 @@ pub unsafe extern "C" fn chorus_comm_init_rank(
         }
         let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
         let id = chorus_core::UniqueId::from_bytes(&bytes)?;
-        let config = Config::from_unique_id(&id, rank as usize, nranks as usize)?;
+        let config = match Config::from_unique_id(&id, rank as usize, nranks as usize) {
+            Ok(c) => c,
+            Err(e) => {
+                // An invalid CHORUS_* variable here: the others learn of it at once.
+                Communicator::announce_unique_id_failure(&id, rank as usize, nranks as usize, &e);
+                return Err(e.into());
+            }
+        };
         let c = Communicator::new(config)?;
         // SAFETY: as above.
         unsafe { ptr::write_out(out, ptr::into_raw(chorus_comm::new(c)), "out") }

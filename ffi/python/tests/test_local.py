@@ -630,3 +630,42 @@ def test_futures_of_collectives_complete_in_order_among_transfers():
         done.stop()
     assert order.index("B") > order.index("A"), order
     assert order.index("T") < order.index("X"), order
+
+
+def test_an_invalid_setting_on_one_rank_fails_the_others_at_once():
+    """A rank whose CHORUS_* variable is invalid fails its explicit init at once, and tells the
+    others: they fail naming it, not at their init timeout (60 s here)."""
+    import os
+    import subprocess
+    import sys
+
+    addr = _free_addr()
+    code = (
+        "import chorus, sys\n"
+        "try:\n"
+        "    chorus.init(rank=int(sys.argv[1]), size=2, addr=sys.argv[2])\n"
+        "except chorus.ChorusError as e:\n"
+        "    print(type(e).__name__, e.message)\n"
+        "    sys.exit(3)\n"
+        "print('joined')\n"
+    )
+    env = dict(os.environ, CHORUS_INIT_TIMEOUT="60", PYTHONPATH=os.pathsep.join(sys.path))
+    bad = dict(env, CHORUS_TIMEOUT="soon")
+    began = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r), addr], env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r, e in ((0, env), (1, bad))
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+    took = time.monotonic() - began
+    assert [p.returncode for p in procs] == [3, 3], outs
+    assert "CHORUS_TIMEOUT" in outs[1], outs[1]
+    assert "rank 1" in outs[0] and "CHORUS_TIMEOUT" in outs[0], outs[0]
+    assert took < 30, (took, outs)
