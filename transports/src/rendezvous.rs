@@ -607,6 +607,16 @@ impl LogLimiter {
     }
 }
 
+impl Drop for LogLimiter {
+    /// The count of a flood's last window, which no later message reported.
+    fn drop(&mut self) {
+        let suppressed = lock(&self.state).2;
+        if suppressed > 0 {
+            crate::note!("{}: {suppressed} similar messages suppressed", self.prefix);
+        }
+    }
+}
+
 struct Shared {
     token: Vec<u8>,
     /// Raised (never lowered) once a job's size is known ([`StoreServer::fit_ranks`]).

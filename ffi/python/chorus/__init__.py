@@ -1362,6 +1362,16 @@ class Request:
             raise UnsupportedError("get_future needs PyTorch (import torch first)")
         self._check_process()
         fut = torch.futures.Future()
+        with self._cv:
+            done = self._h.value is None and not self._busy
+        if done:
+            # Completed already (waited, or tested true): no thread needed, also after the
+            # communicator's close.
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._result)
+            return fut
         self._completer().put((self, fut))
         return fut
 

@@ -669,3 +669,22 @@ def test_an_invalid_setting_on_one_rank_fails_the_others_at_once():
     assert "CHORUS_TIMEOUT" in outs[1], outs[1]
     assert "rank 1" in outs[0] and "CHORUS_TIMEOUT" in outs[0], outs[0]
     assert took < 30, (took, outs)
+
+
+def test_the_future_of_a_completed_request_outlives_the_communicator():
+    """``get_future`` of a request already waited gives its result, also after ``close``
+    (no futures thread is needed, or started); an error likewise."""
+
+    def run(c):
+        # A future before: the communicator's futures thread runs, and stops at close.
+        y = np.ones(2, dtype=np.float32)
+        c.allreduce(y, async_op=True).get_future().wait()
+        x = np.full(4, float(c.rank + 1), dtype=np.float32)
+        req = c.allreduce(x, async_op=True)
+        req.wait()
+        c.close()
+        fut = req.get_future()
+        return fut.wait().tolist()
+
+    for got in _on_two_ranks(run).values():
+        assert got == [3.0] * 4, got
