@@ -464,13 +464,15 @@ fn agree_on_settings(
             .set(&format!("settings/{comm_id:x}/verdict"), verdict.as_bytes())
             .map_err(io)?;
     }
-    // A little past the deadline: rank 0 writes a verdict when its own wait ends there.
+    // A little past the deadline: rank 0 writes a verdict when its own wait ends there (if it
+    // started much later, this rank gives up first, blaming no rank: rank 0 may be waiting
+    // for another one).
     let verdict = store
         .get(
             &format!("settings/{comm_id:x}/verdict"),
             deadline + VERDICT_GRACE,
         )
-        .map_err(waiting_for(0))?;
+        .map_err(io)?;
     if verdict == b"ok" {
         return Ok(());
     }

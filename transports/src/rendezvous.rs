@@ -624,6 +624,9 @@ struct Shared {
     store: Mutex<Store>,
     changed: Condvar,
     shutdown: AtomicBool,
+    /// Whether connections that proved the token are left out of the connection limit
+    /// ([`StoreServer::exempt_proven`]).
+    proven_exempt: AtomicBool,
     conns: Mutex<Conns>,
     log: LogLimiter,
 }
@@ -910,6 +913,16 @@ impl StoreServer {
         Self::bind_with(addr, token, Limits::default())
     }
 
+    /// Leave the connections that proved the token out of the connection limit: for a store
+    /// whose token is a secret of its own (a unique id's), bound before the job's size is
+    /// known, so that a job larger than the limit still gets in. Only those still in their
+    /// handshake (strangers among them) are then limited. Not for a token others may know
+    /// (one made from a launcher's job id): whoever proves it could open connections without
+    /// end. Nothing without a token.
+    pub fn exempt_proven(&self) {
+        self.shared.proven_exempt.store(true, Ordering::Relaxed);
+    }
+
     /// Make room for a job of `ranks` ranks (as [`StoreServer::bind_for_ranks`]) in a store
     /// bound before the size was known (a unique id's).
     pub fn fit_ranks(&self, ranks: usize) {
@@ -948,6 +961,7 @@ impl StoreServer {
             store: Mutex::new(Store::default()),
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            proven_exempt: AtomicBool::new(false),
             conns: Mutex::new(Conns::default()),
             log: LogLimiter::new("store"),
         });
@@ -1008,14 +1022,12 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     }
     conns.threads.retain(|t| !t.is_finished());
     let max = lock(&shared.limits).max_connections;
-    // With a token, connections that proved they know it are the job's ranks: only those still
-    // in their handshake count against the limit (a job larger than it, joined through a
-    // unique id whose maker never learnt the size, still gets in). Without one, anyone can
-    // prove it: every connection counts.
-    let counted = if shared.token.is_empty() {
-        conns.streams.len()
-    } else {
+    // Under a secret token (`exempt_proven`), connections that proved it are the job's ranks:
+    // only those still in their handshake count against the limit. Otherwise every one does.
+    let counted = if shared.proven_exempt.load(Ordering::Relaxed) && !shared.token.is_empty() {
         conns.unproven.len()
+    } else {
+        conns.streams.len()
     };
     if counted >= max {
         match conns.unproven.pop_front() {
@@ -1914,9 +1926,10 @@ mod tests {
         assert_eq!((l.max_connections, l.max_keys), (5064, 160_000));
     }
 
-    /// With a token, clients that proved they know it do not count against the connection
-    /// limit (a job larger than the default limit, joined through a unique id whose store
-    /// never learnt the size): more of them than the limit all get in and are served.
+    /// With a secret token (`exempt_proven`), clients that proved they know it do not count
+    /// against the connection limit (a job larger than the default limit, joined through a
+    /// unique id whose store never learnt the size): more of them than the limit all get in
+    /// and are served.
     #[test]
     fn proven_clients_beyond_the_limit_are_served() {
         watchdog(Duration::from_secs(30), || {
@@ -1925,6 +1938,7 @@ mod tests {
                 ..Limits::default()
             };
             let server = StoreServer::bind_with(localhost(), b"k", limits).unwrap();
+            server.exempt_proven();
             let addr = server.local_addr();
             let mut clients: Vec<StoreClient> = (0..6)
                 .map(|_| StoreClient::connect(addr, b"k", secs(10)).unwrap())

@@ -1362,18 +1362,13 @@ class Request:
             raise UnsupportedError("get_future needs PyTorch (import torch first)")
         self._check_process()
         fut = torch.futures.Future()
-        with self._cv:
-            done = self._h.value is None and not self._busy
-        if done:
-            # Completed already (waited, or tested true): no thread needed, also after the
-            # communicator's close.
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                fut.set_result(self._result)
-            return fut
         self._completer().put((self, fut))
         return fut
+
+    def _completed(self) -> bool:
+        """Whether the call has completed and its outcome is kept (waited, or tested true)."""
+        with self._cv:
+            return self._h.value is None and not self._busy
 
     # (The module's globals are bound as defaults: at interpreter exit they may be gone.)
     def __del__(self, _kept: Any = _KeptLastError, _orphaned: Any = _ORPHANED) -> None:
@@ -1451,6 +1446,10 @@ class _Completer:
             if not refused:
                 self.q.put(item)
         if refused:
+            if item[0]._completed():
+                # Completed already: its outcome needs no thread (nor waits for any future).
+                self._complete(*item)
+                return
             item[1].set_exception(InvalidUsageError("the communicator's futures thread has stopped"))
 
     @staticmethod
