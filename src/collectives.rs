@@ -213,6 +213,27 @@ pub fn reduction_refusal(dtype: DType, op: ReduceOp, prefix: bool) -> Option<Str
         .then(|| "avg has no prefix meaning: scan with sum and divide by rank + 1".to_string())
 }
 
+/// The counts of a rooted v-collective in elements, for the pairwise check of
+/// [`Communicator::run_call_pairs`]: this rank's own block of `own_bytes`, with the root
+/// (zero elsewhere), and, on the root (`layout`), every rank's block in the root's buffer
+/// (zeros off the root).
+fn rooted_counts(
+    p: usize,
+    root: usize,
+    own_bytes: usize,
+    layout: Option<&Layout>,
+    dtype: DType,
+) -> (Vec<u64>, Vec<u64>) {
+    let size = dtype.size() as u64;
+    let mut own = vec![0u64; p];
+    own[root] = own_bytes as u64 / size;
+    let blocks = match layout {
+        Some(l) => (0..p).map(|j| l.block(j).len() as u64 / size).collect(),
+        None => vec![0; p],
+    };
+    (own, blocks)
+}
+
 impl Communicator {
     /// The α/β the selector measured (or was given) for this communicator.
     fn link(&self) -> Link {
@@ -593,12 +614,13 @@ impl Communicator {
             ));
             // The counts differ from rank to rank by design: they are compared pair by pair
             // (with CHORUS_CHECK_CALLS), else the lengths of the messages check them.
-            c.check_call(call, &[])?;
-            let counts = |v: &[usize]| v.iter().map(|&n| n as u64).collect::<Vec<_>>();
-            c.compare_pair_counts(call, &counts(sc), &counts(rc))?;
-            c.run_unchecked(call, &[], |ctx| {
-                alltoall::run_v(ctx, send, &so, recv, &ro, &allowed)
-            })
+            let counts = |v: &[usize]| v.iter().map(|&n| n as u64).collect();
+            c.run_call_pairs(
+                call,
+                &[],
+                |_| (counts(sc), counts(rc)),
+                |ctx| alltoall::run_v(ctx, send, &so, recv, &ro, &allowed),
+            )
         })
     }
 
@@ -1066,7 +1088,7 @@ impl Communicator {
             const OP: &str = "gather_v";
             c.check_root(OP, root)?;
             c.check_whole(OP, "send buffer", send.len(), dtype)?;
-            let mut recv = if c.rank() == root {
+            let recv = if c.rank() == root {
                 let Some((r, counts, displs)) = recv else {
                     return Err(c.invalid(OP, "the root needs a receive buffer and counts".into()));
                 };
@@ -1087,19 +1109,23 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("gather_v {} B to {root}", send.len()));
-            c.check_call(call, &[root as u64])?;
-            let (p, size) = (c.size(), dtype.size() as u64);
-            let mut sends = vec![0u64; p];
-            sends[root] = send.len() as u64 / size;
-            let recvs: Vec<u64> = match &recv {
-                Some((_, l)) => (0..p).map(|j| l.block(j).len() as u64 / size).collect(),
-                None => vec![0; p],
+            let (mut buf, layout) = match recv {
+                Some((r, l)) => (Some(r), Some(l)),
+                None => (None, None),
             };
-            c.compare_pair_counts(call, &sends, &recvs)?;
-            c.run_unchecked(call, &[root as u64], |ctx| {
-                let recv = recv.as_mut().map(|(r, l)| (&mut **r, &*l));
-                gather::run_v(ctx, send, recv, root)
-            })
+            c.run_call_pairs(
+                call,
+                &[root as u64],
+                // To the root, its own block; the root expects every rank's.
+                |p| rooted_counts(p, root, send.len(), layout.as_ref(), dtype),
+                |ctx| {
+                    let recv = buf
+                        .as_mut()
+                        .zip(layout.as_ref())
+                        .map(|(r, l)| (&mut **r, l));
+                    gather::run_v(ctx, send, recv, root)
+                },
+            )
         })
     }
 
@@ -1166,19 +1192,21 @@ impl Communicator {
                 None
             };
             c.trace(format_args!("scatter_v {} B from {root}", recv.len()));
-            c.check_call(call, &[root as u64])?;
-            let (p, size) = (c.size(), dtype.size() as u64);
-            let sends: Vec<u64> = match &send {
-                Some((_, l)) => (0..p).map(|j| l.block(j).len() as u64 / size).collect(),
-                None => vec![0; p],
-            };
-            let mut recvs = vec![0u64; p];
-            recvs[root] = recv.len() as u64 / size;
-            c.compare_pair_counts(call, &sends, &recvs)?;
-            c.run_unchecked(call, &[root as u64], |ctx| {
-                let send = send.as_ref().map(|(s, l)| (*s, l));
-                scatter::run_v(ctx, send, recv, root)
-            })
+            let recv_len = recv.len();
+            c.run_call_pairs(
+                call,
+                &[root as u64],
+                // The mirror of gather_v's: the root sends every rank's block.
+                |p| {
+                    let (own, blocks) =
+                        rooted_counts(p, root, recv_len, send.as_ref().map(|(_, l)| l), dtype);
+                    (blocks, own)
+                },
+                |ctx| {
+                    let send = send.as_ref().map(|(s, l)| (*s, l));
+                    scatter::run_v(ctx, send, recv, root)
+                },
+            )
         })
     }
 

@@ -1921,20 +1921,35 @@ impl Communicator {
         .with_usable(true))
     }
 
-    /// With [`Config::check_calls`], for the collectives whose counts differ from rank to
-    /// rank (alltoallv, gatherv, scatterv): the ranks compare, pair by pair, the elements each
-    /// sends (`sends[j]`: to rank `j`) with those its peer expects (`recvs[j]`: from rank `j`),
-    /// in one alltoall and one allgather of small records, and fail alike where a pair
-    /// disagrees, naming it. The communicator stays usable: none of the call's data was sent.
-    pub(crate) fn compare_pair_counts(
+    /// [`Communicator::run_call`] for the collectives whose counts differ from rank to rank
+    /// (alltoallv, gatherv, scatterv): with [`Config::check_calls`], after the comparison of
+    /// calls, the ranks also compare their counts pair by pair (`pairs(p)`: the elements this
+    /// rank sends to each rank, and those it expects from each; computed only then).
+    pub(crate) fn run_call_pairs(
+        &mut self,
+        call: Call,
+        args: &[u64],
+        pairs: impl FnOnce(usize) -> (Vec<u64>, Vec<u64>),
+        schedule: impl FnOnce(&mut CollCtx<'_>) -> chorus_transport::Result<()>,
+    ) -> Result<(), CommError> {
+        self.check_call(call, args)?;
+        if self.config.check_calls && self.size > 1 {
+            let (sends, recvs) = pairs(self.size);
+            self.compare_pair_counts(call, &sends, &recvs)?;
+        }
+        self.run_unchecked(call, args, schedule)
+    }
+
+    /// The pairwise comparison of [`Communicator::run_call_pairs`]: `sends[j]` elements to rank
+    /// `j` against what `j` expects from this rank, in one alltoall and one allgather of small
+    /// records; the ranks fail alike where a pair disagrees, naming it. The communicator stays
+    /// usable: none of the call's data was sent.
+    fn compare_pair_counts(
         &mut self,
         call: Call,
         sends: &[u64],
         recvs: &[u64],
     ) -> Result<(), CommError> {
-        if !self.config.check_calls || self.size == 1 {
-            return Ok(());
-        }
         let p = self.size;
         debug_assert!(sends.len() == p && recvs.len() == p);
         let out: Vec<u8> = sends.iter().flat_map(|c| c.to_le_bytes()).collect();
