@@ -1321,11 +1321,14 @@ impl<B: SendBuffer> p2p::Transfer for Sending<B> {
 fn with_buffer<B>(result: Result<(), CommError>, buf: B) -> Result<B, CommError> {
     match result {
         Ok(()) => Ok(buf),
-        Err(e) => match catch_unwind(AssertUnwindSafe(move || drop(buf))) {
-            Ok(()) => Err(e),
-            Err(_) => Err(e.with_detail(" (and its buffer panicked when dropped)")),
-        },
+        Err(e) if dropped_cleanly(buf) => Err(e),
+        Err(e) => Err(e.with_detail(" (and its buffer panicked when dropped)")),
     }
+}
+
+/// Drops a transfer's buffer, catching a panic of its `Drop`: false if it panicked.
+fn dropped_cleanly<B>(buf: B) -> bool {
+    catch_unwind(AssertUnwindSafe(move || drop(buf))).is_ok()
 }
 
 impl<B: SendBuffer> Holds<B> for Sending<B> {
@@ -1394,8 +1397,8 @@ impl<T> Slot<T> {
             // The result (a buffer, with what it holds) goes before `answered`; a buffer that
             // panics when dropped is said, as when its transfer fails (`with_buffer`), and
             // does not take the communicator down.
-            let result = result.and_then(|buf| {
-                catch_unwind(AssertUnwindSafe(move || drop(buf))).or_else(|_| {
+            let result = result.map(|buf| {
+                if !dropped_cleanly(buf) {
                     crate::log::log(
                         crate::log::Level::Warn,
                         Some(self.rank),
@@ -1404,8 +1407,7 @@ impl<T> Slot<T> {
                              when dropped"
                         ),
                     );
-                    Ok(())
-                })
+                }
             });
             if let Err(e) = result {
                 let why = format!(
