@@ -667,14 +667,13 @@ fn a_waiter_outlives_its_request() {
 /// transfer from completing afterwards.
 #[test]
 fn a_timed_transfer_wait_keeps_its_limit_beside_a_blocking_call() {
-    let got = on_threads_owned(
+    let got = queues(
         2,
+        "tcp",
         Duration::from_secs(60),
-        |r, a| config_on(r, 2, a, "tcp"),
-        |c| {
-            let rank = c.rank();
-            let q = Queue::new(c);
-            if rank == 1 {
+        Duration::from_secs(60),
+        |q| {
+            if q.rank() == 1 {
                 // Late to the barrier: rank 0's blocking call holds its communicator meanwhile.
                 std::thread::sleep(Duration::from_millis(1500));
                 q.run(|c| c.barrier()).unwrap();
