@@ -699,43 +699,36 @@ fn ranks_that_disagree_fail_everywhere() {
                 )),
                 "{algo} p={p}: {out:?}"
             );
-            // Another top-k ratio on one rank.
-            let out = outcomes(p, |rank, c| {
-                let mut data = gradient(rank, 0, 4000, false);
-                let opts = TopkOptions {
+            // Options that differ on one rank: another ratio; error feedback off (its results
+            // would drift from the others').
+            let differing: [fn(usize, usize, SparseAlgo) -> TopkOptions; 2] = [
+                |rank, _, algo| TopkOptions {
                     ratio: if rank == 0 { 0.02 } else { 0.01 },
                     algo,
                     ..TopkOptions::default()
-                };
-                topk_all_reduce(
-                    c,
-                    &mut data,
-                    ReduceOp::Sum,
-                    &opts,
-                    &mut TopkState::default(),
-                )
-                .map(|_| ())
-            });
-            assert!(out.iter().all(|o| o != "ok"), "{algo} p={p}: {out:?}");
-            // Error feedback off on one rank (its results would drift from the others').
-            let out = outcomes(p, |rank, c| {
-                let mut data = gradient(rank, 0, 4000, false);
-                let opts = TopkOptions {
+                },
+                |rank, p, algo| TopkOptions {
                     ratio: 0.01,
                     algo,
                     error_feedback: rank != p - 1,
                     ..TopkOptions::default()
-                };
-                topk_all_reduce(
-                    c,
-                    &mut data,
-                    ReduceOp::Sum,
-                    &opts,
-                    &mut TopkState::default(),
-                )
-                .map(|_| ())
-            });
-            assert!(out.iter().all(|o| o != "ok"), "{algo} p={p}: {out:?}");
+                },
+            ];
+            for opts_of in differing {
+                let out = outcomes(p, |rank, c| {
+                    let mut data = gradient(rank, 0, 4000, false);
+                    let opts = opts_of(rank, p, algo);
+                    topk_all_reduce(
+                        c,
+                        &mut data,
+                        ReduceOp::Sum,
+                        &opts,
+                        &mut TopkState::default(),
+                    )
+                    .map(|_| ())
+                });
+                assert!(out.iter().all(|o| o != "ok"), "{algo} p={p}: {out:?}");
+            }
         }
         // Another schedule on one rank.
         let out = outcomes(p, |rank, c| {
