@@ -842,9 +842,20 @@ fn parse_tcp_congestion(v: &str) -> Result<(Option<String>, bool), CommError> {
 }
 
 impl Communicator {
-    /// Build from the environment (see [`Config::from_env`]).
+    /// Build from the environment (see [`Config::from_env`]). When a setting is invalid
+    /// (a `CHORUS_TIMEOUT` that is not a number, say) but the rank, size and address are
+    /// not, the others are told, as by [`Communicator::announce_init_failure`].
     pub fn from_env() -> Result<Communicator, CommError> {
-        Communicator::new(Config::from_env()?)
+        match Config::from_env() {
+            Ok(config) => Communicator::new(config),
+            Err(e) => match Config::placement_from_env() {
+                Some(basics) => {
+                    Communicator::announce_init_failure(&basics, &e);
+                    Err(e.at_rank(basics.rank))
+                }
+                None => Err(e),
+            },
+        }
     }
 
     /// For bindings: this rank cannot build its communicator (`e`: its settings are invalid,

@@ -177,6 +177,19 @@ impl Config {
         Ok(config)
     }
 
+    /// Where the process environment places this rank, with the token it would use, when
+    /// [`Config::from_env`] failed on another setting (a `CHORUS_TIMEOUT` that is not a
+    /// number, say): enough to tell the others through the store. `None` when the placement
+    /// itself is wrong.
+    pub(crate) fn placement_from_env() -> Option<Config> {
+        let get = |k: &str| std::env::var(k).ok();
+        let (mut config, job_token) = read_placement(&get).ok()?;
+        config.token = get("CHORUS_TOKEN")
+            .filter(|t| !t.trim().is_empty())
+            .or(job_token);
+        Some(config)
+    }
+
     /// Read variables through `get` (testable without touching the process environment).
     ///
     /// See the [module documentation](self) for the variables. Errors: an invalid-argument
@@ -259,6 +272,20 @@ fn refuse_garbled_env() -> Result<(), CommError> {
 
 /// The body of [`Config::from_lookup`]; errors are the message of the invalid-argument error.
 fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
+    let (mut config, job_token) = read_placement(get)?;
+    read_settings(get, &mut config)?;
+    if config.token.is_none() {
+        config.token = job_token;
+    }
+    Ok(config)
+}
+
+/// Where [`read_config`] places this rank (rank, size, local rank and size, store address),
+/// with no other setting read, and the token its launcher's job ids make, if any: the
+/// ranks authenticate with it when `CHORUS_TOKEN` is unset.
+fn read_placement(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<(Config, Option<String>), String> {
     let env = Lookup(get);
 
     let names = |field: fn(&Launcher) -> &'static str| {
@@ -387,15 +414,12 @@ fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
     let mut config = Config::new(rank, size, root_addr);
     config.local_rank = local_rank;
     config.local_size = local_size;
-    read_settings(get, &mut config)?;
-    if config.token.is_none() {
-        // The port srun's ranks meet at is made from the job and step ids, and another job's
-        // step may land on it: ranks authenticate with those ids, so that such a collision
-        // fails the handshake instead of mixing two jobs. Other launchers' job ids serve
-        // alike where ranks meet at an address the user gave (two jobs given the same).
-        config.token = slurm_token.or_else(|| job_token(&env, launcher));
-    }
-    Ok(config)
+    // The port srun's ranks meet at is made from the job and step ids, and another job's
+    // step may land on it: ranks authenticate with those ids, so that such a collision
+    // fails the handshake instead of mixing two jobs. Other launchers' job ids serve
+    // alike where ranks meet at an address the user gave (two jobs given the same).
+    let token = slurm_token.or_else(|| job_token(&env, launcher));
+    Ok((config, token))
 }
 
 /// The settings of `config` that do not place it in a job: token, timeouts, interface,

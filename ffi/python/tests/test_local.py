@@ -632,28 +632,43 @@ def test_futures_of_collectives_complete_in_order_among_transfers():
     assert order.index("T") < order.index("X"), order
 
 
-def test_an_invalid_setting_on_one_rank_fails_the_others_at_once():
-    """A rank whose CHORUS_* variable is invalid fails its explicit init at once, and tells the
-    others: they fail naming it, not at their init timeout (60 s here)."""
+@pytest.mark.parametrize("how", ["explicit", "env"])
+def test_an_invalid_setting_on_one_rank_fails_the_others_at_once(how):
+    """A rank whose CHORUS_* variable is invalid fails its init at once, explicit or from the
+    environment, and tells the others: they fail naming it, not at their init timeout (60 s
+    here)."""
     import os
     import subprocess
     import sys
 
     addr = _free_addr()
+    join = {
+        "explicit": "chorus.init(rank=int(sys.argv[1]), size=2, addr=sys.argv[2])",
+        "env": "chorus.init()",
+    }[how]
     code = (
         "import chorus, sys\n"
         "try:\n"
-        "    chorus.init(rank=int(sys.argv[1]), size=2, addr=sys.argv[2])\n"
+        f"    {join}\n"
         "except chorus.ChorusError as e:\n"
         "    print(type(e).__name__, e.message)\n"
         "    sys.exit(3)\n"
         "print('joined')\n"
     )
     env = dict(os.environ, CHORUS_INIT_TIMEOUT="60", PYTHONPATH=os.pathsep.join(sys.path))
+    for k in [k for k in env if k.startswith("CHORUS_") and k not in ("CHORUS_LIBRARY",
+                                                                   "CHORUS_INIT_TIMEOUT")]:
+        del env[k]
     bad = dict(env, CHORUS_TIMEOUT="soon")
     began = time.monotonic()
+
+    def rank_env(r, e):
+        if how == "env":
+            return dict(e, CHORUS_RANK=str(r), CHORUS_WORLD_SIZE="2", CHORUS_ADDR=addr)
+        return e
+
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(r), addr], env=e,
+        subprocess.Popen([sys.executable, "-c", code, str(r), addr], env=rank_env(r, e),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r, e in ((0, env), (1, bad))
     ]
