@@ -292,7 +292,7 @@ typedef struct {
   const char *algorithm;
   /**
    * Timeout of this call in seconds; 0 uses the communicator's (`CHORUS_TIMEOUT`, default
-   * 300 s). Must be finite and not negative.
+   * 300 s). Otherwise from 0.001 (1 ms) to one year.
    */
   double timeout_seconds;
 } chorus_options;
@@ -498,7 +498,9 @@ int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
  * and where this rank alone did, the others' messages of that call are not taken for its
  * next call (which would return them as its result, one call behind from then on); that
  * call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
- * group of one. In order with the nonblocking calls issued before; returns at once.
+ * group of one, nor while another thread is in a call on `comm` or while its calls are
+ * refused (transfers held): chorus would have refused the call then too, using up nothing.
+ * In order with the nonblocking calls issued before; returns at once.
  *
  * # Safety
  * `comm` is NULL or a live communicator.

@@ -2,10 +2,12 @@
 //! `chorus_allreduce_compressed`.
 
 use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, TryLockError};
 
 use chorus_core::{CompressionReport, Compressor};
 
+use crate::registry::Known;
 use crate::status::{chorus_status as S, guard, Failure};
 use crate::{ptr, DtypeArg, OpArg};
 
@@ -15,6 +17,9 @@ use crate::{ptr, DtypeArg, OpArg};
 /// Create it with `chorus_compressor_create`, keep one per tensor across steps, free it with
 /// `chorus_compressor_destroy`. Calls using one compressor must not overlap in time.
 pub struct chorus_compressor {
+    /// Calls inside that use it (counted under the registry's lock, see [`enter`]):
+    /// `chorus_compressor_destroy` refuses to free it meanwhile.
+    active: AtomicUsize,
     inner: Mutex<Compressor>,
     /// What the last call did: read by `chorus_compressor_report` without waiting for (or
     /// disturbing) a call that holds `inner`.
@@ -66,6 +71,7 @@ pub unsafe extern "C" fn chorus_compressor_create(
             .ok_or_else(|| Failure::invalid("spec is NULL"))?;
         let c = Compressor::new(spec)?;
         let raw = Box::into_raw(Box::new(chorus_compressor {
+            active: AtomicUsize::new(0),
             report: Mutex::new(c.last_report()),
             inner: Mutex::new(c),
         }));
@@ -89,28 +95,38 @@ pub unsafe extern "C" fn chorus_compressor_destroy(comp: *mut chorus_compressor)
         if comp.is_null() {
             return Ok(());
         }
-        // SAFETY: non-NULL; refused unless live (and not destroyed meanwhile, by the caller's
-        // promise).
-        let c = unsafe { ptr::compressor(comp)? };
+        // Checked and taken out under the registry's lock, under which calls count themselves
+        // in (`enter`): none is inside once it is out, and none can enter after.
         let mut registry = crate::registry::COMPRESSORS.lock();
-        if registry.known(comp) == crate::registry::Known::Parents {
-            // A forked child's copy of its parent's compressor: not freed (a parent's thread
-            // may have held its lock at the fork), but no longer usable here.
-            registry.forget(comp);
-            return Ok(());
+        match registry.known(comp) {
+            Known::Unknown => {
+                return Err(Failure::invalid(format!(
+                    "comp {comp:p} is not a live compressor (destroyed already, or never one)"
+                )))
+            }
+            Known::Parents => {
+                // A forked child's copy of its parent's compressor: not freed (a parent's
+                // thread may have held its locks at the fork), but no longer usable here.
+                registry.forget(comp);
+                return Ok(());
+            }
+            Known::Live => {}
         }
+        // SAFETY: live in the registry, so made by `Box::into_raw` and not freed; it stays so
+        // while the registry's lock is held.
+        let c = unsafe { &*comp };
+        if c.active.load(Ordering::SeqCst) > 0 {
+            return Err(Failure::new(
+                S::CHORUS_INVALID_USAGE,
+                "the compressor is in use by a call of another thread",
+            )
+            .not_freed());
+        }
+        registry.take(comp);
         drop(registry);
-        match lock(c) {
-            Err(f) if f.status == S::CHORUS_INVALID_USAGE => return Err(f.not_freed()),
-            _ => {}
-        }
-        if !crate::registry::COMPRESSORS.take(comp) {
-            return Err(Failure::invalid(format!(
-                "comp {comp:p} is not a live compressor (destroyed already)"
-            )));
-        }
-        // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`, not in use (checked
-        // above), and just taken out of the registry: ownership comes back exactly once.
+        // SAFETY: made by `Box::into_raw` in `chorus_compressor_create`, no call inside
+        // (checked above) and none can start (just taken out of the registry, under the lock
+        // calls enter by): ownership comes back exactly once.
         drop(unsafe { Box::from_raw(comp) });
         Ok(())
     })
@@ -141,32 +157,36 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
         let c = unsafe { ptr::comm(comm)? };
         // Counted as a call: `chorus_comm_destroy` refuses meanwhile.
         let _entered = crate::Entered::new(&c.active);
+        c.queue.check_process()?;
         let checked = || -> Result<_, Failure> {
-            // SAFETY: NULL or live by the caller's promise.
-            let comp = unsafe { ptr::compressor(comp)? };
+            // SAFETY: NULL or a compressor's address by the caller's promise.
+            let (comp, entered) = unsafe { enter(comp)? };
             let dtype = dtype.get()?;
             let op = op.get()?;
             let bytes = ptr::byte_len(count, dtype.size(), "count")?;
-            Ok((comp, dtype, op, ptr::RawBuf::new(buf, bytes, "buf")?))
+            Ok((
+                comp,
+                entered,
+                dtype,
+                op,
+                ptr::RawBuf::new(buf, bytes, "buf")?,
+            ))
         };
         // A compressor in use by another call (or broken) refuses this one as an argument
         // does: the call's place goes.
-        let (comp, dtype, op, buf, mut state) = match checked()
-            .and_then(|(comp, dtype, op, buf)| Ok((comp, dtype, op, buf, lock(comp)?)))
-        {
-            Ok(v) => v,
-            Err(f) => {
-                if matches!(
-                    f.status,
-                    S::CHORUS_INVALID_ARGUMENT | S::CHORUS_INVALID_USAGE | S::CHORUS_INTERNAL_ERROR
-                ) && c.size > 1
-                {
-                    // Refused here, perhaps on this rank only: the call's place goes.
-                    crate::skip_refused_call(c);
+        let (comp, _comp_entered, dtype, op, buf, mut state) =
+            match checked().and_then(|(comp, entered, dtype, op, buf)| {
+                Ok((comp, entered, dtype, op, buf, lock(comp)?))
+            }) {
+                Ok(v) => v,
+                Err(f) => {
+                    if c.size > 1 {
+                        // Refused here, perhaps on this rank only: the call's place goes.
+                        crate::skip_refused_call(c);
+                    }
+                    return Err(f);
                 }
-                return Err(f);
-            }
-        };
+            };
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
         let r = c.with(|c| {
@@ -194,8 +214,8 @@ pub unsafe extern "C" fn chorus_compressor_report(
     report: *mut chorus_compression_report,
 ) -> i32 {
     guard("chorus_compressor_report", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let comp = unsafe { ptr::compressor(comp)? };
+        // SAFETY: NULL or a compressor's address by the caller's promise.
+        let (comp, _entered) = unsafe { enter(comp)? };
         ptr::check_out(report, "report")?;
         // SAFETY: non-NULL; the first field, `size`, is always present.
         let size = unsafe { report.cast::<usize>().read_unaligned() };
@@ -227,6 +247,45 @@ pub unsafe extern "C" fn chorus_compressor_report(
     })
 }
 
+/// The compressor behind `p`, counted as in use (by `chorus_compressor_destroy`) until the
+/// returned guard drops. Checked and counted under the registry's lock, so that a destroy
+/// cannot free it in between. NULL, unknown pointers and a forked parent's compressors are
+/// refused (a parent's thread may have held its locks at the fork).
+///
+/// # Safety
+/// `p` is NULL or was returned by `chorus_compressor_create` (destroyed or not).
+unsafe fn enter<'a>(
+    p: *const chorus_compressor,
+) -> Result<(&'a chorus_compressor, crate::Entered<'a>), Failure> {
+    if p.is_null() {
+        return Err(Failure::invalid("comp is NULL"));
+    }
+    let registry = crate::registry::COMPRESSORS.lock();
+    match registry.known(p) {
+        Known::Live => {}
+        Known::Parents => {
+            return Err(Failure::new(
+                S::CHORUS_INVALID_USAGE,
+                format!(
+                    "comp {p:p} was created before this process was forked: a forked child \
+                     cannot use its parent's compressor (create one of its own)"
+                ),
+            ))
+        }
+        Known::Unknown => {
+            return Err(Failure::invalid(format!(
+                "comp {p:p} is not a live compressor (destroyed already, or never one)"
+            )))
+        }
+    }
+    // SAFETY: live in the registry, so made by `Box::into_raw` and not freed; counted in
+    // before the lock is released, it is not freed until the guard drops.
+    let comp = unsafe { &*p };
+    let entered = crate::Entered::new(&comp.active);
+    drop(registry);
+    Ok((comp, entered))
+}
+
 fn lock(comp: &chorus_compressor) -> Result<std::sync::MutexGuard<'_, Compressor>, Failure> {
     match comp.inner.try_lock() {
         Ok(g) => Ok(g),
@@ -239,5 +298,43 @@ fn lock(comp: &chorus_compressor) -> Result<std::sync::MutexGuard<'_, Compressor
             S::CHORUS_INTERNAL_ERROR,
             "the compressor is unusable after an internal error; destroy it",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destroy_refuses_while_a_call_is_inside() {
+        let mut comp: *mut chorus_compressor = std::ptr::null_mut();
+        // SAFETY: `comp` is writable, the spec NUL-terminated.
+        let st = unsafe { chorus_compressor_create(&mut comp, c"int8".as_ptr()) };
+        assert_eq!(st, S::CHORUS_OK as i32);
+        // A call inside (as `chorus_compressor_report` or `chorus_allreduce_compressed` is
+        // between its check of the pointer and its return).
+        // SAFETY: made just above.
+        let (_, inside) = unsafe { enter(comp) }.unwrap();
+        // SAFETY: live; the call inside keeps it so.
+        let st = unsafe { chorus_compressor_destroy(comp) };
+        assert_eq!(st, S::CHORUS_INVALID_USAGE as i32);
+        let mut report = chorus_compression_report {
+            size: std::mem::size_of::<chorus_compression_report>(),
+            ..Default::default()
+        };
+        // SAFETY: still live; `report` is writable with its size set.
+        let st = unsafe { chorus_compressor_report(comp, &mut report) };
+        assert_eq!(st, S::CHORUS_OK as i32);
+        drop(inside);
+        // SAFETY: live, no call inside any more.
+        assert_eq!(
+            unsafe { chorus_compressor_destroy(comp) },
+            S::CHORUS_OK as i32
+        );
+        // SAFETY: freed: refused by the registry without being read.
+        assert!(unsafe { enter(comp) }.is_err());
+        // SAFETY: as above.
+        let st = unsafe { chorus_compressor_report(comp, &mut report) };
+        assert_eq!(st, S::CHORUS_INVALID_ARGUMENT as i32);
     }
 }

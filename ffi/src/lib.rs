@@ -148,7 +148,7 @@ pub struct chorus_options {
     /// Name of the allreduce algorithm to force (`"ring"`); NULL or `""` lets chorus choose.
     pub algorithm: *const c_char,
     /// Timeout of this call in seconds; 0 uses the communicator's (`CHORUS_TIMEOUT`, default
-    /// 300 s). Must be finite and not negative.
+    /// 300 s). Otherwise from 0.001 (1 ms) to one year.
     pub timeout_seconds: f64,
 }
 
@@ -537,7 +537,9 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
 /// and where this rank alone did, the others' messages of that call are not taken for its
 /// next call (which would return them as its result, one call behind from then on); that
 /// call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
-/// group of one. In order with the nonblocking calls issued before; returns at once.
+/// group of one, nor while another thread is in a call on `comm` or while its calls are
+/// refused (transfers held): chorus would have refused the call then too, using up nothing.
+/// In order with the nonblocking calls issued before; returns at once.
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.
@@ -820,14 +822,16 @@ fn call_options(opts: Option<chorus_options>) -> Result<CallOptions, Failure> {
         }
     }
     let t = o.timeout_seconds;
-    if !(0.0..=365.0 * 86400.0).contains(&t) {
-        return Err(Failure::invalid(format!(
-            "options.timeout_seconds = {t}: need 0 (default) or a positive number of seconds \
-             up to one year"
-        )));
-    }
-    if t > 0.0 {
-        out.allreduce.timeout = Some(Duration::from_secs_f64(t));
+    if t != 0.0 {
+        // As `chorus_comm_set_timeout`: a timeout below 1 ms would fail the call before it
+        // could run (and leave the communicator unusable).
+        let Some(timeout) = chorus_core::config::timeout_from_secs(t) else {
+            return Err(Failure::invalid(format!(
+                "options.timeout_seconds = {t}: need 0 (the communicator's) or from 0.001 \
+                 (1 ms) to one year"
+            )));
+        };
+        out.allreduce.timeout = Some(timeout);
     }
     Ok(out)
 }
@@ -995,12 +999,18 @@ unsafe fn issue_as(
         let c = unsafe { ptr::comm(comm)? };
         let _entered = Entered::new(&c.active);
         c.queue.check_process()?;
-        let call = match request_ok.and_then(|()| make(c)) {
+        // A panic while checking the arguments is a refusal too (caught here, so that it
+        // uses up the call's place as any other).
+        let made = request_ok.and_then(|()| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(c)))
+                .unwrap_or_else(|p| Err(status::internal_error(p)))
+        });
+        let call = match made {
             Ok(call) => call,
             Err(f) => {
-                if f.status == S::CHORUS_INVALID_ARGUMENT && c.size > 1 && collective {
-                    // Refused here, perhaps on this rank only (a root's buffer): the call's
-                    // sequence number goes as if it had run (see
+                if c.size > 1 && collective {
+                    // Refused here, perhaps on this rank only (a root's buffer, options of a
+                    // newer header): the call's sequence number goes as if it had run (see
                     // `Communicator::skip_refused_call`), in order with the calls before.
                     skip_refused_call(c);
                 }

@@ -3,8 +3,7 @@
 
 use std::ffi::{c_char, c_void, CStr};
 
-use crate::compress::chorus_compressor;
-use crate::registry::{Handles, Known, COMMS, COMPRESSORS};
+use crate::registry::{Handles, Known, COMMS};
 use crate::status::Failure;
 use crate::{chorus_comm, chorus_options};
 
@@ -64,19 +63,6 @@ pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
         // ownership returns to us exactly once.
         Some(unsafe { Box::from_raw(p) })
     }
-}
-
-/// The compressor behind `p`: NULL, and a pointer that is not a live compressor of this
-/// process (destroyed already, or never one), are refused.
-///
-/// # Safety
-/// `p` is NULL or was returned by `chorus_compressor_create` (destroyed or not), and no
-/// other thread destroys it during the call.
-pub(crate) unsafe fn compressor<'a>(
-    p: *const chorus_compressor,
-) -> Result<&'a chorus_compressor, Failure> {
-    // SAFETY: as the caller promised.
-    unsafe { registered(p, &COMPRESSORS, "comp", "compressor") }
 }
 
 /// Store `value` through the out-parameter `p` named `what`.

@@ -198,13 +198,25 @@ pub(crate) fn guard(name: &str, body: impl FnOnce() -> Result<(), Failure>) -> i
             f.status as i32
         }
         Err(p) => {
-            set_last_error(&format!(
-                "{name}: internal error (a bug in chorus, please report it): {}",
-                panic_message(&*p)
-            ));
-            chorus_status::CHORUS_INTERNAL_ERROR as i32
+            let f = internal_error(p);
+            set_last_error(&format!("{name}: {}", f.message));
+            f.status as i32
         }
     }
+}
+
+/// The failure a caught panic (payload `p`) becomes. The payload is dropped inside a
+/// `catch_unwind` of its own: a payload whose drop panics in turn must not unwind further.
+pub(crate) fn internal_error(p: Box<dyn Any + Send>) -> Failure {
+    let message = format!(
+        "internal error (a bug in chorus, please report it): {}",
+        panic_message(&*p)
+    );
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(p))) {
+        // Leaked: dropping this payload could panic again.
+        std::mem::forget(again);
+    }
+    Failure::new(chorus_status::CHORUS_INTERNAL_ERROR, message)
 }
 
 #[cfg(test)]

@@ -116,14 +116,18 @@ static double bf16_value(uint16_t b) {
     return f;
 }
 
+/* A negative value goes to an unsigned type through int64_t (a negative double converted to
+ * an unsigned type is undefined in C; -1 becomes all ones, as a sentinel should). */
+#define UNSIGNED(T, v) ((v) < 0 ? (T)(int64_t)(v) : (T)(v))
+
 static void store(chorus_dtype dt, void *p, size_t i, double v) {
     switch (dt) {
     case CHORUS_INT8: ((int8_t *)p)[i] = (int8_t)v; break;
-    case CHORUS_UINT8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    case CHORUS_UINT8: ((uint8_t *)p)[i] = UNSIGNED(uint8_t, v); break;
     case CHORUS_INT32: ((int32_t *)p)[i] = (int32_t)v; break;
-    case CHORUS_UINT32: ((uint32_t *)p)[i] = (uint32_t)v; break;
+    case CHORUS_UINT32: ((uint32_t *)p)[i] = UNSIGNED(uint32_t, v); break;
     case CHORUS_INT64: ((int64_t *)p)[i] = (int64_t)v; break;
-    case CHORUS_UINT64: ((uint64_t *)p)[i] = (uint64_t)v; break;
+    case CHORUS_UINT64: ((uint64_t *)p)[i] = UNSIGNED(uint64_t, v); break;
     case CHORUS_FLOAT16: ((uint16_t *)p)[i] = half_bits(v); break;
     case CHORUS_FLOAT32: ((float *)p)[i] = (float)v; break;
     case CHORUS_FLOAT64: ((double *)p)[i] = v; break;
@@ -444,6 +448,30 @@ static void collectives(chorus_comm *comm) {
                 CHECK(st != CHORUS_OK, "the root took the refused ireduce's data: %d %d", res[0],
                       res[1]);
             OK(chorus_comm_destroy(probe));
+            /* Any refusal takes the call's place, not only an invalid argument: options of a
+             * newer header (CHORUS_UNSUPPORTED) on one rank only. Its next allreduce must not
+             * complete with the others' refused one. */
+            if (p > 1) {
+                OK(chorus_comm_dup(comm, &probe));
+                struct {
+                    chorus_options v1;
+                    uint64_t newer_field;
+                } newer = {CHORUS_OPTIONS_INIT, 1};
+                newer.v1.size = sizeof newer;
+                int32_t two[2] = {2, 2};
+                res[0] = res[1] = 0;
+                if (me == root) {
+                    EXPECT(chorus_allreduce_opts(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM,
+                                                 &newer.v1),
+                           CHORUS_UNSUPPORTED);
+                    st = chorus_allreduce(probe, two, res, 2, CHORUS_INT32, CHORUS_SUM);
+                } else {
+                    st = chorus_allreduce(probe, one, res, 2, CHORUS_INT32, CHORUS_SUM);
+                }
+                CHECK(st != CHORUS_OK, "an allreduce completed with a refused one: %d %d",
+                      res[0], res[1]);
+                OK(chorus_comm_destroy(probe));
+            }
             OK(chorus_barrier(comm));
             free(all);
             free(gc);
@@ -725,6 +753,8 @@ static void badargs(chorus_comm *comm) {
     o3.timeout_seconds = -1;
     EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o3), CHORUS_INVALID_ARGUMENT);
     o3.timeout_seconds = NAN;
+    EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o3), CHORUS_INVALID_ARGUMENT);
+    o3.timeout_seconds = 1e-12; /* would time out before it began */
     EXPECT(chorus_allreduce_opts(comm, a, b, 8, CHORUS_FLOAT32, CHORUS_SUM, &o3), CHORUS_INVALID_ARGUMENT);
     /* A struct from a newer header: unknown fields zero is fine, set is unsupported. */
     struct {
