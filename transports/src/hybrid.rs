@@ -67,6 +67,10 @@ pub struct HybridTransport {
     broken: Option<String>,
     /// Reused for reordering a mixed wait's ops.
     swaps: Vec<(usize, usize)>,
+    /// When a mixed wait last looked whether its shm peers' processes live: kept across
+    /// waits, so that a progress loop of short polls (each shorter than [`PROCESS_CHECK`])
+    /// still looks.
+    process_checked: Instant,
 }
 
 /// Decides, for every peer, shared memory or TCP (see the module docs) and builds the shared
@@ -144,6 +148,7 @@ pub fn connect(
         via_shm,
         broken: None,
         swaps: Vec::new(),
+        process_checked: Instant::now(),
     })
 }
 
@@ -172,10 +177,10 @@ impl HybridTransport {
         };
         let before = signature(ops);
         let mut gone_seen = false;
-        // Whether a peer process still lives costs a system call: looked at once the wait
-        // has settled into sleeping, at most every `PROCESS_CHECK` (the shared states, which
-        // say closed and aborted, are read at every round).
-        let mut process_checked = start;
+        // Whether a peer process still lives costs a system call: looked at every
+        // `PROCESS_CHECK` at most, counted across waits (the shared states, which say closed
+        // and aborted, are read at every round), and again at the second look at a peer
+        // found gone.
         loop {
             let (a, b) = ops.split_at_mut(k);
             let done_a = shm.progress(a, Wait::No)?;
@@ -206,10 +211,9 @@ impl HybridTransport {
                 .iter()
                 .filter(|o| !o.req.is_complete())
                 .map(|o| o.req.peer());
-            let check_process =
-                sleep >= MIXED_MAX_SLEEP && process_checked.elapsed() >= PROCESS_CHECK;
+            let check_process = gone_seen || self.process_checked.elapsed() >= PROCESS_CHECK;
             if check_process {
-                process_checked = Instant::now();
+                self.process_checked = Instant::now();
             }
             if let Some(e) = shm.gone_among(involved, check_process) {
                 if gone_seen {
@@ -286,28 +290,30 @@ impl Transport for HybridTransport {
             return Err(TransportError::Aborted(why.clone()));
         }
         let shm_ops = ops.iter().filter(|o| self.route(o.req.peer())).count();
-        if shm_ops == 0 {
-            return self.tcp.progress(ops, wait);
-        }
-        if shm_ops == ops.len() {
-            return self.shm.as_mut().expect("routed").progress(ops, wait);
-        }
-        // Put the shm ops first, remembering the swaps to restore the caller's order.
-        self.swaps.clear();
-        let mut k = 0;
-        for i in 0..ops.len() {
-            if self.route(ops[i].req.peer()) {
-                if i != k {
-                    ops.swap(i, k);
-                    self.swaps.push((i, k));
+        let r = if shm_ops == 0 {
+            self.tcp.progress(ops, wait)
+        } else if shm_ops == ops.len() {
+            self.shm.as_mut().expect("routed").progress(ops, wait)
+        } else {
+            // Put the shm ops first, remembering the swaps to restore the caller's order.
+            self.swaps.clear();
+            let mut k = 0;
+            for i in 0..ops.len() {
+                if self.route(ops[i].req.peer()) {
+                    if i != k {
+                        ops.swap(i, k);
+                        self.swaps.push((i, k));
+                    }
+                    k += 1;
                 }
-                k += 1;
             }
-        }
-        let r = self.mixed(ops, k, wait);
-        for &(i, j) in self.swaps.iter().rev() {
-            ops.swap(i, j);
-        }
+            let r = self.mixed(ops, k, wait);
+            for &(i, j) in self.swaps.iter().rev() {
+                ops.swap(i, j);
+            }
+            r
+        };
+        // Broken for both kinds of peer: a failure through one transport alone included.
         if let Err(e) = &r {
             if !e.is_recoverable() && self.broken.is_none() {
                 self.broken = Some(e.to_string());
@@ -452,6 +458,50 @@ mod tests {
             );
             drop(t2);
         }
+    }
+
+    #[test]
+    fn short_mixed_polls_notice_a_killed_shm_peer() {
+        // Ranks 0 and 1 share a host, rank 2 is elsewhere. Rank 1 drives receives from both
+        // in polls of 2 ms (as the nonblocking queue's progress loop does); rank 0's process
+        // is gone without closing its segment (killed): a poll fails naming it within a few
+        // process checks, not at the transfer's deadline.
+        let mut g = local_group(&["a", "a", "b"], Choice::Auto).unwrap();
+        let t2 = g.pop().unwrap();
+        let mut t1 = g.pop().unwrap();
+        let t0 = g.pop().unwrap();
+        let mut exited = std::process::Command::new("true").spawn().unwrap();
+        exited.wait().unwrap();
+        t1.shm.as_mut().unwrap().watch_peer_as(0, exited.id());
+        let (mut r0, mut r2) = (crate::Request::recv(0, 1, 8), crate::Request::recv(2, 1, 8));
+        t1.post(&mut r0).unwrap();
+        t1.post(&mut r2).unwrap();
+        let (mut b0, mut b2) = ([0u8; 8], [0u8; 8]);
+        let start = Instant::now();
+        let mut polls = 0;
+        let e = loop {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "not noticed after {polls} polls"
+            );
+            polls += 1;
+            let mut ops = [Op::recv(&mut r0, &mut b0), Op::recv(&mut r2, &mut b2)];
+            let wait = Wait::Poll(Instant::now() + Duration::from_millis(2));
+            match t1.progress(&mut ops, wait) {
+                Ok(done) => assert!(!done),
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(e, TransportError::PeerClosed { peer: 0 }),
+            "{e} after {polls} polls"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{e} after {:?}",
+            start.elapsed()
+        );
+        drop((t0, t2));
     }
 
     #[test]

@@ -489,6 +489,15 @@ impl ShmTransport {
             .find_map(|j| self.peer_gone(j, check_process))
     }
 
+    /// For tests: peer `j`'s process is taken for `pid`'s (one that has exited, to stand for
+    /// a peer killed without closing its segment).
+    #[cfg(test)]
+    pub(crate) fn watch_peer_as(&mut self, j: usize, pid: u32) {
+        if let Some(p) = self.peers.get_mut(j).and_then(Option::as_mut) {
+            p.live = Liveness::watch(pid);
+        }
+    }
+
     /// The error for a peer that stopped: closed, aborted (with its notice) or dead.
     fn peer_gone(&self, j: usize, check_process: bool) -> Option<TransportError> {
         let p = self.peers.get(j)?.as_ref()?;
