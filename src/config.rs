@@ -357,9 +357,13 @@ fn read_placement(
     // Started by srun: Slurm gave the rank, or srun's MPI plugin did (`--mpi=pmi2` sets
     // PMI_RANK and PMI_SIZE) and Slurm's own task id and count agree. Never for Open MPI's
     // variables: mpirun starts its ranks itself (through daemons that srun started, whose
-    // Slurm variables the ranks inherit and which say nothing of the ranks).
+    // Slurm variables the ranks inherit and which say nothing of the ranks), nor for Hydra's
+    // (`MPI_LOCALRANKID`, which srun's plugin does not set): its proxies may be srun's tasks,
+    // whose ids match some ranks' by chance.
+    let hydra = launcher.name == "MPICH/Hydra" && env.value("MPI_LOCALRANKID").is_some();
     let srun = launcher.name == "Slurm"
         || (launcher.name != "Open MPI"
+            && !hydra
             && env.value("SLURM_PROCID") == Some(rank.to_string())
             && env.value("SLURM_STEP_NUM_TASKS") == Some(size.to_string()));
     // From `CHORUS_LOCAL_RANK` or the launcher that gave the rank, as the local size below:
@@ -555,14 +559,25 @@ pub fn other_launcher_variables() -> Vec<&'static str> {
 /// WORLD_SIZE=1`, then `mpirun -np 4`), they would make every process rank 0 of a job of its
 /// own, silently. Launchers nested the usual way (torchrun under srun or mpirun) give the inner
 /// one at least as many ranks, and the `CHORUS_*` variables are taken as meant (with a
-/// warning when they make fewer ranks, [`chorus_vars_below_launcher`]).
+/// warning when they make fewer ranks, [`chorus_vars_below_launcher`]). So are torchrun's in
+/// a worker it started (`TORCHELASTIC_RUN_ID` set: `srun -n 4 torchrun --standalone ...` runs
+/// four jobs of their own), and every launcher's under `CHORUS_RUN_NESTED=1`.
 fn check_other_launchers(
     env: &Lookup<'_>,
     chosen: &Launcher,
     (rank_var, rank): (&str, usize),
     (size_var, size): (&str, usize),
 ) -> Result<(), String> {
-    if chosen.name == "chorus" {
+    if chosen.name == "chorus"
+        || env
+            .value("CHORUS_RUN_NESTED")
+            .is_some_and(|v| v.trim() == "1")
+    {
+        return Ok(());
+    }
+    if chosen.name == "torchrun" && env.value("TORCHELASTIC_RUN_ID").is_some() {
+        // torchrun's agent set this worker's variables itself: an outer launcher that started
+        // more processes started several torchrun jobs (a sweep), not stale variables.
         return Ok(());
     }
     // mpirun (Open MPI, Hydra) inside a Slurm allocation starts its ranks through daemons
@@ -1095,6 +1110,31 @@ mod tests {
         assert_eq!((c.rank, c.size, c.local_rank), (3, 4, Some(1)));
     }
 
+    /// mpiexec (Hydra) in a Slurm allocation of two nodes: its proxies are srun's tasks, and
+    /// rank 0's task id matches by chance. Its ranks are not srun's: rank 0 does not take an
+    /// address from Slurm's variables where rank 1 finds none.
+    #[test]
+    fn hydra_under_slurm_is_not_srun() {
+        let rank = |r: &'static str| {
+            config(&[
+                ("PMI_RANK", r),
+                ("PMI_SIZE", "2"),
+                ("MPI_LOCALRANKID", r),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_STEP_NUM_TASKS", "2"),
+                ("SLURM_JOB_ID", "77"),
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_STEP_NODELIST", "node[1-2]"),
+                ("SLURMD_NODENAME", "node1"),
+            ])
+            .map(|c| (c.root_addr, c.token))
+            .map_err(|e| e.to_string())
+        };
+        // No address given: neither rank takes one from Slurm's variables.
+        let (a, b) = (rank("0"), rank("1"));
+        assert!(a.is_err() && b.is_err(), "{a:?} {b:?}");
+    }
+
     /// One rank reads no address: a stale `MASTER_ADDR` without its port does not stop it.
     #[test]
     fn a_single_rank_reads_no_address() {
@@ -1323,6 +1363,27 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((c.rank, c.size), (1, 4));
+        // Several torchrun jobs under one launch (`srun -n 4 torchrun --standalone --nproc 2`):
+        // a worker's variables, set by torchrun's agent, are meant; so are any launcher's
+        // under CHORUS_RUN_NESTED=1.
+        let nested = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+        ];
+        assert!(config(&nested).is_err());
+        let mut worker = nested.to_vec();
+        worker.push(("TORCHELASTIC_RUN_ID", "sweep-3"));
+        let c = config(&worker).unwrap();
+        assert_eq!((c.rank, c.size), (1, 2));
+        let mut told = nested.to_vec();
+        told.push(("CHORUS_RUN_NESTED", "1"));
+        let c = config(&told).unwrap();
+        assert_eq!((c.rank, c.size), (1, 2));
     }
 
     #[test]

@@ -374,7 +374,10 @@ impl AlgoFilter {
         if !filter.allowed.iter().any(|&a| a) {
             return Err(CommError::invalid(
                 "init",
-                format!("CHORUS_ALGO={spec:?}: no allreduce algorithm is left"),
+                format!(
+                    "CHORUS_ALGO={spec:?}: no allreduce algorithm is left (double_tree is \
+                     chosen only where the value names it: allreduce:double_tree)"
+                ),
             ));
         }
         Ok(filter)

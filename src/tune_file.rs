@@ -337,15 +337,16 @@ impl TuneFile {
         use std::io::Write as _;
         // The kinds of path refused whatever they hold, with messages of their own (`read`
         // checks them again, and its handle, to read nothing else).
-        match std::fs::symlink_metadata(path) {
+        // The replacement keeps the file's permissions (one kept private stays so).
+        let permissions = match std::fs::symlink_metadata(path) {
             Ok(m) if m.file_type().is_symlink() => return Err(symlink_refusal()),
             Ok(m) if !m.is_file() => {
                 return Err("it is not a regular file; not replacing it".to_string())
             }
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(m) => Some(m.permissions()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(format!("cannot look at it: {e}; not replacing it")),
-        }
+        };
         // Only a file that is not there counts as empty.
         let mut file = match TuneFile::read(path) {
             Ok(Some(file)) => file,
@@ -375,6 +376,9 @@ impl TuneFile {
             .create_new(true)
             .open(&tmp)
             .and_then(|mut f| {
+                if let Some(p) = permissions {
+                    f.set_permissions(p)?;
+                }
                 f.write_all(file.format().as_bytes())?;
                 f.sync_all()
             });
@@ -807,6 +811,14 @@ mod tests {
         assert_eq!(back.sections[0].key, key());
         assert_eq!(back.sections[0].buckets, section().buckets);
         assert_eq!(back.sections[1].key.transport, "hybrid");
+        // A file made private stays private when replaced.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut third = section();
+        third.key.transport = "shm".into();
+        TuneFile::store(&path, third).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

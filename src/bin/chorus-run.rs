@@ -224,8 +224,9 @@ fn parse_args(args: Vec<OsString>) -> Result<Parsed, String> {
             "--addr" => opts.addr = Some(parse_addr(&value("HOST:PORT")?)?),
             "--token" => {
                 let token = value("a token")?;
-                if token.is_empty() {
-                    return Err("--token must not be empty".into());
+                if token.trim().is_empty() {
+                    // A blank CHORUS_TOKEN means none: authentication would be off, silently.
+                    return Err("--token must not be empty or blank".into());
                 }
                 opts.token = Some(token);
             }
@@ -1242,6 +1243,20 @@ mod tests {
         assert_eq!(nested_launch(&env(&[("WORLD_SIZE", "4")]), false), None);
         let allowed = env(&[("CHORUS_RUN_NPROC", "2"), ("CHORUS_RUN_NESTED", "1")]);
         assert_eq!(nested_launch(&allowed, false), None);
+    }
+
+    #[test]
+    fn a_blank_token_is_refused() {
+        let args = |t: &str| {
+            ["-n", "2", "--token", t, "true"]
+                .map(OsString::from)
+                .to_vec()
+        };
+        for blank in ["", " ", "\t\n"] {
+            let e = parse_args(args(blank)).err().unwrap();
+            assert!(e.contains("--token"), "{e}");
+        }
+        assert!(parse_args(args(" s ")).is_ok());
     }
 
     #[test]
