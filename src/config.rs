@@ -650,7 +650,7 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
 /// A timeout of `secs` seconds, if it is one chorus takes (`CHORUS_TIMEOUT`,
-/// [`crate::Communicator::set_timeout`], `chorus_comm_set_timeout`, `chorus-perf -t`): from
+/// [`crate::Communicator::set_timeout`], `chorus_comm_set_timeout`, `chorus-perf -T`): from
 /// 1 ms to one year (NaN and infinities refused).
 pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
     (0.001..=MAX_TIMEOUT_SECS)

@@ -170,8 +170,16 @@ run_rounds() {
 echo "peer order: shuffled per round (run_with_chorus.sh)" >>"$OUT/machine.txt"
 EOF
 fi
-[[ -z $LOOP_OVERRIDE ]] || echo "LOOP_ARGS=($LOOP_OVERRIDE)" >>"$DEFS"
-[[ -z $NETNS_OVERRIDE ]] || echo "NETNS_ARGS=($NETNS_OVERRIDE)" >>"$DEFS"
+# run_all.sh has written its default arguments to machine.txt before this block runs: the
+# overrides say so there too, so that the record names the arguments the run used.
+if [[ -n $LOOP_OVERRIDE ]]; then
+    echo "LOOP_ARGS=($LOOP_OVERRIDE)" >>"$DEFS"
+    echo 'echo "loop args (run_with_chorus.sh --loop-args, replacing the above): ${LOOP_ARGS[*]}" >>"$OUT/machine.txt"' >>"$DEFS"
+fi
+if [[ -n $NETNS_OVERRIDE ]]; then
+    echo "NETNS_ARGS=($NETNS_OVERRIDE)" >>"$DEFS"
+    echo 'echo "netns args (run_with_chorus.sh --netns-args, replacing the above): ${NETNS_ARGS[*]}" >>"$OUT/machine.txt"' >>"$DEFS"
+fi
 
 # The peers added to the run_rounds lists, as lines of the list (INDENT is the list's indent).
 lo_peers=('"chorus-tcp=chorus_lo $np tcp"' '"chorus-shm=chorus_lo $np shm"')

@@ -40,7 +40,8 @@ OPTIONS:
     -i, --stepbytes SIZE     add SIZE each step instead of multiplying
     -n, --iters N            timed iterations per size; the maximum with -B [20]
     -w, --warmup_iters N     warm-up iterations per size; the maximum with -B [5]
-    -m, --min_iters N        the minimum of timed iterations with -B [1]
+    -m, --min_iters N        the minimum of timed iterations, with -B only [1] (not
+                             nccl-tests' -m, aggregated calls per iteration)
     -B, --budget SIZE        per size run clamp(BUDGET / size, -m, -n) iterations, and end the
                              size list at -e exactly (peers/src/bench_common.h rules)
     -c, --check 0|1          check every element of one more call's result after timing [1]
@@ -63,8 +64,10 @@ OPTIONS:
         --json               one JSON object per line per size and placement
         --format FMT         table (nccl-tests columns), peers (bench_common.h rows), json
         --ranks N            start N local ranks of this program on 127.0.0.1 and show rank 0
-    -t, --timeout SECS       timeout of each collective, 0.001 to one year (default:
+    -T, --timeout SECS       timeout of each collective, 0.001 to one year (default:
                              CHORUS_TIMEOUT or 300)
+    -t, --nthreads 1         threads per rank (nccl-tests' option): one only; start more
+                             ranks with --ranks or a launcher
         --gap MS             before every timed call sleep MS milliseconds (a training step's
                              compute between its collectives), then a barrier, and time each
                              call on its own; warm-up calls stay back to back [no gap]
@@ -218,6 +221,7 @@ enum Opt {
     Format,
     Ranks,
     Timeout,
+    Threads,
     Gap,
     Settle,
     Compress,
@@ -247,7 +251,8 @@ const SPECS: &[(Opt, Option<char>, &str, bool)] = &[
     (Opt::Json, None, "json", false),
     (Opt::Format, None, "format", true),
     (Opt::Ranks, None, "ranks", true),
-    (Opt::Timeout, Some('t'), "timeout", true),
+    (Opt::Timeout, Some('T'), "timeout", true),
+    (Opt::Threads, Some('t'), "nthreads", true),
     (Opt::Gap, None, "gap", true),
     (Opt::Settle, None, "settle", true),
     (Opt::Compress, None, "compress", true),
@@ -389,7 +394,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     let mut step_bytes = None;
     let mut iters = 20;
     let mut warmup = 5;
-    let mut min_iters = 1;
+    let mut min_iters = None;
     let mut budget = None;
     let mut check = None;
     let mut datatype = "float".to_string();
@@ -437,7 +442,15 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             }
             Opt::Iters => iters = parse_int("-n", v, 1, MAX_ITERS)?,
             Opt::Warmup => warmup = parse_int("-w", v, 0, MAX_ITERS)?,
-            Opt::MinIters => min_iters = parse_int("-m", v, 1, MAX_ITERS)?,
+            Opt::MinIters => min_iters = Some(parse_int("-m", v, 1, MAX_ITERS)?),
+            Opt::Threads => {
+                if parse_int("-t", v, 1, MAX_ITERS)? != 1 {
+                    return usage_err(
+                        "-t: chorus-perf runs one thread per rank; start more ranks (--ranks, \
+                         or a launcher) instead (the timeout is -T)",
+                    );
+                }
+            }
             Opt::Budget => budget = Some(parse_size(v)?),
             Opt::Check => check = Some(parse_int("-c", v, 0, 1)? == 1),
             Opt::Datatype => datatype = v.to_string(),
@@ -473,7 +486,7 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
                 Some(t) => timeout = Some(t),
                 None => {
                     return usage_err(format!(
-                        "-t: '{v}' is not a number of seconds from 0.001 (1 ms) to one year"
+                        "-T: '{v}' is not a number of seconds from 0.001 (1 ms) to one year"
                     ))
                 }
             },
@@ -611,6 +624,14 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
             );
         }
     }
+    // 1 is the default either way (peer harnesses pass `-m 1` to every benchmark alike).
+    if min_iters.is_some_and(|m| m > 1) && budget.is_none() {
+        return usage_err(
+            "-m sets the minimum of timed iterations under -B, and there is no -B (nccl-tests' \
+             -m, aggregated calls per iteration, is not supported)",
+        );
+    }
+    let min_iters = min_iters.unwrap_or(1);
     let placement = match (inplace, peers || compare) {
         (Some(1 | 2), true) => {
             return usage_err("--format peers prints out-of-place rows only (--inplace 0)")
@@ -802,7 +823,7 @@ mod tests {
         assert_eq!((o.iters.iters, o.iters.warmup), (5, 0));
         assert!(!o.check);
         assert_eq!((o.datatype.as_str(), o.op.as_str()), ("all", "max"));
-        let o = run("--json --algo ring --inplace 1 -a 0 -t 2.5 allreduce --ranks=4");
+        let o = run("--json --algo ring --inplace 1 -a 0 -T 2.5 -t 1 allreduce --ranks=4");
         assert_eq!(o.output, Output::Json);
         assert_eq!(o.algo.as_deref(), Some("ring"));
         assert!(!o.placement.out_of_place && o.placement.in_place);
@@ -887,10 +908,14 @@ mod tests {
         assert!(err("allreduce --format csv").contains("--format"));
         assert!(err("allreduce --json --format peers").contains("exclude"));
         assert!(err("allreduce --ranks 0").contains("--ranks"));
-        assert!(err("allreduce -t 0").contains("-t"));
-        assert!(err("allreduce -t soon").contains("-t"));
-        assert!(err("allreduce -t 0.000001").contains("-t"));
-        assert!(err("allreduce -t 1e9").contains("-t"));
+        assert!(err("allreduce -T 0").contains("-T"));
+        assert!(err("allreduce -T soon").contains("-T"));
+        assert!(err("allreduce -T 0.000001").contains("-T"));
+        assert!(err("allreduce -T 1e9").contains("-T"));
+        // nccl-tests' -t (threads) and -m (aggregated calls) are not taken for a timeout or
+        // a minimum that would do nothing.
+        assert!(err("allreduce -t 2").contains("one thread per rank"));
+        assert!(err("allreduce -m 4").contains("no -B"));
         assert!(err("allreduce -e 12Q").contains("bad size"));
     }
 
