@@ -195,7 +195,9 @@ pub fn fill_in_place<T: Element>(
 }
 
 /// Wrong elements of this rank's result of `coll` (the part of `buf` the collective defines
-/// on this rank; nothing off the root for reduce and gather).
+/// on this rank; nothing off the root for reduce and gather), an out-of-place run's output
+/// poisoned with [`data::poison`].
+#[cfg(test)]
 pub fn count_wrong<T: Element>(
     coll: Collective,
     in_place: bool,
@@ -203,6 +205,19 @@ pub fn count_wrong<T: Element>(
     rank: usize,
     ranks: usize,
     op: ReduceOp,
+) -> u64 {
+    count_wrong_poisoned(coll, in_place, buf, rank, ranks, op, data::poison_value())
+}
+
+/// [`count_wrong`] where an out-of-place run's output was poisoned with `poison`.
+pub fn count_wrong_poisoned<T: Element>(
+    coll: Collective,
+    in_place: bool,
+    buf: &[T],
+    rank: usize,
+    ranks: usize,
+    op: ReduceOp,
+    poison: T,
 ) -> u64 {
     let b = buf.len() / ranks;
     let input = |r: usize, i: usize| test_value::<T>(r, i, op, ranks);
@@ -218,7 +233,6 @@ pub fn count_wrong<T: Element>(
         if in_place {
             wrong(got, &|i| input(rank, from + i))
         } else {
-            let poison = data::poison_value::<T>();
             wrong(got, &|_| poison)
         }
     };

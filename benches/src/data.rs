@@ -130,15 +130,34 @@ pub fn fill<T: Element>(buf: &mut [T], rank: usize, op: ReduceOp, ranks: usize) 
 /// Overwrite `buf` with a value no correct result is expected to hold everywhere, so that a
 /// collective that does not write its output is caught: outside the inputs of a max (which
 /// feed the collectives that do not reduce: −100..=100, 0..=200 for unsigned types), so not
-/// one element left unwritten passes.
+/// one element left unwritten by them passes. A reduction's result may hold it (an 8-bit
+/// `bor` gives 255 often): the check runs such a call again under [`poison_value_of`]'s
+/// second value, which differs.
 pub fn poison<T: Element>(buf: &mut [T]) {
     buf.fill(poison_value());
 }
 
+/// [`poison`] with the first or the `second` of [`poison_value_of`]'s values.
+pub fn poison_with<T: Element>(buf: &mut [T], second: bool) {
+    buf.fill(poison_value_of(second));
+}
+
 /// The value [`poison`] writes: −128, or 255 for the unsigned types.
 pub fn poison_value<T: Element>() -> T {
+    poison_value_of(false)
+}
+
+/// The first poison (−128, or 255 unsigned) or the `second` (−113, or 233 unsigned): both
+/// outside the inputs of a max, both exact in every dtype, and different, so that an element
+/// left unwritten is wrong under one of them at least, whatever the right result is.
+pub fn poison_value_of<T: Element>(second: bool) -> T {
     let signed = T::from_f64(-1.0).to_f64() < 0.0;
-    T::from_f64(if signed { -128.0 } else { 255.0 })
+    T::from_f64(match (signed, second) {
+        (true, false) => -128.0,
+        (true, true) => -113.0,
+        (false, false) => 255.0,
+        (false, true) => 233.0,
+    })
 }
 
 /// Wrong elements of an allreduce result over `ranks` ranks of [`fill`]ed inputs, compared
@@ -237,10 +256,17 @@ mod tests {
         fn check<T: Element>() {
             let mut p = [T::from_f64(0.0)];
             poison(&mut p);
+            let mut q = [T::from_f64(0.0)];
+            poison_with(&mut q, true);
+            // Two poisons that differ, each exactly what it says.
+            assert!(p[0].to_f64() != q[0].to_f64(), "{}", T::DTYPE);
+            assert_eq!(p[0].to_f64(), poison_value::<T>().to_f64());
+            assert_eq!(q[0].to_f64(), poison_value_of::<T>(true).to_f64());
             for rank in 0..8 {
                 for i in 0..2000 {
                     let v: T = reference::test_value(rank, i, ReduceOp::Max, 8);
                     assert!(v.to_f64() != p[0].to_f64(), "{} {rank} {i}", T::DTYPE);
+                    assert!(v.to_f64() != q[0].to_f64(), "{} {rank} {i}", T::DTYPE);
                 }
             }
         }

@@ -381,22 +381,42 @@ impl<'a> Runner<'a> {
         op: ReduceOp,
     ) -> Result<u64, Box<CommError>> {
         let coll = self.opts.collective;
-        if send.is_some() {
-            data::poison(buf);
-        } else {
-            calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
-        }
         let counts = calls::v_counts(buf.len(), self.ranks);
-        calls::call(
-            self.comm,
-            coll,
-            send,
-            buf,
-            op,
-            &self.variants[v].call,
-            &counts,
-        )?;
-        let local = calls::count_wrong(coll, send.is_none(), buf, self.rank, self.ranks, op);
+        // Out of place, the output is poisoned first; a reduction's right result may hold the
+        // poison (an 8-bit `bor` gives 255 often), so such a call runs again under a second
+        // poison: an element left unwritten is wrong under one of them at least.
+        let poisons: &[bool] = if send.is_some() && coll.reduces() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        let mut local = 0;
+        for &second in poisons {
+            if send.is_some() {
+                data::poison_with(buf, second);
+            } else {
+                calls::fill_in_place(coll, buf, self.rank, self.ranks, op);
+            }
+            calls::call(
+                self.comm,
+                coll,
+                send,
+                buf,
+                op,
+                &self.variants[v].call,
+                &counts,
+            )?;
+            let poison = data::poison_value_of::<T>(second);
+            local = local.max(calls::count_wrong_poisoned(
+                coll,
+                send.is_none(),
+                buf,
+                self.rank,
+                self.ranks,
+                op,
+                poison,
+            ));
+        }
         let mut total = [local];
         self.comm.all_reduce(&mut total, ReduceOp::Sum)?;
         // The sum goes through the library under test; the largest count of any rank too, so
