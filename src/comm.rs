@@ -155,7 +155,12 @@ pub struct Communicator {
     /// What `CHORUS_ALGO` allows the collectives other than the allreduce (whose choices
     /// live in the selector), resolved at init.
     algos: Allowed,
+    /// Which communicator of this process it is (a compressor's state is tied to one).
+    pub(crate) serial: u64,
 }
+
+/// The number of communicators this process made.
+static COMMS_MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A communicator's tuning file ([`crate::tune_file`]).
 struct TuneState {
@@ -1125,6 +1130,7 @@ impl Communicator {
         let mut transport = transport;
         transport.set_abort_handle(abort_handle.clone());
         let mut comm = Communicator {
+            serial: COMMS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             rank,
             size,
             config,

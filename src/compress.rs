@@ -254,7 +254,9 @@ impl CompressionReport {
 
 /// Compression state of one tensor: the spec, the error-feedback residuals and the random
 /// stream. Keep one per tensor (gradient bucket) and pass it to every call for that tensor;
-/// a tensor of another size resets the residual.
+/// a tensor of another size or dtype resets the residual. Used on another communicator, it
+/// keeps what this rank's sends lost (the tensor's) and drops the residual of the sum this
+/// rank owned (the other group's).
 pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,
@@ -267,6 +269,10 @@ pub struct Compressor {
     rng: Vec<(u64, Rng)>,
     /// Which compressor of this process it is (0 for the first): its random stream.
     instance: u64,
+    /// The communicator ([`Communicator::serial`]) and dtype of the last call: the residual
+    /// of the sum this rank owned belongs to that communicator's group, and a tensor of
+    /// another dtype is another tensor.
+    bound: Option<(u64, DType)>,
     staging: Vec<f32>,
     last: CompressionReport,
 }
@@ -300,6 +306,7 @@ impl Compressor {
             topk: TopkState::default(),
             rng: Vec::new(),
             instance: CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            bound: None,
             staging: Vec::new(),
             last: CompressionReport::default(),
         }
@@ -313,6 +320,22 @@ impl Compressor {
     /// What the last call did.
     pub fn last_report(&self) -> CompressionReport {
         self.last
+    }
+
+    /// Ties the state to communicator `serial` and `dtype` for the call about to run: a tensor
+    /// of another dtype starts afresh; on another communicator, the residual of the sum this
+    /// rank owned (its group's) is dropped, and what this rank's own sends lost (the
+    /// tensor's) is kept.
+    fn bind(&mut self, serial: u64, dtype: DType) {
+        match self.bound {
+            Some((_, d)) if d != dtype => self.reset(),
+            Some((s, _)) if s != serial => {
+                self.residual.owner = Vec::new();
+                self.residual.owner_slice = 0..0;
+            }
+            _ => {}
+        }
+        self.bound = Some((serial, dtype));
     }
 
     /// Forget the residuals (e.g. after the model was reloaded).
@@ -431,6 +454,7 @@ impl Communicator {
             Call::new(OP, CollKind::CompressedAllReduce, dtype, op),
             &[dense_bytes],
         )?;
+        comp.bind(self.serial, dtype);
         let tag = tag_base(self.next_seq(), CollKind::CompressedAllReduce, dtype, op)
             | call_bits(&[dense_bytes])
             | (comp.method_id() << 12);
@@ -652,6 +676,29 @@ impl Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn state_is_tied_to_a_communicator_and_dtype() {
+        let mut c = Compressor::new("int8").unwrap();
+        let filled = |c: &mut Compressor| {
+            c.residual.local = vec![1.0; 8];
+            c.residual.owner = vec![2.0; 4];
+            c.residual.owner_slice = 0..4;
+        };
+        c.bind(7, DType::Float32);
+        filled(&mut c);
+        // The same communicator and dtype: kept.
+        c.bind(7, DType::Float32);
+        assert_eq!((c.residual.local.len(), c.residual.owner.len()), (8, 4));
+        // Another communicator: the owned sum's residual goes, this rank's stays.
+        c.bind(8, DType::Float32);
+        assert_eq!((c.residual.local.len(), c.residual.owner.len()), (8, 0));
+        assert_eq!(c.residual.owner_slice, 0..0);
+        // Another dtype: another tensor.
+        filled(&mut c);
+        c.bind(8, DType::Float16);
+        assert_eq!((c.residual.local.len(), c.residual.owner.len()), (0, 0));
+    }
 
     #[test]
     fn grammar() {
