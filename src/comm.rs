@@ -106,7 +106,7 @@ use crate::tune_file::{self, Decision, Key, Section, TuneFile};
 pub struct AllReduceOptions {
     /// Force an algorithm (`None`: the selector decides).
     pub algorithm: Option<Algorithm>,
-    /// Override the communicator's timeout for this call.
+    /// Override the communicator's timeout for this call: from 1 ms to one year.
     pub timeout: Option<Duration>,
 }
 
@@ -1336,6 +1336,20 @@ impl Communicator {
             const OP: &str = "all_reduce";
             c.check_usable(OP)?;
             c.check_op(OP, dtype, op)?;
+            if let Some(t) = opts.timeout {
+                // As `set_timeout`: one below 1 ms would fail the call before it could run, and
+                // leave the communicator unusable.
+                if crate::config::timeout_from_secs(t.as_secs_f64()).is_none() {
+                    return Err(CommError::invalid(
+                        OP,
+                        format!(
+                            "a timeout of {} s: it must be at least 1 ms and at most one year",
+                            t.as_secs_f64()
+                        ),
+                    )
+                    .at_rank(c.rank));
+                }
+            }
             if recv.len() % dtype.size() != 0 {
                 return Err(CommError::invalid(
                     OP,
@@ -2421,6 +2435,17 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert!(e.is_usable());
+        // A per-call timeout below 1 ms is refused, as `set_timeout` refuses one.
+        let opts = AllReduceOptions {
+            timeout: Some(Duration::from_micros(10)),
+            ..Default::default()
+        };
+        let e = c
+            .all_reduce_with(None, &mut v, ReduceOp::Sum, &opts)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.to_string().contains("1 ms"), "{e}");
+        assert!(c.is_usable());
     }
 
     #[test]

@@ -256,7 +256,9 @@ impl CompressionReport {
 /// stream. Keep one per tensor (gradient bucket) and pass it to every call for that tensor;
 /// a tensor of another size or dtype resets the residual. Used on another communicator, it
 /// keeps what this rank's sends lost (the tensor's) and drops the residual of the sum this
-/// rank owned (the other group's).
+/// rank owned (the other group's). Top-k's state (its step count, threshold and residual)
+/// follows the tensor too: every rank's compressor must have made the same calls, or the
+/// next call fails as a mismatch.
 pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,

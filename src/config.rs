@@ -182,6 +182,9 @@ impl Config {
     /// number, say): enough to tell the others through the store. `None` when the placement
     /// itself is wrong.
     pub(crate) fn placement_from_env() -> Option<Config> {
+        // A `CHORUS_*` value that is not UTF-8 would read as unset here: another launcher's
+        // rank or address, or no token, would stand in for it.
+        refuse_garbled_env().ok()?;
         let get = |k: &str| std::env::var(k).ok();
         let (mut config, job_token) = read_placement(&get).ok()?;
         config.token = get("CHORUS_TOKEN")

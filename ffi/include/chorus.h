@@ -738,8 +738,9 @@ int32_t chorus_allreduce_opts(chorus_comm *comm,
  * the order they were issued; a blocking call on the communicator first waits for every call
  * issued before it. Every rank must issue the same collectives in the same order, blocking or
  * not. The buffers belong to the call until it completes: do not read or write them before.
- * On failure to issue `*request` is set to NULL and nothing runs (an invalid argument still
- * uses up the call's place among the collectives, after the calls issued before it).
+ * On failure to issue `*request` is set to NULL and nothing runs (a refusal of its arguments,
+ * an invalid one or options of a newer header, still uses up the call's place among the
+ * collectives, after the calls issued before it).
  *
  * # Safety
  * As `chorus_allreduce_opts`, except that the buffers (not `opts`) must stay valid and

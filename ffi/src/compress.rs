@@ -196,6 +196,9 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
             Ok(())
         });
         *comp.report.lock().unwrap_or_else(|e| e.into_inner()) = state.last_report();
+        // Unlocked before the call counts itself out (`_comp_entered`): once out, a destroy
+        // may free the lock.
+        drop(state);
         r
     })
 }

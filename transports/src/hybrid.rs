@@ -203,8 +203,8 @@ impl HybridTransport {
             if waiting_for_caller {
                 return Ok(false);
             }
-            // A shm peer of this wait that stopped (closed, aborted, or dead once the spinning
-            // is over) fails it now, as a wait on shm peers alone does, rather than at the
+            // A shm peer of this wait that stopped (closed, aborted, or dead, looked at every
+            // `PROCESS_CHECK`) fails it now, as a wait on shm peers alone does, rather than at the
             // deadline: at the second look, after one more poll, so that what the peer sent
             // before it stopped is taken first.
             let involved = ops[..k]

@@ -586,7 +586,7 @@ class Communicator:
         ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"``, ``"avg"``, or for integers
         ``"band"``, ``"bor"``, ``"bxor"``. ``algorithm`` forces a schedule (e.g. ``"ring"``);
         ``timeout`` (seconds) overrides the communicator's for this call (0: the
-        communicator's; a negative one is refused). With a :class:`Compressor` (one per tensor, kept across steps) the
+        communicator's; otherwise from 0.001 to one year). With a :class:`Compressor` (one per tensor, kept across steps) the
         allreduce is compressed: float32, float16 or bfloat16 data, ``"sum"`` or ``"avg"``;
         ``algorithm`` and ``timeout`` do not apply then. Returns ``x``; with ``async_op``, a
         :class:`Request` whose :meth:`~Request.wait` returns ``x`` (not with a compressor).
