@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
 QUICK=0
-[[ ${1:-} == --quick ]] && QUICK=1
+case ${1:-} in
+    '') ;;
+    --quick) QUICK=1 ;;
+    *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
+esac
 
 log() { printf '== %s\n' "$*" >&2; }
 
@@ -22,6 +26,8 @@ command -v ip >/dev/null || need+=(iproute2)
 type -P kill >/dev/null || need+=(procps) # the program, not bash's builtin
 command -v unshare >/dev/null || need+=(util-linux)
 command -v setpriv >/dev/null || need+=(util-linux)
+command -v flock >/dev/null || need+=(util-linux)
+command -v readelf >/dev/null || need+=(binutils) # the C ABI's exported symbols
 command -v mpicc >/dev/null || need+=(libopenmpi-dev)
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 PY=/usr/bin/python3
@@ -54,6 +60,10 @@ if [[ $QUICK == 0 ]]; then
     log "cargo clippy"
     cargo clippy --workspace --all-targets --quiet -- -D warnings
 fi
+
+# A test skipped by a switch passes without checking anything: say so where it shows.
+skips=$(env | grep -E '^CHORUS_SKIP_[A-Z_]+=' | tr '\n' ' ' || true)
+[[ -z $skips ]] || log "WARNING: tests skip what these switches name: $skips"
 
 log "cargo test"
 # Integration tests spawn processes and thread groups; one test binary at a time keeps the

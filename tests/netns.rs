@@ -2,9 +2,10 @@
 //! (`tests/netns/cluster.sh`), one rank per host, each a real process started with
 //! `ip netns exec`.
 //!
-//! The test builds a cluster of its own (namespaces `chorus-t<pid>-h1..4` and `-sw`, so
-//! parallel runs never collide), removes it when it ends — also when it fails — and also
-//! removes clusters that earlier runs left behind when they were killed. Inside the cluster:
+//! The test builds a cluster of its own (namespaces `chorus-t<id>-h1..4` and `-sw`, `<id>`
+//! random, so parallel runs never collide), removes it when it ends — also when it fails — and
+//! also removes clusters that earlier runs left behind when they were killed (those whose
+//! owner's lock, `/run/chorus-netns/chorus-t<id>.owner`, nobody holds). Inside the cluster:
 //!
 //! 1. ranks started directly with `CHORUS_SOCKET_IFNAME=eth0`: allreduce of a few dtypes, ops
 //!    and sizes checked exactly; every rank's sockets are on its eth0 address (read from the
@@ -67,9 +68,11 @@ fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/netns/cluster.sh")
 }
 
-/// Runs `cluster.sh ARGS` for the namespaces of `prefix`; Err(output) when it fails.
+/// Runs `cluster.sh ARGS` for the namespaces of `prefix` (bounded: a stuck `ip` or `tc` fails
+/// it after two minutes); Err(output) when it fails.
 fn cluster_sh(prefix: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new("bash")
+    let out = Command::new("timeout")
+        .args(["-k", "5", "120", "bash"])
         .arg(script())
         .args(args)
         .env("CHORUS_NETNS_PREFIX", prefix)
@@ -91,19 +94,56 @@ fn cluster_sh(prefix: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// Where a test's cluster `<prefix>` has its owner's lock, `<prefix>.owner`: held (`flock`)
+/// for as long as the cluster is in use, and released by the kernel when its process dies,
+/// whatever PID namespace it ran in (process ids repeat across runs in PID namespaces, as in
+/// CI, so they cannot tell a live run from a dead one).
+const OWNER_DIR: &str = "/run/chorus-netns";
+
+fn owner_path(prefix: &str) -> PathBuf {
+    PathBuf::from(OWNER_DIR).join(format!("{prefix}.owner"))
+}
+
+/// Whether some process holds the owner's lock of cluster `prefix` (a file that is not there
+/// has no owner).
+fn owned(prefix: &str) -> bool {
+    use rustix::fs::{flock, FlockOperation};
+    let Ok(f) = std::fs::File::open(owner_path(prefix)) else {
+        return false;
+    };
+    // Taken (and released when `f` closes) only when nobody holds it.
+    flock(&f, FlockOperation::NonBlockingLockExclusive).is_err()
+}
+
 /// A cluster of namespace hosts that is removed when dropped, also while unwinding from a
 /// failed assertion.
 struct Cluster {
     /// Namespace prefix: hosts are `<prefix>-h1..N`.
     prefix: String,
+    /// The owner's lock (see [`OWNER_DIR`]), held until the cluster is removed.
+    _owner: std::fs::File,
 }
 
 impl Cluster {
-    /// Builds `hosts` hosts with links of `rate` under a prefix unique to this process.
+    /// Builds `hosts` hosts with links of `rate` under a prefix of its own: random, and locked
+    /// as this process's before anything is built.
     fn up(hosts: usize, rate: &str) -> Result<Cluster, String> {
+        use rustix::fs::{flock, FlockOperation};
         remove_stale_clusters();
+        let mut id = [0u8; 4];
+        getrandom::getrandom(&mut id).map_err(|e| format!("getrandom: {e}"))?;
+        let prefix = format!("chorus-t{:08x}", u32::from_le_bytes(id));
+        std::fs::create_dir_all(OWNER_DIR).map_err(|e| format!("{OWNER_DIR}: {e}"))?;
+        let owner = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(owner_path(&prefix))
+            .map_err(|e| format!("{}: {e}", owner_path(&prefix).display()))?;
+        flock(&owner, FlockOperation::NonBlockingLockExclusive)
+            .map_err(|e| format!("{}: flock: {e}", owner_path(&prefix).display()))?;
         let cluster = Cluster {
-            prefix: format!("chorus-t{}", std::process::id()),
+            prefix,
+            _owner: owner,
         };
         cluster_sh(&cluster.prefix, &["up", &hosts.to_string(), rate])?;
         Ok(cluster)
@@ -117,53 +157,70 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        if let Err(e) = cluster_sh(&self.prefix, &["down"]) {
-            eprintln!("netns test: could not remove cluster {}: {e}", self.prefix);
+        match cluster_sh(&self.prefix, &["down"]) {
+            // Gone: the owner's file goes too (its lock with it, when `_owner` closes).
+            Ok(_) => {
+                let _ = std::fs::remove_file(owner_path(&self.prefix));
+            }
+            Err(e) => eprintln!("netns test: could not remove cluster {}: {e}", self.prefix),
         }
     }
 }
 
-/// Removes the clusters of earlier runs of this test whose process no longer exists (a run
-/// killed by a signal cannot run its `Drop`), and any of this process's ID (before its own
-/// cluster exists: an earlier run's, whose ID came round again, as after a reboot).
+/// The prefix of a name this test makes (`chorus-t<id>-h<n>` or `chorus-t<id>-sw`), if it is
+/// one: `chorus-t<id>`.
+fn test_prefix(name: &str) -> Option<String> {
+    let rest = name.strip_prefix("chorus-t")?;
+    let (id, host) = rest.split_once('-')?;
+    let id_ok = !id.is_empty() && id.bytes().all(|b| b.is_ascii_hexdigit());
+    let host_ok = host == "sw"
+        || host
+            .strip_prefix('h')
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    (id_ok && host_ok).then(|| format!("chorus-t{id}"))
+}
+
+/// Removes what earlier runs of this test left (a run killed by a signal cannot run its
+/// `Drop`): the namespaces and hosts files of every test cluster whose owner's lock nobody
+/// holds (see [`OWNER_DIR`]). A cluster of a run still going keeps its lock and is left alone.
 fn remove_stale_clusters() {
-    let gone = |pid: u32| {
-        pid == std::process::id() || !std::path::Path::new(&format!("/proc/{pid}")).exists()
-    };
-    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
-        return;
-    };
-    let stale: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| {
-            let name = line.split_whitespace().next()?;
-            let rest = name.strip_prefix("chorus-t")?;
-            let (pid, host) = rest.split_once('-')?;
-            let is_ours = host == "sw"
-                || host
-                    .strip_prefix('h')
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-            let dead = pid.parse::<u32>().is_ok_and(gone);
-            (is_ours && dead).then(|| format!("chorus-t{pid}"))
+    let mut names: Vec<String> = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+                .collect()
         })
+        .unwrap_or_default();
+    let hosts_dirs: Vec<PathBuf> = std::fs::read_dir("/etc/netns")
+        .map(|dirs| dirs.flatten().map(|d| d.path()).collect())
+        .unwrap_or_default();
+    names.extend(
+        hosts_dirs
+            .iter()
+            .filter_map(|d| Some(d.file_name()?.to_string_lossy().into_owned())),
+    );
+    let stale: BTreeSet<String> = names
+        .iter()
+        .filter_map(|n| test_prefix(n))
+        .filter(|p| !owned(p))
         .collect();
-    // Hosts files of scenario 4 left by a killed run.
-    if let Ok(dirs) = std::fs::read_dir("/etc/netns") {
-        for d in dirs.flatten() {
-            let name = d.file_name().to_string_lossy().into_owned();
-            let pid = name
-                .strip_prefix("chorus-t")
-                .and_then(|r| r.split_once('-'))
-                .and_then(|(pid, _)| pid.parse::<u32>().ok());
-            if pid.is_some_and(gone) {
-                let _ = std::fs::remove_dir_all(d.path());
-            }
-        }
-    }
     for prefix in stale {
         eprintln!("netns test: removing cluster {prefix} left by an earlier run");
-        if let Err(e) = cluster_sh(&prefix, &["down"]) {
-            eprintln!("netns test: {e}");
+        match cluster_sh(&prefix, &["down"]) {
+            Ok(_) => {
+                let _ = std::fs::remove_file(owner_path(&prefix));
+            }
+            Err(e) => eprintln!("netns test: {e}"),
+        }
+        // Hosts files of scenario 4.
+        for d in &hosts_dirs {
+            let name = d.file_name().map(|n| n.to_string_lossy().into_owned());
+            if name.and_then(|n| test_prefix(&n)).as_deref() == Some(prefix.as_str()) {
+                let _ = std::fs::remove_dir_all(d);
+            }
         }
     }
 }
@@ -435,19 +492,26 @@ const ROOT_NAME: &str = "chorus-test-root";
 
 /// `/etc/netns/<host>/hosts` files, which `ip netns exec` mounts over `/etc/hosts` in each
 /// host; removed when dropped.
-struct HostsFiles(Vec<PathBuf>);
+struct HostsFiles {
+    dirs: Vec<PathBuf>,
+    /// Whether `/etc/netns` was made here (removed again when empty).
+    made_parent: bool,
+}
 
 impl HostsFiles {
     /// Host `i` resolves [`ROOT_NAME`] to `ip(i)`.
     fn write(cluster: &Cluster, ip: impl Fn(usize) -> String) -> Result<HostsFiles, String> {
-        let mut made = HostsFiles(Vec::new());
+        let mut made = HostsFiles {
+            dirs: Vec::new(),
+            made_parent: !std::path::Path::new("/etc/netns").exists(),
+        };
         for i in 1..=HOSTS {
             let dir = PathBuf::from("/etc/netns").join(cluster.host(i));
             if dir.exists() {
                 return Err(format!("{} exists already", dir.display()));
             }
             std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            made.0.push(dir.clone());
+            made.dirs.push(dir.clone());
             let text = format!("127.0.0.1 localhost\n{} {ROOT_NAME}\n", ip(i));
             std::fs::write(dir.join("hosts"), text)
                 .map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -458,8 +522,12 @@ impl HostsFiles {
 
 impl Drop for HostsFiles {
     fn drop(&mut self) {
-        for dir in &self.0 {
+        for dir in &self.dirs {
             let _ = std::fs::remove_dir_all(dir);
+        }
+        if self.made_parent {
+            // Only if empty (another run's files stay).
+            let _ = std::fs::remove_dir("/etc/netns");
         }
     }
 }

@@ -178,9 +178,18 @@ cmd_status() {
     ((found)) || echo "no namespaces with prefix $PFX"
 }
 
+# up and down take turns, whatever their prefix, on this machine: two ups of one prefix (or an
+# up and a down) interleaved would remove each other's namespaces. A lock of the host's, held
+# until this script exits.
+take_turn() {
+    mkdir -p "$MARK_DIR"
+    exec 9>"$MARK_DIR/.lock"
+    flock -w 120 9 || die "another cluster.sh up or down has held $MARK_DIR/.lock for 2 minutes"
+}
+
 case ${1:-} in
-    up) shift; cmd_up "$@" ;;
-    down) (($# == 1)) || usage; cmd_down ;;
+    up) shift; take_turn; cmd_up "$@" ;;
+    down) (($# == 1)) || usage; take_turn; cmd_down ;;
     status) (($# == 1)) || usage; cmd_status ;;
     *) usage ;;
 esac
