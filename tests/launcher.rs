@@ -785,9 +785,16 @@ fn a_signal_to_the_launcher_and_its_group_counts_once() {
     let (status, lines, stderr) = job.finish();
     assert!(!stderr.contains("again"), "{stderr}");
     assert!(stderr.contains("got signal 15 (SIGTERM)"), "{stderr}");
+    // Every rank ran its trap. (Once or twice: the signal reaches the ranks directly and passed
+    // on, as the module's docs say, and a rank whose trap has begun runs it again for the
+    // second; the shell then merely exits twice.)
+    let termed: BTreeSet<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_suffix(" term"))
+        .collect();
     assert_eq!(
-        lines.iter().filter(|l| l.ends_with("] term")).count(),
-        2,
+        termed,
+        BTreeSet::from(["[0]", "[1]"]),
         "{lines:?}: {stderr}"
     );
     // timeout(1) reports its command's death by a signal as 128 + the signal.
