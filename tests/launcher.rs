@@ -444,6 +444,33 @@ fn ranks_do_not_outlive_a_killed_launcher() {
     }
 }
 
+/// A stopped job leaves nothing running: the program a rank's wrapper script started without
+/// `exec` is killed too, once its rank was (it is handed to the launcher, the ranks' child
+/// subreaper, when its rank dies).
+#[test]
+fn a_stopped_job_kills_what_its_ranks_started() {
+    let marker = "29.4417";
+    let script = format!(
+        "if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep {marker}; echo after"
+    );
+    let out = launcher()
+        .args(["-n", "2", "--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let left = still_running(|| processes_with(marker));
+    for pid in &left {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+    assert!(left.is_empty(), "left running: {left:?}\n{stderr}");
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("killed 1 process the ranks left running"),
+        "{stderr}"
+    );
+}
+
 /// A launcher started with its stdout as a channel of lines, for tests that act while the
 /// job runs.
 struct Live {

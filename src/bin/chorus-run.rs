@@ -19,11 +19,14 @@
 //! (128 + signal number for a signal). `--timeout` bounds the whole job (exit code 124).
 //!
 //! Limits:
-//! - Killing is `SIGKILL` to each rank's own process. A background process a rank started
-//!   (for example the command of `sh -c 'cmd; other'`) is not killed with it; use `exec` in
-//!   wrapper scripts. Such a survivor can also keep a rank's output pipe open: once all ranks
-//!   have exited, `chorus-run` passes on what is on its way (however slowly its own output
-//!   is read) but gives up on a pipe that stays open with nothing in it for [`DRAIN_GRACE`].
+//! - Killing is `SIGKILL` to each rank's own process. A process a rank started (the program
+//!   a wrapper script runs without `exec`, a background process) is killed once the job was
+//!   stopped (a failure, `--timeout`, a signal) and every rank is gone: `chorus-run` is the
+//!   ranks' child subreaper, so what they leave behind is handed to it, and it kills that too
+//!   (not what moved itself elsewhere, such as a daemon under another subreaper). After a job
+//!   that succeeded, such a survivor is left running, and can keep a rank's output pipe open:
+//!   `chorus-run` passes on what is on its way (however slowly its own output is read) but
+//!   gives up on a pipe that stays open with nothing in it for [`DRAIN_GRACE`].
 //! - The ranks stay in `chorus-run`'s process group, so a signal from the terminal (Ctrl-C,
 //!   Ctrl-\\) reaches all of them directly. Each rank is started through util-linux's
 //!   `setpriv --pdeathsig TERM` where the system has it (Debian always does): when
@@ -799,6 +802,9 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     };
 
     let pdeath = parent_death_prefix();
+    // What a rank leaves behind when it dies (a wrapper script's program, started without
+    // `exec`) comes to us rather than to init, so that a stopped job can stop it too.
+    let subreaper = rustix::process::set_child_subreaper(Some(rustix::process::getpid())).is_ok();
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
     let mut readers: Vec<Arc<AtomicU8>> = Vec::new();
@@ -886,6 +892,15 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     let job_end = opts.timeout.map(|t| Instant::now() + t);
     let mut ending = Ending::new();
     wait_all(&mut started, job_end, signals.as_mut(), &mut ending);
+    if subreaper && ending.failed {
+        let killed = kill_orphans();
+        if killed > 0 {
+            say!(
+                "killed {killed} process{} the ranks left running",
+                if killed == 1 { "" } else { "es" }
+            );
+        }
+    }
 
     // Let the readers pass on what the ranks wrote last, however slowly our own output takes
     // it (a pager, a slow link); but do not hang on a pipe that a surviving background
@@ -1154,6 +1169,67 @@ fn wait_all(
         }
         thread::sleep(POLL_INTERVAL);
     }
+}
+
+/// Kills and reaps our children once every rank is reaped: processes the ranks left behind,
+/// handed to us as their child subreaper. Killing one hands us its own children, hence the
+/// rounds (bounded, as is the wait for each to die). Returns how many were killed.
+fn kill_orphans() -> usize {
+    const ROUNDS: usize = 20;
+    const REAP_WITHIN: Duration = Duration::from_secs(5);
+    let me = std::process::id();
+    let mut killed = 0;
+    for _ in 0..ROUNDS {
+        let orphans = children_of(me);
+        if orphans.is_empty() {
+            break;
+        }
+        for &(pid, zombie) in &orphans {
+            if !zombie {
+                let _ = kill_process(pid, Signal::KILL);
+                killed += 1;
+            }
+        }
+        // Reaped one by one (never `wait` for any child: none of ours is left but these).
+        let until = Instant::now() + REAP_WITHIN;
+        for &(pid, _) in &orphans {
+            while Instant::now() < until {
+                match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
+                    Ok(None) => thread::sleep(Duration::from_millis(5)),
+                    _ => break,
+                }
+            }
+        }
+    }
+    killed
+}
+
+/// The processes whose parent is `parent`, and whether each has exited (a zombie), from
+/// `/proc/*/stat` (the state and parent fields follow the command name in parentheses).
+fn children_of(parent: u32) -> Vec<(Pid, bool)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+            .and_then(Pid::from_raw)
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut fields = stat[close + 1..].split_ascii_whitespace();
+        let (state, ppid) = (fields.next(), fields.next());
+        if ppid.and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
+            out.push((pid, state == Some("Z")));
+        }
+    }
+    out
 }
 
 /// Sends `sig` to every rank still running. A rank that exited since it was last reaped has
