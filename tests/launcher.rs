@@ -466,7 +466,7 @@ fn a_stopped_job_kills_what_its_ranks_started() {
     assert!(left.is_empty(), "left running: {left:?}\n{stderr}");
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(
-        stderr.contains("killed 1 process the ranks left running"),
+        stderr.contains("stopped 1 process the ranks left running"),
         "{stderr}"
     );
 }

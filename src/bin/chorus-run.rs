@@ -22,8 +22,9 @@
 //! - Killing is `SIGKILL` to each rank's own process. A process a rank started (the program
 //!   a wrapper script runs without `exec`, a background process) is killed once the job was
 //!   stopped (a failure, `--timeout`, a signal) and every rank is gone: `chorus-run` is the
-//!   ranks' child subreaper, so what they leave behind is handed to it, and it kills that too
-//!   (not what moved itself elsewhere, such as a daemon under another subreaper). After a job
+//!   ranks' child subreaper, so what they leave behind is handed to it, and it stops that too
+//!   (`SIGTERM`, then `SIGKILL` after [`ORPHAN_GRACE`]; not what moved itself elsewhere, such
+//!   as a daemon under another subreaper). After a job
 //!   that succeeded, such a survivor is left running, and can keep a rank's output pipe open:
 //!   `chorus-run` passes on what is on its way (however slowly its own output is read) but
 //!   gives up on a pipe that stays open with nothing in it for [`DRAIN_GRACE`].
@@ -100,6 +101,9 @@ const EXIT_USAGE: i32 = 2;
 /// After a signal that stops the job, how long the ranks may take to exit before they are
 /// killed (`docker stop` waits as long before it kills).
 const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long what the ranks of a stopped job left running has to exit once asked to (see
+/// [`kill_orphans`]) before it is killed.
+const ORPHAN_GRACE: Duration = Duration::from_secs(2);
 /// The signals `chorus-run` catches and passes on to its ranks.
 const CAUGHT: [c_int; 6] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2];
 
@@ -896,7 +900,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         let killed = kill_orphans();
         if killed > 0 {
             say!(
-                "killed {killed} process{} the ranks left running",
+                "stopped {killed} process{} the ranks left running",
                 if killed == 1 { "" } else { "es" }
             );
         }
@@ -1171,37 +1175,60 @@ fn wait_all(
     }
 }
 
-/// Kills and reaps our children once every rank is reaped: processes the ranks left behind,
-/// handed to us as their child subreaper. Killing one hands us its own children, hence the
-/// rounds (bounded, as is the wait for each to die). Returns how many were killed.
+/// Stops and reaps our children once every rank is reaped: processes the ranks left behind,
+/// handed to us as their child subreaper. They are asked first (`SIGTERM`: a wrapper's program
+/// was told nothing of the job's stop) and given [`ORPHAN_GRACE`] to exit, then killed;
+/// killing one hands us its own children, hence the rounds (bounded, as is the wait for each
+/// to die). Returns how many were stopped.
 fn kill_orphans() -> usize {
     const ROUNDS: usize = 20;
     const REAP_WITHIN: Duration = Duration::from_secs(5);
     let me = std::process::id();
-    let mut killed = 0;
+    let live = |all: Vec<(Pid, bool)>| -> Vec<Pid> {
+        all.into_iter()
+            .filter_map(|(pid, zombie)| (!zombie).then_some(pid))
+            .collect()
+    };
+    // Reaped one by one (never `wait` for any child: none of ours is left but these); true
+    // once every one of `pids` is.
+    let reap = |pids: &[(Pid, bool)], until: Instant| -> bool {
+        let mut all = true;
+        for &(pid, _) in pids {
+            loop {
+                match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
+                    Ok(None) if Instant::now() < until => thread::sleep(Duration::from_millis(5)),
+                    Ok(None) => {
+                        all = false;
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+        }
+        all
+    };
+    let asked = children_of(me);
+    let mut stopped = live(asked.clone());
+    for &pid in &stopped {
+        let _ = kill_process(pid, Signal::TERM);
+    }
+    if !asked.is_empty() {
+        reap(&asked, Instant::now() + ORPHAN_GRACE);
+    }
     for _ in 0..ROUNDS {
         let orphans = children_of(me);
         if orphans.is_empty() {
             break;
         }
-        for &(pid, zombie) in &orphans {
-            if !zombie {
-                let _ = kill_process(pid, Signal::KILL);
-                killed += 1;
+        for pid in live(orphans.clone()) {
+            let _ = kill_process(pid, Signal::KILL);
+            if !stopped.contains(&pid) {
+                stopped.push(pid);
             }
         }
-        // Reaped one by one (never `wait` for any child: none of ours is left but these).
-        let until = Instant::now() + REAP_WITHIN;
-        for &(pid, _) in &orphans {
-            while Instant::now() < until {
-                match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
-                    Ok(None) => thread::sleep(Duration::from_millis(5)),
-                    _ => break,
-                }
-            }
-        }
+        reap(&orphans, Instant::now() + REAP_WITHIN);
     }
-    killed
+    stopped.len()
 }
 
 /// The processes whose parent is `parent`, and whether each has exited (a zombie), from
