@@ -70,10 +70,18 @@ pub fn slice_bounds(len: usize, elem: usize, parts: usize, k: usize) -> (usize, 
 }
 
 /// Bytes per round for an arena half of `half` bytes: the largest multiple of the element size
-/// and of a cache line that fits.
+/// and of a cache line that fits (of the element size alone where no such multiple does).
+/// Never more than `half` for an element of at most `half` bytes (the caller refuses larger).
 pub fn chunk_bytes(half: usize, elem: usize) -> usize {
-    let unit = if LINE % elem == 0 { LINE } else { LINE * elem };
-    (half / unit * unit).max(elem)
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let lcm = LINE / gcd(LINE, elem) * elem;
+    let unit = if lcm <= half { lcm } else { elem };
+    half / unit * unit
 }
 
 impl ShmTransport {
@@ -101,7 +109,11 @@ impl ShmTransport {
             ));
         }
         let elem = red.elem_size;
-        if elem == 0 || recv.len() % elem != 0 || send.is_some_and(|s| s.len() != recv.len()) {
+        if elem == 0
+            || elem > self.layout.arena_half
+            || recv.len() % elem != 0
+            || send.is_some_and(|s| s.len() != recv.len())
+        {
             return Err(TransportError::InvalidArgument(format!(
                 "allreduce of {} bytes (send {:?}) in elements of {elem} bytes",
                 recv.len(),
@@ -327,6 +339,14 @@ mod tests {
         assert_eq!(chunk_bytes(4096, 4), 4096);
         assert_eq!(chunk_bytes(1000, 8), 960);
         assert_eq!(chunk_bytes(1000, 3), 960);
+        // An element that does not divide a line: whole elements and lines while they fit,
+        // whole elements alone beyond; never more than the half.
+        assert_eq!(chunk_bytes(4096, 96), 4032);
+        assert_eq!(chunk_bytes(4096, 5000 / 2), 2500);
+        for elem in 1..=4096 {
+            let c = chunk_bytes(4096, elem);
+            assert!(c <= 4096 && c >= elem && c % elem == 0, "{elem}: {c}");
+        }
     }
 
     fn sum_u32(dst: &mut [u8], src: &[u8]) {
