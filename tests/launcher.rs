@@ -471,6 +471,35 @@ fn a_stopped_job_kills_what_its_ranks_started() {
     );
 }
 
+/// Two hundred ranks under a soft limit of 256 open files (two pipes each would pass it): the
+/// launcher raises its limit toward the hard one, and the job runs.
+#[test]
+fn many_ranks_fit_a_low_open_file_limit() {
+    let outer = format!(
+        "ulimit -Sn 256 && exec '{}' -n 200 -- sleep 1",
+        env!("CARGO_BIN_EXE_chorus-run")
+    );
+    let hard = Command::new("sh")
+        .args(["-c", "ulimit -Hn"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    if hard.parse::<u64>().is_ok_and(|h| h < 512) {
+        panic!("the hard limit of open files here ({hard}) is below what this test needs");
+    }
+    let mut sh = Command::new("sh");
+    for var in common::OUTER_LAUNCHER_VARS {
+        sh.env_remove(var);
+    }
+    let run = sh
+        .args(["-c", &outer])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-run");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}: {stderr}", run.status);
+}
+
 /// A launcher started with its stdout as a channel of lines, for tests that act while the
 /// job runs.
 struct Live {

@@ -805,6 +805,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         },
     };
 
+    raise_open_files(opts.nproc);
     let pdeath = parent_death_prefix();
     // What a rank leaves behind when it dies (a wrapper script's program, started without
     // `exec`) comes to us rather than to init, so that a stopped job can stop it too.
@@ -845,9 +846,12 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
                 stop_started(&mut started);
                 let program = cmd.get_program().to_string_lossy().into_owned();
                 say!("cannot start rank {rank} ({program}): {e}");
+                // As a shell's: 127 not found, 126 found but not executable; anything else
+                // (out of file descriptors or processes) is this launcher's failure.
                 let code = match e.kind() {
                     io::ErrorKind::NotFound => 127,
-                    _ => 126,
+                    io::ErrorKind::PermissionDenied => 126,
+                    _ => 1,
                 };
                 return (code, None);
             }
@@ -1172,6 +1176,31 @@ fn wait_all(
             }
         }
         thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Raises our soft limit of open files (toward the hard one) when `nproc` ranks' pipes (two
+/// each, with room to spare) would not fit in it: the usual 1024 would stop a launch of some
+/// 500 ranks with "too many open files". The ranks inherit the raised limit.
+fn raise_open_files(nproc: usize) {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let need = 2 * nproc as u64 + 64;
+    let lim = getrlimit(Resource::Nofile);
+    let Some(soft) = lim.current else {
+        return; // unlimited
+    };
+    if soft >= need {
+        return;
+    }
+    let raised = lim.maximum.map_or(need, |hard| need.min(hard));
+    if raised > soft {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(raised),
+                maximum: lim.maximum,
+            },
+        );
     }
 }
 
