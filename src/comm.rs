@@ -106,7 +106,8 @@ use crate::tune_file::{self, Decision, Key, Section, TuneFile};
 pub struct AllReduceOptions {
     /// Force an algorithm (`None`: the selector decides).
     pub algorithm: Option<Algorithm>,
-    /// Override the communicator's timeout for this call: from 1 ms to one year.
+    /// Override the communicator's timeout for this call: at least 1 ms (`Duration::MAX` is
+    /// no limit).
     pub timeout: Option<Duration>,
 }
 
@@ -1336,19 +1337,17 @@ impl Communicator {
             const OP: &str = "all_reduce";
             c.check_usable(OP)?;
             c.check_op(OP, dtype, op)?;
-            if let Some(t) = opts.timeout {
-                // As `set_timeout`: one below 1 ms would fail the call before it could run, and
-                // leave the communicator unusable.
-                if crate::config::timeout_from_secs(t.as_secs_f64()).is_none() {
-                    return Err(CommError::invalid(
-                        OP,
-                        format!(
-                            "a timeout of {} s: it must be at least 1 ms and at most one year",
-                            t.as_secs_f64()
-                        ),
-                    )
-                    .at_rank(c.rank));
-                }
+            if let Some(t) = opts.timeout.filter(|t| *t < Duration::from_millis(1)) {
+                // One below 1 ms would fail the call before it could run, and leave the
+                // communicator unusable. (`Duration::MAX` is no limit.)
+                return Err(CommError::invalid(
+                    OP,
+                    format!(
+                        "a timeout of {} s: it must be at least 1 ms",
+                        t.as_secs_f64()
+                    ),
+                )
+                .at_rank(c.rank));
             }
             if recv.len() % dtype.size() != 0 {
                 return Err(CommError::invalid(
