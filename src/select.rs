@@ -932,8 +932,10 @@ struct Watch {
 #[derive(Clone, Debug, PartialEq)]
 struct Rival {
     algorithm: Algorithm,
-    /// The natural logarithms of its latest revisits' time ratios (rival over the bucket's
-    /// schedule; below 0: the rival was faster), oldest first.
+    /// Its latest revisits' time ratios (rival over the bucket's schedule; below 1: the rival
+    /// was faster), oldest first. Plain quotients and comparisons, no logarithms: every rank
+    /// must reach the same decisions from the agreed times, and `ln`/`exp` may round
+    /// differently in another host's maths library.
     evidence: Vec<f64>,
 }
 
@@ -1005,7 +1007,7 @@ impl Rival {
         if self.evidence.is_empty() {
             UNSEEN_RIVAL_RATIO
         } else {
-            median(&mut self.evidence.clone()).exp()
+            median(&mut self.evidence.clone())
         }
     }
 }
@@ -1246,8 +1248,13 @@ impl Tuner {
             // A block of more than one timed call starts with an untimed one.
             let block = if *runs > 1 { *runs + 1 } else { 1 };
             *done += 1;
+            // Scaled to the bucket's top size: the caller's calls in one bucket may differ in
+            // size up to 2× (gradient buckets of 17 and 25 MiB), and a candidate timed on the
+            // smaller must not win for that. Online trials are for sizes whose bytes dominate,
+            // where the time goes with the size.
+            let scaled = seconds * (1usize << b) as f64 / bytes.max(1) as f64;
             if *runs == 1 || *done > 1 {
-                *best = best.min(seconds);
+                *best = best.min(scaled);
             }
             if *done == block {
                 times.push(*best);
@@ -1401,10 +1408,10 @@ impl Tuner {
         let r = w.revisit.take()?;
         let old = *chosen;
         let [rival_time, own_time] = times;
-        let ratio = (rival_time / own_time).ln();
+        let ratio = rival_time / own_time;
         let ev = &mut w.rivals[w.turn].evidence;
         // A time that is not a positive number (a clock that did not move) is no evidence.
-        if ratio.is_finite() {
+        if ratio.is_finite() && ratio > 0.0 {
             ev.push(ratio);
             if ev.len() > REVISIT_EVIDENCE {
                 ev.remove(0);
@@ -1412,21 +1419,21 @@ impl Tuner {
         }
         let n = ev.len();
         let mid = median(&mut ev.clone());
-        let wins = ev.iter().filter(|&&x| x < 0.0).count();
-        let faster = (1.0 - REVISIT_MARGIN).ln();
+        let wins = ev.iter().filter(|&&x| x < 1.0).count();
+        let faster = 1.0 - REVISIT_MARGIN;
         let mut out = Revisited {
             rival: r.rival,
             chosen: old,
             times,
             now: old,
-            evidence: (n, mid.exp()),
+            evidence: (n, mid),
             next_in: None,
         };
         if n >= REVISIT_CONFIRM && mid < faster && 2 * wins > n {
             // The trials' lead no longer stands.
             *lead = None;
             *chosen = r.rival;
-            let inverted: Vec<f64> = ev.iter().map(|x| -x).collect();
+            let inverted: Vec<f64> = ev.iter().map(|x| 1.0 / x).collect();
             for other in &mut w.rivals {
                 other.evidence.clear();
             }
@@ -1442,7 +1449,7 @@ impl Tuner {
             out.next_in = Some(w.countdown);
             return Some(out);
         } else {
-            if n >= RIVAL_DROP_AFTER && mid > RIVAL_DROP.ln() {
+            if n >= RIVAL_DROP_AFTER && mid > RIVAL_DROP {
                 w.rivals.remove(w.turn);
             } else {
                 w.turn += 1;
@@ -2499,10 +2506,32 @@ mod tests {
                 assert_eq!(done.is_some(), last);
                 if let Some((c, times)) = done {
                     assert_eq!(c, order);
-                    let want: Vec<f64> = (0..order.len()).map(|j| (j + 1) as f64).collect();
-                    assert_eq!(times, want);
+                    // Scaled to the bucket's top size.
+                    let scale = (1usize << bucket(big)) as f64 / big as f64;
+                    for (j, t) in times.iter().enumerate() {
+                        assert!((t - (j + 1) as f64 * scale).abs() < 1e-9, "{times:?}");
+                    }
                 }
             }
+        }
+        // Calls of different sizes in one bucket: times per the bucket's size, so that the
+        // candidate timed on the smaller call does not win for that.
+        let mut ts = Tuner::new();
+        let top = 1usize << bucket(big);
+        let plan = s.trial_plan(big);
+        let n = plan.candidates.len();
+        let mut got = None;
+        for i in 0..n {
+            let _ = ts.next(&s, big);
+            // Candidate i on a call of a size from just above half the bucket up, at one speed
+            // per byte.
+            let bytes = top / 2 + 1 + (top / 2 - 1) * i / n;
+            assert_eq!(bucket(bytes), bucket(big));
+            got = got.or(ts.record(bytes, bytes as f64 * 1e-9));
+        }
+        let (_, times) = got.expect("every candidate timed");
+        for t in &times {
+            assert!((t - top as f64 * 1e-9).abs() < 1e-12, "{times:?}");
         }
         // Large buckets on links are not revisited: the bucket's schedule from now on. Nor are
         // buckets with dedicated trials where the bytes weigh more than the latency; the

@@ -97,9 +97,11 @@ pub fn recursive_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> 
     if ranks <= 1 {
         return 0.0;
     }
-    let (core, extra) = fold(ranks);
+    let (_, extra) = fold(ranks);
     let n = bytes as f64;
-    core.log2() * (link.alpha + n * link.beta + n * REDUCE_SECONDS_PER_BYTE)
+    // `ilog2`, not `f64::log2`: integer arithmetic, the same on every host (the choice made
+    // from these costs must be).
+    ranks.ilog2() as f64 * (link.alpha + n * link.beta + n * REDUCE_SECONDS_PER_BYTE)
         + fold_cost(bytes, extra, link)
 }
 
@@ -118,7 +120,7 @@ pub fn halving_doubling_allreduce(bytes: usize, ranks: usize, link: &Link) -> f6
         return 0.0;
     }
     let (core, extra) = fold(ranks);
-    2.0 * core.log2() * link.alpha
+    2.0 * ranks.ilog2() as f64 * link.alpha
         + 2.0 * (core - 1.0) / core * bytes as f64 * link.beta
         + fold_cost(bytes, extra, link)
 }

@@ -356,9 +356,13 @@ fn progress_window(
         }
     }
     if ops.is_empty() {
-        return Err(TransportError::InvalidArgument(
-            "tree allreduce: no request can move (internal error)".into(),
-        ));
+        // Not an argument error (which would leave this rank usable while its peers wait):
+        // the schedule lost its way, and the communicator with it.
+        return Err(TransportError::Io {
+            peer: None,
+            during: "the tree allreduce",
+            source: std::io::Error::other("no request can move (internal error)"),
+        });
     }
     t.progress(&mut ops, Wait::Until(deadline))?;
     drop(ops);
