@@ -471,6 +471,34 @@ fn a_stopped_job_kills_what_its_ranks_started() {
     );
 }
 
+/// The launcher stops only processes of its own job: one a rank started with another
+/// environment (`env -i`: not the job's, as far as the launcher can tell) is left alone.
+#[test]
+fn a_stopped_job_spares_what_does_not_carry_its_environment() {
+    let (ours, other) = ("29.4419", "29.5531");
+    let script = format!(
+        "if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; env -i sleep {other} & \
+         sleep {ours}; echo after"
+    );
+    let out = launcher()
+        .args(["-n", "2", "--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run chorus-run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let spared = processes_with(other);
+    for pid in &spared {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+    let left = still_running(|| processes_with(ours));
+    assert!(left.is_empty(), "left running: {left:?}\n{stderr}");
+    assert_eq!(spared.len(), 1, "{spared:?}\n{stderr}");
+    assert!(
+        stderr.contains("stopped 1 process the ranks left running"),
+        "{stderr}"
+    );
+}
+
 /// Two hundred ranks under a soft limit of 256 open files (two pipes each would pass it): the
 /// launcher raises its limit toward the hard one, and the job runs.
 #[test]

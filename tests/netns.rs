@@ -139,8 +139,10 @@ impl Cluster {
             .create_new(true)
             .open(owner_path(&prefix))
             .map_err(|e| format!("{}: {e}", owner_path(&prefix).display()))?;
-        flock(&owner, FlockOperation::NonBlockingLockExclusive)
-            .map_err(|e| format!("{}: flock: {e}", owner_path(&prefix).display()))?;
+        if let Err(e) = flock(&owner, FlockOperation::NonBlockingLockExclusive) {
+            let _ = std::fs::remove_file(owner_path(&prefix));
+            return Err(format!("{}: flock: {e}", owner_path(&prefix).display()));
+        }
         let cluster = Cluster {
             prefix,
             _owner: owner,

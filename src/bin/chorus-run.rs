@@ -23,8 +23,10 @@
 //!   a wrapper script runs without `exec`, a background process) is killed once the job was
 //!   stopped (a failure, `--timeout`, a signal) and every rank is gone: `chorus-run` is the
 //!   ranks' child subreaper, so what they leave behind is handed to it, and it stops that too
-//!   (`SIGTERM`, then `SIGKILL` after [`ORPHAN_GRACE`]; not what moved itself elsewhere, such
-//!   as a daemon under another subreaper). After a job
+//!   (`SIGTERM`, then `SIGKILL` after [`ORPHAN_GRACE`]): what carries the job's environment
+//!   (its `CHORUS_TOKEN`), not what moved itself elsewhere (a daemon under another subreaper)
+//!   or started with an environment of its own (`env -i`), and not where `/proc` numbers
+//!   another PID namespace's processes. After a job
 //!   that succeeded, such a survivor is left running, and can keep a rank's output pipe open:
 //!   `chorus-run` passes on what is on its way (however slowly its own output is read) but
 //!   gives up on a pipe that stays open with nothing in it for [`DRAIN_GRACE`].
@@ -104,6 +106,10 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 /// How long what the ranks of a stopped job left running has to exit once asked to (see
 /// [`kill_orphans`]) before it is killed.
 const ORPHAN_GRACE: Duration = Duration::from_secs(2);
+/// How long [`kill_orphans`] goes on at most (no signal is looked at meanwhile).
+const ORPHAN_DEADLINE: Duration = Duration::from_secs(7);
+/// How often a running job's orphans that exited are reaped.
+const ORPHAN_REAP_EVERY: Duration = Duration::from_secs(1);
 /// The signals `chorus-run` catches and passes on to its ranks.
 const CAUGHT: [c_int; 6] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2];
 
@@ -809,7 +815,13 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     let pdeath = parent_death_prefix();
     // What a rank leaves behind when it dies (a wrapper script's program, started without
     // `exec`) comes to us rather than to init, so that a stopped job can stop it too.
-    let subreaper = rustix::process::set_child_subreaper(Some(rustix::process::getpid())).is_ok();
+    // Only where `/proc` numbers processes as we do (not after `unshare --pid` without a
+    // `/proc` of its own): the sweep reads it to find them.
+    let subreaper = proc_is_ours()
+        && rustix::process::set_child_subreaper(Some(rustix::process::getpid())).is_ok();
+    // What every rank, and what it starts, carries in its environment: the sweep stops only
+    // processes of this job (as a container's first process, every orphan there is ours).
+    let marker = format!("CHORUS_TOKEN={token}").into_bytes();
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
     let mut readers: Vec<Arc<AtomicU8>> = Vec::new();
@@ -899,9 +911,15 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
 
     let job_end = opts.timeout.map(|t| Instant::now() + t);
     let mut ending = Ending::new();
-    wait_all(&mut started, job_end, signals.as_mut(), &mut ending);
+    wait_all(
+        &mut started,
+        job_end,
+        signals.as_mut(),
+        &mut ending,
+        subreaper,
+    );
     if subreaper && ending.failed {
-        let killed = kill_orphans();
+        let killed = kill_orphans(&marker);
         if killed > 0 {
             say!(
                 "stopped {killed} process{} the ranks left running",
@@ -1091,9 +1109,23 @@ fn wait_all(
     job_end: Option<Instant>,
     mut signals: Option<&mut SignalsInfo<WithOrigin>>,
     ending: &mut Ending,
+    subreaper: bool,
 ) {
     let mut pipe_told = false;
+    let mut reaped_at = Instant::now();
     loop {
+        if subreaper && reaped_at.elapsed() >= ORPHAN_REAP_EVERY {
+            // Orphans handed to us that exited meanwhile (a rank's daemonized helper): reaped,
+            // as init would have, so that they do not pile up as zombies over a long job.
+            reaped_at = Instant::now();
+            let ranks_pids: Vec<u32> = ranks_.iter().map(|r| r.child.id()).collect();
+            for (pid, zombie) in children_of(std::process::id()) {
+                if zombie && !ranks_pids.contains(&(pid.as_raw_nonzero().get() as u32)) {
+                    let _ =
+                        rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG);
+                }
+            }
+        }
         // The failures reaped in this pass: ranks that fail together (one crashed, the others
         // then lost it) are told apart below, the cause first.
         let mut fresh: Vec<(usize, ExitStatus)> = Vec::new();
@@ -1205,59 +1237,81 @@ fn raise_open_files(nproc: usize) {
 }
 
 /// Stops and reaps our children once every rank is reaped: processes the ranks left behind,
-/// handed to us as their child subreaper. They are asked first (`SIGTERM`: a wrapper's program
-/// was told nothing of the job's stop) and given [`ORPHAN_GRACE`] to exit, then killed;
-/// killing one hands us its own children, hence the rounds (bounded, as is the wait for each
-/// to die). Returns how many were stopped.
-fn kill_orphans() -> usize {
-    const ROUNDS: usize = 20;
-    const REAP_WITHIN: Duration = Duration::from_secs(5);
+/// handed to us as their child subreaper, that carry `marker` in their environment (this job's
+/// ranks and what they started; nothing else, even as a container's first process). They are
+/// asked first (`SIGTERM`: a wrapper's program was told nothing of the job's stop) and given
+/// [`ORPHAN_GRACE`] to exit, then killed; killing one hands us its own children, hence the
+/// rounds, which end at [`ORPHAN_DEADLINE`] or when a round finds the same processes left as
+/// the one before (stuck in the kernel, say). Returns how many were stopped.
+fn kill_orphans(marker: &[u8]) -> usize {
     let me = std::process::id();
-    let live = |all: Vec<(Pid, bool)>| -> Vec<Pid> {
-        all.into_iter()
-            .filter_map(|(pid, zombie)| (!zombie).then_some(pid))
+    let started = Instant::now();
+    let ours = || -> Vec<(Pid, bool)> {
+        children_of(me)
+            .into_iter()
+            .filter(|&(pid, zombie)| zombie || carries(pid, marker))
             .collect()
     };
-    // Reaped one by one (never `wait` for any child: none of ours is left but these); true
-    // once every one of `pids` is.
-    let reap = |pids: &[(Pid, bool)], until: Instant| -> bool {
-        let mut all = true;
+    let live = |all: &[(Pid, bool)]| -> Vec<Pid> {
+        all.iter()
+            .filter_map(|&(pid, zombie)| (!zombie).then_some(pid))
+            .collect()
+    };
+    // Reaped one by one (never `wait` for any child: none of ours is left but these).
+    let reap = |pids: &[(Pid, bool)], until: Instant| {
         for &(pid, _) in pids {
             loop {
                 match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
                     Ok(None) if Instant::now() < until => thread::sleep(Duration::from_millis(5)),
-                    Ok(None) => {
-                        all = false;
-                        break;
-                    }
                     _ => break,
                 }
             }
         }
-        all
     };
-    let asked = children_of(me);
-    let mut stopped = live(asked.clone());
+    let asked = ours();
+    let mut stopped = live(&asked);
     for &pid in &stopped {
         let _ = kill_process(pid, Signal::TERM);
     }
-    if !asked.is_empty() {
-        reap(&asked, Instant::now() + ORPHAN_GRACE);
-    }
-    for _ in 0..ROUNDS {
-        let orphans = children_of(me);
-        if orphans.is_empty() {
+    reap(&asked, started + ORPHAN_GRACE);
+    let mut before: Vec<Pid> = Vec::new();
+    while Instant::now() < started + ORPHAN_DEADLINE {
+        let orphans = ours();
+        let mut left = live(&orphans);
+        left.sort_unstable_by_key(|p| p.as_raw_nonzero());
+        if orphans.is_empty() || (!left.is_empty() && left == before) {
             break;
         }
-        for pid in live(orphans.clone()) {
+        for &pid in &left {
             let _ = kill_process(pid, Signal::KILL);
             if !stopped.contains(&pid) {
                 stopped.push(pid);
             }
         }
-        reap(&orphans, Instant::now() + REAP_WITHIN);
+        reap(
+            &orphans,
+            (Instant::now() + Duration::from_secs(1)).min(started + ORPHAN_DEADLINE),
+        );
+        before = left;
     }
     stopped.len()
+}
+
+/// Whether process `pid`'s environment holds `marker` (a `NAME=value` entry), as
+/// `/proc/PID/environ` shows it (what it started with).
+fn carries(pid: Pid, marker: &[u8]) -> bool {
+    std::fs::read(format!("/proc/{}/environ", pid.as_raw_nonzero()))
+        .is_ok_and(|env| env.split(|&b| b == 0).any(|entry| entry == marker))
+}
+
+/// Whether `/proc` numbers processes as this process does: not so in a PID namespace that has
+/// no `/proc` of its own (`unshare --pid` without `--mount-proc`), where its ids would name
+/// other processes.
+fn proc_is_ours() -> bool {
+    std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str()?.parse::<u32>().ok())
+        == Some(std::process::id())
 }
 
 /// The processes whose parent is `parent`, and whether each has exited (a zombie), from

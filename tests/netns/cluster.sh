@@ -184,7 +184,7 @@ cmd_status() {
 take_turn() {
     mkdir -p "$MARK_DIR"
     exec 9>"$MARK_DIR/.lock"
-    flock -w 120 9 || die "another cluster.sh up or down has held $MARK_DIR/.lock for 2 minutes"
+    flock -w 100 9 || die "another cluster.sh up or down has held $MARK_DIR/.lock for 100 s"
 }
 
 case ${1:-} in
