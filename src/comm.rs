@@ -2110,6 +2110,12 @@ impl Communicator {
         }
     }
 
+    /// Whether one of `peers` is gone, as the transport sees it without a call (see
+    /// [`Transport::lost_peer`]).
+    pub(crate) fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        self.transport.lost_peer(peers)
+    }
+
     /// The abort requested through the handle, if any.
     pub(crate) fn requested_abort(&self) -> Option<AbortNotice> {
         self.abort_handle.requested()

@@ -286,13 +286,18 @@ impl Communicator {
                 &members[..members.len().min(16)]
             ),
         );
-        let child = self.build_watching_abort(config, server).map_err(|e| {
-            e.with_detail(&format!(
-                " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
+        // The other members, as this communicator numbers them: one gone meanwhile ends the
+        // set-up at once instead of at the init timeout.
+        let others: Vec<usize> = members.iter().copied().filter(|&r| r != rank).collect();
+        let child = self
+            .build_watching_abort(config, server, &others)
+            .map_err(|e| {
+                e.with_detail(&format!(
+                    " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
                  rank {rank} of the one split)",
-                members.len()
-            ))
-        })?;
+                    members.len()
+                ))
+            })?;
         Ok(Some(child))
     }
 
@@ -329,15 +334,18 @@ impl Communicator {
     }
 
     /// [`Communicator::build`] of a split's new communicator, on a thread of its own while this
-    /// thread watches this communicator's abort handle: an abort requested from another thread
-    /// ends the wait within 10 ms, and this communicator is aborted (its peers told) as a call
-    /// would be. The set-up then goes on alone until it connects or fails (bounded by the init
-    /// timeout), and a communicator it made is aborted, so that the rest of the new group
-    /// hears why at its first call.
+    /// thread watches this communicator's abort handle and the new group's `others` (ranks of
+    /// this communicator): an abort requested from another thread ends the wait within 10 ms,
+    /// and one of `others` gone (its connection closed, its process dead, an abort notice)
+    /// within [`LOST_CHECK`] and [`LOST_GRACE`]; this communicator then fails as a call would (aborted, its peers
+    /// told, so that the rest of the new group stops waiting too). The set-up goes on alone
+    /// until it connects or fails (bounded by the init timeout), and a communicator it made is
+    /// aborted, so that the rest of the new group hears why at its first call.
     fn build_watching_abort(
         &mut self,
         config: Config,
         server: Option<StoreServer>,
+        others: &[usize],
     ) -> Result<Communicator, CommError> {
         const OP: &str = "split";
         if config.size == 1 {
@@ -367,6 +375,8 @@ impl Communicator {
             let (config, server) = taken.expect("the set-up thread never started");
             return Communicator::build(config, server);
         }
+        let mut looked = std::time::Instant::now();
+        let mut lost: Option<(std::time::Instant, TransportError)> = None;
         loop {
             match rx.recv_timeout(Duration::from_millis(10)) {
                 Ok(built) => return built,
@@ -387,6 +397,24 @@ impl Communicator {
                             notice.reason
                         );
                         return Err(self.fail(OP, TransportError::Aborted(why)));
+                    }
+                    // A member found gone fails the split only if the set-up has not ended
+                    // within LOST_GRACE: a member whose set-up ended first may have dropped
+                    // this communicator already (its new one made, in a program that needs
+                    // no other), while this rank's set-up was finishing.
+                    match lost.take() {
+                        Some((at, e)) if at.elapsed() >= LOST_GRACE => {
+                            return Err(self.fail(OP, e).with_detail(
+                                " (while the new communicator of a split was connecting, \
+                                 with that rank in it)",
+                            ));
+                        }
+                        Some(seen) => lost = Some(seen),
+                        None if looked.elapsed() >= LOST_CHECK => {
+                            looked = std::time::Instant::now();
+                            lost = self.lost_peer(others).map(|e| (looked, e));
+                        }
+                        None => {}
                     }
                 }
             }
@@ -411,6 +439,12 @@ impl Communicator {
         })
     }
 }
+
+/// How often the set-up of a split's new communicator looks whether a member is gone.
+const LOST_CHECK: Duration = Duration::from_millis(100);
+/// How long the set-up may still end well once a member was found gone (see
+/// `build_watching_abort`).
+const LOST_GRACE: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {
@@ -449,7 +483,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(300));
             handle.abort("test");
         });
-        let e = parent.build_watching_abort(config, None).unwrap_err();
+        let e = parent.build_watching_abort(config, None, &[]).unwrap_err();
         aborter.join().unwrap();
         let took = started.elapsed();
         assert!(took < Duration::from_secs(10), "took {took:?}");
@@ -459,6 +493,41 @@ mod tests {
         // The next call says why.
         let e = parent.barrier().unwrap_err();
         assert!(e.to_string().contains("test"), "{e}");
+    }
+
+    /// A member of the new group that is gone (its connection to this rank closed) ends the
+    /// set-up within a few seconds, naming it, not at the init timeout (60 s here); the
+    /// communicator split is broken.
+    #[test]
+    fn a_lost_member_ends_the_set_up_of_a_split() {
+        let parents_store = StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"").unwrap();
+        let at = parents_store.local_addr().to_string();
+        let make = move |rank: usize| {
+            let mut c = Config::new(rank, 2, at.clone());
+            c.host_store = Some(false);
+            c.transport = Some("tcp".into());
+            c.init_timeout = Duration::from_secs(30);
+            c
+        };
+        let (m1, m0) = (make.clone(), make);
+        let other = std::thread::spawn(move || Communicator::new(m1(1)).unwrap());
+        let mut parent = Communicator::new(m0(0)).unwrap();
+        // Rank 1 is gone: its communicator dropped, its connections closed.
+        drop(other.join().unwrap());
+        let store = StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"").unwrap();
+        let mut config = Config::new(0, 2, store.local_addr().to_string());
+        config.host_store = Some(false);
+        config.transport = Some("tcp".into());
+        config.init_timeout = Duration::from_secs(60);
+        let started = std::time::Instant::now();
+        let e = parent.build_watching_abort(config, None, &[1]).unwrap_err();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(15), "took {took:?}: {e}");
+        assert!(took >= LOST_GRACE, "took {took:?}: {e}");
+        assert!(e.to_string().contains("rank 1"), "{e}");
+        assert!(e.to_string().contains("split"), "{e}");
+        assert!(!parent.is_usable());
+        drop(parents_store);
     }
 
     #[test]

@@ -339,6 +339,15 @@ impl Transport for HybridTransport {
     fn shared_memory(&mut self) -> Option<&mut ShmTransport> {
         self.shm.as_mut().filter(|s| s.covers_group())
     }
+
+    fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        let (by_shm, by_tcp): (Vec<usize>, Vec<usize>) =
+            peers.iter().partition(|&&j| self.route(j));
+        if let Some(e) = self.shm.as_mut().and_then(|s| s.lost_peer(&by_shm)) {
+            return Some(e);
+        }
+        self.tcp.lost_peer(&by_tcp)
+    }
 }
 
 impl std::fmt::Debug for HybridTransport {

@@ -532,6 +532,16 @@ pub trait Transport: Send {
         None
     }
 
+    /// Whether one of `peers` is gone, looked at without blocking and without taking any
+    /// message: its connection closed, an abort notice it sent (any peer's notice counts: it
+    /// names the rank at fault), its process dead. For a rank that waits on something else than
+    /// this transport (the set-up of a split's new communicator) and must not wait out its
+    /// timeout for a peer that is gone. `None` (the default) where the transport cannot tell.
+    fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        let _ = peers;
+        None
+    }
+
     /// Block until every op completes or the deadline passes. Ops that only the caller can
     /// move on (partial sends whose available bytes are all sent) are an error: nothing in
     /// this wait would make more bytes available.
@@ -628,6 +638,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn shared_memory(&mut self) -> Option<&mut shm::ShmTransport> {
         (**self).shared_memory()
+    }
+    fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        (**self).lost_peer(peers)
     }
 }
 

@@ -828,6 +828,10 @@ impl Transport for ShmTransport {
         self.rank
     }
 
+    fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        peers.iter().find_map(|&j| self.peer_gone(j, true))
+    }
+
     fn size(&self) -> usize {
         self.size
     }

@@ -852,6 +852,30 @@ impl Transport for TcpTransport {
         self.rank
     }
 
+    fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
+        if let Some(e) = self.pending_notice(true) {
+            return Some(e);
+        }
+        for &j in peers {
+            let Some(Some(p)) = self.peers.get(j) else {
+                continue;
+            };
+            // Peeked, not read: a byte waiting is left for its receive. End of stream, or an
+            // error, is a peer gone; nothing to read (would block) is a peer still there.
+            match p.stream.peek(&mut [0u8; 1]) {
+                Ok(0) => return Some(TransportError::PeerClosed { peer: j }),
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => return Some(TransportError::PeerClosed { peer: j }),
+            }
+        }
+        None
+    }
+
     fn size(&self) -> usize {
         self.size
     }
