@@ -889,14 +889,17 @@ impl Communicator {
 
     /// Build from an explicit configuration: rendezvous, then a full mesh of connections.
     pub fn new(config: Config) -> Result<Communicator, CommError> {
-        Communicator::build(config, None)
+        Communicator::build(config, None, None)
     }
 
     /// [`Communicator::new`], where this rank may already host the rendezvous store (`server`,
-    /// bound at `config.root_addr`: the first rank of a split's new group).
+    /// bound at `config.root_addr`: the first rank of a split's new group). `connected` is set
+    /// once this rank's connections to every other rank are made: until then no other rank
+    /// can have ended its own set-up (that ends with a collective of the group).
     pub(crate) fn build(
         config: Config,
         server: Option<StoreServer>,
+        connected: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Communicator, CommError> {
         let (rank, size) = (config.rank, config.size);
         let fail = |e: CommError| e.at_rank(rank);
@@ -1098,6 +1101,9 @@ impl Communicator {
                     init_deadline,
                 )
                 .map_err(|e| fail(CommError::from_transport("init", e)))?;
+                if let Some(c) = connected {
+                    c.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 // The store outlives init (splits, duplicates): its later requests carry deadlines
                 // of their own.
                 r.store.clear_deadline();

@@ -337,7 +337,8 @@ impl Communicator {
     /// thread watches this communicator's abort handle and the new group's `others` (ranks of
     /// this communicator): an abort requested from another thread ends the wait within 10 ms,
     /// and one of `others` gone (its connection closed, its process dead, an abort notice)
-    /// within [`LOST_CHECK`] and [`LOST_GRACE`]; this communicator then fails as a call would (aborted, its peers
+    /// before this rank is connected in the new group, within [`LOST_CHECK`]; this
+    /// communicator then fails as a call would (aborted, its peers
     /// told, so that the rest of the new group stops waiting too). The set-up goes on alone
     /// until it connects or fails (bounded by the init timeout), and a communicator it made is
     /// aborted, so that the rest of the new group hears why at its first call.
@@ -350,18 +351,20 @@ impl Communicator {
         const OP: &str = "split";
         if config.size == 1 {
             // Nothing to connect to.
-            return Communicator::build(config, server);
+            return Communicator::build(config, server, None);
         }
+        let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let args = Arc::new(Mutex::new(Some((config, server))));
         let (tx, rx) = mpsc::channel();
         let theirs = Arc::clone(&args);
+        let flag = Arc::clone(&connected);
         let spawned = std::thread::Builder::new()
             .name("chorus-split".into())
             .spawn(move || {
                 let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if let Some((config, server)) = taken {
                     if let Err(mpsc::SendError(Ok(mut orphan))) =
-                        tx.send(Communicator::build(config, server))
+                        tx.send(Communicator::build(config, server, Some(&flag)))
                     {
                         // The caller gave up (an abort): the rest of the new group learns why
                         // at its first call rather than from a closed connection.
@@ -373,10 +376,9 @@ impl Communicator {
             // No thread to spare: set up here, without watching.
             let taken = args.lock().unwrap_or_else(|p| p.into_inner()).take();
             let (config, server) = taken.expect("the set-up thread never started");
-            return Communicator::build(config, server);
+            return Communicator::build(config, server, None);
         }
         let mut looked = std::time::Instant::now();
-        let mut lost: Option<(std::time::Instant, TransportError)> = None;
         loop {
             match rx.recv_timeout(Duration::from_millis(10)) {
                 Ok(built) => return built,
@@ -398,23 +400,21 @@ impl Communicator {
                         );
                         return Err(self.fail(OP, TransportError::Aborted(why)));
                     }
-                    // A member found gone fails the split only if the set-up has not ended
-                    // within LOST_GRACE: a member whose set-up ended first may have dropped
-                    // this communicator already (its new one made, in a program that needs
-                    // no other), while this rank's set-up was finishing.
-                    match lost.take() {
-                        Some((at, e)) if at.elapsed() >= LOST_GRACE => {
+                    // Until this rank's connections in the new group are made, no member can
+                    // have ended its set-up (which ends with a collective of the group), so
+                    // one gone is lost. Afterwards a member may have ended it and dropped
+                    // this communicator (a program that needs only the new one), and one
+                    // that died shows on the new group's own connections: not looked at.
+                    if !connected.load(std::sync::atomic::Ordering::SeqCst)
+                        && looked.elapsed() >= LOST_CHECK
+                    {
+                        looked = std::time::Instant::now();
+                        if let Some(e) = self.lost_peer(others) {
                             return Err(self.fail(OP, e).with_detail(
-                                " (while the new communicator of a split was connecting, \
-                                 with that rank in it)",
+                                " (while the new communicator of a split was connecting, with \
+                                 that rank in it)",
                             ));
                         }
-                        Some(seen) => lost = Some(seen),
-                        None if looked.elapsed() >= LOST_CHECK => {
-                            looked = std::time::Instant::now();
-                            lost = self.lost_peer(others).map(|e| (looked, e));
-                        }
-                        None => {}
                     }
                 }
             }
@@ -442,9 +442,6 @@ impl Communicator {
 
 /// How often the set-up of a split's new communicator looks whether a member is gone.
 const LOST_CHECK: Duration = Duration::from_millis(100);
-/// How long the set-up may still end well once a member was found gone (see
-/// `build_watching_abort`).
-const LOST_GRACE: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {
@@ -522,8 +519,7 @@ mod tests {
         let started = std::time::Instant::now();
         let e = parent.build_watching_abort(config, None, &[1]).unwrap_err();
         let took = started.elapsed();
-        assert!(took < Duration::from_secs(15), "took {took:?}: {e}");
-        assert!(took >= LOST_GRACE, "took {took:?}: {e}");
+        assert!(took < Duration::from_secs(10), "took {took:?}: {e}");
         assert!(e.to_string().contains("rank 1"), "{e}");
         assert!(e.to_string().contains("split"), "{e}");
         assert!(!parent.is_usable());

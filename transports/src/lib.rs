@@ -532,11 +532,12 @@ pub trait Transport: Send {
         None
     }
 
-    /// Whether one of `peers` is gone, looked at without blocking and without taking any
-    /// message: its connection closed, an abort notice it sent (any peer's notice counts: it
-    /// names the rank at fault), its process dead. For a rank that waits on something else than
-    /// this transport (the set-up of a split's new communicator) and must not wait out its
-    /// timeout for a peer that is gone. `None` (the default) where the transport cannot tell.
+    /// Whether one of `peers` is gone, looked at without blocking and without taking any data
+    /// message: its connection closed, an abort notice it sent or that blames it (a notice
+    /// read leaves the transport broken, as a wait that read it would), its process dead. For
+    /// a rank that waits on something else than this transport (the set-up of a split's new
+    /// communicator) and must not wait out its timeout for a peer that is gone. `None` (the
+    /// default) where the transport cannot tell.
     fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
         let _ = peers;
         None

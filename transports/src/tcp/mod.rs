@@ -853,8 +853,19 @@ impl Transport for TcpTransport {
     }
 
     fn lost_peer(&mut self, peers: &[usize]) -> Option<TransportError> {
-        if let Some(e) = self.pending_notice(true) {
-            return Some(e);
+        // A notice read leaves this transport broken (as a wait that read it would): its
+        // stream is past it. It tells of a peer of `peers` lost when that peer sent it or is
+        // the rank it blames; another's (a rank outside them that gave up) says nothing of them.
+        if let Some(e) = self.abort_notice(true) {
+            let about_them = match &e {
+                TransportError::PeerAborted { peer, culprit, .. } => {
+                    peers.contains(peer) || culprit.is_some_and(|c| peers.contains(&c))
+                }
+                _ => true,
+            };
+            if about_them {
+                return Some(e);
+            }
         }
         for &j in peers {
             let Some(Some(p)) = self.peers.get(j) else {
@@ -1072,6 +1083,61 @@ impl std::fmt::Debug for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `lost_peer`: a peer whose connection closed is lost, one still there is not, and a
+    /// data message waiting is left for its receive; an abort notice counts only when it is
+    /// about one of the peers asked of (it still leaves the transport broken).
+    #[test]
+    fn lost_peers_are_told_from_live_ones() {
+        let mut g = crate::tcp::local_group(4).unwrap();
+        let mut t3 = g.pop().unwrap();
+        let t2 = g.pop().unwrap();
+        let mut t1 = g.pop().unwrap();
+        let mut t0 = g.pop().unwrap();
+        // A message from rank 1 on its way: not taken by the look.
+        let mut s = Request::send(0, 5, 4);
+        t1.post(&mut s).unwrap();
+        t1.wait_all(
+            &mut [Op::send(&mut s, &[1, 2, 3, 4])],
+            crate::deadline_after(Duration::from_secs(10)),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(t0.lost_peer(&[1, 2, 3]).is_none());
+        drop(t2);
+        let started = Instant::now();
+        let e = loop {
+            if let Some(e) = t0.lost_peer(&[1, 2]) {
+                break e;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "rank 2 not seen gone"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(matches!(e, TransportError::PeerClosed { peer: 2 }), "{e}");
+        // The message from rank 1 is still there for its receive.
+        let mut r = Request::recv(1, 5, 4);
+        let mut b = [0u8; 4];
+        t0.post(&mut r).unwrap();
+        t0.wait_all(
+            &mut [Op::recv(&mut r, &mut b)],
+            crate::deadline_after(Duration::from_secs(10)),
+        )
+        .unwrap();
+        assert_eq!(b, [1, 2, 3, 4]);
+        // Rank 3 gives up, blaming nobody: not about rank 1, yet the transport is broken.
+        t3.abort(&crate::AbortNotice {
+            culprit: None,
+            reason: "elsewhere".into(),
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(t0.lost_peer(&[1]).is_none());
+        let mut r = Request::recv(1, 5, 4);
+        assert!(t0.post(&mut r).is_err());
+        drop((t1, t3));
+    }
 
     /// A wake that arrives while the transport is not polling for one (it is seen at a look
     /// that is not a Wait::Poll) still ends the next Wait::Poll at once, not at its instant.
