@@ -444,37 +444,13 @@ fn ranks_do_not_outlive_a_killed_launcher() {
     }
 }
 
-/// A stopped job leaves nothing running: the program a rank's wrapper script started without
-/// `exec` is killed too, once its rank was (it is handed to the launcher, the ranks' child
-/// subreaper, when its rank dies).
+/// A stopped job leaves nothing of its own running: the program a rank's wrapper script
+/// started without `exec` is stopped too, once its rank was (it is handed to the launcher, the
+/// ranks' child subreaper, when its rank dies). Only processes of the job: one a rank started
+/// with another environment (`env -i`: not the job's, as far as the launcher can tell) is
+/// left alone.
 #[test]
-fn a_stopped_job_kills_what_its_ranks_started() {
-    let marker = "29.4417";
-    let script = format!(
-        "if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep {marker}; echo after"
-    );
-    let out = launcher()
-        .args(["-n", "2", "--", "sh", "-c", &script])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run chorus-run");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let left = still_running(|| processes_with(marker));
-    for pid in &left {
-        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-    }
-    assert!(left.is_empty(), "left running: {left:?}\n{stderr}");
-    assert_eq!(out.status.code(), Some(3), "{stderr}");
-    assert!(
-        stderr.contains("stopped 1 process the ranks left running"),
-        "{stderr}"
-    );
-}
-
-/// The launcher stops only processes of its own job: one a rank started with another
-/// environment (`env -i`: not the job's, as far as the launcher can tell) is left alone.
-#[test]
-fn a_stopped_job_spares_what_does_not_carry_its_environment() {
+fn a_stopped_job_stops_what_its_ranks_started_and_only_that() {
     let (ours, other) = ("29.4419", "29.5531");
     let script = format!(
         "if [ \"$CHORUS_RANK\" = 1 ]; then sleep 0.5; exit 3; fi; env -i sleep {other} & \

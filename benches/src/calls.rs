@@ -196,21 +196,8 @@ pub fn fill_in_place<T: Element>(
 
 /// Wrong elements of this rank's result of `coll` (the part of `buf` the collective defines
 /// on this rank; nothing off the root for reduce and gather), an out-of-place run's output
-/// poisoned with [`data::poison`].
-#[cfg(test)]
+/// poisoned with `poison` (see [`data::poison_value_of`]).
 pub fn count_wrong<T: Element>(
-    coll: Collective,
-    in_place: bool,
-    buf: &[T],
-    rank: usize,
-    ranks: usize,
-    op: ReduceOp,
-) -> u64 {
-    count_wrong_poisoned(coll, in_place, buf, rank, ranks, op, data::poison_value())
-}
-
-/// [`count_wrong`] where an out-of-place run's output was poisoned with `poison`.
-pub fn count_wrong_poisoned<T: Element>(
     coll: Collective,
     in_place: bool,
     buf: &[T],
@@ -286,20 +273,26 @@ mod tests {
     #[test]
     fn checks_catch_errors() {
         let (ranks, op) = (3, ReduceOp::Sum);
+        // This test's ranks and op, the output poisoned with the first poison.
+        fn wrong<T: Element>(coll: Collective, in_place: bool, buf: &[T], rank: usize) -> u64 {
+            count_wrong(
+                coll,
+                in_place,
+                buf,
+                rank,
+                3,
+                ReduceOp::Sum,
+                data::poison_value(),
+            )
+        }
         let b = 5;
         // Allgather on rank 1: block j holds rank j's input.
         let mut got: Vec<f32> = (0..ranks * b)
             .map(|i| test_value(i / b, i % b, op, ranks))
             .collect();
-        assert_eq!(
-            count_wrong(Collective::AllGather, false, &got, 1, ranks, op),
-            0
-        );
+        assert_eq!(wrong(Collective::AllGather, false, &got, 1), 0);
         got[7] += 1.0;
-        assert_eq!(
-            count_wrong(Collective::AllGather, false, &got, 1, ranks, op),
-            1
-        );
+        assert_eq!(wrong(Collective::AllGather, false, &got, 1), 1);
         // Reduce-scatter in place on rank 2: block 2 holds the result, the others keep the
         // input.
         let rs = Collective::ReduceScatter;
@@ -309,47 +302,32 @@ mod tests {
         for i in 0..b {
             buf[2 * b + i] = expected(2 * b + i, op, ranks);
         }
-        assert_eq!(count_wrong(rs, true, &buf, 2, ranks, op), 0);
+        assert_eq!(wrong(rs, true, &buf, 2), 0);
         buf[1] += 1.0; // written over outside its own block
-        assert_eq!(count_wrong(rs, true, &buf, 2, ranks, op), 1);
+        assert_eq!(wrong(rs, true, &buf, 2), 1);
         // Out of place: the first block is the output, the rest keeps the poison.
         let mut out = vec![data::poison_value::<f32>(); ranks * b];
         for (i, v) in out.iter_mut().enumerate().take(b) {
             *v = expected(2 * b + i, op, ranks);
         }
-        assert_eq!(count_wrong(rs, false, &out, 2, ranks, op), 0);
+        assert_eq!(wrong(rs, false, &out, 2), 0);
         out[b] = 0.0;
-        assert_eq!(count_wrong(rs, false, &out, 2, ranks, op), 1);
+        assert_eq!(wrong(rs, false, &out, 2), 1);
         // Exscan's rank 0 and reduce off the root are not written.
-        assert_eq!(
-            count_wrong(Collective::ExScan, false, &out[b..], 0, ranks, op),
-            1
-        );
+        assert_eq!(wrong(Collective::ExScan, false, &out[b..], 0), 1);
         let kept: Vec<f32> = (0..b).map(|i| test_value(1, i, op, ranks)).collect();
-        assert_eq!(
-            count_wrong(Collective::Reduce, true, &kept, 1, ranks, op),
-            0
-        );
+        assert_eq!(wrong(Collective::Reduce, true, &kept, 1), 0);
         // In-place allgather input: own block filled, the rest poisoned.
         let mut buf = vec![0i32; ranks * b];
         fill_in_place(Collective::AllGather, &mut buf, 1, ranks, op);
-        assert_eq!(
-            count_wrong(Collective::AllGather, true, &buf, 1, ranks, op),
-            2 * b as u64
-        );
+        assert_eq!(wrong(Collective::AllGather, true, &buf, 1), 2 * b as u64);
         // Scan on rank 1: the sum of ranks 0 and 1; exscan: rank 0's alone.
         let two: Vec<i64> = (0..b)
             .map(|i| test_value::<i64>(0, i, op, ranks) + test_value::<i64>(1, i, op, ranks))
             .collect();
-        assert_eq!(count_wrong(Collective::Scan, false, &two, 1, ranks, op), 0);
-        assert_eq!(
-            count_wrong(Collective::ExScan, false, &two, 1, ranks, op),
-            b as u64
-        );
+        assert_eq!(wrong(Collective::Scan, false, &two, 1), 0);
+        assert_eq!(wrong(Collective::ExScan, false, &two, 1), b as u64);
         let one: Vec<i64> = (0..b).map(|i| test_value::<i64>(0, i, op, ranks)).collect();
-        assert_eq!(
-            count_wrong(Collective::ExScan, false, &one, 1, ranks, op),
-            0
-        );
+        assert_eq!(wrong(Collective::ExScan, false, &one, 1), 0);
     }
 }

@@ -407,7 +407,7 @@ impl<'a> Runner<'a> {
                 &counts,
             )?;
             let poison = data::poison_value_of::<T>(second);
-            local = local.max(calls::count_wrong_poisoned(
+            local = local.max(calls::count_wrong(
                 coll,
                 send.is_none(),
                 buf,
