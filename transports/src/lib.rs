@@ -615,6 +615,18 @@ pub trait Transport: Send {
     }
 }
 
+/// Connections a listener of chorus's (the store's, a rank's data listener) lets wait to be
+/// accepted: std's default of 128 drops the rest of a burst (512 ranks reaching the store at
+/// once), and a client whose last handshake packet was dropped waits out its handshake
+/// timeout. The kernel caps it at `net.core.somaxconn`.
+pub(crate) const LISTEN_BACKLOG: i32 = 4096;
+
+/// Re-`listen` a bound listener with [`LISTEN_BACKLOG`] (Linux takes a second `listen` as a
+/// new backlog). Best effort: the old backlog stays if it fails.
+pub(crate) fn deepen_backlog(listener: &std::net::TcpListener) {
+    let _ = socket2::SockRef::from(listener).listen(LISTEN_BACKLOG);
+}
+
 impl<T: Transport + ?Sized> Transport for Box<T> {
     fn rank(&self) -> usize {
         (**self).rank()

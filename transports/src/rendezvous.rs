@@ -948,6 +948,7 @@ impl StoreServer {
             ))
         })?;
         let local = listener.local_addr().map_err(io("store bind"))?;
+        crate::deepen_backlog(&listener);
         listener.set_nonblocking(true).map_err(io("store bind"))?;
         let mut listener = mio::net::TcpListener::from_std(listener);
         let poll = mio::Poll::new().map_err(io("store bind"))?;
@@ -1541,6 +1542,41 @@ mod tests {
 
     fn secs(s: u64) -> Instant {
         Instant::now() + Duration::from_secs(s)
+    }
+
+    /// A burst of clients reaching the store at once (a large job's ranks at init) all get in:
+    /// with std's backlog of 128 the kernel dropped part of the burst, and those clients waited
+    /// out their handshake timeout and failed (512 at once failed here).
+    #[test]
+    fn a_burst_of_clients_all_get_in() {
+        // No more than the kernel lets wait (`net.core.somaxconn`, 4096 by default since 5.4).
+        let cap = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(128);
+        let n = cap.min(512);
+        let server = StoreServer::bind_for_ranks(localhost(), b"tok", n).unwrap();
+        let addr = server.local_addr();
+        let gate = Arc::new(std::sync::Barrier::new(n));
+        let started = Instant::now();
+        let clients: Vec<_> = (0..n)
+            .map(|r| {
+                let gate = Arc::clone(&gate);
+                thread::Builder::new()
+                    .stack_size(128 << 10)
+                    .spawn(move || {
+                        gate.wait();
+                        let mut c = StoreClient::connect(addr, b"tok", secs(60))?;
+                        c.set(&format!("addr/{r}"), b"x")
+                    })
+                    .unwrap()
+            })
+            .collect();
+        for c in clients {
+            c.join().unwrap().unwrap();
+        }
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(8), "took {took:?}");
     }
 
     /// Run `f` on a thread and fail the test if it does not finish within `limit` (a

@@ -390,7 +390,10 @@ fn connect_keeping(
         })
     });
     let listener = match listener {
-        Ok(l) => l,
+        Ok(l) => {
+            crate::deepen_backlog(&l);
+            l
+        }
         Err(e) => {
             // Where the others wait for this rank's address: they fail at once, saying why.
             let why = match &e {
