@@ -187,9 +187,7 @@ impl Config {
         refuse_garbled_env().ok()?;
         let get = |k: &str| std::env::var(k).ok();
         let (mut config, job_token) = read_placement(&get).ok()?;
-        config.token = get("CHORUS_TOKEN")
-            .filter(|t| !t.trim().is_empty())
-            .or(job_token);
+        config.token = token_of(&get).or(job_token);
         Some(config)
     }
 
@@ -429,13 +427,17 @@ fn read_placement(
     Ok((config, token))
 }
 
+/// `CHORUS_TOKEN`: a secret, used exactly as given (not trimmed); empty or blank means none,
+/// as for every variable.
+fn token_of(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    get("CHORUS_TOKEN").filter(|t| !t.trim().is_empty())
+}
+
 /// The settings of `config` that do not place it in a job: token, timeouts, interface,
 /// transport, algorithms, tuning file, call checks.
 fn read_settings(get: &dyn Fn(&str) -> Option<String>, config: &mut Config) -> Result<(), String> {
     let env = Lookup(get);
-    // The token is a secret: used exactly as given (not trimmed); empty or blank means none,
-    // as for every variable.
-    config.token = get("CHORUS_TOKEN").filter(|t| !t.trim().is_empty());
+    config.token = token_of(get);
     if let Some(v) = env.value("CHORUS_TIMEOUT") {
         config.timeout = parse_seconds("CHORUS_TIMEOUT", &v)?;
     }

@@ -493,7 +493,7 @@ mod tests {
     }
 
     /// A member of the new group that is gone (its connection to this rank closed) ends the
-    /// set-up within a few seconds, naming it, not at the init timeout (60 s here); the
+    /// set-up within a moment, naming it, not at the init timeout (60 s here); the
     /// communicator split is broken.
     #[test]
     fn a_lost_member_ends_the_set_up_of_a_split() {

@@ -1001,16 +1001,20 @@ fn is_session_leader() -> bool {
 
 /// The part of [`is_session_leader`] that parses, apart for its test.
 fn session_leader_from_stat(stat: &str) -> bool {
-    // The command name may hold spaces and parentheses: the fields after it start after the
-    // last ')'.
-    let (Some(open), Some(close)) = (stat.find(" ("), stat.rfind(')')) else {
+    let (Some(open), Some(mut fields)) = (stat.find(" ("), fields_after_name(stat)) else {
         return false;
     };
     let pid = stat[..open].trim().parse::<u64>().ok();
     // state, ppid, pgrp, session
-    let session = stat[close + 1..].split_ascii_whitespace().nth(3);
-    let session = session.and_then(|s| s.parse::<u64>().ok());
+    let session = fields.nth(3).and_then(|s| s.parse::<u64>().ok());
     pid.is_some() && session == pid
+}
+
+/// The fields of a `/proc/PID/stat` line after the command name, from the state on. The name
+/// may hold spaces and parentheses: the fields after it start after the last ')'.
+fn fields_after_name(stat: &str) -> Option<std::str::SplitAsciiWhitespace<'_>> {
+    let close = stat.rfind(')')?;
+    Some(stat[close + 1..].split_ascii_whitespace())
 }
 
 /// Within this, the same signal from the same sender counts once (see [`Ending::last`]).
@@ -1330,10 +1334,9 @@ fn children_of(parent: u32) -> Vec<(Pid, bool)> {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        let Some(close) = stat.rfind(')') else {
+        let Some(mut fields) = fields_after_name(&stat) else {
             continue;
         };
-        let mut fields = stat[close + 1..].split_ascii_whitespace();
         let (state, ppid) = (fields.next(), fields.next());
         if ppid.and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
             out.push((pid, state == Some("Z")));
