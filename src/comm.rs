@@ -969,13 +969,10 @@ impl Communicator {
                 // root by another address. The store listens on every address, and the data
                 // connections on the interface that reaches the other hosts, if any.
                 let beyond = store_beyond_host(&config, root);
+                let secret = config.token_is_secret();
                 if beyond && config.hosts_store() {
                     // Without a token, anyone who reaches the host could write to the store.
-                    let level = if !config.token_is_secret() {
-                        Level::Warn
-                    } else {
-                        Level::Info
-                    };
+                    let level = if secret { Level::Info } else { Level::Warn };
                     log::log(
                         level,
                         Some(rank),
@@ -985,11 +982,11 @@ impl Communicator {
                          CHORUS_LOCAL_SIZE equal to the world size keeps it on loopback){}",
                         config.root_addr,
                         root.ip(),
-                        if !config.token_is_secret() {
+                        if secret {
+                            ""
+                        } else {
                             "; CHORUS_TOKEN is not set, so its connections are not \
                              authenticated by a secret"
-                        } else {
-                            ""
                         }
                     ),
                     );
@@ -1006,7 +1003,7 @@ impl Communicator {
                     timeout: config.init_timeout,
                     tcp: tcp_opts,
                 };
-                if !config.token_is_secret() && rank == 0 {
+                if !secret && rank == 0 {
                     log::log(
                         Level::Info,
                         Some(rank),
