@@ -142,10 +142,12 @@ impl Header {
 
 /// Encode an abort notice payload.
 pub fn encode_abort(culprit: Option<usize>, reason: &str) -> Vec<u8> {
-    let mut reason = reason.as_bytes();
-    if reason.len() > MAX_ABORT_PAYLOAD - 8 {
-        reason = &reason[..MAX_ABORT_PAYLOAD - 8];
+    // Cut at a character's start, so that the peer shows no broken character at the end.
+    let mut cut = reason.len().min(MAX_ABORT_PAYLOAD - 8);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
     }
+    let reason = reason[..cut].as_bytes();
     let mut v = Vec::with_capacity(8 + reason.len());
     v.extend_from_slice(&culprit.map_or(u64::MAX, |c| c as u64).to_le_bytes());
     v.extend_from_slice(reason);
@@ -288,5 +290,9 @@ mod tests {
         let p = encode_abort(None, &"x".repeat(10_000));
         assert_eq!(p.len(), MAX_ABORT_PAYLOAD);
         assert_eq!(decode_abort(&p).0, None);
+        // Cut before a character that would not fit whole: no replacement character.
+        let long = format!("{}é and more", "x".repeat(MAX_ABORT_PAYLOAD - 9));
+        let (_, text) = decode_abort(&encode_abort(None, &long));
+        assert_eq!(text, "x".repeat(MAX_ABORT_PAYLOAD - 9));
     }
 }

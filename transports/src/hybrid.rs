@@ -101,8 +101,7 @@ pub fn connect(
         &format!("transport/{rank}"),
         format!("{} {asked}", choice.name()).as_bytes(),
     )?;
-    for j in 0..size {
-        let theirs = store.get(&format!("transport/{j}"), deadline)?;
+    store.get_each("transport/", 0..size, deadline, |j, theirs| {
         let (their_choice, their_ask) = match theirs.iter().position(|&b| b == b' ') {
             Some(i) => (&theirs[..i], &theirs[i + 1..]),
             None => (&theirs[..], &theirs[..]),
@@ -114,7 +113,8 @@ pub fn connect(
                 crate::frame::peer_text(their_ask),
             )));
         }
-    }
+        Ok(())
+    })?;
     let members: Vec<usize> = match choice {
         Choice::Tcp => vec![rank],
         Choice::Auto | Choice::Shm => (0..size).filter(|&j| hosts[j] == hosts[rank]).collect(),

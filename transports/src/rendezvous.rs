@@ -35,23 +35,31 @@
 //!   op 1 SET  body = the value                (0 ..= 64 KiB)
 //!   op 2 GET  body = u64le wait in ms          (8 bytes; the server caps it at 60 s)
 //!   op 3 ADD  body = i64le delta               (8 bytes)
+//!   op 4 RUN  key = a prefix; body = u64le wait in ms | u64le first | u64le count (24 bytes)
 //! response  status u8 | body_len u32le | body
-//!   status 0 OK         SET: empty; GET: the value; ADD: i64le new value
-//!   status 1 NOT_YET    GET only: the key did not appear within the wait; empty
+//!   status 0 OK         SET: empty; GET: the value; ADD: i64le new value;
+//!                       RUN: (u32le len | value) of keys prefix+first, prefix+(first+1)...
+//!                       (the index in decimal), as many as exist in a row, at least 1, at
+//!                       most count, at most 1 MiB in all
+//!   status 1 NOT_YET    GET, RUN: the (first) key did not appear within the wait; empty
 //!   status 2 ERROR      a UTF-8 message (<= 1 KiB): store full, key is not a counter, overflow
 //! ```
 //!
 //! Keys are 1 ..= 256 bytes. A counter is a key whose value is 8 bytes (i64le); ADD creates it
 //! at 0. A GET blocks on the server (a condition variable, no polling) until the key exists or
-//! the wait the client sent expires; the client repeats GETs until its own deadline.
+//! the wait the client sent expires; the client repeats GETs until its own deadline. A RUN
+//! waits the same way for its first key, then answers with the longest row of keys that
+//! exist: what every rank publishes (`addr/0`, `addr/1`...) is read in one request, not one
+//! request per rank, once every rank has published it.
 //!
-//! The server checks every header field before it reads a body: an unknown op, a key or body
-//! length out of range, a peer that closes mid-message or takes more than 10 s to finish a
+//! The server checks every header field before it reads a body: a key or body length out of
+//! range, a peer that closes mid-message or takes more than 10 s to finish a
 //! message it started, or one that fails the handshake within 10 s, is dropped with one log
 //! line on stderr (`chorus: store: ...`, rate-limited). The store holds at most 64 MiB in at
 //! most 65 536 keys and serves at most 1024 connections at once (more of both for a job of more
 //! ranks: [`StoreServer::bind_for_ranks`]); requests beyond those limits
-//! get an ERROR response, and the other clients are never disturbed. A connection beyond the
+//! get an ERROR response, and the other clients are never disturbed. So does an op this
+//! server does not know (of a later release: it reads the body, up to 64 KiB, and answers). A connection beyond the
 //! limit shuts down the oldest one still in its handshake, or is closed at once when every
 //! connection is authenticated, so silent connections cannot keep clients out.
 
@@ -98,12 +106,17 @@ const VERDICT_REJECTED: u8 = 1;
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
+const OP_RUN: u8 = 4;
 const STATUS_OK: u8 = 0;
 const STATUS_NOT_YET: u8 = 1;
 const STATUS_ERROR: u8 = 2;
 const REQ_HEADER_LEN: usize = 1 + 2 + 4;
 const RESP_HEADER_LEN: usize = 1 + 4;
 const MAX_ERROR_LEN: usize = 1024;
+/// Most value bytes (with their length words) one RUN response carries.
+const MAX_RUN_BYTES: usize = 1 << 20;
+/// Body of a RUN request: wait, first index, count.
+const RUN_BODY_LEN: usize = 24;
 
 /// How long a client may take to pass the handshake on a store connection.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -637,9 +650,27 @@ struct Shared {
 /// A validated request.
 #[derive(Debug, PartialEq, Eq)]
 enum Request {
-    Set { key: Vec<u8>, value: Vec<u8> },
-    Get { key: Vec<u8>, wait: Duration },
-    Add { key: Vec<u8>, delta: i64 },
+    Set {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    Get {
+        key: Vec<u8>,
+        wait: Duration,
+    },
+    Add {
+        key: Vec<u8>,
+        delta: i64,
+    },
+    Run {
+        prefix: Vec<u8>,
+        wait: Duration,
+        first: u64,
+        count: u64,
+    },
+    Unknown {
+        op: u8,
+    },
 }
 
 /// Check a request header; returns (op, key length, body length). Pure, so every bound can be
@@ -656,7 +687,10 @@ fn parse_request_header(h: &[u8; REQ_HEADER_LEN]) -> Result<(u8, usize, usize), 
     let body_ok = match op {
         OP_SET => body_len <= MAX_VALUE_LEN,
         OP_GET | OP_ADD => body_len == 8,
-        _ => return Err(format!("unknown op {op}")),
+        OP_RUN => body_len == RUN_BODY_LEN,
+        // Read, and answered with an error: a client of a later release learns that this
+        // store does not know its request, and its connection stays usable.
+        _ => body_len <= MAX_VALUE_LEN,
     };
     if !body_ok {
         return Err(format!("body length {body_len} invalid for op {op}"));
@@ -693,6 +727,15 @@ impl Shared {
             Request::Set { key, value } => self.set(key, value),
             Request::Get { key, wait } => self.get(&key, wait),
             Request::Add { key, delta } => self.add(key, delta),
+            Request::Run {
+                prefix,
+                wait,
+                first,
+                count,
+            } => self.run(&prefix, wait, first, count),
+            Request::Unknown { op } => Response::error(format!(
+                "unknown request op {op} (a client of another chorus release?)"
+            )),
         }
     }
 
@@ -775,6 +818,55 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Keys `prefix{first}`, `prefix{first + 1}`... in a row, as many as exist (at most
+    /// `count`, within [`MAX_RUN_BYTES`]), once the first exists (waiting for it as
+    /// [`get`](Self::get) does).
+    fn run(&self, prefix: &[u8], wait: Duration, first: u64, count: u64) -> Response {
+        let key = |i: u64| [prefix, i.to_string().as_bytes()].concat();
+        if count == 0 || first.checked_add(count).is_none() {
+            return Response::error(format!("invalid run: {count} keys from index {first}"));
+        }
+        let first_key = key(first);
+        if first_key.len() > MAX_KEY_LEN {
+            return Response::error(format!("run keys would exceed {MAX_KEY_LEN} bytes"));
+        }
+        let deadline = Instant::now() + wait.min(MAX_GET_WAIT);
+        let mut store = lock(&self.store);
+        loop {
+            if store.map.contains_key(&first_key) {
+                break;
+            }
+            if self.shutdown.load(Ordering::SeqCst) {
+                return Response::error("the store server is shutting down".into());
+            }
+            let Some(left) = remaining(deadline) else {
+                return Response {
+                    status: STATUS_NOT_YET,
+                    body: Vec::new(),
+                };
+            };
+            store = self
+                .changed
+                .wait_timeout(store, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let mut body = Vec::new();
+        for i in first..first + count {
+            let Some(v) = store.map.get(&key(i)) else {
+                break;
+            };
+            if i > first && body.len() + 4 + v.len() > MAX_RUN_BYTES {
+                break;
+            }
+            body.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            body.extend_from_slice(v);
+        }
+        Response::ok(body)
+    }
+}
+
 /// Read one request. `Ok(None)`: the client closed the connection between requests.
 fn read_request(stream: &mut TcpStream) -> Result<Option<Request>, String> {
     // Idle wait for the first byte: no timeout (an authenticated client may keep its
@@ -812,10 +904,17 @@ fn read_request(stream: &mut TcpStream) -> Result<Option<Request>, String> {
             key,
             wait: Duration::from_millis(u64::from_le_bytes(eight(&body)?)),
         },
-        _ => Request::Add {
+        OP_RUN => Request::Run {
+            prefix: key,
+            wait: Duration::from_millis(u64::from_le_bytes(eight(&body[..8])?)),
+            first: u64::from_le_bytes(eight(&body[8..16])?),
+            count: u64::from_le_bytes(eight(&body[16..])?),
+        },
+        OP_ADD => Request::Add {
             key,
             delta: i64::from_le_bytes(eight(&body)?),
         },
+        op => Request::Unknown { op },
     }))
 }
 
@@ -1345,6 +1444,14 @@ impl StoreClient {
         self.bound = Some(deadline + DEADLINE_GRACE);
     }
 
+    /// How long a wait for a key may last: until `deadline`, or the instant given to
+    /// [`set_deadline`](Self::set_deadline) if sooner (a wait the server stretched past it
+    /// would end the connection at its bound: a timeout there leaves it usable).
+    fn wait_until(&self, deadline: Instant) -> Instant {
+        self.bound
+            .map_or(deadline, |b| deadline.min(b - DEADLINE_GRACE))
+    }
+
     /// Undo [`set_deadline`](Self::set_deadline): the requests of a later phase (with
     /// deadlines of their own) are bounded by those and the I/O timeout only.
     pub fn clear_deadline(&mut self) {
@@ -1385,6 +1492,7 @@ impl StoreClient {
     /// [`set`](Self::set).
     pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
         check_key(key)?;
+        let deadline = self.wait_until(deadline);
         let started = Instant::now();
         loop {
             // Ask the server to wait at most until our deadline (rounded up to whole ms, so a
@@ -1408,6 +1516,72 @@ impl StoreClient {
                 _ => return Err(self.unexpected(key, status, &body)),
             }
         }
+    }
+
+    /// Wait for the values of keys `{prefix}{i}` for `i` in `indices`, in that order, and
+    /// hand each to `each(i, value)` as it arrives; an error from `each` ends the wait and is
+    /// returned. One request reads every key that exists in a row from the first one still
+    /// needed, so a row that every rank has published costs one request, not one per key;
+    /// a missing key is waited for as [`get`](Self::get) waits (so `each` sees `i` no sooner
+    /// than a loop of `get`s would). Errors: as for [`get`](Self::get).
+    pub fn get_each(
+        &mut self,
+        prefix: &str,
+        indices: std::ops::Range<usize>,
+        deadline: Instant,
+        mut each: impl FnMut(usize, Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        if indices.is_empty() {
+            return Ok(());
+        }
+        check_key(prefix)?;
+        check_key(&format!("{prefix}{}", indices.end - 1))?;
+        let deadline = self.wait_until(deadline);
+        let started = Instant::now();
+        let mut next = indices.start;
+        while next < indices.end {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wait = left.min(MAX_GET_WAIT);
+            let wait_ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+            let resp_deadline = Instant::now() + wait + self.io_timeout;
+            let mut body = [0u8; RUN_BODY_LEN];
+            body[..8].copy_from_slice(&wait_ms.to_le_bytes());
+            body[8..16].copy_from_slice(&(next as u64).to_le_bytes());
+            body[16..].copy_from_slice(&((indices.end - next) as u64).to_le_bytes());
+            let (status, resp) = self.request(OP_RUN, prefix, &body, resp_deadline)?;
+            match status {
+                STATUS_OK => {
+                    let values = match split_run(&resp, indices.end - next) {
+                        Some(v) => v,
+                        None => {
+                            let msg = format!(
+                                "the store at {} sent a malformed answer ({} bytes) for the \
+                                 keys from {prefix}{next}; is it a chorus store of the same \
+                                 version?",
+                                self.addr,
+                                resp.len()
+                            );
+                            self.broken = Some(msg.clone());
+                            return Err(TransportError::Rendezvous(msg));
+                        }
+                    };
+                    for v in values {
+                        each(next, v.to_vec())?;
+                        next += 1;
+                    }
+                }
+                STATUS_NOT_YET if resp.is_empty() => {
+                    if Instant::now() >= deadline {
+                        return Err(TransportError::Timeout {
+                            peer: None,
+                            waited: started.elapsed(),
+                        });
+                    }
+                }
+                _ => return Err(self.unexpected(&format!("{prefix}{next}"), status, &resp)),
+            }
+        }
+        Ok(())
     }
 
     /// Atomically add `delta` to the counter `key` (created at 0) and return the new value.
@@ -1498,6 +1672,7 @@ impl StoreClient {
         let status = header[0];
         let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize;
         let limit = match status {
+            STATUS_OK if op == OP_RUN => MAX_RUN_BYTES,
             STATUS_OK => MAX_VALUE_LEN,
             STATUS_NOT_YET => 0,
             STATUS_ERROR => MAX_ERROR_LEN,
@@ -1518,6 +1693,23 @@ impl StoreClient {
         read_exact_by(&mut self.stream, &mut resp, deadline).map_err(wire)?;
         Ok((status, resp))
     }
+}
+
+/// The values of a RUN response: 1 ..= `most` of them, each `u32le len | value`, filling
+/// `body` exactly; `None` for anything else.
+fn split_run(body: &[u8], most: usize) -> Option<Vec<&[u8]>> {
+    let mut values = Vec::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let value = rest.get(4..4usize.checked_add(len)?)?;
+        if value.len() > MAX_VALUE_LEN || values.len() == most {
+            return None;
+        }
+        values.push(value);
+        rest = &rest[4 + len..];
+    }
+    (!values.is_empty()).then_some(values)
 }
 
 fn check_key(key: &str) -> Result<()> {
@@ -1702,6 +1894,26 @@ mod tests {
     }
 
     #[test]
+    fn a_wait_past_the_bound_times_out_there_and_leaves_the_connection_usable() {
+        watchdog(Duration::from_secs(30), || {
+            let server = StoreServer::bind(localhost(), b"tok").unwrap();
+            let mut c = StoreClient::connect(server.local_addr(), b"tok", secs(10)).unwrap();
+            let t0 = Instant::now();
+            c.set_deadline(t0 + Duration::from_millis(300));
+            let e = c.get("never", secs(20)).unwrap_err();
+            assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+            let e = c
+                .get_each("never/", 0..2, secs(20), |_, _| Ok(()))
+                .unwrap_err();
+            assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+            assert!(t0.elapsed() < Duration::from_millis(300) + DEADLINE_GRACE);
+            c.clear_deadline();
+            c.set("k", b"v").unwrap();
+            assert_eq!(c.get("k", secs(5)).unwrap(), b"v");
+        });
+    }
+
+    #[test]
     fn set_get_add_from_several_threads() {
         watchdog(Duration::from_secs(60), || {
             let server = StoreServer::bind(localhost(), b"tok").unwrap();
@@ -1792,6 +2004,136 @@ mod tests {
     }
 
     #[test]
+    fn rows_of_keys_are_read_in_order_as_they_appear() {
+        watchdog(Duration::from_secs(30), || {
+            let server = StoreServer::bind(localhost(), b"tok").unwrap();
+            let addr = server.local_addr();
+            let mut c = StoreClient::connect(addr, b"tok", secs(10)).unwrap();
+            // 0..3 now, 3 and 4 later (4 before 3): handed over in order, each once.
+            for i in 0..3 {
+                c.set(&format!("row/{i}"), format!("v{i}").as_bytes())
+                    .unwrap();
+            }
+            let reader = thread::spawn(move || {
+                let mut c = StoreClient::connect(addr, b"tok", secs(10)).unwrap();
+                let mut seen = Vec::new();
+                c.get_each("row/", 1..5, secs(20), |i, v| {
+                    seen.push((i, String::from_utf8(v).unwrap()));
+                    Ok(())
+                })
+                .map(|()| seen)
+            });
+            thread::sleep(Duration::from_millis(200));
+            c.set("row/4", b"v4").unwrap();
+            thread::sleep(Duration::from_millis(100));
+            c.set("row/3", b"v3").unwrap();
+            let seen = reader.join().unwrap().unwrap();
+            let want: Vec<_> = (1..5).map(|i| (i, format!("v{i}"))).collect();
+            assert_eq!(seen, want);
+
+            // A row needs a prefix (a key of the store).
+            assert!(matches!(
+                c.get_each("", 0..2, secs(5), |_, _| Ok(())),
+                Err(TransportError::InvalidArgument(_))
+            ));
+            // An empty range asks nothing; the callback's error ends the read at once.
+            c.get_each("none/", 3..3, Instant::now(), |_, _| panic!("called"))
+                .unwrap();
+            let mut calls = 0;
+            let e = c
+                .get_each("row/", 0..5, secs(20), |i, _| {
+                    calls += 1;
+                    match i {
+                        2 => Err(TransportError::Rendezvous("stop at 2".into())),
+                        _ => Ok(()),
+                    }
+                })
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("stop at 2") && calls == 3,
+                "{e} {calls}"
+            );
+            // A key that never appears: a timeout after the ones before it, and the
+            // connection stays usable.
+            let t0 = Instant::now();
+            let mut got = Vec::new();
+            let e = c
+                .get_each("row/", 3..7, t0 + Duration::from_millis(300), |i, _| {
+                    got.push(i);
+                    Ok(())
+                })
+                .unwrap_err();
+            assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+            assert!(t0.elapsed() >= Duration::from_millis(300));
+            assert_eq!(got, [3, 4]);
+            assert_eq!(c.get("row/0", secs(5)).unwrap(), b"v0");
+            // Keys too long for the store are refused before anything is sent.
+            let long = "k".repeat(MAX_KEY_LEN - 1);
+            assert!(matches!(
+                c.get_each(&long, 9..11, secs(5), |_, _| Ok(())),
+                Err(TransportError::InvalidArgument(_))
+            ));
+            assert_eq!(c.get("row/1", secs(5)).unwrap(), b"v1");
+        });
+    }
+
+    #[test]
+    fn rows_larger_than_one_answer_come_in_several() {
+        watchdog(Duration::from_secs(60), || {
+            let server = StoreServer::bind(localhost(), b"tok").unwrap();
+            let mut c = StoreClient::connect(server.local_addr(), b"tok", secs(10)).unwrap();
+            // 40 values of 64 KiB: 2.5 MiB, more than one answer carries.
+            let n = 40;
+            for i in 0..n {
+                c.set(&format!("big/{i}"), &vec![i as u8; MAX_VALUE_LEN])
+                    .unwrap();
+            }
+            let mut seen = 0;
+            c.get_each("big/", 0..n, secs(30), |i, v| {
+                assert_eq!(i, seen);
+                assert!(v.len() == MAX_VALUE_LEN && v.iter().all(|&b| b == i as u8));
+                seen += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen, n);
+        });
+    }
+
+    #[test]
+    fn the_server_refuses_runs_it_cannot_serve() {
+        let shared = Shared {
+            token: Vec::new(),
+            limits: Mutex::new(Limits::default()),
+            store: Mutex::new(Store::default()),
+            changed: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            proven_exempt: AtomicBool::new(false),
+            conns: Mutex::new(Conns::default()),
+            log: LogLimiter::new("test"),
+        };
+        let wait = Duration::ZERO;
+        for (first, count) in [(0, 0), (u64::MAX, 1), (1, u64::MAX)] {
+            let r = shared.run(b"p/", wait, first, count);
+            assert_eq!(r.status, STATUS_ERROR, "{first} {count}");
+        }
+        let long = vec![b'k'; MAX_KEY_LEN];
+        assert_eq!(shared.run(&long, wait, 0, 1).status, STATUS_ERROR);
+        assert_eq!(shared.run(b"p/", wait, 0, 1).status, STATUS_NOT_YET);
+        shared.set(b"p/0".to_vec(), b"a".to_vec());
+        shared.set(b"p/1".to_vec(), b"".to_vec());
+        shared.set(b"p/3".to_vec(), b"c".to_vec());
+        let r = shared.run(b"p/", wait, 0, u64::MAX / 2);
+        assert_eq!(r.status, STATUS_OK);
+        assert_eq!(r.body, [1, 0, 0, 0, b'a', 0, 0, 0, 0]);
+        assert_eq!(split_run(&r.body, 2), Some(vec![&b"a"[..], &b""[..]]));
+        assert_eq!(split_run(&r.body, 1), None);
+        for bad in [&[][..], &[1, 0, 0], &[2, 0, 0, 0, b'a'], &[0, 0, 0, 0, 9]] {
+            assert_eq!(split_run(bad, 5), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn get_times_out_cleanly_and_connection_stays_usable() {
         watchdog(Duration::from_secs(30), || {
             let server = StoreServer::bind(localhost(), b"tok").unwrap();
@@ -1871,7 +2213,7 @@ mod tests {
             let mut liar2 = TcpStream::connect(addr).unwrap();
             connect_handshake(&mut liar2, b"tok", STORE_CONTEXT, secs(5)).unwrap();
             liar2.write_all(&[OP_GET, 0xff, 0xff, 8, 0, 0, 0]).unwrap();
-            // Authenticated, then an unknown op.
+            // Authenticated, then an op this server does not know: an ERROR answer.
             let mut odd = TcpStream::connect(addr).unwrap();
             connect_handshake(&mut odd, b"tok", STORE_CONTEXT, secs(5)).unwrap();
             odd.write_all(&[99, 1, 0, 0, 0, 0, 0, b'k']).unwrap();
@@ -1905,7 +2247,14 @@ mod tests {
             // The server closed the liars' connections without reading the claimed bodies.
             wait_closed_by_server(liar);
             wait_closed_by_server(liar2);
-            wait_closed_by_server(odd);
+            let mut answer = [0u8; RESP_HEADER_LEN];
+            odd.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            odd.read_exact(&mut answer).unwrap();
+            let mut why = vec![0u8; u32::from_le_bytes(answer[1..].try_into().unwrap()) as usize];
+            odd.read_exact(&mut why).unwrap();
+            assert_eq!(answer[0], STATUS_ERROR);
+            let why = String::from_utf8(why).unwrap();
+            assert!(why.contains("unknown request op 99"), "{why}");
             wait_closed_by_server(noise);
             drop(silent);
         });
@@ -1927,6 +2276,8 @@ mod tests {
         );
         assert_eq!(parse_request_header(&h(OP_GET, 5, 8)), Ok((OP_GET, 5, 8)));
         assert_eq!(parse_request_header(&h(OP_ADD, 5, 8)), Ok((OP_ADD, 5, 8)));
+        assert_eq!(parse_request_header(&h(OP_RUN, 5, 24)), Ok((OP_RUN, 5, 24)));
+        assert_eq!(parse_request_header(&h(9, 5, 100)), Ok((9, 5, 100)));
         for bad in [
             h(OP_SET, 0, 1),
             h(OP_SET, 257, 1),
@@ -1936,9 +2287,11 @@ mod tests {
             h(OP_GET, 1, 9),
             h(OP_GET, 1, u32::MAX),
             h(OP_ADD, 1, 0),
-            h(0, 1, 0),
-            h(4, 1, 8),
-            h(255, 1, 8),
+            h(0, 1, u32::MAX),
+            h(OP_RUN, 1, 8),
+            h(OP_RUN, 1, 25),
+            h(5, 1, 65537),
+            h(255, 0, 8),
         ] {
             assert!(parse_request_header(&bad).is_err(), "{bad:?}");
         }

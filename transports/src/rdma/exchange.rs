@@ -8,8 +8,14 @@ use super::protocol::{path_mtu, Endpoint};
 use crate::rendezvous::StoreClient;
 use crate::{Result, TransportError};
 
+/// Where `from` publishes its endpoint for `to`: the ones for one rank form a row (the
+/// sender's index last) that it reads in one request.
 fn key(from: usize, to: usize) -> String {
-    format!("rdma/ep/{from}/{to}")
+    format!("{}{from}", row(to))
+}
+
+fn row(to: usize) -> String {
+    format!("rdma/ep/{to}/")
 }
 
 /// Publishes `local[j]` (this rank's endpoint for peer `j`; `None` at this rank's own index)
@@ -41,23 +47,27 @@ pub fn exchange_endpoints(
             store.set(&key(rank, j), &e.encode())?;
         }
     }
-    let mut out = Vec::with_capacity(size);
-    for (j, mine) in local.iter().enumerate() {
-        let Some(mine) = mine else {
-            out.push(None);
-            continue;
-        };
-        let raw = store.get(&key(j, rank), deadline).map_err(|e| match e {
+    let mut out: Vec<Option<(Endpoint, u16)>> = Vec::with_capacity(size);
+    for run in [0..rank, rank + 1..size] {
+        if run.start == rank + 1 {
+            out.push(None); // this rank's own index
+        }
+        let read = store.get_each(&row(rank), run, deadline, |j, raw| {
+            let bad = |what: String| TransportError::Rendezvous(format!("rank {j}: {what}"));
+            let mine = local[j].as_ref().expect("checked above");
+            let theirs = Endpoint::decode(&raw).map_err(|e| bad(e.to_string()))?;
+            let mtu = path_mtu(mine, &theirs).map_err(|e| bad(e.to_string()))?;
+            out.push(Some((theirs, mtu)));
+            Ok(())
+        });
+        // `out` holds every index before the one waited for.
+        read.map_err(|e| match e {
             TransportError::Timeout { waited, .. } => TransportError::Timeout {
-                peer: Some(j),
+                peer: Some(out.len()),
                 waited,
             },
             other => other,
         })?;
-        let bad = |what: String| TransportError::Rendezvous(format!("rank {j}: {what}"));
-        let theirs = Endpoint::decode(&raw).map_err(|e| bad(e.to_string()))?;
-        let mtu = path_mtu(mine, &theirs).map_err(|e| bad(e.to_string()))?;
-        out.push(Some((theirs, mtu)));
     }
     Ok(out)
 }
@@ -147,6 +157,15 @@ mod tests {
         let err = exchange_endpoints(&mut store, 0, &local, soon).unwrap_err();
         assert!(
             matches!(err, TransportError::Timeout { peer: Some(2), .. }),
+            "{err}"
+        );
+        // Rank 3 of 4 has rank 0's record, waits for rank 1's: the timeout names rank 1.
+        store.set(&key(0, 3), &endpoint(0, 3).encode()).unwrap();
+        let local3: Vec<_> = (0..4).map(|j| (j != 3).then(|| endpoint(3, j))).collect();
+        let soon = Instant::now() + Duration::from_millis(200);
+        let err = exchange_endpoints(&mut store, 3, &local3, soon).unwrap_err();
+        assert!(
+            matches!(err, TransportError::Timeout { peer: Some(1), .. }),
             "{err}"
         );
         // A caller's mistake: an endpoint for itself.

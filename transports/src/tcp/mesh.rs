@@ -409,26 +409,31 @@ fn connect_keeping(
         .map_err(|e| TransportError::io(None, "getsockname", e))?;
     store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
 
-    let mut hosts = Vec::with_capacity(size);
+    // What every rank published, a request or so per row (each waited for in rank order).
     let mut addrs = Vec::with_capacity(size);
-    let mut nets = Vec::with_capacity(size);
-    for j in 0..size {
-        addrs.push(
-            peer_addr(&mut store, j, deadline).map_err(|e| absent_ranks(&mut store, size, e))?,
-        );
-        let h = store.get(&format!("host/{j}"), deadline)?;
+    store
+        .get_each("addr/", 0..size, deadline, |j, a| {
+            addrs.push(parse_peer_addr(j, &a)?);
+            Ok(())
+        })
+        .map_err(|e| absent_ranks(&mut store, size, e))?;
+    let mut hosts = Vec::with_capacity(size);
+    store.get_each("host/", 0..size, deadline, |_, h| {
         hosts.push(String::from_utf8_lossy(&h).into_owned());
-        // Its network, for the hint below: needed only where a loopback address is involved
-        // (no more store requests for a job across hosts).
-        let net = if addrs[j].ip().is_loopback() || my_addr.ip().is_loopback() {
-            let n = store.get(&format!("net/{j}"), deadline)?;
-            let n = String::from_utf8_lossy(&n).into_owned();
-            n.rsplit_once('#')
-                .map_or(n.clone(), |(id, _)| id.to_string())
-        } else {
-            String::new()
-        };
-        nets.push(net);
+        Ok(())
+    })?;
+    // Their networks, for the hint below: needed only where a loopback address is involved
+    // (no more store requests for a job across hosts).
+    let involved = |j: usize| addrs[j].ip().is_loopback() || my_addr.ip().is_loopback();
+    let mut nets = vec![String::new(); size];
+    if (0..size).any(involved) {
+        store.get_each("net/", 0..size, deadline, |j, n| {
+            if involved(j) {
+                let n = String::from_utf8_lossy(&n);
+                nets[j] = n.rsplit_once('#').map_or(&*n, |(id, _)| id).to_string();
+            }
+            Ok(())
+        })?;
     }
 
     // Accept from higher ranks on a background thread while connecting to lower ones.
@@ -597,11 +602,15 @@ fn listen_ip(
 /// The data address rank `j` published (waiting for it until `deadline`), or the error it
 /// left there instead.
 fn peer_addr(store: &mut StoreClient, j: usize, deadline: Instant) -> Result<SocketAddr> {
-    let a = store.get(&format!("addr/{j}"), deadline)?;
+    parse_peer_addr(j, &store.get(&format!("addr/{j}"), deadline)?)
+}
+
+/// Rank `j`'s published data address `a`, or the error it left there instead.
+fn parse_peer_addr(j: usize, a: &[u8]) -> Result<SocketAddr> {
     if let Some(why) = a.strip_prefix(b"error: ") {
         return Err(rdv(crate::frame::peer_text(why)));
     }
-    std::str::from_utf8(&a)
+    std::str::from_utf8(a)
         .ok()
         .and_then(|s| s.parse::<SocketAddr>().ok())
         .ok_or_else(|| rdv(format!("rank {j} published a malformed address")))
