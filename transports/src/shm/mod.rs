@@ -1023,6 +1023,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // a list of one range is what is meant
     fn the_other_members_are_read_a_row_at_a_time() {
         assert_eq!(member_runs(&[0, 1, 2, 3], 0), [1..4]);
         assert_eq!(member_runs(&[0, 1, 2, 3], 2), [0..2, 3..4]);
