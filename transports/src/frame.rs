@@ -147,7 +147,7 @@ pub fn encode_abort(culprit: Option<usize>, reason: &str) -> Vec<u8> {
     while !reason.is_char_boundary(cut) {
         cut -= 1;
     }
-    let reason = reason[..cut].as_bytes();
+    let reason = &reason.as_bytes()[..cut];
     let mut v = Vec::with_capacity(8 + reason.len());
     v.extend_from_slice(&culprit.map_or(u64::MAX, |c| c as u64).to_le_bytes());
     v.extend_from_slice(reason);
