@@ -1221,6 +1221,8 @@ class Communicator:
             # thread.
             with self._completer_mu:
                 completer = self._completer_q
+                if completer is None:
+                    self._completer_q = _Completer(self, start=False)
             if completer is not None:
                 completer.stop()
 
@@ -1420,18 +1422,21 @@ class _Completer:
     daemon thread still inside torch's ``set_result`` when the interpreter finalises is
     killed there, and the process aborts). Futures asked for after it stopped fail."""
 
-    def __init__(self, owner: "Communicator") -> None:
+    def __init__(self, owner: "Communicator", start: bool = True) -> None:
         import queue
         import weakref
 
         self.q: Any = queue.SimpleQueue()
         self.owner = weakref.ref(owner)
-        self.stopped = False
+        # Made stopped (``start`` false): no thread, for a closed communicator's futures.
+        self.stopped = not start
         self.mu = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="chorus-futures", daemon=True)
-        with _COMPLETERS_MU:
-            _COMPLETERS.add(self)
-        self.thread.start()
+        self.thread: Optional[threading.Thread] = None
+        if start:
+            self.thread = threading.Thread(target=self._run, name="chorus-futures", daemon=True)
+            with _COMPLETERS_MU:
+                _COMPLETERS.add(self)
+            self.thread.start()
 
     def put(self, item: Any) -> None:
         if threading.current_thread() is self.thread:
@@ -1472,7 +1477,7 @@ class _Completer:
         with self.mu:
             self.stopped = True
             self.q.put(None)
-        if threading.current_thread() is not self.thread:
+        if self.thread is not None and threading.current_thread() is not self.thread:
             self.thread.join(timeout)
             owner = self.owner()
             if abort_if_stuck and self.thread.is_alive() and owner is not None:

@@ -31,7 +31,10 @@ reductions take chorus's dtypes.
 Point-to-point messages travel on a copy of the group's communicator (``dup``), so they
 never meet its collectives, and as bytes (Gloo does not check dtypes either). Each
 ``isend``/``irecv`` (and each op of ``batch_isend_irecv``, started together when the batch
-closes) is a chorus transfer that runs on its own: it never waits for ``wait()``, for a
+closes, so that a batch with an op refused starts none of them, with torch 1.13 and 2.0;
+from torch 2.1 ``batch_isend_irecv`` hands CPU tensors to the backend one op at a time, as
+separate ``isend``/``irecv`` calls, and the ops before a refused one have started, as with
+Gloo) is a chorus transfer that runs on its own: it never waits for ``wait()``, for a
 later transfer or for a collective, so exchanges of any size and pattern complete, with
 collectives between a transfer and its ``wait()`` too, as with Gloo. ``send``/``recv`` are
 the same, waited for at once. The group keeps the transfers it started until they finish, so
@@ -114,6 +117,9 @@ def _flat(t: torch.Tensor, what: str, op: Optional[str] = None) -> torch.Tensor:
     """``t`` as the 1-D tensor chorus reduces: a view sharing its memory."""
     if t.device.type != "cpu":
         raise InvalidArgumentError(f"chorus backend: {what} is on {t.device}; chorus moves CPU tensors")
+    if t.layout != torch.strided:
+        # (Asked before is_contiguous, which a sparse tensor answers with torch's error.)
+        raise InvalidArgumentError(f"chorus backend: {what} is a {t.layout} tensor; chorus moves dense tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"chorus backend: {what} is not contiguous")
     if t.is_conj() or t.is_neg():
@@ -644,7 +650,8 @@ class ProcessGroupChorus(dist.ProcessGroup):
             self._start([op])
         return _TransferWork(op)
 
-    def _start_coalescing(self) -> None:
+    def _start_coalescing(self, *_device: Any) -> None:
+        # (torch 2.1 and later pass a device; only for CUDA tensors, which are refused.)
         if getattr(self._tls, "batch", None) is not None:
             raise InvalidArgumentError("chorus backend: a batch of sends and receives is already open")
         self._tls.batch, self._tls.failed = [], None
@@ -652,7 +659,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # is not the batch's: only another one at its end is (see `_end_coalescing`).
         self._tls.handling = sys.exc_info()[1]
 
-    def _end_coalescing(self, reqs: Any = None) -> None:
+    def _end_coalescing(self, *_reqs_or_device: Any) -> None:
         tls = self._tls
         batch, failed = getattr(tls, "batch", None) or [], getattr(tls, "failed", None)
         tls.batch, tls.failed = None, None

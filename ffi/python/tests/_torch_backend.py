@@ -429,6 +429,8 @@ def main():
         ("tag", lambda: dist.send(torch.ones(2), (me + 1) % p, tag=3)),
         ("any source", lambda: dist.recv(torch.ones(2))),
         ("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t())),
+        ("sparse", lambda: dist.all_reduce(torch.eye(3).to_sparse())),
+        ("sparse, moved as bytes", lambda: dist.broadcast(torch.eye(3).to_sparse(), 0)),
         ("several tensors", lambda: dist.all_reduce_multigpu([torch.ones(2), torch.ones(2)])),
         ("reduce_scatter_tensor of two dtypes",
          lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * p, dtype=torch.float64))),

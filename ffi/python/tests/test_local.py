@@ -703,3 +703,17 @@ def test_the_future_of_a_completed_request_outlives_the_communicator():
 
     for got in _on_two_ranks(run).values():
         assert got == [3.0] * 4, got
+
+    def run_without_one_before(c):
+        # No future before close: the one asked for after starts no thread either.
+        x = np.full(4, float(c.rank + 1), dtype=np.float32)
+        req = c.allreduce(x, async_op=True)
+        req.wait()
+        c.close()
+        threads = lambda: sum(t.name == "chorus-futures" for t in threading.enumerate())  # noqa: E731
+        before = threads()
+        fut = req.get_future()
+        return fut.wait().tolist(), threads() - before
+
+    for got, started in _on_two_ranks(run_without_one_before).values():
+        assert got == [3.0] * 4 and started == 0, (got, started)
