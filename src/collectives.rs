@@ -1393,6 +1393,17 @@ impl Communicator {
         }
         self.check_peer(OP, to)?;
         self.check_peer(OP, from)?;
+        // Refused before the send is posted: a receive the transport refused after it would
+        // leave its message order to `to` out of step (as `batch_isend_irecv` checks).
+        for (what, len) in [("send", send.len()), ("receive", recv.len())] {
+            if len as u64 > chorus_transport::frame::MAX_PAYLOAD {
+                return Err(CommError::invalid(
+                    OP,
+                    format!("the {what} buffer's {len} bytes are more than one message carries (2^40 - 1 bytes)"),
+                )
+                .at_rank(self.rank()));
+            }
+        }
         self.trace(format_args!(
             "send_recv {} B to {to}, {} B from {from}",
             send.len(),

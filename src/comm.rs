@@ -539,6 +539,9 @@ pub(crate) enum CollKind {
     ScatterV = 21,
     Scan = 22,
     ExScan = 23,
+    /// A call refused before it knew its collective's arguments (a binding's check): what it
+    /// brings to the comparison of calls ([`Communicator::skip_refused_call`]).
+    Refused = 24,
 }
 
 impl CollKind {
@@ -567,6 +570,7 @@ impl CollKind {
             21 => "scatter_v",
             22 => "scan",
             23 => "exscan",
+            24 => "a call",
             _ => "unknown collective",
         }
     }
@@ -678,6 +682,9 @@ fn describe_record(rec: &[u8]) -> String {
     } else {
         String::new()
     };
+    if kind == CollKind::Refused as u64 {
+        return "a call that refused its arguments (see that rank's error)".into();
+    }
     if rec[4] != 0 {
         return format!(
             "{} ({dtype}{op}), refused its arguments (see that rank's error)",
@@ -2151,13 +2158,28 @@ impl Communicator {
     /// it had run. Ranks that all refused stay in step; where only this one did (a root's
     /// buffer), the others' messages of that call are not taken for this rank's next call
     /// (which would return them as its result, one call behind from then on): that call
-    /// fails as a mismatch instead, and every rank learns of it. Nothing with
-    /// `CHORUS_CHECK_CALLS` (the comparison of calls says it) or for one rank.
+    /// fails as a mismatch instead, and every rank learns of it. With `CHORUS_CHECK_CALLS`,
+    /// this rank takes part in the comparison of calls as one that refused (waiting for the
+    /// others, within the timeout): ranks that made the call fail there at once, saying so,
+    /// and the ranks stay in step. Nothing for one rank, or on a broken communicator.
     #[doc(hidden)]
     pub fn skip_refused_call(&mut self) {
-        if !self.config.check_calls && self.size > 1 && self.broken.is_none() {
-            self.next_seq();
+        if self.size == 1 || self.broken.is_some() {
+            return;
         }
+        if !self.config.check_calls {
+            self.next_seq();
+            return;
+        }
+        // (A comparison that fails otherwise than as a mismatch broke the communicator:
+        // its next call says so.)
+        let call = Call::new(
+            "refused call",
+            CollKind::Refused,
+            DType::Uint8,
+            ReduceOp::Sum,
+        );
+        let _ = self.compare_calls(call, &[], true);
     }
 
     pub(crate) fn next_seq(&mut self) -> u32 {

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use chorus_algorithms::{DType, Element, ReduceOp};
 
-use crate::comm::{AbortHandle, Communicator, Process};
+use crate::comm::{AbortHandle, Call, CollKind, Communicator, Process};
 use crate::error::{CommError, ErrorKind};
 
 /// A queued call: it runs holding the communicator, and calls its second argument just
@@ -353,8 +353,12 @@ impl Queue {
     /// for, given up or dropped, however soon its transfer ended), so ranks that hold transfer
     /// requests at the same points refuse alike. Where they do not (rank 0 sends to rank 1
     /// and makes a collective before its `wait`, rank 1 makes the collective first), the ranks
-    /// whose call was accepted wait for the refused one until their timeout: wait for
-    /// transfers before collectives on every rank. Transfers whose requests were given up or
+    /// whose call was accepted wait for the refused one: until their timeout, or until the
+    /// refused rank makes its next call, which pairs with theirs (the refusal used up no
+    /// place in the order of calls, so that the same call made again after the `wait` runs).
+    /// A next call of another shape fails as a mismatch on every rank; one of the same shape
+    /// runs with theirs, and the ranks stay a call apart. Wait for transfers before
+    /// collectives on every rank. Transfers whose requests were given up or
     /// dropped are waited for by the call instead (each ends within the timeout).
     pub fn calls_allowed(&self, op: &'static str) -> Result<(), CommError> {
         match self.shared.held.load(Ordering::SeqCst) {
@@ -878,14 +882,19 @@ impl Queue {
             });
             let mut recv = Vec::new();
             if !n.is_some_and(|n| recv.try_reserve_exact(n).is_ok()) {
-                c.skip_refused_call();
-                return Err(CommError::invalid(
-                    "all_gather",
-                    format!(
-                        "cannot allocate the result: {} elements from each of {p} ranks",
-                        send.len()
-                    ),
-                ));
+                c.check_usable("all_gather")?;
+                // As the call's own refusals: the comparison of calls hears of it.
+                let call = Call::new("all_gather", CollKind::AllGather, T::DTYPE, ReduceOp::Sum);
+                return c.refusable(call, |c| {
+                    Err(CommError::invalid(
+                        "all_gather",
+                        format!(
+                            "cannot allocate the result: {} elements from each of {p} ranks",
+                            send.len()
+                        ),
+                    )
+                    .at_rank(c.rank()))
+                });
             }
             recv.resize(n.unwrap_or(0), T::from_f64(0.0));
             c.all_gather(&send, &mut recv).map(|()| recv)

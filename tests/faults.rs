@@ -468,6 +468,19 @@ fn checked_calls_catch_what_no_message_shows() {
             // Every rank refuses (a root out of range): each reports its own error.
             let e = c.broadcast(&mut [0u8; 4], 7).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            // A binding refused rank 1's call before chorus saw its arguments (a NULL buffer
+            // in C): the others fail at once naming it, not at their timeout, and the ranks
+            // stay in step.
+            let mut y = [1.0f32; 3];
+            if rank == 1 {
+                c.skip_refused_call();
+            } else {
+                let e = c.all_reduce(&mut y, ReduceOp::Sum).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+                let m = e.to_string();
+                assert!(m.contains("rank 1: a call that refused"), "{m}");
+                assert!(e.is_usable(), "{e}");
+            }
             // Calls that agree still work, checked.
             let mut x = [rank as f32 + 1.0; 5];
             c.all_reduce(&mut x, ReduceOp::Sum).expect("allreduce");
