@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use chorus_transport::{Tag, Transport};
+use chorus_transport::{Tag, Transport, TransportError};
 
 /// Alignment of the slices handed out by [`CollCtx::scratch`] (a cache line; also enough for
 /// every element type, so the reduce kernels take their fast, aligned path).
@@ -46,10 +46,44 @@ impl<'a> CollCtx<'a> {
         aligned_scratch(self.scratch, bytes)
     }
 
+    /// [`transport_and_scratch`](Self::transport_and_scratch) for a size that other ranks'
+    /// figures decide: an error when it cannot be allocated (too large for the address
+    /// space, or refused by the system), not the end of the process.
+    pub fn try_transport_and_scratch(
+        &mut self,
+        bytes: usize,
+    ) -> chorus_transport::Result<(&mut dyn Transport, &mut [u8])> {
+        let scratch = try_aligned_scratch(self.scratch, bytes)?;
+        Ok((&mut *self.transport, scratch))
+    }
+
     /// The transport and a scratch slice at once (the two borrows a schedule holds together).
     pub fn transport_and_scratch(&mut self, bytes: usize) -> (&mut dyn Transport, &mut [u8]) {
         (&mut *self.transport, aligned_scratch(self.scratch, bytes))
     }
+}
+
+/// [`aligned_scratch`] for a size that other ranks' figures decide (the entries a sparse
+/// message may hold): an error, not the end of the process, when it cannot be allocated.
+fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Result<&mut [u8]> {
+    let grown = match bytes.checked_add(SCRATCH_ALIGN - 1) {
+        Some(need) if buf.len() >= need => true,
+        Some(need) => buf.try_reserve_exact(need - buf.len()).is_ok(),
+        None => false,
+    };
+    if !grown {
+        return Err(TransportError::Io {
+            peer: None,
+            during: "allocating receive buffers",
+            source: std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!(
+                    "{bytes} bytes for the messages the ranks' largest count of entries allows"
+                ),
+            ),
+        });
+    }
+    Ok(aligned_scratch(buf, bytes))
 }
 
 fn aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> &mut [u8] {
@@ -65,6 +99,17 @@ fn aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_too_large_to_allocate_is_an_error() {
+        let mut v = Vec::new();
+        for bytes in [usize::MAX, usize::MAX - SCRATCH_ALIGN, isize::MAX as usize] {
+            let e = try_aligned_scratch(&mut v, bytes).unwrap_err();
+            assert!(e.to_string().contains("allocating receive buffers"), "{e}");
+        }
+        assert!(v.is_empty());
+        assert_eq!(try_aligned_scratch(&mut v, 100).unwrap().len(), 100);
+    }
 
     #[test]
     fn scratch_is_aligned_and_grows_without_shrinking() {

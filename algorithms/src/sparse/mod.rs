@@ -448,7 +448,7 @@ pub(crate) fn assemble(n: u64, views: &[SegView<'_>], peers: &[usize]) -> Result
         }
         end = v.header.start + v.header.len;
         let entries = if v.header.dense {
-            v.values().filter(|&x| x != 0.0).count() as u64
+            v.values().filter(|&x| mag(x) != 0).count() as u64
         } else {
             v.count()
         };
@@ -518,7 +518,7 @@ pub(crate) fn exchange_into_scratch<'c>(
     caps: &[usize],
 ) -> Result<Vec<&'c [u8]>> {
     let deadline = ctx.deadline;
-    let (tr, scratch) = ctx.transport_and_scratch(carve_len(caps));
+    let (tr, scratch) = ctx.try_transport_and_scratch(carve_len(caps))?;
     let mut bufs = carve(scratch, caps);
     let mut recvs: Vec<_> = peers
         .into_iter()

@@ -404,7 +404,9 @@ impl<'a> SegView<'a> {
     /// segment are left out (positions nobody sent).
     pub fn append_to(&self, idx: &mut Vec<u64>, val: &mut Vec<f32>, skip_zeros: bool) {
         for (i, v) in self.entries() {
-            if !(skip_zeros && self.header.dense && v == 0.0) {
+            // (Zero by its bits: with denormals flushed (DAZ), a kept subnormal compares
+            // equal to 0.0, and the ranks would disagree on the count.)
+            if !(skip_zeros && self.header.dense && super::mag(v) == 0) {
                 idx.push(i);
                 val.push(v);
             }

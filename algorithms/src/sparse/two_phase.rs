@@ -395,7 +395,7 @@ pub(crate) fn balanced_allgatherv(
             // zeros are positions nobody sent): fewer or more would be accepted alike by
             // every rank, a wrong result that no one notices.
             let got = if v.header.dense {
-                v.entries().filter(|&(_, x)| x != 0.0).count() as u64
+                v.entries().filter(|&(_, x)| mag(x) != 0).count() as u64
             } else {
                 v.count()
             };
