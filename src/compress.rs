@@ -256,9 +256,10 @@ impl CompressionReport {
 /// stream. Keep one per tensor (gradient bucket) and pass it to every call for that tensor;
 /// a tensor of another size or dtype resets the residual. Used on another communicator, it
 /// keeps what this rank's sends lost (the tensor's) and drops the residual of the sum this
-/// rank owned (the other group's). Top-k's state (its step count, threshold and residual)
-/// follows the tensor too: every rank's compressor must have made the same calls, or the
-/// next call fails as a mismatch.
+/// rank owned (the other group's). Top-k's residual follows the tensor too, and its step
+/// count and thresholds the communicator: every rank's compressor must have made the same
+/// calls on it, or the next call fails as a mismatch; on another communicator they start
+/// afresh (ranks from different groups would not agree on them).
 pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,
@@ -334,6 +335,7 @@ impl Compressor {
             Some((s, _)) if s != serial => {
                 self.residual.owner = Vec::new();
                 self.residual.owner_slice = 0..0;
+                self.topk.leave_group();
             }
             _ => {}
         }
@@ -692,9 +694,12 @@ mod tests {
         // The same communicator and dtype: kept.
         c.bind(7, DType::Float32);
         assert_eq!((c.residual.local.len(), c.residual.owner.len()), (8, 4));
-        // Another communicator: the owned sum's residual goes, this rank's stays.
+        c.topk.residual = vec![3.0; 8];
+        // Another communicator: the owned sum's residual goes, this rank's stays (top-k's
+        // too, its group's step count starting afresh).
         c.bind(8, DType::Float32);
         assert_eq!((c.residual.local.len(), c.residual.owner.len()), (8, 0));
+        assert_eq!((c.topk.residual.len(), c.topk.step()), (8, 0));
         assert_eq!(c.residual.owner_slice, 0..0);
         // Another dtype: another tensor.
         filled(&mut c);

@@ -638,6 +638,17 @@ pub struct TopkState {
 }
 
 impl TopkState {
+    /// Forget what a group agreed on (the step count, the threshold estimator, the
+    /// two-phase regions and global threshold) and keep the residual: for a tensor whose
+    /// next calls run on another communicator, where ranks that come from different groups
+    /// with equal step counts would otherwise pass the step check with different thresholds.
+    pub fn leave_group(&mut self) {
+        *self = TopkState {
+            residual: std::mem::take(&mut self.residual),
+            ..TopkState::default()
+        };
+    }
+
     /// Steps done.
     pub fn step(&self) -> u64 {
         self.step
@@ -869,6 +880,26 @@ pub fn k_of(ratio: f64, n: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leaving_a_group_keeps_the_residual_only() {
+        let mut s = TopkState {
+            residual: vec![1.5; 4],
+            step: 9,
+            ..TopkState::default()
+        };
+        s.estimator.threshold = Some(77);
+        s.plan.bounds = vec![0, 2, 4];
+        s.plan.threshold = Some(5);
+        s.sel_idx = vec![1];
+        s.leave_group();
+        assert_eq!(s.residual, [1.5; 4]);
+        assert_eq!(
+            (s.step, s.estimator.threshold, s.plan.threshold),
+            (0, None, None)
+        );
+        assert!(s.plan.bounds.is_empty() && s.sel_idx.is_empty());
+    }
     use proptest::prelude::*;
 
     fn reference(g: &[f32], k: usize) -> Vec<u64> {
