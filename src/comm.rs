@@ -2350,6 +2350,9 @@ mod tests {
                     let mut store =
                         StoreClient::connect(addr, b"t", Instant::now() + Duration::from_secs(10))
                             .unwrap();
+                    // Bound as init bounds it: the wait for rank 0's verdict still lasts past
+                    // the deadline, where rank 0 writes it.
+                    store.set_deadline(deadline);
                     let settings = [("CHORUS_ALGO", ("ring".to_string(), "ring".to_string()))];
                     agree_on_settings(&mut store, 7, rank, 3, &settings, deadline).unwrap_err()
                 })

@@ -54,10 +54,10 @@ enum chorus_status
    * A bad argument: NULL pointer, unknown dtype/op/algorithm, wrong size, overlapping
    * buffers. Nothing was sent, and the communicator is still usable, except where the
    * error says otherwise (with `CHORUS_CHECK_CALLS`, an argument refused on one rank
-   * only once the others wait for it; a freed request's call that failed). Without
-   * `CHORUS_CHECK_CALLS`, a refused collective still takes its place in the order of
-   * collectives: every rank makes it, refused or not (do not retry it); refused on some
-   * ranks only, the next call fails as a mismatch.
+   * only once the others wait for it; a freed request's call that failed). A refused
+   * collective still takes its place in the order of collectives: every rank makes it,
+   * refused or not (do not retry it); refused on some ranks only, the others fail as a
+   * mismatch in that call (with `CHORUS_CHECK_CALLS`) or in the next.
    */
   CHORUS_INVALID_ARGUMENT = 1,
   /**
@@ -497,10 +497,13 @@ int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
  * collectives is used up, as when chorus refuses one: ranks that all refused stay in step,
  * and where this rank alone did, the others' messages of that call are not taken for its
  * next call (which would return them as its result, one call behind from then on); that
- * call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
- * group of one, nor while another thread is in a call on `comm` or while its calls are
- * refused (transfers held): chorus would have refused the call then too, using up nothing.
- * In order with the nonblocking calls issued before; returns at once.
+ * call fails as a mismatch instead, on every rank. With `CHORUS_CHECK_CALLS`, this rank
+ * takes part in the comparison of calls as one that refused (on the communicator's thread,
+ * within its timeout): where the others made the call, they fail in it at once, naming this
+ * rank, and the ranks stay in step. Nothing in a group of one, nor while another thread is
+ * in a call on `comm` or while its calls are refused (transfers held): chorus would have
+ * refused the call then too, using up nothing. In order with the nonblocking calls issued
+ * before; returns at once (this rank's next call waits for the comparison).
  *
  * # Safety
  * `comm` is NULL or a live communicator.

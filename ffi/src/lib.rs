@@ -536,10 +536,13 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
 /// collectives is used up, as when chorus refuses one: ranks that all refused stay in step,
 /// and where this rank alone did, the others' messages of that call are not taken for its
 /// next call (which would return them as its result, one call behind from then on); that
-/// call fails as a mismatch instead, on every rank. Nothing with `CHORUS_CHECK_CALLS` or in a
-/// group of one, nor while another thread is in a call on `comm` or while its calls are
-/// refused (transfers held): chorus would have refused the call then too, using up nothing.
-/// In order with the nonblocking calls issued before; returns at once.
+/// call fails as a mismatch instead, on every rank. With `CHORUS_CHECK_CALLS`, this rank
+/// takes part in the comparison of calls as one that refused (on the communicator's thread,
+/// within its timeout): where the others made the call, they fail in it at once, naming this
+/// rank, and the ranks stay in step. Nothing in a group of one, nor while another thread is
+/// in a call on `comm` or while its calls are refused (transfers held): chorus would have
+/// refused the call then too, using up nothing. In order with the nonblocking calls issued
+/// before; returns at once (this rank's next call waits for the comparison).
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.

@@ -28,10 +28,10 @@ pub enum chorus_status {
     /// A bad argument: NULL pointer, unknown dtype/op/algorithm, wrong size, overlapping
     /// buffers. Nothing was sent, and the communicator is still usable, except where the
     /// error says otherwise (with `CHORUS_CHECK_CALLS`, an argument refused on one rank
-    /// only once the others wait for it; a freed request's call that failed). Without
-    /// `CHORUS_CHECK_CALLS`, a refused collective still takes its place in the order of
-    /// collectives: every rank makes it, refused or not (do not retry it); refused on some
-    /// ranks only, the next call fails as a mismatch.
+    /// only once the others wait for it; a freed request's call that failed). A refused
+    /// collective still takes its place in the order of collectives: every rank makes it,
+    /// refused or not (do not retry it); refused on some ranks only, the others fail as a
+    /// mismatch in that call (with `CHORUS_CHECK_CALLS`) or in the next.
     CHORUS_INVALID_ARGUMENT = 1,
     /// A call not allowed in this state: a communicator that is aborted or broken by an
     /// earlier error, or used from two threads at once.

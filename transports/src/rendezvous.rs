@@ -113,8 +113,11 @@ const STATUS_ERROR: u8 = 2;
 const REQ_HEADER_LEN: usize = 1 + 2 + 4;
 const RESP_HEADER_LEN: usize = 1 + 4;
 const MAX_ERROR_LEN: usize = 1024;
-/// Most value bytes (with their length words) one RUN response carries.
-const MAX_RUN_BYTES: usize = 1 << 20;
+/// Most value bytes (with their length words) one RUN response carries: the addresses of a
+/// few thousand ranks (the answer is copied once more to be sent, per connection).
+const MAX_RUN_BYTES: usize = 256 << 10;
+/// Most keys one RUN response carries (it looks them up under the store's lock).
+const MAX_RUN_KEYS: u64 = 4096;
 /// Body of a RUN request: wait, first index, count.
 const RUN_BODY_LEN: usize = 24;
 
@@ -130,6 +133,9 @@ const DEFAULT_CLIENT_IO_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long after [`StoreClient::set_deadline`]'s instant an answer may still arrive (a
 /// `get` asks the server to wait until that instant, and its answer takes a moment).
 pub const DEADLINE_GRACE: Duration = Duration::from_secs(2);
+/// How long before a client's bound the server's wait for a key ends, for its answer to
+/// arrive in time.
+const ANSWER_MARGIN: Duration = Duration::from_millis(500);
 /// Longest single TCP connect attempt of a client.
 const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// First and largest pause between a client's connection attempts.
@@ -853,7 +859,7 @@ impl Shared {
                 .0;
         }
         let mut body = Vec::new();
-        for i in first..first + count {
+        for i in first..first + count.min(MAX_RUN_KEYS) {
             let Some(v) = store.map.get(&key(i)) else {
                 break;
             };
@@ -1444,12 +1450,15 @@ impl StoreClient {
         self.bound = Some(deadline + DEADLINE_GRACE);
     }
 
-    /// How long a wait for a key may last: until `deadline`, or the instant given to
-    /// [`set_deadline`](Self::set_deadline) if sooner (a wait the server stretched past it
-    /// would end the connection at its bound: a timeout there leaves it usable).
+    /// How long a wait for a key may last: until `deadline`, or [`ANSWER_MARGIN`] before
+    /// the bound [`set_deadline`](Self::set_deadline) set if sooner (a wait the server
+    /// stretched past the bound would end the connection there: a timeout before it leaves
+    /// the connection usable). A caller may still wait a little past the instant it gave
+    /// `set_deadline`, within [`DEADLINE_GRACE`] (for what another rank writes when its own
+    /// wait ends there).
     fn wait_until(&self, deadline: Instant) -> Instant {
         self.bound
-            .map_or(deadline, |b| deadline.min(b - DEADLINE_GRACE))
+            .map_or(deadline, |b| deadline.min(b - ANSWER_MARGIN))
     }
 
     /// Undo [`set_deadline`](Self::set_deadline): the requests of a later phase (with
@@ -2082,6 +2091,20 @@ mod tests {
         watchdog(Duration::from_secs(60), || {
             let server = StoreServer::bind(localhost(), b"tok").unwrap();
             let mut c = StoreClient::connect(server.local_addr(), b"tok", secs(10)).unwrap();
+            // More keys than one answer carries.
+            let many = MAX_RUN_KEYS as usize + 10;
+            for i in 0..many {
+                c.set(&format!("small/{i}"), i.to_string().as_bytes())
+                    .unwrap();
+            }
+            let mut seen = 0;
+            c.get_each("small/", 0..many, secs(30), |i, v| {
+                assert_eq!((i, v), (seen, seen.to_string().into_bytes()));
+                seen += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen, many);
             // 40 values of 64 KiB: 2.5 MiB, more than one answer carries.
             let n = 40;
             for i in 0..n {

@@ -13,9 +13,9 @@ srun), then::
 
 Every collective works in place on numpy arrays and PyTorch CPU tensors (C-contiguous, native
 byte order). Errors raise subclasses of :class:`ChorusError`, one per C status code; argument
-errors (:class:`InvalidArgumentError`) leave the communicator usable (without
-``CHORUS_CHECK_CALLS`` a refused collective still counts as this rank's call: every rank makes
-the same calls, refused ones included; do not retry it), errors involving a peer
+errors (:class:`InvalidArgumentError`) leave the communicator usable (a refused collective
+still counts as this rank's call: every rank makes the same calls, refused ones included; do
+not retry it), errors involving a peer
 (:class:`RemoteError`, :class:`ChorusTimeoutError`, :class:`MismatchError`) make it unusable:
 call :meth:`Communicator.abort` and build a new one. The GIL is released while a collective
 runs. Every collective also takes ``async_op=True``: it is issued and returns a

@@ -651,7 +651,7 @@ class ProcessGroupChorus(dist.ProcessGroup):
         return _TransferWork(op)
 
     def _start_coalescing(self, *_device: Any) -> None:
-        # (torch 2.1 and later pass a device; only for CUDA tensors, which are refused.)
+        # (torch 2.0 and later pass a device; it does not matter here: CPU tensors only.)
         if getattr(self._tls, "batch", None) is not None:
             raise InvalidArgumentError("chorus backend: a batch of sends and receives is already open")
         self._tls.batch, self._tls.failed = [], None

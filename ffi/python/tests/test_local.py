@@ -376,6 +376,34 @@ def _on_two_ranks(fn):
     return out
 
 
+def test_a_refusal_of_the_package_is_compared_with_check_calls(monkeypatch):
+    """With CHORUS_CHECK_CALLS=1, a call the package refuses before calling in (a dtype chorus
+    does not reduce) takes part in the comparison of calls: the other rank fails at once,
+    naming it, not at its timeout, and the ranks stay in step."""
+    monkeypatch.setenv("CHORUS_CHECK_CALLS", "1")
+    monkeypatch.setenv("CHORUS_TIMEOUT", "30")
+
+    def body(c):
+        began = time.monotonic()
+        if c.rank == 0:
+            with pytest.raises(chorus.InvalidArgumentError):
+                c.allreduce(np.ones(3, dtype=np.complex64))
+            message = ""
+        else:
+            with pytest.raises(chorus.MismatchError) as e:
+                c.allreduce(np.ones(3, dtype=np.float32))
+            message = e.value.message
+        took = time.monotonic() - began
+        x = np.ones(2, dtype=np.float32)
+        c.allreduce(x)
+        return message, took, x.tolist()
+
+    out = _on_two_ranks(body)
+    assert "rank 0: a call that refused" in out[1][0], out[1][0]
+    for message, took, x in out.values():
+        assert took < 15 and x == [2.0, 2.0], (message, took, x)
+
+
 def test_set_timeout_bounds_later_calls():
     """A timeout set after init is the later calls': a rank that waits for a late one fails
     within it (a ChorusTimeoutError, also a RuntimeError as Gloo's); bad values are refused."""
