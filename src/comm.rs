@@ -321,6 +321,16 @@ fn local_settings(config: &Config) -> Result<LocalSettings, CommError> {
     if let Some(on) = crate::config::parse_switch("CHORUS_TCP_QUICKACK", &quickack)? {
         tcp.quickack = on;
     }
+    if let Some(secs) = env_parse::<u64>("CHORUS_TCP_KEEPALIVE")? {
+        // (Whole seconds, at most a day: 0 leaves dead hosts to the kernel.)
+        if secs > 86_400 {
+            return Err(CommError::invalid(
+                "init",
+                format!("CHORUS_TCP_KEEPALIVE={secs}: at most 86400 seconds (0 turns it off)"),
+            ));
+        }
+        tcp.keepalive = (secs > 0).then(|| Duration::from_secs(secs));
+    }
     let (congestion, required) = tcp_congestion_from_env()?;
     tcp.congestion = congestion;
     tcp.congestion_required = required;

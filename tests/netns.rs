@@ -21,7 +21,9 @@
 //! 4. torchrun's variables with `MASTER_ADDR` a name the root host resolves to 127.0.1.1 (as
 //!    Debian maps a host's own name; `/etc/netns/<host>/hosts`, written and removed by the
 //!    test) and the others to its eth0 address: the job forms, data over eth0;
-//! 5. the same name, all ranks in one namespace but given two host ids: the job forms.
+//! 5. the same name, all ranks in one namespace but given two host ids: the job forms;
+//! 6. a host falls silent (its link down) while the ranks are idle between calls: with
+//!    `CHORUS_TCP_KEEPALIVE=3` the next allreduce fails at once on the others.
 //!
 //! It needs root (`ip netns`, `tc`). Where namespaces cannot be made it fails and says why;
 //! `CHORUS_SKIP_NETNS=1` skips it (prints a `SKIPPED` line). Every job runs under a watchdog.
@@ -651,6 +653,41 @@ fn one_network_scenario(cluster: &Cluster) -> Result<(), String> {
     Ok(())
 }
 
+/// Scenario 6: after a barrier, the last host falls silent (its link goes down: no FIN, no
+/// RST, as a host that loses power); the others stay idle for longer than the keepalive
+/// time (`CHORUS_TCP_KEEPALIVE=3`), then allreduce: the call fails at once on each of them,
+/// not at their 30 s timeout.
+fn silent_host_scenario(cluster: &Cluster) -> Result<(), String> {
+    let ranks = run_ranks(
+        cluster,
+        "silent-host",
+        29507,
+        &[
+            ("CHORUS_SOCKET_IFNAME", "eth0"),
+            ("CHORUS_TCP_KEEPALIVE", "3"),
+        ],
+    );
+    let failed = |why: &str| Err(format!("a host falls silent: {why}\n{}", dump(&ranks)));
+    if !ranks[HOSTS - 1].output.contains("SILENT") {
+        return failed("the last host did not go silent");
+    }
+    for (rank, f) in ranks.iter().enumerate().take(HOSTS - 1) {
+        let Some(line) = f.output.lines().find(|l| l.contains("FAST-FAIL")) else {
+            return failed(&format!("rank {rank} did not report"));
+        };
+        let secs: f64 = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("after="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::INFINITY);
+        if secs > 3.0 {
+            return failed(&format!("rank {rank} failed after {secs} s, not at once"));
+        }
+        eprintln!("  {}", &line[line.find("FAST-FAIL").unwrap_or(0)..]);
+    }
+    Ok(())
+}
+
 #[test]
 fn allreduce_across_four_namespace_hosts() {
     if let Ok(kind) = std::env::var(CHILD_ENV) {
@@ -670,12 +707,14 @@ fn allreduce_across_four_namespace_hosts() {
         )
     });
     let mut failures = Vec::new();
-    let scenarios: [(&str, Scenario); 5] = [
+    let scenarios: [(&str, Scenario); 6] = [
         ("eth0", eth0_scenario),
         ("default interface", default_interface_scenario),
         ("lo", loopback_scenario),
         ("root name on loopback", named_root_scenario),
         ("root name on loopback, one network", one_network_scenario),
+        // Last: it takes a host's link down (and up again).
+        ("a host falls silent", silent_host_scenario),
     ];
     for (name, scenario) in scenarios {
         let began = Instant::now();
@@ -721,6 +760,40 @@ fn child(kind: &str) {
                     began.elapsed().as_secs_f64()
                 ),
             }
+        }
+        "silent-host" => {
+            let mut c = Communicator::from_env().unwrap_or_else(|e| panic!("communicator: {e}"));
+            let rank = c.rank();
+            c.barrier().unwrap_or_else(|e| panic!("barrier: {e}"));
+            // (Quiet for a moment first: every ACK of the barrier delivered, so that the
+            // others' connections to this host are idle, as between a training step's calls.)
+            thread::sleep(Duration::from_secs(1));
+            if rank == HOSTS - 1 {
+                let link = |state: &str| {
+                    Command::new("ip")
+                        .args(["link", "set", "eth0", state])
+                        .status()
+                        .is_ok_and(|s| s.success())
+                };
+                assert!(link("down"), "rank {rank}: cannot take eth0 down");
+                println!("SILENT {rank}");
+                thread::sleep(Duration::from_secs(14));
+                link("up");
+                // (Without closing anything: the others are gone.)
+                std::process::exit(0);
+            }
+            // Idle for longer than the keepalive time: the probes find the host silent.
+            thread::sleep(Duration::from_secs(8));
+            let began = Instant::now();
+            let mut x = [1.0f32; 1024];
+            match c.all_reduce(&mut x, ReduceOp::Sum) {
+                Ok(()) => panic!("rank {rank}: an allreduce with a silent host completed"),
+                Err(e) => println!(
+                    "FAST-FAIL rank {rank} after={:.1} s: {e}",
+                    began.elapsed().as_secs_f64()
+                ),
+            }
+            std::process::exit(0);
         }
         other => panic!("unknown {CHILD_ENV}={other:?}"),
     }

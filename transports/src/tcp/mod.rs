@@ -153,6 +153,34 @@ pub struct TcpOptions {
     /// connections and only receives on the other), but not a ring followed by a small
     /// exchange on the same connections. `CHORUS_TCP_QUICKACK=0` turns it off.
     pub quickack: bool,
+    /// How long a peer's host may stay silent while this side waits on an idle connection
+    /// to it before the connection fails (`None`: as the kernel does, which never notices a
+    /// host that vanished, powered off or was cut off, on a connection it sends nothing on).
+    /// A connection idle for a third of it sends TCP keepalive probes (`SO_KEEPALIVE`, then
+    /// every sixth of it); 3 unanswered end it, and a wait on it fails naming the peer, about
+    /// this long after the host fell silent, whatever the communicator's timeout (between
+    /// calls too: the next call fails at once). A peer that is alive but busy (computing,
+    /// stopped in a debugger) answers from its kernel. Data this side sent that the peer
+    /// does not acknowledge is left to the kernel's retransmissions (minutes) and the
+    /// communicator's timeout: `TCP_USER_TIMEOUT` would bound it, but ends connections to
+    /// live peers that leave a large message unread that long (their window stays shut).
+    /// [`DEFAULT_KEEPALIVE`] by default.
+    pub keepalive: Option<Duration>,
+}
+
+/// The default of [`TcpOptions::keepalive`]: a peer's host silent this long fails its
+/// connection (CHORUS_TCP_KEEPALIVE).
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(60);
+
+/// Sets `sock`'s keepalive probes for a peer's host silent about `after` (see
+/// [`TcpOptions::keepalive`]): the first after a third of it idle, then every sixth.
+fn set_keepalive(sock: &socket2::SockRef<'_>, after: Duration) -> std::io::Result<()> {
+    let at_least_1s = |d: Duration| d.max(Duration::from_secs(1));
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(at_least_1s(after / 3))
+        .with_interval(at_least_1s(after / 6))
+        .with_retries(3);
+    sock.set_tcp_keepalive(&probes)
 }
 
 impl Default for TcpOptions {
@@ -163,6 +191,7 @@ impl Default for TcpOptions {
             congestion: None,
             congestion_required: false,
             quickack: true,
+            keepalive: Some(DEFAULT_KEEPALIVE),
         }
     }
 }
@@ -215,6 +244,11 @@ impl TcpTransport {
                             .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_SNDBUF)", e))?;
                         sock.set_recv_buffer_size(b)
                             .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_RCVBUF)", e))?;
+                    }
+                    if let Some(after) = options.keepalive {
+                        set_keepalive(&sock, after).map_err(|e| {
+                            TransportError::io(Some(j), "setsockopt(SO_KEEPALIVE)", e)
+                        })?;
                     }
                     if let Some(cc) = &options.congestion {
                         // Without `congestion_required` it is a preference: a kernel
@@ -1222,6 +1256,36 @@ mod tests {
         assert_eq!(r, 0, "getsockopt(TCP_INFO): {}", io::Error::last_os_error());
         // SAFETY: zero-initialised plain integers, filled in by the kernel where it knows more.
         unsafe { info.assume_init() }.tcpi_unacked
+    }
+
+    /// Keepalive ends connections to hosts that fell silent, not to peers that are alive
+    /// but do not read: a peer that leaves a large message unread for longer than the
+    /// keepalive time (its receive window full, the sender probing it) still gets it whole.
+    /// (With `TCP_USER_TIMEOUT` at the keepalive time, Linux 6.18 ended the connection
+    /// after 2 s here: "Connection timed out".)
+    #[test]
+    fn keepalive_spares_a_peer_that_is_alive_but_does_not_read() {
+        let options = TcpOptions {
+            keepalive: Some(Duration::from_secs(2)),
+            ..TcpOptions::default()
+        };
+        let (mut t, mut raw) = raw_peer_with(&options);
+        let big = vec![3u8; 32 << 20];
+        let total = HEADER_LEN + big.len() + TRAILER_LEN;
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(5));
+            let mut sink = vec![0u8; total];
+            raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            raw.read_exact(&mut sink).map(|()| sink[HEADER_LEN + 1000])
+        });
+        let began = Instant::now();
+        t.send(1, 9, &big, Duration::from_secs(30)).unwrap();
+        assert!(
+            began.elapsed() >= Duration::from_secs(4),
+            "{:?}",
+            began.elapsed()
+        );
+        assert_eq!(reader.join().unwrap().unwrap(), 3);
     }
 
     /// How long the ACK of the last message of a request-answer exchange takes to reach the
