@@ -322,14 +322,7 @@ fn local_settings(config: &Config) -> Result<LocalSettings, CommError> {
         tcp.quickack = on;
     }
     if let Some(secs) = env_parse::<u64>("CHORUS_TCP_KEEPALIVE")? {
-        // (Whole seconds, at most a day: 0 leaves dead hosts to the kernel.)
-        if secs > 86_400 {
-            return Err(CommError::invalid(
-                "init",
-                format!("CHORUS_TCP_KEEPALIVE={secs}: at most 86400 seconds (0 turns it off)"),
-            ));
-        }
-        tcp.keepalive = (secs > 0).then(|| Duration::from_secs(secs));
+        tcp.keepalive = keepalive_of(secs)?;
     }
     let (congestion, required) = tcp_congestion_from_env()?;
     tcp.congestion = congestion;
@@ -827,6 +820,18 @@ fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, CommError> {
         }
         _ => Ok(None),
     }
+}
+
+/// `CHORUS_TCP_KEEPALIVE=secs`: whole seconds, at most a day; 0 leaves silent hosts to the
+/// kernel (no keepalive).
+fn keepalive_of(secs: u64) -> Result<Option<Duration>, CommError> {
+    if secs > 86_400 {
+        return Err(CommError::invalid(
+            "init",
+            format!("CHORUS_TCP_KEEPALIVE={secs}: at most 86400 seconds (0 turns it off)"),
+        ));
+    }
+    Ok((secs > 0).then(|| Duration::from_secs(secs)))
 }
 
 /// The congestion control chorus asks for when `CHORUS_TCP_CONGESTION` is unset, where the
@@ -2394,6 +2399,18 @@ mod tests {
         ] {
             assert!(!names_a_host(not), "{not}");
         }
+    }
+
+    #[test]
+    fn keepalive_seconds() {
+        assert_eq!(keepalive_of(0).unwrap(), None);
+        assert_eq!(keepalive_of(3).unwrap(), Some(Duration::from_secs(3)));
+        assert_eq!(
+            keepalive_of(86_400).unwrap(),
+            Some(Duration::from_secs(86_400))
+        );
+        let e = keepalive_of(86_401).unwrap_err().to_string();
+        assert!(e.contains("CHORUS_TCP_KEEPALIVE=86401"), "{e}");
     }
 
     #[test]
