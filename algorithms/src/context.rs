@@ -66,9 +66,13 @@ impl<'a> CollCtx<'a> {
 /// [`aligned_scratch`] for a size that other ranks' figures decide (the entries a sparse
 /// message may hold): an error, not the end of the process, when it cannot be allocated.
 fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Result<&mut [u8]> {
+    // (Asked for on its own first: the allocation below would end the process instead.)
     let grown = match bytes.checked_add(SCRATCH_ALIGN - 1) {
         Some(need) if buf.len() >= need => true,
-        Some(need) => buf.try_reserve_exact(need - buf.len()).is_ok(),
+        Some(need) => {
+            *buf = Vec::new();
+            Vec::<u8>::new().try_reserve_exact(need).is_ok()
+        }
         None => false,
     };
     if !grown {
@@ -89,7 +93,11 @@ fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Res
 fn aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> &mut [u8] {
     let need = bytes + SCRATCH_ALIGN - 1;
     if buf.len() < need {
-        buf.resize(need, 0);
+        // A fresh zeroed allocation (the old contents need not survive): its pages are the
+        // system's zero pages until written, so a receive buffer sized for the most that may
+        // arrive takes memory only for what does.
+        *buf = Vec::new();
+        *buf = vec![0u8; need];
     }
     let misalign = buf.as_ptr() as usize % SCRATCH_ALIGN;
     let start = (SCRATCH_ALIGN - misalign) % SCRATCH_ALIGN;
