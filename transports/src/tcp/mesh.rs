@@ -553,25 +553,28 @@ fn listen_ip(
     }
     let mut elsewhere = None;
     let mut waiting = Vec::new();
-    for j in 0..opts.size {
-        let n = store
-            .get(&format!("net/{j}"), deadline)
-            .map_err(|e| absent_ranks(store, opts.size, e))?;
-        if let Some(why) = n.strip_prefix(b"error: ") {
-            return Err(rdv(crate::frame::peer_text(why)));
-        }
-        let n = String::from_utf8_lossy(&n);
-        let (theirs, chooses) = n.rsplit_once('#').unwrap_or((&n, "0"));
-        if theirs == net {
-            continue;
-        }
-        if chooses == "1" {
-            waiting.push(j);
-        } else {
-            elsewhere = Some(j);
-            break;
-        }
-    }
+    // (One request or so for the row: every rank publishes its network before it looks.)
+    store
+        .get_each("net/", 0..opts.size, deadline, |j, n| {
+            if let Some(why) = n.strip_prefix(b"error: ") {
+                return Err(rdv(crate::frame::peer_text(why)));
+            }
+            if elsewhere.is_some() {
+                return Ok(());
+            }
+            let n = String::from_utf8_lossy(&n);
+            let (theirs, chooses) = n.rsplit_once('#').unwrap_or((&n, "0"));
+            if theirs == net {
+                return Ok(());
+            }
+            if chooses == "1" {
+                waiting.push(j);
+            } else {
+                elsewhere = Some(j);
+            }
+            Ok(())
+        })
+        .map_err(|e| absent_ranks(store, opts.size, e))?;
     let Some(j) = elsewhere else {
         if waiting.is_empty() {
             return Ok(opts.listen_ip);
