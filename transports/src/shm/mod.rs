@@ -338,7 +338,14 @@ pub fn connect(
                  not a chorus segment); use CHORUS_TRANSPORT=tcp"
             )));
                 }
-                let map = Mapping::map(&pfd, layout.total())
+                // The parts of it this rank touches: the header, the ring it writes, the arena.
+                let mine = layout.ring_at(my_slot);
+                let parts = [
+                    0..HEADER_BYTES,
+                    mine..mine + layout.ring_stride(),
+                    layout.arena()..layout.total(),
+                ];
+                let map = Mapping::map_parts(&pfd, layout.total(), &parts)
                     .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
                 let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
                     && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION

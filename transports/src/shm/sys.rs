@@ -6,7 +6,8 @@
 //!   happens to the process: the kernel frees the memory when the last descriptor and mapping
 //!   are gone. [`cannot_shrink`] checks a peer's segment for that seal before it is mapped.
 //! - [`open_peer_fd`]: another process's memfd, reopened through `/proc/<pid>/fd/<fd>`.
-//! - [`Mapping`]: a `MAP_SHARED | MAP_POPULATE` mapping (pre-faulted: first touch costs ~10×),
+//! - [`Mapping`]: a `MAP_SHARED` mapping, pre-faulted (`MAP_POPULATE`, or for the parts of a
+//!   peer's segment a rank uses `MADV_POPULATE_WRITE`: first touch costs ~10×),
 //!   unmapped on drop, with bounds-checked accessors for atomics and byte ranges.
 //! - [`futex_wait`] / [`futex_wake`]: process-shared futexes on a 32-bit word of a mapping; every
 //!   wait has a timeout.
@@ -92,6 +93,52 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of `fd` shared, readable and writable, with the pages pre-faulted.
     pub fn map(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        Self::map_with(fd, len, libc::MAP_POPULATE)
+    }
+
+    /// [`Mapping::map`] with only the pages of `parts` pre-faulted (for writing): a peer's
+    /// segment, of which a rank touches the header, its own ring and the arena, not the
+    /// rings of the other ranks (pre-faulting all of every peer's segment costs each rank
+    /// the whole host's shared memory in page tables: at 128 ranks on a host, 4 GiB each).
+    /// Where the kernel cannot (before Linux 5.14) the pages fault in at first touch.
+    pub fn map_parts(
+        fd: &OwnedFd,
+        len: usize,
+        parts: &[std::ops::Range<usize>],
+    ) -> io::Result<Mapping> {
+        let m = Self::map_with(fd, len, 0)?;
+        for part in parts {
+            m.prefault(part.clone());
+        }
+        Ok(m)
+    }
+
+    /// Pre-faults the pages of `part` (clipped to the mapping) for writing, if the kernel can.
+    fn prefault(&self, part: std::ops::Range<usize>) {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(4096);
+        let start = part.start / page * page;
+        let end = part.end.min(self.len).next_multiple_of(page).min(self.len);
+        if start >= end {
+            return;
+        }
+        // SAFETY: `start..end` lies inside this mapping (clipped above; `start` page-aligned,
+        // as is the mapping), which lives as long as `self`. MADV_POPULATE_WRITE only faults
+        // the pages in, as writes would, without changing their contents; an error (an older
+        // kernel's EINVAL) leaves them to fault in at first touch.
+        let _ = unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().add(start).cast(),
+                end - start,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+    }
+
+    fn map_with(fd: &OwnedFd, len: usize, populate: libc::c_int) -> io::Result<Mapping> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
@@ -109,7 +156,7 @@ impl Mapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | populate,
                 fd.as_raw_fd(),
                 0,
             )
