@@ -476,12 +476,14 @@ fn agree_on_settings(
     // A little past the deadline: rank 0 writes a verdict when its own wait ends there (if it
     // started much later, this rank gives up first, blaming no rank: rank 0 may be waiting
     // for another one).
-    let verdict = store
-        .get(
-            &format!("settings/{comm_id:x}/verdict"),
-            deadline + VERDICT_GRACE,
-        )
-        .map_err(io)?;
+    // (The store's bound, init's deadline, moves with it for this wait, and back.)
+    store.set_deadline(deadline + VERDICT_GRACE);
+    let verdict = store.get(
+        &format!("settings/{comm_id:x}/verdict"),
+        deadline + VERDICT_GRACE,
+    );
+    store.set_deadline(deadline);
+    let verdict = verdict.map_err(io)?;
     if verdict == b"ok" {
         return Ok(());
     }

@@ -66,38 +66,56 @@ impl<'a> CollCtx<'a> {
 /// [`aligned_scratch`] for a size that other ranks' figures decide (the entries a sparse
 /// message may hold): an error, not the end of the process, when it cannot be allocated.
 fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Result<&mut [u8]> {
-    // (Asked for on its own first: the allocation below would end the process instead.)
-    let grown = match bytes.checked_add(SCRATCH_ALIGN - 1) {
-        Some(need) if buf.len() >= need => true,
-        Some(need) => {
-            *buf = Vec::new();
-            Vec::<u8>::new().try_reserve_exact(need).is_ok()
-        }
-        None => false,
+    let Some(need) = bytes.checked_add(SCRATCH_ALIGN - 1) else {
+        return Err(no_memory(bytes));
     };
-    if !grown {
-        return Err(TransportError::Io {
-            peer: None,
-            during: "allocating receive buffers",
-            source: std::io::Error::new(
-                std::io::ErrorKind::OutOfMemory,
-                format!(
-                    "{bytes} bytes for the messages the ranks' largest count of entries allows"
-                ),
-            ),
-        });
+    if buf.len() < need {
+        // Sizes above PROBE_ABOVE are asked for on their own first (the allocation below
+        // would end the process instead); smaller ones are not (a probe's free would move the
+        // C allocator's threshold for fresh mappings, and the buffer would come from the heap,
+        // zeroed page by page).
+        let fits = |n: usize| n <= PROBE_ABOVE || Vec::<u8>::new().try_reserve_exact(n).is_ok();
+        let sizes = [grown(buf.len(), need), need];
+        *buf = Vec::new();
+        let size = sizes
+            .into_iter()
+            .find(|&n| fits(n))
+            .ok_or_else(|| no_memory(bytes))?;
+        *buf = vec![0u8; size];
     }
     Ok(aligned_scratch(buf, bytes))
+}
+
+/// Allocations this large come from fresh mappings whatever the C allocator's dynamic
+/// threshold (glibc's largest is 32 MiB on 64-bit systems).
+const PROBE_ABOVE: usize = 32 << 20;
+
+fn no_memory(bytes: usize) -> TransportError {
+    TransportError::Io {
+        peer: None,
+        during: "allocating receive buffers",
+        source: std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("{bytes} bytes for the messages the ranks' largest count of entries allows"),
+        ),
+    }
+}
+
+/// The size a scratch of `len` bytes grows to for `need`: at least double, so that sizes
+/// creeping upward do not allocate (and fault in) afresh at every step.
+fn grown(len: usize, need: usize) -> usize {
+    need.max(len.saturating_mul(2))
 }
 
 fn aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> &mut [u8] {
     let need = bytes + SCRATCH_ALIGN - 1;
     if buf.len() < need {
-        // A fresh zeroed allocation (the old contents need not survive): its pages are the
+        // A fresh zeroed allocation (the old contents need not survive): large ones are the
         // system's zero pages until written, so a receive buffer sized for the most that may
         // arrive takes memory only for what does.
+        let size = grown(buf.len(), need);
         *buf = Vec::new();
-        *buf = vec![0u8; need];
+        *buf = vec![0u8; size];
     }
     let misalign = buf.as_ptr() as usize % SCRATCH_ALIGN;
     let start = (SCRATCH_ALIGN - misalign) % SCRATCH_ALIGN;
@@ -128,5 +146,12 @@ mod tests {
             assert_eq!(s.as_ptr() as usize % SCRATCH_ALIGN, 0);
         }
         assert!(v.len() >= 5000);
+        // Growth at least doubles: sizes creeping upward do not allocate at every step.
+        let before = v.len();
+        aligned_scratch(&mut v, before);
+        assert!(v.len() >= 2 * before, "{} after {before}", v.len());
+        let before = v.len();
+        try_aligned_scratch(&mut v, before).unwrap();
+        assert!(v.len() >= 2 * before, "{} after {before}", v.len());
     }
 }

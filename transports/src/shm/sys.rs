@@ -21,7 +21,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Turns a `-1` return into the thread's `errno`.
@@ -127,15 +127,21 @@ impl Mapping {
         }
         // SAFETY: `start..end` lies inside this mapping (clipped above; `start` page-aligned,
         // as is the mapping), which lives as long as `self`. MADV_POPULATE_WRITE only faults
-        // the pages in, as writes would, without changing their contents; an error (an older
-        // kernel's EINVAL) leaves them to fault in at first touch.
-        let _ = unsafe {
+        // the pages in, as writes would, without changing their contents.
+        let r = unsafe {
             libc::madvise(
                 self.ptr.as_ptr().add(start).cast(),
                 end - start,
                 libc::MADV_POPULATE_WRITE,
             )
         };
+        if r != 0 {
+            // A kernel without it (before 5.14): a read of every page maps it (a write would
+            // change what the peer shares).
+            for off in (start..end).step_by(page) {
+                self.u64_at(off).load(Ordering::Relaxed);
+            }
+        }
     }
 
     fn map_with(fd: &OwnedFd, len: usize, populate: libc::c_int) -> io::Result<Mapping> {

@@ -157,8 +157,8 @@ pub struct TcpOptions {
     /// to it before the connection fails (`None`: as the kernel does, which never notices a
     /// host that vanished, powered off or was cut off, on a connection it sends nothing on).
     /// A connection idle for a third of it sends TCP keepalive probes (`SO_KEEPALIVE`, then
-    /// every sixth of it); 3 unanswered end it, and a wait on it fails naming the peer, about
-    /// this long after the host fell silent, whatever the communicator's timeout (between
+    /// every sixth of it, in whole seconds, 1 at least); 3 unanswered end it, and a wait on it
+    /// fails naming the peer, five sixths of this after the host fell silent (4 s at least), whatever the communicator's timeout (between
     /// calls too: the next call fails at once). A peer that is alive but busy (computing,
     /// stopped in a debugger) answers from its kernel. Data this side sent that the peer
     /// does not acknowledge is left to the kernel's retransmissions (minutes) and the
@@ -173,14 +173,19 @@ pub struct TcpOptions {
 pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(60);
 
 /// Sets `sock`'s keepalive probes for a peer's host silent about `after` (see
-/// [`TcpOptions::keepalive`]): the first after a third of it idle, then every sixth.
+/// [`TcpOptions::keepalive`]): the first after a third of it idle, then every sixth, each
+/// in whole seconds from 1 to 32767 (Linux's range), 3 probes.
 fn set_keepalive(sock: &socket2::SockRef<'_>, after: Duration) -> std::io::Result<()> {
-    let at_least_1s = |d: Duration| d.max(Duration::from_secs(1));
     let probes = socket2::TcpKeepalive::new()
-        .with_time(at_least_1s(after / 3))
-        .with_interval(at_least_1s(after / 6))
+        .with_time(keepalive_secs(after / 3))
+        .with_interval(keepalive_secs(after / 6))
         .with_retries(3);
     sock.set_tcp_keepalive(&probes)
+}
+
+/// `d` in whole seconds within Linux's range for keepalive times (1 ..= 32767).
+fn keepalive_secs(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs().clamp(1, 32_767))
 }
 
 impl Default for TcpOptions {
@@ -232,6 +237,7 @@ impl TcpTransport {
         let size = streams.len();
         let poll = Poll::new().map_err(|e| TransportError::io(None, "epoll_create", e))?;
         let mut peers = Vec::with_capacity(size);
+        let mut keepalive_refused = false;
         for (j, s) in streams.into_iter().enumerate() {
             match s {
                 None => peers.push(None),
@@ -246,9 +252,18 @@ impl TcpTransport {
                             .map_err(|e| TransportError::io(Some(j), "setsockopt(SO_RCVBUF)", e))?;
                     }
                     if let Some(after) = options.keepalive {
-                        set_keepalive(&sock, after).map_err(|e| {
-                            TransportError::io(Some(j), "setsockopt(SO_KEEPALIVE)", e)
-                        })?;
+                        // A preference: where the system refuses it (a sandbox), the calls'
+                        // timeout still ends a wait on a silent host.
+                        if let Err(e) = set_keepalive(&sock, after) {
+                            if !keepalive_refused {
+                                keepalive_refused = true;
+                                crate::note!(
+                                    "rank {rank}: TCP keepalive could not be set ({e}): a peer's \
+                                     host that falls silent is noticed at the calls' timeout \
+                                     only"
+                                );
+                            }
+                        }
                     }
                     if let Some(cc) = &options.congestion {
                         // Without `congestion_required` it is a preference: a kernel
@@ -1256,6 +1271,26 @@ mod tests {
         assert_eq!(r, 0, "getsockopt(TCP_INFO): {}", io::Error::last_os_error());
         // SAFETY: zero-initialised plain integers, filled in by the kernel where it knows more.
         unsafe { info.assume_init() }.tcpi_unacked
+    }
+
+    #[test]
+    fn keepalive_times_are_whole_seconds_in_linux_range() {
+        let s = Duration::from_secs;
+        assert_eq!(keepalive_secs(Duration::ZERO), s(1));
+        assert_eq!(keepalive_secs(Duration::from_millis(1900)), s(1));
+        assert_eq!(keepalive_secs(s(20)), s(20));
+        assert_eq!(keepalive_secs(s(40_000)), s(32_767));
+        // Set on a socket, a day's keepalive (whose third is beyond Linux's range) is taken.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let sock = socket2::SockRef::from(&c);
+        set_keepalive(&sock, s(200_000)).unwrap();
+        assert_eq!(sock.keepalive_time().unwrap(), s(32_767));
+        set_keepalive(&sock, s(60)).unwrap();
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.keepalive_time().unwrap(), s(20));
+        assert_eq!(sock.keepalive_interval().unwrap(), s(10));
+        assert_eq!(sock.keepalive_retries().unwrap(), 3);
     }
 
     /// Keepalive ends connections to hosts that fell silent, not to peers that are alive
