@@ -800,20 +800,30 @@ impl Shared {
     }
 
     fn get(&self, key: &[u8], wait: Duration) -> Response {
+        match self.wait_for(key, wait) {
+            Ok(store) => Response::ok(store.map.get(key).cloned().unwrap_or_default()),
+            Err(not_yet) => not_yet,
+        }
+    }
+
+    /// The store, locked, once `key` exists in it (waiting up to `wait`, at most
+    /// [`MAX_GET_WAIT`], on the condition variable); else the answer to give (not yet, or
+    /// shutting down).
+    fn wait_for(&self, key: &[u8], wait: Duration) -> Result<MutexGuard<'_, Store>, Response> {
         let deadline = Instant::now() + wait.min(MAX_GET_WAIT);
         let mut store = lock(&self.store);
         loop {
-            if let Some(v) = store.map.get(key) {
-                return Response::ok(v.clone());
+            if store.map.contains_key(key) {
+                return Ok(store);
             }
             if self.shutdown.load(Ordering::SeqCst) {
-                return Response::error("the store server is shutting down".into());
+                return Err(Response::error("the store server is shutting down".into()));
             }
             let Some(left) = remaining(deadline) else {
-                return Response {
+                return Err(Response {
                     status: STATUS_NOT_YET,
                     body: Vec::new(),
-                };
+                });
             };
             store = self
                 .changed
@@ -837,27 +847,10 @@ impl Shared {
         if first_key.len() > MAX_KEY_LEN {
             return Response::error(format!("run keys would exceed {MAX_KEY_LEN} bytes"));
         }
-        let deadline = Instant::now() + wait.min(MAX_GET_WAIT);
-        let mut store = lock(&self.store);
-        loop {
-            if store.map.contains_key(&first_key) {
-                break;
-            }
-            if self.shutdown.load(Ordering::SeqCst) {
-                return Response::error("the store server is shutting down".into());
-            }
-            let Some(left) = remaining(deadline) else {
-                return Response {
-                    status: STATUS_NOT_YET,
-                    body: Vec::new(),
-                };
-            };
-            store = self
-                .changed
-                .wait_timeout(store, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        let store = match self.wait_for(&first_key, wait) {
+            Ok(store) => store,
+            Err(not_yet) => return not_yet,
+        };
         let mut body = Vec::new();
         for i in first..first + count.min(MAX_RUN_KEYS) {
             let Some(v) = store.map.get(&key(i)) else {
