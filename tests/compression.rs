@@ -384,3 +384,34 @@ fn an_fp16_sum_beyond_its_range_reads_infinity_everywhere() {
         }
     }
 }
+
+/// A compressor moved to another communicator starts that group's top-k state afresh (its
+/// step count among it): rank 0's compressor made two calls on the world, rank 1 brings a
+/// fresh one to the new communicator, and their calls there agree. (Kept, rank 0's step
+/// count of 2 would meet rank 1's 0: a mismatch.)
+#[test]
+fn a_top_k_compressor_starts_afresh_on_another_communicator() {
+    let res = on_threads(2, WATCHDOG, |c| {
+        let mut comp = Compressor::new("topk:0.1,min_bytes=0").unwrap();
+        for salt in 0..2 {
+            let mut v = gradient(c.rank(), 4096, 20 + salt);
+            c.all_reduce_compressed(&mut v, ReduceOp::Sum, &mut comp)
+                .map_err(|e| e.to_string())?;
+        }
+        let mut other = c
+            .split(Some(0), 0)
+            .map_err(|e| e.to_string())?
+            .expect("a member of color 0");
+        if c.rank() == 1 {
+            comp = Compressor::new("topk:0.1,min_bytes=0").unwrap();
+        }
+        let mut v = gradient(c.rank(), 4096, 30);
+        other
+            .all_reduce_compressed(&mut v, ReduceOp::Sum, &mut comp)
+            .map_err(|e| e.to_string())?;
+        Ok::<bool, String>(same_everywhere(&mut other, &v))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        assert_eq!(r, Ok(true), "rank {rank}");
+    }
+}

@@ -467,6 +467,8 @@ fn a_stopped_job_stops_what_its_ranks_started_and_only_that() {
         let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
     }
     let left = still_running(|| processes_with(ours));
+    // The job's failure: rank 1's exit status.
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(left.is_empty(), "left running: {left:?}\n{stderr}");
     assert_eq!(spared.len(), 1, "{spared:?}\n{stderr}");
     assert!(

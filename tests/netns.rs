@@ -683,6 +683,13 @@ fn silent_host_scenario(cluster: &Cluster) -> Result<(), String> {
         if secs > 3.0 {
             return failed(&format!("rank {rank} failed after {secs} s, not at once"));
         }
+        // Blaming the silent host: directly, or through the rank that found it silent.
+        if !line.contains(&format!("rank {}", HOSTS - 1)) {
+            return failed(&format!(
+                "rank {rank}'s error does not name rank {}",
+                HOSTS - 1
+            ));
+        }
         eprintln!("  {}", &line[line.find("FAST-FAIL").unwrap_or(0)..]);
     }
     Ok(())

@@ -1459,8 +1459,15 @@ mod tests {
         assert!(!session_leader_from_stat(&stat("a (b", 7)));
         assert!(!session_leader_from_stat("42 (cut"));
         assert!(!session_leader_from_stat(""));
-        let me = std::fs::read_to_string("/proc/self/stat").unwrap();
-        assert_eq!(session_leader_from_stat(&me), is_session_leader());
+        // This process, against procps' reading of its session (scripts/test.sh installs
+        // procps): the test runner is no session leader; a child made one by setsid is.
+        let me = std::process::id();
+        let sid = std::process::Command::new("ps")
+            .args(["-o", "sid=", "-p", &me.to_string()])
+            .output()
+            .expect("ps (procps)");
+        let sid: u32 = String::from_utf8_lossy(&sid.stdout).trim().parse().unwrap();
+        assert_eq!(is_session_leader(), sid == me, "ps reads session {sid}");
     }
 
     /// What the prefixer writes for `pieces` fed in turn, with a pause after those marked.

@@ -365,7 +365,7 @@ def _on_two_ranks(fn):
         try:
             with chorus.init(rank=r, size=2, addr=addr) as c:
                 out[r] = fn(c)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # noqa: BLE001 - reported below (pytest's failures too)
             errors.append(e)
 
     ts = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
@@ -373,6 +373,7 @@ def _on_two_ranks(fn):
     [t.join(timeout=60) for t in ts]
     assert not any(t.is_alive() for t in ts), "watchdog: ranks still running"
     assert not errors, errors
+    assert sorted(out) == [0, 1], out
     return out
 
 
@@ -502,10 +503,8 @@ def test_ddp_hooks_leave_a_refused_bucket_as_it_was():
         left = []
         for hook in (allreduce_hook, sync_allreduce_hook):
             g = torch.full((8,), 3.0)
-            try:
+            with pytest.raises(chorus.InvalidUsageError):
                 hook(c, _Bucket(0, g, [torch.zeros(1)])).wait()
-            except chorus.InvalidUsageError:
-                pass
             left.append(g)
         return left
 
