@@ -227,8 +227,24 @@ mod tests {
 
         #[test]
         fn garbage_never_panics(b in proptest::array::uniform16(any::<u8>())) {
-            if let Ok(h) = Header::decode(&b) {
-                prop_assert!(h.len <= MAX_PAYLOAD);
+            let _ = Header::decode(&b);
+        }
+
+        /// A valid header with one byte changed: refused, or decoded to exactly what those
+        /// bytes say (every byte of a header means something).
+        #[test]
+        fn corrupted_headers_decode_exactly_or_not_at_all(
+            seq: u8, tag: u64, len in 0..=MAX_PAYLOAD, abort: bool,
+            at in 0..HEADER_LEN, byte: u8,
+        ) {
+            let h = Header { kind: if abort { Kind::Abort } else { Kind::Data }, seq, tag, len };
+            let mut b = [0u8; HEADER_LEN];
+            h.encode(&mut b);
+            b[at] = byte;
+            if let Ok(d) = Header::decode(&b) {
+                let mut again = [0u8; HEADER_LEN];
+                d.encode(&mut again);
+                prop_assert_eq!(again, b);
             }
         }
     }

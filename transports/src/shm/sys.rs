@@ -463,6 +463,37 @@ mod tests {
         a.write(4090, &[0u8; 8]);
     }
 
+    /// A wake from another process ends a wait on a shared word at once (FUTEX_WAKE, not
+    /// the private form, which would leave the waiter to its timeout).
+    #[test]
+    fn futex_wake_reaches_a_waiter_in_another_process() {
+        let fd = memfd("chorus-test", 4096).unwrap();
+        let m = Mapping::map(&fd, 4096).unwrap();
+        let word = m.u32_at(0);
+        std::thread::scope(|s| {
+            let waker = s.spawn(|| {
+                in_forked_child(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    m.u32_at(0).store(1, Ordering::SeqCst);
+                    futex_wake(m.u32_at(0));
+                    0
+                })
+            });
+            let t = std::time::Instant::now();
+            while word.load(Ordering::SeqCst) == 0 && t.elapsed() < Duration::from_secs(5) {
+                futex_wait(word, 0, Duration::from_secs(5));
+            }
+            let took = t.elapsed();
+            assert_eq!(waker.join().unwrap(), 0);
+            assert_eq!(word.load(Ordering::SeqCst), 1);
+            assert!(took < Duration::from_secs(2), "woken after {took:?}");
+        });
+        // A word that differs: no wait at all.
+        let t = std::time::Instant::now();
+        futex_wait(word, 7, Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    }
+
     #[test]
     fn futex_times_out_and_liveness_of_self() {
         let w = AtomicU32::new(5);
