@@ -1497,26 +1497,42 @@ impl StoreClient {
         let deadline = self.wait_until(deadline);
         let started = Instant::now();
         loop {
-            // Ask the server to wait at most until our deadline (rounded up to whole ms, so a
-            // sub-millisecond remainder still gets one look at the store).
-            let left = deadline.saturating_duration_since(Instant::now());
-            let wait = left.min(MAX_GET_WAIT);
-            let wait_ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
-            let resp_deadline = Instant::now() + wait + self.io_timeout;
-            let (status, body) =
-                self.request(OP_GET, key, &wait_ms.to_le_bytes(), resp_deadline)?;
-            match status {
-                STATUS_OK => return Ok(body),
-                STATUS_NOT_YET if body.is_empty() => {
-                    if Instant::now() >= deadline {
-                        return Err(TransportError::Timeout {
-                            peer: None,
-                            waited: started.elapsed(),
-                        });
-                    }
-                }
-                _ => return Err(self.unexpected(key, status, &body)),
+            if let Some(value) = self.waiting_request(OP_GET, key, &[], deadline, started)? {
+                return Ok(value);
             }
+        }
+    }
+
+    /// One request (`op`: GET or RUN) that the server holds until its key exists or the wait
+    /// ends, its body the wait and then `rest`: `Some(answer)`, or `None` when the key has
+    /// not appeared yet and `deadline` is still ahead (a timeout, counted from `started`,
+    /// once it has passed).
+    fn waiting_request(
+        &mut self,
+        op: u8,
+        key: &str,
+        rest: &[u8],
+        deadline: Instant,
+        started: Instant,
+    ) -> Result<Option<Vec<u8>>> {
+        // Ask the server to wait at most until our deadline (rounded up to whole ms, so a
+        // sub-millisecond remainder still gets one look at the store).
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = left.min(MAX_GET_WAIT);
+        let wait_ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+        let resp_deadline = Instant::now() + wait + self.io_timeout;
+        let body = [&wait_ms.to_le_bytes()[..], rest].concat();
+        let (status, answer) = self.request(op, key, &body, resp_deadline)?;
+        match status {
+            STATUS_OK => Ok(Some(answer)),
+            STATUS_NOT_YET if answer.is_empty() => match Instant::now() >= deadline {
+                true => Err(TransportError::Timeout {
+                    peer: None,
+                    waited: started.elapsed(),
+                }),
+                false => Ok(None),
+            },
+            _ => Err(self.unexpected(key, status, &answer)),
         }
     }
 
@@ -1542,45 +1558,25 @@ impl StoreClient {
         let started = Instant::now();
         let mut next = indices.start;
         while next < indices.end {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let wait = left.min(MAX_GET_WAIT);
-            let wait_ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
-            let resp_deadline = Instant::now() + wait + self.io_timeout;
-            let mut body = [0u8; RUN_BODY_LEN];
-            body[..8].copy_from_slice(&wait_ms.to_le_bytes());
-            body[8..16].copy_from_slice(&(next as u64).to_le_bytes());
-            body[16..].copy_from_slice(&((indices.end - next) as u64).to_le_bytes());
-            let (status, resp) = self.request(OP_RUN, prefix, &body, resp_deadline)?;
-            match status {
-                STATUS_OK => {
-                    let values = match split_run(&resp, indices.end - next) {
-                        Some(v) => v,
-                        None => {
-                            let msg = format!(
-                                "the store at {} sent a malformed answer ({} bytes) for the \
-                                 keys from {prefix}{next}; is it a chorus store of the same \
-                                 version?",
-                                self.addr,
-                                resp.len()
-                            );
-                            self.broken = Some(msg.clone());
-                            return Err(TransportError::Rendezvous(msg));
-                        }
-                    };
-                    for v in values {
-                        each(next, v.to_vec())?;
-                        next += 1;
-                    }
-                }
-                STATUS_NOT_YET if resp.is_empty() => {
-                    if Instant::now() >= deadline {
-                        return Err(TransportError::Timeout {
-                            peer: None,
-                            waited: started.elapsed(),
-                        });
-                    }
-                }
-                _ => return Err(self.unexpected(&format!("{prefix}{next}"), status, &resp)),
+            let range = [next as u64, (indices.end - next) as u64];
+            let rest: Vec<u8> = range.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let Some(answer) = self.waiting_request(OP_RUN, prefix, &rest, deadline, started)?
+            else {
+                continue;
+            };
+            let Some(values) = split_run(&answer, indices.end - next) else {
+                let msg = format!(
+                    "the store at {} sent a malformed answer ({} bytes) for the keys from \
+                     {prefix}{next}; is it a chorus store of the same version?",
+                    self.addr,
+                    answer.len()
+                );
+                self.broken = Some(msg.clone());
+                return Err(TransportError::Rendezvous(msg));
+            };
+            for v in values {
+                each(next, v.to_vec())?;
+                next += 1;
             }
         }
         Ok(())

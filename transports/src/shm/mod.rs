@@ -215,6 +215,121 @@ fn member_runs(members: &[usize], rank: usize) -> Vec<std::ops::Range<usize>> {
     runs
 }
 
+/// Rank `j`'s segment as it published it (`v`, from `shm/seg/j`), checked, opened and mapped
+/// (pre-faulting the parts this rank, of member index `my_slot`, touches): the peer.
+fn attach_peer(
+    j: usize,
+    v: &[u8],
+    layout: &Layout,
+    my_slot: usize,
+    size: usize,
+    comm_id: u64,
+) -> Result<Peer> {
+    if let Some(why) = v.strip_prefix(b"error: ") {
+        return Err(rdv(format!(
+            "rank {j} could not set up its shared memory: {}",
+            crate::frame::peer_text(why)
+        )));
+    }
+    let text = String::from_utf8_lossy(v);
+    let mut it = text.split(' ').map(str::parse::<i64>);
+    let (pid, pfd, ring, arena) = match (it.next(), it.next(), it.next(), it.next(), it.next()) {
+        (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
+            if p > 0 && p <= u32::MAX as i64 && (0..=i32::MAX as i64).contains(&f) =>
+        {
+            (p as u32, f as i32, r, a)
+        }
+        _ => {
+            return Err(rdv(format!(
+                "rank {j} published a malformed segment {text:?}"
+            )))
+        }
+    };
+    // Options first, from the store: a peer with other sizes is refused before anything
+    // is opened or mapped.
+    if ring != layout.ring as i64 || arena != layout.arena_half as i64 {
+        return Err(rdv(format!(
+            "rank {j}'s shared segment does not match this communicator or its options \
+         (it has ring {ring} B, chunk {arena} B; this rank ring {} B, chunk {} B: \
+         set CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES alike on every rank)",
+            layout.ring, layout.arena_half
+        )));
+    }
+    let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
+        rdv(format!(
+            "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
+         (different pid namespace? use CHORUS_TRANSPORT=tcp)"
+        ))
+    })?;
+    // A segment that can shrink could be cut short under this rank's mapping, and the next
+    // access past its end would be SIGBUS instead of an error.
+    if !sys::cannot_shrink(&pfd) {
+        return Err(rdv(format!(
+            "rank {j}'s shared segment is not sealed at its size (another chorus release, or \
+         not a chorus segment); use CHORUS_TRANSPORT=tcp"
+        )));
+    }
+    // The parts of it this rank touches: the header, the ring it writes, the arena.
+    let mine = layout.ring_at(my_slot);
+    let parts = [
+        0..HEADER_BYTES,
+        mine..mine + layout.ring_stride(),
+        layout.arena()..layout.total(),
+    ];
+    let map = Mapping::map_parts(&pfd, layout.total(), &parts)
+        .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
+    let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
+        && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
+        && map.u32_at(H_SIZE).load(Ordering::Relaxed) == size as u32
+        && map.u32_at(H_RANK).load(Ordering::Relaxed) == j as u32
+        && map.u32_at(H_PID).load(Ordering::Relaxed) == pid
+        && map.u64_at(H_COMM).load(Ordering::Relaxed) == comm_id
+        && map.u64_at(H_RING).load(Ordering::Relaxed) == layout.ring as u64
+        && map.u64_at(H_ARENA).load(Ordering::Relaxed) == layout.arena_half as u64;
+    if !ok {
+        return Err(rdv(format!(
+            "rank {j}'s shared segment does not match this communicator or its options \
+         (ring {} B, chunk {} B)",
+            layout.ring, layout.arena_half
+        )));
+    }
+    Ok(Peer {
+        map,
+        out_ring: mine,
+        live: Liveness::watch(pid),
+        tx: Tx {
+            next_ticket: 0,
+            head_ticket: 0,
+            seq: 0,
+            pos: 0,
+            in_record: false,
+        },
+        rx: Rx {
+            next_ticket: 0,
+            head_ticket: 0,
+            seq: 0,
+            pos: 0,
+            in_record: false,
+        },
+    })
+}
+
+/// Waits for what every other member of `members` published under `prefix` (`prefix{j}`),
+/// a row of consecutive ranks at a time, handing each to `each(j, value)` in rank order.
+fn get_each_member(
+    store: &mut StoreClient,
+    prefix: &str,
+    members: &[usize],
+    rank: usize,
+    deadline: Instant,
+    mut each: impl FnMut(usize, Vec<u8>) -> Result<()>,
+) -> Result<()> {
+    for run in member_runs(members, rank) {
+        store.get_each(prefix, run, deadline, &mut each)?;
+    }
+    Ok(())
+}
+
 /// Builds the shared-memory transport among `members` (sorted global ranks on this host,
 /// including `rank`) through the rendezvous store. Every member must call it with the same
 /// members and options.
@@ -289,102 +404,10 @@ pub fn connect(
     let my_slot = slot[rank].expect("member");
     let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
     let mut attach = || -> Result<()> {
-        for run in member_runs(members, rank) {
-            store.get_each("shm/seg/", run, deadline, |j, v| {
-                if let Some(why) = v.strip_prefix(b"error: ") {
-                    return Err(rdv(format!(
-                        "rank {j} could not set up its shared memory: {}",
-                        crate::frame::peer_text(why)
-                    )));
-                }
-                let text = String::from_utf8_lossy(&v);
-                let mut it = text.split(' ').map(str::parse::<i64>);
-                let (pid, pfd, ring, arena) =
-                    match (it.next(), it.next(), it.next(), it.next(), it.next()) {
-                        (Some(Ok(p)), Some(Ok(f)), Some(Ok(r)), Some(Ok(a)), None)
-                            if p > 0
-                                && p <= u32::MAX as i64
-                                && (0..=i32::MAX as i64).contains(&f) =>
-                        {
-                            (p as u32, f as i32, r, a)
-                        }
-                        _ => {
-                            return Err(rdv(format!(
-                                "rank {j} published a malformed segment {text:?}"
-                            )))
-                        }
-                    };
-                // Options first, from the store: a peer with other sizes is refused before anything
-                // is opened or mapped.
-                if ring != layout.ring as i64 || arena != layout.arena_half as i64 {
-                    return Err(rdv(format!(
-                    "rank {j}'s shared segment does not match this communicator or its options \
-                 (it has ring {ring} B, chunk {arena} B; this rank ring {} B, chunk {} B: \
-                 set CHORUS_SHM_RING_BYTES / CHORUS_SHM_CHUNK_BYTES alike on every rank)",
-                    layout.ring, layout.arena_half
-                )));
-                }
-                let pfd = sys::open_peer_fd(pid, pfd).map_err(|e| {
-                    rdv(format!(
-                        "cannot open rank {j}'s shared segment /proc/{pid}/fd/{pfd}: {e} \
-                 (different pid namespace? use CHORUS_TRANSPORT=tcp)"
-                    ))
-                })?;
-                // A segment that can shrink could be cut short under this rank's mapping, and the next
-                // access past its end would be SIGBUS instead of an error.
-                if !sys::cannot_shrink(&pfd) {
-                    return Err(rdv(format!(
-                "rank {j}'s shared segment is not sealed at its size (another chorus release, or \
-                 not a chorus segment); use CHORUS_TRANSPORT=tcp"
-            )));
-                }
-                // The parts of it this rank touches: the header, the ring it writes, the arena.
-                let mine = layout.ring_at(my_slot);
-                let parts = [
-                    0..HEADER_BYTES,
-                    mine..mine + layout.ring_stride(),
-                    layout.arena()..layout.total(),
-                ];
-                let map = Mapping::map_parts(&pfd, layout.total(), &parts)
-                    .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
-                let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
-                    && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
-                    && map.u32_at(H_SIZE).load(Ordering::Relaxed) == size as u32
-                    && map.u32_at(H_RANK).load(Ordering::Relaxed) == j as u32
-                    && map.u32_at(H_PID).load(Ordering::Relaxed) == pid
-                    && map.u64_at(H_COMM).load(Ordering::Relaxed) == comm_id
-                    && map.u64_at(H_RING).load(Ordering::Relaxed) == layout.ring as u64
-                    && map.u64_at(H_ARENA).load(Ordering::Relaxed) == layout.arena_half as u64;
-                if !ok {
-                    return Err(rdv(format!(
-                    "rank {j}'s shared segment does not match this communicator or its options \
-                 (ring {} B, chunk {} B)",
-                    layout.ring, layout.arena_half
-                )));
-                }
-                peers[j] = Some(Peer {
-                    map,
-                    out_ring: layout.ring_at(my_slot),
-                    live: Liveness::watch(pid),
-                    tx: Tx {
-                        next_ticket: 0,
-                        head_ticket: 0,
-                        seq: 0,
-                        pos: 0,
-                        in_record: false,
-                    },
-                    rx: Rx {
-                        next_ticket: 0,
-                        head_ticket: 0,
-                        seq: 0,
-                        pos: 0,
-                        in_record: false,
-                    },
-                });
-                Ok(())
-            })?;
-        }
-        Ok(())
+        get_each_member(store, "shm/seg/", members, rank, deadline, |j, v| {
+            peers[j] = Some(attach_peer(j, &v, &layout, my_slot, size, comm_id)?);
+            Ok(())
+        })
     };
     if let Err(e) = attach() {
         // Tell the others, who would otherwise wait for this rank until their timeout.
@@ -397,17 +420,20 @@ pub fn connect(
     // Once every member mapped every segment, the descriptors can go: the mappings alone keep
     // the memory, and the kernel frees it when the last one is gone.
     store.set(&format!("shm/mapped/{rank}"), b"1")?;
-    for run in member_runs(members, rank) {
-        store.get_each("shm/mapped/", run, deadline, |j, v| {
-            match v.strip_prefix(b"error: ") {
-                Some(why) => Err(rdv(format!(
-                    "rank {j} could not attach the shared segments of this host: {}",
-                    crate::frame::peer_text(why)
-                ))),
-                None => Ok(()),
-            }
-        })?;
-    }
+    get_each_member(
+        store,
+        "shm/mapped/",
+        members,
+        rank,
+        deadline,
+        |j, v| match v.strip_prefix(b"error: ") {
+            Some(why) => Err(rdv(format!(
+                "rank {j} could not attach the shared segments of this host: {}",
+                crate::frame::peer_text(why)
+            ))),
+            None => Ok(()),
+        },
+    )?;
     drop(fd);
     Ok(ShmTransport {
         rank,
