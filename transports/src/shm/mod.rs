@@ -12,7 +12,10 @@
 //! A segment holds, cache-line padded: a header (identity, state `live|closed|aborted`, the abort
 //! notice, the owner's futex *bell* and *sleeping* flag, the direct allreduce's progress counter
 //! and call descriptors), one inbound ring per peer, and the arena of the direct allreduce
-//! ([`allreduce`]).
+//! ([`allreduce`]). A rank pre-faults the parts it uses when it maps a segment: the header,
+//! the arena and, up to 32 members at the default ring size, the rings (in its own segment
+//! every inbound one, in a peer's the one it writes); beyond that a ring's pages come in as
+//! it is used, so the host's memory does not grow as the square of its ranks.
 //!
 //! # Rings
 //!
@@ -138,7 +141,32 @@ impl Layout {
     fn total(&self) -> usize {
         (self.arena() + 2 * self.arena_half).next_multiple_of(4096)
     }
+    /// Whether the rings are pre-faulted when the segments are mapped: while a segment's
+    /// rings take at most [`PREFAULT_RINGS_MAX`].
+    fn prefault_rings(&self) -> bool {
+        self.members.saturating_mul(self.ring_stride()) <= PREFAULT_RINGS_MAX
+    }
+    /// The parts of a segment pre-faulted when it is mapped: the header, the arena and, where
+    /// [`Layout::prefault_rings`], the rings: in this rank's own segment (`ring: None`) every
+    /// inbound ring, in a peer's the ring this rank writes (`Some(offset)`). Rings not
+    /// pre-faulted fault in as they are used, a page at a time.
+    fn prefault_parts(&self, ring: Option<usize>) -> Vec<std::ops::Range<usize>> {
+        let mut parts = vec![0..HEADER_BYTES, self.arena()..self.total()];
+        match (self.prefault_rings(), ring) {
+            (true, None) => parts.push(self.ring_at(0)..self.ring_at(self.members)),
+            (true, Some(at)) => parts.push(at..at + self.ring_stride()),
+            (false, _) => {}
+        }
+        parts
+    }
 }
+
+/// Bytes of a segment's rings pre-faulted when it is mapped, at most (see
+/// [`Layout::prefault_rings`]): 32 members' rings at the default size. Beyond that, rings
+/// fault in as they are used: pre-faulting every ring of every segment made the host's
+/// shared memory grow as the square of its ranks whatever they exchange (128 ranks: 4 GiB,
+/// and 5 of the 8 s they took to start), where an allreduce uses a few rings per rank.
+const PREFAULT_RINGS_MAX: usize = 8 << 20;
 
 struct Tx {
     next_ticket: u64,
@@ -271,12 +299,7 @@ fn attach_peer(
     }
     // The parts of it this rank touches: the header, the ring it writes, the arena.
     let mine = layout.ring_at(my_slot);
-    let parts = [
-        0..HEADER_BYTES,
-        mine..mine + layout.ring_stride(),
-        layout.arena()..layout.total(),
-    ];
-    let map = Mapping::map_parts(&pfd, layout.total(), &parts)
+    let map = Mapping::map_parts(&pfd, layout.total(), &layout.prefault_parts(Some(mine)))
         .map_err(|e| rdv(format!("cannot map rank {j}'s shared segment: {e}")))?;
     let ok = map.u64_at(H_MAGIC).load(Ordering::Acquire) == MAGIC
         && map.u32_at(H_VERSION).load(Ordering::Relaxed) == VERSION
@@ -362,7 +385,8 @@ pub fn connect(
     let made = sys::memfd(&format!("chorus-{comm_id:016x}-{rank}"), layout.total())
         .map_err(|e| io("memfd_create", e))
         .and_then(|fd| {
-            let me = Mapping::map(&fd, layout.total()).map_err(|e| io("mmap", e))?;
+            let me = Mapping::map_parts(&fd, layout.total(), &layout.prefault_parts(None))
+                .map_err(|e| io("mmap", e))?;
             Ok((fd, me))
         });
     let (fd, me) = match made {
@@ -1088,6 +1112,94 @@ mod tests {
         crate::conformance::ring_exchange_large(&make);
         crate::conformance::ordered_tags(&make);
         crate::conformance::nonblocking_and_partial(&make);
+    }
+
+    /// Rings too large to pre-fault at every member count (see [`Layout::prefault_rings`]).
+    fn unfaulted_rings() -> ShmOptions {
+        ShmOptions {
+            ring_bytes: PREFAULT_RINGS_MAX,
+            chunk_bytes: 8192,
+            ..ShmOptions::default()
+        }
+    }
+
+    #[test]
+    fn rings_are_pre_faulted_only_up_to_a_bound() {
+        let layout = |members, ring| Layout {
+            members,
+            ring,
+            arena_half: 8192,
+        };
+        // The default ring: up to 32 members pre-faulted, not beyond.
+        let ring = ShmOptions::default().ring_bytes;
+        assert!(layout(31, ring).prefault_rings());
+        assert!(!layout(33, ring).prefault_rings());
+        let l = layout(33, ring);
+        for parts in [l.prefault_parts(None), l.prefault_parts(Some(l.ring_at(5)))] {
+            assert!(parts
+                .iter()
+                .all(|p| p.end <= l.ring_at(0) || p.start >= l.arena()));
+            assert!(parts.contains(&(l.arena()..l.total())), "{parts:?}");
+        }
+        let l = layout(4, ring);
+        assert!(l
+            .prefault_parts(None)
+            .contains(&(l.ring_at(0)..l.ring_at(4))));
+        let mine = l.ring_at(2)..l.ring_at(3);
+        assert!(l.prefault_parts(Some(mine.start)).contains(&mine));
+    }
+
+    #[test]
+    fn rings_not_pre_faulted_fault_in_as_used() {
+        // Pre-faulted: every inbound ring's pages exist once the group is connected.
+        let group = local_group(3, &small_rings()).expect("local shm group");
+        let l = group[0].layout;
+        let rings = l.ring_at(0) / 4096 * 4096..l.arena();
+        let pages = group[0].me.resident_pages(rings.clone());
+        assert_eq!(pages, rings.len() / 4096, "pre-faulted rings");
+        drop(group);
+        // Too large to pre-fault: none of the rings' pages exist until messages pass (the
+        // header's last page may hold the first ring's control block), and a message of a
+        // megabyte brings in about a megabyte of its ring.
+        let mut group = local_group(3, &unfaulted_rings()).expect("local shm group");
+        let l = group[0].layout;
+        let rings = l.ring_at(0).next_multiple_of(4096)..l.arena();
+        for t in &group {
+            assert_eq!(t.me.resident_pages(rings.clone()), 0);
+        }
+        let msg: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
+        let mut got = vec![0u8; msg.len()];
+        let (a, b) = group.split_at_mut(1);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut s = Request::send(1, 9, msg.len());
+        let mut r = Request::recv(0, 9, got.len());
+        a[0].post(&mut s).unwrap();
+        b[0].post(&mut r).unwrap();
+        let handle = std::thread::scope(|sc| {
+            let sender = sc.spawn(|| a[0].wait_all(&mut [Op::send(&mut s, &msg)], deadline));
+            b[0].wait_all(&mut [Op::recv(&mut r, &mut got)], deadline)
+                .unwrap();
+            sender.join().unwrap()
+        });
+        handle.unwrap();
+        assert!(got == msg, "the message arrived changed");
+        let used = b[0].me.resident_pages(rings.clone());
+        assert!(
+            (200..=300).contains(&used),
+            "{used} pages of the rings in use"
+        );
+        assert_eq!(group[2].me.resident_pages(rings), 0);
+        // And the unfaulted rings carry every pattern the transport supports.
+        let make = |n| {
+            local_group(n, &unfaulted_rings())
+                .expect("local shm group")
+                .into_iter()
+                .map(|t| Box::new(t) as Box<dyn Transport>)
+                .collect()
+        };
+        crate::conformance::ping_pong(&make);
+        crate::conformance::all_to_all(&make);
+        crate::conformance::ordered_tags(&make);
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //!   happens to the process: the kernel frees the memory when the last descriptor and mapping
 //!   are gone. [`cannot_shrink`] checks a peer's segment for that seal before it is mapped.
 //! - [`open_peer_fd`]: another process's memfd, reopened through `/proc/<pid>/fd/<fd>`.
-//! - [`Mapping`]: a `MAP_SHARED` mapping, pre-faulted (`MAP_POPULATE`, or for the parts of a
-//!   peer's segment a rank uses `MADV_POPULATE_WRITE`: first touch costs ~10×),
+//! - [`Mapping`]: a `MAP_SHARED` mapping, the parts of it a rank uses pre-faulted
+//!   (`MADV_POPULATE_WRITE`: first touch costs ~10×),
 //!   unmapped on drop, with bounds-checked accessors for atomics and byte ranges.
 //! - [`futex_wait`] / [`futex_wake`]: process-shared futexes on a 32-bit word of a mapping; every
 //!   wait has a timeout.
@@ -92,15 +92,17 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` bytes of `fd` shared, readable and writable, with the pages pre-faulted.
+    #[cfg(test)]
     pub fn map(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
         Self::map_with(fd, len, libc::MAP_POPULATE)
     }
 
-    /// [`Mapping::map`] with only the pages of `parts` pre-faulted (for writing): a peer's
-    /// segment, of which a rank touches the header, its own ring and the arena, not the
-    /// rings of the other ranks (pre-faulting all of every peer's segment costs each rank
-    /// the whole host's shared memory in page tables: at 128 ranks on a host, 4 GiB each).
-    /// Where the kernel cannot (before Linux 5.14) the pages fault in at first touch.
+    /// Maps `len` bytes of `fd` shared, readable and writable, with only the pages of `parts`
+    /// pre-faulted (for writing): the parts of a segment a rank uses (in a peer's segment
+    /// the header, its own ring and the arena, not the rings of the other ranks:
+    /// pre-faulting all of every peer's segment costs each rank the whole host's shared
+    /// memory in page tables, at 128 ranks on a host 4 GiB each). Where the kernel cannot
+    /// (before Linux 5.14) the pages are read in instead.
     pub fn map_parts(
         fd: &OwnedFd,
         len: usize,
@@ -196,6 +198,26 @@ impl Mapping {
         self.check_range(off, 4, 4);
         // SAFETY: as for `u64_at`, with 4-byte alignment.
         unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    /// How many pages of `part` (page-aligned, inside the mapping) are in memory: for shared
+    /// memory, the pages of the segment that exist (tests of what is pre-faulted).
+    #[cfg(test)]
+    pub fn resident_pages(&self, part: std::ops::Range<usize>) -> usize {
+        assert!(part.start % 4096 == 0 && part.start <= part.end && part.end <= self.len);
+        let pages = (part.end - part.start).div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the range lies inside this live mapping (checked above, page-aligned as the
+        // mapping is) and `vec` holds one byte per page of it, as mincore writes.
+        let r = unsafe {
+            libc::mincore(
+                self.ptr.as_ptr().add(part.start).cast(),
+                part.end - part.start,
+                vec.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0, "mincore: {}", io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 != 0).count()
     }
 
     /// Copies `src` into the mapping at `off`.
