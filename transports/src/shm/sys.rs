@@ -90,6 +90,15 @@ unsafe impl Send for Mapping {}
 // ranges the protocol keeps unwritten while they live (`bytes`).
 unsafe impl Sync for Mapping {}
 
+/// The system's page size (4096 where it cannot be read).
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
 impl Mapping {
     /// Maps `len` bytes of `fd` shared, readable and writable, with the pages pre-faulted.
     #[cfg(test)]
@@ -98,11 +107,12 @@ impl Mapping {
     }
 
     /// Maps `len` bytes of `fd` shared, readable and writable, with only the pages of `parts`
-    /// pre-faulted (for writing): the parts of a segment a rank uses (in a peer's segment
-    /// the header, its own ring and the arena, not the rings of the other ranks:
-    /// pre-faulting all of every peer's segment costs each rank the whole host's shared
-    /// memory in page tables, at 128 ranks on a host 4 GiB each). Where the kernel cannot
-    /// (before Linux 5.14) the pages are read in instead.
+    /// pre-faulted (for writing): the parts of a segment a rank uses (the header, the arena,
+    /// and rings as [`super::Layout`] says; never the rings of the other ranks in a peer's
+    /// segment: pre-faulting all of every peer's segment costs each rank the whole host's
+    /// shared memory in page tables, at 128 ranks on a host 4 GiB each). Where the kernel
+    /// cannot (before Linux 5.14) the pages are read in instead. Memory the system refuses
+    /// (a cgroup's limit) is an error here, not a fault at first use.
     pub fn map_parts(
         fd: &OwnedFd,
         len: usize,
@@ -110,22 +120,19 @@ impl Mapping {
     ) -> io::Result<Mapping> {
         let m = Self::map_with(fd, len, 0)?;
         for part in parts {
-            m.prefault(part.clone());
+            m.prefault(part.clone())?;
         }
         Ok(m)
     }
 
-    /// Pre-faults the pages of `part` (clipped to the mapping) for writing, if the kernel can.
-    fn prefault(&self, part: std::ops::Range<usize>) {
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-            .ok()
-            .filter(|p| p.is_power_of_two())
-            .unwrap_or(4096);
+    /// Pre-faults the pages of `part` (clipped to the mapping) for writing; where the kernel
+    /// does not know how, by reading them.
+    fn prefault(&self, part: std::ops::Range<usize>) -> io::Result<()> {
+        let page = page_size();
         let start = part.start / page * page;
         let end = part.end.min(self.len).next_multiple_of(page).min(self.len);
         if start >= end {
-            return;
+            return Ok(());
         }
         // SAFETY: `start..end` lies inside this mapping (clipped above; `start` page-aligned,
         // as is the mapping), which lives as long as `self`. MADV_POPULATE_WRITE only faults
@@ -138,12 +145,17 @@ impl Mapping {
             )
         };
         if r != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
             // A kernel without it (before 5.14): a read of every page maps it (a write would
             // change what the peer shares).
             for off in (start..end).step_by(page) {
                 self.u64_at(off).load(Ordering::Relaxed);
             }
         }
+        Ok(())
     }
 
     fn map_with(fd: &OwnedFd, len: usize, populate: libc::c_int) -> io::Result<Mapping> {
@@ -204,8 +216,9 @@ impl Mapping {
     /// memory, the pages of the segment that exist (tests of what is pre-faulted).
     #[cfg(test)]
     pub fn resident_pages(&self, part: std::ops::Range<usize>) -> usize {
-        assert!(part.start % 4096 == 0 && part.start <= part.end && part.end <= self.len);
-        let pages = (part.end - part.start).div_ceil(4096);
+        let page = page_size();
+        assert!(part.start % page == 0 && part.start <= part.end && part.end <= self.len);
+        let pages = (part.end - part.start).div_ceil(page);
         let mut vec = vec![0u8; pages];
         // SAFETY: the range lies inside this live mapping (checked above, page-aligned as the
         // mapping is) and `vec` holds one byte per page of it, as mincore writes.
