@@ -325,6 +325,52 @@ fn empty_tiny_and_huge_vectors() {
 }
 
 #[test]
+fn split_allgather_sizes_its_receives_by_what_arrives() {
+    // A vector of 2³³ positions, 10 000 entries a rank, all in region 0: the regions' sums
+    // together hold at most 80 000 entries (about 1 MB encoded), but sized one by one, for
+    // p times the largest count each, the 7 receives of the allgather asked for 7 times that.
+    const P: usize = 8;
+    const EACH: u64 = 10_000;
+    let n = 1usize << 33;
+    let results = run_group(mem::group(P, 1 << 16, 4096), |rank, t| {
+        let mut scratch = Vec::new();
+        let first = rank as u64 * EACH;
+        let x = SparseVec::new(
+            n,
+            (first..first + EACH).collect(),
+            (0..EACH).map(|i| (i % 7 + 1) as f32).collect(),
+        )
+        .unwrap();
+        let r =
+            sparse::sparse_all_reduce(&mut ctx(t, &mut scratch, 1), &x, SparseAlgo::SplitAllgather);
+        let r = abort_on_error(t, r)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+            .0;
+        (r, scratch.len())
+    });
+    let union = P as u64 * EACH;
+    for (rank, (r, scratch)) in results.iter().enumerate() {
+        let SparseResult::Sparse(v) = r else {
+            panic!("rank {rank}: a dense result of 2^33 positions")
+        };
+        assert_eq!(v.indices, (0..union).collect::<Vec<_>>(), "rank {rank}");
+        assert!(v
+            .values
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == (i as u64 % EACH % 7 + 1) as f32));
+        // Step 1 takes up to 7 x 10 000 entries; the allgather's receives at most the union
+        // (80 000 entries of 4-byte indices and values), not 7 x 80 000; scratch grows by
+        // doubling.
+        let most = 2 * ((union as usize) * 8 + 64 * P);
+        assert!(
+            *scratch <= most,
+            "rank {rank}: {scratch} bytes of scratch, {most} at most"
+        );
+    }
+}
+
+#[test]
 fn over_tcp() {
     // Real sockets: messages shorter than the receive buffers posted for them, several
     // messages in flight to every peer at once.

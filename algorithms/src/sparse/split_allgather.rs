@@ -18,13 +18,25 @@
 //! other `p−1` sums: between `2k(p−1)/p` words (identical indices) and `2k(p−1)` (disjoint),
 //! never more than the dense `n(p−1)/p` values. Two all-to-all rounds: modelled as `(p−1)α`
 //! each (the messages leave one after another), plus the bytes ([`cost`]).
+//!
+//! # Receive buffers
+//! A region's sum holds at most the entries of every rank, `p` times the largest count, so a
+//! rank could size each of its `p−1` receives for that; but all the regions together hold
+//! no more than that either, and sized one by one the buffers ask for up to `p−1` times what
+//! can arrive (at `p = 64`, a vector of 10¹⁰ positions and 10⁶ entries a rank: 48 GB of
+//! address space against the 0.8 GB the union can hold). So for vectors above
+//! [`super::BOUND_ENTRIES_ABOVE_BYTES`] (where the ranks already agreed on the largest
+//! count) the ranks first agree on the byte length of every region's sum (a small
+//! allreduce of `p` numbers) and each receive is sized exactly. Below, a receive is at most
+//! its region's dense size, and all of them together the vector's.
 
-use chorus_transport::Result;
+use chorus_transport::{Result, TransportError};
 
 use super::recursive_doubling::{expected_union, segment_bytes};
 use super::stream::{self, Acc, Expect, Part, SegView, Stamp};
+use super::two_phase::allreduce_sum;
 use super::{assemble, exchange_into_scratch, tag, Entries, SparseResult};
-use crate::cost::{Link, REDUCE_SECONDS_PER_BYTE};
+use crate::cost::{recursive_doubling_allreduce, Link, REDUCE_SECONDS_PER_BYTE};
 use crate::CollCtx;
 
 /// This schedule's tag id.
@@ -51,7 +63,18 @@ pub fn cost(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    2.0 * (p as f64 - 1.0) * link.alpha + split_and_sum_volume(n, nnz, p, link)
+    let lengths = match agrees_on_lengths(n as u64) {
+        true => recursive_doubling_allreduce(8 * p, p, link),
+        false => 0.0,
+    };
+    2.0 * (p as f64 - 1.0) * link.alpha + lengths + split_and_sum_volume(n, nnz, p, link)
+}
+
+/// Whether the ranks agree on the byte length of every region's sum before the allgather
+/// (see the module docs): for vectors of `n` positions above
+/// [`super::BOUND_ENTRIES_ABOVE_BYTES`] as f32.
+fn agrees_on_lengths(n: u64) -> bool {
+    n.saturating_mul(4) > super::BOUND_ENTRIES_ABOVE_BYTES
 }
 
 /// The part of the modelled time that grows with the data, shared with the two-phase
@@ -76,7 +99,16 @@ pub(crate) fn run(
     let bounds = plan(input.n, size);
     let (acc, _) = split_reduce(ctx, stamp, input, &bounds, bound, tag(ctx, ALG, 0))?;
     let region_bound = bound.saturating_mul(size as u64);
-    gather_regions(ctx, stamp, &acc, &bounds, region_bound, tag(ctx, ALG, 1))
+    let agree = size > 1 && agrees_on_lengths(input.n);
+    gather_regions(
+        ctx,
+        stamp,
+        &acc,
+        &bounds,
+        region_bound,
+        agree,
+        tag(ctx, ALG, 1),
+    )
 }
 
 /// Step 1 (shared with [`super::two_phase`]): sends every rank its region's split of `input`
@@ -137,13 +169,16 @@ pub(crate) fn split_reduce(
 }
 
 /// Step 2: sends this rank's region sum to every rank while receiving every other region's
-/// (at most `region_bound` entries each), and assembles the result from the bytes.
+/// (at most `region_bound` entries each; with `agree`, first agreeing on every sum's byte
+/// length, which then sizes the receives: see the module docs), and assembles the result
+/// from the bytes.
 pub(crate) fn gather_regions(
     ctx: &mut CollCtx<'_>,
     stamp: Stamp,
     acc: &Acc,
     bounds: &[u64],
     region_bound: u64,
+    agree: bool,
     t: chorus_transport::Tag,
 ) -> Result<SparseResult> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
@@ -153,10 +188,14 @@ pub(crate) fn gather_regions(
     acc.encode(&mut out, stamp, start, len);
     let peers: Vec<usize> = (0..size).filter(|&j| j != rank).collect();
     let sends: Vec<_> = peers.iter().map(|&j| (j, t, &out[..])).collect();
-    let caps: Vec<usize> = peers
-        .iter()
-        .map(|&j| stream::max_segment_bytes(region_bound, region(j).1))
-        .collect();
+    let most = |j: usize| stream::max_segment_bytes(region_bound, region(j).1);
+    let caps: Vec<usize> = match agree {
+        true => {
+            let lengths = agree_lengths(ctx, out.len(), &most)?;
+            peers.iter().map(|&j| lengths[j]).collect()
+        }
+        false => peers.iter().map(|&j| most(j)).collect(),
+    };
     let msgs = exchange_into_scratch(ctx, t, &sends, peers.iter().copied(), &caps)?;
     let mut views = Vec::with_capacity(size);
     let mut received = peers.iter().zip(&msgs);
@@ -175,6 +214,46 @@ pub(crate) fn gather_regions(
     }
     let ranks: Vec<usize> = (0..size).collect();
     assemble(stamp.n, &views, &ranks)
+}
+
+/// Every rank's byte length of its region's sum (this rank's is `mine`), agreed with a small
+/// allreduce and checked: this rank's own, and none above `most(j)`, what region `j`'s sum
+/// can take (so that a peer's garbage cannot size a receive beyond what the call allows). A
+/// bad length is a [`TransportError::Protocol`] error naming the next rank (the allreduce
+/// does not tell which one sent it).
+fn agree_lengths(
+    ctx: &mut CollCtx<'_>,
+    mine: usize,
+    most: &dyn Fn(usize) -> usize,
+) -> Result<Vec<usize>> {
+    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
+    let mut lengths = vec![0u64; size];
+    lengths[rank] = mine as u64;
+    allreduce_sum(ctx, &mut lengths)?;
+    check_lengths(&lengths, rank, mine, most)
+}
+
+/// The checks of [`agree_lengths`].
+fn check_lengths(
+    lengths: &[u64],
+    rank: usize,
+    mine: usize,
+    most: &dyn Fn(usize) -> usize,
+) -> Result<Vec<usize>> {
+    let bad = lengths.iter().enumerate().find(|&(j, &l)| {
+        usize::try_from(l).map_or(true, |l| l > most(j) || (j == rank && l != mine))
+    });
+    if let Some((j, &l)) = bad {
+        return Err(TransportError::Protocol {
+            peer: (rank + 1) % lengths.len(),
+            what: format!(
+                "split-allgather: the allreduced length of rank {j}'s region sum is {l} bytes \
+                 (at most {} fit its region, this rank's is {mine}): a peer sent garbage",
+                most(j)
+            ),
+        });
+    }
+    Ok(lengths.iter().map(|&l| l as usize).collect())
 }
 
 #[cfg(test)]
@@ -208,5 +287,29 @@ mod tests {
         assert!(d < 1.3 * r && r < 1.3 * d, "{d} {r}");
         // Tiny vectors: recursive doubling's log₂p latencies win.
         assert!(rd(1000, 10, 8, &l) < cost(1000, 10, 8, &l));
+        // Above the bound, one small allreduce more (the lengths of the regions' sums).
+        let (at, above): (usize, usize) = ((16 << 20) / 4, (16 << 20) / 4 + 1);
+        assert!(!agrees_on_lengths(at as u64) && agrees_on_lengths(above as u64));
+        let extra = cost(above, 1000, 8, &l) - cost(at, 1000, 8, &l);
+        assert!(extra >= recursive_doubling_allreduce(64, 8, &l), "{extra}");
+    }
+
+    #[test]
+    fn agreed_lengths_are_checked() {
+        let most = |j: usize| 100 * (j + 1);
+        assert_eq!(
+            check_lengths(&[50, 200, 0], 1, 200, &most).unwrap(),
+            [50, 200, 0]
+        );
+        // Another length for this rank than its own, one beyond what its region takes.
+        for (lengths, rank, mine) in [([50, 201, 0], 1, 200), ([101, 0, 0], 2, 0)] {
+            let e = check_lengths(&lengths, rank, mine, &most).unwrap_err();
+            assert!(
+                matches!(&e, TransportError::Protocol { peer, .. } if *peer == (rank + 1) % 3),
+                "{e}"
+            );
+        }
+        let e = check_lengths(&[0, u64::MAX], 0, 0, &most).unwrap_err();
+        assert!(e.to_string().contains("garbage"), "{e}");
     }
 }
