@@ -327,7 +327,7 @@ fn empty_tiny_and_huge_vectors() {
 #[test]
 fn split_allgather_sizes_its_receives_by_what_arrives() {
     // A vector of 2³³ positions, 10 000 entries a rank, all in region 0: the regions' sums
-    // together hold at most 80 000 entries (about 1 MB encoded), but sized one by one, for
+    // together hold at most 80 000 entries (640 KB encoded), but sized one by one, for
     // p times the largest count each, the 7 receives of the allgather asked for 7 times that.
     const P: usize = 8;
     const EACH: u64 = 10_000;

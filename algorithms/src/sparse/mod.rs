@@ -15,7 +15,7 @@
 //! | schedule | messages on the critical path | words each rank receives (k entries per rank) |
 //! |---|---|---|
 //! | [`recursive_doubling`] (SparCML) | `log₂p` (+2 when folding) | `2k·log₂p` (same indices) … `2k(p−1)` (disjoint), at most `n·log₂p` |
-//! | [`split_allgather`] (DSAR) | two all-to-all rounds | `2k(p−1)/p` … `2k(p−1)` (the union) |
+//! | [`split_allgather`] (DSAR) | two all-to-all rounds (and a small allreduce above 16 MiB dense) | `2k(p−1)/p` … `2k(p−1)` (the union) |
 //! | [`two_phase`] (Ok-Topk) | two all-to-all rounds, a balancing round, small allreduces | top-k: `≤ 6k(p−1)/p` |
 //!
 //! Entries travel as sparse streams ([`stream`]): sorted integer indices (u32, or u64 for
@@ -26,7 +26,8 @@
 //!
 //! # Tags
 //! Every message of these schedules uses the step `(schedule id << 8) | step` (below 4096) of
-//! [`CollCtx::tag`]; the small allreduces of counts and thresholds inside [`two_phase`] use
+//! [`CollCtx::tag`]; the small allreduces of counts and thresholds inside [`two_phase`] (and
+//! of the regions' byte lengths in [`split_allgather`]) use
 //! [`crate::allreduce::recursive_doubling`]'s own steps.
 //!
 //! # Identical results

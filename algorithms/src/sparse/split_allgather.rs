@@ -20,15 +20,15 @@
 //! each (the messages leave one after another), plus the bytes ([`cost`]).
 //!
 //! # Receive buffers
-//! A region's sum holds at most the entries of every rank, `p` times the largest count, so a
+//! A region's sum holds at most the entries of every rank, `p` times the largest count (the
+//! `bound` every rank passes: agreed for [`super::sparse_all_reduce`], `k` for top-k), so a
 //! rank could size each of its `p−1` receives for that; but all the regions together hold
 //! no more than that either, and sized one by one the buffers ask for up to `p−1` times what
-//! can arrive (at `p = 64`, a vector of 10¹⁰ positions and 10⁶ entries a rank: 48 GB of
-//! address space against the 0.8 GB the union can hold). So for vectors above
-//! [`super::BOUND_ENTRIES_ABOVE_BYTES`] (where the ranks already agreed on the largest
-//! count) the ranks first agree on the byte length of every region's sum (a small
-//! allreduce of `p` numbers) and each receive is sized exactly. Below, a receive is at most
-//! its region's dense size, and all of them together the vector's.
+//! can arrive (at `p = 64`, a vector of 10¹⁰ positions and 10⁶ entries a rank: 32 GB of
+//! address space against the 0.5 GB the union can take). So for vectors above
+//! [`super::BOUND_ENTRIES_ABOVE_BYTES`] the ranks first agree on the byte length of every
+//! region's sum (a small allreduce of `p` numbers) and each receive is sized exactly. Below,
+//! a receive is at most its region's dense size, and all of them together the vector's.
 
 use chorus_transport::{Result, TransportError};
 
@@ -191,7 +191,11 @@ pub(crate) fn gather_regions(
     let most = |j: usize| stream::max_segment_bytes(region_bound, region(j).1);
     let caps: Vec<usize> = match agree {
         true => {
-            let lengths = agree_lengths(ctx, out.len(), &most)?;
+            // At most `region_bound` entries in all, each of an index as wide as the widest
+            // region's and a value.
+            let widest = (0..size).map(|j| region(j).1).max().unwrap_or(0);
+            let union = stream::sparse_bytes(region_bound, widest);
+            let lengths = agree_lengths(ctx, out.len(), &most, union)?;
             peers.iter().map(|&j| lengths[j]).collect()
         }
         false => peers.iter().map(|&j| most(j)).collect(),
@@ -217,41 +221,57 @@ pub(crate) fn gather_regions(
 }
 
 /// Every rank's byte length of its region's sum (this rank's is `mine`), agreed with a small
-/// allreduce and checked: this rank's own, and none above `most(j)`, what region `j`'s sum
-/// can take (so that a peer's garbage cannot size a receive beyond what the call allows). A
-/// bad length is a [`TransportError::Protocol`] error naming the next rank (the allreduce
-/// does not tell which one sent it).
+/// allreduce and checked ([`check_lengths`]).
 fn agree_lengths(
     ctx: &mut CollCtx<'_>,
     mine: usize,
     most: &dyn Fn(usize) -> usize,
+    union: u128,
 ) -> Result<Vec<usize>> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let mut lengths = vec![0u64; size];
     lengths[rank] = mine as u64;
     allreduce_sum(ctx, &mut lengths)?;
-    check_lengths(&lengths, rank, mine, most)
+    check_lengths(&lengths, rank, mine, most, union)
 }
 
-/// The checks of [`agree_lengths`].
+/// The checks of the agreed `lengths` of the regions' sums, so that a peer's garbage cannot
+/// size the receives beyond what the call allows: this rank's own is `mine`, none is above
+/// `most(j)` (what region `j`'s sum can take), and their payloads (the lengths without the
+/// segment headers) add up to at most `union` bytes (what the entries of every rank take
+/// sparse: a region's sum is at most its entries' sparse size, dense only where that is not
+/// larger). A bad length is a [`TransportError::Protocol`] error naming the next rank (the
+/// allreduce does not tell which one sent it).
 fn check_lengths(
     lengths: &[u64],
     rank: usize,
     mine: usize,
     most: &dyn Fn(usize) -> usize,
+    union: u128,
 ) -> Result<Vec<usize>> {
+    let garbage = |what: String| TransportError::Protocol {
+        peer: (rank + 1) % lengths.len(),
+        what: format!("split-allgather: {what}: a peer sent garbage"),
+    };
     let bad = lengths.iter().enumerate().find(|&(j, &l)| {
         usize::try_from(l).map_or(true, |l| l > most(j) || (j == rank && l != mine))
     });
     if let Some((j, &l)) = bad {
-        return Err(TransportError::Protocol {
-            peer: (rank + 1) % lengths.len(),
-            what: format!(
-                "split-allgather: the allreduced length of rank {j}'s region sum is {l} bytes \
-                 (at most {} fit its region, this rank's is {mine}): a peer sent garbage",
-                most(j)
-            ),
-        });
+        return Err(garbage(format!(
+            "the allreduced length of rank {j}'s region sum is {l} bytes (at most {} fit its \
+             region, this rank's is {mine})",
+            most(j)
+        )));
+    }
+    let payload: u128 = lengths
+        .iter()
+        .map(|&l| u128::from(l.saturating_sub(stream::HEADER_BYTES as u64)))
+        .sum();
+    if payload > union {
+        return Err(garbage(format!(
+            "the allreduced lengths of the regions' sums carry {payload} bytes, more than the \
+             {union} the entries of every rank can take"
+        )));
     }
     Ok(lengths.iter().map(|&l| l as usize).collect())
 }
@@ -297,19 +317,27 @@ mod tests {
     #[test]
     fn agreed_lengths_are_checked() {
         let most = |j: usize| 100 * (j + 1);
+        let all = u128::MAX;
         assert_eq!(
-            check_lengths(&[50, 200, 0], 1, 200, &most).unwrap(),
+            check_lengths(&[50, 200, 0], 1, 200, &most, all).unwrap(),
             [50, 200, 0]
         );
         // Another length for this rank than its own, one beyond what its region takes.
         for (lengths, rank, mine) in [([50, 201, 0], 1, 200), ([101, 0, 0], 2, 0)] {
-            let e = check_lengths(&lengths, rank, mine, &most).unwrap_err();
+            let e = check_lengths(&lengths, rank, mine, &most, all).unwrap_err();
             assert!(
                 matches!(&e, TransportError::Protocol { peer, .. } if *peer == (rank + 1) % 3),
                 "{e}"
             );
         }
-        let e = check_lengths(&[0, u64::MAX], 0, 0, &most).unwrap_err();
+        let e = check_lengths(&[0, u64::MAX], 0, 0, &most, all).unwrap_err();
         assert!(e.to_string().contains("garbage"), "{e}");
+        // Each within its region, together more than the entries can take (headers aside).
+        let h = stream::HEADER_BYTES as u64;
+        let wide = |_: usize| 1000;
+        let mine = (h + 50) as usize;
+        assert!(check_lengths(&[h + 50, h + 100, h], 0, mine, &wide, 150).is_ok());
+        let e = check_lengths(&[h + 50, h + 101, h], 0, mine, &wide, 150).unwrap_err();
+        assert!(e.to_string().contains("151 bytes"), "{e}");
     }
 }
