@@ -11,7 +11,10 @@
 //! then `len` payload bytes and a one-byte trailer: [`TRAILER_END`], or [`TRAILER_ABORT`]
 //! when the sender gave up in the middle of the frame and padded the rest. Integers are
 //! little-endian. The receiver validates every header field before it reads a payload byte,
-//! and completes a receive only on the end trailer: a wrong magic, version or kind, a sequence
+//! and completes a receive only on the end trailer, holding back the payload's last byte
+//! until it has read the trailer (so a receive's bytes reach the message's length only when
+//! they are data: a schedule that forwards what has arrived never passes a padded frame on
+//! as a whole message). A wrong magic, version or kind, a sequence
 //! number other than the next one or a trailer that is neither value is a protocol error; a
 //! tag other than the posted receive's, or a length larger than its buffer, is a mismatch —
 //! never an allocation.

@@ -192,6 +192,9 @@ impl HybridTransport {
                 return Ok(false);
             };
             if signature(ops) != before {
+                if let Some(e) = crate::sweep::deadline_passed(wait, ops, start) {
+                    return Err(e);
+                }
                 return Ok(false);
             }
             let waiting_for_caller = ops.iter().all(|o| {

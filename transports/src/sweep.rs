@@ -2,7 +2,9 @@
 //! while something moved (completing one request can unblock the next one queued behind it on
 //! the same peer).
 
-use crate::{Direction, Op, Result, TransportError};
+use std::time::Instant;
+
+use crate::{Direction, Op, Result, TransportError, Wait};
 
 /// Outcome of trying to move bytes for one op.
 pub(crate) enum Moved {
@@ -66,6 +68,23 @@ pub(crate) fn sweep<'r, 'b>(
         if !again || s.all_done {
             return Ok(s);
         }
+    }
+}
+
+/// The timeout of a wait ([`Wait::Until`]) whose deadline passed while bytes still moved
+/// (`None` while it has not, and for other waits): a peer that trickles its bytes must not
+/// hold a schedule's loop of waits past the call's timeout.
+pub(crate) fn deadline_passed(
+    wait: Wait,
+    ops: &[Op<'_, '_>],
+    started: Instant,
+) -> Option<TransportError> {
+    match wait {
+        Wait::Until(d) if Instant::now() >= d => Some(TransportError::Timeout {
+            peer: timeout_peer(ops),
+            waited: started.elapsed(),
+        }),
+        _ => None,
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::nic::{Completion, Nic, NicError};
 use super::protocol::{Arrival, Incoming, ProtocolError, Receiver, Sender};
-use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
+use crate::sweep::{deadline_passed, stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
     check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
     Result, Transport, TransportError, Wait,
@@ -352,6 +352,11 @@ impl<N: Nic> Transport for RdmaTransport<N> {
             };
             if all_done {
                 return Ok(true);
+            }
+            if moved {
+                if let Some(e) = deadline_passed(wait, ops, started) {
+                    return Err(self.fail(e));
+                }
             }
             let (deadline, poll) = match wait.until() {
                 Some(w) if !moved => w,

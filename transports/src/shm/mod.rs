@@ -47,7 +47,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::rendezvous::StoreClient;
-use crate::sweep::{stuck_behind_others, sweep, Moved, Swept};
+use crate::sweep::{deadline_passed, stuck_behind_others, sweep, Moved, Swept};
 use crate::{
     check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
     Result, Transport, TransportError, Wait,
@@ -937,6 +937,7 @@ impl Transport for ShmTransport {
             self.peer_ref(op.req.peer())?;
         }
         let mut stall: Option<Stall> = None;
+        let started = Instant::now();
         loop {
             let Swept {
                 moved,
@@ -952,6 +953,9 @@ impl Transport for ShmTransport {
             };
             if all_done || moved {
                 self.disarm();
+                if let Some(e) = deadline_passed(wait, ops, started).filter(|_| !all_done) {
+                    return Err(self.fail(e));
+                }
                 return Ok(all_done);
             }
             let Some((deadline, poll)) = wait.until() else {
@@ -1121,6 +1125,62 @@ mod tests {
             chunk_bytes: 8192,
             ..ShmOptions::default()
         }
+    }
+
+    /// A peer that trickles a large message: a schedule's loop of waits (each until the
+    /// call's deadline, with work between them) ends at that deadline with a timeout,
+    /// although every wait moves bytes.
+    #[test]
+    fn a_trickling_peer_does_not_outlast_the_deadline() {
+        let mut group = local_group(2, &ShmOptions::default()).expect("local shm group");
+        let len = 4 << 20;
+        let mut sender = group.pop().unwrap();
+        let mut receiver = group.pop().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let data = vec![1u8; len];
+                let mut req = Request::send_partial(0, 9, len, 0);
+                sender.post(&mut req).unwrap();
+                // 1 KiB more every millisecond for 2 s at most: never the whole message.
+                for k in 1..=2000 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    req.set_available(k * 1024);
+                    let _ = sender.progress(&mut [Op::send(&mut req, &data)], Wait::No);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                sender
+            })
+        };
+        let mut b = vec![0u8; len];
+        let mut req = Request::recv(1, 9, len);
+        receiver.post(&mut req).unwrap();
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(200);
+        let mut outcome = None;
+        while start.elapsed() < Duration::from_secs(2) {
+            match receiver.progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(deadline)) {
+                Ok(done) => assert!(!done),
+                Err(e) => {
+                    outcome = Some((e, start.elapsed()));
+                    break;
+                }
+            }
+            // The schedule's work between its waits (a reduction), while more bytes arrive.
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stop.store(true, Ordering::SeqCst);
+        let (e, took) = outcome.expect("the loop of waits outlasted its deadline");
+        assert!(
+            matches!(e, TransportError::Timeout { peer: Some(1), .. }),
+            "{e}"
+        );
+        assert!(took < Duration::from_secs(1), "timed out after {took:?}");
+        assert!(req.bytes_done() > 0 && req.bytes_done() < len);
+        drop(writer.join().unwrap());
     }
 
     #[test]

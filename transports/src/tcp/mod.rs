@@ -33,7 +33,7 @@ pub use mesh::{
 };
 
 use crate::frame::{self, Header, Kind, HEADER_LEN, TRAILER_LEN};
-use crate::sweep::{stuck_behind_others, sweep, timeout_peer, Moved, Swept};
+use crate::sweep::{deadline_passed, stuck_behind_others, sweep, timeout_peer, Moved, Swept};
 use crate::{
     check_ops, check_post, check_usable, AbortHandle, AbortNotice, Buf, Direction, Op, Request,
     Result, Transport, TransportError, Wait,
@@ -797,9 +797,13 @@ fn drive_recv(
                 moved = true;
             }
             RxPhase::Payload => {
+                // The payload's last byte is held back with the trailer: a receive's bytes
+                // reach the message's length only once the end trailer says they are data
+                // (an aborting sender pads its frame; a schedule forwarding what arrived
+                // must not pass the padding on as a complete message).
                 let msg_len = req.message_len().expect("header seen");
                 let done = req.bytes_done();
-                let want = msg_len - done;
+                let want = msg_len.saturating_sub(1).saturating_sub(done);
                 if want == 0 {
                     p.rx_phase = RxPhase::Trailer;
                     continue;
@@ -816,8 +820,9 @@ fn drive_recv(
                     return Ok(if moved { Moved::Yes } else { Moved::Blocked });
                 }
                 let r = if want >= STAGING {
-                    // Large remainder: straight into the caller's buffer, never past this frame.
-                    p.stream.read(&mut buf[done..msg_len])
+                    // Large remainder: straight into the caller's buffer, never past the
+                    // bytes before the held-back last one.
+                    p.stream.read(&mut buf[done..done + want])
                 } else {
                     p.rx_start = 0;
                     p.rx_end = 0;
@@ -839,13 +844,22 @@ fn drive_recv(
                 }
             }
             RxPhase::Trailer => {
-                if !fill_staging(p, peer, TRAILER_LEN)? {
+                // The held-back last byte of the payload (none for an empty message), then
+                // the trailer.
+                let done = req.bytes_done();
+                let last = req.message_len().expect("header seen") - done;
+                if !fill_staging(p, peer, last + TRAILER_LEN)? {
                     return Ok(if moved { Moved::Yes } else { Moved::Blocked });
                 }
-                let t: [u8; TRAILER_LEN] = p.rx_buf[p.rx_start..p.rx_start + TRAILER_LEN]
+                let at = p.rx_start + last;
+                let t: [u8; TRAILER_LEN] = p.rx_buf[at..at + TRAILER_LEN]
                     .try_into()
                     .expect("trailer length");
-                p.rx_start += TRAILER_LEN;
+                if t == TRAILER_END {
+                    buf[done..done + last].copy_from_slice(&p.rx_buf[p.rx_start..at]);
+                    req.advance(last);
+                }
+                p.rx_start = at + TRAILER_LEN;
                 if t == TRAILER_END {
                     ack.after_message(&p.stream, req.message_len().unwrap_or(0));
                     p.rx_phase = RxPhase::Header;
@@ -1011,6 +1025,9 @@ impl Transport for TcpTransport {
                 Some(w) => w,
             };
             if moved || (poll && polled) {
+                if let Some(e) = deadline_passed(wait, ops, started) {
+                    return Err(self.fail(e));
+                }
                 return Ok(false);
             }
             if !socket_bound {
@@ -1237,6 +1254,95 @@ mod tests {
         raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         raw.read_exact(&mut got).unwrap();
         assert_eq!(got, want);
+    }
+
+    /// A peer that trickles a large message: a schedule's loop of waits (each until the
+    /// call's deadline, with work between them) ends at that deadline with a timeout,
+    /// although every wait moves bytes. (Over TCP the readiness a wait learns from epoll is
+    /// bounded by the deadline too; shared memory, which has none, has the same test.)
+    #[test]
+    fn a_trickling_peer_does_not_outlast_the_deadline() {
+        use std::io::Write as _;
+        let (mut t, mut raw) = raw_peer();
+        let len = 4 << 20;
+        let writer = std::thread::spawn(move || {
+            raw.write_all(&header_bytes(0, 9, len, Kind::Data)).unwrap();
+            // 1 KiB every millisecond for 2 s at most: never the whole message.
+            for _ in 0..2000 {
+                if raw.write_all(&[1u8; 1024]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let mut b = vec![0u8; len];
+        let mut req = Request::recv(1, 9, len);
+        t.post(&mut req).unwrap();
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(200);
+        let mut outcome = None;
+        while start.elapsed() < Duration::from_secs(2) {
+            match t.progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(deadline)) {
+                Ok(done) => assert!(!done),
+                Err(e) => {
+                    outcome = Some((e, start.elapsed()));
+                    break;
+                }
+            }
+            // The schedule's work between its waits (a reduction), while more bytes arrive.
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (e, took) = outcome.expect("the loop of waits outlasted its deadline");
+        assert!(
+            matches!(e, TransportError::Timeout { peer: Some(1), .. }),
+            "{e}"
+        );
+        assert!(took < Duration::from_secs(1), "timed out after {took:?}");
+        assert!(req.bytes_done() > 0 && req.bytes_done() < len);
+        drop(t);
+        writer.join().unwrap();
+    }
+
+    /// A receive's bytes reach the message's length only once the end trailer is read: an
+    /// aborting sender's padding, read before its abort trailer, never shows as a whole
+    /// message to a schedule that forwards what has arrived.
+    #[test]
+    fn the_last_payload_byte_waits_for_the_trailer() {
+        use std::io::Write as _;
+        for len in [1usize, 3, 200_000] {
+            for trailer in [frame::TRAILER_END, frame::TRAILER_ABORT] {
+                let (mut t, mut raw) = raw_peer();
+                let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
+                let mut bytes = frame_bytes(0, 9, &payload, trailer);
+                let end = bytes.split_off(bytes.len() - TRAILER_LEN);
+                raw.write_all(&bytes).unwrap();
+                let mut b = vec![0u8; len];
+                let mut req = Request::recv(1, 9, len);
+                t.post(&mut req).unwrap();
+                // Everything but the trailer arrives; polled for up to a second more.
+                let until = Instant::now() + Duration::from_secs(1);
+                while Instant::now() < until {
+                    let done = t
+                        .progress(&mut [Op::recv(&mut req, &mut b)], Wait::No)
+                        .unwrap();
+                    assert!(!done && req.bytes_done() < len, "len {len}: complete early");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                assert_eq!(req.bytes_done(), len - 1, "len {len}: the rest arrived");
+                raw.write_all(&end).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let r = t.wait_all(&mut [Op::recv(&mut req, &mut b)], deadline);
+                if trailer == frame::TRAILER_END {
+                    r.unwrap();
+                    assert_eq!(req.bytes_done(), len);
+                    assert!(b == payload, "len {len}: the message arrived changed");
+                } else {
+                    // The notice never comes: the receive fails, its bytes one short.
+                    assert!(r.is_err(), "len {len}: an aborted frame completed");
+                    assert_eq!(req.bytes_done(), len - 1);
+                }
+            }
+        }
     }
 
     /// Rank 0 of a group of two whose rank 1 is a raw socket: the test writes the bytes.
