@@ -365,7 +365,9 @@ fn every_address(root: SocketAddr) -> SocketAddr {
 /// or a new one (not where a [`crate::UniqueId`] of this process made one, which keeps
 /// serving for a later communicator of the id).
 fn announce_failure(config: &Config, server: Option<StoreServer>, e: &CommError) {
-    if config.size <= 1 {
+    // A size beyond the limit is itself the error (init refuses it): no store is raised with
+    // limits sized for it.
+    if config.size <= 1 || config.size > MAX_WORLD_SIZE || config.rank >= config.size {
         return;
     }
     let Ok(root) = resolve(&config.root_addr) else {

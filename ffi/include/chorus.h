@@ -515,7 +515,8 @@ int32_t chorus_comm_refused_call(chorus_comm *comm);
  * set at init): each fails when it has not completed within it. From 0.001 (1 ms) to one
  * year; anything else (NaN included) is `CHORUS_INVALID_ARGUMENT`. A communicator split or
  * duplicated from `comm` afterwards starts from it. Waits for the nonblocking calls issued
- * before (as a blocking call does).
+ * before (as a blocking call does); refused with `CHORUS_INVALID_USAGE`, as other calls are,
+ * while the caller holds a request of a transfer (see `chorus_isend`).
  *
  * # Safety
  * `comm` is NULL or a live communicator.
@@ -547,13 +548,13 @@ int32_t chorus_comm_abort(chorus_comm *comm);
  * by every function that takes a communicator, unless a communicator made since took its
  * address (the stale pointer then names that one). While another thread is inside a call on
  * it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
- * timeout, and destroy it then); a call another thread starts during the destroy is the
- * caller's race.
+ * timeout, and destroy it then). A call another thread starts while the destroy waits for
+ * the nonblocking calls, a second destroy included, is refused with
+ * `CHORUS_INVALID_ARGUMENT`.
  *
  * # Safety
- * `comm` is NULL or was returned by a `chorus_comm_*` function that makes one; no other
- * thread starts a call on it during or after this one, `chorus_comm_abort` included (to cut
- * short the wait for calls in flight, abort first and destroy once the abort has returned).
+ * `comm` is NULL or was returned by a `chorus_comm_*` function that makes one (destroyed or
+ * not).
  */
 int32_t chorus_comm_destroy(chorus_comm *comm);
 
@@ -1301,7 +1302,8 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its
  * kin, nor freed), the communicator's other calls (collectives, blocking and nonblocking,
  * `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup`, the splits, the compressed
- * allreduce) are refused with `CHORUS_INVALID_USAGE`, and the communicator stays usable. The
+ * allreduce, `chorus_comm_set_timeout`) are refused with `CHORUS_INVALID_USAGE`, and the
+ * communicator stays usable. The
  * rule follows the program's order, not the transfers' progress, so ranks running the same
  * program refuse alike. A call made after the requests were freed waits for their transfers
  * first. `chorus_send` and `chorus_recv` are accepted and take their place among the

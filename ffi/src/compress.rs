@@ -154,9 +154,7 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
 ) -> i32 {
     guard("chorus_allreduce_compressed", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        // Counted as a call: `chorus_comm_destroy` refuses meanwhile.
-        let _entered = crate::Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         c.queue.check_process()?;
         let checked = || -> Result<_, Failure> {
             // SAFETY: NULL or a compressor's address by the caller's promise.

@@ -30,7 +30,7 @@ mod sigpipe;
 mod status;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use chorus_core::{
@@ -166,8 +166,11 @@ pub struct chorus_comm {
     queue: Queue,
     /// Calls inside an export on this communicator now (`chorus_comm_destroy` refuses while
     /// one is: a blocking call may be waiting for the nonblocking ones without holding any
-    /// lock yet).
+    /// lock yet). Counted in under the registry's lock ([`ptr::comm`]).
     active: AtomicUsize,
+    /// Set (under the registry's lock) by the `chorus_comm_destroy` that frees it: calls
+    /// entering afterwards are refused.
+    closing: AtomicBool,
     /// Threads inside a call that uses the communicator (a blocking call, or the issue of a
     /// nonblocking one; not an abort): a second one is refused, since calls on one
     /// communicator must not overlap.
@@ -197,7 +200,7 @@ impl Drop for Turn<'_> {
 }
 
 /// One call counted in `chorus_comm::active` while it lives.
-struct Entered<'a>(&'a AtomicUsize);
+pub(crate) struct Entered<'a>(&'a AtomicUsize);
 
 impl<'a> Entered<'a> {
     fn new(count: &'a AtomicUsize) -> Entered<'a> {
@@ -219,6 +222,7 @@ impl chorus_comm {
             size: c.size(),
             queue: Queue::new(c),
             active: AtomicUsize::new(0),
+            closing: AtomicBool::new(false),
             callers: AtomicUsize::new(0),
             live: ptr::Live::default(),
         }
@@ -491,7 +495,7 @@ pub unsafe extern "C" fn chorus_comm_init_rank(
 pub unsafe extern "C" fn chorus_comm_rank(comm: *const chorus_comm, rank: *mut c_int) -> i32 {
     guard("chorus_comm_rank", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         // SAFETY: NULL or writable by the caller's promise.
         unsafe { ptr::write_out(rank, c.rank as c_int, "rank") }
     })
@@ -505,7 +509,7 @@ pub unsafe extern "C" fn chorus_comm_rank(comm: *const chorus_comm, rank: *mut c
 pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c_int) -> i32 {
     guard("chorus_comm_size", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         // SAFETY: NULL or writable by the caller's promise.
         unsafe { ptr::write_out(size, c.size as c_int, "size") }
     })
@@ -523,9 +527,7 @@ pub unsafe extern "C" fn chorus_comm_size(comm: *const chorus_comm, size: *mut c
 pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: *mut usize) -> i32 {
     guard("chorus_comm_transfers", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        // Counted as a call (a monitor thread's): `chorus_comm_destroy` refuses meanwhile.
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         // SAFETY: NULL or writable by the caller's promise.
         unsafe { ptr::write_out(count, c.queue.transfers(), "count") }
     })
@@ -550,8 +552,7 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
 pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_refused_call", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         c.queue.check_process()?;
         if c.size > 1 {
             skip_refused_call(c);
@@ -564,7 +565,8 @@ pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32
 /// set at init): each fails when it has not completed within it. From 0.001 (1 ms) to one
 /// year; anything else (NaN included) is `CHORUS_INVALID_ARGUMENT`. A communicator split or
 /// duplicated from `comm` afterwards starts from it. Waits for the nonblocking calls issued
-/// before (as a blocking call does).
+/// before (as a blocking call does); refused with `CHORUS_INVALID_USAGE`, as other calls are,
+/// while the caller holds a request of a transfer (see `chorus_isend`).
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator.
@@ -572,7 +574,7 @@ pub unsafe extern "C" fn chorus_comm_refused_call(comm: *mut chorus_comm) -> i32
 pub unsafe extern "C" fn chorus_comm_set_timeout(comm: *mut chorus_comm, seconds: f64) -> i32 {
     guard("chorus_comm_set_timeout", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         let Some(timeout) = chorus_core::config::timeout_from_secs(seconds) else {
             return Err(Failure::invalid(format!(
                 "seconds = {seconds}: the timeout must be at least 0.001 (1 ms) and at most one \
@@ -617,8 +619,7 @@ pub(crate) fn skip_refused_call(c: &chorus_comm) {
 pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_abort", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         // Also while a call runs (another thread's, or a nonblocking one on the
         // communicator's thread): it fails at once when it waits.
         if !c.queue.abort("chorus_comm_abort called", ABORT_WAIT) {
@@ -644,42 +645,51 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 /// by every function that takes a communicator, unless a communicator made since took its
 /// address (the stale pointer then names that one). While another thread is inside a call on
 /// it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
-/// timeout, and destroy it then); a call another thread starts during the destroy is the
-/// caller's race.
+/// timeout, and destroy it then). A call another thread starts while the destroy waits for
+/// the nonblocking calls, a second destroy included, is refused with
+/// `CHORUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `comm` is NULL or was returned by a `chorus_comm_*` function that makes one; no other
-/// thread starts a call on it during or after this one, `chorus_comm_abort` included (to cut
-/// short the wait for calls in flight, abort first and destroy once the abort has returned).
+/// `comm` is NULL or was returned by a `chorus_comm_*` function that makes one (destroyed or
+/// not).
 #[no_mangle]
 pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_destroy", || {
         if comm.is_null() {
             return Ok(());
         }
-        // SAFETY: non-NULL; refused unless live (and not destroyed meanwhile, by the caller's
-        // promise).
-        let c = unsafe { ptr::comm(comm)? };
-        if c.queue.check_process().is_err() {
+        let mut comms = registry::COMMS.lock();
+        if comms.known(comm) == registry::Known::Unknown {
+            return Err(Failure::invalid(format!(
+                "comm {comm:p} is not a live communicator (destroyed already, or never one)"
+            )));
+        }
+        // SAFETY: registered, so made by `Box::into_raw` and not freed; it stays so while the
+        // registry's lock (which calls enter by) is held, and once closed below, until this
+        // destroy frees it.
+        let c = unsafe { &*comm };
+        if comms.known(comm) == registry::Known::Parents || c.queue.check_process().is_err() {
             // A forked child: the communicator is the parent's. Its copy is left as it is
             // (a call in progress at the fork may have left it marked busy, or locked), and
             // no longer usable here.
-            registry::COMMS.lock().forget(comm);
+            comms.forget(comm);
             return Ok(());
         }
         // A call of another thread in progress (running, or waiting for the nonblocking calls
         // before it): freeing now would free what it is using.
-        let busy = || c.active.load(Ordering::SeqCst) > 0;
-        if busy() {
+        if c.active.load(Ordering::SeqCst) > 0 {
             return Err(c.in_use().not_freed());
         }
+        if c.closing.swap(true, Ordering::SeqCst) {
+            return Err(Failure::invalid(format!(
+                "comm {comm:p} is being destroyed by another thread"
+            )));
+        }
+        drop(comms);
+        // Closed under the lock calls enter by, with none inside: no call starts from now.
         // The nonblocking calls in flight finish first (at their timeout at the latest).
         c.queue.wait_all();
-        if busy() {
-            return Err(c.in_use().not_freed());
-        }
-        // SAFETY: not in use (checked just above) and not used again, by the caller's
-        // promise; freed only if still live (another thread's destroy may have won).
+        // SAFETY: live, and closed: only this destroy takes it back, exactly once.
         match unsafe { ptr::from_raw(comm) } {
             Some(c) => {
                 drop(c);
@@ -796,7 +806,7 @@ unsafe fn split_args<'a>(
         unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm") }
     });
     // SAFETY: NULL or live by the caller's promise.
-    let c = unsafe { ptr::comm(comm)? };
+    let (c, _entered) = unsafe { ptr::comm(comm)? };
     if let Err(f) = out_ok {
         let why = format!("{}: nowhere to put the new communicator", f.message);
         let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(&why).into()) });
@@ -999,8 +1009,7 @@ unsafe fn issue_as(
             None => Ok(()),
         };
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         c.queue.check_process()?;
         // A panic while checking the arguments is a refusal too (caught here, so that it
         // uses up the call's place as any other).
@@ -2858,7 +2867,7 @@ pub unsafe extern "C" fn chorus_send(
 ) -> i32 {
     guard("chorus_send", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
@@ -2894,7 +2903,7 @@ pub unsafe extern "C" fn chorus_recv(
 ) -> i32 {
     guard("chorus_recv", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         // The slice is made inside `with`, after the calls issued before this one.
         c.point_to_point(
@@ -2936,7 +2945,8 @@ pub unsafe extern "C" fn chorus_recv(
 /// While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its
 /// kin, nor freed), the communicator's other calls (collectives, blocking and nonblocking,
 /// `chorus_sendrecv`, `chorus_p2p_batch`, `chorus_comm_dup`, the splits, the compressed
-/// allreduce) are refused with `CHORUS_INVALID_USAGE`, and the communicator stays usable. The
+/// allreduce, `chorus_comm_set_timeout`) are refused with `CHORUS_INVALID_USAGE`, and the
+/// communicator stays usable. The
 /// rule follows the program's order, not the transfers' progress, so ranks running the same
 /// program refuse alike. A call made after the requests were freed waits for their transfers
 /// first. `chorus_send` and `chorus_recv` are accepted and take their place among the
@@ -3043,8 +3053,7 @@ unsafe fn start_transfer(
         // SAFETY: non-NULL and writable by the caller's promise.
         unsafe { ptr::write_out(request, std::ptr::null_mut(), "request")? };
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         c.queue.check_process()?;
         let (dtype, peer, buf) = p2p_args(buf, count, dtype, peer)?;
         if peer >= c.size {
@@ -3203,8 +3212,7 @@ pub unsafe extern "C" fn chorus_batch_isend_irecv(
             unsafe { ptr::write_out(requests.add(i), std::ptr::null_mut(), "requests")? };
         }
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
-        let _entered = Entered::new(&c.active);
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         c.queue.check_process()?;
         // SAFETY: valid for `n` entries by the caller's promise.
         let checked = unsafe { p2p_ops(ops, n)? };
@@ -3357,7 +3365,7 @@ pub unsafe extern "C" fn chorus_sendrecv(
 ) -> i32 {
     guard("chorus_sendrecv", || {
         // SAFETY: NULL or live by the caller's promise.
-        let c = unsafe { ptr::comm(comm)? };
+        let (c, _entered) = unsafe { ptr::comm(comm)? };
         let dtype = dtype.get()?;
         let dest = rank_arg(dest, "dest")?;
         let source = rank_arg(source, "source")?;
@@ -3429,6 +3437,89 @@ mod tests {
         unsafe { CStr::from_ptr(chorus_last_error()) }
             .to_string_lossy()
             .into_owned()
+    }
+
+    /// A destroy waiting for a nonblocking call closes the communicator first: another
+    /// thread's calls, a second destroy included, are refused meanwhile instead of using
+    /// memory the destroy is about to free.
+    #[test]
+    fn a_destroy_closes_the_communicator_to_calls_while_it_waits() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = std::ffi::CString::new(format!("127.0.0.1:{port}")).unwrap();
+        let init = |rank: c_int, addr: &std::ffi::CString| {
+            let mut comm: *mut chorus_comm = std::ptr::null_mut();
+            // SAFETY: valid out-pointer and strings; then a live comm.
+            unsafe {
+                let st = chorus_comm_init(&mut comm, rank, 2, addr.as_ptr(), std::ptr::null());
+                assert_eq!(st, 0, "rank {rank}: {}", last());
+                assert_eq!(chorus_comm_set_timeout(comm, 20.0), 0, "{}", last());
+            }
+            comm as usize
+        };
+        let (go, wait_go) = std::sync::mpsc::channel::<()>();
+        let other = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let comm = init(1, &addr) as *mut chorus_comm;
+                wait_go.recv_timeout(Duration::from_secs(20)).unwrap();
+                let mut v = [2i32; 4];
+                let p = v.as_mut_ptr().cast::<c_void>();
+                // SAFETY: live comm, 4 int32; then destroyed once.
+                unsafe {
+                    assert_eq!(chorus_allreduce(comm, p, p, 4, DtypeArg(2), OpArg(0)), 0);
+                    assert_eq!(chorus_comm_destroy(comm), 0);
+                }
+            })
+        };
+        let comm = init(0, &addr) as *mut chorus_comm;
+        let mut v = [1i32; 4];
+        let p = v.as_mut_ptr().cast::<c_void>();
+        let mut req: *mut chorus_request = std::ptr::null_mut();
+        // SAFETY: live comm; `v` outlives the request (waited for below).
+        let st = unsafe {
+            chorus_iallreduce(
+                comm,
+                p,
+                p,
+                4,
+                DtypeArg(2),
+                OpArg(0),
+                std::ptr::null(),
+                &mut req,
+            )
+        };
+        assert_eq!(st, 0, "{}", last());
+        // The destroy waits for the allreduce, which waits for rank 1.
+        let destroyer = {
+            let comm = comm as usize;
+            // SAFETY: a live comm, destroyed by this thread alone.
+            std::thread::spawn(move || unsafe { chorus_comm_destroy(comm as *mut chorus_comm) })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        let (mut rank, mut n) = (0, 0usize);
+        let invalid = S::CHORUS_INVALID_ARGUMENT as i32;
+        // SAFETY: the pointer was a live comm; the calls must refuse it, not use it.
+        unsafe {
+            assert_eq!(chorus_comm_rank(comm, &mut rank), invalid);
+            assert!(last().contains("being destroyed"), "{}", last());
+            assert_eq!(chorus_comm_transfers(comm, &mut n), invalid);
+            assert_eq!(chorus_comm_destroy(comm), invalid);
+            assert!(last().contains("being destroyed"), "{}", last());
+        }
+        go.send(()).unwrap();
+        assert_eq!(destroyer.join().unwrap(), 0, "{}", last());
+        // SAFETY: a live request; then a destroyed comm, refused.
+        unsafe {
+            assert_eq!(chorus_wait(&mut req), 0, "{}", last());
+            assert_eq!(chorus_comm_rank(comm, &mut rank), invalid);
+            assert!(last().contains("destroyed already"), "{}", last());
+        }
+        assert_eq!(v, [3; 4]);
+        other.join().unwrap();
     }
 
     #[test]

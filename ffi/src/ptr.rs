@@ -3,44 +3,45 @@
 
 use std::ffi::{c_char, c_void, CStr};
 
-use crate::registry::{Handles, Known, COMMS};
+use std::sync::atomic::Ordering;
+
+use crate::registry::{Known, COMMS};
 use crate::status::Failure;
-use crate::{chorus_comm, chorus_options};
+use crate::{chorus_comm, chorus_options, Entered};
 
-/// The communicator behind `p`: NULL, and a pointer that is not a live communicator
-/// (destroyed already, or never one), are refused.
+/// The communicator behind `p`, counted as in a call (`chorus_comm::active`) until the
+/// returned guard drops: NULL, a pointer that is not a live communicator (destroyed already,
+/// or never one) and one being destroyed are refused. Checked and counted under the
+/// registry's lock, which `chorus_comm_destroy` takes to see whether a call is inside and to
+/// close the communicator to new ones, so that a destroy on another thread cannot free it
+/// in between, or while the guard lives.
 ///
 /// # Safety
-/// `p` is NULL or was returned by `chorus_comm_init*` (destroyed or not), and no other thread
-/// destroys it during the call.
-pub(crate) unsafe fn comm<'a>(p: *const chorus_comm) -> Result<&'a chorus_comm, Failure> {
-    // SAFETY: as the caller promised.
-    unsafe { registered(p, &COMMS, "comm", "communicator") }
-}
-
-/// The handle behind `p`, named `what` and of `kind`, if `registry` knows it (this process's,
-/// or a forked parent's copy); NULL and unknown pointers are refused.
-///
-/// # Safety
-/// `p` is NULL or was handed out through `registry` (taken back or not), and no other thread
-/// takes it back during the call.
-unsafe fn registered<'a, T>(
-    p: *const T,
-    registry: &'static Handles,
-    what: &str,
-    kind: &str,
-) -> Result<&'a T, Failure> {
+/// `p` is NULL or was returned by `chorus_comm_init*` (destroyed or not).
+pub(crate) unsafe fn comm<'a>(
+    p: *const chorus_comm,
+) -> Result<(&'a chorus_comm, Entered<'a>), Failure> {
     if p.is_null() {
-        return Err(Failure::invalid(format!("{what} is NULL")));
+        return Err(Failure::invalid("comm is NULL"));
     }
+    let registry = COMMS.lock();
     if registry.known(p) == Known::Unknown {
         return Err(Failure::invalid(format!(
-            "{what} {p:p} is not a live {kind} (destroyed already, or never one)"
+            "comm {p:p} is not a live communicator (destroyed already, or never one)"
         )));
     }
-    // SAFETY: registered, so made by `Box::into_raw` and not taken back (this process's, or
-    // a forked parent's copy), and not taken back during the call by the caller's promise.
-    Ok(unsafe { &*p })
+    // SAFETY: registered (this process's, or a forked parent's copy), so made by
+    // `Box::into_raw` and not taken back; it is not while the registry's lock is held, and
+    // once counted in below, not until the guard drops (a destroy refuses while one is).
+    let c = unsafe { &*p };
+    if c.closing.load(Ordering::SeqCst) {
+        return Err(Failure::invalid(format!(
+            "comm {p:p} is being destroyed by another thread"
+        )));
+    }
+    let entered = Entered::new(&c.active);
+    drop(registry);
+    Ok((c, entered))
 }
 
 /// Hand a communicator to C.

@@ -10,8 +10,10 @@
 //! parent's thread (which the child does not have) held locked at the fork.
 //!
 //! What this cannot see: a handle destroyed and its address then reused for a new handle of
-//! the same kind (the stale pointer then names the new one), and a destroy racing with a call
-//! on another thread (the caller's race, as documented on each destroy).
+//! the same kind (the stale pointer then names the new one). A destroy racing with a call on
+//! another thread is seen: calls on a communicator or a compressor are counted in under its
+//! registry's lock, which the destroy takes to refuse while one is inside (and, for a
+//! communicator, to close it to new calls while it waits for its nonblocking ones).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -113,11 +115,6 @@ impl Handles {
     pub(crate) fn take<T>(&'static self, p: *const T) -> bool {
         self.lock().take(p)
     }
-
-    /// Where `p` stands.
-    pub(crate) fn known<T>(&'static self, p: *const T) -> Known {
-        self.lock().known(p)
-    }
 }
 
 thread_local! {
@@ -177,20 +174,20 @@ mod tests {
         static H: Handles = Handles::new();
         let a = Box::new(1u64);
         let p: *const u64 = &*a;
-        assert_eq!(H.known(p), Known::Unknown);
+        assert_eq!(H.lock().known(p), Known::Unknown);
         H.add(p);
-        assert_eq!(H.known(p), Known::Live);
+        assert_eq!(H.lock().known(p), Known::Live);
         assert!(H.take(p));
         assert!(!H.take(p), "taken twice");
-        assert_eq!(H.known(p), Known::Unknown);
+        assert_eq!(H.lock().known(p), Known::Unknown);
         // An entry of an earlier generation (a parent's) is known, not live: not taken, but
         // forgotten.
         H.lock()
             .entries
             .insert(p as usize, (u64::MAX, std::process::id()));
-        assert_eq!(H.known(p), Known::Parents);
+        assert_eq!(H.lock().known(p), Known::Parents);
         assert!(!H.take(p));
         assert!(H.lock().forget(p));
-        assert_eq!(H.known(p), Known::Unknown);
+        assert_eq!(H.lock().known(p), Known::Unknown);
     }
 }
