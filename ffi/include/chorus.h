@@ -530,8 +530,9 @@ int32_t chorus_comm_set_timeout(chorus_comm *comm, double seconds);
  * fails at once with `CHORUS_INVALID_USAGE` where it waits (over TCP at once, over shared
  * memory within 10 ms), and so does every later call. Returns once the peers have been told
  * (`CHORUS_INVALID_USAGE` if a running call neither waited nor ended within 10 s). Does not
- * free the communicator: call `chorus_comm_destroy` afterwards, not during (an abort that
- * overlaps the destroy may find the communicator freed). In a child forked from the process
+ * free the communicator: call `chorus_comm_destroy` afterwards, or during, to cut short its
+ * wait for the nonblocking calls in flight (the destroy frees it once the abort has
+ * returned). In a child forked from the process
  * that made it, does nothing.
  *
  * # Safety
@@ -550,7 +551,7 @@ int32_t chorus_comm_abort(chorus_comm *comm);
  * it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
  * timeout, and destroy it then). A call another thread starts while the destroy waits for
  * the nonblocking calls, a second destroy included, is refused with
- * `CHORUS_INVALID_ARGUMENT`.
+ * `CHORUS_INVALID_ARGUMENT`, except `chorus_comm_abort`, which cuts that wait short.
  *
  * # Safety
  * `comm` is NULL or was returned by a `chorus_comm_*` function that makes one (destroyed or

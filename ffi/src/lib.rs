@@ -609,8 +609,9 @@ pub(crate) fn skip_refused_call(c: &chorus_comm) {
 /// fails at once with `CHORUS_INVALID_USAGE` where it waits (over TCP at once, over shared
 /// memory within 10 ms), and so does every later call. Returns once the peers have been told
 /// (`CHORUS_INVALID_USAGE` if a running call neither waited nor ended within 10 s). Does not
-/// free the communicator: call `chorus_comm_destroy` afterwards, not during (an abort that
-/// overlaps the destroy may find the communicator freed). In a child forked from the process
+/// free the communicator: call `chorus_comm_destroy` afterwards, or during, to cut short its
+/// wait for the nonblocking calls in flight (the destroy frees it once the abort has
+/// returned). In a child forked from the process
 /// that made it, does nothing.
 ///
 /// # Safety
@@ -618,8 +619,10 @@ pub(crate) fn skip_refused_call(c: &chorus_comm) {
 #[no_mangle]
 pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
     guard("chorus_comm_abort", || {
-        // SAFETY: NULL or live by the caller's promise.
-        let (c, _entered) = unsafe { ptr::comm(comm)? };
+        // SAFETY: NULL or live by the caller's promise. Also while a destroy waits for the
+        // nonblocking calls: the abort cuts that wait short (the destroy frees the
+        // communicator once the abort has returned).
+        let (c, _entered) = unsafe { ptr::comm_even_closing(comm)? };
         // Also while a call runs (another thread's, or a nonblocking one on the
         // communicator's thread): it fails at once when it waits.
         if !c.queue.abort("chorus_comm_abort called", ABORT_WAIT) {
@@ -647,7 +650,7 @@ pub unsafe extern "C" fn chorus_comm_abort(comm: *mut chorus_comm) -> i32 {
 /// it, it is not freed: this fails with `CHORUS_INVALID_USAGE` (wait for that call, or its
 /// timeout, and destroy it then). A call another thread starts while the destroy waits for
 /// the nonblocking calls, a second destroy included, is refused with
-/// `CHORUS_INVALID_ARGUMENT`.
+/// `CHORUS_INVALID_ARGUMENT`, except `chorus_comm_abort`, which cuts that wait short.
 ///
 /// # Safety
 /// `comm` is NULL or was returned by a `chorus_comm_*` function that makes one (destroyed or
@@ -686,20 +689,38 @@ pub unsafe extern "C" fn chorus_comm_destroy(comm: *mut chorus_comm) -> i32 {
             )));
         }
         drop(comms);
-        // Closed under the lock calls enter by, with none inside: no call starts from now.
-        // The nonblocking calls in flight finish first (at their timeout at the latest).
+        // Open again if the wait below panics (the guard reports it): usable, not leaked.
+        let reopen = Reopen(&c.closing);
+        // Closed under the lock calls enter by, with none inside: no call starts from now
+        // but an abort, which cuts the wait short. The nonblocking calls in flight finish
+        // first (at their timeout at the latest), then such an abort (within `ABORT_WAIT`).
         c.queue.wait_all();
-        // SAFETY: live, and closed: only this destroy takes it back, exactly once.
-        match unsafe { ptr::from_raw(comm) } {
-            Some(c) => {
-                drop(c);
-                Ok(())
+        // Taken out of the registry under its lock once no abort is inside: none can enter
+        // after that.
+        loop {
+            let mut comms = registry::COMMS.lock();
+            if c.active.load(Ordering::SeqCst) == 0 {
+                comms.take(comm);
+                break;
             }
-            None => Err(Failure::invalid(format!(
-                "comm {comm:p} is not a live communicator (destroyed already)"
-            ))),
+            drop(comms);
+            std::thread::sleep(Duration::from_millis(1));
         }
+        std::mem::forget(reopen);
+        // SAFETY: made by `Box::into_raw` (registered), closed by this destroy alone and now
+        // taken out of the registry with no call inside: ownership comes back exactly once.
+        drop(unsafe { Box::from_raw(comm) });
+        Ok(())
     })
+}
+
+/// Clears a destroy's `closing` flag when dropped (a destroy that panicked while waiting).
+struct Reopen<'a>(&'a AtomicBool);
+
+impl Drop for Reopen<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// How long `chorus_comm_abort` waits for a running call to notice the abort.
@@ -737,7 +758,7 @@ pub unsafe extern "C" fn chorus_comm_split(
 ) -> i32 {
     guard("chorus_comm_split", || {
         // SAFETY: NULL or live, NULL or writable, by the caller's promise.
-        let c = unsafe { split_args(comm, newcomm)? };
+        let (c, _entered) = unsafe { split_args(comm, newcomm)? };
         // A color below -1 is refused inside the split's exchange, so that the other ranks
         // fail at once too.
         let child = c.with(|c| Ok(c.split_raw(i64::from(color), i64::from(key))?))?;
@@ -762,7 +783,7 @@ pub unsafe extern "C" fn chorus_comm_split_host(
 ) -> i32 {
     guard("chorus_comm_split_host", || {
         // SAFETY: NULL or live, NULL or writable, by the caller's promise.
-        let c = unsafe { split_args(comm, newcomm)? };
+        let (c, _entered) = unsafe { split_args(comm, newcomm)? };
         let child = c.with(|c| Ok(c.split_by_host()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
@@ -783,15 +804,15 @@ pub unsafe extern "C" fn chorus_comm_dup(
 ) -> i32 {
     guard("chorus_comm_dup", || {
         // SAFETY: NULL or live, NULL or writable, by the caller's promise.
-        let c = unsafe { split_args(comm, newcomm)? };
+        let (c, _entered) = unsafe { split_args(comm, newcomm)? };
         let child = c.with(|c| Ok(c.dup()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
     })
 }
 
-/// The communicator of a split (`chorus_comm_split`, `_split_host`, `_dup`), with `*newcomm`
-/// set to NULL. A NULL (or misaligned) `newcomm` is refused inside the split's exchange
+/// The communicator of a split (`chorus_comm_split`, `_split_host`, `_dup`), counted in as
+/// [`ptr::comm`] does, with `*newcomm` set to NULL. A NULL (or misaligned) `newcomm` is refused inside the split's exchange
 /// ([`Communicator::refuse_split`]), so that the other ranks fail at once (a mismatch naming
 /// this rank) instead of waiting for it until their timeout.
 ///
@@ -800,19 +821,19 @@ pub unsafe extern "C" fn chorus_comm_dup(
 unsafe fn split_args<'a>(
     comm: *mut chorus_comm,
     newcomm: *mut *mut chorus_comm,
-) -> Result<&'a chorus_comm, Failure> {
+) -> Result<(&'a chorus_comm, Entered<'a>), Failure> {
     let out_ok = ptr::check_out(newcomm, "newcomm").and_then(|()| {
         // SAFETY: non-NULL and aligned (checked), writable by the caller's promise.
         unsafe { ptr::write_out(newcomm, std::ptr::null_mut(), "newcomm") }
     });
     // SAFETY: NULL or live by the caller's promise.
-    let (c, _entered) = unsafe { ptr::comm(comm)? };
+    let (c, entered) = unsafe { ptr::comm(comm)? };
     if let Err(f) = out_ok {
         let why = format!("{}: nowhere to put the new communicator", f.message);
         let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(&why).into()) });
         return Err(refused.err().unwrap_or_else(|| Failure::invalid(why)));
     }
-    Ok(c)
+    Ok((c, entered))
 }
 
 /// Options after validation.
@@ -3519,6 +3540,87 @@ mod tests {
             assert!(last().contains("destroyed already"), "{}", last());
         }
         assert_eq!(v, [3; 4]);
+        other.join().unwrap();
+    }
+
+    /// An abort from another thread cuts short a destroy's wait for a nonblocking call whose
+    /// peer never comes; the destroy then frees the communicator.
+    #[test]
+    fn an_abort_cuts_a_destroys_wait_short() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = std::ffi::CString::new(format!("127.0.0.1:{port}")).unwrap();
+        let init = |rank: c_int, addr: &std::ffi::CString| {
+            let mut comm: *mut chorus_comm = std::ptr::null_mut();
+            // SAFETY: valid out-pointer and strings; then a live comm.
+            unsafe {
+                let st = chorus_comm_init(&mut comm, rank, 2, addr.as_ptr(), std::ptr::null());
+                assert_eq!(st, 0, "rank {rank}: {}", last());
+                assert_eq!(chorus_comm_set_timeout(comm, 30.0), 0, "{}", last());
+            }
+            comm as usize
+        };
+        let (done, wait_done) = std::sync::mpsc::channel::<()>();
+        let other = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let comm = init(1, &addr) as *mut chorus_comm;
+                // Never joins rank 0's allreduce; leaves once rank 0 is done.
+                wait_done.recv_timeout(Duration::from_secs(30)).unwrap();
+                // SAFETY: a live comm, destroyed once.
+                unsafe { chorus_comm_destroy(comm) };
+            })
+        };
+        let comm = init(0, &addr) as *mut chorus_comm;
+        let mut v = [1i32; 4];
+        let p = v.as_mut_ptr().cast::<c_void>();
+        let mut req: *mut chorus_request = std::ptr::null_mut();
+        // SAFETY: live comm; `v` outlives the request (waited for below).
+        let st = unsafe {
+            chorus_iallreduce(
+                comm,
+                p,
+                p,
+                4,
+                DtypeArg(2),
+                OpArg(0),
+                std::ptr::null(),
+                &mut req,
+            )
+        };
+        assert_eq!(st, 0, "{}", last());
+        let start = std::time::Instant::now();
+        let destroyer = {
+            let comm = comm as usize;
+            // SAFETY: a live comm, destroyed by this thread alone.
+            std::thread::spawn(move || unsafe { chorus_comm_destroy(comm as *mut chorus_comm) })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: a communicator being destroyed: the abort may enter it.
+        assert_eq!(unsafe { chorus_comm_abort(comm) }, 0, "{}", last());
+        assert_eq!(destroyer.join().unwrap(), 0);
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        // SAFETY: a live request; then a destroyed comm, refused.
+        unsafe {
+            assert_ne!(
+                chorus_wait(&mut req),
+                0,
+                "the allreduce without rank 1 completed"
+            );
+            let mut rank = 0;
+            assert_eq!(
+                chorus_comm_rank(comm, &mut rank),
+                S::CHORUS_INVALID_ARGUMENT as i32
+            );
+        }
+        done.send(()).unwrap();
         other.join().unwrap();
     }
 

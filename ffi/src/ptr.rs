@@ -21,6 +21,30 @@ use crate::{chorus_comm, chorus_options, Entered};
 pub(crate) unsafe fn comm<'a>(
     p: *const chorus_comm,
 ) -> Result<(&'a chorus_comm, Entered<'a>), Failure> {
+    // SAFETY: as the caller promised.
+    unsafe { enter(p, false) }
+}
+
+/// [`comm`], also for a communicator being destroyed (for `chorus_comm_abort`, which cuts a
+/// destroy's wait short; the destroy frees it once the abort has returned).
+///
+/// # Safety
+/// As for [`comm`].
+pub(crate) unsafe fn comm_even_closing<'a>(
+    p: *const chorus_comm,
+) -> Result<(&'a chorus_comm, Entered<'a>), Failure> {
+    // SAFETY: as the caller promised.
+    unsafe { enter(p, true) }
+}
+
+/// [`comm`] and [`comm_even_closing`].
+///
+/// # Safety
+/// As for [`comm`].
+unsafe fn enter<'a>(
+    p: *const chorus_comm,
+    even_closing: bool,
+) -> Result<(&'a chorus_comm, Entered<'a>), Failure> {
     if p.is_null() {
         return Err(Failure::invalid("comm is NULL"));
     }
@@ -34,7 +58,7 @@ pub(crate) unsafe fn comm<'a>(
     // `Box::into_raw` and not taken back; it is not while the registry's lock is held, and
     // once counted in below, not until the guard drops (a destroy refuses while one is).
     let c = unsafe { &*p };
-    if c.closing.load(Ordering::SeqCst) {
+    if !even_closing && c.closing.load(Ordering::SeqCst) {
         return Err(Failure::invalid(format!(
             "comm {p:p} is being destroyed by another thread"
         )));
@@ -49,21 +73,6 @@ pub(crate) fn into_raw(c: chorus_comm) -> *mut chorus_comm {
     let p = Box::into_raw(Box::new(c));
     COMMS.add(p);
     p
-}
-
-/// Take back a communicator from C: `None` for NULL, and for a pointer that is not a live
-/// communicator of this process (taken back already).
-///
-/// # Safety
-/// `p` is NULL or was returned by `into_raw`, and is not used again once taken back.
-pub(crate) unsafe fn from_raw(p: *mut chorus_comm) -> Option<Box<chorus_comm>> {
-    if p.is_null() || !COMMS.take(p) {
-        None
-    } else {
-        // SAFETY: `p` came from `Box::into_raw` and was still registered, and is no longer:
-        // ownership returns to us exactly once.
-        Some(unsafe { Box::from_raw(p) })
-    }
 }
 
 /// Store `value` through the out-parameter `p` named `what`.

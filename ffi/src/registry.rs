@@ -110,11 +110,6 @@ impl Handles {
     pub(crate) fn add<T>(&'static self, p: *const T) {
         self.lock().add(p);
     }
-
-    /// Takes `p` back: whether it was a live handle of this process (it is not any more).
-    pub(crate) fn take<T>(&'static self, p: *const T) -> bool {
-        self.lock().take(p)
-    }
 }
 
 thread_local! {
@@ -177,8 +172,8 @@ mod tests {
         assert_eq!(H.lock().known(p), Known::Unknown);
         H.add(p);
         assert_eq!(H.lock().known(p), Known::Live);
-        assert!(H.take(p));
-        assert!(!H.take(p), "taken twice");
+        assert!(H.lock().take(p));
+        assert!(!H.lock().take(p), "taken twice");
         assert_eq!(H.lock().known(p), Known::Unknown);
         // An entry of an earlier generation (a parent's) is known, not live: not taken, but
         // forgotten.
@@ -186,7 +181,7 @@ mod tests {
             .entries
             .insert(p as usize, (u64::MAX, std::process::id()));
         assert_eq!(H.lock().known(p), Known::Parents);
-        assert!(!H.take(p));
+        assert!(!H.lock().take(p));
         assert!(H.lock().forget(p));
         assert_eq!(H.lock().known(p), Known::Unknown);
     }

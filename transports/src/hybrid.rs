@@ -193,7 +193,8 @@ impl HybridTransport {
             };
             if signature(ops) != before {
                 if let Some(e) = crate::sweep::deadline_passed(wait, ops, start) {
-                    return Err(e);
+                    // A notice any peer left says more than the timeout (it names the culprit).
+                    return Err(self.tcp.abort_notice(true).unwrap_or(e));
                 }
                 return Ok(false);
             }

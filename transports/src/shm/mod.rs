@@ -953,7 +953,10 @@ impl Transport for ShmTransport {
             };
             if all_done || moved {
                 self.disarm();
-                if let Some(e) = deadline_passed(wait, ops, started).filter(|_| !all_done) {
+                if let Some(e) = (!all_done)
+                    .then(|| deadline_passed(wait, ops, started))
+                    .flatten()
+                {
                     return Err(self.fail(e));
                 }
                 return Ok(all_done);

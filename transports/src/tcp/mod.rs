@@ -1026,6 +1026,8 @@ impl Transport for TcpTransport {
             };
             if moved || (poll && polled) {
                 if let Some(e) = deadline_passed(wait, ops, started) {
+                    // A notice a peer left says more than the timeout (it names the culprit).
+                    let e = self.pending_notice(false).unwrap_or(e);
                     return Err(self.fail(e));
                 }
                 return Ok(false);
