@@ -3460,47 +3460,38 @@ mod tests {
             .into_owned()
     }
 
-    /// A destroy waiting for a nonblocking call closes the communicator first: another
-    /// thread's calls, a second destroy included, are refused meanwhile instead of using
-    /// memory the destroy is about to free.
-    #[test]
-    fn a_destroy_closes_the_communicator_to_calls_while_it_waits() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = std::ffi::CString::new(format!("127.0.0.1:{port}")).unwrap();
-        let init = |rank: c_int, addr: &std::ffi::CString| {
-            let mut comm: *mut chorus_comm = std::ptr::null_mut();
-            // SAFETY: valid out-pointer and strings; then a live comm.
-            unsafe {
-                let st = chorus_comm_init(&mut comm, rank, 2, addr.as_ptr(), std::ptr::null());
-                assert_eq!(st, 0, "rank {rank}: {}", last());
-                assert_eq!(chorus_comm_set_timeout(comm, 20.0), 0, "{}", last());
-            }
-            comm as usize
-        };
-        let (go, wait_go) = std::sync::mpsc::channel::<()>();
-        let other = {
-            let addr = addr.clone();
-            std::thread::spawn(move || {
-                let comm = init(1, &addr) as *mut chorus_comm;
-                wait_go.recv_timeout(Duration::from_secs(20)).unwrap();
-                let mut v = [2i32; 4];
-                let p = v.as_mut_ptr().cast::<c_void>();
-                // SAFETY: live comm, 4 int32; then destroyed once.
-                unsafe {
-                    assert_eq!(chorus_allreduce(comm, p, p, 4, DtypeArg(2), OpArg(0)), 0);
-                    assert_eq!(chorus_comm_destroy(comm), 0);
-                }
-            })
-        };
-        let comm = init(0, &addr) as *mut chorus_comm;
-        let mut v = [1i32; 4];
+    /// A rendezvous address on loopback at a port free a moment ago.
+    fn free_addr() -> std::ffi::CString {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::ffi::CString::new(format!("127.0.0.1:{port}")).unwrap()
+    }
+
+    /// Rank `rank` of a group of two meeting at `addr`, with calls timing out after 30 s.
+    fn init_of_two(rank: c_int, addr: &CStr) -> *mut chorus_comm {
+        let mut comm: *mut chorus_comm = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and strings; then a live comm.
+        unsafe {
+            let st = chorus_comm_init(&mut comm, rank, 2, addr.as_ptr(), std::ptr::null());
+            assert_eq!(st, 0, "rank {rank}: {}", last());
+            assert_eq!(chorus_comm_set_timeout(comm, 30.0), 0, "{}", last());
+        }
+        comm
+    }
+
+    /// Issues an allreduce of four 1s (int32 sum) on `comm`, whose buffer comes back with its
+    /// request, and starts a thread destroying `comm`, which waits for the allreduce.
+    fn allreduce_then_destroy(
+        comm: *mut chorus_comm,
+    ) -> (
+        Box<[i32; 4]>,
+        *mut chorus_request,
+        std::thread::JoinHandle<i32>,
+    ) {
+        let mut v = Box::new([1i32; 4]);
         let p = v.as_mut_ptr().cast::<c_void>();
         let mut req: *mut chorus_request = std::ptr::null_mut();
-        // SAFETY: live comm; `v` outlives the request (waited for below).
+        // SAFETY: live comm; the boxed buffer goes to the caller, who waits for the request.
         let st = unsafe {
             chorus_iallreduce(
                 comm,
@@ -3514,12 +3505,37 @@ mod tests {
             )
         };
         assert_eq!(st, 0, "{}", last());
-        // The destroy waits for the allreduce, which waits for rank 1.
-        let destroyer = {
-            let comm = comm as usize;
-            // SAFETY: a live comm, destroyed by this thread alone.
-            std::thread::spawn(move || unsafe { chorus_comm_destroy(comm as *mut chorus_comm) })
+        let comm = comm as usize;
+        // SAFETY: a live comm, destroyed by this thread alone.
+        let destroyer =
+            std::thread::spawn(move || unsafe { chorus_comm_destroy(comm as *mut chorus_comm) });
+        (v, req, destroyer)
+    }
+
+    /// A destroy waiting for a nonblocking call closes the communicator first: another
+    /// thread's calls, a second destroy included, are refused meanwhile instead of using
+    /// memory the destroy is about to free.
+    #[test]
+    fn a_destroy_closes_the_communicator_to_calls_while_it_waits() {
+        let addr = free_addr();
+        let (go, wait_go) = std::sync::mpsc::channel::<()>();
+        let other = {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let comm = init_of_two(1, &addr);
+                wait_go.recv_timeout(Duration::from_secs(20)).unwrap();
+                let mut v = [2i32; 4];
+                let p = v.as_mut_ptr().cast::<c_void>();
+                // SAFETY: live comm, 4 int32; then destroyed once.
+                unsafe {
+                    assert_eq!(chorus_allreduce(comm, p, p, 4, DtypeArg(2), OpArg(0)), 0);
+                    assert_eq!(chorus_comm_destroy(comm), 0);
+                }
+            })
         };
+        let comm = init_of_two(0, &addr);
+        // The destroy waits for the allreduce, which waits for rank 1.
+        let (v, mut req, destroyer) = allreduce_then_destroy(comm);
         std::thread::sleep(Duration::from_millis(300));
         let (mut rank, mut n) = (0, 0usize);
         let invalid = S::CHORUS_INVALID_ARGUMENT as i32;
@@ -3539,7 +3555,7 @@ mod tests {
             assert_eq!(chorus_comm_rank(comm, &mut rank), invalid);
             assert!(last().contains("destroyed already"), "{}", last());
         }
-        assert_eq!(v, [3; 4]);
+        assert_eq!(*v, [3; 4]);
         other.join().unwrap();
     }
 
@@ -3547,57 +3563,21 @@ mod tests {
     /// peer never comes; the destroy then frees the communicator.
     #[test]
     fn an_abort_cuts_a_destroys_wait_short() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = std::ffi::CString::new(format!("127.0.0.1:{port}")).unwrap();
-        let init = |rank: c_int, addr: &std::ffi::CString| {
-            let mut comm: *mut chorus_comm = std::ptr::null_mut();
-            // SAFETY: valid out-pointer and strings; then a live comm.
-            unsafe {
-                let st = chorus_comm_init(&mut comm, rank, 2, addr.as_ptr(), std::ptr::null());
-                assert_eq!(st, 0, "rank {rank}: {}", last());
-                assert_eq!(chorus_comm_set_timeout(comm, 30.0), 0, "{}", last());
-            }
-            comm as usize
-        };
+        let addr = free_addr();
         let (done, wait_done) = std::sync::mpsc::channel::<()>();
         let other = {
             let addr = addr.clone();
             std::thread::spawn(move || {
-                let comm = init(1, &addr) as *mut chorus_comm;
+                let comm = init_of_two(1, &addr);
                 // Never joins rank 0's allreduce; leaves once rank 0 is done.
                 wait_done.recv_timeout(Duration::from_secs(30)).unwrap();
                 // SAFETY: a live comm, destroyed once.
                 unsafe { chorus_comm_destroy(comm) };
             })
         };
-        let comm = init(0, &addr) as *mut chorus_comm;
-        let mut v = [1i32; 4];
-        let p = v.as_mut_ptr().cast::<c_void>();
-        let mut req: *mut chorus_request = std::ptr::null_mut();
-        // SAFETY: live comm; `v` outlives the request (waited for below).
-        let st = unsafe {
-            chorus_iallreduce(
-                comm,
-                p,
-                p,
-                4,
-                DtypeArg(2),
-                OpArg(0),
-                std::ptr::null(),
-                &mut req,
-            )
-        };
-        assert_eq!(st, 0, "{}", last());
+        let comm = init_of_two(0, &addr);
         let start = std::time::Instant::now();
-        let destroyer = {
-            let comm = comm as usize;
-            // SAFETY: a live comm, destroyed by this thread alone.
-            std::thread::spawn(move || unsafe { chorus_comm_destroy(comm as *mut chorus_comm) })
-        };
+        let (_v, mut req, destroyer) = allreduce_then_destroy(comm);
         std::thread::sleep(Duration::from_millis(300));
         // SAFETY: a communicator being destroyed: the abort may enter it.
         assert_eq!(unsafe { chorus_comm_abort(comm) }, 0, "{}", last());

@@ -105,3 +105,43 @@ pub(crate) fn timeout_peer(ops: &[Op<'_, '_>]) -> Option<usize> {
         .or_else(|| ops.iter().find(|o| !o.req.is_complete()))
         .map(|o| o.req.peer())
 }
+
+/// A schedule's loop of waits for tests: `wait` (one wait, until a deadline 200 ms from the
+/// start) every 10 ms (the schedule's work between its waits) until it fails or 2 s pass;
+/// the error and when it came, `None` if none came.
+#[cfg(test)]
+pub(crate) fn loop_of_waits(
+    mut wait: impl FnMut(Wait) -> Result<bool>,
+) -> Option<(TransportError, std::time::Duration)> {
+    use std::time::Duration;
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(200);
+    while start.elapsed() < Duration::from_secs(2) {
+        match wait(Wait::Until(deadline)) {
+            Ok(done) => assert!(!done, "the wait completed"),
+            Err(e) => return Some((e, start.elapsed())),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Checks that [`loop_of_waits`] ended in a timeout naming peer 1 within a second, with the
+/// receive `req` of `len` bytes partly done.
+#[cfg(test)]
+pub(crate) fn assert_timed_out(
+    outcome: Option<(TransportError, std::time::Duration)>,
+    req: &crate::Request,
+    len: usize,
+) {
+    let (e, took) = outcome.expect("the loop of waits outlasted its deadline");
+    assert!(
+        matches!(e, TransportError::Timeout { peer: Some(1), .. }),
+        "{e}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(1),
+        "timed out after {took:?}"
+    );
+    assert!(req.bytes_done() > 0 && req.bytes_done() < len);
+}

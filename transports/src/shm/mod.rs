@@ -1161,28 +1161,11 @@ mod tests {
         let mut b = vec![0u8; len];
         let mut req = Request::recv(1, 9, len);
         receiver.post(&mut req).unwrap();
-        let start = Instant::now();
-        let deadline = start + Duration::from_millis(200);
-        let mut outcome = None;
-        while start.elapsed() < Duration::from_secs(2) {
-            match receiver.progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(deadline)) {
-                Ok(done) => assert!(!done),
-                Err(e) => {
-                    outcome = Some((e, start.elapsed()));
-                    break;
-                }
-            }
-            // The schedule's work between its waits (a reduction), while more bytes arrive.
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let outcome = crate::sweep::loop_of_waits(|w| {
+            receiver.progress(&mut [Op::recv(&mut req, &mut b)], w)
+        });
         stop.store(true, Ordering::SeqCst);
-        let (e, took) = outcome.expect("the loop of waits outlasted its deadline");
-        assert!(
-            matches!(e, TransportError::Timeout { peer: Some(1), .. }),
-            "{e}"
-        );
-        assert!(took < Duration::from_secs(1), "timed out after {took:?}");
-        assert!(req.bytes_done() > 0 && req.bytes_done() < len);
+        crate::sweep::assert_timed_out(outcome, &req, len);
         drop(writer.join().unwrap());
     }
 

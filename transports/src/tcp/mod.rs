@@ -1280,27 +1280,9 @@ mod tests {
         let mut b = vec![0u8; len];
         let mut req = Request::recv(1, 9, len);
         t.post(&mut req).unwrap();
-        let start = Instant::now();
-        let deadline = start + Duration::from_millis(200);
-        let mut outcome = None;
-        while start.elapsed() < Duration::from_secs(2) {
-            match t.progress(&mut [Op::recv(&mut req, &mut b)], Wait::Until(deadline)) {
-                Ok(done) => assert!(!done),
-                Err(e) => {
-                    outcome = Some((e, start.elapsed()));
-                    break;
-                }
-            }
-            // The schedule's work between its waits (a reduction), while more bytes arrive.
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let (e, took) = outcome.expect("the loop of waits outlasted its deadline");
-        assert!(
-            matches!(e, TransportError::Timeout { peer: Some(1), .. }),
-            "{e}"
-        );
-        assert!(took < Duration::from_secs(1), "timed out after {took:?}");
-        assert!(req.bytes_done() > 0 && req.bytes_done() < len);
+        let outcome =
+            crate::sweep::loop_of_waits(|w| t.progress(&mut [Op::recv(&mut req, &mut b)], w));
+        crate::sweep::assert_timed_out(outcome, &req, len);
         drop(t);
         writer.join().unwrap();
     }
