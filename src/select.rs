@@ -840,22 +840,12 @@ impl TrialPlan {
         // Where the first pass is left out of the median ([`drop_first_pass`]), the median
         // still needs [`TRIAL_MIN_PASSES`] passes, as far as they fit [`TRIAL_MAX_TIME`]
         // with the first.
-        let first_short = self
-            .candidates
-            .iter()
-            .zip(&candidates)
-            .any(|(&(_, f), &(_, l))| f < l);
-        if first_short && (1..TRIAL_MIN_PASSES).contains(&later) {
-            let time = |reps: &[(Algorithm, usize)]| -> f64 {
-                measured
-                    .iter()
-                    .zip(reps)
-                    .map(|(&t, &(_, n))| t * (n + 1) as f64)
-                    .sum()
-            };
-            let left = TRIAL_MAX_TIME.as_secs_f64() - time(&self.candidates);
+        if first_pass_shorter(&self.candidates, &candidates)
+            && (1..TRIAL_MIN_PASSES).contains(&later)
+        {
+            let left = TRIAL_MAX_TIME.as_secs_f64() - pass_seconds(measured, &self.candidates);
             // `as` saturates: nothing left fits none, a pass of zero time the most.
-            let fit = (left / time(&candidates)) as usize;
+            let fit = (left / pass_seconds(measured, &candidates)) as usize;
             later = later.max(fit.min(TRIAL_MIN_PASSES));
         }
         TrialPlan {
@@ -875,8 +865,8 @@ impl TrialPlan {
 fn size_passes(costs: &[(Algorithm, f64)], min_reps: usize) -> (Vec<(Algorithm, usize)>, usize) {
     let reps = |c: f64| calls_within_pass(c, TRIAL_PASS_REPS.max(min_reps));
     let candidates: Vec<(Algorithm, usize)> = costs.iter().map(|&(a, c)| (a, reps(c))).collect();
-    // Every candidate's untimed first run counts too.
-    let pass: f64 = costs.iter().map(|&(_, c)| c * (reps(c) + 1) as f64).sum();
+    let times: Vec<f64> = costs.iter().map(|&(_, c)| c).collect();
+    let pass = pass_seconds(&times, &candidates);
     // `as` saturates: a pass of zero time fits the most passes.
     let fit = |budget: Duration| ((budget.as_secs_f64() / pass) as usize).min(TRIAL_MAX_PASSES);
     let passes = match fit(TRIAL_TIME) {
@@ -884,6 +874,22 @@ fn size_passes(costs: &[(Algorithm, f64)], min_reps: usize) -> (Vec<(Algorithm, 
         _ => fit(TRIAL_MAX_TIME).clamp(1, TRIAL_MIN_PASSES),
     };
     (candidates, passes)
+}
+
+/// The time of one pass of dedicated trials: each candidate's `reps` runs and its untimed
+/// first one, at `times` (seconds per run, in the order of `reps`).
+fn pass_seconds(times: &[f64], reps: &[(Algorithm, usize)]) -> f64 {
+    times
+        .iter()
+        .zip(reps)
+        .map(|(&t, &(_, n))| t * (n + 1) as f64)
+        .sum()
+}
+
+/// Whether a first pass of `first` repetitions per candidate ran fewer of some candidate
+/// than the `later` passes will.
+fn first_pass_shorter(first: &[(Algorithm, usize)], later: &[(Algorithm, usize)]) -> bool {
+    first.iter().zip(later).any(|(&(_, f), &(_, l))| f < l)
 }
 
 /// Calls of `seconds` each that fit [`TRIAL_PASS_TIME`], from 1 to `most` (`most` for calls
@@ -1634,12 +1640,7 @@ pub(crate) fn describe_revisit(bytes: usize, r: &Revisited) -> String {
 /// median. The choice is the same for every candidate, so that all are scored over the same
 /// passes.
 pub fn drop_first_pass(first: &TrialPlan, later: &TrialPlan) -> bool {
-    later.passes >= 2
-        && first
-            .candidates
-            .iter()
-            .zip(&later.candidates)
-            .any(|(&(_, f), &(_, l))| f < l)
+    later.passes >= 2 && first_pass_shorter(&first.candidates, &later.candidates)
 }
 
 /// The trace line of dedicated trials of `bytes` bytes: every candidate's repetitions in the
