@@ -341,7 +341,7 @@ pub const BOUND_ENTRIES_ABOVE_BYTES: u64 = 16 << 20;
 /// allreduce, which also checks that every rank passed this `n` before anything is sized by
 /// another rank's count; ranks that skip it, with a small `n`, fail on their next message).
 fn entry_bound(ctx: &mut CollCtx<'_>, e: Entries<'_>) -> Result<u64> {
-    if ctx.transport.size() == 1 || e.n.saturating_mul(4) <= BOUND_ENTRIES_ABOVE_BYTES {
+    if !bound_agreed(e.n, ctx.transport.size()) {
         return Ok(e.n);
     }
     let max = |ctx: &mut CollCtx<'_>, m: &mut [u64]| {
@@ -382,6 +382,13 @@ fn entry_bound(ctx: &mut CollCtx<'_>, e: Entries<'_>) -> Result<u64> {
         });
     }
     Ok(m[0].min(e.n))
+}
+
+/// Whether ranks agree on sizes before sizing buffers by them, for vectors of `n` positions
+/// over `size` ranks: above [`BOUND_ENTRIES_ABOVE_BYTES`] of dense f32 and with peers
+/// ([`entry_bound`]'s largest count; [`split_allgather`]'s lengths of the regions' sums).
+pub(crate) fn bound_agreed(n: u64, size: usize) -> bool {
+    size > 1 && n.saturating_mul(4) > BOUND_ENTRIES_ABOVE_BYTES
 }
 
 /// The first word of a [`sparse_all_reduce`] stamp.

@@ -34,8 +34,8 @@ use chorus_transport::{Result, TransportError};
 
 use super::recursive_doubling::{expected_union, segment_bytes};
 use super::stream::{self, Acc, Expect, Part, SegView, Stamp};
-use super::two_phase::allreduce_sum;
-use super::{assemble, exchange_into_scratch, tag, Entries, SparseResult};
+use super::two_phase::count_vector;
+use super::{assemble, bound_agreed, exchange_into_scratch, tag, Entries, SparseResult};
 use crate::cost::{recursive_doubling_allreduce, Link, REDUCE_SECONDS_PER_BYTE};
 use crate::CollCtx;
 
@@ -63,18 +63,11 @@ pub fn cost(n: usize, nnz: usize, p: usize, link: &Link) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    let lengths = match agrees_on_lengths(n as u64) {
+    let lengths = match bound_agreed(n as u64, p) {
         true => recursive_doubling_allreduce(8 * p, p, link),
         false => 0.0,
     };
     2.0 * (p as f64 - 1.0) * link.alpha + lengths + split_and_sum_volume(n, nnz, p, link)
-}
-
-/// Whether the ranks agree on the byte length of every region's sum before the allgather
-/// (see the module docs): for vectors of `n` positions above
-/// [`super::BOUND_ENTRIES_ABOVE_BYTES`] as f32.
-fn agrees_on_lengths(n: u64) -> bool {
-    n.saturating_mul(4) > super::BOUND_ENTRIES_ABOVE_BYTES
 }
 
 /// The part of the modelled time that grows with the data, shared with the two-phase
@@ -99,7 +92,7 @@ pub(crate) fn run(
     let bounds = plan(input.n, size);
     let (acc, _) = split_reduce(ctx, stamp, input, &bounds, bound, tag(ctx, ALG, 0))?;
     let region_bound = bound.saturating_mul(size as u64);
-    let agree = size > 1 && agrees_on_lengths(input.n);
+    let agree = bound_agreed(input.n, size);
     gather_regions(
         ctx,
         stamp,
@@ -228,11 +221,8 @@ fn agree_lengths(
     most: &dyn Fn(usize) -> usize,
     union: u128,
 ) -> Result<Vec<usize>> {
-    let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
-    let mut lengths = vec![0u64; size];
-    lengths[rank] = mine as u64;
-    allreduce_sum(ctx, &mut lengths)?;
-    check_lengths(&lengths, rank, mine, most, union)
+    let lengths = count_vector(ctx, mine as u64)?;
+    check_lengths(&lengths, ctx.transport.rank(), mine, most, union)
 }
 
 /// The checks of the agreed `lengths` of the regions' sums, so that a peer's garbage cannot
@@ -309,7 +299,8 @@ mod tests {
         assert!(rd(1000, 10, 8, &l) < cost(1000, 10, 8, &l));
         // Above the bound, one small allreduce more (the lengths of the regions' sums).
         let (at, above): (usize, usize) = ((16 << 20) / 4, (16 << 20) / 4 + 1);
-        assert!(!agrees_on_lengths(at as u64) && agrees_on_lengths(above as u64));
+        assert!(!bound_agreed(at as u64, 8) && bound_agreed(above as u64, 8));
+        assert!(!bound_agreed(above as u64, 1));
         let extra = cost(above, 1000, 8, &l) - cost(at, 1000, 8, &l);
         assert!(extra >= recursive_doubling_allreduce(64, 8, &l), "{extra}");
     }

@@ -420,7 +420,7 @@ fn plan_total(counts: &[u64]) -> u64 {
 }
 
 /// The per-owner counts: this rank's `mine` in its slot, summed over ranks.
-fn count_vector(ctx: &mut CollCtx<'_>, mine: u64) -> Result<Vec<u64>> {
+pub(crate) fn count_vector(ctx: &mut CollCtx<'_>, mine: u64) -> Result<Vec<u64>> {
     let (rank, size) = (ctx.transport.rank(), ctx.transport.size());
     let mut counts = vec![0u64; size];
     counts[rank] = mine;
