@@ -2295,7 +2295,7 @@ pub(crate) fn rdma_fallback_reason() -> String {
 fn shm_options() -> Result<ShmOptions, CommError> {
     let mut o = ShmOptions::default();
     if let Some(b) = env_parse::<usize>("CHORUS_SHM_RING_BYTES")? {
-        o.ring_bytes = b.clamp(4096, 1 << 30);
+        o.ring_bytes = Some(b.clamp(4096, 1 << 30));
     }
     if let Some(b) = env_parse::<usize>("CHORUS_SHM_CHUNK_BYTES")? {
         o.chunk_bytes = b.clamp(4096, 1 << 30);

@@ -12,10 +12,11 @@
 //! A segment holds, cache-line padded: a header (identity, state `live|closed|aborted`, the abort
 //! notice, the owner's futex *bell* and *sleeping* flag, the direct allreduce's progress counter
 //! and call descriptors), one inbound ring per peer, and the arena of the direct allreduce
-//! ([`allreduce`]). A rank pre-faults the parts it uses when it maps a segment: the header,
-//! the arena and, up to 32 members at the default ring size, the rings (in its own segment
-//! every inbound one, in a peer's the one it writes); beyond that a ring's pages come in as
-//! it is used, so the host's memory does not grow as the square of its ranks.
+//! ([`allreduce`]). Rings hold 256 KiB up to 32 members, then less, so that a host's rings
+//! stay within 256 MiB up to 128 members ([`default_ring_bytes`]). A rank pre-faults the
+//! parts it uses when it maps a segment: the header, the arena and, while the host's rings
+//! hold at most 64 MiB (16 members at 256 KiB), the rings (in its own segment every inbound
+//! one, in a peer's the one it writes); beyond that a ring's pages come in as it is used.
 //!
 //! # Rings
 //!
@@ -95,8 +96,9 @@ const PIECE: usize = 64 * 1024;
 /// (checked at connection).
 #[derive(Clone, Debug)]
 pub struct ShmOptions {
-    /// Bytes of each ring (rounded up to a multiple of 64).
-    pub ring_bytes: usize,
+    /// Bytes of each ring (rounded up to a multiple of 64); `None` (the default): sized by
+    /// the host's member count, [`default_ring_bytes`].
+    pub ring_bytes: Option<usize>,
     /// Bytes of each half of the direct allreduce's arena: the chunk one round moves per rank.
     pub chunk_bytes: usize,
     /// How long a wait re-polls before it sleeps on the futex.
@@ -107,7 +109,7 @@ impl Default for ShmOptions {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         ShmOptions {
-            ring_bytes: 256 * 1024,
+            ring_bytes: None,
             chunk_bytes: 512 * 1024,
             // With fewer cores than ranks, spinning only delays the rank being waited for.
             spin: if cores >= 2 {
@@ -119,6 +121,26 @@ impl Default for ShmOptions {
     }
 }
 
+/// The ring size of a host with few members (at most 32): 256 KiB.
+pub const DEFAULT_RING_BYTES: usize = 256 << 10;
+/// The smallest ring [`default_ring_bytes`] gives: 16 KiB.
+pub const MIN_RING_BYTES: usize = 16 << 10;
+/// What a host's rings hold in all, at most, where their size is left to the member count
+/// (from 4 to 128 members): 256 MiB. Every member's segment holds a ring from each member.
+pub const HOST_RINGS_BUDGET: usize = 256 << 20;
+
+/// The ring size for `members` ranks on a host, where [`ShmOptions::ring_bytes`] leaves it
+/// open: [`DEFAULT_RING_BYTES`] up to 32 members, then the largest power of two that keeps
+/// the `members`² rings within [`HOST_RINGS_BUDGET`], [`MIN_RING_BYTES`] at least (64
+/// members: 64 KiB, 128: 16 KiB). Rings are only used where ranks exchange, but a job whose
+/// ranks all exchange with all (alltoall) touches every one: at 256 KiB, 4 GiB of shared
+/// memory at 128 ranks on a host. Every member derives the same size from the same count.
+pub fn default_ring_bytes(members: usize) -> usize {
+    let share = HOST_RINGS_BUDGET / members.max(1).saturating_mul(members.max(1));
+    let pow2 = if share == 0 { 0 } else { 1 << share.ilog2() };
+    pow2.clamp(MIN_RING_BYTES, DEFAULT_RING_BYTES)
+}
+
 /// Where things are in a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Layout {
@@ -128,6 +150,23 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
+    /// The layout of `members` segments on a host, in a group of `size` ranks, with `opts`.
+    fn new(opts: &ShmOptions, members: usize, size: usize) -> Layout {
+        Layout {
+            members,
+            ring: opts
+                .ring_bytes
+                .unwrap_or_else(|| default_ring_bytes(members))
+                .max(4 * LINE)
+                .next_multiple_of(LINE),
+            // The direct allreduce runs where every rank of the group is on this host.
+            arena_half: if members == size {
+                opts.chunk_bytes.max(4096).next_multiple_of(4096)
+            } else {
+                0
+            },
+        }
+    }
     fn ring_stride(&self) -> usize {
         2 * LINE + self.ring
     }
@@ -141,10 +180,14 @@ impl Layout {
     fn total(&self) -> usize {
         (self.arena() + 2 * self.arena_half).next_multiple_of(4096)
     }
-    /// Whether the rings are pre-faulted when the segments are mapped: while a segment's
-    /// rings hold at most [`PREFAULT_RINGS_MAX`] bytes of data.
+    /// Whether the rings are pre-faulted when the segments are mapped: while the host's
+    /// rings (every member's segment holds one from each member) hold at most
+    /// [`PREFAULT_HOST_RINGS_MAX`] bytes of data.
     fn prefault_rings(&self) -> bool {
-        self.members.saturating_mul(self.ring) <= PREFAULT_RINGS_MAX
+        self.members
+            .saturating_mul(self.members)
+            .saturating_mul(self.ring)
+            <= PREFAULT_HOST_RINGS_MAX
     }
     /// The parts of a segment pre-faulted when it is mapped: the header, the arena and, where
     /// [`Layout::prefault_rings`], the rings: in this rank's own segment (`ring: None`) every
@@ -162,11 +205,12 @@ impl Layout {
 }
 
 /// Bytes of a segment's rings pre-faulted when it is mapped, at most (see
-/// [`Layout::prefault_rings`]): 32 members' rings at the default size. Beyond that, rings
-/// fault in as they are used: pre-faulting every ring of every segment made the host's
-/// shared memory grow as the square of its ranks whatever they exchange (128 ranks: 4 GiB,
-/// and 5 of the 8 s they took to start), where an allreduce uses a few rings per rank.
-const PREFAULT_RINGS_MAX: usize = 8 << 20;
+/// [`Layout::prefault_rings`]): 16 members' rings of 256 KiB, or 64 members' of 16 KiB.
+/// Beyond that, rings fault in as they are used: pre-faulting every ring of every segment
+/// makes the host's shared memory grow as the square of its ranks whatever they exchange
+/// (with 256 KiB rings at 128 ranks: 4 GiB, and 5 of the 8 s they took to start), where an
+/// allreduce uses a few rings per rank.
+const PREFAULT_HOST_RINGS_MAX: usize = 64 << 20;
 
 struct Tx {
     next_ticket: u64,
@@ -373,15 +417,7 @@ pub fn connect(
             "shm members {members:?} of a group of {size} must be sorted and contain rank {rank}"
         )));
     }
-    let layout = Layout {
-        members: members.len(),
-        ring: opts.ring_bytes.max(4 * LINE).next_multiple_of(LINE),
-        arena_half: if members.len() == size {
-            opts.chunk_bytes.max(4096).next_multiple_of(4096)
-        } else {
-            0
-        },
-    };
+    let layout = Layout::new(opts, members.len(), size);
     let made = sys::memfd(&format!("chorus-{comm_id:016x}-{rank}"), layout.total())
         .map_err(|e| io("memfd_create", e))
         .and_then(|fd| {
@@ -1080,7 +1116,7 @@ mod tests {
     fn small_rings() -> ShmOptions {
         // A small ring makes every large test message wrap around many times.
         ShmOptions {
-            ring_bytes: 4096 + 64,
+            ring_bytes: Some(4096 + 64),
             chunk_bytes: 8192,
             ..ShmOptions::default()
         }
@@ -1121,10 +1157,11 @@ mod tests {
         crate::conformance::nonblocking_and_partial(&make);
     }
 
-    /// Rings too large to pre-fault at every member count (see [`Layout::prefault_rings`]).
+    /// Rings too large to pre-fault from 2 members on (see [`Layout::prefault_rings`]): 4 of
+    /// them hold more than [`PREFAULT_HOST_RINGS_MAX`].
     fn unfaulted_rings() -> ShmOptions {
         ShmOptions {
-            ring_bytes: PREFAULT_RINGS_MAX,
+            ring_bytes: Some(PREFAULT_HOST_RINGS_MAX / 2),
             chunk_bytes: 8192,
             ..ShmOptions::default()
         }
@@ -1170,17 +1207,58 @@ mod tests {
     }
 
     #[test]
+    fn rings_shrink_with_the_member_count_to_keep_the_host_within_budget() {
+        let ring = |members| Layout::new(&ShmOptions::default(), members, members).ring;
+        for members in 1..=32 {
+            assert_eq!(ring(members), DEFAULT_RING_BYTES, "{members} members");
+        }
+        assert_eq!(ring(33), 128 << 10);
+        assert_eq!(ring(64), 64 << 10);
+        assert_eq!(ring(65), 32 << 10);
+        assert_eq!(ring(128), 16 << 10);
+        assert_eq!(ring(1000), MIN_RING_BYTES);
+        assert_eq!(ring(usize::MAX), MIN_RING_BYTES);
+        for members in 1..=128usize {
+            let r = ring(members);
+            assert!(r.is_power_of_two() && r >= MIN_RING_BYTES, "{members}: {r}");
+            assert!(members * members * r <= HOST_RINGS_BUDGET, "{members}: {r}");
+            // The largest power of two within the budget: twice as much would not fit.
+            assert!(
+                r == DEFAULT_RING_BYTES || members * members * 2 * r > HOST_RINGS_BUDGET,
+                "{members}: {r}"
+            );
+        }
+        // A size set in the options is taken whatever the member count (to a whole line),
+        // and the direct allreduce's arena exists only where the whole group is on the host.
+        let set = ShmOptions {
+            ring_bytes: Some(4096 + 1),
+            ..ShmOptions::default()
+        };
+        assert_eq!(Layout::new(&set, 128, 128).ring, 4096 + LINE);
+        assert_eq!(Layout::new(&set, 4, 8).arena_half, 0);
+        assert!(Layout::new(&set, 4, 4).arena_half > 0);
+    }
+
+    #[test]
     fn rings_are_pre_faulted_only_up_to_a_bound() {
         let layout = |members, ring| Layout {
             members,
             ring,
             arena_half: 8192,
         };
-        // The default ring: up to 32 members pre-faulted, not beyond.
-        let ring = ShmOptions::default().ring_bytes;
-        assert!(layout(32, ring).prefault_rings());
-        assert!(!layout(33, ring).prefault_rings());
-        let l = layout(33, ring);
+        // The default ring of a few members: up to 16 members pre-faulted, not beyond.
+        let ring = DEFAULT_RING_BYTES;
+        assert!(layout(16, ring).prefault_rings());
+        assert!(!layout(17, ring).prefault_rings());
+        // Smaller rings, more members.
+        assert!(layout(64, 16 << 10).prefault_rings());
+        assert!(!layout(65, 16 << 10).prefault_rings());
+        // From 17 members on, the default sizes are never pre-faulted.
+        for members in 17..=1024 {
+            let l = Layout::new(&ShmOptions::default(), members, members);
+            assert!(!l.prefault_rings(), "{members}");
+        }
+        let l = layout(17, ring);
         for parts in [l.prefault_parts(None), l.prefault_parts(Some(l.ring_at(5)))] {
             assert!(parts
                 .iter()
@@ -1280,7 +1358,7 @@ mod tests {
             let deadline = Instant::now() + Duration::from_secs(5);
             let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
             let opts = ShmOptions {
-                ring_bytes: 4096 * (rank + 1),
+                ring_bytes: Some(4096 * (rank + 1)),
                 ..ShmOptions::default()
             };
             connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ())
@@ -1305,7 +1383,7 @@ mod tests {
             let mut store = StoreClient::connect(addr, b"t", deadline).unwrap();
             // Rank 0 asks for rings no address space holds (256 TiB).
             let opts = ShmOptions {
-                ring_bytes: if rank == 0 { 1 << 47 } else { 4096 },
+                ring_bytes: Some(if rank == 0 { 1 << 47 } else { 4096 }),
                 ..ShmOptions::default()
             };
             let r = connect(&mut store, rank, 2, 1, &[0, 1], &opts, deadline).map(|_| ());
