@@ -354,12 +354,15 @@ impl Queue {
     /// requests at the same points refuse alike. Where they do not (rank 0 sends to rank 1
     /// and makes a collective before its `wait`, rank 1 makes the collective first), the ranks
     /// whose call was accepted wait for the refused one: until their timeout, or until the
-    /// refused rank makes its next call, which pairs with theirs (the refusal used up no
-    /// place in the order of calls, so that the same call made again after the `wait` runs).
-    /// A next call of another shape fails as a mismatch on every rank; one of the same shape
-    /// runs with theirs, and the ranks stay a call apart. Wait for transfers before
-    /// collectives on every rank. Transfers whose requests were given up or
-    /// dropped are waited for by the call instead (each ends within the timeout).
+    /// refused rank's next call, which fails as a mismatch on every rank: a refused
+    /// collective of this queue ([`Queue::all_reduce`] and the others, and the C and Python
+    /// collectives) uses up its place in the order of calls, as other refusals do
+    /// ([`Communicator::skip_refused_call`]), so that it can never pair with another call of
+    /// the same shape and give the others wrong results. (A closure given to
+    /// [`Queue::submit`] or [`Queue::run`] uses up nothing when refused: the queue does not
+    /// know whether it makes a collective.) Wait for transfers before collectives on every
+    /// rank. Transfers whose requests were given up or dropped are waited for by the call
+    /// instead (each ends within the timeout).
     pub fn calls_allowed(&self, op: &'static str) -> Result<(), CommError> {
         match self.shared.held.load(Ordering::SeqCst) {
             0 => Ok(()),
@@ -426,6 +429,71 @@ impl Queue {
         T: Send + 'static,
         F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
     {
+        self.submit_as(false, call)
+    }
+
+    /// As [`Queue::submit`], for a call that makes one collective: refused while the caller
+    /// holds transfer requests, it uses up the collective's place in the order of calls
+    /// ([`Queue::skip_refused_collective`]).
+    fn submit_collective<T, F>(&self, call: F) -> Request<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
+    {
+        self.submit_as(true, call)
+    }
+
+    /// Uses up the place of a collective refused on this rank in the order of calls
+    /// ([`Communicator::skip_refused_call`]), after the calls and transfers issued before
+    /// it, without waiting for them; also while the caller holds transfer requests (a
+    /// collective refused for them uses up its place too, see [`Queue::calls_allowed`]).
+    /// Nothing in a group of one.
+    pub fn skip_refused_collective(&self) {
+        if self.size > 1 {
+            drop(self.submit_unchecked(|c: &mut Communicator| {
+                c.skip_refused_call();
+                Ok(())
+            }));
+        }
+    }
+
+    fn submit_as<T, F>(&self, collective: bool, call: F) -> Request<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
+    {
+        // In a forked child the fork's refusal comes first (submit_unchecked's).
+        if let Err(e) = self
+            .shared
+            .process
+            .check("queued call", self.rank)
+            .and_then(|()| self.calls_allowed("queued call"))
+        {
+            if collective && self.shared.process.check("queued call", self.rank).is_ok() {
+                self.skip_refused_collective();
+            }
+            return Request {
+                slot: self.filled_slot(Err(e)),
+                driver: None,
+                held: None,
+            };
+        }
+        self.submit_unchecked(call)
+    }
+
+    /// A new request's slot, filled with `value`.
+    fn filled_slot<T>(&self, value: Result<T, CommError>) -> Arc<Slot<T>> {
+        let slot = self.slot();
+        *lock(&slot.value) = Some(value);
+        slot
+    }
+
+    /// [`Queue::submit`] without the transfer rule ([`Queue::calls_allowed`]).
+    fn submit_unchecked<T, F>(&self, call: F) -> Request<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
+    {
         let slot = self.slot();
         if let Err(e) = self.shared.process.check("queued call", self.rank) {
             // No worker here, and the communicator is the parent's: refuse at once.
@@ -456,14 +524,6 @@ impl Queue {
             };
             fill.fill(result, comm, answered);
         });
-        if let Err(e) = self.calls_allowed("queued call") {
-            *lock(&slot.value) = Some(Err(e));
-            return Request {
-                slot,
-                driver: None,
-                held: None,
-            };
-        }
         if !self.start_worker() {
             // No thread to be had: run the call here, after those issued before it; not
             // inside a blocking call on this queue, which holds the communicator.
@@ -851,12 +911,12 @@ impl Queue {
     /// Issue an allreduce of `buf` (see [`Communicator::all_reduce`]); the request hands the
     /// buffer back reduced.
     pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Request<Vec<T>> {
-        self.submit(move |c| c.all_reduce(&mut buf, op).map(|()| buf))
+        self.submit_collective(move |c| c.all_reduce(&mut buf, op).map(|()| buf))
     }
 
     /// Issue a broadcast of `buf` from `root` (see [`Communicator::broadcast`]).
     pub fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Request<Vec<T>> {
-        self.submit(move |c| c.broadcast(&mut buf, root).map(|()| buf))
+        self.submit_collective(move |c| c.broadcast(&mut buf, root).map(|()| buf))
     }
 
     /// Issue a reduce of `buf` to `root` (see [`Communicator::reduce`]); `root`'s buffer comes
@@ -867,14 +927,14 @@ impl Queue {
         op: ReduceOp,
         root: usize,
     ) -> Request<Vec<T>> {
-        self.submit(move |c| c.reduce(None, &mut buf, op, root).map(|()| buf))
+        self.submit_collective(move |c| c.reduce(None, &mut buf, op, root).map(|()| buf))
     }
 
     /// Issue an allgather of `send`: the request gives every rank's block, rank `j`'s at
     /// `j × send.len()` (see [`Communicator::all_gather`]).
     pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Request<Vec<T>> {
         let p = self.size;
-        self.submit(move |c| {
+        self.submit_collective(move |c| {
             // Refused rather than a panic (overflow) or the end of the process (no memory).
             let n = send.len().checked_mul(p).filter(|&n| {
                 n.checked_mul(std::mem::size_of::<T>())
@@ -905,7 +965,7 @@ impl Queue {
     /// reduction (see [`Communicator::reduce_scatter`]).
     pub fn reduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Request<Vec<T>> {
         let p = self.size;
-        self.submit(move |c| {
+        self.submit_collective(move |c| {
             // A length that does not split into p blocks is refused by the call itself.
             let mut recv = vec![T::from_f64(0.0); send.len() / p];
             c.reduce_scatter(&send, &mut recv, op).map(|()| recv)
@@ -914,12 +974,12 @@ impl Queue {
 
     /// Issue an all-to-all on `buf` (p blocks; see [`Communicator::all_to_all`]).
     pub fn all_to_all<T: Element>(&self, mut buf: Vec<T>) -> Request<Vec<T>> {
-        self.submit(move |c| c.all_to_all_in_place(&mut buf).map(|()| buf))
+        self.submit_collective(move |c| c.all_to_all_in_place(&mut buf).map(|()| buf))
     }
 
     /// Issue a barrier.
     pub fn barrier(&self) -> Request<()> {
-        self.submit(|c| c.barrier())
+        self.submit_collective(|c| c.barrier())
     }
 }
 

@@ -224,6 +224,64 @@ fn calls_are_refused_while_transfers_are_live() {
     });
 }
 
+/// A collective refused on one rank only, for a transfer request it holds, uses up its place
+/// in the order of calls: that rank's next collective of the same shape does not pair with
+/// the others' refused one (which gave them its values as theirs, silently wrong); both fail
+/// as a mismatch instead, within the timeout. With `check_calls`, the others fail at once in
+/// the comparison, naming the refusal, and the communicator stays usable.
+#[test]
+fn a_collective_refused_on_one_rank_does_not_pair_with_its_next() {
+    for check in [false, true] {
+        let make = move |rank, addr| {
+            let mut cfg = config_on(rank, 2, addr, "tcp");
+            cfg.timeout = Duration::from_secs(20);
+            cfg.check_calls = check;
+            cfg
+        };
+        let out = on_threads_owned(2, WATCHDOG, make, |c| {
+            let q = Queue::new(c);
+            let start = Instant::now();
+            let (a, b) = if q.rank() == 0 {
+                // A send to itself, whose request is held until its receive.
+                let send = q.isend(vec![7u8; 4], 0);
+                let a = q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait();
+                assert_eq!(q.irecv(vec![0u8; 4], 0).wait().unwrap(), [7u8; 4]);
+                send.wait().unwrap();
+                (a, q.all_reduce(vec![100.0f32], ReduceOp::Sum).wait())
+            } else {
+                let a = q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait();
+                (a, q.all_reduce(vec![100.0f32], ReduceOp::Sum).wait())
+            };
+            (q.rank(), a, b, start.elapsed())
+        });
+        for (rank, a, b, took) in out {
+            let what = format!("check_calls {check}, rank {rank}: {a:?} {b:?} {took:?}");
+            // No sum of one rank's first allreduce with the other's second.
+            for r in [&a, &b] {
+                assert!(!matches!(r, Ok(v) if v[0] == 101.0), "{what}");
+            }
+            assert!(took < Duration::from_secs(15), "{what}");
+            let a = a.as_ref().unwrap_err();
+            if rank == 0 {
+                assert_eq!(a.kind(), ErrorKind::InvalidUsage, "{what}");
+                assert!(a.to_string().contains("isend/irecv"), "{what}");
+            } else {
+                assert_eq!(a.kind(), ErrorKind::Mismatch, "{what}");
+            }
+            if check {
+                // The others learnt of the refusal in the comparison; the ranks stayed in
+                // step, and the next allreduce pairs.
+                assert!(a.is_usable(), "{what}");
+                assert_eq!(b.as_ref().unwrap()[0], 200.0, "{what}");
+            } else {
+                // Rank 0's second call has a later place than rank 1's first: a mismatch
+                // there, and the communicator broken on both.
+                assert!(b.is_err(), "{what}");
+            }
+        }
+    }
+}
+
 /// A receive of the wrong length fails on the receiver as a mismatch, and the sender (whose
 /// peer aborted) fails too, both well within the timeout.
 #[test]

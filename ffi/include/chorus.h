@@ -501,8 +501,9 @@ int32_t chorus_comm_transfers(const chorus_comm *comm, size_t *count);
  * takes part in the comparison of calls as one that refused (on the communicator's thread,
  * within its timeout): where the others made the call, they fail in it at once, naming this
  * rank, and the ranks stay in step. Nothing in a group of one, nor while another thread is
- * in a call on `comm` or while its calls are refused (transfers held): chorus would have
- * refused the call then too, using up nothing. In order with the nonblocking calls issued
+ * in a call on `comm` (chorus would have refused the call then too, using up nothing). While
+ * this rank holds requests of transfers (`chorus_isend`), when chorus refuses collectives,
+ * the place is used up as chorus's refusal does. In order with the nonblocking calls issued
  * before; returns at once (this rank's next call waits for the comparison).
  *
  * # Safety

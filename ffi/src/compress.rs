@@ -187,7 +187,7 @@ pub unsafe extern "C" fn chorus_allreduce_compressed(
             };
         // The slice is made inside `with`, after the calls issued before this one (which may
         // use the same memory) have ended.
-        let r = c.with(|c| {
+        let r = c.with_collective(|c| {
             // SAFETY: valid for `bytes` writable bytes by the caller's promise, not accessed
             // elsewhere during the call.
             c.all_reduce_compressed_raw(unsafe { buf.get_mut() }, dtype, op, &mut state)?;

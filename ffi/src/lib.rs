@@ -234,12 +234,40 @@ impl chorus_comm {
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
     ) -> Result<R, Failure> {
+        self.with_as(false, f)
+    }
+
+    /// As [`chorus_comm::with`], for `f` making one collective: refused for transfers the
+    /// caller holds, it uses up the collective's place (`Queue::skip_refused_collective`).
+    fn with_collective<R>(
+        &self,
+        f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
+    ) -> Result<R, Failure> {
+        self.with_as(true, f)
+    }
+
+    fn with_as<R>(
+        &self,
+        collective: bool,
+        f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
+    ) -> Result<R, Failure> {
         let _entered = Entered::new(&self.active);
         // In a forked child, before anything that the parent's threads may hold at the fork.
         self.queue.check_process()?;
         let _turn = Turn::take(&self.callers).ok_or_else(|| self.in_use())?;
-        self.queue.calls_allowed("call")?;
+        self.calls_allowed("call", collective)?;
         self.queue.try_run(f).unwrap_or_else(|| Err(self.in_use()))
+    }
+
+    /// [`Queue::calls_allowed`], with a refused collective's place used up (the caller
+    /// holds the turn).
+    fn calls_allowed(&self, op: &'static str, collective: bool) -> Result<(), Failure> {
+        self.queue.calls_allowed(op).map_err(|e| {
+            if collective {
+                self.queue.skip_refused_collective();
+            }
+            e.into()
+        })
     }
 
     /// A blocking send or receive: as [`chorus_comm::with`] (`direct`), or, while transfers
@@ -542,8 +570,9 @@ pub unsafe extern "C" fn chorus_comm_transfers(comm: *const chorus_comm, count: 
 /// takes part in the comparison of calls as one that refused (on the communicator's thread,
 /// within its timeout): where the others made the call, they fail in it at once, naming this
 /// rank, and the ranks stay in step. Nothing in a group of one, nor while another thread is
-/// in a call on `comm` or while its calls are refused (transfers held): chorus would have
-/// refused the call then too, using up nothing. In order with the nonblocking calls issued
+/// in a call on `comm` (chorus would have refused the call then too, using up nothing). While
+/// this rank holds requests of transfers (`chorus_isend`), when chorus refuses collectives,
+/// the place is used up as chorus's refusal does. In order with the nonblocking calls issued
 /// before; returns at once (this rank's next call waits for the comparison).
 ///
 /// # Safety
@@ -585,22 +614,16 @@ pub unsafe extern "C" fn chorus_comm_set_timeout(comm: *mut chorus_comm, seconds
     })
 }
 
-/// Uses up a refused call's place on `c` (see `chorus_comm_refused_call`), in order with the
-/// calls issued before it, without waiting for them. Not while another thread is in a call on
-/// it, nor while calls are refused (held transfers): a valid call would have been refused
-/// then, and used up nothing.
+/// Uses up a refused collective's place on `c` (see `chorus_comm_refused_call`), in order
+/// with the calls issued before it, without waiting for them (also while calls are refused
+/// for held transfers: such a refusal uses up the place too, see `Queue::calls_allowed`).
+/// Not while another thread is in a call on it: the order of the two would be this rank's
+/// chance.
 pub(crate) fn skip_refused_call(c: &chorus_comm) {
     let Some(_turn) = Turn::take(&c.callers) else {
         return;
     };
-    if c.queue.calls_allowed("call").is_err() {
-        return;
-    }
-    let skip: Call = Box::new(|comm| {
-        comm.skip_refused_call();
-        Ok(())
-    });
-    drop(c.queue.submit(skip));
+    c.queue.skip_refused_collective();
 }
 
 /// Abort: tell every peer (their calls fail at once with `CHORUS_REMOTE_ERROR` naming this
@@ -1053,12 +1076,12 @@ unsafe fn issue_as(
         // The queue's thread starts with the first nonblocking call, here, inside `guard`: it
         // inherits this thread's mask with `SIGPIPE` blocked (see `sigpipe`).
         match request {
-            None => c.with(|comm| Ok(call(comm)?)),
+            None => c.with_as(collective, |comm| Ok(call(comm)?)),
             Some(out) => {
                 // Not while another thread is in a call on this communicator: the order of
                 // the two would be this rank's chance, not the program's.
                 let _turn = Turn::take(&c.callers).ok_or_else(|| c.in_use())?;
-                c.queue.calls_allowed(name)?;
+                c.calls_allowed(name, collective)?;
                 // SAFETY: as above.
                 unsafe { hand_out(out, Pending::Call(c.queue.submit(call))) }
             }

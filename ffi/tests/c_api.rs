@@ -316,7 +316,9 @@ fn compressed_allreduce_from_c() {
 #[test]
 fn mismatched_calls_fail_on_every_rank() {
     let b = built();
-    for kind in ["count", "dtype", "op", "collective", "nonblocking"] {
+    // (`held`: one rank's allreduce is refused for a transfer it holds; its next one does not
+    // pair with the others'.)
+    for kind in ["count", "dtype", "op", "collective", "nonblocking", "held"] {
         // Each rank checks it got CHORUS_MISMATCH, CHORUS_REMOTE_ERROR (a peer that saw the
         // mismatch first aborted) or CHORUS_TIMEOUT (a rank waiting on a peer that is itself
         // stuck), then that the communicator refuses further calls. A short timeout keeps the

@@ -13,7 +13,8 @@
  *   api_test badargs          NULL / bad enum / overflow / overlap / bad options: each refused
  *                             with CHORUS_INVALID_ARGUMENT and the communicator still usable
  *   api_test mismatch KIND    the last rank calls with another count / dtype / op / collective
- *                             (KIND = count | dtype | op | collective): every rank gets an
+ *                             (KIND = count | dtype | op | collective | nonblocking | held: the
+ *                             last rank's first is refused for a transfer it holds): every rank gets an
  *                             error (mismatch, remote or timeout), then the communicator refuses
  *                             further calls
  *   api_test peer_exit        the last rank exits without a word: the others get an error
@@ -972,6 +973,22 @@ static void mismatch(chorus_comm *comm, const char *kind) {
         int32_t after = chorus_wait(&r[1]);
         CHECK(after != CHORUS_OK, "the call after a mismatch succeeded");
         st = chorus_wait(&r[0]);
+    }
+    else if (strcmp(kind, "held") == 0) {
+        /* The last rank's allreduce is refused (it holds a transfer's request): its place
+         * is used up, so its next allreduce, of the same shape, does not pair with the
+         * others' first (which would give both a sum of different calls, with no error). */
+        if (last) {
+            chorus_request *s = NULL, *r = NULL;
+            int32_t one = 1, got = 0;
+            OK(chorus_isend(comm, &one, 1, CHORUS_INT32, g_rank, &s));
+            EXPECT(chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, CHORUS_SUM), CHORUS_INVALID_USAGE);
+            OK(chorus_irecv(comm, &got, 1, CHORUS_INT32, g_rank, &r));
+            OK(chorus_wait(&r));
+            OK(chorus_wait(&s));
+            buf[0] = 100;
+        }
+        st = chorus_allreduce(comm, buf, buf, 100, CHORUS_FLOAT32, CHORUS_SUM);
     }
     else {
         CHECK(0, "unknown mismatch kind %s", kind);
