@@ -605,8 +605,9 @@ impl Queue {
     /// mismatch there fails both halves and leaves the communicator usable: nothing went on
     /// the wire).
     ///
-    /// Each transfer must finish within the communicator's timeout of being issued; the
-    /// transfers are issued after the calls issued before them. While the caller holds a
+    /// Each transfer must finish within the communicator's timeout of being posted, which it
+    /// is once the calls issued before it have ended (the timeout of a transfer to this rank
+    /// itself, waiting for its other half, counts from then too). While the caller holds a
     /// request of a transfer (not yet waited for, given up or dropped), the queue's calls
     /// ([`Queue::submit`], [`Queue::run`] and the collectives) are refused with
     /// [`ErrorKind::InvalidUsage`] ([`Queue::calls_allowed`]; a call made after the requests
@@ -686,7 +687,7 @@ impl Queue {
             peer,
             dtype,
             transfer: t,
-            issued: Instant::now(),
+            posted: Instant::now(),
         };
         let driver = Some(Arc::downgrade(&self.shared));
         // Counted as held by the caller until its request is waited for, given up or dropped.
@@ -1334,9 +1335,15 @@ fn peek(shared: &Shared) {
     drive(shared, comm, None, Drive::Peek, None);
 }
 
-/// The transfer at the head of the queue, if one is.
+/// The transfer at the head of the queue, if one is, and if the calls issued before it have
+/// ended: none for a thread other than the worker while the worker runs an item it took (a
+/// call issued before the head, which another thread's drive, started before the call was
+/// taken, must not overtake).
 fn next_transfer(shared: &Shared) -> Option<p2p::Entry> {
     let mut jobs = lock(&shared.jobs);
+    if jobs.busy && jobs.worker != Some(std::thread::current().id()) {
+        return None;
+    }
     match jobs.queue.front() {
         Some(Item::P2p(_)) => match jobs.queue.pop_front() {
             Some(Item::P2p(e)) => Some(e),

@@ -224,6 +224,37 @@ fn calls_are_refused_while_transfers_are_live() {
     });
 }
 
+/// A transfer's timeout counts from when it is posted, after the calls issued before it: two
+/// collectives ahead of it that take most of the timeout each (a late peer) do not make it
+/// fail before it was ever tried.
+#[test]
+fn a_transfer_queued_behind_calls_has_its_whole_timeout() {
+    let out = ranks(2, "tcp", Duration::from_secs(2), |c| {
+        let q = Queue::new(c);
+        let n = 1 << 20; // 4 MiB: more than the kernel buffers, so the send needs its receive
+        if q.rank() == 0 {
+            let a = q.all_reduce(vec![1.0f32], ReduceOp::Sum);
+            let b = q.all_reduce(vec![1.0f32], ReduceOp::Sum);
+            let send = q.isend(vec![3u32; n], 1);
+            let sent = send.wait().map(|v| v.len());
+            (a.wait().map(|v| v[0]), b.wait().map(|v| v[0]), sent)
+        } else {
+            std::thread::sleep(Duration::from_millis(1200));
+            let a = q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait();
+            std::thread::sleep(Duration::from_millis(1200));
+            let b = q.all_reduce(vec![1.0f32], ReduceOp::Sum).wait();
+            let got = q.irecv(vec![0u32; n], 0).wait();
+            let ok = got.map(|v| v.iter().filter(|&&x| x == 3).count());
+            (a.map(|v| v[0]), b.map(|v| v[0]), ok)
+        }
+    });
+    for (rank, (a, b, t)) in out.into_iter().enumerate() {
+        assert_eq!(a.unwrap(), 2.0, "rank {rank}");
+        assert_eq!(b.unwrap(), 2.0, "rank {rank}");
+        assert_eq!(t.unwrap(), 1 << 20, "rank {rank}");
+    }
+}
+
 /// A collective refused on one rank only, for a transfer request it holds, uses up its place
 /// in the order of calls: that rank's next collective of the same shape does not pair with
 /// the others' refused one (which gave them its values as theirs, silently wrong); both fail

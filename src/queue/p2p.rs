@@ -73,8 +73,11 @@ pub(crate) struct Entry {
     pub(crate) peer: usize,
     pub(crate) dtype: DType,
     pub(crate) transfer: Box<dyn Transfer>,
-    /// When it was issued: it must complete within the communicator's timeout of this.
-    pub(crate) issued: Instant,
+    /// When it was posted, once the calls issued before it ended (when it was issued, until
+    /// then): it must complete within the communicator's timeout of this. Not of its issue:
+    /// calls ahead of it in the queue, each within its own timeout, may together take
+    /// longer, and the transfer would then fail before it was ever tried.
+    pub(crate) posted: Instant,
 }
 
 impl Entry {
@@ -155,6 +158,7 @@ impl Engine {
             self.finish(e, Err(err), comm);
             return self.fail_unmatched_if_broken(comm);
         }
+        e.posted = Instant::now();
         if e.peer == comm.rank() {
             if e.transfer.is_send() {
                 self.self_sends.push_back(e);
@@ -182,7 +186,7 @@ impl Engine {
             let err = comm.fail(op, te);
             return self.finish(e, Err(err), comm);
         }
-        let deadline = chorus_transport::deadline_from(e.issued, comm.config().timeout);
+        let deadline = chorus_transport::deadline_from(e.posted, comm.config().timeout);
         self.live.push(Live {
             entry: e,
             req,
@@ -288,7 +292,7 @@ impl Engine {
                 .expect("one is late");
             let e = TransportError::Timeout {
                 peer: Some(late.req.peer()),
-                waited: now - late.entry.issued,
+                waited: now - late.entry.posted,
             };
             let dir = late.req.direction();
             return self.fail_all(comm, dir, e);
@@ -459,7 +463,7 @@ impl Engine {
         let late = |q: &mut VecDeque<Entry>| {
             let n = q
                 .iter()
-                .take_while(|e| e.issued.elapsed() >= timeout)
+                .take_while(|e| e.posted.elapsed() >= timeout)
                 .count();
             q.drain(..n).collect::<Vec<_>>()
         };
@@ -485,7 +489,7 @@ impl Engine {
     /// When the oldest transfer to this rank itself that waits for its other half times out
     /// (`None`: none waits).
     pub(crate) fn unmatched_due(&self, timeout: Duration) -> Option<Instant> {
-        let oldest = |q: &VecDeque<Entry>| q.front().map(|e| e.issued);
+        let oldest = |q: &VecDeque<Entry>| q.front().map(|e| e.posted);
         match (oldest(&self.self_sends), oldest(&self.self_recvs)) {
             (Some(a), Some(b)) => Some(chorus_transport::deadline_from(a.min(b), timeout)),
             (a, b) => a.or(b).map(|t| chorus_transport::deadline_from(t, timeout)),
