@@ -610,3 +610,44 @@ fn three_ranks<R: Send>(
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A rank that fails after it joined, in a way no check of the settings catches (here its
+/// `CHORUS_HOSTID` is longer than the store takes a value), says so where the others wait
+/// for its address: they fail at once, naming it, instead of waiting out their init timeout
+/// (30 s here) with an error that names nobody.
+#[test]
+fn a_rank_that_fails_after_joining_is_named_to_the_others_at_once() {
+    if is_child() {
+        let mut cfg = chorus::Config::from_env().expect("config from env");
+        cfg.host_store = Some(false);
+        match Communicator::new(cfg) {
+            Ok(_) => println!("JOINED"),
+            Err(e) => println!("INIT-ERROR {e}"),
+        }
+        return;
+    }
+    let start = Instant::now();
+    let job = spawn_job_with(
+        3,
+        "a_rank_that_fails_after_joining_is_named_to_the_others_at_once",
+        |rank| {
+            let mut env = vec![("CHORUS_INIT_TIMEOUT", "30".to_string())];
+            if rank == 1 {
+                env.push(("CHORUS_HOSTID", "h".repeat(100_000)));
+            }
+            env
+        },
+    );
+    let done = wait_job(job, Duration::from_secs(120));
+    for (rank, (code, out)) in done.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank}:\n{out}");
+        assert!(out.contains("INIT-ERROR"), "rank {rank}:\n{out}");
+        assert!(out.contains("rank 1"), "rank {rank}:\n{out}");
+        assert!(out.contains("limit"), "rank {rank}:\n{out}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -555,12 +555,15 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// The default limits, raised to fit `ranks` ranks: a connection each, and 32 keys each.
+    /// The default limits, raised to fit `ranks` ranks: a connection each, 32 keys and
+    /// 4 KiB each (a rank of a job across hosts publishes about 1 KiB: its address, host,
+    /// network, settings, segments or endpoints).
     fn for_ranks(ranks: usize) -> Limits {
         let d = Limits::default();
         Limits {
             max_connections: d.max_connections.max(ranks.saturating_add(64)),
             max_keys: d.max_keys.max(ranks.saturating_mul(32)),
+            max_store_bytes: d.max_store_bytes.max(ranks.saturating_mul(4096)),
             ..d
         }
     }
@@ -606,22 +609,32 @@ impl LogLimiter {
     }
 
     pub(crate) fn log(&self, msg: fmt::Arguments<'_>) {
-        let mut st = lock(&self.state);
-        let (start, lines, suppressed) = &mut *st;
-        let prefix = &self.prefix;
-        if start.elapsed() >= Self::WINDOW {
-            if *suppressed > 0 {
-                crate::note!("{prefix}: {suppressed} similar messages suppressed");
+        // Decided under the lock, written after it (a full stderr blocks the write, and
+        // must not block other threads' decisions with it).
+        let (said_suppressed, say) = {
+            let mut st = lock(&self.state);
+            let (start, lines, suppressed) = &mut *st;
+            let mut said = 0;
+            if start.elapsed() >= Self::WINDOW {
+                said = *suppressed;
+                *start = Instant::now();
+                *lines = 0;
+                *suppressed = 0;
             }
-            *start = Instant::now();
-            *lines = 0;
-            *suppressed = 0;
+            let say = *lines < Self::LINES_PER_WINDOW;
+            if say {
+                *lines += 1;
+            } else {
+                *suppressed += 1;
+            }
+            (said, say)
+        };
+        let prefix = &self.prefix;
+        if said_suppressed > 0 {
+            crate::note!("{prefix}: {said_suppressed} similar messages suppressed");
         }
-        if *lines < Self::LINES_PER_WINDOW {
-            *lines += 1;
+        if say {
             crate::note!("{prefix}: {msg}");
-        } else {
-            *suppressed += 1;
         }
     }
 }
@@ -1028,6 +1041,7 @@ impl StoreServer {
         let mut l = lock(&self.shared.limits);
         l.max_connections = l.max_connections.max(fit.max_connections);
         l.max_keys = l.max_keys.max(fit.max_keys);
+        l.max_store_bytes = l.max_store_bytes.max(fit.max_store_bytes);
     }
 
     /// [`StoreServer::bind`] for a job of `ranks` ranks, each of which keeps a connection for
@@ -1128,16 +1142,15 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     } else {
         conns.streams.len()
     };
+    // (Said once `conns` is let go: a log line may block on a full stderr.)
+    let mut evicted = false;
     if counted >= max {
         match conns.unproven.pop_front() {
             Some(oldest) => {
                 if let Some(s) = conns.streams.remove(&oldest) {
                     let _ = s.shutdown(Shutdown::Both);
                 }
-                shared.log.log(format_args!(
-                    "serving {max} connections: shut down the oldest one still in its \
-                     handshake for {peer}"
-                ));
+                evicted = true;
             }
             None => {
                 drop(conns);
@@ -1156,6 +1169,12 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         Ok(c) => c,
         Err(e) => {
             drop(conns);
+            if evicted {
+                shared.log.log(format_args!(
+                    "serving {max} connections: shut down the oldest one still in its \
+                     handshake for {peer}"
+                ));
+            }
             shared
                 .log
                 .log(format_args!("dropped connection from {peer}: {e}"));
@@ -1178,16 +1197,28 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             conns.streams.remove(&id);
             conns.unproven.retain(|i| *i != id);
         });
-    match spawned {
-        Ok(t) => conns.threads.push(t),
+    let failed = match spawned {
+        Ok(t) => {
+            conns.threads.push(t);
+            None
+        }
         Err(e) => {
             conns.streams.remove(&id);
             conns.unproven.retain(|i| *i != id);
-            drop(conns);
-            shared.log.log(format_args!(
-                "dropped connection from {peer}: cannot start a thread: {e}"
-            ));
+            Some(e)
         }
+    };
+    drop(conns);
+    if evicted {
+        shared.log.log(format_args!(
+            "serving {max} connections: shut down the oldest one still in its handshake for \
+             {peer}"
+        ));
+    }
+    if let Some(e) = failed {
+        shared.log.log(format_args!(
+            "dropped connection from {peer}: cannot start a thread: {e}"
+        ));
     }
 }
 
@@ -2316,15 +2347,22 @@ mod tests {
             (small.max_connections, small.max_keys),
             (d.max_connections, d.max_keys)
         );
+        assert_eq!(small.max_store_bytes, d.max_store_bytes);
         let big = Limits::for_ranks(5000);
         assert_eq!((big.max_connections, big.max_keys), (5064, 160_000));
         assert_eq!(big.max_store_bytes, d.max_store_bytes);
+        // Past 16 384 ranks, 4 KiB a rank.
+        let huge = Limits::for_ranks(1 << 20);
+        assert_eq!(huge.max_store_bytes, 4 << 30);
         // A store bound before the size was known (a unique id's) is raised, never lowered.
         let server = StoreServer::bind(localhost(), b"tok").unwrap();
-        server.fit_ranks(5000);
+        server.fit_ranks(1 << 20);
         server.fit_ranks(8);
         let l = *lock(&server.shared.limits);
-        assert_eq!((l.max_connections, l.max_keys), (5064, 160_000));
+        assert_eq!(
+            (l.max_connections, l.max_keys, l.max_store_bytes),
+            ((1 << 20) + 64, 32 << 20, 4 << 30)
+        );
     }
 
     /// With a secret token (`exempt_proven`), clients that proved they know it do not count

@@ -348,66 +348,74 @@ fn connect_keeping(
     // Rank 0 publishes the communicator's id and its size; a rank given another size (a
     // unique id shared by ranks that passed different counts) says so where the others
     // wait for its address, and every rank fails at once naming it, instead of some forming a
-    // smaller group silently and the rest waiting out their timeout.
-    let comm_id = if rank == 0 {
-        publish_comm_id(&mut store, size)?
-    } else {
-        let v = store
-            .get("comm_id", deadline)
-            .map_err(|e| absent_ranks(&mut store, size, e))?;
-        let word = |at: usize| -> Result<u64> {
-            v.get(at..at + 8)
-                .filter(|_| v.len() == 16)
-                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-                .ok_or_else(|| rdv("malformed communicator id in the store"))
+    // smaller group silently and the rest waiting out their timeout. So does a rank that
+    // fails otherwise before it published its address (it cannot listen, the store refuses
+    // what it publishes): where the others wait for its address and network, and rank 0
+    // where they wait for the communicator's id.
+    let joined = (|| -> Result<(u64, TcpListener, SocketAddr)> {
+        let comm_id = if rank == 0 {
+            publish_comm_id(&mut store, size)?
+        } else {
+            let v = store
+                .get("comm_id", deadline)
+                .map_err(|e| absent_ranks(&mut store, size, e, Some(0)))?;
+            if let Some(why) = v.strip_prefix(b"error: ") {
+                return Err(rdv(crate::frame::peer_text(why)));
+            }
+            let word = |at: usize| -> Result<u64> {
+                v.get(at..at + 8)
+                    .filter(|_| v.len() == 16)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .ok_or_else(|| rdv("malformed communicator id in the store"))
+            };
+            let (id, theirs) = (word(0)?, word(8)?);
+            if theirs != size as u64 {
+                return Err(rdv(format!(
+                    "rank {rank} was given a group of {size} ranks, rank 0 one of {theirs}: \
+                     every rank must pass the same number of ranks"
+                )));
+            }
+            id
         };
-        let (id, theirs) = (word(0)?, word(8)?);
-        if theirs != size as u64 {
-            let why = format!(
-                "rank {rank} was given a group of {size} ranks, rank 0 one of {theirs}: every \
-                 rank must pass the same number of ranks"
-            );
-            // (Also where ranks that learn the hosts first wait.)
-            let _ = store.set(&format!("net/{rank}"), format!("error: {why}").as_bytes());
-            let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
-            return Err(rdv(why));
-        }
-        id
-    };
-
-    store.set(&format!("host/{rank}"), host_identity().as_bytes())?;
-    // Where this machine's network is (CHORUS_HOSTID aside): ranks that learn the hosts first
-    // listen on loopback only if every rank shares it.
-    let net = network_identity();
-    let mine = format!("{net}#{}", u8::from(opts.listen_beyond_host));
-    store.set(&format!("net/{rank}"), mine.as_bytes())?;
-    let listener = listen_ip(opts, &mut store, &net, deadline).and_then(|ip| {
-        TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+        store.set(&format!("host/{rank}"), host_identity().as_bytes())?;
+        // Where this machine's network is (CHORUS_HOSTID aside): ranks that learn the hosts
+        // first listen on loopback only if every rank shares it.
+        let net = network_identity();
+        let mine = format!("{net}#{}", u8::from(opts.listen_beyond_host));
+        store.set(&format!("net/{rank}"), mine.as_bytes())?;
+        let ip = listen_ip(opts, &mut store, &net, deadline)?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
             rdv(format!(
                 "rank {rank} could not listen on {ip} for its data connections: {e} \
                  (CHORUS_SOCKET_IFNAME picks the interface)"
             ))
-        })
-    });
-    let listener = match listener {
-        Ok(l) => {
-            crate::deepen_backlog(&l);
-            l
-        }
+        })?;
+        crate::deepen_backlog(&listener);
+        let my_addr = listener
+            .local_addr()
+            .map_err(|e| TransportError::io(None, "getsockname", e))?;
+        store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
+        Ok((comm_id, listener, my_addr))
+    })();
+    let (comm_id, listener, my_addr) = match joined {
+        Ok(j) => j,
         Err(e) => {
-            // Where the others wait for this rank's address: they fail at once, saying why.
             let why = match &e {
-                TransportError::Rendezvous(m) => m.clone(),
-                other => format!("rank {rank}: {other}"),
+                TransportError::Rendezvous(m) if m.starts_with("rank ") => m.clone(),
+                other => format!("rank {rank} failed to join: {other}"),
             };
-            let _ = store.set(&format!("addr/{rank}"), format!("error: {why}").as_bytes());
+            let said = format!("error: {why}");
+            let mut keys = vec![format!("net/{rank}"), format!("addr/{rank}")];
+            if rank == 0 {
+                keys.push("comm_id".into());
+            }
+            // Best effort, each bounded: the store itself may be what failed.
+            for key in keys {
+                let _ = store.set(&key, said.as_bytes());
+            }
             return Err(e);
         }
     };
-    let my_addr = listener
-        .local_addr()
-        .map_err(|e| TransportError::io(None, "getsockname", e))?;
-    store.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
 
     // What every rank published, a request or so per row (each waited for in rank order).
     let mut addrs = Vec::with_capacity(size);
@@ -416,7 +424,7 @@ fn connect_keeping(
             addrs.push(parse_peer_addr(j, &a)?);
             Ok(())
         })
-        .map_err(|e| absent_ranks(&mut store, size, e))?;
+        .map_err(|e| absent_ranks(&mut store, size, e, Some(addrs.len())))?;
     let mut hosts = Vec::with_capacity(size);
     store.get_each("host/", 0..size, deadline, |_, h| {
         hosts.push(String::from_utf8_lossy(&h).into_owned());
@@ -553,9 +561,11 @@ fn listen_ip(
     }
     let mut elsewhere = None;
     let mut waiting = Vec::new();
+    let mut read = 0;
     // (One request or so for the row: every rank publishes its network before it looks.)
     store
         .get_each("net/", 0..opts.size, deadline, |j, n| {
+            read = j + 1;
             if let Some(why) = n.strip_prefix(b"error: ") {
                 return Err(rdv(crate::frame::peer_text(why)));
             }
@@ -574,7 +584,7 @@ fn listen_ip(
             }
             Ok(())
         })
-        .map_err(|e| absent_ranks(store, opts.size, e))?;
+        .map_err(|e| absent_ranks(store, opts.size, e, Some(read)))?;
     let Some(j) = elsewhere else {
         if waiting.is_empty() {
             return Ok(opts.listen_ip);
@@ -605,7 +615,16 @@ fn listen_ip(
 /// The data address rank `j` published (waiting for it until `deadline`), or the error it
 /// left there instead.
 fn peer_addr(store: &mut StoreClient, j: usize, deadline: Instant) -> Result<SocketAddr> {
-    parse_peer_addr(j, &store.get(&format!("addr/{j}"), deadline)?)
+    let a = store
+        .get(&format!("addr/{j}"), deadline)
+        .map_err(|e| match e {
+            TransportError::Timeout { peer: None, waited } => TransportError::Timeout {
+                peer: Some(j),
+                waited,
+            },
+            e => e,
+        })?;
+    parse_peer_addr(j, &a)
 }
 
 /// Rank `j`'s published data address `a`, or the error it left there instead.
@@ -622,12 +641,25 @@ fn parse_peer_addr(j: usize, a: &[u8]) -> Result<SocketAddr> {
 /// A wait on the store for something every rank publishes (`comm_id`, `addr/j`...) that
 /// ended at the deadline: if ranks never claimed their place, the error names them, with the
 /// store's address (a few more requests, on a failure path only, each bounded by a short
-/// grace); otherwise `e` as it was.
-fn absent_ranks(store: &mut StoreClient, size: usize, e: TransportError) -> TransportError {
+/// grace); otherwise the timeout names `stuck`, the rank whose record it waited for (one
+/// that joined, then hung or failed without saying so).
+fn absent_ranks(
+    store: &mut StoreClient,
+    size: usize,
+    e: TransportError,
+    stuck: Option<usize>,
+) -> TransportError {
     let TransportError::Timeout { peer: None, waited } = e else {
         return e;
     };
-    store.set_deadline(Instant::now() + ABSENT_QUERY_GRACE);
+    let e = TransportError::Timeout {
+        peer: stuck.filter(|&j| j < size),
+        waited,
+    };
+    // (The client's bound is the instant given plus DEADLINE_GRACE.)
+    store.set_deadline(
+        Instant::now() + ABSENT_QUERY_GRACE.saturating_sub(crate::rendezvous::DEADLINE_GRACE),
+    );
     let mut missing = Vec::new();
     for k in 0..size {
         // Adding 0 reads the count without claiming anything.
@@ -651,7 +683,30 @@ fn absent_ranks(store: &mut StoreClient, size: usize, e: TransportError) -> Tran
 /// How long [`absent_ranks`] may take to ask the store who joined.
 const ABSENT_QUERY_GRACE: Duration = Duration::from_secs(2);
 
+/// Connects to rank `to`'s data port `addr` and authenticates (retrying while it is refused
+/// or shut down mid-handshake, until `deadline`); every error names `to`.
 fn dial(
+    addr: SocketAddr,
+    comm_id: u64,
+    from: usize,
+    to: usize,
+    token: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
+    dial_tries(addr, comm_id, from, to, token, deadline).map_err(|e| match e {
+        // The handshake's own errors do not know whom they were talking to.
+        TransportError::Timeout { peer: None, waited } => TransportError::Timeout {
+            peer: Some(to),
+            waited,
+        },
+        TransportError::Rendezvous(m) if !m.contains(&format!("rank {to}")) => {
+            TransportError::Rendezvous(format!("rank {to} at {addr}: {m}"))
+        }
+        e => e,
+    })
+}
+
+fn dial_tries(
     addr: SocketAddr,
     comm_id: u64,
     from: usize,
@@ -818,21 +873,24 @@ fn accept_loop(
                 };
                 let id = next_id;
                 next_id += 1;
-                {
+                let evicted = {
                     let mut p = lock(&pending);
-                    if p.len() >= pending_limit(size) {
-                        if let Some((_, oldest)) = p.pop_front() {
-                            let who = oldest.peer_addr().map(|a| a.to_string());
-                            log.log(format_args!(
-                                "{} connections mid-handshake, shutting down the oldest ({}) \
-                                 for {from_addr}",
-                                pending_limit(size),
-                                who.unwrap_or_else(|_| "?".into())
-                            ));
-                            let _ = oldest.shutdown(std::net::Shutdown::Both);
-                        }
-                    }
+                    let oldest = (p.len() >= pending_limit(size))
+                        .then(|| p.pop_front())
+                        .flatten();
                     p.push_back((id, handle));
+                    oldest
+                };
+                // (Said with `pending` let go: a log line may block on a full stderr.)
+                if let Some((_, oldest)) = evicted {
+                    let who = oldest.peer_addr().map(|a| a.to_string());
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                    log.log(format_args!(
+                        "{} connections mid-handshake, shutting down the oldest ({}) for \
+                         {from_addr}",
+                        pending_limit(size),
+                        who.unwrap_or_else(|_| "?".into())
+                    ));
                 }
                 let tx = tx.clone();
                 let token = token.clone();
@@ -1115,5 +1173,51 @@ mod tests {
             "{got:?}"
         );
         assert!(*took < Duration::from_secs(10), "{got:?}");
+    }
+
+    #[test]
+    fn a_rank_that_joined_and_went_silent_is_named_at_the_timeout() {
+        // Rank 1 claims its place (and rank 0's id is there), then publishes nothing: rank
+        // 0's wait for its address ends at the deadline naming it, and within a few seconds.
+        let got = crate::rendezvous::on_local_store(2, |rank, addr| {
+            let start = Instant::now();
+            if rank == 1 {
+                let deadline = start + Duration::from_secs(10);
+                let mut c = StoreClient::connect(addr, b"t", deadline).unwrap();
+                assert_eq!(c.add("claim/1", 1).unwrap(), 1);
+                std::thread::sleep(Duration::from_secs(3));
+                return (None, start.elapsed());
+            }
+            let r = connect(&MeshOptions {
+                timeout: Duration::from_secs(1),
+                ..MeshOptions::loopback(rank, 2, addr, b"t")
+            });
+            (r.err(), start.elapsed())
+        });
+        let (e, took) = &got[0];
+        let e = e.as_ref().expect("rank 0 connected alone");
+        assert!(
+            matches!(e, TransportError::Timeout { peer: Some(1), .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("waiting for rank 1"), "{e}");
+        assert!(*took < Duration::from_secs(6), "{took:?}");
+    }
+
+    #[test]
+    fn a_handshake_that_fails_names_the_peer() {
+        // Whatever listens at rank 1's address answers the hello with garbage: the error
+        // names rank 1 and its address (the handshake alone knows neither).
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = l.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let _ = s.write_all(&[0x5a; 256]);
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let e = dial(addr, 7, 0, 1, b"t", deadline).unwrap_err();
+        assert!(e.to_string().contains(&format!("rank 1 at {addr}")), "{e}");
+        peer.join().unwrap();
     }
 }
