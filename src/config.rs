@@ -254,13 +254,14 @@ impl Config {
     }
 }
 
-/// An error naming the first `CHORUS_*` variable of the process environment whose value is
-/// not UTF-8: read as unset, a `CHORUS_TOKEN` of other bytes would turn authentication off,
-/// and a garbled setting would be ignored silently.
+/// An error naming the first variable of the process environment that chorus reads
+/// (`CHORUS_*`, the launchers', [`OTHER_VARS_READ`]) whose value is not UTF-8: read as unset,
+/// a `CHORUS_TOKEN` of other bytes would turn authentication off, a garbled setting would be
+/// ignored silently, and a garbled rank or address would come from the next launcher in line.
 fn refuse_garbled_env() -> Result<(), CommError> {
     let garbled = std::env::vars_os().find_map(|(k, v)| {
         let k = k.to_str()?;
-        (k.starts_with("CHORUS_") && v.to_str().is_none()).then(|| k.to_string())
+        (v.to_str().is_none() && is_read(k)).then(|| k.to_string())
     });
     match garbled {
         Some(k) => Err(CommError::invalid(
@@ -270,6 +271,30 @@ fn refuse_garbled_env() -> Result<(), CommError> {
         None => Ok(()),
     }
 }
+
+/// Whether chorus reads the environment variable `k` (see [`refuse_garbled_env`]).
+fn is_read(k: &str) -> bool {
+    k.starts_with("CHORUS_")
+        || OTHER_VARS_READ.contains(&k)
+        || LAUNCHERS.iter().any(|l| {
+            [l.rank, l.size, l.launch_size, l.local_rank].contains(&k)
+                || l.local_size == Some(k)
+                || l.job.contains(&k)
+        })
+}
+
+/// The variables chorus reads besides `CHORUS_*` and the launchers' ([`LAUNCHERS`]).
+const OTHER_VARS_READ: &[&str] = &[
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURMD_NODENAME",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+];
 
 /// The body of [`Config::from_lookup`]; errors are the message of the invalid-argument error.
 fn read_config(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
@@ -932,6 +957,30 @@ fn root_addr(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_variable_read_is_checked_for_garbled_bytes() {
+        // Every quoted upper-case name in this file that is a variable read (not a value such
+        // as "TCP") is one `refuse_garbled_env` checks, so that the list cannot fall behind.
+        let values = ["TCP", "TRUE"];
+        let src = include_str!("config.rs");
+        let mut names = std::collections::BTreeSet::new();
+        for piece in src.split('"').skip(1).step_by(2) {
+            let name = piece.len() > 2
+                && piece.starts_with(|c: char| c.is_ascii_uppercase())
+                && piece
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            if name && !values.contains(&piece) {
+                names.insert(piece);
+            }
+        }
+        assert!(names.contains("SLURM_PROCID") && names.contains("MASTER_PORT"));
+        for n in names {
+            assert!(is_read(n), "{n} is read but not checked for garbled bytes");
+        }
+        assert!(!is_read("SLURM_JOB_NAME") && !is_read("HOME"));
+    }
     use crate::ErrorKind;
     use std::collections::HashMap;
 

@@ -204,6 +204,25 @@ fn overrides_and_extra_variables() {
     assert_eq!(ranks, BTreeSet::from([0, 1]));
 }
 
+/// A rank's own `PATH` (`--env PATH=...`) without the helpers the launcher starts ranks
+/// through (`setpriv`) still starts them: the launcher finds those in its own `PATH`.
+#[test]
+fn a_ranks_own_path_does_not_hide_the_launchers_helpers() {
+    let run = chorus_run(&[
+        "--env",
+        "PATH=/nonexistent",
+        "-n",
+        "2",
+        "/bin/sh",
+        "-c",
+        "echo $PATH",
+    ]);
+    assert!(run.status.success(), "{:?} {}", run.status, run.stderr);
+    let lines = prefixed_lines(&run.stdout);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines.iter().all(|(_, t)| t == b"/nonexistent"), "{lines:?}");
+}
+
 #[test]
 fn output_is_prefixed_per_stream_and_line() {
     // Two lines to stdout (the last one unterminated and not UTF-8), one to stderr.

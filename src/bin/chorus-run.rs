@@ -126,7 +126,8 @@ Options:
       --token T         shared secret given as CHORUS_TOKEN
                         (default: 32 fresh random hex digits from /dev/urandom)
       --timeout SECS    kill the whole job after SECS seconds and exit with 124
-      --env K=V         extra variable for every rank (repeatable; wins over ours)
+      --env K=V         extra variable for every rank (repeatable; wins over ours,
+                        except CHORUS_TOKEN: use --token)
       --no-prefix       pass the ranks' output through unchanged
       --netns-prefix P  run rank r as `ip netns exec P<r+1> CMD...` (the namespace testbed
                         of tests/netns/cluster.sh, one emulated host per rank, e.g.
@@ -255,6 +256,12 @@ fn parse_args(args: Vec<OsString>) -> Result<Parsed, String> {
             "--env" => {
                 let kv = value("K=V")?;
                 match kv.split_once('=') {
+                    // The job's token is this launcher's to give (it also marks what the job
+                    // started, for the clean-up), and a blank one would turn authentication
+                    // off, silently.
+                    Some(("CHORUS_TOKEN", _)) => {
+                        return Err("--env CHORUS_TOKEN=...: give the token with --token".into())
+                    }
                     Some((k, v)) if !k.is_empty() => {
                         opts.extra_env.push((k.to_string(), v.to_string()))
                     }
@@ -283,8 +290,10 @@ fn parse_args(args: Vec<OsString>) -> Result<Parsed, String> {
 
 /// Parses `-n`: 1..=[`MAX_RANKS`].
 fn parse_nproc(text: &str) -> Result<usize, String> {
+    // Digits only, as the ranks' own parser takes numbers (no sign).
+    let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
     match text.parse::<usize>() {
-        Ok(n) if (1..=MAX_RANKS).contains(&n) => Ok(n),
+        Ok(n) if digits && (1..=MAX_RANKS).contains(&n) => Ok(n),
         _ => Err(format!(
             "-n expects a number of ranks in 1..={MAX_RANKS}, got {text:?}"
         )),
@@ -822,6 +831,15 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     // What every rank, and what it starts, carries in its environment: the sweep stops only
     // processes of this job (as a container's first process, every orphan there is ours).
     let marker = format!("CHORUS_TOKEN={token}").into_bytes();
+    // By its path in the launcher's PATH (see `in_path`).
+    let ip = opts.netns_prefix.as_ref().and_then(|_| in_path("ip"));
+    // The job could not be started whole: the ranks started so far, and what they started.
+    let abandon = |started: &mut Vec<Rank>| {
+        stop_started(started);
+        if subreaper {
+            kill_orphans(&marker);
+        }
+    };
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
     let mut readers: Vec<Arc<AtomicU8>> = Vec::new();
@@ -830,7 +848,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         let argv: Vec<OsString> = pdeath.iter().chain(&opts.command).cloned().collect();
         let mut cmd = match &opts.netns_prefix {
             Some(prefix) => {
-                let mut c = Command::new("ip");
+                let mut c = Command::new(ip.as_deref().unwrap_or(std::path::Path::new("ip")));
                 c.arg("netns")
                     .arg("exec")
                     .arg(format!("{prefix}{}", rank + 1));
@@ -855,7 +873,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
-                stop_started(&mut started);
+                abandon(&mut started);
                 let program = cmd.get_program().to_string_lossy().into_owned();
                 say!("cannot start rank {rank} ({program}): {e}");
                 // As a shell's: 127 not found, 126 found but not executable; anything else
@@ -902,7 +920,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         });
         if let Err(e) = spawned {
             // Its output could not be passed on: stop the job rather than leave it blocked.
-            stop_started(&mut started);
+            abandon(&mut started);
             say!("cannot start a thread for the output of rank {rank}: {e}; stopped the job");
             return (1, None);
         }
@@ -918,7 +936,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         &mut ending,
         subreaper,
     );
-    if subreaper && ending.failed {
+    let stop_orphans = || {
         let killed = kill_orphans(&marker);
         if killed > 0 {
             say!(
@@ -926,6 +944,10 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
                 if killed == 1 { "" } else { "es" }
             );
         }
+    };
+    let orphans_stopped = subreaper && ending.failed;
+    if orphans_stopped {
+        stop_orphans();
     }
 
     // Let the readers pass on what the ranks wrote last, however slowly our own output takes
@@ -954,6 +976,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             if ending.exit_code == 0 {
                 ending.exit_code = EXIT_TIMEOUT;
             }
+            ending.failed = true;
             break;
         }
         if readers.iter().any(|r| r.load(Ordering::Relaxed) == PASSING) {
@@ -965,6 +988,11 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
             );
             break;
         }
+    }
+    // A stop signal or the timeout during that wait stops the job as it would have before:
+    // what the ranks left running goes too.
+    if subreaper && ending.failed && !orphans_stopped {
+        stop_orphans();
     }
     (ending.exit_code, ending.stopped_by)
 }
@@ -1210,10 +1238,26 @@ fn wait_all(
             for r in ranks_.iter_mut().filter(|r| r.status.is_none()) {
                 let _ = r.child.kill();
             }
+            if ending.kill_at.is_some_and(|t| now >= t + UNKILLABLE_AFTER) {
+                // In uninterruptible sleep (a hung driver or file system): SIGKILL waits for
+                // it. The job's end is decided; the launcher does not wait on.
+                let left: Vec<usize> = (0..ranks_.len())
+                    .filter(|&k| ranks_[k].status.is_none())
+                    .collect();
+                say!(
+                    "ranks {left:?} still run {} s after SIGKILL (in uninterruptible sleep?); \
+                     not waiting for them",
+                    UNKILLABLE_AFTER.as_secs()
+                );
+                return;
+            }
         }
         thread::sleep(POLL_INTERVAL);
     }
 }
+
+/// How long killed ranks may take to die before the launcher stops waiting for them.
+const UNKILLABLE_AFTER: Duration = Duration::from_secs(10);
 
 /// Raises our soft limit of open files (toward the hard one) when `nproc` ranks' pipes (two
 /// each, with room to spare) would not fit in it: the usual 1024 would stop a launch of some
@@ -1366,9 +1410,13 @@ fn pass_on(ranks_: &[Rank], sig: c_int) {
 /// `SIGTERM` when `chorus-run` ends, however it ends. (`setpriv` sets it and then executes the
 /// command in the same process; a missing command still exits with 127.)
 fn parent_death_prefix() -> Vec<OsString> {
-    let prefix: Vec<OsString> = ["setpriv", "--pdeathsig", "TERM", "--"]
-        .iter()
-        .map(OsString::from)
+    // By its path in the launcher's PATH: a rank's own PATH (`--env PATH=...`) may lack it.
+    let Some(setpriv) = in_path("setpriv") else {
+        return Vec::new();
+    };
+    let prefix: Vec<OsString> = [setpriv.into_os_string()]
+        .into_iter()
+        .chain(["--pdeathsig", "TERM", "--"].iter().map(OsString::from))
         .collect();
     let works = Command::new(&prefix[0])
         .args(&prefix[1..])
@@ -1383,6 +1431,20 @@ fn parent_death_prefix() -> Vec<OsString> {
     } else {
         Vec::new()
     }
+}
+
+/// Where `program` is in the launcher's own `PATH` (the first executable file of that name),
+/// so that the helpers it starts ranks through (`setpriv`, `ip`) are found whatever `PATH`
+/// the ranks are given.
+fn in_path(program: &str) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(program))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
 }
 
 /// Starts a thread that passes on rank `rank`'s output (an error, not a panic, when the system
@@ -1446,6 +1508,34 @@ mod tests {
             assert!(e.contains("--token"), "{e}");
         }
         assert!(parse_args(args(" s ")).is_ok());
+        // Nor through --env, which would also unmark what the job started for the clean-up.
+        for kv in ["CHORUS_TOKEN=", "CHORUS_TOKEN=x"] {
+            let e = parse_args(
+                ["-n", "2", "--env", kv, "true"]
+                    .map(OsString::from)
+                    .to_vec(),
+            )
+            .err()
+            .unwrap();
+            assert!(e.contains("--token"), "{e}");
+        }
+    }
+
+    #[test]
+    fn rank_counts_are_digits_only() {
+        let n = |t: &str| parse_nproc(t);
+        assert_eq!(n("4"), Ok(4));
+        for bad in ["+4", "-4", " 4", "4 ", "", "0", "0x4"] {
+            assert!(n(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn helpers_are_found_in_the_launchers_path() {
+        // `sh` is on every PATH the tests run with; a name that is nowhere is not found.
+        let sh = in_path("sh").expect("sh in PATH");
+        assert!(sh.is_absolute() && sh.ends_with("sh"), "{sh:?}");
+        assert!(in_path("chorus-no-such-program").is_none());
     }
 
     #[test]
