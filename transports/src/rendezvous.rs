@@ -61,7 +61,9 @@
 //! get an ERROR response, and the other clients are never disturbed. So does an op this
 //! server does not know (of a later release: it reads the body, up to 64 KiB, and answers). A connection beyond the
 //! limit shuts down the oldest one still in its handshake, or is closed at once when every
-//! connection is authenticated, so silent connections cannot keep clients out.
+//! connection is authenticated, so silent connections cannot keep clients out before they
+//! authenticate. An authenticated client keeps its connection while it lives; one whose host
+//! vanished (no FIN or RST) is ended by TCP keepalive probes (after about a minute).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -1161,6 +1163,13 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             }
         }
     }
+    // A client whose host died (no FIN or RST ever comes) would hold its slot and thread
+    // until the server is dropped: keepalive probes end its connection within about the
+    // data connections' default (best effort: a system that refuses them keeps the rest).
+    let _ = crate::tcp::set_keepalive(
+        &socket2::SockRef::from(&stream),
+        crate::tcp::DEFAULT_KEEPALIVE,
+    );
     // mio accepts sockets in non-blocking mode; this thread-per-connection server blocks.
     let clone = match stream
         .set_nonblocking(false)
@@ -2337,6 +2346,24 @@ mod tests {
             h(255, 0, 8),
         ] {
             assert!(parse_request_header(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn store_connections_probe_a_silent_client() {
+        let server = StoreServer::bind(localhost(), b"tok").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut c = StoreClient::connect(server.local_addr(), b"tok", deadline).unwrap();
+        c.set("k", b"v").unwrap();
+        let conns = lock(&server.shared.conns);
+        assert_eq!(conns.streams.len(), 1);
+        for s in conns.streams.values() {
+            let sock = socket2::SockRef::from(s);
+            assert!(sock.keepalive().unwrap());
+            assert_eq!(
+                sock.keepalive_time().unwrap(),
+                crate::tcp::DEFAULT_KEEPALIVE / 3
+            );
         }
     }
 

@@ -175,7 +175,7 @@ pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(60);
 /// Sets `sock`'s keepalive probes for a peer's host silent about `after` (see
 /// [`TcpOptions::keepalive`]): the first after a third of it idle, then every sixth, each
 /// in whole seconds from 1 to 32767 (Linux's range), 3 probes.
-fn set_keepalive(sock: &socket2::SockRef<'_>, after: Duration) -> std::io::Result<()> {
+pub(crate) fn set_keepalive(sock: &socket2::SockRef<'_>, after: Duration) -> std::io::Result<()> {
     let probes = socket2::TcpKeepalive::new()
         .with_time(keepalive_secs(after / 3))
         .with_interval(keepalive_secs(after / 6))
