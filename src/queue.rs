@@ -146,6 +146,9 @@ struct Jobs {
     /// The worker sleeps until it is woken (with transfers issued lately, it looks at
     /// `unattended` every [`GRACE`] instead, unwoken).
     napping: bool,
+    /// Collectives refused on this rank whose places are still to be used up, each as the
+    /// count of calls issued before it ([`Queue::skip_refused_collective`]), in order.
+    skips: VecDeque<u64>,
     /// Threads in [`Queue::wait_all`] (woken when a driving thread stops).
     waiting_all: usize,
     /// When the oldest transfer to this rank itself, waiting for its other half, times out:
@@ -235,6 +238,7 @@ impl Queue {
                 jobs: Mutex::new(Jobs {
                     queue: VecDeque::new(),
                     issued: 0,
+                    skips: VecDeque::new(),
                     finished: 0,
                     closing: false,
                     worker: None,
@@ -357,8 +361,8 @@ impl Queue {
     /// refused rank's next call, which fails as a mismatch on every rank: a refused
     /// collective of this queue ([`Queue::all_reduce`] and the others, and the C and Python
     /// collectives) uses up its place in the order of calls, as other refusals do
-    /// ([`Communicator::skip_refused_call`]), so that it can never pair with another call of
-    /// the same shape and give the others wrong results. (A closure given to
+    /// ([`Communicator::skip_refused_call`]; when the next call starts), so that it can
+    /// never pair with another call of the same shape and give the others wrong results. (A closure given to
     /// [`Queue::submit`] or [`Queue::run`] uses up nothing when refused: the queue does not
     /// know whether it makes a collective.) Wait for transfers before collectives on every
     /// rank. Transfers whose requests were given up or dropped are waited for by the call
@@ -444,17 +448,26 @@ impl Queue {
     }
 
     /// Uses up the place of a collective refused on this rank in the order of calls
-    /// ([`Communicator::skip_refused_call`]), after the calls and transfers issued before
-    /// it, without waiting for them; also while the caller holds transfer requests (a
-    /// collective refused for them uses up its place too, see [`Queue::calls_allowed`]).
-    /// Nothing in a group of one.
+    /// ([`Communicator::skip_refused_call`]), after the calls issued before it and before
+    /// the next; also while the caller holds transfer requests (a collective refused for
+    /// them uses up its place too, see [`Queue::calls_allowed`]). Returns at once: the
+    /// place is used up when the next call starts (with `CHORUS_CHECK_CALLS`, its
+    /// comparison of calls then runs first, as one that refused). Not a queued call:
+    /// transfers issued after it, which point-to-point tags keep apart from collectives,
+    /// must not wait behind it for the transfers the caller holds. Nothing in a group of one.
     pub fn skip_refused_collective(&self) {
         if self.size > 1 {
-            drop(self.submit_unchecked(|c: &mut Communicator| {
-                c.skip_refused_call();
-                Ok(())
-            }));
+            let mut jobs = lock(&self.shared.jobs);
+            let after = jobs.issued;
+            jobs.skips.push_back(after);
         }
+    }
+
+    /// Uses up, on `comm`, the places of the refused collectives ([`Queue::skip_refused_collective`])
+    /// that come before a call run inline, after every call issued before it.
+    fn settle_skips(&self, comm: &mut Communicator) {
+        let n = take_skips(&mut lock(&self.shared.jobs), u64::MAX);
+        skip_calls(comm, n);
     }
 
     fn submit_as<T, F>(&self, collective: bool, call: F) -> Request<T>
@@ -543,6 +556,7 @@ impl Queue {
             }
             self.wait_all();
             let mut comm = lock_comm(&self.shared.comm);
+            self.settle_skips(&mut comm);
             job(&mut comm, &mut || {});
             comm.settle_abort();
             return Request {
@@ -802,7 +816,12 @@ impl Queue {
         self.calls_allowed("call")?;
         self.wait_all();
         self.settle_transfers("call")?;
-        self.in_call(|| guarded(lock_comm(&self.shared.comm), f))
+        self.in_call(|| {
+            guarded(lock_comm(&self.shared.comm), |c| {
+                self.settle_skips(c);
+                f(c)
+            })
+        })
     }
 
     /// This queue's identity in `IN_CALL` and in its requests: the address of its state.
@@ -843,7 +862,10 @@ impl Queue {
         }
         self.wait_all();
         self.settle_transfers("call").ok()?;
-        self.try_now(f)
+        self.try_now(|c| {
+            self.settle_skips(c);
+            f(c)
+        })
     }
 
     /// As [`Queue::try_run`], but without waiting for the calls issued before: `None` also
@@ -871,7 +893,13 @@ impl Queue {
         let end = Instant::now() + Duration::from_secs(60);
         loop {
             match Arc::try_unwrap(shared) {
-                Ok(s) => return s.comm.into_inner().unwrap_or_else(|p| p.into_inner()),
+                Ok(s) => {
+                    let n = take_skips(&mut lock(&s.jobs), u64::MAX);
+                    let mut comm = s.comm.into_inner().unwrap_or_else(|p| p.into_inner());
+                    // (Here rather than at its next call, which the queue no longer sees.)
+                    skip_calls(&mut comm, n);
+                    return comm;
+                }
                 Err(back) if Instant::now() < end => {
                     shared = back;
                     std::thread::sleep(Duration::from_millis(1));
@@ -1093,7 +1121,7 @@ fn work(shared: &Shared) {
             Some(Item::P2p(entry)) => Err(Some(entry)),
             None => Err(None),
         };
-        let job = match first {
+        let (job, skips) = match first {
             Ok(job) => {
                 // Transfers whose requests were given up may still be posted: they finish
                 // first (a call cannot run behind them on the transport). Those issued after
@@ -1116,8 +1144,11 @@ fn work(shared: &Shared) {
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
+                // The refused collectives issued after the calls before this one.
+                let done = jobs.finished;
+                let skips = take_skips(&mut jobs, done);
                 drop(jobs);
-                job
+                (job, skips)
             }
             Err(first) => {
                 jobs.driving = true;
@@ -1144,6 +1175,7 @@ fn work(shared: &Shared) {
                 }
             };
             let _ = catch_unwind(AssertUnwindSafe(|| {
+                skip_calls(&mut comm, skips);
                 job(&mut comm, &mut answer);
                 // An abort requested after the call's last wait: the peers are told now.
                 comm.settle_abort();
@@ -1152,6 +1184,21 @@ fn work(shared: &Shared) {
         }
         lock(&shared.jobs).finished += 1;
         shared.changed.notify_all();
+    }
+}
+
+/// Takes the refused collectives due before a call that `finished` calls precede (those
+/// refused after at most `finished` calls were issued): how many.
+fn take_skips(jobs: &mut Jobs, finished: u64) -> usize {
+    let n = jobs.skips.iter().take_while(|&&at| at <= finished).count();
+    jobs.skips.drain(..n);
+    n
+}
+
+/// Uses up `n` refused collectives' places on `comm` ([`Communicator::skip_refused_call`]).
+fn skip_calls(comm: &mut Communicator, n: usize) {
+    for _ in 0..n {
+        comm.skip_refused_call();
     }
 }
 

@@ -1299,7 +1299,7 @@ int32_t chorus_recv(chorus_comm *comm, void *buf, size_t count, chorus_dtype dty
  * aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
  * of the same order (a mismatch there fails both halves with `CHORUS_MISMATCH` and leaves
  * the communicator usable: nothing went on the wire). A transfer must complete within the communicator's timeout of being
- * issued, after the nonblocking calls issued before it.
+ * posted, which it is once the nonblocking calls issued before it have ended.
  *
  * While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its
  * kin, nor freed), the communicator's other calls (collectives, blocking and nonblocking,

@@ -784,7 +784,7 @@ pub unsafe extern "C" fn chorus_comm_split(
         let (c, _entered) = unsafe { split_args(comm, newcomm)? };
         // A color below -1 is refused inside the split's exchange, so that the other ranks
         // fail at once too.
-        let child = c.with(|c| Ok(c.split_raw(i64::from(color), i64::from(key))?))?;
+        let child = c.with_collective(|c| Ok(c.split_raw(i64::from(color), i64::from(key))?))?;
         let out = child.map_or(std::ptr::null_mut(), |n| ptr::into_raw(chorus_comm::new(n)));
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, out, "newcomm") }
@@ -807,7 +807,7 @@ pub unsafe extern "C" fn chorus_comm_split_host(
     guard("chorus_comm_split_host", || {
         // SAFETY: NULL or live, NULL or writable, by the caller's promise.
         let (c, _entered) = unsafe { split_args(comm, newcomm)? };
-        let child = c.with(|c| Ok(c.split_by_host()?))?;
+        let child = c.with_collective(|c| Ok(c.split_by_host()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
     })
@@ -828,7 +828,7 @@ pub unsafe extern "C" fn chorus_comm_dup(
     guard("chorus_comm_dup", || {
         // SAFETY: NULL or live, NULL or writable, by the caller's promise.
         let (c, _entered) = unsafe { split_args(comm, newcomm)? };
-        let child = c.with(|c| Ok(c.dup()?))?;
+        let child = c.with_collective(|c| Ok(c.dup()?))?;
         // SAFETY: as above.
         unsafe { ptr::write_out(newcomm, ptr::into_raw(chorus_comm::new(child)), "newcomm") }
     })
@@ -853,7 +853,8 @@ unsafe fn split_args<'a>(
     let (c, entered) = unsafe { ptr::comm(comm)? };
     if let Err(f) = out_ok {
         let why = format!("{}: nowhere to put the new communicator", f.message);
-        let refused = c.with(|c| -> Result<(), Failure> { Err(c.refuse_split(&why).into()) });
+        let refused =
+            c.with_collective(|c| -> Result<(), Failure> { Err(c.refuse_split(&why).into()) });
         return Err(refused.err().unwrap_or_else(|| Failure::invalid(why)));
     }
     Ok((c, entered))
@@ -2984,7 +2985,7 @@ pub unsafe extern "C" fn chorus_recv(
 /// aborted). `peer` may be this rank: the send is copied into this rank's receive from itself
 /// of the same order (a mismatch there fails both halves with `CHORUS_MISMATCH` and leaves
 /// the communicator usable: nothing went on the wire). A transfer must complete within the communicator's timeout of being
-/// issued, after the nonblocking calls issued before it.
+/// posted, which it is once the nonblocking calls issued before it have ended.
 ///
 /// While the caller holds a request of a transfer (not yet completed by `chorus_wait` or its
 /// kin, nor freed), the communicator's other calls (collectives, blocking and nonblocking,

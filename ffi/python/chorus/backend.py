@@ -22,7 +22,7 @@ in the same order).
 The ``timeout`` of ``init_process_group``/``new_group`` is the group's calls' (as with Gloo),
 unless ``CHORUS_TIMEOUT`` is set; the group's setup itself waits ``CHORUS_INIT_TIMEOUT``
 (300 s by default). A transfer (``isend``/``irecv``) must complete within the timeout of being
-issued.
+posted, once the calls issued before it have ended.
 
 Data-moving collectives (broadcast, the gathers, scatters and all-to-alls) and
 point-to-point messages move bytes, so they take any dtype (bool, int16, complex, ...);

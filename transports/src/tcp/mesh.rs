@@ -699,11 +699,18 @@ fn dial(
             peer: Some(to),
             waited,
         },
-        TransportError::Rendezvous(m) if !m.contains(&format!("rank {to}")) => {
+        TransportError::Rendezvous(m) if !names_rank(&m, to) => {
             TransportError::Rendezvous(format!("rank {to} at {addr}: {m}"))
         }
         e => e,
     })
+}
+
+/// Whether `text` names rank `j` ("rank 1", not "rank 12").
+fn names_rank(text: &str, j: usize) -> bool {
+    let at = format!("rank {j}");
+    text.match_indices(&at)
+        .any(|(i, _)| !text[i + at.len()..].starts_with(|c: char| c.is_ascii_digit()))
 }
 
 fn dial_tries(
@@ -1202,6 +1209,15 @@ mod tests {
         );
         assert!(e.to_string().contains("waiting for rank 1"), "{e}");
         assert!(*took < Duration::from_secs(6), "{took:?}");
+    }
+
+    #[test]
+    fn a_rank_is_named_by_its_whole_number() {
+        assert!(names_rank("rank 1 at x: y", 1));
+        assert!(names_rank("from rank 1", 1));
+        assert!(!names_rank("rank 12 at x", 1));
+        assert!(names_rank("rank 12 and rank 1: y", 1));
+        assert!(!names_rank("ranks 1", 1));
     }
 
     #[test]
