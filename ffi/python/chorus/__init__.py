@@ -32,6 +32,7 @@ import numbers
 import os
 import sys
 import threading
+import time
 import weakref
 import zlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -452,31 +453,40 @@ class _Handle:
     def __init__(self, h: ctypes.c_void_p, what: str):
         self._h: Optional[ctypes.c_void_p] = h
         self._what = what
-        self._mu = threading.Lock()
+        self._mu = threading.Condition()
         self._calls = 0
+        # Of `_calls`, aborts: :meth:`take` waits for those rather than refusing (an abort
+        # from another thread ends what close() waited for, and is out a moment later).
+        self._aborts = 0
 
     @property
     def closed(self) -> bool:
         return self._h is None
 
     @contextlib.contextmanager
-    def use(self) -> Iterator[ctypes.c_void_p]:
-        """The handle, for one call; :class:`InvalidUsageError` once closed."""
+    def use(self, abort: bool = False) -> Iterator[ctypes.c_void_p]:
+        """The handle, for one call (an abort: ``abort``); :class:`InvalidUsageError` once
+        closed."""
         with self._mu:
             if self._h is None:
                 raise InvalidUsageError(f"the {self._what} is closed")
             self._calls += 1
+            self._aborts += abort
             h = self._h
         try:
             yield h
         finally:
             with self._mu:
                 self._calls -= 1
+                self._aborts -= abort
+                self._mu.notify_all()
 
     def take(self) -> Optional[ctypes.c_void_p]:
         """The handle, which is closed from now on (None if it already was);
         :class:`InvalidUsageError` while another thread is inside a call with it."""
         with self._mu:
+            # Aborts end quickly (the C library bounds them at 10 s): waited for.
+            self._mu.wait_for(lambda: self._calls == 0 or self._calls != self._aborts, timeout=15.0)
             if self._calls:
                 raise InvalidUsageError(
                     f"the {self._what} is in use by another thread; close it after that call "
@@ -986,6 +996,21 @@ class Communicator:
         b = _buffer(x, "x")
         return self._transfer(lib.chorus_irecv, b, x, peer)
 
+    def _wait_transfers(self) -> None:
+        """Wait until no transfer runs (see :meth:`close`); at once if closed or failing."""
+        pause = 0.0005
+        while True:
+            n = ctypes.c_size_t(0)
+            try:
+                with self._handle.use() as h:
+                    status = lib.chorus_comm_transfers(h, ctypes.byref(n))
+            except InvalidUsageError:
+                return
+            if status != 0 or n.value == 0:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
     def _release_given_up(self) -> None:
         """Let go of the buffers of given-up transfers once none runs any more (a loop of
         dropped isends must not keep every buffer until close())."""
@@ -1182,11 +1207,14 @@ class Communicator:
         communicator unusable. It may be called from another thread while a call runs (a
         watchdog's way out of a hang, as ``ncclCommAbort``): that call fails with
         :class:`InvalidUsageError` where it next waits (at once over TCP, within 10 ms over
-        shared memory). Call :meth:`close` afterwards. In a child forked from this
-        process it does nothing (the parent still runs this rank)."""
+        shared memory). Call :meth:`close` afterwards; during a :meth:`close` that waits for
+        transfers (a dropped ``isend`` whose peer never receives), it cuts that wait short.
+        In a child forked from this process it does nothing (the parent still runs this
+        rank)."""
         if os.getpid() != self._pid:
             return
-        self._call(lib.chorus_comm_abort)
+        with self._handle.use(abort=True) as h:
+            _check(lib.chorus_comm_abort(h))
 
     def close(self) -> None:
         """Free the communicator and close its connections. Idempotent. While another thread
@@ -1205,6 +1233,10 @@ class Communicator:
                 req.wait()
             except ChorusError:
                 pass
+        # Then the transfers still running (those whose requests were dropped), likewise: each
+        # ends within the timeout, or at once after an abort; chorus_comm_destroy would wait
+        # for them where abort() no longer reaches.
+        self._wait_transfers()
         h = self._handle.take()
         if h is not None:
             status = lib.chorus_comm_destroy(h)
@@ -1564,7 +1596,9 @@ _NAP_MIN, _NAP_MAX = 0.0001, 0.002
 
 
 _COMPLETERS: "set[_Completer]" = set()
-_COMPLETERS_MU = threading.Lock()
+# Re-entrant: a garbage collection while it is held (an allocation under it) may finalise a
+# communicator, whose close stops its completer, which takes it again on the same thread.
+_COMPLETERS_MU = threading.RLock()
 
 
 def _forget_completers_in_child() -> None:
@@ -1572,7 +1606,7 @@ def _forget_completers_in_child() -> None:
     held at the fork)."""
     global _COMPLETERS, _COMPLETERS_MU
     _COMPLETERS = set()
-    _COMPLETERS_MU = threading.Lock()
+    _COMPLETERS_MU = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_completers_in_child)
@@ -1581,7 +1615,9 @@ os.register_at_fork(after_in_child=_forget_completers_in_child)
 @atexit.register
 def _stop_completers() -> None:
     with _COMPLETERS_MU:
-        running = list(_COMPLETERS)
+        # (A copy made in C, which a completer leaving the set meanwhile cannot disturb, as
+        # it could a Python-level iteration.)
+        running = _COMPLETERS.copy()
     for c in running:
         # A call still running at exit is aborted: the thread must not be inside torch when
         # the interpreter finalises.

@@ -259,12 +259,16 @@ class _P2P:
 
 
 class _TransferWork(dist._Work):
-    """The work of a backend ``isend``/``irecv``: its transfers run on their own, and
+    """The work of a backend ``isend``/``irecv`` (one op), or of a batch of them (the work
+    torch 2.1 and later take from ``_end_coalescing``): its transfers run on their own, and
     ``wait()`` waits for them."""
 
-    def __init__(self, op: _P2P):
+    def __init__(self, *ops: _P2P):
         super().__init__()
-        self._op = op
+        self._ops = ops
+
+    def _done(self) -> bool:
+        return all(op.done() for op in self._ops)
 
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the transfers; with a ``timeout`` (a ``timedelta`` or seconds; zero or
@@ -273,7 +277,7 @@ class _TransferWork(dist._Work):
         if limit:
             deadline = time.monotonic() + float(limit)
             pause = 0.0005
-            while not self._op.done():
+            while not self._done():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(
@@ -282,26 +286,35 @@ class _TransferWork(dist._Work):
                     )
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.05)
-        self._op.wait()
+        for op in self._ops:
+            op.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._op.done()
+        return self._done()
 
     def is_success(self) -> bool:
-        if not self._op.done():
+        if not self._done():
             return False
         try:
-            self._op.wait()
+            for op in self._ops:
+                op.wait()
         except Exception:  # noqa: BLE001 - a failed transfer
             return False
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._op.future()
+        if len(self._ops) == 1:
+            return self._ops[0].future()
+        # Every op's, then their first error or the last one's value.
+        every = torch.futures.collect_all([op.future() for op in self._ops])
+        return every.then(lambda f: [g.wait() for g in f.value()][-1] if self._ops else None)
 
     def result(self) -> Any:
-        return self._op.wait()
+        value = None
+        for op in self._ops:
+            value = op.wait()
+        return value
 
 
 def _serial(lock_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -659,7 +672,9 @@ class ProcessGroupChorus(dist.ProcessGroup):
         # is not the batch's: only another one at its end is (see `_end_coalescing`).
         self._tls.handling = sys.exc_info()[1]
 
-    def _end_coalescing(self, *_reqs_or_device: Any) -> None:
+    def _end_coalescing(self, *_reqs_or_device: Any) -> dist._Work:
+        """Start the batch; the work of all of it (torch 2.1 and later wait for it, or hand
+        it to the caller; earlier versions ignore it and wait for each op's)."""
         tls = self._tls
         batch, failed = getattr(tls, "batch", None) or [], getattr(tls, "failed", None)
         tls.batch, tls.failed = None, None
@@ -672,8 +687,9 @@ class ProcessGroupChorus(dist.ProcessGroup):
         if failed is not None:
             for op in batch:
                 op.error = failed
-            return
+            return _TransferWork(*batch)
         self._start(batch)
+        return _TransferWork(*batch)
 
     def _start(self, ops: List[_P2P]) -> None:
         """Start the transfers of ``ops``, in order, on the group's point-to-point

@@ -172,6 +172,17 @@ def main():
         for q in reqs:
             q.wait()
         check("batch_isend_irecv ring", r, torch.full((1 << 20,), float(left)))
+        # torch 2.1 and later take the work of the whole batch from _end_coalescing and wait
+        # for it (called here as they call it).
+        pg = dist.distributed_c10d._get_default_group()
+        s, r = torch.full((1 << 20,), float(me) + 0.5), torch.zeros(1 << 20)
+        pg._start_coalescing(torch.device("cpu"))
+        pg.send([s], right, 0)
+        pg.recv([r], left, 0)
+        work = pg._end_coalescing(torch.device("cpu"))
+        assert work.wait() and work.is_completed() and work.is_success()
+        check("a coalesced batch's work", r, torch.full((1 << 20,), float(left) + 0.5))
+        work.get_future().wait()
         # a halo exchange in one batch, 4 MiB each way, all posted together (with one
         # neighbour both ways, the messages of each direction pair up in order)
         big = 1 << 20

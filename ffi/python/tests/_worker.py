@@ -661,6 +661,24 @@ def nonblocking(comm):
             except chorus.RemoteError:
                 pass
             d.close()
+    # close() that waits in chorus_comm_destroy for a dropped send whose peer never receives
+    # it: abort() from another thread cuts that wait short too.
+    if p > 1:
+        d = comm.dup()
+        if me == 0:
+            d.isend(np.ones(1 << 20), 1)  # 8 MiB, dropped at once: given up, still running
+            closer = threading.Thread(target=d.close)
+            t0 = time.perf_counter()
+            closer.start()
+            time.sleep(0.3)
+            d.abort()
+            closer.join(30)
+            took = time.perf_counter() - t0
+            assert not closer.is_alive() and took < 3.0, f"close kept waiting ({took:.1f} s)"
+            expect(chorus.InvalidUsageError, d.barrier, "a communicator closed after abort")
+        else:
+            time.sleep(1.0)
+            d.close()
     # A mismatch surfaces in the requests (and futures) of every rank, never a hang.
     d = comm.dup()
     y = np.ones(100 + (me == p - 1), dtype=np.float32)
