@@ -46,25 +46,22 @@ impl<'a> CollCtx<'a> {
         aligned_scratch(self.scratch, bytes)
     }
 
-    /// [`transport_and_scratch`](Self::transport_and_scratch) for a size that other ranks'
-    /// figures decide: an error when it cannot be allocated (too large for the address
-    /// space, or refused by the system), not the end of the process.
-    pub fn try_transport_and_scratch(
+    /// The transport and a scratch slice at once (the two borrows a schedule holds
+    /// together). An error when the scratch cannot be allocated (too large for the address
+    /// space, or refused by the system), not the end of the process: its size is a multiple
+    /// of the caller's buffer, or what other ranks' figures decide.
+    pub fn transport_and_scratch(
         &mut self,
         bytes: usize,
     ) -> chorus_transport::Result<(&mut dyn Transport, &mut [u8])> {
         let scratch = try_aligned_scratch(self.scratch, bytes)?;
         Ok((&mut *self.transport, scratch))
     }
-
-    /// The transport and a scratch slice at once (the two borrows a schedule holds together).
-    pub fn transport_and_scratch(&mut self, bytes: usize) -> (&mut dyn Transport, &mut [u8]) {
-        (&mut *self.transport, aligned_scratch(self.scratch, bytes))
-    }
 }
 
-/// [`aligned_scratch`] for a size that other ranks' figures decide (the entries a sparse
-/// message may hold): an error, not the end of the process, when it cannot be allocated.
+/// [`aligned_scratch`] for a size that the caller's buffer or other ranks' figures decide
+/// (the entries a sparse message may hold): an error, not the end of the process, when it
+/// cannot be allocated.
 fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Result<&mut [u8]> {
     let Some(need) = bytes.checked_add(SCRATCH_ALIGN - 1) else {
         return Err(no_memory(bytes));
@@ -93,10 +90,10 @@ const PROBE_ABOVE: usize = 32 << 20;
 fn no_memory(bytes: usize) -> TransportError {
     TransportError::Io {
         peer: None,
-        during: "allocating receive buffers",
+        during: "allocating scratch memory",
         source: std::io::Error::new(
             std::io::ErrorKind::OutOfMemory,
-            format!("{bytes} bytes for the messages the ranks' largest count of entries allows"),
+            format!("{bytes} bytes of scratch memory for this call"),
         ),
     }
 }
@@ -131,7 +128,7 @@ mod tests {
         let mut v = Vec::new();
         for bytes in [usize::MAX, usize::MAX - SCRATCH_ALIGN, isize::MAX as usize] {
             let e = try_aligned_scratch(&mut v, bytes).unwrap_err();
-            assert!(e.to_string().contains("allocating receive buffers"), "{e}");
+            assert!(e.to_string().contains("allocating scratch memory"), "{e}");
         }
         assert!(v.is_empty());
         assert_eq!(try_aligned_scratch(&mut v, 100).unwrap().len(), 100);

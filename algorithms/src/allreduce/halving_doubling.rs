@@ -170,7 +170,7 @@ pub fn run(
         Role::Core => plan.halving.first().map_or(0, |s| s.recv.len()),
         _ => n,
     };
-    let (t, scratch) = ctx.transport_and_scratch(scratch_len);
+    let (t, scratch) = ctx.transport_and_scratch(scratch_len)?;
     let mut ex = Exchanger {
         t,
         deadline,

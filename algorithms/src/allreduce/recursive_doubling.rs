@@ -103,7 +103,7 @@ pub fn run(
         .map(|k| tag(1 + k))
         .collect();
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(n);
+    let (t, scratch) = ctx.transport_and_scratch(n)?;
     let mut ex = Exchanger {
         t,
         deadline,

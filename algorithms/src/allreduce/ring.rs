@@ -261,7 +261,7 @@ fn run_slice(
         .map(|k| ctx.tag((tag0 + k) % STEP_TAGS))
         .collect();
     let deadline = ctx.deadline;
-    let (transport, scratch) = ctx.transport_and_scratch(plan.max_chunk);
+    let (transport, scratch) = ctx.transport_and_scratch(plan.max_chunk)?;
     let mut ring = Ring {
         t: transport,
         deadline,

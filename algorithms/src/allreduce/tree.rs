@@ -190,7 +190,7 @@ pub(crate) fn run_segments(
     let slot_len = segments.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
     let max_kids = trees.iter().map(|t| t.children.len()).max().unwrap_or(0);
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(max_kids * WINDOW * slot_len);
+    let (t, scratch) = ctx.transport_and_scratch(max_kids * WINDOW * slot_len)?;
     // slots[child][w]: the scratch slot of window position `w` for a segment's `child`-th child.
     let mut slots: Vec<Vec<&mut [u8]>> = if max_kids == 0 || slot_len == 0 {
         Vec::new()

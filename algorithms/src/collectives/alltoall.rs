@@ -123,7 +123,7 @@ pub fn run(
     let steps = plan(rank, size);
     let tags: Vec<_> = (0..steps.len()).map(|k| tag(ctx, 0, 0, k)).collect();
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(if send.is_some() { 0 } else { n });
+    let (t, scratch) = ctx.transport_and_scratch(if send.is_some() { 0 } else { n })?;
     let input: &[u8] = match send {
         Some(s) => s,
         None => {

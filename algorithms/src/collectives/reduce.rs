@@ -140,7 +140,7 @@ pub fn run(
     let parent = node.parent.map(|p| (p, t));
     let deadline = ctx.deadline;
     if rank == root {
-        let (transport, incoming) = ctx.transport_and_scratch(n);
+        let (transport, incoming) = ctx.transport_and_scratch(n)?;
         if children.is_empty() {
             if let Some(s) = send {
                 recv.copy_from_slice(s);
@@ -164,7 +164,7 @@ pub fn run(
     if children.is_empty() {
         return send_all(&mut *ctx.transport, deadline, to, stag, input);
     }
-    let (transport, scratch) = ctx.transport_and_scratch(2 * n);
+    let (transport, scratch) = ctx.transport_and_scratch(2 * n)?;
     let (acc, incoming) = scratch.split_at_mut(n);
     let combine = Combine {
         t: transport,

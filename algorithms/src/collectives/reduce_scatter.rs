@@ -191,7 +191,7 @@ pub fn run(
     // The reduced block `rank` ends in `result`, a part of scratch.
     let result: &[u8] = match alg {
         Algorithm::Ring => {
-            let (t, scratch) = ctx.transport_and_scratch(2 * b);
+            let (t, scratch) = ctx.transport_and_scratch(2 * b)?;
             for (k, s) in steps.iter().enumerate() {
                 // Send the partial of the step before (step 0: the input block), receive the
                 // next partial into the other scratch block and combine it with the input.
@@ -219,7 +219,7 @@ pub fn run(
             }
         }
         Algorithm::RecursiveHalving => {
-            let (t, scratch) = ctx.transport_and_scratch(n + n / 2);
+            let (t, scratch) = ctx.transport_and_scratch(n + n / 2)?;
             let (acc, incoming) = scratch.split_at_mut(n);
             acc.copy_from_slice(input);
             for (k, s) in steps.iter().enumerate() {
@@ -288,7 +288,7 @@ pub fn run_v(
         .collect();
     let input: &[u8] = send.unwrap_or(recv);
     let widest = counts.iter().copied().max().unwrap_or(0);
-    let (t, scratch) = ctx.transport_and_scratch(2 * widest);
+    let (t, scratch) = ctx.transport_and_scratch(2 * widest)?;
     // As in `run`: partials alternate between two scratch halves of the widest block.
     let mut last = 0..0;
     for (k, s) in steps.iter().enumerate() {

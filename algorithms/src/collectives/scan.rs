@@ -157,7 +157,7 @@ pub fn run(
         .map(|k| tag(ctx, 0, Algorithm::RecursiveDoubling.id(), k))
         .collect();
     let deadline = ctx.deadline;
-    let (t, scratch) = ctx.transport_and_scratch(3 * n);
+    let (t, scratch) = ctx.transport_and_scratch(3 * n)?;
     let (window, rest) = scratch.split_at_mut(n);
     let (incoming, before) = rest.split_at_mut(n);
     window.copy_from_slice(send.unwrap_or(recv));
@@ -221,7 +221,7 @@ fn chain(
         .collect();
     let deadline = ctx.deadline;
     let width = seg.min(n);
-    let (t, scratch) = ctx.transport_and_scratch(2 * width);
+    let (t, scratch) = ctx.transport_and_scratch(2 * width)?;
     let (incoming, fwd) = scratch.split_at_mut(width);
     for k in 0..=segments {
         // Send the prefix through this rank of segment k − 1 (in `fwd` since the step before)

@@ -423,7 +423,7 @@ fn scatter_gather(
     let in1: usize = (0..p).map(in_len).sum();
     let all2: usize = (0..p).map(enc_len).sum();
     let need = (round_up(out1) + in1).max(all2);
-    let (t, scratch) = ctx.transport_and_scratch(need);
+    let (t, scratch) = ctx.transport_and_scratch(need)?;
 
     // Round 1: pieces out, own slice's pieces in and summed.
     let mut poisoned = false;
@@ -684,7 +684,7 @@ fn integer(
         + round_up(sums_len(me))
         + out_len(&sums_len);
     let need = round_up(4 * total) + round_up(4 * own.len()) + r1.max(r23);
-    let (t, scratch) = ctx.transport_and_scratch(need);
+    let (t, scratch) = ctx.transport_and_scratch(need)?;
     let (shared, rest) = split_aligned(scratch, 4 * total);
     let (sums, work) = split_aligned(rest, 4 * own.len());
     let values = |c: usize| c * chunk..((c + 1) * chunk).min(n);

@@ -526,7 +526,7 @@ pub(crate) fn exchange_into_scratch<'c>(
     caps: &[usize],
 ) -> Result<Vec<&'c [u8]>> {
     let deadline = ctx.deadline;
-    let (tr, scratch) = ctx.try_transport_and_scratch(carve_len(caps))?;
+    let (tr, scratch) = ctx.transport_and_scratch(carve_len(caps))?;
     let mut bufs = carve(scratch, caps);
     let mut recvs: Vec<_> = peers
         .into_iter()

@@ -149,7 +149,7 @@ fn exchange_with<R>(
     let cap = stream::max_segment_bytes(bound, n);
     let deadline = ctx.deadline;
     let t = tag(ctx, ALG, step);
-    let (tr, scratch) = ctx.try_transport_and_scratch(cap)?;
+    let (tr, scratch) = ctx.transport_and_scratch(cap)?;
     let sends: Vec<_> = send.map(|(p, b)| (p, t, b)).into_iter().collect();
     let got = super::exchange(tr, deadline, &sends, &mut [(from, t, &mut scratch[..])])?;
     let expect = Expect {
