@@ -89,8 +89,17 @@ const STATE_ABORTED: u32 = 2;
 
 /// How long a sleeping wait lasts before it re-checks the peers' liveness.
 const SLEEP_SLICE: Duration = Duration::from_millis(10);
-/// A writer publishes `head` at least every this many bytes, so the reader can start copying.
+/// A writer publishes `head` (and a reader `tail`) at least every this many bytes, so that
+/// the other side can start copying (refilling); a quarter of the ring where that is less
+/// ([`piece`]).
 const PIECE: usize = 64 * 1024;
+
+/// The bytes between publications of `head` and `tail` on a ring of `ring` bytes: [`PIECE`],
+/// or a quarter of a smaller ring (a whole line at least), so that the writer and the reader
+/// of a message larger than the ring copy at the same time rather than by turns.
+fn piece(ring: usize) -> usize {
+    (ring / 4 / LINE * LINE).clamp(LINE, PIECE)
+}
 
 /// Tunables of the shared-memory transport. Every rank of a group must use the same values
 /// (checked at connection).
@@ -753,9 +762,10 @@ impl ShmTransport {
             moved = true;
         }
         let len = req.len();
+        let piece = piece(ring);
         while req.bytes_done() < req.available() && free > 0 {
             let done = req.bytes_done();
-            let n = (req.available() - done).min(free).min(PIECE);
+            let n = (req.available() - done).min(free).min(piece);
             let at = (p.tx.pos % ring as u64) as usize;
             let first = n.min(ring - at);
             p.map.write(data + at, &buf[done..done + first]);
@@ -766,7 +776,7 @@ impl ShmTransport {
             req.advance(n);
             free -= n;
             moved = true;
-            if p.tx.pos - published >= PIECE as u64 {
+            if p.tx.pos - published >= piece as u64 {
                 p.map.u64_at(base).store(p.tx.pos, Ordering::Release);
                 published = p.tx.pos;
                 Self::notify(&p.map);
@@ -877,9 +887,11 @@ impl ShmTransport {
             return Ok(Moved::Blocked);
         }
         let msg_len = req.message_len().expect("header seen");
+        let piece = piece(ring);
+        let mut published = p.rx.pos;
         while req.bytes_done() < msg_len && avail > 0 {
             let done = req.bytes_done();
-            let n = (msg_len - done).min(avail);
+            let n = (msg_len - done).min(avail).min(piece);
             let at = (p.rx.pos % ring as u64) as usize;
             let first = n.min(ring - at);
             self.me.read(data + at, &mut buf[done..done + first]);
@@ -890,6 +902,14 @@ impl ShmTransport {
             avail -= n;
             req.advance(n);
             moved = true;
+            if p.rx.pos - published >= piece as u64 && avail > 0 {
+                // The writer may refill what was read while the rest is copied.
+                self.me
+                    .u64_at(base + LINE)
+                    .store(p.rx.pos, Ordering::Release);
+                Self::notify(&p.map);
+                published = p.rx.pos;
+            }
         }
         if req.bytes_done() == msg_len {
             let pad = msg_len.next_multiple_of(LINE) - msg_len;
@@ -1237,6 +1257,15 @@ mod tests {
         assert_eq!(Layout::new(&set, 128, 128).ring, 4096 + LINE);
         assert_eq!(Layout::new(&set, 4, 8).arena_half, 0);
         assert!(Layout::new(&set, 4, 4).arena_half > 0);
+    }
+
+    #[test]
+    fn small_rings_publish_in_quarters() {
+        assert_eq!(piece(DEFAULT_RING_BYTES), PIECE);
+        assert_eq!(piece(16 << 10), 4 << 10);
+        assert_eq!(piece(4096 + 64), 1024);
+        assert_eq!(piece(4 * LINE), LINE);
+        assert_eq!(piece(1 << 30), PIECE);
     }
 
     #[test]
