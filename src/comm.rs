@@ -1473,18 +1473,15 @@ impl Communicator {
             if timing == Timing::Online {
                 if let Some(candidates) = c.tuner.online_fresh(bytes) {
                     // Before the first trial: run every candidate once, untimed, so that none pays
-                    // for TCP connections still in slow start; grow the scratch memory, so that
-                    // the first does not pay for it (a schedule needs at most the buffer's size).
+                    // for TCP connections still in slow start, nor for growing the scratch
+                    // memory (each warm-up grows it to what its schedule needs, or fails the
+                    // call where the system refuses it).
                     for alg in candidates {
                         let r = c.tuning_warm_up(alg, bytes, dtype, op, opts.timeout);
                         if r.is_err() {
                             c.tuner.reset(bytes);
                             return r;
                         }
-                    }
-                    let need = bytes + chorus_algorithms::context::SCRATCH_ALIGN;
-                    if c.scratch.len() < need {
-                        c.scratch.resize(need, 0);
                     }
                 }
             }

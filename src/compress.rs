@@ -260,6 +260,13 @@ impl CompressionReport {
 /// count and thresholds the communicator: every rank's compressor must have made the same
 /// calls on it, or the next call fails as a mismatch; on another communicator they start
 /// afresh (ranks from different groups would not agree on them).
+///
+/// Every rank must use the same spec, `min_bytes` included (a tensor compressed on one rank
+/// and not on another fails as a mismatch). A call that fails after compressing (a peer's
+/// NaN or inf, a lost peer) may leave the residual updated for a gradient that was never
+/// applied: after a skipped step (a loss scaler's overflow), [`Compressor::reset`] it when
+/// the codec is biased (`sign`, `topk`, error feedback on), or the next call adds back
+/// about the skipped gradient's rounding error (for `sign`, about the gradient itself).
 pub struct Compressor {
     spec: CompressorSpec,
     residual: Residual,
@@ -383,6 +390,20 @@ const OP_COMPRESSED: &str = "all_reduce_compressed";
 /// The report of a tensor below `min_bytes`, sent by the plain allreduce in its own dtype
 /// (`tensor_bytes`: `dense_bytes`, its size as f32, for an f32 tensor, half of it for a
 /// 16-bit one): a ring-like allreduce sends and receives about 2(p−1)/p of them.
+/// A compressed allreduce sums or averages: any other op is refused, whatever the size.
+fn compressed_op(op: ReduceOp) -> Result<(), CommError> {
+    if matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+        return Ok(());
+    }
+    Err(CommError::invalid(
+        "all_reduce_compressed",
+        format!(
+            "compressed allreduce sums or averages; {} is not supported",
+            op.name()
+        ),
+    ))
+}
+
 fn plain_report(dense_bytes: u64, tensor_bytes: u64, p: u64) -> CompressionReport {
     let moved = tensor_bytes * 2 * p.saturating_sub(1) / p.max(1);
     CompressionReport {
@@ -434,19 +455,12 @@ impl Communicator {
     ) -> Result<CompressionReport, CommError> {
         const OP: &str = "all_reduce_compressed";
         self.check_usable(OP)?;
-        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
-            return Err(CommError::invalid(
-                OP,
-                format!(
-                    "compressed allreduce sums or averages; {} is not supported",
-                    op.name()
-                ),
-            )
-            .at_rank(self.rank()));
-        }
+        compressed_op(op).map_err(|e| e.at_rank(self.rank()))?;
         let dense_bytes = std::mem::size_of_val(buf) as u64;
         let p = self.size() as u64;
-        if std::mem::size_of_val(buf) < comp.spec.min_bytes {
+        // (An empty tensor too, whatever min_bytes: the plain allreduce sends nothing for it,
+        // so ranks whose min_bytes differ still agree there.)
+        if std::mem::size_of_val(buf) < comp.spec.min_bytes || buf.is_empty() {
             // (Only float32 here: `all_reduce_compressed_raw` sends other dtypes' small
             // tensors through the plain allreduce in their own dtype.)
             self.all_reduce_with(None, buf, op, &AllReduceOptions::default())?;
@@ -565,8 +579,10 @@ impl Communicator {
                 )
                 .at_rank(c.rank()));
             }
+            // The op first, whatever path the size takes (a small tensor is refused alike).
+            compressed_op(op).map_err(|e| e.at_rank(c.rank()))?;
             let n = buf.len() / elem;
-            if dtype != DType::Float32 && buf.len() < comp.spec.min_bytes {
+            if dtype != DType::Float32 && (buf.len() < comp.spec.min_bytes || buf.is_empty()) {
                 // Below min_bytes (the tensor's own bytes): the plain allreduce, in the
                 // caller's dtype, whose tag carries it, so ranks passing float16 and float32
                 // tensors of one length fail here too instead of returning results rounded

@@ -359,6 +359,18 @@ impl TuneFile {
             }
         };
         file.put(section);
+        // Never larger than `read` takes (a file with long foreign sections could grow past
+        // it, and then stay frozen): the oldest sections go first, the newest stays.
+        let mut text = file.format();
+        while text.len() as u64 > MAX_FILE_BYTES && file.sections.len() > 1 {
+            file.sections.remove(0);
+            text = file.format();
+        }
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(format!(
+                "its new section alone is larger than {MAX_FILE_BYTES} bytes; not writing it"
+            ));
+        }
         let name = path
             .file_name()
             .ok_or_else(|| "the path names no file".to_string())?;
@@ -379,7 +391,7 @@ impl TuneFile {
                 if let Some(p) = permissions {
                     f.set_permissions(p)?;
                 }
-                f.write_all(file.format().as_bytes())?;
+                f.write_all(text.as_bytes())?;
                 f.sync_all()
             });
         if let Err(e) = written {
@@ -819,6 +831,54 @@ mod tests {
         TuneFile::store(&path, third).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn store_never_writes_more_than_read_takes() {
+        // Sections with long foreign keys (20 KiB each) fill the file near its limit: a new
+        // one drops the oldest rather than freeze the file beyond what `read` takes.
+        let dir = std::env::temp_dir().join(format!("chorus-tune-big-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tune.txt");
+        let long = |k: usize| {
+            let mut s = section();
+            s.key.transport = format!("t{k}{}", "x".repeat(20 << 10));
+            s
+        };
+        let mut f = TuneFile::default();
+        for k in 0..50 {
+            f.sections.push(long(k));
+        }
+        let text = f.format();
+        assert!(text.len() as u64 <= MAX_FILE_BYTES);
+        assert!(
+            text.len() as u64 + (40 << 10) > MAX_FILE_BYTES,
+            "{}",
+            text.len()
+        );
+        std::fs::write(&path, &text).unwrap();
+        for k in 50..53 {
+            TuneFile::store(&path, long(k)).unwrap();
+        }
+        assert!(std::fs::metadata(&path).unwrap().len() <= MAX_FILE_BYTES);
+        let back = TuneFile::read(&path).unwrap().unwrap();
+        assert!(back.sections.len() < 53, "{}", back.sections.len());
+        assert!(back
+            .sections
+            .last()
+            .unwrap()
+            .key
+            .transport
+            .starts_with("t52x"));
+        assert!(back.sections[0].key.transport.starts_with('t'));
+        // A section too large on its own is refused, the file left as it was.
+        let before = std::fs::read(&path).unwrap();
+        let mut huge = section();
+        huge.key.transport = "y".repeat(MAX_FILE_BYTES as usize);
+        assert!(TuneFile::store(&path, huge).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), before);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -230,6 +230,35 @@ fn small_tensors_exact_and_16_bit_inputs() {
             .all_reduce_compressed_raw(&mut odd, DType::Float32, ReduceOp::Sum, &mut comp)
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        // Another op is refused whatever the size: a small 16-bit tensor, below min_bytes,
+        // as a large one.
+        let mut big = Compressor::new("int8").unwrap(); // min_bytes 16384
+        for dtype in [DType::Float16, DType::Bfloat16, DType::Float32] {
+            let mut small = vec![0u8; 64];
+            let e = c
+                .all_reduce_compressed_raw(&mut small, dtype, ReduceOp::Max, &mut big)
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{dtype:?}");
+        }
+        // An empty tensor: ranks whose min_bytes differ (0 here on rank 0 alone) agree, and
+        // the next call pairs.
+        let spec = if c.rank() == 0 {
+            "int8,min_bytes=0"
+        } else {
+            "int8"
+        };
+        let mut differs = Compressor::new(spec).unwrap();
+        let mut empty: Vec<f32> = Vec::new();
+        let r = c
+            .all_reduce_compressed(&mut empty, ReduceOp::Sum, &mut differs)
+            .unwrap();
+        assert!(!r.compressed);
+        let mut empty16: Vec<u8> = Vec::new();
+        c.all_reduce_compressed_raw(&mut empty16, DType::Float16, ReduceOp::Sum, &mut differs)
+            .unwrap();
+        let mut one = vec![1.0f32; 4];
+        c.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+        assert_eq!(one, [3.0; 4]);
         c.barrier().unwrap();
     });
     assert_eq!(res.len(), 3);

@@ -87,6 +87,16 @@ fn try_aligned_scratch(buf: &mut Vec<u8>, bytes: usize) -> chorus_transport::Res
 /// threshold (glibc's largest is 32 MiB on 64-bit systems).
 const PROBE_ABOVE: usize = 32 << 20;
 
+/// `n` zeroed values, or an error of the call (not the end of the process) where the system
+/// refuses the memory.
+pub(crate) fn try_zeroed<T: Clone + Default>(n: usize) -> chorus_transport::Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| no_memory(n.saturating_mul(std::mem::size_of::<T>())))?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 fn no_memory(bytes: usize) -> TransportError {
     TransportError::Io {
         peer: None,

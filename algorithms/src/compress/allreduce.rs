@@ -63,7 +63,9 @@
 //! mismatch. Message lengths are then determined by the header, and the transport checks them.
 //!
 //! # Bad data
-//! Nothing a peer sends can make a rank panic or allocate: every scale, range and code is
+//! Nothing a peer sends can make a rank panic or allocate beyond what the call's own size
+//! bounds (an average whose f32 sum overflowed is summed again in f64, with buffers of up to
+//! the owned slice, allocated fallibly): every scale, range and code is
 //! checked. A problem is recorded, what depends on the bad data is marked (NaN values before
 //! re-encoding, or a reserved all-ones sum), and the schedule finishes its rounds; every rank
 //! then fails, the transport still in step. NaN or ±∞ in an input (which the scaled codecs
@@ -280,7 +282,10 @@ impl Run {
         let c = self.plan.chunk;
         let vals = chunk * c..((chunk + 1) * c).min(self.n);
         let who = if owner_sum {
-            format!("the sum of elements {vals:?} (owned by rank {from}) is not finite: some rank's input holds NaN or inf there")
+            format!(
+                "the sum of elements {vals:?} (owned by rank {from}) is not finite: some rank's \
+                 input holds NaN or inf there, or the sum overflows float32"
+            )
         } else {
             format!("rank {from}'s input holds NaN or inf in elements {vals:?}")
         };
@@ -533,8 +538,9 @@ fn scatter_gather(
                     run.order()
                         .map(|i| &inbox[i][HEADER_BYTES + from..HEADER_BYTES + to]),
                 );
-                let mut wide = vec![0f64; g.len()];
-                let mut one = vec![0f32; g.len()];
+                // (Fallible: a group is up to the owned slice, whose size the caller chose.)
+                let mut wide = crate::context::try_zeroed::<f64>(g.len())?;
+                let mut one = crate::context::try_zeroed::<f32>(g.len())?;
                 for body in pieces {
                     // Decoded once already, without error (or the slice is poisoned).
                     if codec.decode(body, chunk, &mut one).is_err() {
