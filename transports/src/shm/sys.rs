@@ -338,6 +338,9 @@ pub enum Liveness {
     PidFd(OwnedFd),
     /// Fallback for kernels without pidfds: `kill(pid, 0)`.
     Pid(u32),
+    /// The process had exited when it was looked for (`pidfd_open` found no such process):
+    /// not `kill(pid, 0)`, which a process given its pid since would answer.
+    Gone,
 }
 
 impl Liveness {
@@ -351,6 +354,8 @@ impl Liveness {
         if fd >= 0 {
             // SAFETY: a fresh descriptor returned by pidfd_open, owned by nobody else.
             Liveness::PidFd(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+        } else if io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+            Liveness::Gone
         } else {
             Liveness::Pid(pid)
         }
@@ -360,6 +365,7 @@ impl Liveness {
     pub fn alive(&self) -> bool {
         match self {
             Liveness::SameProcess => true,
+            Liveness::Gone => false,
             Liveness::PidFd(fd) => {
                 let mut p = libc::pollfd {
                     fd: fd.as_raw_fd(),
@@ -541,6 +547,13 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let l = Liveness::watch(child.id());
         child.wait().unwrap();
+        assert!(!l.alive());
+        // Watched only after it exited and was reaped: gone, whatever has its pid now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let l = Liveness::watch(pid);
+        assert!(matches!(l, Liveness::Gone), "{l:?}");
         assert!(!l.alive());
     }
 }
