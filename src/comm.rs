@@ -1514,7 +1514,12 @@ impl Communicator {
                     }
                 }
                 Timing::Revisit { .. } => {
-                    if let Some((_, _, times)) = c.tuner.record_revisit(bytes, seconds) {
+                    // Scaled to the bucket's top size, as the trials' times are: calls of one
+                    // bucket may differ in size up to 2×, and the rival's and the schedule's
+                    // timed calls must not differ by the mix of sizes that fell to each.
+                    let chosen = c.tuner.decided(bytes).unwrap_or(algorithm);
+                    let scale = c.selector.to_bucket_top(chosen, bytes);
+                    if let Some((_, _, times)) = c.tuner.record_revisit(bytes, seconds * scale) {
                         c.agree_revisit(bytes, times, opts.timeout)
                             .inspect_err(|_| c.tuner.reset(bytes))?;
                     }

@@ -487,6 +487,20 @@ impl Selector {
         a.cost(bytes.max(1), self.ranks, &self.link)
     }
 
+    /// The factor that brings a time of `a` on `bytes` bytes to the top size of their bucket,
+    /// by the model: near 1 where the latency dominates, the ratio of the sizes where the
+    /// bytes do (1 where the model says nothing). The same on every rank (the link is agreed).
+    pub fn to_bucket_top(&self, a: Algorithm, bytes: usize) -> f64 {
+        let top = 1usize << bucket(bytes);
+        let (at_top, here) = (self.modelled_cost(a, top), self.modelled_cost(a, bytes));
+        let scale = at_top / here;
+        if here > 0.0 && scale.is_finite() && scale >= 1.0 {
+            scale
+        } else {
+            1.0
+        }
+    }
+
     /// Whether a bucket of `bytes` bytes is revisited after its trials (see the module docs):
     /// every bucket when some host runs more ranks than cores; on links, buckets with dedicated
     /// trials where the model puts more of the time in the latency than in the bytes. Not the
@@ -1831,6 +1845,27 @@ pub fn probe(ctx: &mut CollCtx<'_>) -> TResult<Link> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn revisit_times_are_scaled_to_the_bucket_top_by_the_model() {
+        let s = Selector::new(
+            4,
+            Link::GIGABIT_ETHERNET,
+            LinkSource::Default,
+            AlgoFilter::default(),
+        );
+        let ring = Algorithm::Ring;
+        // Where the bytes dominate (16 MiB bucket on 1 gbit), about the ratio of the sizes.
+        let f = s.to_bucket_top(ring, 9 << 20);
+        assert!((f - 16.0 / 9.0).abs() < 0.05, "{f}");
+        // Where the latency does (a few bytes), about 1.
+        let f = s.to_bucket_top(Algorithm::RecursiveDoubling, 5);
+        assert!((1.0..1.01).contains(&f), "{f}");
+        // A power of two is its own top; never below 1, never NaN.
+        assert_eq!(s.to_bucket_top(ring, 1 << 20), 1.0);
+        assert_eq!(s.to_bucket_top(ring, 0), 1.0);
+        assert!(s.to_bucket_top(ring, usize::MAX).is_finite());
+    }
 
     #[test]
     fn configured_link_figures_win_over_the_environment() {
