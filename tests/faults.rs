@@ -618,13 +618,7 @@ fn three_ranks<R: Send>(
 #[test]
 fn a_rank_that_fails_after_joining_is_named_to_the_others_at_once() {
     if is_child() {
-        let mut cfg = chorus::Config::from_env().expect("config from env");
-        cfg.host_store = Some(false);
-        match Communicator::new(cfg) {
-            Ok(_) => println!("JOINED"),
-            Err(e) => println!("INIT-ERROR {e}"),
-        }
-        return;
+        return report_init_as_child();
     }
     let start = Instant::now();
     let job = spawn_job_with(

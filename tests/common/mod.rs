@@ -513,3 +513,14 @@ pub const OUTER_LAUNCHER_VARS: [&str; 6] = [
     "TORCHELASTIC_RUN_ID",
     "CHORUS_RUN_NESTED",
 ];
+
+/// The child side of a job whose init is meant to fail (see [`spawn_job_with`]): init from
+/// the environment (the parent hosts the store), printing `JOINED` or `INIT-ERROR <error>`.
+pub fn report_init_as_child() {
+    let mut cfg = chorus::Config::from_env().expect("config from env");
+    cfg.host_store = Some(false);
+    match chorus::Communicator::new(cfg) {
+        Ok(_) => println!("JOINED"),
+        Err(e) => println!("INIT-ERROR {e}"),
+    }
+}

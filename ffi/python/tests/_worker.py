@@ -275,6 +275,19 @@ def expect(exc, f, what):
     raise AssertionError(f"{what}: no {exc.__name__}")
 
 
+def close_cut_short_by_abort(d, limit):
+    """close() ``d`` on a thread, abort() it 0.3 s later from this one: close must end
+    within ``limit`` seconds of its start."""
+    closer = threading.Thread(target=d.close)
+    t0 = time.perf_counter()
+    closer.start()
+    time.sleep(0.3)
+    d.abort()
+    closer.join(30)
+    took = time.perf_counter() - t0
+    assert not closer.is_alive() and took < limit, f"close kept waiting ({took:.1f} s)"
+
+
 def errors(comm):
     p, me = comm.size, comm.rank
     x = np.ones(8, dtype=np.float32)
@@ -645,13 +658,7 @@ def nonblocking(comm):
         d = comm.dup()
         if me == 0:
             pending = d.barrier(async_op=True)  # the others join only after 2 s
-            closer = threading.Thread(target=d.close)
-            t0 = time.perf_counter()
-            closer.start()
-            time.sleep(0.3)
-            d.abort()
-            closer.join(30)
-            assert not closer.is_alive() and time.perf_counter() - t0 < 1.5, "close kept waiting"
+            close_cut_short_by_abort(d, 1.5)
             expect(chorus.InvalidUsageError, pending.wait, "the aborted call in flight")
         else:
             time.sleep(2.0)
@@ -667,14 +674,7 @@ def nonblocking(comm):
         d = comm.dup()
         if me == 0:
             d.isend(np.ones(1 << 20), 1)  # 8 MiB, dropped at once: given up, still running
-            closer = threading.Thread(target=d.close)
-            t0 = time.perf_counter()
-            closer.start()
-            time.sleep(0.3)
-            d.abort()
-            closer.join(30)
-            took = time.perf_counter() - t0
-            assert not closer.is_alive() and took < 3.0, f"close kept waiting ({took:.1f} s)"
+            close_cut_short_by_abort(d, 3.0)
             expect(chorus.InvalidUsageError, d.barrier, "a communicator closed after abort")
         else:
             time.sleep(1.0)

@@ -617,13 +617,7 @@ fn listen_ip(
 fn peer_addr(store: &mut StoreClient, j: usize, deadline: Instant) -> Result<SocketAddr> {
     let a = store
         .get(&format!("addr/{j}"), deadline)
-        .map_err(|e| match e {
-            TransportError::Timeout { peer: None, waited } => TransportError::Timeout {
-                peer: Some(j),
-                waited,
-            },
-            e => e,
-        })?;
+        .map_err(|e| waiting_for(e, j))?;
     parse_peer_addr(j, &a)
 }
 
@@ -693,17 +687,24 @@ fn dial(
     token: &[u8],
     deadline: Instant,
 ) -> Result<TcpStream> {
-    dial_tries(addr, comm_id, from, to, token, deadline).map_err(|e| match e {
+    dial_tries(addr, comm_id, from, to, token, deadline).map_err(|e| match waiting_for(e, to) {
         // The handshake's own errors do not know whom they were talking to.
-        TransportError::Timeout { peer: None, waited } => TransportError::Timeout {
-            peer: Some(to),
-            waited,
-        },
         TransportError::Rendezvous(m) if !names_rank(&m, to) => {
             TransportError::Rendezvous(format!("rank {to} at {addr}: {m}"))
         }
         e => e,
     })
+}
+
+/// `e`, a timeout naming rank `j` where it named nobody.
+fn waiting_for(e: TransportError, j: usize) -> TransportError {
+    match e {
+        TransportError::Timeout { peer: None, waited } => TransportError::Timeout {
+            peer: Some(j),
+            waited,
+        },
+        e => e,
+    }
 }
 
 /// Whether `text` names rank `j` ("rank 1", not "rank 12").
