@@ -1263,8 +1263,15 @@ impl Communicator {
         self.transport.name()
     }
 
-    /// Whether the communicator can still run collectives.
+    /// Whether the communicator can still run collectives: not once it failed, nor once an
+    /// abort was asked for (through its [`AbortHandle`], carried out by the next call).
     pub fn is_usable(&self) -> bool {
+        self.is_unbroken() && !self.abort_handle.is_requested()
+    }
+
+    /// Whether no failure broke the communicator (an abort asked for and not yet carried out
+    /// aside).
+    pub(crate) fn is_unbroken(&self) -> bool {
         self.broken.is_none()
     }
 
@@ -2337,6 +2344,9 @@ fn shm_all_reduce(
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // An abort requested through the handle and not yet carried out (no call ran since):
+        // the peers are told its reason, not only that the connections closed.
+        self.settle_abort();
         // Dropping closes every connection; peers still in a collective see the close at once.
     }
 }

@@ -130,6 +130,12 @@ impl CommError {
         self
     }
 
+    /// Forget the peer (one named in another numbering of the ranks).
+    pub(crate) fn without_peer(mut self) -> Self {
+        self.peer = None;
+        self
+    }
+
     /// Append detail to the message.
     pub fn with_detail(mut self, detail: &str) -> Self {
         self.message.push_str(detail);

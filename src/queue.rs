@@ -1544,7 +1544,7 @@ impl<T> Slot<T> {
                     Some(self.rank),
                     format_args!("{why}"),
                 );
-                if comm.is_usable() {
+                if comm.is_unbroken() {
                     comm.abort(&why);
                 }
             }

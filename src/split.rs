@@ -289,15 +289,26 @@ impl Communicator {
         // The other members, as this communicator numbers them: one gone meanwhile ends the
         // set-up at once instead of at the init timeout.
         let others: Vec<usize> = members.iter().copied().filter(|&r| r != rank).collect();
-        let child = self
-            .build_watching_abort(config, server, &others)
-            .map_err(|e| {
-                e.with_detail(&format!(
-                    " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
+        let built = self.build_watching_abort(config, server, &others);
+        let child = built.map_err(|e| {
+            let e = e.with_detail(&format!(
+                " (the new communicator of color {color} in split, as rank {my_rank} of {}; \
                  rank {rank} of the one split)",
-                    members.len()
-                ))
-            })?;
+                members.len()
+            ));
+            if !self.is_usable() {
+                // This communicator broke meanwhile (a member lost, an abort): said as it is.
+                return e;
+            }
+            // The new group's own failure (its init): this communicator is unharmed, and
+            // the error is told in its numbering.
+            let peer = e.peer().and_then(|p| members.get(p).copied());
+            let e = e.at_rank(rank).with_usable(true).without_peer();
+            match peer {
+                Some(p) => e.with_peer(p),
+                None => e,
+            }
+        })?;
         Ok(Some(child))
     }
 

@@ -645,3 +645,33 @@ fn a_rank_that_fails_after_joining_is_named_to_the_others_at_once() {
         start.elapsed()
     );
 }
+
+/// An abort asked for through the handle while no call runs makes the communicator report
+/// itself unusable at once, and dropping it then tells the peers its reason (not only that
+/// the connections closed).
+#[test]
+fn an_abort_asked_for_between_calls_reaches_the_peers_when_dropped() {
+    let out = on_threads_owned(
+        2,
+        Duration::from_secs(60),
+        |rank, addr| {
+            let mut cfg = config_on(rank, 2, addr, "tcp");
+            cfg.timeout = Duration::from_secs(20);
+            cfg
+        },
+        |mut c| {
+            c.barrier().unwrap();
+            if c.rank() == 0 {
+                assert!(c.is_usable());
+                c.abort_handle().abort("the job gives up");
+                assert!(!c.is_usable());
+                drop(c);
+                return String::new();
+            }
+            let mut v = vec![1.0f32; 4];
+            let e = c.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            e.to_string()
+        },
+    );
+    assert!(out[1].contains("the job gives up"), "{}", out[1]);
+}

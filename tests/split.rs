@@ -298,3 +298,47 @@ fn a_copy_dropped_at_once_by_its_store_host_comes_up_everywhere() {
         assert!(failed.is_empty(), "rank {rank}: {failed:?}");
     }
 }
+
+/// The new group of a split failing to start (here its members disagree on `CHORUS_TUNE`,
+/// which rank 1 changed after the parent started) leaves the communicator split usable: the
+/// error says so, names this rank in its numbering, and the parent's next call runs.
+#[test]
+fn a_new_group_that_fails_to_start_leaves_the_parent_usable() {
+    if is_child() {
+        let mut cfg = chorus::Config::from_env().expect("config from env");
+        cfg.host_store = Some(false);
+        let mut c = Communicator::new(cfg).expect("parent");
+        let rank = c.rank();
+        if rank == 1 {
+            std::env::set_var("CHORUS_TUNE", "0");
+        }
+        // Reversed keys: the new group numbers the ranks the other way round.
+        let e = c.split(Some(0), -(rank as i64)).map(|_| ()).unwrap_err();
+        println!(
+            "SPLIT-ERROR usable={} rank={:?} peer={:?} {e}",
+            e.is_usable(),
+            e.rank(),
+            e.peer()
+        );
+        let mut v = vec![1.0f32; 4];
+        c.all_reduce(&mut v, ReduceOp::Sum)
+            .expect("the parent still runs");
+        println!("PARENT-SUM {}", v[0]);
+        return;
+    }
+    let job = spawn_job_with(
+        3,
+        "a_new_group_that_fails_to_start_leaves_the_parent_usable",
+        |_| vec![("CHORUS_INIT_TIMEOUT", "30".to_string())],
+    );
+    let done = wait_job(job, Duration::from_secs(120));
+    for (rank, (code, out)) in done.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank}:\n{out}");
+        assert!(
+            out.contains(&format!("SPLIT-ERROR usable=true rank=Some({rank})")),
+            "rank {rank}:\n{out}"
+        );
+        assert!(out.contains("CHORUS_TUNE"), "rank {rank}:\n{out}");
+        assert!(out.contains("PARENT-SUM 3"), "rank {rank}:\n{out}");
+    }
+}

@@ -383,7 +383,7 @@ impl Engine {
             Direction::Recv => "irecv",
         };
         let err = comm.fail(op, e);
-        if !self.live.is_empty() && comm.is_usable() {
+        if !self.live.is_empty() && comm.is_unbroken() {
             // Posted requests are dropped below, and with them the transport's order of
             // messages to their peers: the communicator cannot go on, whatever the error.
             comm.abort(&format!(
@@ -437,7 +437,7 @@ impl Engine {
     /// Once the communicator is broken (aborted): fail the transfers to this rank itself
     /// that wait for their other half, which can no longer be issued, with its error.
     pub(crate) fn fail_unmatched_if_broken(&mut self, comm: &mut Communicator) {
-        if comm.is_usable() || (self.self_sends.is_empty() && self.self_recvs.is_empty()) {
+        if comm.is_unbroken() || (self.self_sends.is_empty() && self.self_recvs.is_empty()) {
             return;
         }
         let done: Vec<_> =

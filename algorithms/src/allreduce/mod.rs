@@ -163,7 +163,10 @@ impl FromStr for Algorithm {
 /// usable) if the length is not a multiple of the dtype size or `send` and `recv` differ in
 /// length; otherwise the transport's errors, and [`TransportError::Mismatch`] if a peer's
 /// message has another length than this rank expects (ranks disagree on the count or dtype).
-/// After those the transport must be aborted.
+/// After those the transport must be aborted. An empty buffer moves nothing (as NCCL's and
+/// MPI's count 0): a rank that passes one where the others pass data returns at once, and
+/// the others fail as the next call's messages show the disagreement (or at their timeout);
+/// `CHORUS_CHECK_CALLS` catches it in the call itself.
 pub fn run(
     alg: Algorithm,
     ctx: &mut CollCtx<'_>,
