@@ -934,6 +934,14 @@ impl Transport for TcpTransport {
             let Some(Some(p)) = self.peers.get(j) else {
                 continue;
             };
+            if p.rx_phase == RxPhase::Lost {
+                // Its notice was read, with another one kept (above, or by an earlier look).
+                return Some(TransportError::PeerAborted {
+                    peer: j,
+                    culprit: None,
+                    reason: "it sent an abort notice (read beside another rank's)".into(),
+                });
+            }
             // Peeked, not read: a byte waiting is left for its receive. End of stream, or an
             // error, is a peer gone; nothing to read (would block) is a peer still there.
             match p.stream.peek(&mut [0u8; 1]) {
@@ -1205,6 +1213,31 @@ mod tests {
         let mut r = Request::recv(1, 5, 4);
         assert!(t0.post(&mut r).is_err());
         drop((t1, t3));
+    }
+
+    /// Two notices read in one look, the one kept not about the peers asked of: the other,
+    /// from one of them, still tells that it is lost (at this look and the next).
+    #[test]
+    fn a_watched_peers_notice_read_beside_another_is_not_lost() {
+        let mut g = crate::tcp::local_group(3).unwrap();
+        let mut t2 = g.pop().unwrap();
+        let mut t1 = g.pop().unwrap();
+        let mut t0 = g.pop().unwrap();
+        for t in [&mut t1, &mut t2] {
+            t.abort(&crate::AbortNotice {
+                culprit: None,
+                reason: "gone".into(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        for _ in 0..2 {
+            let e = t0.lost_peer(&[2]).expect("rank 2 is lost");
+            assert!(
+                matches!(e, TransportError::PeerAborted { peer: 2, .. }),
+                "{e}"
+            );
+        }
+        drop((t1, t2));
     }
 
     /// A wake that arrives while the transport is not polling for one (it is seen at a look
