@@ -475,21 +475,18 @@ impl Queue {
         T: Send + 'static,
         F: FnOnce(&mut Communicator) -> Result<T, CommError> + Send + 'static,
     {
-        // In a forked child the fork's refusal comes first (submit_unchecked's).
-        if let Err(e) = self
-            .shared
-            .process
-            .check("queued call", self.rank)
-            .and_then(|()| self.calls_allowed("queued call"))
-        {
-            if collective && self.shared.process.check("queued call", self.rank).is_ok() {
-                self.skip_refused_collective();
+        // (In a forked child, submit_unchecked refuses with the fork's error first.)
+        if self.shared.process.check("queued call", self.rank).is_ok() {
+            if let Err(e) = self.calls_allowed("queued call") {
+                if collective {
+                    self.skip_refused_collective();
+                }
+                return Request {
+                    slot: self.filled_slot(Err(e)),
+                    driver: None,
+                    held: None,
+                };
             }
-            return Request {
-                slot: self.filled_slot(Err(e)),
-                driver: None,
-                held: None,
-            };
         }
         self.submit_unchecked(call)
     }

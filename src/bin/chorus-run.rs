@@ -834,11 +834,22 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     // By its path in the launcher's PATH (see `in_path`).
     let ip = opts.netns_prefix.as_ref().and_then(|_| in_path("ip"));
     // The job could not be started whole: the ranks started so far, and what they started.
+    // What the ranks left running, stopped (where this launcher is their subreaper), said.
+    let stop_orphans = || {
+        if !subreaper {
+            return;
+        }
+        let killed = kill_orphans(&marker);
+        if killed > 0 {
+            say!(
+                "stopped {killed} process{} the ranks left running",
+                if killed == 1 { "" } else { "es" }
+            );
+        }
+    };
     let abandon = |started: &mut Vec<Rank>| {
         stop_started(started);
-        if subreaper {
-            kill_orphans(&marker);
-        }
+        stop_orphans();
     };
     // Start the ranks, each with reader threads that report to `drained` when done.
     let (drained_tx, drained) = mpsc::channel::<()>();
@@ -936,16 +947,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
         &mut ending,
         subreaper,
     );
-    let stop_orphans = || {
-        let killed = kill_orphans(&marker);
-        if killed > 0 {
-            say!(
-                "stopped {killed} process{} the ranks left running",
-                if killed == 1 { "" } else { "es" }
-            );
-        }
-    };
-    let orphans_stopped = subreaper && ending.failed;
+    let orphans_stopped = ending.failed;
     if orphans_stopped {
         stop_orphans();
     }
@@ -991,7 +993,7 @@ fn run_job(opts: &Options) -> (i32, Option<c_int>) {
     }
     // A stop signal or the timeout during that wait stops the job as it would have before:
     // what the ranks left running goes too.
-    if subreaper && ending.failed && !orphans_stopped {
+    if ending.failed && !orphans_stopped {
         stop_orphans();
     }
     (ending.exit_code, ending.stopped_by)

@@ -1170,6 +1170,14 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         &socket2::SockRef::from(&stream),
         crate::tcp::DEFAULT_KEEPALIVE,
     );
+    let say_evicted = || {
+        if evicted {
+            shared.log.log(format_args!(
+                "serving {max} connections: shut down the oldest one still in its handshake \
+                 for {peer}"
+            ));
+        }
+    };
     // mio accepts sockets in non-blocking mode; this thread-per-connection server blocks.
     let clone = match stream
         .set_nonblocking(false)
@@ -1178,12 +1186,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         Ok(c) => c,
         Err(e) => {
             drop(conns);
-            if evicted {
-                shared.log.log(format_args!(
-                    "serving {max} connections: shut down the oldest one still in its \
-                     handshake for {peer}"
-                ));
-            }
+            say_evicted();
             shared
                 .log
                 .log(format_args!("dropped connection from {peer}: {e}"));
@@ -1218,12 +1221,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         }
     };
     drop(conns);
-    if evicted {
-        shared.log.log(format_args!(
-            "serving {max} connections: shut down the oldest one still in its handshake for \
-             {peer}"
-        ));
-    }
+    say_evicted();
     if let Some(e) = failed {
         shared.log.log(format_args!(
             "dropped connection from {peer}: cannot start a thread: {e}"

@@ -996,18 +996,20 @@ class Communicator:
         b = _buffer(x, "x")
         return self._transfer(lib.chorus_irecv, b, x, peer)
 
+    def _running_transfers(self) -> Optional[int]:
+        """How many transfers run (``chorus_comm_transfers``); None once closed or failing."""
+        n = ctypes.c_size_t(0)
+        try:
+            with self._handle.use() as h:
+                status = lib.chorus_comm_transfers(h, ctypes.byref(n))
+        except InvalidUsageError:
+            return None
+        return n.value if status == 0 else None
+
     def _wait_transfers(self) -> None:
         """Wait until no transfer runs (see :meth:`close`); at once if closed or failing."""
         pause = 0.0005
-        while True:
-            n = ctypes.c_size_t(0)
-            try:
-                with self._handle.use() as h:
-                    status = lib.chorus_comm_transfers(h, ctypes.byref(n))
-            except InvalidUsageError:
-                return
-            if status != 0 or n.value == 0:
-                return
+        while self._running_transfers():
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -1021,13 +1023,8 @@ class Communicator:
             # the count is read, so all finished if it reads 0. Those appended meanwhile (a
             # transfer issued and dropped on another thread) are kept.
             k = len(self._given_up)
-            n = ctypes.c_size_t(1)
-            try:
-                with self._handle.use() as h:
-                    status = lib.chorus_comm_transfers(h, ctypes.byref(n))
-            except InvalidUsageError:  # closed: the call about to be made says so
-                return
-            if status == 0 and n.value == 0:
+            # (None when closed: the call about to be made says so.)
+            if self._running_transfers() == 0:
                 del self._given_up[:k]
 
     def _transfer(self, fn: Any, b: Any, x: Any, peer: int) -> "Request":
